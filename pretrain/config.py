@@ -1,0 +1,217 @@
+"""The training configuration: one typed schema, YAML files in ``configs/``, dotted overrides.
+
+Settings that change *results* (model, data, masking, optim, train) are kept apart from those that
+change only *speed* (``impl``: ZeRO stage, precision, micro-batch, workers, compile), as Cramming
+does. The DeepSpeed JSON is derived from this (``pretrain.engine.deepspeed_config``), never kept
+beside it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from pretrain import configlib
+from pretrain.configlib import ConfigError  # noqa: F401  (re-exported)
+
+
+@dataclass
+class ModelConfig:
+    # A BERT encoder built from these numbers, or (init_from) a local Hugging Face checkpoint for
+    # continued pretraining, whose own architecture then wins over the numbers below.
+    init_from: Optional[str] = None
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 1024
+    max_position_embeddings: int = 512
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+
+    def check(self) -> list[str]:
+        p = []
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                p.append(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.num_heads > 0 and self.hidden_size % self.num_heads:
+            p.append(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                p.append(f"{name}: must be in [0, 1), got {getattr(self, name)}")
+        if self.init_from and not os.path.isdir(self.init_from):
+            p.append(f"init_from: {self.init_from!r} is not a local folder (nothing is downloaded at run time)")
+        return p
+
+
+@dataclass
+class DataConfig:
+    # A folder written by `data_prep shard` + `data_prep finalize`; only its manifest.json is trusted.
+    dir: str = ""
+    train_split: str = "train"
+    eval_split: str = "validation"
+    seed: int = 1234           # shard/block order per epoch comes from (seed, epoch)
+
+    def check(self) -> list[str]:
+        p = []
+        if not self.dir:
+            p.append("dir: required (a folder written by data_prep)")
+        elif not os.path.isfile(os.path.join(self.dir, "manifest.json")):
+            p.append(f"dir: {self.dir!r} has no manifest.json (run `data_prep finalize` on it)")
+        return p
+
+
+@dataclass
+class MaskingConfig:
+    rate: float = 0.15                 # fraction of non-special tokens selected for prediction
+    mask_prob: float = 0.8             # of the selected: replaced by [MASK]
+    random_prob: float = 0.1           # of the selected: replaced by a random non-special token; rest unchanged
+    strategy: Literal["token", "whole_word", "span"] = "token"
+    span_geometric_p: float = 0.2      # SpanBERT: span length ~ Geometric(p), clipped to span_max
+    span_max: int = 10
+    # Select exactly round(rate * real tokens of the longest row) per sequence so shapes stay static
+    # (for torch.compile / CUDA graphs); otherwise each token is selected independently.
+    fixed_count: bool = False
+    seed: int = 0
+
+    def check(self) -> list[str]:
+        p = []
+        if not 0.0 < self.rate < 1.0:
+            p.append(f"rate: must be in (0, 1), got {self.rate}")
+        if self.mask_prob < 0 or self.random_prob < 0 or self.mask_prob + self.random_prob > 1.0 + 1e-9:
+            p.append(f"mask_prob + random_prob must be within [0, 1], got {self.mask_prob} + {self.random_prob}")
+        if not 0.0 < self.span_geometric_p <= 1.0:
+            p.append(f"span_geometric_p: must be in (0, 1], got {self.span_geometric_p}")
+        if self.span_max < 1:
+            p.append(f"span_max: must be >= 1, got {self.span_max}")
+        return p
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "lamb"] = "adamw"
+    lr: float = 5e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-6
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    warmup_steps: int = 100
+    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    min_lr_ratio: float = 0.0          # the lr decays to lr * min_lr_ratio at train.max_steps
+
+    def check(self) -> list[str]:
+        p = []
+        if self.lr <= 0:
+            p.append(f"lr: must be positive, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            p.append(f"betas: expected two numbers in [0, 1), got {self.betas}")
+        if self.warmup_steps < 0:
+            p.append(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            p.append(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if self.grad_clip < 0:
+            p.append(f"grad_clip: must be >= 0 (0 disables), got {self.grad_clip}")
+        return p
+
+
+@dataclass
+class TrainConfig:
+    global_batch_size: int = 256       # sequences per optimiser step, all ranks and micro-steps together
+    max_steps: int = 1000
+    seed: int = 42                     # model init and dropout
+    out_dir: str = "runs/default"
+    resume: str = "auto"               # auto (latest complete checkpoint if any) | none | a checkpoint tag
+    log_every: int = 10
+    eval_every: int = 200              # 0 disables periodic evaluation (one still runs at the end)
+    eval_batches: int = 20             # micro-batches per rank per evaluation; 0 = the whole split
+    checkpoint_every: int = 500        # 0: only at the end
+    keep_checkpoints: int = 3          # older complete checkpoints are deleted; 0 keeps all
+    max_nonfinite_in_a_row: int = 5    # that many skipped non-finite steps in a row stop the run
+    export_every: int = 0              # Hugging Face export every N steps (0: only at the end)
+
+    def check(self) -> list[str]:
+        p = []
+        for name in ("global_batch_size", "max_steps", "log_every"):
+            if getattr(self, name) <= 0:
+                p.append(f"{name}: must be positive, got {getattr(self, name)}")
+        for name in ("eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "export_every"):
+            if getattr(self, name) < 0:
+                p.append(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.max_nonfinite_in_a_row < 1:
+            p.append(f"max_nonfinite_in_a_row: must be >= 1, got {self.max_nonfinite_in_a_row}")
+        return p
+
+
+@dataclass
+class ImplConfig:
+    """Settings that change speed and memory, never the numbers a run converges to."""
+    micro_batch_size: int = 32         # per rank; accumulation = global / (micro * world)
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"   # auto: bf16 where supported, else fp32
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    sparse_head: bool = True           # the MLM head only at masked positions
+    compile: bool = False              # torch.compile the model
+    fused_optimizer: Literal["auto", "on", "off"] = "auto"          # auto: DeepSpeed's fused Adam on GPU only
+    offload_optimizer: bool = False    # ZeRO-Offload of optimiser states to CPU memory
+    num_workers: int = 2               # data loader worker processes per rank
+    prefetch_factor: int = 4
+    dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    peak_tflops: float = 0.0           # for MFU; 0 measures a bf16/fp32 matmul at start
+    deepspeed: dict = field(default_factory=dict)   # extra keys merged into the derived DeepSpeed JSON
+
+    def check(self) -> list[str]:
+        p = []
+        if self.micro_batch_size <= 0:
+            p.append(f"micro_batch_size: must be positive, got {self.micro_batch_size}")
+        if self.num_workers < 0:
+            p.append(f"num_workers: must be >= 0, got {self.num_workers}")
+        if self.offload_optimizer and self.zero_stage == 0:
+            p.append("offload_optimizer needs zero_stage >= 1")
+        return p
+
+
+@dataclass
+class TrackingConfig:
+    backend: Literal["mlflow", "none"] = "mlflow"
+    tracking_uri: str = ""             # "" -> $MLFLOW_TRACKING_URI, else a local store in train.out_dir
+    experiment: str = "mlm-pretrain"
+    run_name: str = ""
+    register_model: str = ""           # register the final export under this Model Registry name
+    system_metrics: bool = True
+    retry_seconds: float = 2.0         # at most this long per attempt when the server is unreachable
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    masking: MaskingConfig = field(default_factory=MaskingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    impl: ImplConfig = field(default_factory=ImplConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def world_size(self) -> int:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+
+    def grad_accum_steps(self, world_size: int | None = None) -> int:
+        world = world_size or self.world_size()
+        return self.train.global_batch_size // (self.impl.micro_batch_size * world)
+
+    def check(self) -> list[str]:
+        return batch_size_problems(self.train.global_batch_size, self.impl.micro_batch_size, self.world_size())
+
+
+def batch_size_problems(global_batch: int, micro_batch: int, world: int) -> list[str]:
+    """The one place where micro-batch x accumulation x world size = global batch is checked."""
+    if global_batch <= 0 or micro_batch <= 0 or world <= 0:
+        return []
+    if global_batch % (micro_batch * world):
+        return [f"train.global_batch_size ({global_batch}) must be a multiple of impl.micro_batch_size "
+                f"({micro_batch}) x world size ({world}) = {micro_batch * world}"]
+    return []
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+    return configlib.load(Config, path, overrides)

@@ -1,0 +1,218 @@
+"""Typed, nested dataclass configs: YAML files plus dotted ``key=value`` overrides.
+
+One schema (the dataclasses) is the only source of truth. Loading collects *every* problem (unknown
+keys, wrong types, bad values, inconsistent combinations) and raises them together in one
+:class:`ConfigError`, before any work (or process group) starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """All problems found in a configuration, one per line."""
+
+    def __init__(self, problems: list[str], source: str = "config"):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problem(s) in {source}:\n{lines}")
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in get_args(tp))
+    if origin is not None:
+        return f"{getattr(origin, '__name__', origin)}[{', '.join(_type_name(a) for a in get_args(tp))}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
+    """Convert ``value`` to ``tp`` or record why not. Returns the converted value (or the input)."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            trial: list[str] = []
+            out = _coerce(value, arg, path, trial)
+            if not trial:
+                return out
+        problems.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is Literal:
+        if value not in get_args(tp):
+            problems.append(f"{path}: must be one of {', '.join(repr(a) for a in get_args(tp))}; got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            problems.append(f"{path}: expected a mapping for {tp.__name__}, got {value!r}")
+            return tp()
+        return _build(tp, value, path + ".", problems)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            problems.append(f"{path}: expected a list, got {value!r}")
+            return value
+        (item_tp, *_) = get_args(tp) or (Any,)
+        items = [_coerce(v, item_tp, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            problems.append(f"{path}: expected a mapping, got {value!r}")
+        return dict(value) if isinstance(value, dict) else value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        problems.append(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        problems.append(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "1e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        problems.append(f"{path}: expected a number, got {value!r}")
+        return value
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        problems.append(f"{path}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T:
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in names:
+            close = [n for n in names if n.startswith(str(key)[:3])]
+            hint = f" (did you mean {', '.join(sorted(close))}?)" if close else ""
+            problems.append(f"{prefix}{key}: unknown key{hint}; known keys: {', '.join(sorted(names))}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.init and f.name in data:
+            kwargs[f.name] = _coerce(data[f.name], hints[f.name], f"{prefix}{f.name}", problems)
+    try:
+        obj = cls(**kwargs)
+    except TypeError as exc:  # a required field without a default
+        problems.append(f"{prefix.rstrip('.') or cls.__name__}: {exc}")
+        return None  # type: ignore[return-value]
+    return obj
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (["a", "b", "c"], value parsed as YAML so 3, 1e-4, true, [1,2] work)."""
+    if "=" not in text:
+        raise ConfigError([f"override {text!r}: expected dotted.key=value"], "command line")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    return key.strip().split("."), value
+
+
+def merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"{path}: no such config file"], str(path))
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: top level must be a mapping"], str(path))
+    # `base: other.yaml` composes files (relative to this one); the including file wins.
+    base = data.pop("base", None)
+    if base:
+        for b in [base] if isinstance(base, str) else base:
+            data = merge(load_yaml(path.parent / b), data)
+    return data
+
+
+def build(cls: type[T], data: dict, overrides: list[str] = (), source: str = "config") -> T:
+    """Build ``cls`` from a mapping plus overrides; every problem is reported at once."""
+    problems: list[str] = []
+    for text in overrides:
+        try:
+            keys, value = parse_override(text)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            continue
+        node = data
+        for k in keys[:-1]:
+            if not isinstance(node.get(k), dict):
+                node[k] = {}
+            node = node[k]
+        node[keys[-1]] = value
+    obj = _build(cls, data, "", problems)
+    if obj is not None and not problems:
+        problems.extend(validate(obj))
+    if problems:
+        raise ConfigError(problems, source)
+    return obj
+
+
+def load(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
+    data = load_yaml(path) if path else {}
+    return build(cls, data, list(overrides), source=str(path or "config"))
+
+
+def validate(obj: Any, prefix: str = "") -> list[str]:
+    """Run every nested ``check()`` method; each returns a list of problem strings."""
+    problems: list[str] = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            problems.extend(validate(value, f"{prefix}{f.name}."))
+    check = getattr(obj, "check", None)
+    if callable(check):
+        problems.extend(f"{prefix}{p}" for p in check())
+    return problems
+
+
+def to_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def dump_yaml(obj: Any) -> str:
+    return yaml.safe_dump(to_dict(obj), sort_keys=False)
