@@ -13,6 +13,31 @@ percent of the data (about 2.2 bytes per token at uint16 and 128 tokens per sequ
 Shard file names: ``<split>-t<task:05d>-<index:05d>.tar``. Every sequence is exactly ``seq_len``
 tokens: ``[CLS] ... [SEP]``, documents separated by ``[SEP]``; only a task's last sequence may end in
 ``[PAD]`` tokens.
+
+``manifest.json`` (written by ``data_prep finalize``; the trainer trusts nothing else)::
+
+    {
+      "format_version": 1,
+      "seq_len": 128, "block_size": 256, "dtype": "uint16",
+      "tokenizer": {
+        "path": "tokenizer",                 # relative to the data dir: a copy made by data prep
+        "sha256": "...",                     # over the tokenizer folder's files (sorted name + bytes)
+        "vocab_size": 30522, "lowercase": true,
+        "special_ids": {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103},
+        "special_tokens": {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
+      },
+      "num_tasks": 4,
+      "shards": [
+        {"name": "train-t00000-00000.tar", "split": "train", "task": 0, "index": 0,
+         "sequences": 2048, "blocks": 8, "tokens": 262000, "padding": 144, "bytes": 575488, "sha256": "..."}
+      ],
+      "totals": {"train": {"shards": 8, "sequences": 16384, "tokens": ..., "padding": ..., "documents": ...},
+                 "validation": {...}},
+      "settings": {...}                      # the resolved data-prep settings
+    }
+
+Within a shard every block holds ``block_size`` sequences except possibly the last, so a block's
+sequence count follows from the manifest alone (``block_sizes``).
 """
 from __future__ import annotations
 
@@ -105,6 +130,17 @@ class ShardWriter:
             self._file.close()
         finally:
             self.tmp.unlink(missing_ok=True)
+
+
+def block_sizes(shard_entry: dict, block_size: int) -> list[int]:
+    """Sequences in each block of a shard, from its manifest entry alone."""
+    n, blocks = shard_entry["sequences"], shard_entry["blocks"]
+    if blocks == 0:
+        return []
+    sizes = [block_size] * (blocks - 1) + [n - block_size * (blocks - 1)]
+    if sizes[-1] <= 0 or sizes[-1] > block_size:
+        raise ShardError(f"{shard_entry['name']}: {n} sequences do not fit {blocks} blocks of {block_size}")
+    return sizes
 
 
 def decode_block(ids_bytes: bytes, starts_bytes: bytes, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
