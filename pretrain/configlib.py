@@ -118,7 +118,11 @@ def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T:
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.init and f.name in data:
-            kwargs[f.name] = _coerce(data[f.name], hints[f.name], f"{prefix}{f.name}", problems)
+            before = len(problems)
+            value = _coerce(data[f.name], hints[f.name], f"{prefix}{f.name}", problems)
+            # A mistyped field keeps its default so the value checks still run on everything else.
+            if len(problems) == before or dataclasses.is_dataclass(hints[f.name]):
+                kwargs[f.name] = value
     try:
         obj = cls(**kwargs)
     except TypeError as exc:  # a required field without a default
@@ -174,7 +178,7 @@ def build(cls: type[T], data: dict, overrides: list[str] = (), source: str = "co
             node = node[k]
         node[keys[-1]] = value
     obj = _build(cls, data, "", problems)
-    if obj is not None and not problems:
+    if obj is not None:
         problems.extend(validate(obj))
     if problems:
         raise ConfigError(problems, source)

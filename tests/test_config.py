@@ -1,0 +1,94 @@
+"""The configuration system: every shipped YAML loads; every problem is reported, all at once."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pretrain import configlib
+from pretrain.config import Config, ConfigError, load_config
+from pretrain.engine import deepspeed_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 1}))
+    return str(tmp_path)
+
+
+def test_configs_are_shipped():
+    names = {p.name for p in CONFIGS}
+    assert {"tiny.yaml", "mini.yaml", "base.yaml", "large.yaml", "stage3.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
+def test_every_shipped_yaml_loads(path, data_dir, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cfg = load_config(str(path), [f"data.dir={data_dir}"])
+    assert isinstance(cfg, Config)
+    ds = deepspeed_config(cfg, world=1, precision="bf16")
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
+    assert ds["zero_optimization"]["stage"] == cfg.impl.zero_stage
+
+
+def test_composition_and_overrides(data_dir, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = load_config("configs/large.yaml", [f"data.dir={data_dir}", "optim.lr=3e-4", "impl.zero_stage=3",
+                                              "optim.betas=[0.9, 0.95]"])
+    assert cfg.model.num_layers == 24 and cfg.model.hidden_size == 1024      # large.yaml
+    assert cfg.model.max_position_embeddings == 512                         # inherited from base.yaml
+    assert cfg.optim.lr == 3e-4 and cfg.impl.zero_stage == 3 and cfg.optim.betas == [0.9, 0.95]
+    assert cfg.grad_accum_steps() == 4096 // (64 * 2)
+
+
+def test_all_problems_reported_together(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "model:\n  hidden_size: 100\n  num_heads: 3\n  hiden_dropout: 0.1\n"
+        "optim:\n  lr: fast\n  name: sgd\n"
+        "train:\n  global_batch_size: 64\n"
+        "impl:\n  micro_batch_size: 8\n  zero_stage: 4\n"
+        "colour: blue\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(bad), ["masking.rate=1.5", "data.dir=/nonexistent"])
+    text = str(err.value)
+    for expected in ["model.hiden_dropout: unknown key", "optim.lr: expected a number, got 'fast'",
+                     "optim.name: must be one of 'adamw', 'lamb'", "impl.zero_stage: must be one of 0, 1, 2, 3",
+                     "colour: unknown key", "masking.rate"]:
+        assert expected in text, (expected, text)
+    # value checks run only once types are right, but all type problems come together
+    assert len(err.value.problems) >= 6
+
+
+def test_value_and_batch_problems(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/tiny.yaml", [f"data.dir={data_dir}", "model.num_heads=3", "masking.rate=0",
+                                          "train.global_batch_size=16", "impl.micro_batch_size=8"])
+    text = str(err.value)
+    assert "hidden_size (64) must be divisible by num_heads (3)" in text
+    assert "rate: must be in (0, 1)" in text
+    assert "global_batch_size (16) must be a multiple of impl.micro_batch_size (8) x world size (3) = 24" in text
+
+
+def test_missing_data_dir_named(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match="no manifest.json"):
+        load_config("configs/tiny.yaml", ["data.dir=/does/not/exist"])
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config("configs/nope.yaml")
+    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+        load_config("configs/tiny.yaml", ["train.max_steps"])
+
+
+def test_flatten_and_dump_roundtrip(data_dir, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cfg = load_config("configs/mini.yaml", [f"data.dir={data_dir}"])
+    flat = configlib.flatten(configlib.to_dict(cfg))
+    assert flat["model.hidden_size"] == 256 and flat["impl.micro_batch_size"] == 32
+    again = configlib.build(Config, __import__("yaml").safe_load(configlib.dump_yaml(cfg)))
+    assert again == cfg
