@@ -129,13 +129,17 @@ class TrainConfig:
     keep_checkpoints: int = 3          # older complete checkpoints are deleted; 0 keeps all
     max_nonfinite_in_a_row: int = 5    # that many skipped non-finite steps in a row stop the run
     export_every: int = 0              # Hugging Face export every N steps (0: only at the end)
+    # Checkpoint and exit (code 0) at this step without touching the schedule, which max_steps
+    # defines: splits a run into jobs of fixed length. 0: run to max_steps.
+    halt_at_step: int = 0
 
     def check(self) -> list[str]:
         p = []
         for name in ("global_batch_size", "max_steps", "log_every"):
             if getattr(self, name) <= 0:
                 p.append(f"{name}: must be positive, got {getattr(self, name)}")
-        for name in ("eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "export_every"):
+        for name in ("eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "export_every",
+                     "halt_at_step"):
             if getattr(self, name) < 0:
                 p.append(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.max_nonfinite_in_a_row < 1:

@@ -146,7 +146,8 @@ def fit(cfg: Config, manifest: dict, info: eng.DistInfo) -> int:
         if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
             metrics.emit(evaluate(engine, cfg, manifest, special, info), step)
         stopping = bool(local_bad[1])
-        if stopping or last or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
+        halting = step == cfg.train.halt_at_step
+        if stopping or halting or last or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
             client_state = {"step": step, "tokens_seen": tokens_seen, "data_position": data_position,
                             "rng": eng.rng_state(), "run_id": run_id, "nonfinite_total": nonfinite_total,
                             "config": configlib.to_dict(cfg)}
@@ -165,6 +166,10 @@ def fit(cfg: Config, manifest: dict, info: eng.DistInfo) -> int:
             log.warning("signal %s: checkpointed at step %d; exiting for requeue", stop.name, step)
             metrics.close("KILLED")
             return EXIT_REQUEUE
+        if halting and not last:
+            log.info("train.halt_at_step=%d reached: checkpointed; resume with the same command", step)
+            metrics.close("FINISHED")
+            return 0
     metrics.close("FINISHED")
     return 0
 
@@ -172,6 +177,8 @@ def fit(cfg: Config, manifest: dict, info: eng.DistInfo) -> int:
 @torch.no_grad()
 def evaluate(engine, cfg: Config, manifest: dict, special: SpecialIds, info: eng.DistInfo) -> dict:
     """Validation loss and accuracy at 15% token masking with a fixed seed, whatever training uses."""
+    if not any(s["split"] == cfg.data.eval_split for s in manifest["shards"]):
+        return {}
     engine.eval()
     mcfg = eval_masking_config(cfg.masking)
     sums = torch.zeros(3, dtype=torch.float64, device=info.device)
@@ -214,8 +221,9 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         manifest = load_manifest(cfg.data.dir)
+        has_eval = any(s["split"] == cfg.data.eval_split for s in manifest.get("shards", []))
         problems = check_manifest(manifest, cfg.data.dir, max_positions=cfg.model.max_position_embeddings,
-                                  splits=[cfg.data.train_split])
+                                  splits=[cfg.data.train_split] + ([cfg.data.eval_split] if has_eval else []))
         if problems:
             raise ConfigError(problems, f"{cfg.data.dir}/manifest.json")
     except (ConfigError, ShardError) as exc:
