@@ -70,8 +70,9 @@ class MaskingConfig:
     strategy: Literal["token", "whole_word", "span"] = "token"
     span_geometric_p: float = 0.2      # SpanBERT: span length ~ Geometric(p), clipped to span_max
     span_max: int = 10
-    # Select exactly round(rate * real tokens of the longest row) per sequence so shapes stay static
-    # (for torch.compile / CUDA graphs); otherwise each token is selected independently.
+    # Static shapes (torch.compile / CUDA graphs): ceil(rate * L) slots per row, filled with the
+    # stochastically rounded rate x the row's non-special tokens; unused slots get label -100.
+    # Otherwise each token is selected independently. Token strategy only.
     fixed_count: bool = False
     seed: int = 0
 
@@ -83,6 +84,8 @@ class MaskingConfig:
             p.append(f"mask_prob + random_prob must be within [0, 1], got {self.mask_prob} + {self.random_prob}")
         if not 0.0 < self.span_geometric_p <= 1.0:
             p.append(f"span_geometric_p: must be in (0, 1], got {self.span_geometric_p}")
+        if self.fixed_count and self.strategy != "token":
+            p.append(f"fixed_count: works with strategy 'token' only, not {self.strategy!r}")
         if self.span_max < 1:
             p.append(f"span_max: must be >= 1, got {self.span_max}")
         return p

@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import socket
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -197,11 +198,12 @@ def _make_skippable(opt: torch.optim.Optimizer) -> None:
     opt.skip_next_step = False
     opt.overflow = False
 
-    def step(*args, **kwargs):
-        opt.overflow, opt.skip_next_step = opt.skip_next_step, False
-        return None if opt.overflow else original(*args, **kwargs)
+    def step(self, *args, **kwargs):
+        self.overflow, self.skip_next_step = self.skip_next_step, False
+        return None if self.overflow else original(*args, **kwargs)
 
-    opt.step = step
+    # a bound method: torch's LR schedulers wrap ``optimizer.step`` and expect one
+    opt.step = types.MethodType(step, opt)
 
 
 class WarmupDecay:

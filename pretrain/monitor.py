@@ -63,7 +63,7 @@ class MetricLog:
             return
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
-        shown = " ".join(f"{k.split('/')[-1]}={_fmt(v)}" for k, v in metrics.items())
+        shown = " ".join(f"{k.removeprefix('train/').removeprefix('perf/')}={_fmt(v)}" for k, v in metrics.items())
         log.info("step %d %s", step, shown)
         self.tracker.log_metrics({k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}, step)
 

@@ -40,7 +40,7 @@ def fit(cfg: Config, manifest: dict, info: eng.DistInfo) -> int:
     special = SpecialIds.from_manifest(manifest)
     seq_len = manifest["seq_len"]
     torch.manual_seed(cfg.train.seed)                       # identical initial weights on every rank
-    model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl)
+    model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl, seq_len=seq_len)
     engine, optimizer, scheduler, ds_config = eng.initialize(model, cfg, info, precision)
     if cfg.impl.compile:
         engine.compile()
@@ -89,7 +89,7 @@ def fit(cfg: Config, manifest: dict, info: eng.DistInfo) -> int:
             masked.append((mask_batch(ids, starts, special, cfg.masking, gen), ids != special.pad))
         # The loss is normalised by the masked-token count of the whole step, all ranks together:
         # DeepSpeed then divides by grad_accum and averages over ranks, which this undoes.
-        predicted = torch.tensor([float(sum(m.positions.numel() for m, _ in masked))], device=device)
+        predicted = torch.stack([m.num_masked for m, _ in masked]).sum().double().reshape(1)
         dist.all_reduce(predicted)
         scale = world * grad_accum / predicted.clamp(min=1.0)
         local_bad = torch.zeros(2, device=device)                 # [non-finite loss, stop requested]

@@ -1,0 +1,303 @@
+"""Masking statistics on real tokenized Wikipedia text (bert-base-uncased WordPiece), 128-token rows."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pretrain.config import MaskingConfig
+from pretrain.masking import (IGNORE_INDEX, SpecialIds, eval_masking_config, mask_batch, mask_generator,
+                              mask_seed, random_non_special, span_segments)
+
+SEQ_LEN = 128
+MANIFEST = {"tokenizer": {"vocab_size": 30522,
+                          "special_ids": {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103}}}
+SPECIAL = SpecialIds.from_manifest(MANIFEST)
+
+
+def pack_rows(articles, tok_dir, min_tokens: int, seq_len: int = SEQ_LEN):
+    """[CLS] piece... [SEP] rows, documents separated by [SEP], the last row padded, as data prep does."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    ids, starts = [], []
+    for enc in tok.encode_batch([text for _, text in articles], add_special_tokens=False):
+        prev = None
+        for i, w in zip(enc.ids, enc.word_ids):
+            ids.append(i)
+            starts.append(w != prev)
+            prev = w
+        ids.append(SPECIAL.sep)
+        starts.append(False)
+        if len(ids) >= min_tokens:
+            break
+    body = seq_len - 2
+    rows_ids, rows_starts = [], []
+    for k in range(0, len(ids), body):
+        chunk, chunk_starts = ids[k:k + body], starts[k:k + body]
+        pad = body - len(chunk)
+        rows_ids.append([SPECIAL.cls] + chunk + [SPECIAL.sep] + [SPECIAL.pad] * pad)
+        rows_starts.append([False] + chunk_starts + [False] * (pad + 1))
+    return torch.tensor(rows_ids), torch.tensor(rows_starts)
+
+
+@pytest.fixture(scope="module")
+def rows(wiki_articles, bert_uncased_dir):
+    ids, starts = pack_rows(wiki_articles, bert_uncased_dir, min_tokens=130_000)
+    assert ids[-1, -1] == SPECIAL.pad and (ids == SPECIAL.unk).any()      # a padded row, real [UNK]s
+    return ids, starts
+
+
+def choosable(ids):
+    return ~SPECIAL.is_special(ids)
+
+
+def unit_ids(ids, starts):
+    """Numbers each word (a special token is a unit of its own), the way the masking module defines words."""
+    special = SPECIAL.is_special(ids)
+    after = torch.ones_like(special)
+    after[:, 1:] = special[:, :-1]
+    return (torch.cumsum((starts | special | after).reshape(-1).long(), 0) - 1).numpy()
+
+
+def run(ids, starts, cfg, step=0, rank=0, micro=0):
+    return mask_batch(ids, starts, SPECIAL, cfg, mask_generator(cfg.seed, step, rank, micro))
+
+
+def chosen_mask(ids, m):
+    sel = torch.zeros(ids.numel(), dtype=torch.bool)
+    sel[m.positions[m.labels != IGNORE_INDEX]] = True
+    return sel.view_as(ids)
+
+
+def check_common(ids, m, cfg):
+    """Invariants of every strategy; returns (rate, mask, random, unchanged) fractions."""
+    flat, new = ids.reshape(-1), m.input_ids.reshape(-1)
+    used = m.labels != IGNORE_INDEX
+    pos = m.positions[used]
+    assert torch.all(pos[1:] > pos[:-1]), "positions ascending and unique"
+    assert torch.equal(m.labels[used], flat[pos])
+    assert not SPECIAL.is_special(flat[pos]).any(), "a special token was chosen"
+    changed = (new != flat).nonzero().squeeze(1)
+    assert torch.isin(changed, pos).all(), "a token changed that was not chosen"
+    assert int(m.num_masked) == pos.numel()
+    out = new[pos]
+    is_mask = out == SPECIAL.mask
+    kept = out == flat[pos]
+    rand = ~is_mask & ~kept
+    assert not SPECIAL.is_special(out[rand]).any(), "a random replacement is a special id"
+    n = pos.numel()
+    return n / int(choosable(ids).sum()), is_mask.sum().item() / n, rand.sum().item() / n, kept.sum().item() / n
+
+
+def test_token_strategy_rates_on_real_text(rows):
+    ids, starts = rows
+    cfg = MaskingConfig(seed=3)
+    assert int(choosable(ids).sum()) > 100_000
+    for step in range(2):
+        rate, p_mask, p_rand, p_keep = check_common(ids, run(ids, starts, cfg, step=step), cfg)
+        assert abs(rate - 0.15) < 0.005
+        assert abs(p_mask - 0.8) < 0.015 and abs(p_rand - 0.1) < 0.015 and abs(p_keep - 0.1) < 0.015
+
+
+def test_other_rates_and_split(rows):
+    ids, starts = rows
+    cfg = MaskingConfig(rate=0.3, mask_prob=0.5, random_prob=0.3, seed=1)
+    rate, p_mask, p_rand, p_keep = check_common(ids, run(ids, starts, cfg), cfg)
+    assert abs(rate - 0.3) < 0.005
+    assert abs(p_mask - 0.5) < 0.015 and abs(p_rand - 0.3) < 0.015 and abs(p_keep - 0.2) < 0.015
+
+
+def test_whole_word_all_or_none_and_rate(rows):
+    ids, starts = rows
+    cfg = MaskingConfig(strategy="whole_word", seed=5)
+    units = unit_ids(ids, starts)
+    sizes = np.bincount(units)
+    assert (sizes > 1).sum() > 3000, "the text has thousands of multi-piece words"
+    rates = []
+    for step in range(3):
+        m = run(ids, starts, cfg, step=step)
+        rate, p_mask, p_rand, p_keep = check_common(ids, m, cfg)
+        rates.append(rate)
+        chosen_per_unit = np.bincount(units, weights=chosen_mask(ids, m).reshape(-1).numpy().astype(float))
+        assert np.all((chosen_per_unit == 0) | (chosen_per_unit == sizes)), "a word was partly chosen"
+        multi = (sizes > 1) & (chosen_per_unit > 0)
+        assert multi.sum() > 300, "multi-piece words do get chosen"
+        assert abs(p_mask - 0.8) < 0.015 and abs(p_rand - 0.1) < 0.015
+    # each word with probability rate: unbiased in tokens, with more variance than per token
+    assert abs(np.mean(rates) - 0.15) < 0.005
+    assert all(abs(r - 0.15) < 0.01 for r in rates)
+
+
+def observed_span_pmf(words_left, p, k_max):
+    """[n, k_max]: P(observed length = k) of a span drawn as min(Geometric(p), k_max) words that
+    starts with ``words_left`` words before the next special token, which truncates it."""
+    k = np.arange(1, k_max + 1)
+    pmf = p * (1 - p) ** (k - 1.0)
+    pmf[-1] = (1 - p) ** (k_max - 1)
+    at_least = (1 - p) ** (k - 1.0)                          # P(D >= k)
+    r = np.asarray(words_left)[:, None]
+    return np.where(k < r, pmf, 0.0) + np.where(k == r, at_least, 0.0)
+
+
+def unit_layout(ids, starts):
+    """Per unit (word or special token): is it special, and the words from it to the next special."""
+    units = unit_ids(ids, starts)
+    flat_special = SPECIAL.is_special(ids).reshape(-1).numpy()
+    unit_special = np.zeros(units[-1] + 1, bool)
+    unit_special[units[flat_special]] = True
+    special_at = np.nonzero(unit_special)[0]
+    i = np.arange(len(unit_special))
+    next_special = np.r_[special_at, len(i)][np.searchsorted(special_at, i)]
+    return units, unit_special, next_special - i
+
+
+def check_lengths(lengths, words_left, p, k_max):
+    expected = observed_span_pmf(words_left, p, k_max).sum(0)
+    observed = np.bincount(lengths, minlength=k_max + 1)[1:]
+    assert observed.sum() == len(lengths) and len(observed) == k_max
+    chi2 = ((observed - expected) ** 2 / expected).sum()
+    assert chi2 < 35, (chi2, observed, expected.round())      # k_max - 1 dof: p < 1e-4 at 35
+    mean_expected = (expected * np.arange(1, k_max + 1)).sum() / expected.sum()
+    assert abs(lengths.mean() / mean_expected - 1) < 0.02
+    return mean_expected
+
+
+def test_span_segments_have_clipped_geometric_lengths(rows):
+    ids, starts = rows
+    special = SPECIAL.is_special(ids)
+    units, unit_special, words_left = unit_layout(ids, starts)
+    first_token = np.r_[0, np.nonzero(np.diff(units))[0] + 1]            # of each unit
+    for p, k_max in [(0.2, 10), (0.5, 3)]:
+        cfg = MaskingConfig(strategy="span", span_geometric_p=p, span_max=k_max)
+        seg = span_segments(special, starts, cfg, mask_generator(0, 0, 0, 0)).numpy()
+        assert np.array_equal(seg, seg[first_token][units]), "a segment holds whole words"
+        opens = seg[first_token] == first_token                          # unit starts a segment
+        assert opens[unit_special].all(), "a special token is a segment of its own"
+        seg_first_unit = np.nonzero(opens & ~unit_special)[0]
+        _, lengths = np.unique(seg[first_token][~unit_special], return_counts=True)
+        assert len(lengths) == len(seg_first_unit) > 10_000
+        assert lengths.max() == k_max
+        mean = check_lengths(lengths, words_left[seg_first_unit], p, k_max)
+        # away from specials the mean is the clipped geometric's
+        assert 0.93 < mean / ((1 - (1 - p) ** k_max) / p) <= 1.0
+
+
+def test_span_strategy_rate_and_runs(rows):
+    ids, starts = rows
+    cfg = MaskingConfig(strategy="span", seed=7)              # p 0.2, max 10: mean 4.46 words
+    units, unit_special, words_left = unit_layout(ids, starts)
+    sizes = np.bincount(units)
+    rates, runs_len, runs_left = [], [], []
+    for step in range(4):
+        m = run(ids, starts, cfg, step=step)
+        rate, p_mask, p_rand, _ = check_common(ids, m, cfg)
+        rates.append(rate)
+        assert abs(p_mask - 0.8) < 0.015 and abs(p_rand - 0.1) < 0.015
+        chosen = np.bincount(units, weights=chosen_mask(ids, m).reshape(-1).numpy().astype(float))
+        assert np.all((chosen == 0) | (chosen == sizes)), "spans are made of whole words"
+        # runs of consecutive chosen words (a special token is a unit, so it ends a run)
+        edges = np.diff(np.r_[0, (chosen > 0).astype(int), 0])
+        begin, end = np.nonzero(edges == 1)[0], np.nonzero(edges == -1)[0]
+        runs_len.append(end - begin)
+        runs_left.append(words_left[begin])
+    lengths = np.concatenate(runs_len)
+    assert lengths.max() == cfg.span_max, "chosen spans never touch, so no run exceeds span_max words"
+    assert abs(np.mean(rates) - 0.15) < 0.005 and all(abs(r - 0.15) < 0.01 for r in rates)
+    check_lengths(lengths, np.concatenate(runs_left), cfg.span_geometric_p, cfg.span_max)
+
+
+def test_span_rate_above_quarter(rows):
+    ids, starts = rows
+    cfg = MaskingConfig(strategy="span", rate=0.4, seed=2)
+    rate, *_ = check_common(ids, run(ids, starts, cfg), cfg)
+    assert abs(rate - 0.4) < 0.01
+
+
+def test_same_seed_same_mask_other_tuple_other_mask(rows):
+    ids, starts = rows[0][:64], rows[1][:64]
+    for strategy in ("token", "whole_word", "span"):
+        cfg = MaskingConfig(strategy=strategy, seed=11)
+        a, b = run(ids, starts, cfg, step=4), run(ids, starts, cfg, step=4)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.positions, b.positions)
+        for other in (run(ids, starts, cfg, step=5), run(ids, starts, cfg, step=4, rank=1),
+                      run(ids, starts, cfg, step=4, micro=1),
+                      run(ids, starts, MaskingConfig(strategy=strategy, seed=12), step=4)):
+            assert not torch.equal(a.positions, other.positions)
+    seeds = {mask_seed(0, s, r, i) for s in range(50) for r in range(4) for i in range(4)}
+    assert len(seeds) == 800 and max(seeds) < 2 ** 63
+
+
+def test_random_replacements_uniform_over_non_special():
+    small = SpecialIds(pad=0, unk=1, cls=5, sep=6, mask=9, vocab_size=10)
+    draws = random_non_special(100_000, small, mask_generator(0, 0, 0, 0), torch.device("cpu"))
+    counts = np.bincount(draws.numpy(), minlength=10)
+    assert counts[list(small.all_special)].sum() == 0
+    allowed = counts[[2, 3, 4, 7, 8]] / 100_000
+    assert np.abs(allowed - 0.2).max() < 0.006
+    # the real vocabulary: 1e6 draws in 100 equal id bins, chi-square against uniform
+    draws = random_non_special(1_000_000, SPECIAL, mask_generator(1, 0, 0, 0), torch.device("cpu")).numpy()
+    assert not np.isin(draws, SPECIAL.all_special).any() and draws.min() >= 0 and draws.max() < 30522
+    assert draws.min() == 1 and draws.max() == 30521
+    bins = np.bincount(draws * 100 // 30522, minlength=100)
+    allowed_ids = np.setdiff1d(np.arange(30522), SPECIAL.all_special)
+    expected = np.bincount(allowed_ids * 100 // 30522, minlength=100) * (1_000_000 / len(allowed_ids))
+    chi2 = ((bins - expected) ** 2 / expected).sum()
+    assert chi2 < 150, chi2                                     # 99 dof: p ~ 0.001 at 150
+
+
+def test_fixed_count_static_shapes(rows):
+    ids, starts = rows
+    cfg = MaskingConfig(fixed_count=True, seed=9)
+    slots = math.ceil(0.15 * SEQ_LEN)                        # 20
+    tail = slice(len(ids) - 32, len(ids))                     # ends with the padded row
+    assert (ids[tail][-1] == SPECIAL.pad).sum() > 10
+    shapes = set()
+    for batch in (slice(0, 32), slice(32, 64), tail):
+        bid, bst = ids[batch], starts[batch]
+        m = run(bid, bst, cfg)
+        shapes.add((tuple(m.positions.shape), tuple(m.labels.shape)))
+        check_common(bid, m, cfg)
+        filled = (m.labels != IGNORE_INDEX).view(len(bid), slots).sum(1)
+        ideal = choosable(bid).sum(1).double() * 0.15          # stochastic rounding of this
+        assert torch.all((filled == ideal.floor()) | (filled == ideal.ceil()))
+        rows_of = m.positions.view(len(bid), slots) // SEQ_LEN
+        assert torch.equal(rows_of, torch.arange(len(bid))[:, None].expand(-1, slots))
+    assert shapes == {((32 * slots,), (32 * slots,))}
+    rate, p_mask, p_rand, _ = check_common(ids, run(ids, starts, cfg), cfg)
+    assert abs(rate - 0.15) < 0.002 and abs(p_mask - 0.8) < 0.015 and abs(p_rand - 0.1) < 0.015
+    with pytest.raises(ValueError, match="fixed_count works with strategy 'token' only"):
+        run(ids[:4], starts[:4], MaskingConfig(fixed_count=True, strategy="span"))
+
+
+def test_eval_config_ignores_training_settings():
+    ev = eval_masking_config(MaskingConfig(rate=0.4, strategy="span", seed=77, fixed_count=True))
+    assert (ev.rate, ev.mask_prob, ev.random_prob, ev.strategy, ev.fixed_count) == (0.15, 0.8, 0.1, "token", False)
+    assert ev.seed == eval_masking_config(MaskingConfig()).seed and not ev.check()
+
+
+def test_special_ids_from_manifest_errors():
+    assert SPECIAL.all_special == (0, 100, 101, 102, 103)
+    bad = {"tokenizer": {"vocab_size": 30522, "special_ids": {"pad": 0, "cls": 101, "sep": 102, "mask": 103}}}
+    with pytest.raises(ValueError, match=r"special_ids lacks \['unk'\]"):
+        SpecialIds.from_manifest(bad)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=50, vocab_size=50)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_matches_statistics(rows):
+    ids, starts = rows[0].cuda(), rows[1].cuda()
+    for strategy, fixed in (("token", False), ("token", True), ("whole_word", False), ("span", False)):
+        cfg = MaskingConfig(strategy=strategy, fixed_count=fixed)
+        m = mask_batch(ids, starts, SPECIAL, cfg, mask_generator(0, 0, 0, 0, ids.device))
+        assert m.input_ids.is_cuda and m.positions.is_cuda
+        m_cpu = type(m)(*(t.cpu() for t in (m.input_ids, m.positions, m.labels, m.num_masked)))
+        rate, p_mask, p_rand, _ = check_common(ids.cpu(), m_cpu, cfg)
+        assert abs(rate - 0.15) < 0.005 and abs(p_mask - 0.8) < 0.015 and abs(p_rand - 0.1) < 0.015
+        again = mask_batch(ids, starts, SPECIAL, cfg, mask_generator(0, 0, 0, 0, ids.device))
+        assert torch.equal(m.input_ids, again.input_ids)

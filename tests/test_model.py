@@ -1,0 +1,190 @@
+"""The model with a sparse MLM head, its Hugging Face export, and the FLOP counter."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForMaskedLM, BertConfig, BertForMaskedLM
+
+from pretrain.config import ImplConfig, MaskingConfig, ModelConfig
+from pretrain.flops import measure_matmul_peak_tflops, mlm_flops_per_sequence
+from pretrain.masking import IGNORE_INDEX, mask_batch, mask_generator
+from pretrain.model import MLMModel, build_model
+from tests.test_masking import SPECIAL, pack_rows
+
+TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, max_position_embeddings=128)
+VOCAB = SPECIAL.vocab_size
+
+
+@pytest.fixture(scope="module")
+def rows(wiki_articles, bert_uncased_dir):
+    ids, starts = pack_rows(wiki_articles[:200], bert_uncased_dir, min_tokens=4000)
+    assert ids[-1, -1] == SPECIAL.pad
+    return ids[-8:], starts[-8:]                              # 8 rows, the last one padded
+
+
+def tiny(seed=0, **impl) -> MLMModel:
+    torch.manual_seed(seed)
+    return build_model(TINY, VOCAB, SPECIAL, ImplConfig(**impl))
+
+
+def masked(rows, **cfg):
+    ids, starts = rows
+    cfg = MaskingConfig(**cfg)
+    return ids, mask_batch(ids, starts, SPECIAL, cfg, mask_generator(cfg.seed, 0, 0, 0))
+
+
+def test_sparse_head_equals_dense_head_and_hf_loss(rows):
+    ids, m = masked(rows)
+    sparse, dense = tiny(sparse_head=True), tiny(sparse_head=False)
+    attn = ids != SPECIAL.pad
+    results = []
+    for model in (sparse, dense):
+        model.train()
+        torch.manual_seed(5)                                  # same dropout in both
+        loss, correct, count = model(m.input_ids, attn, m.positions, m.labels)
+        loss.backward()
+        results.append((loss.detach(), correct, count, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (l1, c1, n1, g1), (l2, c2, n2, g2) = results
+    assert l1.dtype == torch.float32 and int(n1) == m.positions.numel() == int(n2)
+    assert torch.allclose(l1, l2, rtol=1e-5) and int(c1) == int(c2)
+    for name in g1:                                           # summation order differs: compare norms
+        assert (g1[name] - g2[name]).norm() <= 1e-5 * g2[name].norm() + 1e-8, name
+    # Hugging Face's own (dense, mean) loss on the same masked batch
+    labels = torch.full_like(ids, IGNORE_INDEX).reshape(-1)
+    labels[m.positions] = m.labels
+    sparse.eval()
+    with torch.no_grad():
+        mine, _, count = sparse(m.input_ids, attn, m.positions, m.labels)
+        hf = sparse.hf_model(input_ids=m.input_ids, attention_mask=attn, labels=labels.view_as(ids)).loss
+    assert torch.allclose(mine / count, hf, rtol=1e-5)
+    assert 0.8 * math.log(VOCAB) < float(hf) < 1.2 * math.log(VOCAB)   # untrained: about ln(V)
+
+
+def test_unused_fixed_count_slots_do_not_count(rows):
+    ids, m = masked(rows, fixed_count=True)
+    model = tiny().eval()
+    used = m.labels != IGNORE_INDEX
+    assert not used.all()
+    attn = ids != SPECIAL.pad
+    with torch.no_grad():
+        loss, _, count = model(m.input_ids, attn, m.positions, m.labels)
+        only_used, _, count_used = model(m.input_ids, attn, m.positions[used], m.labels[used])
+    assert int(count) == int(count_used) == int(m.num_masked) == int(used.sum())
+    assert torch.allclose(loss, only_used, rtol=1e-6)
+
+
+def test_padding_is_masked_out_and_sdpa_equals_eager(rows):
+    ids, m = masked(rows)
+    last_ids = m.input_ids[-1:]
+    real = int((last_ids != SPECIAL.pad).sum())
+    assert real < last_ids.shape[1]
+    in_last = m.positions >= (len(ids) - 1) * ids.shape[1]
+    pos, labels = m.positions[in_last] - (len(ids) - 1) * ids.shape[1], m.labels[in_last]
+    model = tiny(attention="sdpa").eval()
+    eager = tiny(attention="eager").eval()
+    assert eager.hf_model.config._attn_implementation == "eager"
+    with torch.no_grad():
+        padded, _, _ = model(last_ids, last_ids != SPECIAL.pad, pos, labels)
+        trimmed, _, _ = model(last_ids[:, :real], None, pos, labels)        # no padding at all
+        full_sdpa, _, _ = model(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)
+        full_eager, _, _ = eager(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)
+    assert torch.allclose(padded, trimmed, rtol=1e-5)
+    assert torch.allclose(full_sdpa, full_eager, rtol=1e-5)
+
+
+def test_tied_weights_survive_training_and_export(rows, tmp_path):
+    ids, m = masked(rows)
+    model = tiny()
+    hf = model.hf_model
+    assert hf.cls.predictions.decoder.weight is hf.bert.embeddings.word_embeddings.weight
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):                                        # overfit one batch: the loss must fall
+        loss, _, count = model(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)
+        (loss / count).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach() / count))
+    assert losses[-1] < losses[0] - 1.0, losses
+    assert hf.cls.predictions.decoder.weight is hf.bert.embeddings.word_embeddings.weight
+    hf.save_pretrained(tmp_path)
+    loaded = AutoModelForMaskedLM.from_pretrained(tmp_path)
+    assert isinstance(loaded, BertForMaskedLM)
+    assert loaded.cls.predictions.decoder.weight is loaded.bert.embeddings.word_embeddings.weight
+    hf.eval()
+    loaded.eval()
+    with torch.no_grad():
+        a = hf(input_ids=m.input_ids, attention_mask=ids != SPECIAL.pad).logits
+        b = loaded(input_ids=m.input_ids, attention_mask=ids != SPECIAL.pad).logits
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_init_from_pretrained_encoder(rows, bert_uncased_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = ModelConfig(init_from=str(bert_uncased_dir))
+    model = build_model(cfg, VOCAB, SPECIAL, ImplConfig(), seq_len=128)
+    hf = model.hf_model
+    assert (hf.config.num_hidden_layers, hf.config.hidden_size) == (6, 384)   # its architecture wins
+    assert hf.cls.predictions.decoder.weight is hf.bert.embeddings.word_embeddings.weight
+    encoder = hf.bert.state_dict()
+    stored = {k: v for k, v in load_file(bert_uncased_dir / "model.safetensors").items()
+              if not k.startswith("pooler.") and not k.endswith("position_ids")}
+    assert len(stored) > 90
+    for name, tensor in stored.items():
+        assert torch.equal(encoder[name], tensor), name
+    ids, m = masked(rows)
+    with torch.no_grad():
+        loss, correct, count = model.eval()(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)
+    assert math.isfinite(float(loss)) and int(count) == m.positions.numel()
+
+    with pytest.raises(ValueError, match=r"vocab_size 30522, but the data's manifest says 32000"):
+        build_model(cfg, 32000, SPECIAL, ImplConfig())
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 512"):
+        build_model(cfg, VOCAB, SPECIAL, ImplConfig(), seq_len=1024)
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        build_model(ModelConfig(init_from=str(tmp_path)), VOCAB, SPECIAL, ImplConfig())
+
+
+def test_flops_by_hand():
+    small = ModelConfig(hidden_size=8, num_layers=1, num_heads=2, intermediate_size=16)
+    # L=4: projections 4*2*4*64 = 2048, scores + weighted sum 2 * 2*16*8 = 512, FFN 2 * 2*4*8*16 = 2048;
+    # head per predicted token 2*64 + 2*8*20 = 448; training = 3 x forward
+    assert mlm_flops_per_sequence(small, 4, 2, sparse_head=True, vocab_size=20) == 3 * (4608 + 2 * 448)
+    assert mlm_flops_per_sequence(small, 4, 2, sparse_head=False, vocab_size=20) == 3 * (4608 + 4 * 448)
+    with pytest.raises(ValueError, match="vocab_size"):
+        mlm_flops_per_sequence(small, 4, 2)
+
+
+def test_flops_match_torch_flop_counter(rows):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ids, m = masked(rows)
+    for sparse in (True, False):
+        model = tiny(attention="eager", sparse_head=sparse)
+        with FlopCounterMode(display=False) as counter:
+            loss, _, _ = model(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)
+            loss.backward()
+        predicted = m.positions.numel() / len(ids)
+        ours = len(ids) * mlm_flops_per_sequence(model.config, ids.shape[1], predicted, sparse)
+        assert counter.get_total_flops() == pytest.approx(ours, rel=1e-9)
+
+
+def test_flops_near_six_params_tokens_for_bert_base():
+    cfg = BertConfig()                                        # bert-base: 12 x 768, vocab 30522
+    with torch.device("meta"):
+        params = sum(p.numel() for p in BertForMaskedLM(cfg).parameters())
+    dense = mlm_flops_per_sequence(cfg, 128, 128 * 0.15, sparse_head=False)
+    # the decoder's H x V matmul stands for the embedding parameters; attention adds L / 6H ~ 3%
+    assert 1.0 < dense / (6 * params * 128) < 1.06
+    sparse = mlm_flops_per_sequence(cfg, 128, 128 * 0.15, sparse_head=True)
+    saved = 3 * 128 * 0.85 * (2 * 768 ** 2 + 2 * 768 * 30522)
+    assert dense - sparse == pytest.approx(saved) and sparse / dense < 0.85
+
+
+def test_measured_matmul_peak_cpu():
+    torch.manual_seed(0)
+    peak = measure_matmul_peak_tflops("cpu", torch.float32, seconds=0.2, size=256)
+    assert 1e-4 < peak < 20, peak
