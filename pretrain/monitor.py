@@ -79,15 +79,6 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
 
 
-def share_run_id(run_id: Optional[str]) -> Optional[str]:
-    """Rank 0 created (or found) the run; every rank learns its id, so there is one run per job."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return run_id
-    box = [run_id]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def run_params(cfg, world: int, precision: str, manifest: dict) -> dict:
     """Flat parameters for the tracker: the resolved config plus what the run derived from it."""
     totals = manifest.get("totals", {})

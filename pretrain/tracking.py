@@ -43,3 +43,16 @@ def make_tracker(cfg, rank: int) -> Tracker:
     from pretrain.tracking_mlflow import MlflowTracker
 
     return MlflowTracker(cfg)
+
+
+def share_run_id(run_id: Optional[str]) -> Optional[str]:
+    """Rank 0's run id on every rank (e.g. so all ranks write the same id into a checkpoint's
+    client state). A collective: every rank must call it. Without a process group it returns
+    ``run_id`` unchanged."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return run_id
+    box = [run_id]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

