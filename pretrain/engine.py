@@ -235,6 +235,13 @@ def initialize(model: torch.nn.Module, cfg: Config, info: DistInfo, precision: s
     return engine, optimizer, scheduler, ds_config
 
 
+def local_grad_norm(engine) -> float:
+    """Global L2 norm of the (already all-reduced) gradients, for ZeRO stage 0 where every rank
+    holds them all; call after the boundary backward and before ``engine.step()``."""
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+
 def inner_optimizer(engine) -> torch.optim.Optimizer:
     """The client optimiser (ours), under whatever wrapper DeepSpeed put around it."""
     opt = engine.optimizer

@@ -73,7 +73,7 @@ def fit(cfg: Config, manifest: dict, info: eng.DistInfo, stop: StopSignal) -> in
     nonfinite_in_a_row, nonfinite_total = 0, state.get("nonfinite_total", 0)
     window = torch.zeros(4, dtype=torch.float64, device=device)   # loss_sum, correct, predicted, tokens
     window_time, window_wait, window_steps = 0.0, 0.0, 0
-
+    stage0_grad_norm = None
     try:
         while step < cfg.train.max_steps:
             engine.train()
@@ -105,6 +105,8 @@ def fit(cfg: Config, manifest: dict, info: eng.DistInfo, stop: StopSignal) -> in
                     local_bad[1] = float(stop.requested)
                     dist.all_reduce(local_bad, op=dist.ReduceOp.MAX)   # every rank skips or stops together
                     client_opt.skip_next_step = bool(local_bad[0])
+                    if cfg.impl.zero_stage == 0 and (step + 1) % cfg.train.log_every == 0:
+                        stage0_grad_norm = eng.local_grad_norm(engine)   # DeepSpeed keeps none at stage 0
                 engine.step()
             client_opt.skip_next_step = False
             step += 1
@@ -130,7 +132,7 @@ def fit(cfg: Config, manifest: dict, info: eng.DistInfo, stop: StopSignal) -> in
                 dist.all_reduce(window)
                 loss_sum, correct, count, tokens = window.tolist()
                 seqs_per_s = cfg.train.global_batch_size * window_steps / window_time
-                grad_norm = engine.get_global_grad_norm()
+                grad_norm = engine.get_global_grad_norm() if cfg.impl.zero_stage else stage0_grad_norm
                 metrics.emit({
                     "train/loss": loss_sum / count if count else float("nan"),
                     "train/accuracy": correct / count if count else float("nan"),
