@@ -1,8 +1,10 @@
 """Shared fixtures. Area-specific fixtures live next to their tests."""
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -46,3 +48,33 @@ def wiki_txt_dir(tmp_path_factory, wiki_articles) -> Path:
     out = tmp_path_factory.mktemp("wiki_txt")
     write_sample_corpus(out, "txt", num_files=4, max_docs=1000)
     return out
+
+
+def _run(cmd, timeout=600):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} -> {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+PY = sys.executable
+
+
+@pytest.fixture(scope="session")
+def shards(tmp_path_factory, wiki_txt_dir):
+    """Real text -> a small WordPiece tokenizer -> shards of deliberately uneven sizes (2 tasks)."""
+    root = tmp_path_factory.mktemp("train_data")
+    _run([PY, "-m", "data_prep", "tokenizer", "--input", f"{wiki_txt_dir}/*.txt", "--out", str(root / "tok"),
+         "--vocab-size", "4096", "--lowercase"])
+    for task in range(2):
+        _run([PY, "-m", "data_prep", "shard", "--input", f"{wiki_txt_dir}/*.txt", "--tokenizer", str(root / "tok"),
+             "--out", str(root / "shards"), "--seq-len", "64", "--shard-size", "700", "--block-size", "64",
+             "--validation-fraction", "0.05", "--num-tasks", "2", "--task-index", str(task)])
+    _run([PY, "-m", "data_prep", "finalize", str(root / "shards")])
+    manifest = json.loads((root / "shards" / "manifest.json").read_text())
+    sizes = [s["sequences"] for s in manifest["shards"] if s["split"] == "train"]
+    assert len(set(sizes)) > 1, f"want uneven shards, got {sizes}"
+    return root / "shards"
+
+

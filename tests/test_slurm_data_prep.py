@@ -1,0 +1,127 @@
+"""The data-prep array job on a real Slurm: launchers/slurm/submit_data_prep.sh submits one
+`data_prep shard` task per index plus a dependent finalize. Its shards must be byte-identical to the
+same tasks run locally one after another; a task that never ran makes finalize refuse and name it;
+re-submitting just that index completes the set."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.slurm.cluster import REPO, run_python, slurm_cluster  # noqa: F401  (the fixture)
+from data_prep.shard_format import sha256_file
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+SUBMIT = REPO / "launchers" / "slurm" / "submit_data_prep.sh"
+TASKS = 3
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    from data_prep.sample_corpus import write_sample_corpus
+
+    out = tmp_path_factory.mktemp("slurm_corpus")
+    write_sample_corpus(out, "txt", num_files=4, max_docs=400)
+    return out
+
+
+@pytest.fixture(scope="module")
+def shard_args(corpus, bert_uncased_dir) -> list[str]:
+    """Everything but --out; small shards so each task writes several."""
+    return ["--input", f"{corpus}/*.txt", "--tokenizer", str(bert_uncased_dir), "--seq-len", "64",
+            "--seed", "7", "--validation-fraction", "0.05", "--shard-size", "64", "--block-size", "16"]
+
+
+@pytest.fixture(scope="module")
+def local_reference(shard_args, tmp_path_factory, slurm_cluster) -> Path:
+    """The same K tasks run here, one process after another, then finalized."""
+    out = tmp_path_factory.mktemp("local") / "shards"
+    env = slurm_cluster.client_env()
+    for i in range(TASKS):
+        run_python(env, "-m", "data_prep", "shard", *shard_args, "--out", str(out),
+                   "--num-tasks", str(TASKS), "--task-index", str(i))
+    run_python(env, "-m", "data_prep", "finalize", str(out))
+    return out
+
+
+def shard_hashes(folder: Path) -> dict[str, str]:
+    return {p.name: sha256_file(p) for p in sorted(folder.glob("*.tar"))}
+
+
+def submit(cluster, shard_args, out: Path, logs: Path, *extra: str) -> tuple[int, int]:
+    # One CPU per task: the test nodes have as many as this machine (2).
+    r = cluster.run(str(SUBMIT), "--tasks", str(TASKS), *extra, "--cpus-per-task=1", f"--output={logs}/%x-%j.out", "--",
+                    *shard_args, "--out", str(out))
+    array_job, finalize_job = map(int, r.stdout.split())
+    return array_job, finalize_job
+
+
+def job_log(logs: Path, job_id: int) -> str:
+    files = list(logs.glob(f"*-{job_id}.out"))
+    return files[0].read_text(errors="replace") if files else f"<no log for job {job_id} in {logs}>"
+
+
+def test_array_job_matches_local_run_and_resubmits_a_missing_task(slurm_cluster, shard_args, local_reference,
+                                                                  tmp_path):
+    cluster = slurm_cluster
+    out, logs = tmp_path / "shards", tmp_path / "logs"
+    logs.mkdir()
+    reference = shard_hashes(local_reference)
+    assert {int(n.split("-t")[1][:5]) for n in reference} == set(range(TASKS)), reference
+    assert len(reference) > 2 * TASKS, "want several shards per task"
+
+    # Submitted held, so that task 1 can be cancelled before it runs: a task lost to preemption or a
+    # dead node. afterany lets finalize run anyway, and it must refuse, naming the task.
+    array_job, finalize_job = submit(cluster, shard_args, out, logs, "--hold")
+    cluster.run("scancel", f"{array_job}_1")
+    cluster.run("scontrol", "release", str(array_job))
+    cluster.run("scontrol", "release", str(finalize_job))
+    tasks = {r.array_task_id: r for r in cluster.wait(array_job, timeout=120)}
+    # A pending element cancelled out of an array leaves no record: only 0 and 2 ran.
+    assert set(tasks) == {0, 2}, tasks
+    for i in (0, 2):
+        assert tasks[i].ok, f"task {i}: {tasks[i].state} {tasks[i].exit_code}\n{job_log(logs, tasks[i].job_id)}"
+    (fin,) = cluster.wait(finalize_job, timeout=120)
+    fin_log = job_log(logs, finalize_job)
+    assert fin.state == "FAILED" and fin.exit_code != "0:0", f"{fin.state} {fin.exit_code}\n{fin_log}"
+    assert re.search(r"missing task indices: 1\b", fin_log), fin_log
+    assert not (out / "manifest.json").exists()
+    # What the two tasks that ran wrote is already byte-identical to the local run.
+    partial = shard_hashes(out)
+    assert partial == {n: h for n, h in reference.items() if "-t00001-" not in n}
+
+    # Re-submit only the missing index; the new finalize completes the set.
+    array_job, finalize_job = submit(cluster, shard_args, out, logs, "--only", "1")
+    (task1,) = cluster.wait(array_job, timeout=120)
+    assert task1.array_task_id == 1 and task1.ok, f"{task1.state} {task1.exit_code}\n{job_log(logs, task1.job_id)}"
+    (fin,) = cluster.wait(finalize_job, timeout=120)
+    fin_log = job_log(logs, finalize_job)
+    assert fin.ok, f"{fin.state} {fin.exit_code}\n{fin_log}"
+    assert "all shards verified" in fin_log, fin_log      # finalize.sbatch re-hashes every shard
+
+    assert shard_hashes(out) == reference
+    ours = json.loads((out / "manifest.json").read_text())
+    theirs = json.loads((local_reference / "manifest.json").read_text())
+    assert ours["num_tasks"] == TASKS
+    assert ours["shards"] == theirs["shards"]
+    assert ours["totals"] == theirs["totals"]
+
+
+def test_submit_helper_rejects_bad_arguments(slurm_cluster, shard_args, tmp_path):
+    """Mistakes are caught before anything is queued, with the reason."""
+    out = ["--out", str(tmp_path / "shards")]
+    cases = [
+        (["--only", "1", "--", *shard_args, *out], "--tasks K"),
+        (["--tasks", "3", "--only", "3", "--", *shard_args, *out], "task 3 is out of range"),
+        (["--tasks", "3", "--only", "1-2", "--", *shard_args, *out], "comma-separated"),
+        (["--tasks", "3", "--", *shard_args], "must include --out DIR"),
+        (["--tasks", "3", "--", *shard_args, *out, "--num-tasks", "3"], "set by this script"),
+        (["--tasks", "3"], "no data_prep shard arguments"),
+    ]
+    for argv, message in cases:
+        r = slurm_cluster.run(str(SUBMIT), *argv, check=False)
+        assert r.returncode == 2 and message in r.stderr, (argv, r.stderr)
+    assert not slurm_cluster.run("squeue", "-h").stdout.strip()
+    assert not (tmp_path / "shards").exists()

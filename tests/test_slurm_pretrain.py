@@ -1,0 +1,175 @@
+"""launchers/slurm/pretrain.sbatch on a real 2-node Slurm (one CPU rank per node): the tiny model
+trains across both nodes and its checkpoint exports to Hugging Face; a job told to stop with USR1
+mid-run (what `--signal=B:USR1@grace` does before the time limit) checkpoints, requeues itself,
+resumes, and ends with exactly the losses of an uninterrupted job."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.slurm.cluster import REPO, run_python, slurm_cluster  # noqa: F401  (the fixture)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+SBATCH = REPO / "launchers" / "slurm" / "pretrain.sbatch"
+STEPS = 40
+SEQ_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, bert_uncased_dir, slurm_cluster) -> Path:
+    from data_prep.sample_corpus import write_sample_corpus
+
+    root = tmp_path_factory.mktemp("slurm_train_data")
+    write_sample_corpus(root / "corpus", "txt", num_files=2, max_docs=400)
+    env = slurm_cluster.client_env()
+    for cmd in (["shard", "--input", f"{root}/corpus/*.txt", "--tokenizer", str(bert_uncased_dir),
+                 "--out", str(root / "shards"), "--seq-len", str(SEQ_LEN), "--validation-fraction", "0.05"],
+                ["finalize", str(root / "shards")]):
+        run_python(env, "-m", "data_prep", *cmd)
+    return root / "shards"
+
+
+def overrides(shards: Path, out_dir: Path) -> list[str]:
+    # checkpoint_every=0: the only mid-run checkpoint is the one the signal asks for.
+    return [f"data.dir={shards}", f"train.out_dir={out_dir}", f"train.max_steps={STEPS}", "train.log_every=1",
+            "train.eval_every=0", "train.eval_batches=2", "train.checkpoint_every=0", "train.keep_checkpoints=0",
+            "impl.micro_batch_size=4", "train.global_batch_size=8", "optim.warmup_steps=4",
+            f"model.max_position_embeddings={SEQ_LEN}", "tracking.backend=none"]
+
+
+def submit(cluster, name: str, shards: Path, out_dir: Path) -> int:
+    return cluster.sbatch(f"--job-name={name}", f"--output={out_dir.parent}/{name}-%j.out", "--time=00:15:00",
+                          str(SBATCH), "configs/tiny.yaml", *overrides(shards, out_dir))
+
+
+def log_of(out_dir: Path, name: str, job_id: int) -> str:
+    path = out_dir.parent / f"{name}-{job_id}.out"
+    return path.read_text(errors="replace") if path.exists() else f"<no {path}>"
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    path = out_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def losses(out_dir: Path, key: str = "train/loss") -> dict[int, float]:
+    return {r["step"]: r[key] for r in metrics(out_dir) if key in r}
+
+
+class Job:
+    """A submitted job, waited for on first use; lets the reference run overlap the other tests."""
+
+    def __init__(self, cluster, name: str, shards: Path, out_dir: Path):
+        self.cluster, self.name, self.shards, self.out_dir = cluster, name, shards, out_dir
+        self.id = submit(cluster, name, shards, out_dir)
+        self._record = None
+
+    def record(self, timeout: float = 420):
+        if self._record is None:
+            (self._record,) = self.cluster.wait(self.id, timeout=timeout)
+            assert self._record.ok, (f"{self.name} job {self.id}: {self._record.state} {self._record.exit_code}\n"
+                                     f"{log_of(self.out_dir, self.name, self.id)[-6000:]}")
+        return self._record
+
+    @property
+    def log(self) -> str:
+        return log_of(self.out_dir, self.name, self.id)
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster, shards, tmp_path_factory) -> Job:
+    """The uninterrupted run (submitted at once, waited for by whoever needs it first)."""
+    return Job(slurm_cluster, "reference", shards, tmp_path_factory.mktemp("reference") / "run")
+
+
+def test_usr1_checkpoints_requeues_and_resumes_to_the_same_losses(slurm_cluster, shards, reference, tmp_path):
+    cluster = slurm_cluster
+    job = Job(cluster, "interrupted", shards, tmp_path / "run")
+
+    # Tell the batch shell, as --signal=B:USR1@grace would, once training is under way.
+    first = cluster.wait_for(lambda: [s for s in losses(job.out_dir) if s >= 3], 300,
+                             f"step 3 in {job.out_dir}/metrics.jsonl\n{job.log[-3000:]}")
+    cluster.run("scancel", "--batch", "--signal=USR1", str(job.id))
+
+    # The job requeues itself and starts again once Slurm lets it (AuthInfo cred_expire: 15 s here,
+    # 120 s by default).
+    record = job.record()
+    log = job.log
+    assert record.restarts == 1, record
+
+    # Both ranks (one per node) received the signal, checkpointed at the same step, exited 3.
+    for rank in (0, 1):
+        assert f"[rank {rank}] received SIGUSR1" in log, log[-6000:]
+    assert "training step exited with 3" in log and f"requeueing job {job.id}" in log, log[-6000:]
+    assert f"job={job.id} restart=1 " in log, log[-6000:]
+    tags = sorted(p.parent.name for p in (job.out_dir / "checkpoints").glob("step*/COMPLETE"))
+    assert len(tags) == 2 and tags[-1] == f"step{STEPS:08d}", tags
+    stopped_at = int(tags[0][4:])
+    assert min(first) <= stopped_at < STEPS, (first, stopped_at)
+    assert f"(resumed from {tags[0]})" in log, log[-6000:]
+
+    # The resumed run continues exactly where the uninterrupted one went.
+    reference.record()
+    ours, theirs = losses(job.out_dir), losses(reference.out_dir)
+    assert sorted(ours) == sorted(theirs) == list(range(1, STEPS + 1))
+    for step in theirs:
+        assert ours[step] == pytest.approx(theirs[step], rel=1e-6, abs=1e-6), (step, ours[step], theirs[step])
+    assert losses(job.out_dir, "eval/loss")[STEPS] == pytest.approx(
+        losses(reference.out_dir, "eval/loss")[STEPS], rel=1e-6)
+
+
+def test_two_node_training_exports_to_hugging_face(slurm_cluster, reference, tmp_path):
+    record = reference.record()
+    log = reference.log
+    assert record.fields["NumNodes"] == "2" and record.fields["NodeList"] == "n[1-2]", record.fields
+    assert "dist_world_size=2" in log and "node_rank=0" in log and "node_rank=1" in log, log[-6000:]
+    curve = losses(reference.out_dir)
+    assert len(curve) == STEPS and curve[STEPS] < curve[1] - 0.3, curve     # it learned something
+
+    out = tmp_path / "hf"
+    run_python(slurm_cluster.client_env(), "-m", "pretrain.export", str(reference.out_dir / "checkpoints"), str(out))
+    import torch
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    model, info = AutoModelForMaskedLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert (model.config.hidden_size, model.config.num_hidden_layers) == (64, 2)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.mask_token_id == 103
+
+    # The exported weights are the trained ones: 15% masking on held-out sequences gives about the
+    # loss the trainer's own evaluation reported, well below an untrained model's ln(vocab).
+    from data_prep.shard_format import iter_blocks
+
+    manifest = json.loads((reference.shards / "manifest.json").read_text())
+    val = [s["name"] for s in manifest["shards"] if s["split"] == "validation"]
+    ids = np.concatenate([b for name in val for b, _ in iter_blocks(reference.shards / name, SEQ_LEN)])
+    ids = torch.from_numpy(ids.astype(np.int64))
+    gen = torch.Generator().manual_seed(0)
+    special = torch.isin(ids, torch.tensor([0, 100, 101, 102, 103]))
+    chosen = (torch.rand(ids.shape, generator=gen) < 0.15) & ~special
+    inputs = ids.masked_fill(chosen, tokenizer.mask_token_id)
+    labels = ids.masked_fill(~chosen, -100)
+    model.eval()
+    with torch.no_grad():
+        loss = model(input_ids=inputs, attention_mask=(ids != 0).long(), labels=labels).loss.item()
+    eval_loss = losses(reference.out_dir, "eval/loss")[STEPS]
+    assert loss < math.log(model.config.vocab_size) - 0.3, (loss, eval_loss)
+    assert loss == pytest.approx(eval_loss, abs=0.35), (loss, eval_loss)
+
+
+
+def test_a_missing_config_fails_the_job_at_once_without_requeue(slurm_cluster, tmp_path):
+    log = tmp_path / "bad-%j.out"
+    job_id = slurm_cluster.sbatch(f"--output={log}", str(SBATCH), "configs/no_such.yaml", "train.max_steps=1")
+    (record,) = slurm_cluster.wait(job_id, timeout=60)
+    text = Path(str(log).replace("%j", str(job_id))).read_text()
+    assert (record.state, record.exit_code, record.restarts) == ("FAILED", "2:0", 0), record
+    assert "config 'configs/no_such.yaml' not found" in text, text
+    assert "srun" not in text and "deepspeed" not in text, text
