@@ -11,7 +11,7 @@ Storing blocks instead of one sequence per sample keeps tar's 512-byte headers a
 percent of the data (about 2.2 bytes per token at uint16 and 128 tokens per sequence).
 
 Shard file names: ``<split>-t<task:05d>-<index:05d>.tar``. Every sequence is exactly ``seq_len``
-tokens: ``[CLS] ... [SEP]``, documents separated by ``[SEP]``; only a task's last sequence may end in
+tokens: ``[CLS] ... [SEP]``, documents separated by ``[SEP]``; only the last sequence of each split of a task may end in
 ``[PAD]`` tokens.
 
 ``manifest.json`` (written by ``data_prep finalize``; the trainer trusts nothing else)::
@@ -218,3 +218,17 @@ def write_json_atomic(path: str | os.PathLike, obj: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def tokenizer_sha256(folder: str | os.PathLike, names: list[str] | None = None) -> str:
+    """The ``tokenizer.sha256`` of the manifest: over the folder's regular files (or ``names``), in sorted
+    name order, each as its name, a NUL byte, its size (8 bytes little-endian) and its bytes."""
+    folder = Path(folder)
+    if names is None:
+        names = [p.name for p in folder.iterdir() if p.is_file()]
+    h = hashlib.sha256()
+    for name in sorted(names):
+        data = (folder / name).read_bytes()
+        h.update(name.encode("utf-8") + b"\0" + len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()

@@ -10,7 +10,10 @@ from pretrain import configlib
 from pretrain.config import Config, ConfigError, load_config
 from pretrain.engine import deepspeed_config
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+# configs/data/ holds data-prep settings (data_prep.settings); every other YAML is a training config.
+CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if "data" not in p.relative_to(CONFIG_DIR).parts[:-1])
+DATA_PREP_CONFIGS = sorted((CONFIG_DIR / "data").glob("*.yaml"))
 
 
 @pytest.fixture
@@ -92,3 +95,10 @@ def test_flatten_and_dump_roundtrip(data_dir, monkeypatch):
     assert flat["model.hidden_size"] == 256 and flat["impl.micro_batch_size"] == 32
     again = configlib.build(Config, __import__("yaml").safe_load(configlib.dump_yaml(cfg)))
     assert again == cfg
+
+
+@pytest.mark.parametrize("path", DATA_PREP_CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_data_prep_yaml_loads(path):
+    from data_prep.settings import load_settings_file
+
+    assert load_settings_file(str(path))

@@ -1,0 +1,147 @@
+"""``python -m data_prep`` / ``data_prep``: tokenizer | shard | finalize | verify | inspect.
+
+Exit codes: 0 success, 1 ``verify`` found bad shards, 2 bad input or settings (message on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from .errors import DataPrepError
+from .shard_format import ShardError
+
+_SHARD_FLAGS = {  # ShardSettings field -> (flag, type, help)
+    "tokenizer": ("--tokenizer", str, "local tokenizer folder (tokenizer.json), e.g. from `data_prep tokenizer`"),
+    "out": ("--out", str, "output folder for shards, task manifests and the tokenizer copy"),
+    "seq_len": ("--seq-len", int, "tokens per sequence, [CLS] and [SEP] included (default 128)"),
+    "num_tasks": ("--num-tasks", int, "array tasks in all (default $SLURM_ARRAY_TASK_COUNT, else 1)"),
+    "task_index": ("--task-index", int, "this task, 0-based (default from $SLURM_ARRAY_TASK_ID, else 0)"),
+    "text_field": ("--text-field", str, "JSON field / column holding the text (default text)"),
+    "txt_mode": ("--txt-mode", str, "blocks: a document per blank-line-separated block (default); file: per file"),
+    "hf_split": ("--hf-split", str, "split of a save_to_disk DatasetDict or hub dataset (default train)"),
+    "partition": ("--partition", str, "how tasks share the input: auto (default), files, documents"),
+    "seed": ("--seed", int, "shuffle and validation-split seed (default 0)"),
+    "validation_fraction": ("--validation-fraction", float, "fraction of documents held out (default 0)"),
+    "shard_size": ("--shard-size", int, "sequences per shard (default 16384)"),
+    "block_size": ("--block-size", int, "sequences per webdataset sample (default 256)"),
+    "workers": ("--workers", int, "tokenizer processes (default 1: in-process, Rust threads use all cores)"),
+    "batch_chars": ("--batch-chars", int, "characters per tokenizer batch (default 1048576)"),
+    "log_every": ("--log-every", float, "seconds between progress lines in batch jobs (default 30)"),
+}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="data_prep", description="Raw text -> pre-tokenized, packed webdataset "
+                                     "shards + manifest.json for MLM pretraining.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("tokenizer", help="train a BERT-style WordPiece tokenizer",
+                       description="Train a WordPiece tokenizer (BERT normalizer and pre-tokenizer, "
+                                   "[PAD] [UNK] [CLS] [SEP] [MASK]) and save a folder AutoTokenizer loads.")
+    p.add_argument("--input", nargs="+", action="extend", required=True, metavar="GLOB",
+                   help="files, globs, folders (.txt/.jsonl/.json/.parquet, save_to_disk) or hub:NAME")
+    p.add_argument("--out", required=True, help="folder to save the tokenizer in")
+    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--lowercase", action="store_true", help="lowercase text (an uncased tokenizer)")
+    p.add_argument("--min-frequency", type=int, default=2, help="least count of a merged piece (default 2)")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--txt-mode", default="blocks", choices=["blocks", "file"])
+    p.add_argument("--hf-split", default="train")
+
+    p = sub.add_parser("shard", help="tokenize, pack and write this array task's shards",
+                       description="Tokenize, pack into sequences of exactly --seq-len tokens, shuffle and write "
+                                   "this task's shards and task-XXXXX.json. Flags override --config.")
+    p.add_argument("--config", help="YAML file of shard settings (see configs/data/)")
+    p.add_argument("--input", nargs="+", action="extend", dest="inputs", metavar="GLOB",
+                   help="files, globs, folders (.txt/.jsonl/.json/.parquet, save_to_disk) or hub:NAME[:CONFIG]")
+    for name, (flag, kind, help_text) in _SHARD_FLAGS.items():
+        p.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
+
+    p = sub.add_parser("finalize", help="merge task manifests into manifest.json",
+                       description="Merge DIR/task-*.json into DIR/manifest.json; refuses missing or "
+                                   "inconsistent tasks.")
+    p.add_argument("dir")
+
+    p = sub.add_parser("verify", help="check every shard against manifest.json",
+                       description="Check every shard (presence, size, sha256, decoding, counts); exit 1 "
+                                   "naming each bad shard.")
+    p.add_argument("dir")
+    p.add_argument("--workers", type=int, default=4, help="shards checked at once (default 4)")
+
+    p = sub.add_parser("inspect", help="print totals and decoded samples",
+                       description="Print totals, padding fraction, bytes per token and decoded sequences.")
+    p.add_argument("dir")
+    p.add_argument("--samples", type=int, default=3)
+    p.add_argument("--split", default="train")
+    return parser
+
+
+def _shard_settings(args):
+    from .settings import ShardSettings, load_settings_file
+
+    values = load_settings_file(args.config) if args.config else {}
+    for f in dataclasses.fields(ShardSettings):
+        given = getattr(args, f.name, None)
+        if given is not None:
+            values[f.name] = given
+    return ShardSettings(**values)
+
+
+def _run(args) -> int:
+    if args.command == "tokenizer":
+        from .reader import ReadOptions, iter_task_documents, resolve_inputs
+        from .tokenizer import train_tokenizer
+
+        sources = resolve_inputs(args.input)
+        opts = ReadOptions(text_field=args.text_field, txt_mode=args.txt_mode, hf_split=args.hf_split)
+        out = train_tokenizer(iter_task_documents(sources, "files", 1, 0, opts), args.out, args.vocab_size,
+                              lowercase=args.lowercase, min_frequency=args.min_frequency)
+        logging.getLogger("data_prep").info("tokenizer saved to %s", out)
+        return 0
+    if args.command == "shard":
+        from .shard import run_shard
+
+        result = run_shard(_shard_settings(args))
+        if not result.skipped:
+            logging.getLogger("data_prep").info(
+                "task %d: %d shard(s) written, %d kept from an earlier run, %s documents, %.1f s -> %s",
+                result.task, result.shards_written, result.shards_reused, result.documents, result.seconds,
+                result.manifest)
+        return 0
+    if args.command == "finalize":
+        from .finalize import finalize
+
+        m = finalize(args.dir)
+        print(f"{args.dir}/manifest.json: {len(m['shards'])} shards from {m['num_tasks']} task(s); "
+              + ", ".join(f"{s}: {t['sequences']:,} sequences, {t['tokens']:,} tokens" for s, t in m["totals"].items()))
+        return 0
+    if args.command == "verify":
+        from .verify import verify
+
+        problems = verify(args.dir, workers=args.workers)
+        for problem in problems:
+            print(f"data_prep verify: BAD {problem}", file=sys.stderr)
+        if problems:
+            print(f"data_prep verify: {len(problems)} problem(s) in {args.dir}", file=sys.stderr)
+            return 1
+        print(f"{args.dir}: all shards verified")
+        return 0
+    if args.command == "inspect":
+        from .verify import inspect
+
+        inspect(args.dir, samples=args.samples, split=args.split)
+        return 0
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s data_prep: %(message)s")
+    try:
+        return _run(args)
+    except (DataPrepError, ShardError) as exc:
+        print(f"data_prep: error: {exc}", file=sys.stderr)
+        return 2

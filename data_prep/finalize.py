@@ -1,0 +1,95 @@
+"""``data_prep finalize``: merge the per-task manifests into ``manifest.json`` (the format documented in
+``shard_format``), refusing an incomplete or inconsistent set of tasks."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .errors import DataPrepError
+from .settings import SPLITS
+from .shard import TASK_MANIFEST_GLOB, task_manifest_name
+from .shard_format import FORMAT_VERSION, MANIFEST, tokenizer_sha256, write_json_atomic
+
+_TOTAL_KEYS = ("shards", "sequences", "tokens", "padding", "documents")
+
+
+def _load_task_manifests(data_dir: Path) -> dict[int, dict]:
+    paths = sorted(data_dir.glob(TASK_MANIFEST_GLOB))
+    if not paths:
+        raise DataPrepError(f"{data_dir}: no task-*.json manifests (run `data_prep shard` first)")
+    tasks: dict[int, dict] = {}
+    for path in paths:
+        try:
+            m = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise DataPrepError(f"{path}: unreadable task manifest ({exc})") from None
+        if m.get("format_version") != FORMAT_VERSION or not isinstance(m.get("task"), int):
+            raise DataPrepError(f"{path}: not a task manifest of format_version {FORMAT_VERSION}")
+        if path.name != task_manifest_name(m["task"]):
+            raise DataPrepError(f"{path}: holds task {m['task']}, expected in {task_manifest_name(m['task'])}")
+        tasks[m["task"]] = m
+    return tasks
+
+
+def _setting_differences(a: dict, b: dict) -> str:
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return ", ".join("sources" if k == "sources" else f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in keys)
+
+
+def finalize(data_dir: str | os.PathLike) -> dict:
+    """Write ``DIR/manifest.json`` from ``DIR/task-*.json`` and return it."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise DataPrepError(f"{data_dir}: no such folder")
+    tasks = _load_task_manifests(data_dir)
+    first = tasks[min(tasks)]
+    num_tasks = first["num_tasks"]
+    problems = []
+    for index, m in sorted(tasks.items()):
+        name = task_manifest_name(index)
+        if m["num_tasks"] != num_tasks:
+            problems.append(f"{name}: written for {m['num_tasks']} tasks, {task_manifest_name(min(tasks))} "
+                            f"for {num_tasks}")
+        elif m["tokenizer"]["sha256"] != first["tokenizer"]["sha256"]:
+            problems.append(f"{name}: tokenizer sha256 {m['tokenizer']['sha256'][:12]} differs from "
+                            f"{first['tokenizer']['sha256'][:12]} of {task_manifest_name(min(tasks))}")
+        elif m["settings_sha256"] != first["settings_sha256"]:
+            problems.append(f"{name}: settings differ from {task_manifest_name(min(tasks))} "
+                            f"({_setting_differences(m['settings'], first['settings'])})")
+        if not 0 <= index < num_tasks:
+            problems.append(f"{name}: task index {index} is out of range for {num_tasks} tasks")
+    if problems:
+        raise DataPrepError(f"{data_dir}: task manifests disagree:\n  " + "\n  ".join(problems))
+    missing = [i for i in range(num_tasks) if i not in tasks]
+    if missing:
+        shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
+        raise DataPrepError(f"{data_dir}: incomplete: {len(missing)} of {num_tasks} tasks have no task manifest "
+                            f"(missing task indices: {shown}); re-run those array tasks, then finalize")
+
+    tokenizer = dict(first["tokenizer"])
+    tok_dir = data_dir / tokenizer["path"]
+    if not tok_dir.is_dir():
+        raise DataPrepError(f"{tok_dir}: the tokenizer copy is missing")
+    if tokenizer_sha256(tok_dir) != tokenizer["sha256"]:
+        raise DataPrepError(f"{tok_dir}: files changed since the shards were written (sha256 differs)")
+
+    shards = [e for split in SPLITS for t in sorted(tasks) for e in tasks[t]["shards"] if e["split"] == split]
+    for e in shards:
+        path = data_dir / e["name"]
+        if not path.is_file():
+            problems.append(f"{e['name']}: missing")
+        elif path.stat().st_size != e["bytes"]:
+            problems.append(f"{e['name']}: {path.stat().st_size} bytes, task manifest says {e['bytes']}")
+    if problems:
+        raise DataPrepError(f"{data_dir}: shards do not match their task manifests:\n  " + "\n  ".join(problems))
+
+    totals = {split: {k: sum(m["totals"][split][k] for m in tasks.values()) for k in _TOTAL_KEYS}
+              for split in SPLITS}
+    settings = {**first["settings"], "inputs": first["origin"]["inputs"],
+                "tokenizer_source": first["origin"]["tokenizer"]}
+    manifest = {"format_version": FORMAT_VERSION, "seq_len": first["seq_len"], "block_size": first["block_size"],
+                "dtype": first["dtype"], "tokenizer": tokenizer, "num_tasks": num_tasks, "shards": shards,
+                "totals": totals, "settings": settings}
+    write_json_atomic(data_dir / MANIFEST, manifest)
+    return manifest

@@ -1,0 +1,318 @@
+"""Raw documents in, one string per document out; and which task of a Slurm array reads what.
+
+Inputs (``--input``, any number, globs allowed):
+
+* ``.txt`` — one document per blank-line-separated block (``txt_mode="blocks"``) or per file
+  (``txt_mode="file"``);
+* ``.jsonl`` (and ``.json`` holding JSON lines) — one object per line, the text under ``text_field``;
+* ``.json`` holding one top-level array, and ``.parquet`` — through ``datasets`` in streaming mode;
+* a folder written by ``datasets``' ``save_to_disk`` (memory-mapped; ``hf_split`` picks the split of
+  a ``DatasetDict``); any other folder stands for the supported files inside it;
+* ``hub:NAME`` or ``hub:NAME:CONFIG`` — ``datasets.load_dataset(..., streaming=True)`` (needs a network).
+
+``.txt``, ``.jsonl`` and ``.json`` may be gzip-compressed (``.gz``). Documents that are empty or only
+whitespace are skipped. Sources are sorted by path, so the order of ``--input`` flags does not matter.
+
+Partitioning among ``K`` array tasks (deterministic, from the source list alone):
+
+* ``files``: each source belongs to exactly one task. Sources are dealt largest first to the task with
+  the fewest bytes so far (ties: lower task index). Scales: a task reads only its own files.
+* ``documents``: every task reads every source and keeps the documents whose running index ``d``
+  (counted over all sources in sorted order, from 0) has ``d % K == I``. For one big file.
+* ``auto`` (default): ``files`` when there are at least ``K`` sources, else ``documents``.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import heapq
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .errors import DataPrepError
+
+_KINDS = {".txt": "txt", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+_GZIP_OK = {"txt", "jsonl", "json"}
+HUB_PREFIX = "hub:"
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str    # txt | jsonl | json | parquet | saved | hub
+    path: str    # absolute path, or the hub name (with ":CONFIG")
+    bytes: int   # size on disk (0 for the hub); used to balance tasks and to notice changed inputs
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    text_field: str = "text"
+    txt_mode: str = "blocks"     # blocks | file
+    hf_split: str = "train"      # split of a saved DatasetDict or a hub dataset
+
+
+def _file_kind(path: Path) -> str | None:
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        kind = _KINDS.get(suffixes[-2]) if len(suffixes) > 1 else None
+        return kind if kind in _GZIP_OK else None
+    return _KINDS.get(suffixes[-1]) if suffixes else None
+
+
+def _is_saved_dataset(folder: Path) -> bool:
+    return (folder / "dataset_dict.json").is_file() or (
+        (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file())
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _sources_in(path: Path, pattern: str) -> list[Source]:
+    if path.is_dir():
+        if _is_saved_dataset(path):
+            return [Source("saved", str(path.resolve()), _folder_bytes(path))]
+        found = [p for p in sorted(path.rglob("*"))
+                 if p.is_file() and not p.name.startswith(".") and _file_kind(p)]
+        if not found:
+            raise DataPrepError(f"--input {pattern!r}: folder {path} holds no .txt/.jsonl/.json/.parquet files "
+                                "and is not a dataset saved with save_to_disk")
+        return [Source(_file_kind(p), str(p.resolve()), p.stat().st_size) for p in found]
+    kind = _file_kind(path)
+    if kind is None:
+        raise DataPrepError(f"--input {pattern!r}: {path} has an unsupported type "
+                            "(supported: .txt, .jsonl, .json, .parquet, .txt.gz, .jsonl.gz, .json.gz, "
+                            "a save_to_disk folder, hub:NAME)")
+    return [Source(kind, str(path.resolve()), path.stat().st_size)]
+
+
+def resolve_inputs(patterns: list[str]) -> list[Source]:
+    """Expand ``--input`` values to a sorted, de-duplicated list of sources; every pattern must match."""
+    if not patterns:
+        raise DataPrepError("no --input given")
+    sources: dict[str, Source] = {}
+    for pattern in patterns:
+        if pattern.startswith(HUB_PREFIX):
+            name = pattern[len(HUB_PREFIX):]
+            if not name:
+                raise DataPrepError(f"--input {pattern!r}: empty hub dataset name")
+            sources[pattern] = Source("hub", name, 0)
+            continue
+        if glob.has_magic(pattern):
+            matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+            if not matches:
+                raise DataPrepError(f"--input {pattern!r} matches no files")
+        else:
+            matches = [os.path.expanduser(pattern)]
+            if not os.path.exists(matches[0]):
+                raise DataPrepError(f"--input {pattern!r}: no such file or folder")
+        for match in matches:
+            for source in _sources_in(Path(match), pattern):
+                sources[source.path] = source
+    return sorted(sources.values(), key=lambda s: (s.kind == "hub", s.path))
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading one source
+
+
+def _open_binary(path: str):
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def _decode_line(raw: bytes, path: str, lineno: int, offset: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataPrepError(f"{path}: line {lineno} (byte offset {offset + exc.start}): not valid UTF-8 "
+                            f"({exc.reason}); convert the file to UTF-8") from None
+
+
+def _iter_txt_blocks(path: str) -> Iterator[str]:
+    lines: list[str] = []
+    offset = 0
+    with _open_binary(path) as f:
+        for lineno, raw in enumerate(f, 1):
+            line = _decode_line(raw, path, lineno, offset)
+            offset += len(raw)
+            if line.strip():
+                lines.append(line.rstrip("\r\n"))
+            elif lines:
+                yield "\n".join(lines)
+                lines = []
+    if lines:
+        yield "\n".join(lines)
+
+
+def _iter_txt_file(path: str) -> Iterator[str]:
+    with _open_binary(path) as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        lineno = data.count(b"\n", 0, exc.start) + 1
+        raise DataPrepError(f"{path}: line {lineno} (byte offset {exc.start}): not valid UTF-8 "
+                            f"({exc.reason}); convert the file to UTF-8") from None
+    if text.strip():
+        yield text
+
+
+def _text_of(obj, field: str, where: str):
+    if not isinstance(obj, dict) or field not in obj:
+        keys = ", ".join(sorted(obj)) if isinstance(obj, dict) else type(obj).__name__
+        raise DataPrepError(f"{where}: no {field!r} field (has: {keys}); pick the field with --text-field")
+    text = obj[field]
+    if text is not None and not isinstance(text, str):
+        raise DataPrepError(f"{where}: field {field!r} is a {type(text).__name__}, expected a string")
+    return text
+
+
+def _iter_jsonl(path: str, field: str) -> Iterator[str]:
+    offset = 0
+    with _open_binary(path) as f:
+        for lineno, raw in enumerate(f, 1):
+            line = _decode_line(raw, path, lineno, offset)
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataPrepError(f"{path}: line {lineno}: not valid JSON ({exc.msg}, column {exc.colno})") from None
+            text = _text_of(obj, field, f"{path}: line {lineno}")
+            if text and text.strip():
+                yield text
+
+
+def _json_is_array(path: str) -> bool:
+    with _open_binary(path) as f:
+        head = f.read(4096).lstrip()
+    return head.startswith(b"[")
+
+
+def _iter_hf_dataset(ds, field: str, where: str) -> Iterator[str]:
+    """Rows of a ``datasets`` Dataset or IterableDataset, one column, in batches."""
+    columns = ds.column_names
+    if columns is not None and field not in columns:
+        raise DataPrepError(f"{where}: no {field!r} column (has: {', '.join(columns)}); pick it with --text-field")
+    if columns is not None:
+        ds = ds.select_columns([field])
+    row = 0
+    for batch in ds.iter(batch_size=1024):
+        if field not in batch:
+            raise DataPrepError(f"{where}: no {field!r} column (has: {', '.join(batch)}); pick it with --text-field")
+        for text in batch[field]:
+            row += 1
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise DataPrepError(f"{where}: row {row}: {field!r} is a {type(text).__name__}, expected a string")
+            if text.strip():
+                yield text
+
+
+def _load_streaming(builder: str, path: str):
+    import datasets
+
+    try:
+        return datasets.load_dataset(builder, data_files=[path], split="train", streaming=True)
+    except Exception as exc:  # datasets raises many types for unreadable files
+        raise DataPrepError(f"{path}: cannot be read as {builder} ({type(exc).__name__}: {exc})") from exc
+
+
+def _open_saved(path: str, split: str):
+    import datasets
+
+    ds = datasets.load_from_disk(path)
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataPrepError(f"{path}: saved DatasetDict has no split {split!r} (has: {', '.join(ds)}); "
+                                "pick one with --hf-split")
+        ds = ds[split]
+    return ds
+
+
+def _open_hub(name: str, split: str):
+    import datasets
+
+    repo, _, config = name.partition(":")
+    try:
+        return datasets.load_dataset(repo, config or None, split=split, streaming=True)
+    except Exception as exc:
+        raise DataPrepError(f"hub:{name}: cannot be loaded ({type(exc).__name__}: {exc})") from exc
+
+
+def iter_source(source: Source, opts: ReadOptions) -> Iterator[str]:
+    """Every non-empty document of one source, in file order."""
+    if not (source.kind == "hub" or os.path.exists(source.path)):
+        raise DataPrepError(f"{source.path}: input disappeared while data prep was running")
+    if source.kind == "txt":
+        yield from (_iter_txt_file if opts.txt_mode == "file" else _iter_txt_blocks)(source.path)
+    elif source.kind == "jsonl" or (source.kind == "json" and not _json_is_array(source.path)):
+        yield from _iter_jsonl(source.path, opts.text_field)
+    elif source.kind == "json":
+        yield from _iter_hf_dataset(_load_streaming("json", source.path), opts.text_field, source.path)
+    elif source.kind == "parquet":
+        yield from _iter_hf_dataset(_load_streaming("parquet", source.path), opts.text_field, source.path)
+    elif source.kind == "saved":
+        yield from _iter_hf_dataset(_open_saved(source.path, opts.hf_split), opts.text_field, source.path)
+    elif source.kind == "hub":
+        yield from _iter_hf_dataset(_open_hub(source.path, opts.hf_split), opts.text_field, f"hub:{source.path}")
+    else:
+        raise DataPrepError(f"{source.path}: unknown source kind {source.kind!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Partitioning among array tasks
+
+PARTITIONS = ("auto", "files", "documents")
+
+
+def resolve_partition(partition: str, num_sources: int, num_tasks: int) -> str:
+    if partition not in PARTITIONS:
+        raise DataPrepError(f"--partition must be one of {', '.join(PARTITIONS)}, got {partition!r}")
+    if partition == "auto":
+        return "files" if num_sources >= num_tasks else "documents"
+    if partition == "files" and num_sources < num_tasks:
+        raise DataPrepError(f"--partition files: {num_sources} input source(s) for {num_tasks} tasks leaves tasks "
+                            "without input; use fewer tasks or --partition documents")
+    return partition
+
+
+def assign_sources(sources: list[Source], num_tasks: int) -> list[list[Source]]:
+    """Largest source first, to the task with the fewest bytes so far: the ``files`` partition."""
+    heap = [(0, task) for task in range(num_tasks)]
+    owned: list[list[Source]] = [[] for _ in range(num_tasks)]
+    for source in sorted(sources, key=lambda s: (-s.bytes, s.path)):
+        load, task = heapq.heappop(heap)
+        owned[task].append(source)
+        heapq.heappush(heap, (load + max(source.bytes, 1), task))
+    return [sorted(o, key=lambda s: s.path) for o in owned]
+
+
+def task_sources(sources: list[Source], partition: str, num_tasks: int, task_index: int) -> list[Source]:
+    """The sources task ``task_index`` opens (``partition`` already resolved)."""
+    if partition == "files":
+        return assign_sources(sources, num_tasks)[task_index]
+    return list(sources)
+
+
+def iter_task_documents(sources: list[Source], partition: str, num_tasks: int, task_index: int,
+                        opts: ReadOptions) -> Iterator[str]:
+    """The documents that belong to one task, in a fixed order."""
+    mine = task_sources(sources, partition, num_tasks, task_index)
+    if partition == "files" or num_tasks == 1:
+        for source in mine:
+            yield from iter_source(source, opts)
+        return
+    d = 0
+    for source in mine:
+        for text in iter_source(source, opts):
+            if d % num_tasks == task_index:
+                yield text
+            d += 1

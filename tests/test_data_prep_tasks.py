@@ -1,0 +1,341 @@
+"""data_prep as a Slurm array job: task partitioning, re-runs, killed tasks, finalize, verify, and errors."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_prep.cli import main
+from data_prep.errors import DataPrepError
+from data_prep.finalize import finalize
+from data_prep.reader import ReadOptions, iter_task_documents, resolve_inputs, resolve_partition
+from data_prep.settings import ShardSettings, load_settings_file
+from data_prep.shard import run_shard
+from data_prep.shard_format import iter_blocks, load_manifest
+from data_prep.verify import verify
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def settings(inputs, tokenizer, out, **kw) -> ShardSettings:
+    kw.setdefault("num_tasks", 1)
+    kw.setdefault("task_index", 0)
+    return ShardSettings(inputs=[str(i) for i in inputs], tokenizer=str(tokenizer), out=str(out), **kw)
+
+
+def run_tasks(inputs, tokenizer, out, num_tasks, **kw) -> Path:
+    for i in range(num_tasks):
+        run_shard(settings(inputs, tokenizer, out, num_tasks=num_tasks, task_index=i, **kw))
+    finalize(out)
+    return Path(out)
+
+
+def all_sequences(out: Path) -> list[np.ndarray]:
+    m = load_manifest(out)
+    return [ids for e in m["shards"] for ids, _ in iter_blocks(out / e["name"], m["seq_len"])]
+
+
+def content_counts(out: Path) -> Counter:
+    """Multiset of text tokens over every shard (framing [CLS]/[SEP]/[PAD] removed)."""
+    ids = np.concatenate([s.ravel() for s in all_sequences(out)])
+    special = np.isin(ids, [0, 101, 102])
+    return Counter(ids[~special].tolist())
+
+
+def files_digest(out: Path) -> dict[str, str]:
+    from data_prep.shard_format import sha256_file
+
+    return {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, wiki_txt_dir, bert_uncased_dir):
+    return run_tasks([wiki_txt_dir], bert_uncased_dir, tmp_path_factory.mktemp("single") / "out", 1,
+                     shard_size=256, validation_fraction=0.1, seed=7)
+
+
+@pytest.mark.parametrize("partition", ["files", "documents"])
+def test_array_tasks_together_hold_what_one_task_holds(tmp_path, single, wiki_txt_dir, bert_uncased_dir, partition):
+    out = run_tasks([wiki_txt_dir], bert_uncased_dir, tmp_path / "out", 3, shard_size=256,
+                    validation_fraction=0.1, seed=7, partition=partition)
+    m, one = load_manifest(out), load_manifest(single)
+    assert m["num_tasks"] == 3 and {e["task"] for e in m["shards"]} == {0, 1, 2}
+    for split in ("train", "validation"):
+        assert m["totals"][split]["documents"] == one["totals"][split]["documents"]
+    # every text token of every document lands in exactly one task
+    assert content_counts(out) == content_counts(single)
+    # and the tasks' documents are a partition of all documents
+    sources = resolve_inputs([str(wiki_txt_dir)])
+    assert resolve_partition(partition, len(sources), 3) == partition
+    per_task = [list(iter_task_documents(sources, partition, 3, i, ReadOptions())) for i in range(3)]
+    everything = list(iter_task_documents(sources, "files", 1, 0, ReadOptions()))
+    assert all(per_task) and Counter(d for docs in per_task for d in docs) == Counter(everything)
+    # each task pads at most its own last sequence per split
+    for task in range(3):
+        for split in ("train", "validation"):
+            padded = [e["padding"] > 0 for e in m["shards"] if e["task"] == task and e["split"] == split]
+            assert sum(padded) <= 1 and (not any(padded) or padded[-1])
+
+
+def test_concurrent_array_tasks_share_one_output_folder(tmp_path, single, wiki_txt_dir, bert_uncased_dir):
+    """Three tasks started at once, as Slurm does: they race to install the tokenizer copy."""
+    out = tmp_path / "out"
+    procs = [subprocess.Popen([sys.executable, "-m", "data_prep", "shard", "--input", str(wiki_txt_dir),
+                               "--tokenizer", str(bert_uncased_dir), "--out", str(out), "--shard-size", "256",
+                               "--validation-fraction", "0.1", "--seed", "7"], cwd=REPO,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_ID": str(i)})
+             for i in range(3)]
+    for p in procs:
+        assert p.wait(timeout=300) == 0, p.stderr.read()
+    proc = subprocess.run([sys.executable, "-m", "data_prep", "finalize", str(out)], cwd=REPO, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert verify(out) == [] and content_counts(out) == content_counts(single)
+    assert sorted(p.name for p in out.iterdir() if not p.suffix == ".tar") == \
+           ["manifest.json", "task-00000.json", "task-00001.json", "task-00002.json", "tokenizer"]
+
+
+def test_rerun_is_idempotent_and_refuses_other_settings(tmp_path, wiki_txt_dir, bert_uncased_dir):
+    s = settings([wiki_txt_dir], bert_uncased_dir, tmp_path / "out", shard_size=300)
+    first = run_shard(s)
+    finalize(tmp_path / "out")
+    before = files_digest(tmp_path / "out")
+    mtimes = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("*.tar")}
+    again = run_shard(s)
+    assert not first.skipped and again.skipped and again.shards_written == 0
+    finalize(tmp_path / "out")
+    assert files_digest(tmp_path / "out") == before  # manifest.json too: finalize is deterministic
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("*.tar")} == mtimes
+    with pytest.raises(DataPrepError, match=r"task-00000.json: .*different settings .*seq_len: 128 then, 64 now"):
+        run_shard(settings([wiki_txt_dir], bert_uncased_dir, tmp_path / "out", shard_size=300, seq_len=64))
+
+
+def test_task_manifest_and_last_shard_lost_then_rerun_gives_same_bytes(tmp_path, wiki_txt_dir, bert_uncased_dir):
+    """The remains of a kill without sidecars: no task manifest, the last shard gone, a .tmp left behind."""
+    kw = dict(shard_size=64, validation_fraction=0.15, seed=3)
+    out = tmp_path / "out"
+    run_shard(settings([wiki_txt_dir], bert_uncased_dir, out, **kw))
+    expected = files_digest(out)
+    m = json.loads((out / "task-00000.json").read_text())
+    (out / "task-00000.json").unlink()
+    (out / m["shards"][-1]["name"]).unlink()
+    (out / (m["shards"][-1]["name"] + ".tmp")).write_bytes(b"half a shard")
+    result = run_shard(settings([wiki_txt_dir], bert_uncased_dir, out, **kw))
+    assert not result.skipped and result.shards_reused == 0
+    assert files_digest(out) == expected and not list(out.glob("*.tmp"))
+
+
+def test_kill_after_first_shards_then_rerun_reuses_them(tmp_path, wiki_txt_dir, bert_uncased_dir):
+    kw = dict(shard_size=64, validation_fraction=0.15, seed=3, batch_chars=20_000)
+    whole = tmp_path / "whole"
+    full = run_shard(settings([wiki_txt_dir], bert_uncased_dir, whole, **kw))
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "data_prep", "shard", "--input", str(wiki_txt_dir),
+                             "--tokenizer", str(bert_uncased_dir), "--out", str(out), "--num-tasks", "1",
+                             "--task-index", "0", "--shard-size", "64", "--validation-fraction", "0.15",
+                             "--seed", "3", "--batch-chars", "20000"], cwd=REPO, stderr=subprocess.DEVNULL)
+    sidecar = out / ".progress-t00000" / "train-t00000-00002.tar.json"
+    deadline = time.time() + 120
+    while not sidecar.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "task-00000.json").exists(), "finished before the kill"
+    # what a kill can leave: a half-written shard
+    (out / "train-t00000-00099.tar.tmp").write_bytes(b"half a shard")
+    result = run_shard(settings([wiki_txt_dir], bert_uncased_dir, out, **kw))
+    assert result.shards_reused >= 3 and result.tokens < full.tokens
+    assert files_digest(out) == files_digest(whole)
+    assert not list(out.glob("*.tmp")) and not (out / ".progress-t00000").exists()
+
+
+def test_resume_from_sidecars_with_a_corrupt_shard_rewrites_from_there(tmp_path, wiki_txt_dir, bert_uncased_dir):
+    """Interrupted while writing its 7th shard; then one of the finished shards is corrupted."""
+    kw = dict(shard_size=64, validation_fraction=0.15, seed=3, batch_chars=20_000)
+    whole = tmp_path / "whole"
+    run_shard(settings([wiki_txt_dir], bert_uncased_dir, whole, **kw))
+    expected = files_digest(whole)
+    import data_prep.shard as shard_mod
+
+    calls = {"n": 0}
+    original = shard_mod.SplitWriter._write
+
+    def failing_write(self, packed):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise KeyboardInterrupt  # as if killed while writing the 7th shard
+        original(self, packed)
+
+    shard_mod.SplitWriter._write = failing_write
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_shard(settings([wiki_txt_dir], bert_uncased_dir, tmp_path / "interrupted", **kw))
+    finally:
+        shard_mod.SplitWriter._write = original
+    interrupted = tmp_path / "interrupted"
+    sidecars = sorted(p.name for p in (interrupted / ".progress-t00000").iterdir())
+    assert len(sidecars) == 6 and not (interrupted / "task-00000.json").exists()
+    assert not list(interrupted.glob("*.tmp"))  # ShardWriter.abort removed the half-written shard
+    # flip a byte in the third kept train shard: it and everything after it in its split is redone
+    name = "train-t00000-00002.tar"
+    data = bytearray((interrupted / name).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (interrupted / name).write_bytes(bytes(data))
+    result = run_shard(settings([wiki_txt_dir], bert_uncased_dir, interrupted, **kw))
+    assert 2 <= result.shards_reused < 6
+    assert files_digest(interrupted) == expected
+
+
+def test_verify_names_every_bad_shard(tmp_path, wiki_txt_dir, bert_uncased_dir):
+    out = run_tasks([wiki_txt_dir], bert_uncased_dir, tmp_path / "out", 1, shard_size=128)
+    assert verify(out) == []
+    names = [e["name"] for e in load_manifest(out)["shards"]]
+    assert len(names) >= 4
+    truncated, flipped, missing = names[0], names[1], names[2]
+    data = (out / truncated).read_bytes()
+    (out / truncated).write_bytes(data[: len(data) - 5000])
+    data = bytearray((out / flipped).read_bytes())
+    data[3000] ^= 0x01
+    (out / flipped).write_bytes(bytes(data))
+    (out / missing).unlink()
+    problems = verify(out)
+    assert len(problems) == 3
+    assert any(p.startswith(f"{truncated}:") and "bytes" in p for p in problems)
+    assert any(p.startswith(f"{flipped}:") and "sha256" in p for p in problems)
+    assert any(p.startswith(f"{missing}:") and "missing" in p for p in problems)
+    proc = subprocess.run([sys.executable, "-m", "data_prep", "verify", str(out)], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert all(n in proc.stderr for n in (truncated, flipped, missing)) and names[3] not in proc.stderr
+
+
+def test_finalize_refuses_missing_and_mismatched_tasks(tmp_path, wiki_txt_dir, bert_uncased_dir):
+    out = tmp_path / "out"
+    for i in (0, 2):
+        run_shard(settings([wiki_txt_dir], bert_uncased_dir, out, num_tasks=4, task_index=i, shard_size=256))
+    with pytest.raises(DataPrepError, match=r"missing task indices: 1, 3"):
+        finalize(out)
+    assert not (out / "manifest.json").exists()
+    # task 1 made with another seed cannot join the others
+    run_shard(settings([wiki_txt_dir], bert_uncased_dir, out, num_tasks=4, task_index=1, shard_size=256, seed=9))
+    with pytest.raises(DataPrepError, match=r"task-00001.json: settings differ .*seed: 9 vs 0"):
+        finalize(out)
+
+
+def test_slurm_array_variables_pick_the_task():
+    s = ShardSettings(inputs=["x"], tokenizer="t", out="o")
+    r = s.resolved({"SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_ID": "2"})
+    assert (r.num_tasks, r.task_index) == (4, 2)
+    r = s.resolved({"SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_MIN": "1"})
+    assert (r.num_tasks, r.task_index) == (4, 3)
+    assert (s.resolved({}).num_tasks, s.resolved({}).task_index) == (1, 0)
+    with pytest.raises(DataPrepError, match=r"task index 4 \(from \$SLURM_ARRAY_TASK_ID=4\) is out of range for 4"):
+        s.resolved({"SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_ID": "4"})
+
+
+def test_shipped_data_configs_load_and_run(tmp_path, wiki_txt_dir, bert_uncased_dir):
+    files = sorted((REPO / "configs" / "data").glob("*.yaml"))
+    assert files
+    for f in files:
+        values = load_settings_file(f)
+        ShardSettings(**{**values, "inputs": ["x"], "tokenizer": "t", "out": "o"}).resolved({})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seq_len: 128\nshard_sise: 3\nseed: one\n")
+    with pytest.raises(DataPrepError, match=r"shard_sise: unknown setting(.|\n)*seed: expected int"):
+        load_settings_file(bad)
+    out = tmp_path / "out"
+    code = main(["shard", "--config", str(files[0]), "--input", str(wiki_txt_dir), "--tokenizer",
+                 str(bert_uncased_dir), "--out", str(out), "--seq-len", "64", "--num-tasks", "1", "--task-index", "0"])
+    assert code == 0
+    m = json.loads((out / "task-00000.json").read_text())
+    assert m["seq_len"] == 64 and m["settings"]["shard_size"] == load_settings_file(files[0])["shard_size"]
+
+
+@pytest.mark.slow
+def test_worker_processes_write_the_same_bytes(tmp_path, wiki_txt_dir, bert_uncased_dir):
+    common = ["shard", "--input", str(wiki_txt_dir), "--tokenizer", str(bert_uncased_dir), "--num-tasks", "1",
+              "--task-index", "0", "--shard-size", "256", "--batch-chars", "50000"]
+    for workers in (1, 2):
+        proc = subprocess.run([sys.executable, "-m", "data_prep", *common, "--out", str(tmp_path / f"w{workers}"),
+                               "--workers", str(workers)], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+    assert files_digest(tmp_path / "w1") == files_digest(tmp_path / "w2")
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors: a clear message naming the file/line/task, exit code 2
+
+
+def _error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("data_prep: error: ")
+    return err
+
+
+def test_errors_name_the_file_line_or_task(tmp_path, capsys, bert_uncased_dir):
+    tok = str(bert_uncased_dir)
+    base = ["shard", "--tokenizer", tok, "--out", str(tmp_path / "out"), "--num-tasks", "1", "--task-index", "0"]
+
+    (tmp_path / "empty.txt").write_text("\n\n  \n")
+    err = _error(capsys, base + ["--input", str(tmp_path / "empty.txt")])
+    assert f"empty input: task 0 of 1 found no documents in {tmp_path / 'empty.txt'}" in err
+    assert "'nowhere/*.txt' matches no files" in _error(capsys, base + ["--input", "nowhere/*.txt"])
+    assert "no such file" in _error(capsys, base + ["--input", str(tmp_path / "absent.txt")])
+
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("first line\n\nsecond doc\ncaf\xe9 au lait\n".encode("latin-1"))
+    err = _error(capsys, base + ["--input", str(bad)])
+    assert f"{bad}: line 4 (byte offset 26): not valid UTF-8" in err
+
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"body": "no text here"}\n')
+    assert f"{jsonl}: line 3: no 'text' field (has: body)" in _error(capsys, base + ["--input", str(jsonl)])
+
+    ok = tmp_path / "ok.txt"
+    ok.write_text("A real sentence.\n")
+    assert "--seq-len 2 is too small" in _error(capsys, base + ["--input", str(ok), "--seq-len", "2"])
+    assert "--task-index 5 is out of range for 2 task(s)" in _error(
+        capsys, ["shard", "--tokenizer", tok, "--out", str(tmp_path / "o"), "--input", str(ok),
+                 "--num-tasks", "2", "--task-index", "5"])
+
+    no_mask = tmp_path / "no_mask_tok"
+    _tokenizer_without_mask(no_mask)
+    assert f"{no_mask}: tokenizer has no [MASK] token (mask)" in _error(
+        capsys, ["shard", "--tokenizer", str(no_mask), "--out", str(tmp_path / "o2"), "--input", str(ok)])
+    assert "has no tokenizer.json" in _error(
+        capsys, ["shard", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o3"), "--input", str(ok)])
+
+
+def _tokenizer_without_mask(folder: Path) -> None:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer()
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(vocab_size=100, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"])
+    tok.train_from_iterator(["some words to learn from"] * 3, trainer)
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def test_finalize_error_through_the_real_entry_point(tmp_path, wiki_txt_dir, bert_uncased_dir):
+    out = tmp_path / "out"
+    run_shard(settings([wiki_txt_dir], bert_uncased_dir, out, num_tasks=3, task_index=1))
+    proc = subprocess.run([sys.executable, "-m", "data_prep", "finalize", str(out)], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "incomplete: 2 of 3 tasks have no task manifest (missing task indices: 0, 2)" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "data_prep", "shard", "--input", str(wiki_txt_dir),
+                           "--tokenizer", str(bert_uncased_dir), "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_ID": "7"})
+    assert proc.returncode == 2 and "task index 7" in proc.stderr and "out of range for 3" in proc.stderr
