@@ -214,7 +214,7 @@ class MlflowTracker(Tracker):
     def start(self, run_id: Optional[str], params: dict[str, Any], artifacts: dict[str, str]) -> Optional[str]:
         if self._thread is not None:
             return self.run_id
-        self._want_run = run_id or os.environ.get("MLFLOW_RUN_ID") or None
+        self._want_run = run_id or os.environ.get("MLFLOW_RUN_ID") or self._run_id_file() or None
         self._init = (dict(params), dict(artifacts))
         self._thread = threading.Thread(target=self._flusher, name="mlflow-flusher", daemon=True)
         self._thread.start()
@@ -483,9 +483,29 @@ class MlflowTracker(Tracker):
         with self._cond:
             self._queue.extendleft(reversed(init))
         self.run_id = run.info.run_id
+        self._remember_run_id()
         if self._artifact_root:
             log.info("MLflow: local store; view it with `mlflow ui --backend-store-uri %s`", self.tracking_uri)
         self._start_system_metrics()
+
+    # A checkpoint written while the server was unreachable holds no run id; this file, written as
+    # soon as the run exists, lets the next launch of the same job continue that run.
+    def _run_id_path(self) -> Path:
+        return Path(self.cfg.train.out_dir) / "mlflow_run_id"
+
+    def _run_id_file(self) -> Optional[str]:
+        path = self._run_id_path()
+        return path.read_text().strip() if path.is_file() else None
+
+    def _remember_run_id(self) -> None:
+        path = self._run_id_path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(self.run_id + "\n")
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("MLflow: could not write %s (%s)", path, exc)
 
     def _experiment_id(self) -> str:
         name = self.cfg.tracking.experiment

@@ -173,7 +173,8 @@ def test_sigusr1_checkpoints_and_resume_matches(reference_runs, shards, tmp_path
     while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3):
         assert launcher.poll() is None, launcher.stdout.read()
         time.sleep(0.2)
-    ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "pretrain.train" in " ".join(p.cmdline())]
+    ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+             if "pretrain.train" in p.cmdline() and "deepspeed.launcher.launch" not in p.cmdline()]
     assert len(ranks) == 2
     for p in ranks:
         p.send_signal(signal.SIGUSR1)
