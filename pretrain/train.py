@@ -51,6 +51,8 @@ def fit(cfg: Config, manifest: dict, info: eng.DistInfo, stop: StopSignal) -> in
         eng.set_rng_state(state["rng"])
     grad_accum = cfg.grad_accum_steps(world)
 
+    if rank == 0 and cfg.train.resume == "none":      # a fresh start is a new tracking run too
+        (Path(cfg.train.out_dir) / "mlflow_run_id").unlink(missing_ok=True)
     tracker = make_tracker(cfg, rank)
     resolved_yaml = configlib.dump_yaml(cfg)
     run_id = share_run_id(tracker.start(state.get("run_id"), run_params(cfg, world, precision, manifest),
