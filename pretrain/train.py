@@ -157,19 +157,10 @@ def fit(cfg: Config, manifest: dict, info: eng.DistInfo, stop: StopSignal) -> in
             periodic = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and not local_bad[0]
             if stopping or halting or last or periodic:
                 client_state = {"step": step, "tokens_seen": tokens_seen, "data_position": data_position,
-                                "rng": eng.rng_state(), "run_id": tracker.run_id or run_id, "nonfinite_total": nonfinite_total,
-                                "config": configlib.to_dict(cfg)}
-                tag = eng.save_checkpoint(engine, cfg, step, client_state, {"config.yaml": resolved_yaml,
-                                                                           "hf_config.json": model.hf_model.config.to_json_string(),
-                                                                           "manifest.json": json.dumps(manifest)},
-                                       {"tokenizer": Path(cfg.data.dir) / manifest["tokenizer"]["path"]})
-                tracker.log_checkpoint(tag, step, str(eng.checkpoint_root(cfg) / tag))
-                if rank == 0 and (last or (cfg.train.export_every and step % cfg.train.export_every == 0)):
-                    from pretrain.export import export_checkpoint
-                    out = Path(cfg.train.out_dir) / ("hf_final" if last else f"hf_step{step:08d}")
-                    export_checkpoint(eng.checkpoint_root(cfg), tag, out)
-                    tracker.log_model(str(out), step, final=last)
-                dist.barrier()
+                                "rng": eng.rng_state(), "run_id": tracker.run_id or run_id,
+                                "nonfinite_total": nonfinite_total, "config": configlib.to_dict(cfg)}
+                export = last or (cfg.train.export_every and step % cfg.train.export_every == 0)
+                checkpoint(engine, cfg, model, manifest, tracker, client_state, resolved_yaml, export, final=last)
             if stopping:
                 log.warning("signal %s: checkpointed at step %d; exiting for requeue", stop.name, step)
                 metrics.close("KILLED")
@@ -183,6 +174,25 @@ def fit(cfg: Config, manifest: dict, info: eng.DistInfo, stop: StopSignal) -> in
         raise
     metrics.close("FINISHED")
     return 0
+
+
+def checkpoint(engine, cfg: Config, model, manifest: dict, tracker, client_state: dict, resolved_yaml: str,
+               export: bool, final: bool) -> None:
+    """A complete checkpoint (with the config, model config, manifest and tokenizer beside it, so
+    that it exports on its own), recorded by the tracker; optionally exported to Hugging Face."""
+    step = client_state["step"]
+    tag = eng.save_checkpoint(engine, cfg, step, client_state,
+                              {"config.yaml": resolved_yaml, "hf_config.json": model.hf_model.config.to_json_string(),
+                               "manifest.json": json.dumps(manifest)},
+                              {"tokenizer": Path(cfg.data.dir) / manifest["tokenizer"]["path"]})
+    tracker.log_checkpoint(tag, step, str(eng.checkpoint_root(cfg) / tag))
+    if export and dist.get_rank() == 0:
+        from pretrain.export import export_checkpoint
+
+        out = Path(cfg.train.out_dir) / ("hf_final" if final else f"hf_step{step:08d}")
+        export_checkpoint(eng.checkpoint_root(cfg), tag, out)
+        tracker.log_model(str(out), step, final=final)
+    dist.barrier()
 
 
 @torch.no_grad()
