@@ -149,7 +149,7 @@ def test_server_outage_loses_nothing_and_never_blocks(tmp_path, mlflow_server, t
 
     mlflow_server.stop()
     try:
-        late = MlflowTracker(make_cfg(tmp_path, mlflow_server.uri))
+        late = MlflowTracker(make_cfg(tmp_path / "another_job", mlflow_server.uri))   # its own out_dir: a new run
         t0 = time.perf_counter()
         assert late.start(None, {"b": 2}, {"config.yaml": "x: 1\n"}) is None   # no run yet
         assert time.perf_counter() - t0 < 3 * cfg.tracking.retry_seconds
@@ -246,3 +246,21 @@ def test_default_local_store_works_without_a_server(tmp_path, monkeypatch):
     assert (tmp_path / "run" / "mlruns" / "artifacts" / run_id / "artifacts" / "config.yaml").read_text() == "model: {}\n"
     cpu = client.get_metric_history(run_id, "system/cpu_utilization_percentage")
     assert len(cpu) >= 2 and sorted(m.step for m in cpu) == list(range(len(cpu)))
+
+
+def test_same_out_dir_continues_its_run_even_without_a_checkpointed_id(mlflow_server, tmp_path):
+    """A job whose checkpoint was written while the server was down has no run id in it; the next
+    launch in the same out_dir still continues that job's run (via out_dir/mlflow_run_id)."""
+    first = MlflowTracker(make_cfg(tmp_path, mlflow_server.uri))
+    run_id = first.start(None, {"a": 1}, {})
+    first.log_metrics({"train/loss": 1.0}, 1)
+    first.finish("KILLED")
+    cfg = make_cfg(tmp_path, mlflow_server.uri)
+    cfg.tracking.experiment = first.cfg.tracking.experiment
+    second = MlflowTracker(cfg)
+    assert second.start(None, {"a": 1}, {}) == run_id
+    second.log_metrics({"train/loss": 0.5}, 2)
+    second.finish()
+    client = MlflowClient(mlflow_server.uri)
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [1, 2]
+    assert len(client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])) == 1
