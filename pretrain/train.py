@@ -225,6 +225,30 @@ def _memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux
 
 
+def init_from_problems(cfg: Config, manifest: dict) -> list[str]:
+    """Continued pretraining: the checkpoint must fit the data, checked before any process starts."""
+    if not cfg.model.init_from:
+        return []
+    folder = Path(cfg.model.init_from)
+    try:
+        model_cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return [f"model.init_from: {folder}/config.json unreadable ({exc})"]
+    problems = []
+    if model_cfg.get("vocab_size") != manifest["tokenizer"]["vocab_size"]:
+        problems.append(f"model.init_from: {folder} has vocab_size {model_cfg.get('vocab_size')}, the data's "
+                        f"tokenizer {manifest['tokenizer']['vocab_size']}: prepare the data with that model's tokenizer")
+    if model_cfg.get("max_position_embeddings", 512) < manifest["seq_len"]:
+        problems.append(f"model.init_from: {folder} has max_position_embeddings "
+                        f"{model_cfg.get('max_position_embeddings')} < the data's seq_len {manifest['seq_len']}")
+    data_vocab = Path(cfg.data.dir) / manifest["tokenizer"]["path"] / "vocab.txt"
+    if (folder / "vocab.txt").is_file() and data_vocab.is_file() and \
+            (folder / "vocab.txt").read_bytes() != data_vocab.read_bytes():
+        problems.append(f"model.init_from: {folder}/vocab.txt differs from the vocabulary the data was "
+                        f"tokenized with ({data_vocab})")
+    return problems
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m pretrain.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -245,6 +269,7 @@ def main(argv=None) -> int:
         has_eval = any(s["split"] == cfg.data.eval_split for s in manifest.get("shards", []))
         problems = check_manifest(manifest, cfg.data.dir, max_positions=cfg.model.max_position_embeddings,
                                   splits=[cfg.data.train_split] + ([cfg.data.eval_split] if has_eval else []))
+        problems += init_from_problems(cfg, manifest)
         if problems:
             raise ConfigError(problems, f"{cfg.data.dir}/manifest.json")
     except (ConfigError, ShardError) as exc:

@@ -125,7 +125,7 @@ def test_beats_unigram_baseline(shards, tmp_path):
     assert eval_acc > unigram + 0.03, (eval_acc, unigram)   # seen: 0.12 against 0.05
 
 
-def test_bad_input_fails_before_any_process_group(shards, tmp_path):
+def test_bad_input_fails_before_any_process_group(shards, tmp_path, bert_uncased_dir):
     proc = train(shards, tmp_path, "impl.zero_stage=5", "optim.lr=-1", "model.hidden_size=65", "colour=red",
                  ranks=1, check=False)
     assert proc.returncode == 2
@@ -134,6 +134,8 @@ def test_bad_input_fails_before_any_process_group(shards, tmp_path):
     assert "init_distributed" not in proc.stdout + proc.stderr
     proc = train(shards, tmp_path, "model.max_position_embeddings=32", ranks=1, check=False)
     assert proc.returncode == 2 and "seq" in proc.stderr.lower(), proc.stderr
+    proc = train(shards, tmp_path, f"model.init_from={bert_uncased_dir}", ranks=1, check=False)
+    assert proc.returncode == 2 and "has vocab_size 30522, the data's tokenizer 4096" in proc.stderr, proc.stderr
 
 
 def test_nonfinite_losses_skip_steps_then_stop_cleanly(shards, tmp_path):
