@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pretrain import configlib
 from pretrain.configlib import ConfigError  # noqa: F401  (re-exported)
@@ -159,7 +159,8 @@ class ImplConfig:
     attention: Literal["sdpa", "eager"] = "sdpa"
     sparse_head: bool = True           # the MLM head only at masked positions
     compile: bool = False              # torch.compile the model
-    fused_optimizer: Literal["auto", "on", "off"] = "auto"          # auto: DeepSpeed's fused Adam on GPU only
+    # auto: DeepSpeed's fused Adam/LAMB on GPU only; true/false (YAML's on/off) forces it
+    fused_optimizer: Union[Literal["auto"], bool] = "auto"
     offload_optimizer: bool = False    # ZeRO-Offload of optimiser states to CPU memory
     num_workers: int = 2               # data loader worker processes per rank
     prefetch_factor: int = 4

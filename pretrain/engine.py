@@ -170,7 +170,7 @@ def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -
     groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     o = cfg.optim
-    fused = cfg.impl.fused_optimizer == "on" or (cfg.impl.fused_optimizer == "auto" and device.type == "cuda")
+    fused = cfg.impl.fused_optimizer is True or (cfg.impl.fused_optimizer == "auto" and device.type == "cuda")
     if o.name == "adamw":
         if cfg.impl.offload_optimizer:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
