@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.config import Config, batch_size_problems
+from pretrain import configlib
 from pretrain.configlib import ConfigError
 
 log = logging.getLogger("pretrain")
@@ -117,14 +118,7 @@ def deepspeed_config(cfg: Config, world: int, precision: str) -> dict:
         ds["bf16"] = {"enabled": True}
     elif precision == "fp16":
         ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
-    return _merge(ds, cfg.impl.deepspeed)
-
-
-def _merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+    return configlib.merge(ds, cfg.impl.deepspeed)
 
 
 class Lamb(torch.optim.Optimizer):
