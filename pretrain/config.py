@@ -7,6 +7,7 @@ beside it.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
@@ -15,34 +16,91 @@ from pretrain import configlib
 from pretrain.configlib import ConfigError  # noqa: F401  (re-exported)
 
 
+# Defaults that differ by architecture; a field absent from an arch's table does not apply to it.
+# BERT (Devlin et al.): post-LayerNorm, learned absolute positions, GELU FFN, one dropout rate
+# (hidden_dropout) for embeddings, attention output and FFN output. ModernBERT (Warner et al. 2024):
+# pre-LayerNorm without biases, rotary positions, GeGLU FFN, global attention every
+# global_attn_every_n_layers layers and a local_attention-token sliding window in the others,
+# separate embedding/MLP dropouts (none by default).
+ARCH_DEFAULTS: dict[str, dict[str, object]] = {
+    "bert": {"hidden_dropout": 0.1, "attention_dropout": 0.1, "layer_norm_eps": 1e-12},
+    "modernbert": {"attention_dropout": 0.0, "layer_norm_eps": 1e-5, "embedding_dropout": 0.0, "mlp_dropout": 0.0,
+                   "global_attn_every_n_layers": 3, "local_attention": 128, "rope_theta": 160_000.0,
+                   "local_rope_theta": 10_000.0},
+}
+ARCH_SPECIFIC = sorted({name for table in ARCH_DEFAULTS.values() for name in table})
+
+
 @dataclass
 class ModelConfig:
-    # A BERT encoder built from these numbers, or (init_from) a local Hugging Face checkpoint for
-    # continued pretraining, whose own architecture then wins over the numbers below.
+    # An encoder of architecture `arch` built from these numbers, or (init_from) a local Hugging Face
+    # checkpoint of that architecture for continued pretraining, whose own shape then wins over the
+    # numbers below.
+    arch: Literal["bert", "modernbert"] = "bert"
     init_from: Optional[str] = None
     hidden_size: int = 256
     num_layers: int = 4
     num_heads: int = 4
-    intermediate_size: int = 1024
+    intermediate_size: int = 1024      # ModernBERT: the width of each GeGLU half (its Wi is H x 2I)
     max_position_embeddings: int = 512
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
     initializer_range: float = 0.02
-    layer_norm_eps: float = 1e-12
+    # Left unset (null), the fields below take the arch's value from ARCH_DEFAULTS. One that does
+    # not apply to the chosen arch is refused by name rather than silently ignored.
+    attention_dropout: Optional[float] = None      # both: on attention probabilities (ModernBERT: and its output)
+    layer_norm_eps: Optional[float] = None         # both (ModernBERT's norm_eps)
+    hidden_dropout: Optional[float] = None         # bert: embeddings, attention output, FFN output
+    embedding_dropout: Optional[float] = None      # modernbert
+    mlp_dropout: Optional[float] = None            # modernbert: inside the GeGLU, before its output matmul
+    global_attn_every_n_layers: Optional[int] = None   # modernbert: layer i is global when i % n == 0
+    local_attention: Optional[int] = None          # modernbert: window of the local layers (|i - j| <= window/2)
+    rope_theta: Optional[float] = None             # modernbert: rotary base of the global layers
+    local_rope_theta: Optional[float] = None       # modernbert: rotary base of the local layers
+
+    def __post_init__(self):
+        for name, value in ARCH_DEFAULTS.get(self.arch, {}).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
 
     def check(self) -> list[str]:
         p = []
-        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                p.append(f"{name}: must be positive, got {getattr(self, name)}")
+        applies = ARCH_DEFAULTS.get(self.arch, {})
+        for name in ARCH_SPECIFIC:
+            if name not in applies and getattr(self, name) is not None:
+                owners = " and ".join(a for a, table in ARCH_DEFAULTS.items() if name in table)
+                hint = {"hidden_dropout": " (ModernBERT has embedding_dropout, attention_dropout and mlp_dropout)",
+                        "embedding_dropout": " (BERT has one hidden_dropout)",
+                        "mlp_dropout": " (BERT has one hidden_dropout)"}.get(name, "")
+                p.append(f"{name}: applies to arch {owners} only, not {self.arch!r}{hint}; remove it")
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings",
+                     "global_attn_every_n_layers", "local_attention", "rope_theta", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                p.append(f"{name}: must be positive, got {value}")
         if self.num_heads > 0 and self.hidden_size % self.num_heads:
             p.append(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
-        for name in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                p.append(f"{name}: must be in [0, 1), got {getattr(self, name)}")
-        if self.init_from and not os.path.isdir(self.init_from):
-            p.append(f"init_from: {self.init_from!r} is not a local folder (nothing is downloaded at run time)")
+        if self.arch == "modernbert" and self.local_attention is not None and self.local_attention % 2:
+            p.append(f"local_attention: must be even (a token sees local_attention/2 on each side), "
+                     f"got {self.local_attention}")
+        for name in ("hidden_dropout", "attention_dropout", "embedding_dropout", "mlp_dropout"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:
+                p.append(f"{name}: must be in [0, 1), got {value}")
+        if self.init_from:
+            p.extend(self._init_from_problems())
         return p
+
+    def _init_from_problems(self) -> list[str]:
+        if not os.path.isdir(self.init_from):
+            return [f"init_from: {self.init_from!r} is not a local folder (nothing is downloaded at run time)"]
+        try:
+            with open(os.path.join(self.init_from, "config.json")) as f:
+                model_type = json.load(f).get("model_type")
+        except (OSError, ValueError) as exc:
+            return [f"init_from: {self.init_from}/config.json unreadable ({exc})"]
+        if model_type != self.arch:
+            return [f"init_from: {self.init_from} holds a {model_type!r} model, but arch is {self.arch!r} "
+                    f"(set model.arch: {model_type})"]
+        return []
 
 
 @dataclass
@@ -156,7 +214,10 @@ class ImplConfig:
     micro_batch_size: int = 32         # per rank; accumulation = global / (micro * world)
     zero_stage: Literal[0, 1, 2, 3] = 2
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"   # auto: bf16 where supported, else fp32
-    attention: Literal["sdpa", "eager"] = "sdpa"
+    # auto: flash_attention_2 (unpadded, varlen kernels) on a CUDA GPU of compute capability 8+ with the
+    # flash-attn package and bf16/fp16, else sdpa. flash_attention_2 asked for where it cannot run
+    # falls back to sdpa with a warning (pretrain.model.attention_implementation).
+    attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
     sparse_head: bool = True           # the MLM head only at masked positions
     compile: bool = False              # torch.compile the model
     # auto: DeepSpeed's fused Adam/LAMB on GPU only; true/false (YAML's on/off) forces it

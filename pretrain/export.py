@@ -5,11 +5,14 @@
 
 The result loads with ``AutoModelForMaskedLM.from_pretrained(OUT_DIR)`` and works in
 ``pipeline("fill-mask", model=OUT_DIR)``: safetensors weights (fp32), config, and the tokenizer the
-shards were made with (copied into every checkpoint).
+shards were made with (copied into every checkpoint). Both architectures export: the model class
+comes from ``model_type`` in the checkpoint's ``hf_config.json`` (``BertForMaskedLM`` or
+``ModernBertForMaskedLM``).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -54,19 +57,38 @@ def fp32_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def hf_masked_lm(hf_config_json: str | Path):
+    """An untrained ``*ForMaskedLM`` (BERT or ModernBERT, from ``model_type``) for a saved config."""
+    from transformers import AutoConfig, AutoModelForMaskedLM
+
+    fields = json.loads(Path(hf_config_json).read_text())
+    model_type = fields.pop("model_type", None)
+    if model_type not in ("bert", "modernbert"):
+        raise RuntimeError(f"{hf_config_json}: model_type {model_type!r} is not one this trainer makes "
+                           "('bert' or 'modernbert')")
+    # SDPA runs everywhere; a run trained with flash attention exports the same weights.
+    config = AutoConfig.for_model(model_type, **fields)
+    return AutoModelForMaskedLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def tied_parameter_names(model: torch.nn.Module) -> set[str]:
+    """Second names of shared parameters (the decoder tied to the word embeddings, BERT's decoder
+    bias to its head bias): ZeRO checkpoints may hold them under one name only."""
+    every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return every - {name for name, _ in model.named_parameters()}
+
+
 def export_checkpoint(root: str | Path, tag: str | None, out_dir: str | Path) -> Path:
-    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+    from transformers import AutoTokenizer
 
     root = Path(root)
     if tag is None:
         root, tag = resolve_checkpoint(root)
     folder = root / tag
-    config = BertConfig.from_json_file(str(folder / "hf_config.json"))
-    model = BertForMaskedLM(config)
+    model = hf_masked_lm(folder / "hf_config.json")
     state = fp32_state_dict(root, tag)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    # The decoder weight is tied to the word embeddings, so it may be absent from the file.
-    missing = [k for k in missing if k not in ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")]
+    missing = [k for k in missing if k not in tied_parameter_names(model)]
     if missing or unexpected:
         raise RuntimeError(f"{folder}: weights do not match the model config: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
@@ -74,8 +96,12 @@ def export_checkpoint(root: str | Path, tag: str | None, out_dir: str | Path) ->
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(folder / "tokenizer").save_pretrained(out)
-    log.info("exported %s -> %s", folder, out)
+    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    if model.config.model_type == "modernbert":
+        # ModernBERT has no segment embeddings: a BERT tokenizer's token_type_ids would be refused.
+        tokenizer.model_input_names = ["input_ids", "attention_mask"]
+    tokenizer.save_pretrained(out)
+    log.info("exported %s (%s) -> %s", folder, model.config.model_type, out)
     return out
 
 

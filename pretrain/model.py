@@ -1,57 +1,107 @@
-"""The model: a Hugging Face ``BertForMaskedLM`` whose MLM head runs only where tokens are predicted.
+"""The model: a Hugging Face ``BertForMaskedLM`` or ``ModernBertForMaskedLM`` (``model.arch``) whose
+MLM head runs only where tokens are predicted.
 
-Single-device code; ZeRO and distribution live in ``pretrain.engine``. The wrapped HF model stays
-an ordinary ``BertForMaskedLM`` (``MLMModel.hf_model``) so that ``save_pretrained`` gives a folder
-that ``AutoModelForMaskedLM.from_pretrained`` and ``pipeline("fill-mask")`` load, with the decoder
-tied to the word embeddings.
+Single-device code; ZeRO and distribution live in ``pretrain.engine``. The wrapped HF model stays an
+ordinary ``*ForMaskedLM`` (``MLMModel.hf_model``) so that ``save_pretrained`` gives a folder that
+``AutoModelForMaskedLM.from_pretrained`` and ``pipeline("fill-mask")`` load, with the decoder tied to
+the word embeddings. The trainer calls both architectures the same way: token ids plus a padding
+mask (or None: no padding), never unpadded indices. With flash attention, Hugging Face unpads the
+batch from that mask itself (varlen kernels); SDPA takes the mask as it is.
 
 Sparse prediction: about 15% of tokens are predicted, and the head's decoder (H x V, V = 30k) costs
 as much as several encoder layers when run on every token, so the hidden states at the masked
-positions are gathered first ([N, H]) and only those go through the head.
+positions are gathered first ([N, H]) and only those go through the head. ModernBERT's own
+``sparse_prediction`` option does the same with a boolean mask, whose data-dependent shape makes the
+host wait for the device; the gather by ``positions`` does not.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 import torch.nn.functional as F
-from transformers import BertConfig, BertForMaskedLM
+from transformers import (AutoConfig, BertConfig, BertForMaskedLM, ModernBertConfig, ModernBertForMaskedLM,
+                          PreTrainedModel)
 
 from pretrain.config import ImplConfig, ModelConfig
 from pretrain.masking import IGNORE_INDEX, SpecialIds
 
+log = logging.getLogger("pretrain")
+MASKED_LM_CLASSES = {"bert": BertForMaskedLM, "modernbert": ModernBertForMaskedLM}
+
 
 class MLMModel(torch.nn.Module):
-    def __init__(self, hf_model: BertForMaskedLM, sparse_head: bool = True, pad_id: int = 0):
+    def __init__(self, hf_model: PreTrainedModel, sparse_head: bool = True):
         super().__init__()
+        arch = hf_model.config.model_type
+        if arch not in MASKED_LM_CLASSES:
+            raise ValueError(f"unsupported model type {arch!r}; supported: {', '.join(MASKED_LM_CLASSES)}")
         self.hf_model = hf_model
+        self.arch = arch
         self.sparse_head = sparse_head
-        self.pad_id = pad_id
 
     @property
-    def config(self) -> BertConfig:
+    def config(self):
         return self.hf_model.config
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """[B, L, H] final hidden states (ModernBERT's include its final norm)."""
+        return self.hf_model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """MLM logits for hidden states of any leading shape."""
+        if self.arch == "bert":
+            return self.hf_model.cls(hidden)
+        return self.hf_model.decoder(self.hf_model.head(hidden))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 positions: torch.Tensor, labels: torch.Tensor):
-        """``positions``: [N] flat indices into B*L; ``labels``: [N] ids (IGNORE_INDEX: not counted).
+        """``attention_mask``: [B, L], False at padding; None means the batch has no padding, and no
+        mask is built (SDPA then runs its unmasked fast path on the global layers).
+        ``positions``: [N] flat indices into B*L; ``labels``: [N] ids (IGNORE_INDEX: not counted).
 
         Returns (loss_sum, num_correct, num_predicted): the cross-entropy summed over the predicted
         tokens in fp32 (the caller divides by the masked count of the whole step, all ranks and
         micro-steps together), and two int64 counts. Nothing here waits for the device.
         """
-        if attention_mask is None:
-            attention_mask = input_ids != self.pad_id
-        hidden = self.hf_model.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        head = self.hf_model.cls
+        hidden = self.encode(input_ids, attention_mask)
         if self.sparse_head:
-            logits = head(hidden.reshape(-1, hidden.size(-1)).index_select(0, positions))
+            logits = self.head(hidden.reshape(-1, hidden.size(-1)).index_select(0, positions))
         else:
-            logits = head(hidden).reshape(-1, self.config.vocab_size).index_select(0, positions)
-        loss_sum = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+            logits = self.head(hidden).reshape(-1, self.config.vocab_size).index_select(0, positions)
+        logits = logits.float()            # one fp32 copy serves the loss and the accuracy
+        loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
         counted = labels != IGNORE_INDEX
         num_correct = ((logits.argmax(dim=-1) == labels) & counted).sum()
         return loss_sum, num_correct, counted.sum()
+
+
+def attention_implementation(impl: ImplConfig) -> str:
+    """The attention kernel Hugging Face should use: ``impl.attention`` unless it cannot run here.
+
+    flash_attention_2 needs a CUDA GPU of compute capability 8.0+ (Ampere or newer), the flash-attn
+    package and 16-bit weights; anywhere else (a CPU, ``impl.precision: fp32``) SDPA runs instead,
+    with a warning when flash attention was asked for by name."""
+    wanted = impl.attention
+    if wanted not in ("auto", "flash_attention_2"):
+        return wanted
+    from transformers.utils import is_flash_attn_2_available
+
+    reasons = []
+    if not torch.cuda.is_available():
+        reasons.append("no CUDA device")
+    elif torch.cuda.get_device_capability()[0] < 8:
+        reasons.append(f"GPU compute capability {torch.cuda.get_device_capability()} < (8, 0)")
+    if not is_flash_attn_2_available():
+        reasons.append("the flash-attn package (>= 2.3.3) is not installed")
+    if impl.precision == "fp32":
+        reasons.append("impl.precision is fp32 (flash attention needs bf16 or fp16)")
+    if not reasons:
+        return "flash_attention_2"
+    if wanted == "flash_attention_2":
+        log.warning("impl.attention=flash_attention_2 cannot run here (%s): using sdpa", "; ".join(reasons))
+    return "sdpa"
 
 
 def bert_config(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, attention: str) -> BertConfig:
@@ -73,29 +123,67 @@ def bert_config(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, at
     )
 
 
+def modernbert_config(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds,
+                      attention: str) -> ModernBertConfig:
+    return ModernBertConfig(
+        vocab_size=vocab_size,
+        hidden_size=model_cfg.hidden_size,
+        num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_heads,
+        intermediate_size=model_cfg.intermediate_size,
+        max_position_embeddings=model_cfg.max_position_embeddings,
+        initializer_range=model_cfg.initializer_range,
+        norm_eps=model_cfg.layer_norm_eps,
+        attention_dropout=model_cfg.attention_dropout,
+        embedding_dropout=model_cfg.embedding_dropout,
+        mlp_dropout=model_cfg.mlp_dropout,
+        global_attn_every_n_layers=model_cfg.global_attn_every_n_layers,
+        local_attention=model_cfg.local_attention,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": model_cfg.rope_theta},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": model_cfg.local_rope_theta}},
+        pad_token_id=special.pad,
+        bos_token_id=special.cls,
+        cls_token_id=special.cls,
+        eos_token_id=special.sep,
+        sep_token_id=special.sep,
+        tie_word_embeddings=True,
+        attn_implementation=attention,
+    )
+
+
+CONFIG_BUILDERS = {"bert": bert_config, "modernbert": modernbert_config}
+
+
 def build_model(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, impl: ImplConfig,
                 seq_len: int | None = None) -> MLMModel:
-    """A fresh BERT from ``model_cfg`` (seed torch first for a deterministic init), or, with
-    ``model_cfg.init_from``, a local HF checkpoint whose own architecture wins (a checkpoint without
-    an MLM head, such as a plain ``BertModel``, gets a freshly initialised head transform; the
-    decoder is tied to its word embeddings). Always fp32: the engine casts for mixed precision."""
+    """A fresh encoder of ``model_cfg.arch`` from ``model_cfg`` (seed torch first for a deterministic
+    init), or, with ``model_cfg.init_from``, a local HF checkpoint of that architecture whose own
+    shape wins (a checkpoint without an MLM head, such as a plain ``BertModel``, gets a freshly
+    initialised head; the decoder is tied to its word embeddings). Always fp32: the engine casts for
+    mixed precision."""
+    attention = attention_implementation(impl)
     if model_cfg.init_from:
         folder = model_cfg.init_from
         if not os.path.isfile(os.path.join(folder, "config.json")):
             raise FileNotFoundError(f"model.init_from: {folder!r} has no config.json (a local Hugging Face "
                                     "model folder is needed; nothing is downloaded at run time)")
-        found = BertConfig.from_pretrained(folder, local_files_only=True).vocab_size
-        if found != vocab_size:
-            raise ValueError(f"model.init_from: {folder!r} has vocab_size {found}, but the data's "
+        found = AutoConfig.from_pretrained(folder, local_files_only=True)
+        if found.model_type != model_cfg.arch:
+            raise ValueError(f"model.init_from: {folder!r} holds a {found.model_type!r} model, but model.arch "
+                             f"is {model_cfg.arch!r}")
+        if found.vocab_size != vocab_size:
+            raise ValueError(f"model.init_from: {folder!r} has vocab_size {found.vocab_size}, but the data's "
                              f"manifest says {vocab_size}: prepare the data with that model's tokenizer")
-        hf_model = BertForMaskedLM.from_pretrained(folder, attn_implementation=impl.attention,
-                                                   dtype=torch.float32, local_files_only=True)
+        hf_model = MASKED_LM_CLASSES[model_cfg.arch].from_pretrained(
+            folder, attn_implementation=attention, dtype=torch.float32, local_files_only=True)
     else:
-        hf_model = BertForMaskedLM(bert_config(model_cfg, vocab_size, special, impl.attention))
+        config = CONFIG_BUILDERS[model_cfg.arch](model_cfg, vocab_size, special, attention)
+        hf_model = MASKED_LM_CLASSES[model_cfg.arch](config)
     max_pos = hf_model.config.max_position_embeddings
     if seq_len is not None and seq_len > max_pos:
         raise ValueError(f"sequence length {seq_len} exceeds the model's max_position_embeddings {max_pos}")
     hf_model.tie_weights()
-    if hf_model.cls.predictions.decoder.weight is not hf_model.bert.embeddings.word_embeddings.weight:
+    if hf_model.get_output_embeddings().weight is not hf_model.get_input_embeddings().weight:
         raise RuntimeError("the MLM decoder is not tied to the word embeddings (tie_word_embeddings=False?)")
-    return MLMModel(hf_model, sparse_head=impl.sparse_head, pad_id=special.pad)
+    log.info("model: %s, attention %s", model_cfg.arch, attention)
+    return MLMModel(hf_model, sparse_head=impl.sparse_head)
