@@ -1,0 +1,208 @@
+"""BERT against ModernBERT of about equal size: same text, same wall-clock budget, side by side.
+
+    python bench/arch_compare.py [--budget-s 600] [--threads 2] [--precision bf16] [--batch-size 32]
+                                 [--seq-len 128] [--eval-batches 0] [--archs bert modernbert]
+
+Both rows are ``configs/mini.yaml`` (4 layers, hidden 256, 4 heads, lr 1e-3, AdamW) run by the real
+entry point, ``python -m pretrain.train``, one process (world size 1, ZeRO 0, no data workers, no
+tracking), the same shards, data order and masking seeds (15%), the same micro-batch and precision:
+
+* ``bert``: ``model.arch=bert``, FFN 1024, its standard dropout 0.1, learned absolute positions.
+* ``modernbert``: ``model.arch=modernbert``, GeGLU FFN of 704 (3 x 256 x 704 weights per layer against
+  BERT's 2 x 256 x 1024: the parameter counts differ by under 1%), its standard settings: no dropout,
+  rotary positions, global attention in layers 0 and 3 and a 128-token window in layers 1 and 2.
+
+The learning rate is constant after a short warm-up (``optim.schedule=constant``), so where the budget
+cuts a run does not change its schedule. The budget runs from the trainer's ``start:`` log line (model
+built, engine ready) to SIGTERM, after which the trainer finishes its step, checkpoints and exits
+(code 3); "seconds trained" includes that last step. That checkpoint is exported with ``python -m pretrain.export`` and the exported Hugging Face
+model is evaluated here on the held-out split (15% masking, 80/10/10, the trainer's fixed evaluation
+seed): masked-token loss and accuracy. tokens/s and MFU are the trainer's own ``perf/*`` figures
+(``metrics.jsonl``, the first logging window dropped as warm-up), MFU against one matmul peak measured
+here before the runs and passed to both (``impl.peak_tflops``).
+
+Shards: ``--data DIR`` (it needs a validation split), or the embedded Wikipedia sample sharded with
+the real ``data_prep`` CLI into ``--work-dir`` (bert-base-uncased vocabulary, 5% of documents held out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import format_table, load_average, thread_env  # noqa: E402
+
+CONFIG = REPO / "configs" / "mini.yaml"
+ARCHS: dict[str, list[str]] = {
+    "bert": ["model.arch=bert"],
+    "modernbert": ["model.arch=modernbert", "model.intermediate_size=704"],
+}
+
+
+def held_out_shards(folder: Path, seq_len: int) -> Path:
+    """The embedded Wikipedia sample as shards with a validation split (written once per seq_len)."""
+    from data_prep.sample_corpus import bert_uncased_dir, write_sample_corpus
+
+    shards = folder / f"shards-heldout-seq{seq_len}"
+    if (shards / "manifest.json").is_file():
+        return shards
+    corpus = folder / "corpus"
+    if not corpus.is_dir():
+        write_sample_corpus(corpus, "txt", num_files=4)
+    for argv in (["shard", "--input", str(corpus), "--tokenizer", str(bert_uncased_dir()), "--out", str(shards),
+                  "--seq-len", str(seq_len), "--validation-fraction", "0.05"],
+                 ["finalize", str(shards)]):
+        done = subprocess.run([sys.executable, "-m", "data_prep", *argv], cwd=REPO, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"python -m data_prep {' '.join(argv)} failed ({done.returncode}):\n"
+                               f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return shards
+
+
+def matmul_peak(precision: str, threads: int) -> float:
+    import torch
+
+    try:                                                   # where the lead's hardware module has it
+        from pretrain.hardware import measure_matmul_peak_tflops
+    except ImportError:
+        from pretrain.flops import measure_matmul_peak_tflops
+    torch.set_num_threads(threads)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return max(measure_matmul_peak_tflops("cpu", dtype, seconds=1.0) for _ in range(2))
+
+
+def train_for(arch: str, args, shards: Path, peak: float) -> dict:
+    """One budget-limited training run; returns its figures and the exported model folder."""
+    out_dir = Path(args.work_dir) / "runs" / arch
+    cmd = [sys.executable, "-m", "pretrain.train", "--config", str(CONFIG), *ARCHS[arch],
+           f"data.dir={shards}", f"train.out_dir={out_dir}", "train.resume=none", "train.max_steps=1000000",
+           f"train.log_every={args.log_every}", "train.eval_every=0", "train.checkpoint_every=0",
+           "train.keep_checkpoints=1", f"train.global_batch_size={args.batch_size}",
+           f"model.max_position_embeddings={max(512, args.seq_len)}", "optim.schedule=constant",
+           f"optim.warmup_steps={args.warmup_steps}", f"impl.micro_batch_size={args.batch_size}",
+           "impl.zero_stage=0", "impl.num_workers=0", f"impl.precision={args.precision}",
+           f"impl.peak_tflops={peak}", "tracking.backend=none"]
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    load_before = load_average()
+    started = None
+    with open(out_dir / "stdout.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=thread_env(args.threads), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:                        # the trainer logs a line per log_every steps
+            log.write(line)
+            if started is None and " start: step " in line:
+                started = time.perf_counter()
+                timer = _sigterm_after(proc, args.budget_s)
+        proc.wait()
+    if started is None or proc.returncode != 3:
+        raise RuntimeError(f"{arch}: pretrain.train exited {proc.returncode} (expected 3 after SIGTERM); "
+                           f"command:\n  {' '.join(cmd)}\nlast output:\n{(out_dir / 'stdout.log').read_text()[-3000:]}")
+    timer.cancel()
+    trained_s = time.perf_counter() - started
+    hf_dir = out_dir / "hf"
+    subprocess.run([sys.executable, "-m", "pretrain.export", str(out_dir / "checkpoints"), str(hf_dir)], cwd=REPO,
+                   env=thread_env(args.threads), check=True, capture_output=True)
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    windows = [r for r in rows if "perf/tokens_per_s" in r][1:] or [r for r in rows if "perf/tokens_per_s" in r]
+    steps = max(r["step"] for r in rows)
+    return {"arch": arch, "hf_dir": hf_dir, "steps": steps, "trained_s": trained_s,
+            "tokens": steps * args.batch_size * args.seq_len,
+            "tokens_per_s": sum(r["perf/tokens_per_s"] for r in windows) / len(windows),
+            "mfu": sum(r["perf/mfu"] for r in windows) / len(windows),
+            "train_loss": [r for r in rows if "train/loss" in r][-1]["train/loss"],
+            "load": (load_before[0], load_average()[0])}
+
+
+def _sigterm_after(proc: subprocess.Popen, seconds: float):
+    import threading
+
+    timer = threading.Timer(seconds, lambda: proc.poll() is None and proc.send_signal(signal.SIGTERM))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def held_out_mlm(hf_dir: Path, arch: str, shards: Path, batch_size: int, max_batches: int, threads: int) -> dict:
+    """Masked-token loss and accuracy of an exported model on the validation split at 15% masking."""
+    import torch
+
+    from data_prep.shard_format import load_manifest
+    from pretrain.config import ImplConfig, ModelConfig
+    from pretrain.data import eval_batches
+    from pretrain.masking import SpecialIds, eval_masking_config, mask_batch, mask_generator
+    from pretrain.model import build_model
+
+    torch.set_num_threads(threads)
+    manifest = load_manifest(shards)
+    special = SpecialIds.from_manifest(manifest)
+    model = build_model(ModelConfig(arch=arch, init_from=str(hf_dir)), manifest["tokenizer"]["vocab_size"],
+                        special, ImplConfig(attention="sdpa")).eval()
+    mcfg = eval_masking_config()
+    loss_sum, correct, count = 0.0, 0, 0
+    with torch.no_grad():
+        for i, batch in enumerate(eval_batches(shards, manifest, "validation", 0, 1, batch_size, max_batches)):
+            ids = batch["input_ids"]
+            m = mask_batch(ids, batch["word_starts"], special, mcfg, mask_generator(mcfg.seed, 0, 0, i, ids.device))
+            batch_loss, batch_correct, batch_count = model(m.input_ids, ids != special.pad, m.positions, m.labels)
+            loss_sum, correct, count = loss_sum + float(batch_loss), correct + int(batch_correct), count + int(batch_count)
+    return {"eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_tokens": count,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget-s", type=float, default=600.0, help="training wall-clock seconds per architecture")
+    p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=list(ARCHS))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=128, help="of the sample shards written when --data is not given")
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-batches", type=int, default=0, help="validation batches (0: the whole split)")
+    p.add_argument("--data", default="", help="shards with a validation split (default: the embedded sample)")
+    p.add_argument("--work-dir", default="/tmp/mlm_arch_compare")
+    args = p.parse_args(argv)
+
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    shards = Path(args.data) if args.data else held_out_shards(work, args.seq_len)
+    args.seq_len = json.loads((shards / "manifest.json").read_text())["seq_len"]
+    peak = matmul_peak(args.precision, args.threads)
+    print(f"shards {shards} (seq len {args.seq_len}); {args.precision} matmul peak {peak:.3f} TFLOP/s "
+          f"on {args.threads} threads; budget {args.budget_s:.0f} s per architecture", flush=True)
+    results = []
+    for arch in args.archs:
+        res = train_for(arch, args, shards, peak)
+        res.update(held_out_mlm(res["hf_dir"], arch, shards, args.batch_size, args.eval_batches, args.threads))
+        results.append(res)
+        print(json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in res.items()}), flush=True)
+
+    header = ["arch", "params", "seconds trained", "steps", "tokens", "tokens/s", "MFU", "train loss (last window)",
+              "held-out MLM loss", "held-out MLM accuracy (15%)", "load avg before/after"]
+    table = [[r["arch"], f"{r['params'] / 1e6:.2f}M", f"{r['trained_s']:.0f}", r["steps"], f"{r['tokens']:,}", f"{r['tokens_per_s']:,.0f}",
+              f"{100 * r['mfu']:.1f}%", f"{r['train_loss']:.3f}", f"{r['eval_loss']:.3f}",
+              f"{100 * r['eval_accuracy']:.2f}%", f"{r['load'][0]:.1f} / {r['load'][1]:.1f}"] for r in results]
+    print()
+    print(format_table(header, table))
+    if len(results) == 2:
+        a, b = results
+        print(f"\n{b['arch']} / {a['arch']}: tokens/s x{b['tokens_per_s'] / a['tokens_per_s']:.2f}, "
+              f"MFU x{b['mfu'] / a['mfu']:.2f}, held-out accuracy {100 * (b['eval_accuracy'] - a['eval_accuracy']):+.2f} "
+              f"points, held-out loss {b['eval_loss'] - a['eval_loss']:+.3f} (perplexity x"
+              f"{math.exp(b['eval_loss'] - a['eval_loss']):.2f}) in the same {args.budget_s:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
