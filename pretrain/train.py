@@ -60,10 +60,9 @@ def fit(cfg: Config, manifest: dict, info: eng.DistInfo, stop: StopSignal) -> in
                                          "deepspeed.json": json.dumps(ds_config, indent=2)}))
     metrics = MetricLog(Path(cfg.train.out_dir), rank, tracker, resume_step=step)
     stream = TrainStream(cfg.data.dir, manifest, cfg.data.train_split, rank, world, cfg.impl.micro_batch_size,
-                         cfg.data.seed, cfg.impl.num_workers, cfg.impl.prefetch_factor,
-                         start_position=state.get("data_position", 0))
+                         cfg.train.global_batch_size, cfg.data.seed, cfg.impl.num_workers, cfg.impl.prefetch_factor,
+                         start_samples=state.get("samples_consumed", 0))
     batches = iter(stream)
-    data_position = state.get("data_position", 0)            # micro-batches this rank has consumed
     flops_per_seq = mlm_flops_per_sequence(model.hf_model.config, seq_len,
                                            cfg.masking.rate * seq_len, cfg.impl.sparse_head)
     peak = cfg.impl.peak_tflops or measure_matmul_peak_tflops(device, torch.bfloat16 if precision == "bf16"
@@ -81,7 +80,6 @@ def fit(cfg: Config, manifest: dict, info: eng.DistInfo, stop: StopSignal) -> in
             engine.train()
             t_start = time.perf_counter()
             micro = [next(batches) for _ in range(grad_accum)]
-            data_position += grad_accum
             t_data = time.perf_counter()
             masked = []
             for i, batch in enumerate(micro):
@@ -156,7 +154,7 @@ def fit(cfg: Config, manifest: dict, info: eng.DistInfo, stop: StopSignal) -> in
             halting = step == cfg.train.halt_at_step
             periodic = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and not local_bad[0]
             if stopping or halting or last or periodic:
-                client_state = {"step": step, "tokens_seen": tokens_seen, "data_position": data_position,
+                client_state = {"step": step, "tokens_seen": tokens_seen, "samples_consumed": stream.samples_consumed,
                                 "rng": eng.rng_state(), "run_id": tracker.run_id or run_id,
                                 "nonfinite_total": nonfinite_total, "config": configlib.to_dict(cfg)}
                 export = last or (cfg.train.export_every and step % cfg.train.export_every == 0)
