@@ -187,6 +187,7 @@ def test_a_changed_global_batch_seed_or_data_is_refused(uneven, tmp_path):
         stream(root, manifest, world=3)
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
 def test_any_number_of_workers_yields_the_identical_stream(uneven):
     root, manifest, _ = uneven
     start = (41 - 2) * 32                             # crosses the epoch boundary
