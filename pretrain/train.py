@@ -279,6 +279,9 @@ def main(argv=None) -> int:
         logging.getLogger().setLevel(logging.WARNING)
     try:
         return fit(cfg, manifest, info, stop)
+    except ShardError as exc:       # a shard that fails mid-run (e.g. an out-of-range token id): named, exit 2
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
