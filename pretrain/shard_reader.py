@@ -54,8 +54,8 @@ def _shard_index(path: str, expected_blocks: int) -> np.ndarray:
     a block, where a list of ``BlockRef`` objects costs several times that in every worker."""
     refs = index_shard(path)
     if len(refs) != expected_blocks:
-        raise ShardError(f"{path}: holds {len(refs)} blocks, the manifest says {expected_blocks} "
-                         f"(rewritten after finalize? run data_prep verify)")
+        raise ShardError(f"{path}: its tar headers list {len(refs)} blocks, the manifest says {expected_blocks} "
+                         f"(a damaged header, or rewritten after finalize; run data_prep verify)")
     return np.asarray([[r.ids_offset, r.ids_size, r.starts_offset, r.starts_size] for r in refs],
                       dtype=np.int64).reshape(-1, 4)
 
@@ -71,7 +71,7 @@ def _index_problems(data_dir, entries: Sequence[dict]) -> list[str]:
     # Threads: a cold scan waits on one small read per tar member (4x faster with 4 threads here).
     with ThreadPoolExecutor(max_workers=_INDEX_THREADS) as pool:
         failed = [p for p in pool.map(problem, entries) if p is not None]
-    return [_named("shards with unreadable tar headers", failed, Path(data_dir), "run data_prep verify")] if failed else []
+    return [_named("shards with unreadable tar headers", failed, Path(data_dir))] if failed else []
 
 
 def index_all_shards(data_dir: str | os.PathLike, manifest: dict, splits: Sequence[str]) -> None:
