@@ -25,6 +25,7 @@ from pretrain.configlib import ConfigError
 LATEST = "latest"              # DeepSpeed's own pointer file name; we write it ourselves, last
 COMPLETE = "COMPLETE"          # marker inside a tag folder: every rank's files are on disk
 CONFIG_FILE = "config.yaml"    # the resolved config of the run that wrote the checkpoint
+STATE_FILE = "train_state.json"  # the TrainState without RNG, readable without DeepSpeed
 
 
 def checkpoint_root(cfg: Config) -> Path:

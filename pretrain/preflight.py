@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from data_prep.shard_format import ShardError, load_manifest
+from data_prep.shard_format import load_manifest
 from pretrain import checkpointing, configlib, hardware
 from pretrain.config import Config
 from pretrain.configlib import ConfigError
@@ -29,10 +29,10 @@ def check_inputs(cfg: Config) -> tuple[dict, Optional[str]]:
     manifest = load_manifest(cfg.data.dir)
     has_eval = any(s["split"] == cfg.data.eval_split for s in manifest.get("shards", []))
     splits = [cfg.data.train_split] + ([cfg.data.eval_split] if has_eval else [])
+    # Also reads every shard's tar headers (cheap), so a damaged one is an input error now, not
+    # a crash hours into the run.
     problems = check_manifest(manifest, cfg.data.dir, max_positions=cfg.model.max_position_embeddings,
                               splits=splits)
-    if not problems:
-        problems += shard_index_problems(cfg.data.dir, manifest, splits)
     problems += init_from_problems(cfg, manifest)
     problems += hardware.precision_problems(cfg.impl.precision)
     tag = None
@@ -45,21 +45,6 @@ def check_inputs(cfg: Config) -> tuple[dict, Optional[str]]:
     if problems:
         raise ConfigError(problems, f"{cfg.data.dir}/manifest.json" if not tag else f"{cfg.train.out_dir}")
     return manifest, tag
-
-
-def shard_index_problems(data_dir: str, manifest: dict, splits: list[str]) -> list[str]:
-    """Read every shard's tar headers now (cheap), so a damaged header is an input error, not a
-    crash hours into the run."""
-    from pretrain import data
-
-    index_all = getattr(data, "index_all_shards", None)
-    if index_all is None:
-        return []
-    try:
-        index_all(data_dir, manifest, splits)
-    except ShardError as exc:
-        return [str(exc)]
-    return []
 
 
 def tokenizer_vocab(folder: Path) -> Optional[dict[str, int]]:
@@ -129,7 +114,25 @@ def resume_problems(cfg: Config, manifest: dict, root: Path, tag: str) -> list[s
         if saved_manifest["tokenizer"].get("sha256") != manifest["tokenizer"].get("sha256"):
             problems.append(f"data: the checkpoint {tag} was trained on data from another tokenizer than "
                             f"{cfg.data.dir}'s")
+    problems += data_position_problems(cfg, manifest, root / tag)
     if problems:
         problems.append(f"(settings that change results may not change on resume; start a new run with "
                         f"train.resume=none or another train.out_dir)")
     return problems
+
+
+def data_position_problems(cfg: Config, manifest: dict, folder: Path) -> list[str]:
+    """The checkpoint's data position must apply to this data at this world size and micro-batch."""
+    from pretrain.data import DataError, TrainStream
+
+    try:
+        saved = json.loads((folder / checkpointing.STATE_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        return [f"{folder}: {checkpointing.STATE_FILE} unreadable ({exc}): not a checkpoint of this version"]
+    try:
+        stream = TrainStream(cfg.data.dir, manifest, cfg.data.train_split, 0, cfg.world_size(),
+                             cfg.impl.micro_batch_size, cfg.train.global_batch_size, cfg.data.seed)
+        stream.load_state_dict(saved.get("data", {}))
+    except DataError as exc:
+        return [str(exc)]
+    return []

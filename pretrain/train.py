@@ -142,8 +142,9 @@ def fit(cfg: Config, manifest: dict, resume_from: str | None, info: eng.DistInfo
         engine.compile()
     grad_accum = cfg.grad_accum_steps(world)
     stream = TrainStream(cfg.data.dir, manifest, cfg.data.train_split, rank, world, cfg.impl.micro_batch_size,
-                         cfg.data.seed, cfg.impl.num_workers, cfg.impl.prefetch_factor,
-                         start_position=state.samples_consumed // (cfg.impl.micro_batch_size * world))
+                         cfg.train.global_batch_size, cfg.data.seed, cfg.impl.num_workers, cfg.impl.prefetch_factor)
+    if resume_from:
+        stream.load_state_dict(state.data)       # another world size or micro-batch continues the same order
     if rank == 0 and cfg.train.resume == "none":      # a fresh start is a new tracking run too
         (Path(cfg.train.out_dir) / "mlflow_run_id").unlink(missing_ok=True)
     tracker = make_tracker(cfg, rank, resume_step=state.step)
@@ -174,7 +175,7 @@ def fit(cfg: Config, manifest: dict, resume_from: str | None, info: eng.DistInfo
             will_log = (state.step + 1) % cfg.train.log_every == 0 or state.step + 1 == cfg.train.max_steps
             result = train_step(engine, optimizer, micro, state.step, cfg, special, info, stop, will_log)
             state.step += 1
-            state.samples_consumed += cfg.train.global_batch_size
+            state.samples_consumed = stream.samples_consumed
             state.tokens_seen += cfg.train.global_batch_size * seq_len
             window.add(result, time.perf_counter() - t_start, t_data - t_start)
             step, last = state.step, state.step == cfg.train.max_steps
@@ -206,7 +207,7 @@ def fit(cfg: Config, manifest: dict, resume_from: str | None, info: eng.DistInfo
             periodic = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and not result.nonfinite
             if result.stop or halting or last or periodic:
                 export = last or bool(cfg.train.export_every and step % cfg.train.export_every == 0)
-                checkpoint(engine, cfg, model, manifest, tracker, state, resolved_yaml, export, final=last)
+                checkpoint(engine, cfg, model, manifest, tracker, state, stream, resolved_yaml, export, final=last)
             if result.stop:
                 log.warning("%s: checkpointed at step %d; exiting for requeue",
                             f"signal {stop.name}" if stop.name else "a signal on another rank", step)
@@ -227,13 +228,16 @@ def fit(cfg: Config, manifest: dict, resume_from: str | None, info: eng.DistInfo
         tracker.finish(status)        # flushes what it buffered and marks the run
 
 
-def checkpoint(engine, cfg: Config, model, manifest: dict, tracker, state: TrainState, resolved_yaml: str,
-               export: bool, final: bool) -> None:
+def checkpoint(engine, cfg: Config, model, manifest: dict, tracker, state: TrainState, stream: TrainStream,
+               resolved_yaml: str, export: bool, final: bool) -> None:
     """A complete checkpoint (with the config, model config, manifest and tokenizer beside it, so
     that it exports on its own), recorded by the tracker; optionally exported to Hugging Face."""
-    tag = checkpointing.save(engine, cfg, state.step, {STATE_KEY: state.state_dict()},
+    state.data = stream.state_dict()
+    snapshot = state.state_dict()
+    readable = {k: v for k, v in snapshot.items() if k != "rng"}      # for checks before any process group
+    tag = checkpointing.save(engine, cfg, state.step, {STATE_KEY: snapshot},
                              {"config.yaml": resolved_yaml, "hf_config.json": model.hf_model.config.to_json_string(),
-                              "manifest.json": json.dumps(manifest)},
+                              "manifest.json": json.dumps(manifest), checkpointing.STATE_FILE: json.dumps(readable)},
                              {"tokenizer": Path(cfg.data.dir) / manifest["tokenizer"]["path"]})
     tracker.log_checkpoint(tag, state.step, str(checkpointing.checkpoint_root(cfg) / tag))
     if export:
