@@ -165,12 +165,14 @@ def load_yaml(path: str | Path) -> dict:
 def build(cls: type[T], data: dict, overrides: list[str] = (), source: str = "config") -> T:
     """Build ``cls`` from a mapping plus overrides; every problem is reported at once."""
     problems: list[str] = []
+    overridden: dict[str, str] = {}         # dotted key -> the override that set it
     for text in overrides:
         try:
             keys, value = parse_override(text)
         except ConfigError as exc:
             problems.extend(exc.problems)
             continue
+        overridden[".".join(keys)] = text
         node = data
         for k in keys[:-1]:
             if not isinstance(node.get(k), dict):
@@ -181,8 +183,18 @@ def build(cls: type[T], data: dict, overrides: list[str] = (), source: str = "co
     if obj is not None:
         problems.extend(validate(obj))
     if problems:
-        raise ConfigError(problems, source)
+        raise ConfigError([_attribute(p, overridden) for p in problems],
+                          f"{source} with overrides" if overridden else source)
     return obj
+
+
+def _attribute(problem: str, overridden: dict[str, str]) -> str:
+    """Name the command-line override behind a problem, so it is not blamed on the YAML file."""
+    key = problem.split(":", 1)[0].strip()
+    for dotted, text in overridden.items():
+        if key == dotted or key.startswith(dotted + ".") or dotted.startswith(key + "."):
+            return f"{problem} (from the override {text!r})"
+    return problem
 
 
 def load(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
