@@ -25,6 +25,8 @@ _SHARD_FLAGS = {  # ShardSettings field -> (flag, type, help)
     "seed": ("--seed", int, "shuffle and validation-split seed (default 0)"),
     "validation_fraction": ("--validation-fraction", float, "fraction of documents held out (default 0)"),
     "shard_size": ("--shard-size", int, "sequences per shard (default 16384)"),
+    "group_chars": ("--group-chars", int, "characters per packing group: the unit of work and of packing, "
+                    "independent of the task count (default 67108864)"),
     "block_size": ("--block-size", int, "sequences per webdataset sample (default 256)"),
     "workers": ("--workers", int, "tokenizer processes (default 1: in-process, Rust threads use all cores)"),
     "batch_chars": ("--batch-chars", int, "characters per tokenizer batch (default 1048576)"),
@@ -106,9 +108,9 @@ def _run(args) -> int:
         result = run_shard(_shard_settings(args))
         if not result.skipped:
             logging.getLogger("data_prep").info(
-                "task %d: %d shard(s) written, %d kept from an earlier run, %s documents, %.1f s -> %s",
-                result.task, result.shards_written, result.shards_reused, result.documents, result.seconds,
-                result.manifest)
+                "task %d: %d packing group(s), %d shard(s) written, %d kept from an earlier run, %s documents, "
+                "%.1f s -> %s", result.task, result.groups, result.shards_written, result.shards_reused,
+                result.documents, result.seconds, result.manifest)
         return 0
     if args.command == "finalize":
         from .finalize import finalize

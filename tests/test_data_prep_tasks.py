@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 from data_prep.cli import main
 from data_prep.errors import DataPrepError
 from data_prep.finalize import finalize
-from data_prep.reader import ReadOptions, iter_task_documents, resolve_inputs, resolve_partition
+from data_prep.reader import resolve_inputs, resolve_partition
 from data_prep.settings import ShardSettings, load_settings_file
 from data_prep.shard import run_shard
 from data_prep.shard_format import iter_blocks, load_manifest
@@ -38,51 +37,68 @@ def run_tasks(inputs, tokenizer, out, num_tasks, **kw) -> Path:
     return Path(out)
 
 
-def all_sequences(out: Path) -> list[np.ndarray]:
-    m = load_manifest(out)
-    return [ids for e in m["shards"] for ids, _ in iter_blocks(out / e["name"], m["seq_len"])]
-
-
-def content_counts(out: Path) -> Counter:
-    """Multiset of text tokens over every shard (framing [CLS]/[SEP]/[PAD] removed)."""
-    ids = np.concatenate([s.ravel() for s in all_sequences(out)])
-    special = np.isin(ids, [0, 101, 102])
-    return Counter(ids[~special].tolist())
-
-
 def files_digest(out: Path) -> dict[str, str]:
     from data_prep.shard_format import sha256_file
 
     return {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()}
 
 
+GROUP_CHARS = 60_000  # 2 to 3 packing groups per file of the sample corpus
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, wiki_txt_dir, bert_uncased_dir):
     return run_tasks([wiki_txt_dir], bert_uncased_dir, tmp_path_factory.mktemp("single") / "out", 1,
-                     shard_size=256, validation_fraction=0.1, seed=7)
+                     shard_size=256, validation_fraction=0.1, seed=7, group_chars=GROUP_CHARS)
+
+
+def tar_digests(out: Path) -> dict[str, str]:
+    from data_prep.shard_format import sha256_file
+
+    return {p.name: sha256_file(p) for p in sorted(out.glob("*.tar"))}
 
 
 @pytest.mark.parametrize("partition", ["files", "documents"])
-def test_array_tasks_together_hold_what_one_task_holds(tmp_path, single, wiki_txt_dir, bert_uncased_dir, partition):
+def test_any_number_of_tasks_writes_the_same_shards(tmp_path, single, wiki_txt_dir, bert_uncased_dir, partition):
+    """The dataset is a function of (input, tokenizer, settings): 3 tasks write the very files 1 task writes."""
     out = run_tasks([wiki_txt_dir], bert_uncased_dir, tmp_path / "out", 3, shard_size=256,
-                    validation_fraction=0.1, seed=7, partition=partition)
+                    validation_fraction=0.1, seed=7, partition=partition, group_chars=GROUP_CHARS)
     m, one = load_manifest(out), load_manifest(single)
-    assert m["num_tasks"] == 3 and {e["task"] for e in m["shards"]} == {0, 1, 2}
-    for split in ("train", "validation"):
-        assert m["totals"][split]["documents"] == one["totals"][split]["documents"]
-    # every text token of every document lands in exactly one task
-    assert content_counts(out) == content_counts(single)
-    # and the tasks' documents are a partition of all documents
+    assert m["num_tasks"] == 3 and one["num_tasks"] == 1
+    # byte for byte: the same shard files, listed in the same order with the same counts
+    assert tar_digests(out) == tar_digests(single) and len(tar_digests(out)) >= 12
+    assert m["shards"] == one["shards"] and m["totals"] == one["totals"]
+    # each task did a disjoint, non-empty part of the work: its own packing groups
+    tasks = [json.loads((out / f"task-{i:05d}.json").read_text()) for i in range(3)]
+    owned = [tuple(g) for t in tasks for g in t["groups"]]
+    assert all(t["groups"] for t in tasks) and len(owned) == len(set(owned)) == len(
+        {(e["source"], e["group"]) for e in one["shards"]})
+    assert sorted(e["name"] for t in tasks for e in t["shards"]) == sorted(e["name"] for e in one["shards"])
     sources = resolve_inputs([str(wiki_txt_dir)])
     assert resolve_partition(partition, len(sources), 3) == partition
-    per_task = [list(iter_task_documents(sources, partition, 3, i, ReadOptions())) for i in range(3)]
-    everything = list(iter_task_documents(sources, "files", 1, 0, ReadOptions()))
-    assert all(per_task) and Counter(d for docs in per_task for d in docs) == Counter(everything)
-    # each task pads at most its own last sequence per split
-    for task in range(3):
+    # each group pads at most its own last sequence per split
+    for source, group in owned:
         for split in ("train", "validation"):
-            padded = [e["padding"] > 0 for e in m["shards"] if e["task"] == task and e["split"] == split]
+            padded = [e["padding"] > 0 for e in m["shards"]
+                      if (e["source"], e["group"], e["split"]) == (source, group, split)]
             assert sum(padded) <= 1 and (not any(padded) or padded[-1])
+
+
+def test_task_count_does_not_change_the_dataset_through_the_cli(tmp_path, bert_uncased_dir, wiki_articles):
+    """One big file, as the documents partition is made for: 1, 2 and 5 tasks give identical shards."""
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"text": text}) + "\n" for _, text in wiki_articles[:1500]))
+    digests = {}
+    for k in (1, 2, 5):
+        out = tmp_path / f"k{k}"
+        for i in range(k):
+            assert main(["shard", "--input", str(big), "--tokenizer", str(bert_uncased_dir), "--out", str(out),
+                         "--num-tasks", str(k), "--task-index", str(i), "--group-chars", "100000",
+                         "--shard-size", "200", "--validation-fraction", "0.05", "--seq-len", "64"]) == 0
+        assert main(["finalize", str(out)]) == 0
+        digests[k] = tar_digests(out)
+        assert load_manifest(out)["shards"] == load_manifest(tmp_path / "k1")["shards"]
+    assert len(digests[1]) >= 10 and digests[1] == digests[2] == digests[5]
 
 
 def test_concurrent_array_tasks_share_one_output_folder(tmp_path, single, wiki_txt_dir, bert_uncased_dir):
@@ -90,7 +106,8 @@ def test_concurrent_array_tasks_share_one_output_folder(tmp_path, single, wiki_t
     out = tmp_path / "out"
     procs = [subprocess.Popen([sys.executable, "-m", "data_prep", "shard", "--input", str(wiki_txt_dir),
                                "--tokenizer", str(bert_uncased_dir), "--out", str(out), "--shard-size", "256",
-                               "--validation-fraction", "0.1", "--seed", "7"], cwd=REPO,
+                               "--validation-fraction", "0.1", "--seed", "7", "--group-chars", str(GROUP_CHARS)],
+                              cwd=REPO,
                               stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_ID": str(i)})
              for i in range(3)]
@@ -99,7 +116,7 @@ def test_concurrent_array_tasks_share_one_output_folder(tmp_path, single, wiki_t
     proc = subprocess.run([sys.executable, "-m", "data_prep", "finalize", str(out)], cwd=REPO, capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr
-    assert verify(out) == [] and content_counts(out) == content_counts(single)
+    assert verify(out) == [] and tar_digests(out) == tar_digests(single)
     assert sorted(p.name for p in out.iterdir() if not p.suffix == ".tar") == \
            ["manifest.json", "task-00000.json", "task-00001.json", "task-00002.json", "tokenizer"]
 
@@ -143,7 +160,7 @@ def test_kill_after_first_shards_then_rerun_reuses_them(tmp_path, wiki_txt_dir, 
                              "--tokenizer", str(bert_uncased_dir), "--out", str(out), "--num-tasks", "1",
                              "--task-index", "0", "--shard-size", "64", "--validation-fraction", "0.15",
                              "--seed", "3", "--batch-chars", "20000"], cwd=REPO, stderr=subprocess.DEVNULL)
-    sidecar = out / ".progress-t00000" / "train-t00000-00002.tar.json"
+    sidecar = out / ".progress-t00000" / "train-s00000-g00000-00002.tar.json"
     deadline = time.time() + 120
     while not sidecar.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.002)
@@ -151,7 +168,7 @@ def test_kill_after_first_shards_then_rerun_reuses_them(tmp_path, wiki_txt_dir, 
     proc.wait()
     assert not (out / "task-00000.json").exists(), "finished before the kill"
     # what a kill can leave: a half-written shard
-    (out / "train-t00000-00099.tar.tmp").write_bytes(b"half a shard")
+    (out / "train-s00003-g00000-00099.tar.tmp").write_bytes(b"half a shard")
     result = run_shard(settings([wiki_txt_dir], bert_uncased_dir, out, **kw))
     assert result.shards_reused >= 3 and result.tokens < full.tokens
     assert files_digest(out) == files_digest(whole)
@@ -164,7 +181,7 @@ def test_resume_from_sidecars_with_a_corrupt_shard_rewrites_from_there(tmp_path,
     whole = tmp_path / "whole"
     run_shard(settings([wiki_txt_dir], bert_uncased_dir, whole, **kw))
     expected = files_digest(whole)
-    import data_prep.shard as shard_mod
+    import data_prep.group_writer as shard_mod
 
     calls = {"n": 0}
     original = shard_mod.SplitWriter._write
@@ -182,11 +199,13 @@ def test_resume_from_sidecars_with_a_corrupt_shard_rewrites_from_there(tmp_path,
     finally:
         shard_mod.SplitWriter._write = original
     interrupted = tmp_path / "interrupted"
-    sidecars = sorted(p.name for p in (interrupted / ".progress-t00000").iterdir())
+    sidecars = sorted(p.name for p in (interrupted / ".progress-t00000").glob("*.tar.json"))
     assert len(sidecars) == 6 and not (interrupted / "task-00000.json").exists()
+    assert list((interrupted / ".progress-t00000").glob("group-*.json"))  # at least one group was complete
     assert not list(interrupted.glob("*.tmp"))  # ShardWriter.abort removed the half-written shard
-    # flip a byte in the third kept train shard: it and everything after it in its split is redone
-    name = "train-t00000-00002.tar"
+    # flip a byte in the third kept train shard of the first, complete group: it and everything after
+    # it in its group's split is redone; the group's validation shards and the other groups' are kept
+    name = "train-s00000-g00000-00002.tar"
     data = bytearray((interrupted / name).read_bytes())
     data[len(data) // 2] ^= 0xFF
     (interrupted / name).write_bytes(bytes(data))
