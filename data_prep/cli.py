@@ -1,6 +1,8 @@
 """``python -m data_prep`` / ``data_prep``: tokenizer | shard | finalize | verify | inspect.
 
-Exit codes: 0 success, 1 ``verify`` found bad shards, 2 bad input or settings (message on stderr).
+Exit codes: 0 success, 1 ``verify`` found damaged shards (missing, truncated, corrupted), 2 bad input
+or settings, including data that disagrees with its tokenizer (ids outside the vocabulary, a manifest
+``vocab_size`` that is not the tokenizer's); the message is on stderr.
 """
 from __future__ import annotations
 
@@ -67,8 +69,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
 
     p = sub.add_parser("verify", help="check every shard against manifest.json",
-                       description="Check every shard (presence, size, sha256, decoding, counts); exit 1 "
-                                   "naming each bad shard.")
+                       description="Check the tokenizer beside the shards against the manifest (vocab_size, "
+                                   "special ids) and every shard (presence, size, sha256, decoding, counts, every "
+                                   "token id below the vocabulary size). Exit 1 naming each damaged shard; exit 2 "
+                                   "when the data disagrees with its tokenizer.")
     p.add_argument("dir")
     p.add_argument("--workers", type=int, default=4, help="shards checked at once (default 4)")
 
@@ -120,13 +124,17 @@ def _run(args) -> int:
               + ", ".join(f"{s}: {t['sequences']:,} sequences, {t['tokens']:,} tokens" for s, t in m["totals"].items()))
         return 0
     if args.command == "verify":
-        from .verify import verify
+        from .verify import verify_report
 
-        problems = verify(args.dir, workers=args.workers)
-        for problem in problems:
+        report = verify_report(args.dir, workers=args.workers)
+        for problem in report.problems:
             print(f"data_prep verify: BAD {problem}", file=sys.stderr)
-        if problems:
-            print(f"data_prep verify: {len(problems)} problem(s) in {args.dir}", file=sys.stderr)
+        if report.mismatched:
+            print(f"data_prep verify: error: {args.dir}: {len(report.mismatched)} disagreement(s) between the data "
+                  f"and its tokenizer, {len(report.damaged)} damaged shard(s)", file=sys.stderr)
+            return 2
+        if report.damaged:
+            print(f"data_prep verify: {len(report.damaged)} problem(s) in {args.dir}", file=sys.stderr)
             return 1
         print(f"{args.dir}: all shards verified")
         return 0

@@ -19,7 +19,7 @@ from data_prep.reader import resolve_inputs, resolve_partition
 from data_prep.settings import ShardSettings, load_settings_file
 from data_prep.shard import run_shard
 from data_prep.shard_format import iter_blocks, load_manifest
-from data_prep.verify import verify
+from data_prep.verify import verify, verify_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -235,6 +235,60 @@ def test_verify_names_every_bad_shard(tmp_path, wiki_txt_dir, bert_uncased_dir):
                           capture_output=True, text=True)
     assert proc.returncode == 1
     assert all(n in proc.stderr for n in (truncated, flipped, missing)) and names[3] not in proc.stderr
+
+
+def _rewrite_shard(out: Path, name: str, edit) -> None:
+    """Rewrite a shard through ``edit(block_index, ids)`` and record its new size and sha256 in the
+    manifest, as a buggy writer or a shard written with another tokenizer would leave it."""
+    from data_prep.shard_format import ShardWriter, write_json_atomic
+
+    m = load_manifest(out)
+    blocks = list(iter_blocks(out / name, m["seq_len"]))
+    writer = ShardWriter(out / name, m["tokenizer"]["vocab_size"])
+    for b, (ids, starts) in enumerate(blocks):
+        edit(b, ids)
+        writer.write_block(ids, starts)
+    digest = writer.close()
+    entry = next(e for e in m["shards"] if e["name"] == name)
+    entry.update(sha256=digest, bytes=(out / name).stat().st_size)
+    write_json_atomic(out / "manifest.json", m)
+
+
+def test_verify_checks_ids_and_vocab_size_against_the_tokenizer(tmp_path, wiki_txt_dir, bert_uncased_dir):
+    out = run_tasks([wiki_txt_dir], bert_uncased_dir, tmp_path / "out", 1, shard_size=128, block_size=32, seq_len=64)
+    assert verify(out) == []
+    names = [e["name"] for e in load_manifest(out)["shards"]]
+
+    def put_bad_id(block, ids):
+        if block == 1:
+            ids[3, 7] = 30522      # the first id past bert-base-uncased's vocabulary; uint16 holds it
+            ids[5, 0] = 40000
+
+    _rewrite_shard(out, names[2], put_bad_id)
+    report = verify_report(out)
+    assert report.damaged == [] and len(report.mismatched) == 1, report
+    assert report.mismatched[0] == (f"{names[2]}: block 1, sequence 3, position 7: token id 30522 is outside the "
+                                    "tokenizer's vocabulary of 30522 (2 such id(s) in this shard)")
+    proc = subprocess.run([sys.executable, "-m", "data_prep", "verify", str(out)], cwd=REPO, capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{names[2]}: block 1, sequence 3" in proc.stderr and names[3] not in proc.stderr
+
+    # a manifest whose vocab_size was edited: named, with both numbers, exit 2
+    m = load_manifest(out)
+    m["tokenizer"]["vocab_size"] = 30000
+    (out / "manifest.json").write_text(json.dumps(m))
+    proc = subprocess.run([sys.executable, "-m", "data_prep", "verify", str(out)], cwd=REPO, capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{out / 'manifest.json'}: vocab_size 30000, but the tokenizer in {out / 'tokenizer'} has 30522 tokens" \
+        in proc.stderr
+    # a manifest that lost a key the checks need: a message, not a KeyError
+    del m["tokenizer"]["special_ids"]
+    (out / "manifest.json").write_text(json.dumps(m))
+    proc = subprocess.run([sys.executable, "-m", "data_prep", "verify", str(out)], cwd=REPO, capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and "tokenizer.special_ids: missing" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_finalize_refuses_missing_and_mismatched_tasks(tmp_path, wiki_txt_dir, bert_uncased_dir):
