@@ -103,7 +103,8 @@ def _run(args) -> int:
         sources = resolve_inputs(args.input)
         opts = ReadOptions(text_field=args.text_field, txt_mode=args.txt_mode, hf_split=args.hf_split)
         out = train_tokenizer(iter_task_documents(sources, "files", 1, 0, opts), args.out, args.vocab_size,
-                              lowercase=args.lowercase, min_frequency=args.min_frequency)
+                              lowercase=args.lowercase, min_frequency=args.min_frequency,
+                              inputs=[s.path if s.kind != "hub" else f"hub:{s.path}" for s in sources])
         logging.getLogger("data_prep").info("tokenizer saved to %s", out)
         return 0
     if args.command == "shard":

@@ -389,6 +389,43 @@ def test_errors_name_the_file_line_or_task(tmp_path, capsys, bert_uncased_dir):
         capsys, ["shard", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o3"), "--input", str(ok)])
 
 
+def test_damaged_gzip_input_is_named_with_advice_that_fits(tmp_path, capsys, wiki_txt_dir, bert_uncased_dir):
+    import gzip
+
+    good = gzip.compress((wiki_txt_dir / "wiki-00.txt").read_bytes())
+    cases = {"truncated.txt.gz": (good[: len(good) // 2], "truncated gzip file")}
+    # bytes flipped in the middle decompress to garbage that fails UTF-8 decoding long before the
+    # checksum at the end; flipped near the end they fail the checksum; both are damage, not encoding
+    for where in (len(good) // 3, len(good) - 20):
+        damaged = bytearray(good)
+        for k in range(4):
+            damaged[where + k] ^= 0x5A
+        cases[f"damaged-{where}.txt.gz"] = (bytes(damaged), "corrupt gzip data")
+    cases["plain.txt.gz"] = ((wiki_txt_dir / "wiki-00.txt").read_bytes(), "not a gzip file")
+    for name, (data, message) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        for argv in (["shard", "--tokenizer", str(bert_uncased_dir), "--out", str(tmp_path / f"out-{name}"),
+                      "--input", str(path)],
+                     ["tokenizer", "--input", str(path), "--out", str(tmp_path / f"tok-{name}"),
+                      "--vocab-size", "200"]):
+            err = _error(capsys, argv)
+            assert f"{path}: {message}" in err and "UTF-8" not in err, (argv, err)
+    # a sound gzip of text in another encoding still gets the encoding advice
+    latin = tmp_path / "latin1.txt.gz"
+    latin.write_bytes(gzip.compress("first line\n\nsecond doc\ncaf\xe9 au lait\n".encode("latin-1")))
+    err = _error(capsys, ["shard", "--tokenizer", str(bert_uncased_dir), "--out", str(tmp_path / "o-latin"),
+                          "--input", str(latin)])
+    assert f"{latin}: line 4 (byte offset 26): not valid UTF-8" in err and "convert the file to UTF-8" in err
+
+
+def test_tokenizer_empty_input_names_the_files(tmp_path, capsys):
+    empty = tmp_path / "blank.txt"
+    empty.write_text("\n   \n\n")
+    err = _error(capsys, ["tokenizer", "--input", str(empty), "--out", str(tmp_path / "tok"), "--vocab-size", "100"])
+    assert f"empty input: no documents to train the tokenizer on in {empty}" in err
+
+
 def _tokenizer_without_mask(folder: Path) -> None:
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
