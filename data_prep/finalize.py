@@ -27,6 +27,9 @@ def _load_task_manifests(data_dir: Path) -> dict[int, dict]:
             raise DataPrepError(f"{path}: unreadable task manifest ({exc})") from None
         if m.get("format_version") != FORMAT_VERSION or not isinstance(m.get("task"), int):
             raise DataPrepError(f"{path}: not a task manifest of format_version {FORMAT_VERSION}")
+        if "groups" not in m:
+            raise DataPrepError(f"{path}: written by an older data_prep, which cut shards by task rather than by "
+                                "packing group; re-run `data_prep shard` into a new --out folder")
         if path.name != task_manifest_name(m["task"]):
             raise DataPrepError(f"{path}: holds task {m['task']}, expected in {task_manifest_name(m['task'])}")
         tasks[m["task"]] = m
