@@ -18,9 +18,12 @@ Partitioning among ``K`` array tasks (deterministic, from the source list alone)
 
 * ``files``: each source belongs to exactly one task. Sources are dealt largest first to the task with
   the fewest bytes so far (ties: lower task index). Scales: a task reads only its own files.
-* ``documents``: every task reads every source and keeps the documents whose running index ``d``
-  (counted over all sources in sorted order, from 0) has ``d % K == I``. For one big file.
+* ``documents``: every task reads every source. ``data_prep shard`` shares out packing groups
+  (``data_prep.groups``: every ``K``-th group); ``iter_task_documents`` keeps the documents whose
+  running index ``d`` (over all sources in sorted order, from 0) has ``d % K == I``. For one big file.
 * ``auto`` (default): ``files`` when there are at least ``K`` sources, else ``documents``.
+
+Neither changes the shards: they are cut by packing groups, which do not depend on ``K``.
 """
 from __future__ import annotations
 

@@ -32,8 +32,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from .errors import DataPrepError
 from .group_writer import (GroupWriter, SplitResume, files_by_group, finished_group, kept_shards,
                            remove_group_leftovers)
