@@ -10,7 +10,8 @@ from pathlib import Path
 from .errors import DataPrepError
 from .settings import SPLITS
 from .shard import TASK_MANIFEST_GLOB, shard_order, task_manifest_name
-from .shard_format import FORMAT_VERSION, MANIFEST, tokenizer_sha256, write_json_atomic
+from .atomic import write_json_atomic
+from .shard_format import FORMAT_VERSION, MANIFEST, tokenizer_sha256
 
 _TOTAL_KEYS = ("shards", "sequences", "tokens", "padding", "documents")
 

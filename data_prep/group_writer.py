@@ -23,7 +23,8 @@ import numpy as np
 from .groups import GroupKey
 from .packing import Packed, Packer, shard_permutation
 from .settings import SPLITS, ShardSettings
-from .shard_format import ShardWriter, sha256_file, shard_name, write_json_atomic
+from .atomic import write_json_atomic
+from .shard_format import ShardWriter, sha256_file, shard_name
 from .tokenizer import Encoded, LoadedTokenizer
 
 

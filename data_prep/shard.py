@@ -39,7 +39,8 @@ from .groups import GroupKey, ReadCount, iter_owned_documents
 from .progress import Progress
 from .reader import ReadOptions, resolve_inputs, resolve_partition, task_sources
 from .settings import SPLITS, ShardSettings, settings_sha256
-from .shard_format import FORMAT_VERSION, ids_dtype, write_json_atomic
+from .atomic import write_json_atomic
+from .shard_format import FORMAT_VERSION, ids_dtype
 from .tokenizer import Encoded, LoadedTokenizer, install_tokenizer_copy, load_tokenizer
 
 log = logging.getLogger("data_prep")

@@ -212,17 +212,6 @@ def load_manifest(data_dir: str | os.PathLike) -> dict:
     return manifest
 
 
-def write_json_atomic(path: str | os.PathLike, obj: dict) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def tokenizer_sha256(folder: str | os.PathLike, names: list[str] | None = None) -> str:
     """The ``tokenizer.sha256`` of the manifest: over the folder's regular files (or ``names``), in sorted
     name order, each as its name, a NUL byte, its size (8 bytes little-endian) and its bytes."""

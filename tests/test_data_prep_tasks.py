@@ -239,7 +239,8 @@ def test_verify_names_every_bad_shard(tmp_path, wiki_txt_dir, bert_uncased_dir):
 def _rewrite_shard(out: Path, name: str, edit) -> None:
     """Rewrite a shard through ``edit(block_index, ids)`` and record its new size and sha256 in the
     manifest, as a buggy writer or a shard written with another tokenizer would leave it."""
-    from data_prep.shard_format import ShardWriter, write_json_atomic
+    from data_prep.atomic import write_json_atomic
+    from data_prep.shard_format import ShardWriter
 
     m = load_manifest(out)
     blocks = list(iter_blocks(out / name, m["seq_len"]))
