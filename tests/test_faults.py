@@ -63,6 +63,7 @@ def test_final_step_grad_norm_at_stage0_is_fresh(finished_run):
     rows = {r["step"]: r for r in strict_records(out / "metrics.jsonl") if "train/grad_norm" in r}
     assert sorted(rows) == [2, 3]
     assert all(r["train/grad_norm"] is not None and r["train/grad_norm"] > 0 for r in rows.values())
+    assert all(0 < r["perf/mfu"] <= 1 for r in rows.values())             # an honest peak, measured in fp32
 
 
 def test_a_results_setting_change_is_refused_by_name(finished_run, shards, tmp_path):
