@@ -51,41 +51,69 @@ def unigram_token(data_dir: str | Path, manifest: dict, split: str = "train", ma
     return int(counts.argmax())
 
 
-@torch.no_grad()
 def mlm_eval(hf_dir: str | Path, data_dir: str | Path, batch_size: int = 32, max_batches: int = 0,
              split: str = "validation", device: str | torch.device = "cpu") -> dict[str, float]:
     """{"loss", "accuracy", "unigram_accuracy"} of the export in ``hf_dir`` on ``split`` of a
-    data_prep folder, masked as the trainer's own evaluation masks it (``eval_masking_config``,
-    ``mask_generator(seed, 0, 0, i)``: the same positions for every model). ``unigram_accuracy``:
-    always guessing the training split's most frequent token at the masked positions."""
+    data_prep folder (see ``mlm_eval_model``)."""
     from transformers import AutoModelForMaskedLM
 
     from data_prep.shard_format import load_manifest
-    from pretrain.data import check_manifest, eval_batches
-    from pretrain.masking import SpecialIds, eval_masking_config, mask_batch, mask_generator
-    from pretrain.model import MLMModel
+    from pretrain.data import check_manifest
 
     manifest = load_manifest(data_dir)
-    special = SpecialIds.from_manifest(manifest)
-    hf_model = AutoModelForMaskedLM.from_pretrained(str(hf_dir), dtype=torch.float32).to(device).eval()
+    hf_model = AutoModelForMaskedLM.from_pretrained(str(hf_dir), dtype=torch.float32).to(device)
     problems = check_manifest(manifest, data_dir, splits=(split,), vocab_size=hf_model.config.vocab_size,
                               seq_len_max=hf_model.config.max_position_embeddings)
     if problems:
         raise TaskError("\n".join(problems))
-    model = MLMModel(hf_model, sparse_head=True, pad_id=special.pad)
+    out = mlm_eval_model(hf_model, data_dir, manifest, batch_size, max_batches, split, device)
+    out["unigram_accuracy"] = unigram_accuracy(data_dir, manifest, batch_size, max_batches, split, device)
+    return out
+
+
+def _eval_masks(data_dir, manifest: dict, batch_size: int, max_batches: int, split: str, device):
+    """(batch ids, masked batch) pairs exactly as the trainer's ``evaluate`` makes them on one rank."""
+    from pretrain.data import eval_batches
+    from pretrain.masking import SpecialIds, eval_masking_config, mask_batch, mask_generator
+
+    special = SpecialIds.from_manifest(manifest)
     mcfg = eval_masking_config()
-    top = unigram_token(data_dir, manifest)
-    loss_sum, correct, count, unigram_hits = 0.0, 0, 0, 0
     for i, batch in enumerate(eval_batches(data_dir, manifest, split, 0, 1, batch_size, max_batches)):
         ids = batch["input_ids"].to(device)
-        m = mask_batch(ids, batch["word_starts"].to(device), special, mcfg,
-                       mask_generator(mcfg.seed, 0, 0, i, device))
+        yield ids, mask_batch(ids, batch["word_starts"].to(device), special, mcfg,
+                              mask_generator(mcfg.seed, 0, 0, i, device))
+
+
+@torch.no_grad()
+def mlm_eval_model(hf_model, data_dir: str | Path, manifest: dict, batch_size: int = 32, max_batches: int = 0,
+                   split: str = "validation", device: str | torch.device = "cpu") -> dict[str, float]:
+    """{"loss", "accuracy"} of a ``BertForMaskedLM`` in memory, masked as the trainer's own evaluation
+    masks (``eval_masking_config``, ``mask_generator(seed, 0, 0, i)``): with the same batch size,
+    the same positions for every model, so losses compare across runs and trainers."""
+    from pretrain.masking import SpecialIds
+    from pretrain.model import MLMModel
+
+    special = SpecialIds.from_manifest(manifest)
+    was_training = hf_model.training
+    model = MLMModel(hf_model.eval(), sparse_head=True, pad_id=special.pad)
+    loss_sum, correct, count = 0.0, 0, 0
+    for ids, m in _eval_masks(data_dir, manifest, batch_size, max_batches, split, device):
         ls, c, n = model(m.input_ids, ids != special.pad, m.positions, m.labels)
         loss_sum, correct, count = loss_sum + float(ls), correct + int(c), count + int(n)
-        unigram_hits += int((m.labels == top).sum())
+    hf_model.train(was_training)
     if count == 0:
         raise TaskError(f"{data_dir}: split {split!r} gave no masked tokens")
-    return {"loss": loss_sum / count, "accuracy": correct / count, "unigram_accuracy": unigram_hits / count}
+    return {"loss": loss_sum / count, "accuracy": correct / count}
+
+
+def unigram_accuracy(data_dir, manifest: dict, batch_size: int = 32, max_batches: int = 0,
+                     split: str = "validation", device: str | torch.device = "cpu") -> float:
+    """Accuracy of always guessing the training split's most frequent token at the evaluation masks."""
+    top = unigram_token(data_dir, manifest)
+    hits = count = 0
+    for _, m in _eval_masks(data_dir, manifest, batch_size, max_batches, split, device):
+        hits, count = hits + int((m.labels == top).sum()), count + m.labels.numel()
+    return hits / max(count, 1)
 
 
 # ------------------------------------------------------------------------------ models
