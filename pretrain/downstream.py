@@ -59,6 +59,13 @@ def prepare_tasks(specs: Sequence[DownstreamTaskConfig], tokenizer_dir: str | Pa
     return [tokenize_task(load_task(s, data_dir, manifest), tokenizer, s.max_length) for s in specs]
 
 
+def probe_due(step: int, downstream_every: int, eval_every: int, last: bool) -> bool:
+    """Whether the trainer probes at ``step``: every ``eval.downstream_every`` steps, or with every
+    periodic evaluation (``train.eval_every``) when that is 0; always at the last step."""
+    every = downstream_every or eval_every
+    return last or bool(every and step % every == 0)
+
+
 # ------------------------------------------------------------------------------ metrics
 
 

@@ -164,6 +164,17 @@ def format_results(metrics: dict[str, float], protocol: str) -> str:
     return "\n".join(lines)
 
 
+def mlflow_run_problem(run_id: str, tracking_uri: str = "") -> Optional[str]:
+    """Why metrics cannot go to this run (checked before any work), or None."""
+    from mlflow import MlflowClient
+
+    try:
+        MlflowClient(tracking_uri or None).get_run(run_id)
+    except Exception as exc:  # unreachable server, unknown run: MLflow raises several types
+        return f"--mlflow-run-id {run_id}: not usable at {tracking_uri or '$MLFLOW_TRACKING_URI'} ({exc})"
+    return None
+
+
 def log_to_mlflow(metrics: dict[str, float], run_id: str, tracking_uri: str = "", step: int = 0) -> None:
     import time
 
@@ -235,6 +246,9 @@ def main(argv=None) -> int:
         specs = task_specs(args)
         if args.data and not Path(args.data).exists():
             raise TaskError(f"--data {args.data}: no such file or folder")
+        problem = mlflow_run_problem(args.mlflow_run_id, args.tracking_uri) if args.mlflow_run_id else None
+        if problem:
+            raise TaskError(problem)
         data_dir = args.data if args.data and (Path(args.data) / "manifest.json").is_file() else None
         with ExitStack() as stack:
             model_dir = resolve_model(args.model, stack)

@@ -79,7 +79,7 @@ def test_probe_api_on_the_trainers_held_out_shards(shards, tmp_path):
     from transformers import BertConfig, BertModel
 
     from data_prep.shard_format import load_manifest
-    from pretrain.downstream import baseline_metrics, prepare_tasks, probe_metrics
+    from pretrain.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
     from pretrain.eval_tasks import held_out_sentences
 
     manifest = load_manifest(shards)
@@ -102,6 +102,9 @@ def test_probe_api_on_the_trainers_held_out_shards(shards, tmp_path):
     assert set(first) == {"downstream/word_order/accuracy", "downstream/word_order/macro_f1"}
     assert 0.2 < first["downstream/word_order/accuracy"] < 0.85
     assert encoder.training and torch.equal(torch.get_rng_state(), rng_before)
+    # when the trainer probes: every downstream_every steps, else with each periodic evaluation
+    assert [s for s in range(1, 101) if probe_due(s, 30, 25, s == 100)] == [30, 60, 90, 100]
+    assert [s for s in range(1, 101) if probe_due(s, 0, 25, s == 100)] == [25, 50, 75, 100]
     base = baseline_metrics(encoder.config, tasks, "cpu")
     assert set(base) == {f"downstream/word_order/{k}" for k in (
         "random_init_accuracy", "random_init_macro_f1", "majority_accuracy", "majority_macro_f1")}
@@ -210,3 +213,21 @@ def test_label_folders_and_given_test_file(tmp_path):
     with pytest.raises(TaskError, match=r"test\.csv: column 'y' has labels absent .*\['meh'\]"):
         labelled_task(DownstreamTaskConfig(path=str(tmp_path / "train.csv"), test_path=str(tmp_path / "test.csv"),
                                            text_column="review", label_column="y"))
+
+
+def test_cli_logs_to_an_mlflow_run(tmp_path, articles_csv, bert_uncased_dir, capsys):
+    """Metrics land in the given run (a local sqlite store); an unknown run is refused before any work."""
+    from mlflow import MlflowClient
+
+    from pretrain.evaluate import log_to_mlflow, main
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("eval", artifact_location=str(tmp_path / "art"))).info.run_id
+    log_to_mlflow({"downstream/a/accuracy": 0.75, "downstream/a/macro_f1": float("nan")}, run_id, uri, step=7)
+    history = client.get_metric_history(run_id, "downstream/a/accuracy")
+    assert [(m.value, m.step) for m in history] == [(0.75, 7)]
+    assert "downstream/a/macro_f1" not in client.get_run(run_id).data.metrics
+    assert main([str(bert_uncased_dir), "--task", str(articles_csv), "--mlflow-run-id", "0123abcd",
+                 "--tracking-uri", uri]) == 2
+    assert "--mlflow-run-id 0123abcd: not usable" in capsys.readouterr().err
