@@ -2,7 +2,7 @@
 
     python -m pretrain.evaluate MODEL --task PATH [--task word_order --data DIR] [--protocol probe|finetune]
         [--text-column text --label-column label] [--max-examples 2000] [--max-length 128]
-        [--json OUT.json] [--mlflow-run-id ID [--tracking-uri URI]]
+        [--finetune-epochs 3 --finetune-lr 5e-5] [--json OUT.json] [--mlflow-run-id ID [--tracking-uri URI]]
 
 MODEL is a Hugging Face export (``pretrain.export``, or any BERT folder) or a trainer checkpoint
 (a run folder, its ``checkpoints`` folder or one ``stepNNNNNNNN`` tag), which is exported to a
@@ -136,15 +136,17 @@ def resolve_model(path: str | Path, stack: ExitStack) -> Path:
 
 
 def evaluate_model(model_dir: str | Path, specs: list[DownstreamTaskConfig], protocol: str = "probe",
-                   data_dir: Optional[str] = None, device: str = "cpu", batch_size: int = 32) -> dict[str, float]:
+                   data_dir: Optional[str] = None, device: str = "cpu", batch_size: int = 32,
+                   finetune: Optional["FinetuneSettings"] = None) -> dict[str, float]:
     """Every task's metrics with both baselines, keyed ``downstream/<task>/...``."""
     from transformers import AutoModel
 
-    from pretrain.downstream import baseline_metrics, finetune_metrics, prepare_tasks, probe_metrics
+    from pretrain.downstream import (FinetuneSettings, baseline_metrics, finetune_metrics, prepare_tasks,
+                                     probe_metrics)
 
     tasks = prepare_tasks(specs, model_dir, data_dir)
     if protocol == "finetune":
-        return finetune_metrics(model_dir, tasks, device)
+        return finetune_metrics(model_dir, tasks, device, finetune or FinetuneSettings())
     encoder = AutoModel.from_pretrained(str(model_dir), add_pooling_layer=False, dtype=torch.float32).to(device)
     return {**probe_metrics(encoder, tasks, device, batch_size), **baseline_metrics(encoder.config, tasks, device,
                                                                                    batch_size)}
@@ -204,6 +206,9 @@ def parse_args(argv=None):
     p.add_argument("--max-examples", type=int, default=2000, help="per split (0: all)")
     p.add_argument("--max-length", type=int, default=128, help="tokens per example")
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--finetune-epochs", type=int, default=3)
+    p.add_argument("--finetune-lr", type=float, default=5e-5)
+    p.add_argument("--finetune-batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", help="also write the metrics to this file")
@@ -240,6 +245,8 @@ def main(argv=None) -> int:
     import datasets
     import transformers
 
+    from pretrain.downstream import FinetuneSettings
+
     transformers.utils.logging.set_verbosity_error()       # load reports would bury the table
     datasets.disable_progress_bars()
     try:
@@ -252,7 +259,9 @@ def main(argv=None) -> int:
         data_dir = args.data if args.data and (Path(args.data) / "manifest.json").is_file() else None
         with ExitStack() as stack:
             model_dir = resolve_model(args.model, stack)
-            metrics = evaluate_model(model_dir, specs, args.protocol, data_dir, args.device, args.batch_size)
+            settings = FinetuneSettings(epochs=args.finetune_epochs, lr=args.finetune_lr,
+                                        batch_size=args.finetune_batch_size, seed=args.seed)
+            metrics = evaluate_model(model_dir, specs, args.protocol, data_dir, args.device, args.batch_size, settings)
     except (TaskError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
