@@ -107,6 +107,10 @@ def _coerce(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
     return value
 
 
+def _dataclass_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(dataclasses.is_dataclass(v) for v in value)
+
+
 def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T:
     hints = get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
@@ -121,7 +125,7 @@ def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T:
             before = len(problems)
             value = _coerce(data[f.name], hints[f.name], f"{prefix}{f.name}", problems)
             # A mistyped field keeps its default so the value checks still run on everything else.
-            if len(problems) == before or dataclasses.is_dataclass(hints[f.name]):
+            if len(problems) == before or dataclasses.is_dataclass(hints[f.name]) or _dataclass_list(value):
                 kwargs[f.name] = value
     try:
         obj = cls(**kwargs)
@@ -209,6 +213,9 @@ def validate(obj: Any, prefix: str = "") -> list[str]:
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             problems.extend(validate(value, f"{prefix}{f.name}."))
+        elif _dataclass_list(value):
+            for i, item in enumerate(value):
+                problems.extend(validate(item, f"{prefix}{f.name}[{i}]."))
     check = getattr(obj, "check", None)
     if callable(check):
         problems.extend(f"{prefix}{p}" for p in check())
