@@ -27,6 +27,8 @@ from data_prep.shard_format import ShardError
 from pretrain import checkpointing, configlib, engine as eng, hardware
 from pretrain.config import Config, ConfigError, load_config
 from pretrain.data import TrainStream, eval_batches
+from pretrain.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
+from pretrain.eval_tasks import TaskError
 from pretrain.flops import mlm_flops_per_sequence
 from pretrain.masking import SpecialIds, eval_masking_config, mask_batch, mask_generator
 from pretrain.model import build_model
@@ -127,7 +129,8 @@ class ThroughputWindow:
         return out
 
 
-def fit(cfg: Config, manifest: dict, resume_from: str | None, info: eng.DistInfo, stop: StopSignal) -> int:
+def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info: eng.DistInfo,
+        stop: StopSignal) -> int:
     rank, world, device = info.rank, info.world, info.device
     precision, why = hardware.resolve_precision(cfg.impl.precision, device)
     special, seq_len = SpecialIds.from_manifest(manifest), manifest["seq_len"]
@@ -164,8 +167,17 @@ def fit(cfg: Config, manifest: dict, resume_from: str | None, info: eng.DistInfo
             log.info("step %d %s", step, " ".join(f"{k.split('/', 1)[-1]}={_fmt(v)}" for k, v in metrics.items()))
             tracker.log_metrics(metrics, step)
 
+    def probe(step: int) -> None:
+        """The downstream probe on the trainer's own weights (whole at ZeRO-3: every rank calls)."""
+        engine.eval()
+        with eng.full_weights(engine) as module:
+            emit(probe_metrics(module.hf_model.base_model, tasks, device, cfg.eval.downstream_batch_size), step)
+        engine.train()
+
     status = "FAILED"
     try:
+        if tasks and state.step == 0:          # what the probe scores mean: random weights, majority class
+            emit(baseline_metrics(model.hf_model.config, tasks, device, cfg.eval.downstream_batch_size), 0)
         batches, window, nonfinite_in_a_row = iter(stream), ThroughputWindow(device), 0
         while state.step < cfg.train.max_steps:
             engine.train()
@@ -203,6 +215,8 @@ def fit(cfg: Config, manifest: dict, resume_from: str | None, info: eng.DistInfo
                       "train/nonfinite_skipped": state.nonfinite_total}, step)
             if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
                 emit(evaluate(engine, cfg, manifest, special, info), step)
+            if tasks and probe_due(step, cfg.eval.downstream_every, cfg.train.eval_every, last):
+                probe(step)
             halting = step == cfg.train.halt_at_step
             periodic = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and not result.nonfinite
             if result.stop or halting or last or periodic:
@@ -221,6 +235,8 @@ def fit(cfg: Config, manifest: dict, resume_from: str | None, info: eng.DistInfo
             # Killed after the final checkpoint and before its export: finish what that run would have.
             log.info("the final checkpoint at step %d has no export yet: evaluating and exporting it", state.step)
             emit(evaluate(engine, cfg, manifest, special, info), state.step)
+            if tasks:
+                probe(state.step)
             export_final(cfg, tracker, state.step)
         status = "FINISHED"
         return 0
@@ -337,14 +353,16 @@ def main(argv=None) -> int:
         # checkpoint is waited for, before the checkpoint to resume from is chosen.
         run_lock = checkpointing.RunLock(cfg.train.out_dir) if first_rank else None   # noqa: F841 (held)
         manifest, resume_from = check_inputs(cfg)
-    except (ConfigError, ShardError) as exc:
+        tasks = prepare_tasks(cfg.eval.downstream, Path(cfg.data.dir) / manifest["tokenizer"]["path"],
+                              data_dir=cfg.data.dir, manifest=manifest)
+    except (ConfigError, ShardError, TaskError) as exc:
         if first_rank:
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     stop = StopSignal()          # from here on, SIGUSR1/SIGTERM mean "checkpoint after the current step"
     info = eng.init_distributed(cfg)
     try:
-        return fit(cfg, manifest, resume_from, info, stop)
+        return fit(cfg, manifest, tasks, resume_from, info, stop)
     except ShardError as exc:    # found while reading: name the shard, no traceback on every rank
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
