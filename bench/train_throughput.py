@@ -276,7 +276,8 @@ def breakdown(variant: str, args, shards: Path, peak: float) -> str:
     engine, _, _, _ = eng.initialize(model, cfg, info, precision)
     if cfg.impl.compile:
         engine.compile()
-    batches = iter(TrainStream(shards, manifest, "train", 0, 1, cfg.impl.micro_batch_size, cfg.data.seed))
+    batches = iter(TrainStream(shards, manifest, "train", 0, 1, cfg.impl.micro_batch_size,
+                               cfg.train.global_batch_size, cfg.data.seed))
     phases = ["data", "mask", "all_reduce", "forward", "backward", "step"]
     totals = dict.fromkeys(phases, 0.0)
     for step in range(args.steps):

@@ -15,6 +15,8 @@ from typing import Literal, Optional, Union
 from pretrain import configlib
 from pretrain.configlib import ConfigError  # noqa: F401  (re-exported)
 
+COMPILE_AUTO_MIN_STEPS = 2000
+
 
 # Defaults that differ by architecture; a field absent from an arch's table does not apply to it.
 # BERT (Devlin et al.): post-LayerNorm, learned absolute positions, GELU FFN, one dropout rate
@@ -213,20 +215,27 @@ class ImplConfig:
     """Settings that change speed and memory, never the numbers a run converges to."""
     micro_batch_size: int = 32         # per rank; accumulation = global / (micro * world)
     zero_stage: Literal[0, 1, 2, 3] = 2
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"   # auto: bf16 where supported, else fp32
+    # auto: bf16 where the device computes it natively (CUDA sm80+, CPUs with AVX-512-BF16 or AMX),
+    # else fp32. An emulated bf16 (AVX2 CPUs) runs ~50x slower than fp32. See pretrain/hardware.py.
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     # auto: flash_attention_2 (unpadded, varlen kernels) on a CUDA GPU of compute capability 8+ with the
     # flash-attn package and bf16/fp16, else sdpa. flash_attention_2 asked for where it cannot run
     # falls back to sdpa with a warning (pretrain.model.attention_implementation).
     attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
     sparse_head: bool = True           # the MLM head only at masked positions
-    compile: bool = False              # torch.compile the model
-    # auto: DeepSpeed's fused Adam/LAMB on GPU only; true/false (YAML's on/off) forces it
+    # torch.compile the model. auto: only when this launch has at least COMPILE_AUTO_MIN_STEPS steps
+    # to run, where the start-up (20 s to minutes) pays for itself (~25% faster steps measured).
+    compile: Union[Literal["auto"], bool] = "auto"
+    # auto/true: the fused kernel the device has (DeepSpeed FusedAdam/FusedLamb on CUDA, torch's fused
+    # AdamW on the CPU); false: torch's multi-tensor AdamW / our LAMB. YAML's on/off read as booleans.
     fused_optimizer: Union[Literal["auto"], bool] = "auto"
     offload_optimizer: bool = False    # ZeRO-Offload of optimiser states to CPU memory
     num_workers: int = 2               # data loader worker processes per rank
     prefetch_factor: int = 4
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
-    peak_tflops: float = 0.0           # for MFU; 0 measures a bf16/fp32 matmul at start
+    # MFU's denominator per process. 0: the GPU table, else a matmul measured once per machine
+    # and cached (pretrain/hardware.py).
+    peak_tflops: float = 0.0
     deepspeed: dict = field(default_factory=dict)   # extra keys merged into the derived DeepSpeed JSON
 
     def check(self) -> list[str]:
@@ -252,6 +261,59 @@ class TrackingConfig:
 
 
 @dataclass
+class DownstreamTaskConfig:
+    """One downstream task (``pretrain.eval_tasks``): a labelled CSV/TSV/JSONL file or label-folder,
+    or ``path: word_order``, the built-in task made from held-out text."""
+    name: str = ""                     # metric key downstream/<name>/...; default: the file's stem
+    path: str = ""                     # a labelled file or folder, or "word_order"
+    text_column: str = "text"
+    label_column: str = "label"
+    test_path: str = ""                # "": a stratified test split of `path`, drawn with `seed`
+    test_fraction: float = 0.25
+    text_path: str = ""                # word_order only: raw text (.txt/.jsonl); "": data.dir's eval split
+    shuffle_window: int = 3            # word_order only: words are shuffled inside windows this long
+    max_examples: int = 2000           # per split, a seeded subsample above this (0: all)
+    max_length: int = 128              # tokens per example
+    seed: int = 0
+
+    def check(self) -> list[str]:
+        p = []
+        if not self.path:
+            p.append("path: required (a labelled .csv/.tsv/.jsonl file or folder, or 'word_order')")
+        elif self.path != "word_order" and not os.path.exists(self.path):
+            p.append(f"path: {self.path!r} does not exist")
+        if self.test_path and not os.path.exists(self.test_path):
+            p.append(f"test_path: {self.test_path!r} does not exist")
+        if self.text_path and not os.path.exists(self.text_path):
+            p.append(f"text_path: {self.text_path!r} does not exist")
+        if not 0.0 < self.test_fraction < 1.0:
+            p.append(f"test_fraction: must be in (0, 1), got {self.test_fraction}")
+        if self.shuffle_window < 2:
+            p.append(f"shuffle_window: must be >= 2, got {self.shuffle_window}")
+        if self.max_examples < 0 or self.max_length < 8:
+            p.append(f"max_examples must be >= 0 and max_length >= 8, got {self.max_examples}, {self.max_length}")
+        return p
+
+
+@dataclass
+class EvalConfig:
+    # A linear probe on frozen mean-pooled features of the trainer's own weights, logged as
+    # downstream/<task>/{accuracy,macro_f1} (pretrain.downstream.probe_metrics).
+    downstream: list[DownstreamTaskConfig] = field(default_factory=list)
+    downstream_every: int = 0          # steps between probes; 0: with every train.eval_every evaluation
+    downstream_batch_size: int = 32
+
+    def check(self) -> list[str]:
+        p = []
+        if self.downstream_every < 0 or self.downstream_batch_size <= 0:
+            p.append(f"downstream_every must be >= 0 and downstream_batch_size > 0, got "
+                     f"{self.downstream_every}, {self.downstream_batch_size}")
+        names = [t.name or os.path.splitext(os.path.basename(t.path))[0] for t in self.downstream]
+        p += [f"downstream: task name {n!r} used twice" for n in sorted({n for n in names if names.count(n) > 1})]
+        return p      # each task's own check() runs through configlib.validate
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -260,6 +322,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     impl: ImplConfig = field(default_factory=ImplConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def world_size(self) -> int:
         return int(os.environ.get("WORLD_SIZE", "1"))
@@ -269,7 +332,16 @@ class Config:
         return self.train.global_batch_size // (self.impl.micro_batch_size * world)
 
     def check(self) -> list[str]:
-        return batch_size_problems(self.train.global_batch_size, self.impl.micro_batch_size, self.world_size())
+        problems = batch_size_problems(self.train.global_batch_size, self.impl.micro_batch_size, self.world_size())
+        if self.optim.name == "lamb" and self.impl.offload_optimizer:
+            problems.append("optim.name=lamb with impl.offload_optimizer=true: DeepSpeed's optimiser offload "
+                            "runs Adam only; use optim.name=adamw or turn the offload off")
+        return problems
+
+    def compile_now(self, steps_left: int) -> bool:
+        if self.impl.compile == "auto":
+            return steps_left >= COMPILE_AUTO_MIN_STEPS
+        return bool(self.impl.compile)
 
 
 def batch_size_problems(global_batch: int, micro_batch: int, world: int) -> list[str]:
