@@ -5,7 +5,7 @@
 
 Both rows are ``configs/mini.yaml`` (4 layers, hidden 256, 4 heads, lr 1e-3, AdamW) run by the real
 entry point, ``python -m pretrain.train``, one process (world size 1, ZeRO 0, no data workers, no
-tracking), the same shards, data order and masking seeds (15%), the same micro-batch and precision:
+tracking, eager: no torch.compile, whose start-up would eat the budget), the same shards, data order and masking seeds (15%), the same micro-batch and precision:
 
 * ``bert``: ``model.arch=bert``, FFN 1024, its standard dropout 0.1, learned absolute positions.
 * ``modernbert``: ``model.arch=modernbert``, GeGLU FFN of 704 (3 x 256 x 704 weights per layer against
@@ -17,7 +17,9 @@ cuts a run does not change its schedule. The budget runs from the trainer's ``st
 built, engine ready) to SIGTERM, after which the trainer finishes its step, checkpoints and exits
 (code 3); "seconds trained" includes that last step. That checkpoint is exported with ``python -m pretrain.export`` and the exported Hugging Face
 model is evaluated here on the held-out split (15% masking, 80/10/10, the trainer's fixed evaluation
-seed): masked-token loss and accuracy. tokens/s and MFU are the trainer's own ``perf/*`` figures
+seed): masked-token loss and accuracy, and the downstream probe of ``pretrain.evaluate`` (logistic
+regression on frozen mean-pooled features; the word-order task built from the held-out split, with
+the random-init baseline beside it). tokens/s and MFU are the trainer's own ``perf/*`` figures
 (``metrics.jsonl``, the first logging window dropped as warm-up), MFU against one matmul peak measured
 here before the runs and passed to both (``impl.peak_tflops``).
 
@@ -89,7 +91,7 @@ def train_for(arch: str, args, shards: Path, peak: float) -> dict:
            "train.keep_checkpoints=1", f"train.global_batch_size={args.batch_size}",
            f"model.max_position_embeddings={max(512, args.seq_len)}", "optim.schedule=constant",
            f"optim.warmup_steps={args.warmup_steps}", f"impl.micro_batch_size={args.batch_size}",
-           "impl.zero_stage=0", "impl.num_workers=0", f"impl.precision={args.precision}",
+           "impl.zero_stage=0", "impl.num_workers=0", "impl.compile=false", f"impl.precision={args.precision}",
            f"impl.peak_tflops={peak}", "tracking.backend=none"]
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
@@ -113,6 +115,9 @@ def train_for(arch: str, args, shards: Path, peak: float) -> dict:
     subprocess.run([sys.executable, "-m", "pretrain.export", str(out_dir / "checkpoints"), str(hf_dir)], cwd=REPO,
                    env=thread_env(args.threads), check=True, capture_output=True)
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if not any("perf/tokens_per_s" in r for r in rows):
+        raise RuntimeError(f"{arch}: no logging window finished in {args.budget_s} s; raise --budget-s or lower "
+                           f"--log-every ({out_dir / 'stdout.log'})")
     windows = [r for r in rows if "perf/tokens_per_s" in r][1:] or [r for r in rows if "perf/tokens_per_s" in r]
     steps = max(r["step"] for r in rows)
     return {"arch": arch, "hf_dir": hf_dir, "steps": steps, "trained_s": trained_s,
@@ -159,6 +164,22 @@ def held_out_mlm(hf_dir: Path, arch: str, shards: Path, batch_size: int, max_bat
             "params": sum(p.numel() for p in model.parameters())}
 
 
+def word_order_probe(hf_dir: Path, shards: Path, max_examples: int, threads: int) -> dict:
+    """The evaluation issue's downstream probe (``pretrain.evaluate``): a logistic regression on frozen
+    mean-pooled features, on the word-order task made from the held-out split, beside the same
+    architecture with random weights."""
+    import torch
+
+    from pretrain.config import DownstreamTaskConfig
+    from pretrain.evaluate import evaluate_model
+
+    torch.set_num_threads(threads)
+    spec = DownstreamTaskConfig(name="word_order", path="word_order", max_examples=max_examples)
+    metrics = evaluate_model(hf_dir, [spec], "probe", str(shards))
+    return {"probe_accuracy": metrics["downstream/word_order/accuracy"],
+            "probe_random_init_accuracy": metrics["downstream/word_order/random_init_accuracy"]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget-s", type=float, default=600.0, help="training wall-clock seconds per architecture")
@@ -170,6 +191,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-batches", type=int, default=0, help="validation batches (0: the whole split)")
+    p.add_argument("--probe-examples", type=int, default=2000,
+                   help="word-order probe examples per split (0: skip the probe)")
     p.add_argument("--data", default="", help="shards with a validation split (default: the embedded sample)")
     p.add_argument("--work-dir", default="/tmp/mlm_arch_compare")
     args = p.parse_args(argv)
@@ -185,14 +208,19 @@ def main(argv=None) -> int:
     for arch in args.archs:
         res = train_for(arch, args, shards, peak)
         res.update(held_out_mlm(res["hf_dir"], arch, shards, args.batch_size, args.eval_batches, args.threads))
+        if args.probe_examples:
+            res.update(word_order_probe(res["hf_dir"], shards, args.probe_examples, args.threads))
         results.append(res)
         print(json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in res.items()}), flush=True)
 
     header = ["arch", "params", "seconds trained", "steps", "tokens", "tokens/s", "MFU", "train loss (last window)",
-              "held-out MLM loss", "held-out MLM accuracy (15%)", "load avg before/after"]
+              "held-out MLM loss", "held-out MLM accuracy (15%)", "word-order probe acc (random init)",
+              "load avg before/after"]
     table = [[r["arch"], f"{r['params'] / 1e6:.2f}M", f"{r['trained_s']:.0f}", r["steps"], f"{r['tokens']:,}", f"{r['tokens_per_s']:,.0f}",
               f"{100 * r['mfu']:.1f}%", f"{r['train_loss']:.3f}", f"{r['eval_loss']:.3f}",
-              f"{100 * r['eval_accuracy']:.2f}%", f"{r['load'][0]:.1f} / {r['load'][1]:.1f}"] for r in results]
+              f"{100 * r['eval_accuracy']:.2f}%",
+              f"{r['probe_accuracy']:.3f} ({r['probe_random_init_accuracy']:.3f})" if "probe_accuracy" in r else "-",
+              f"{r['load'][0]:.1f} / {r['load'][1]:.1f}"] for r in results]
     print()
     print(format_table(header, table))
     if len(results) == 2:
