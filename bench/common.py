@@ -55,3 +55,56 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the machine
+# Until ``pretrain.hardware`` (cpu_info, resolve_precision, peak_tflops) is on main, these fall back
+# to the same questions asked here; the benchmarks call only these three.
+_RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def cpu_record() -> dict:
+    """Model name, the flags that decide matmul speed, and whether bf16 is native."""
+    try:
+        from pretrain.hardware import cpu_info
+        return cpu_info()
+    except ImportError:
+        pass
+    import torch
+
+    model, flags = "unknown", set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            model = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+            break
+    return {"model": model, "flags": [f for f in _RELEVANT_FLAGS if f in flags],
+            "native_bf16": bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())}
+
+
+def auto_precision() -> tuple[str, str]:
+    """What ``impl.precision=auto`` picks on this CPU, and why."""
+    try:
+        import torch
+
+        from pretrain.hardware import resolve_precision
+        return resolve_precision("auto", torch.device("cpu"))
+    except ImportError:
+        pass
+    if cpu_record()["native_bf16"]:
+        return "bf16", "the CPU has native bf16 (avx512_bf16 or AMX)"
+    return "fp32", "no native bf16 on this CPU (bf16 would be emulated, ~50x slower)"
+
+
+def matmul_peak(precision: str, threads: int, seconds: float) -> tuple[float, str]:
+    """Dense-matmul TFLOP/s in ``precision`` with ``threads`` threads, measured now, and its source."""
+    import torch
+
+    from pretrain.flops import measure_matmul_peak_tflops
+
+    torch.set_num_threads(threads)
+    value = measure_matmul_peak_tflops("cpu", torch.bfloat16 if precision == "bf16" else torch.float32,
+                                       seconds=seconds)
+    return value, f"measured now: 1024^2 {precision} matmul, {threads} threads"
