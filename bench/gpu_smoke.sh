@@ -44,7 +44,7 @@ if [ "$STEPS" -lt 20 ]; then echo "gpu_smoke: --steps must be >= 20 (two logging
 if [ "$DRY_RUN" = 1 ]; then
   GPUS=${GPUS:-2}
   DATA=${DATA:-$WORK/shards-seq128}
-  PEAK="<table peak>"
+  PEAK="<peak>"   # filled in from the GPU model on a real run
 else
   if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_smoke: torch.cuda.is_available() is False on $(hostname): no CUDA GPU to smoke-test." >&2
