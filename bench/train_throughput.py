@@ -259,14 +259,23 @@ def table(rows: list[Row], args, plan: Plan, peak: float, manifest: dict) -> str
                          "loss", "start-up s", "CPU share", "load before/after", "all runs tokens/s"], out)
 
 
-def ratios(rows: list[Row], seq_len: int) -> list[str]:
-    """The comparisons the goals are stated in, one line each."""
+def ratios(rows: list[Row], seq_len: int, seqs_per_step: int) -> list[str]:
+    """The comparisons the goals are stated in, one line each, and when torch.compile pays off."""
     tps = {r.variant: max(m.sequences * seq_len / m.seconds for m in r.runs) for r in rows}
     lines = []
     for name in tps:
         for ref in ("hf", "bare", "bare-fused"):
             if ref in tps and name != ref and (ref == "hf" or name.startswith("ours")):
                 lines.append(f"{name} / {ref} = {tps[name] / tps[ref]:.2f}x")
+    best = {r.variant: max(r.runs, key=lambda m: m.sequences / m.seconds) for r in rows}
+    for eager, compiled in (("ours", "ours-compile"), ("bare-fused", "bare-compile")):
+        if eager in best and compiled in best:
+            e, c = best[eager], best[compiled]
+            saved = (e.seconds / e.sequences - c.seconds / c.sequences) * seqs_per_step     # s per step
+            extra = c.startup_s - e.startup_s
+            verdict = ("never pays for itself" if saved <= 0 else "no start-up cost" if extra <= 0
+                       else f"pays for itself after ~{extra / saved:,.0f} steps")
+            lines.append(f"{compiled} vs {eager}: start-up {extra:+.0f} s, {1000 * saved:+.0f} ms/step saved: {verdict}")
     return lines
 
 
@@ -353,7 +362,7 @@ def main(argv=None) -> int:
     for plan in plans(args):
         print(f"\n{plan.shape}, {args.precision}, batch {plan.batch_size}, {args.threads} threads:")
         print(table(results[plan.shape], args, plan, peak, manifest))
-        print("\n".join(ratios(results[plan.shape], seq_len)))
+        print("\n".join(ratios(results[plan.shape], seq_len, plan.batch_size * args.grad_accum)))
     if args.json:
         Path(args.json).write_text(json.dumps({
             "args": vars(args), "cpu": machine, "auto_precision": [auto, reason], "peak_tflops": [peak_before, peak_after],
