@@ -26,7 +26,7 @@ $PY -m data_prep finalize "$WORK/shards"
 $PY -m data_prep verify "$WORK/shards"
 echo "== 4/5 train: $NPROC ranks under the deepspeed launcher (configs/demo.yaml)"
 PORT=$($PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-.venv/bin/deepspeed --num_gpus "$NPROC" --master_port "$PORT" --module pretrain.train \
+$PY -m pretrain.launch --num_gpus "$NPROC" --master_port "$PORT" --module pretrain.train \
     --config configs/demo.yaml data.dir="$WORK/shards" train.out_dir="$RUN" "$@"
 echo "== 5/5 export + fill-mask"
 $PY -m pretrain.export "$RUN/checkpoints" "$RUN/hf"

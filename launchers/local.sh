@@ -34,4 +34,5 @@ threads=$(( $(nproc) / nproc_arg ))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
 port=${MASTER_PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 
-exec deepspeed --num_gpus "$nproc_arg" --master_port "$port" --module pretrain.train --config "$config" "$@"
+# pretrain.launch: deepspeed with signals passed on to the ranks and their exit code kept.
+exec python -m pretrain.launch --num_gpus "$nproc_arg" --master_port "$port" --module pretrain.train --config "$config" "$@"

@@ -14,6 +14,8 @@ from typing import Literal, Optional, Union
 from pretrain import configlib
 from pretrain.configlib import ConfigError  # noqa: F401  (re-exported)
 
+COMPILE_AUTO_MIN_STEPS = 2000
+
 
 @dataclass
 class ModelConfig:
@@ -155,17 +157,24 @@ class ImplConfig:
     """Settings that change speed and memory, never the numbers a run converges to."""
     micro_batch_size: int = 32         # per rank; accumulation = global / (micro * world)
     zero_stage: Literal[0, 1, 2, 3] = 2
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"   # auto: bf16 where supported, else fp32
+    # auto: bf16 where the device computes it natively (CUDA sm80+, CPUs with AVX-512-BF16 or AMX),
+    # else fp32. An emulated bf16 (AVX2 CPUs) runs ~50x slower than fp32. See pretrain/hardware.py.
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     attention: Literal["sdpa", "eager"] = "sdpa"
     sparse_head: bool = True           # the MLM head only at masked positions
-    compile: bool = False              # torch.compile the model
-    # auto: DeepSpeed's fused Adam/LAMB on GPU only; true/false (YAML's on/off) forces it
+    # torch.compile the model. auto: only when this launch has at least COMPILE_AUTO_MIN_STEPS steps
+    # to run, where the start-up (20 s to minutes) pays for itself (~25% faster steps measured).
+    compile: Union[Literal["auto"], bool] = "auto"
+    # auto/true: the fused kernel the device has (DeepSpeed FusedAdam/FusedLamb on CUDA, torch's fused
+    # AdamW on the CPU); false: torch's multi-tensor AdamW / our LAMB. YAML's on/off read as booleans.
     fused_optimizer: Union[Literal["auto"], bool] = "auto"
     offload_optimizer: bool = False    # ZeRO-Offload of optimiser states to CPU memory
     num_workers: int = 2               # data loader worker processes per rank
     prefetch_factor: int = 4
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
-    peak_tflops: float = 0.0           # for MFU; 0 measures a bf16/fp32 matmul at start
+    # MFU's denominator per process. 0: the GPU table, else a matmul measured once per machine
+    # and cached (pretrain/hardware.py).
+    peak_tflops: float = 0.0
     deepspeed: dict = field(default_factory=dict)   # extra keys merged into the derived DeepSpeed JSON
 
     def check(self) -> list[str]:
@@ -208,7 +217,16 @@ class Config:
         return self.train.global_batch_size // (self.impl.micro_batch_size * world)
 
     def check(self) -> list[str]:
-        return batch_size_problems(self.train.global_batch_size, self.impl.micro_batch_size, self.world_size())
+        problems = batch_size_problems(self.train.global_batch_size, self.impl.micro_batch_size, self.world_size())
+        if self.optim.name == "lamb" and self.impl.offload_optimizer:
+            problems.append("optim.name=lamb with impl.offload_optimizer=true: DeepSpeed's optimiser offload "
+                            "runs Adam only; use optim.name=adamw or turn the offload off")
+        return problems
+
+    def compile_now(self, steps_left: int) -> bool:
+        if self.impl.compile == "auto":
+            return steps_left >= COMPILE_AUTO_MIN_STEPS
+        return bool(self.impl.compile)
 
 
 def batch_size_problems(global_batch: int, micro_batch: int, world: int) -> list[str]:

@@ -1,252 +1,88 @@
-"""The trainer's data loader over the shards that ``data_prep`` wrote (``data_prep/shard_format.py``).
+"""The trainer's data: one global, resumable order of training sequences, and fixed evaluation batches.
 
 Random access over the tar index, not a streaming webdataset pipeline
 ---------------------------------------------------------------------
-The shards stay ordinary webdataset tars, but the trainer does not stream them. It indexes each
-tar's headers once (``index_shard``) and reads the blocks it needs by offset. Two properties follow
-that a streaming pipeline (shard list -> split by node -> split by worker -> shuffle buffer) cannot
-give cheaply:
+The shards stay ordinary webdataset tars, but the trainer does not stream them: ``shard_reader``
+indexes each tar's headers and reads the blocks it needs by offset. So the order of an epoch can be
+a pure function of the manifest, and the data position one integer:
 
-* **Exact resume is a seek.** The whole order of an epoch is a pure function of the manifest and
-  ``(seed, epoch, rank, world, micro_batch)``; a stream's position is one integer, the global
-  micro-batch counter ``g``. Resuming at ``g`` computes which sequences batch ``g`` holds and reads
-  only their blocks; a streaming pipeline would have to re-read (or skip through) everything
-  consumed before, and its shuffle buffer's state is not part of any checkpoint.
-* **Every rank gets the same number of batches by construction.** Shards have any sizes (a Slurm
-  task's last shard is short); splitting *shards* over ranks gives ranks unequal counts, and the rank
-  that runs out first leaves the others waiting in a collective forever. Here the epoch's sequences
-  are split into equal contiguous shares, so ``batches_per_epoch`` is the same on every rank and is
-  known from the manifest alone; the tail (fewer than ``world * micro_batch`` sequences) is dropped.
+* **The position is a global count of samples consumed** (as Megatron-LM's consumed-samples
+  counter): sequences of the split taken by all ranks together since the start of training. Global
+  step ``k`` takes sequences ``[k*G, (k+1)*G)`` of the epoch order (``G`` the global batch), and
+  the epoch order depends on ``(manifest, split, seed, epoch)`` only: not on the world size, the
+  micro-batch or the number of DataLoader workers. A job requeued on another number of nodes, or
+  with another micro-batch, continues exactly where it stopped: every global step holds the same
+  set of sequences, none repeated or skipped. Only ``G`` must stay (``load_state_dict`` refuses a
+  change, and a changed seed or data).
+* **Resume is a seek**: the stream computes which sequences step ``k`` holds and reads only their
+  blocks; a streaming pipeline would re-read everything consumed before.
+* **Every rank gets the same number of batches by construction**, whatever the shard sizes: an
+  epoch is ``sequences // G`` steps, known from the manifest; the tail (fewer than ``G`` sequences
+  of the epoch order) is dropped (``dropped_per_epoch``).
 
-Order of an epoch ``e``: the split's blocks are permuted by a generator seeded with ``(seed, e)``;
-rank ``r`` takes the ``r``-th of ``world`` equal contiguous runs of the resulting sequence order
-(contiguous, so a rank touches about ``1/world`` of the blocks); within that run, windows of about
-``shuffle_window_blocks`` blocks are shuffled (seeded with ``(seed, e, rank, window)``) so that a
-micro-batch mixes sequences of several blocks rather than neighbouring pieces of one document.
+Order of epoch ``e``: the split's blocks are permuted (seeded with ``(seed, e)``); the resulting
+sequence order is cut into windows of ``shuffle_window_blocks * block_size`` sequences and each
+window is shuffled (seeded with ``(seed, e, window)``), so that a step mixes sequences of several
+blocks rather than neighbouring pieces of one document. Step ``k`` is the next ``G`` positions of
+that order.
 
-Workers: DataLoader worker ``w`` of ``W`` yields batches ``g0 + w, g0 + w + W, ...``; the
-DataLoader's round-robin over workers then returns ``g0, g0 + 1, ...`` in order, so the stream is
-identical for any number of workers. Each worker keeps open file handles, the tar indexes and a
-small cache of decoded blocks (a worker's consecutive batches come from the same window).
+Which rank reads what: the step's ``G`` sequences are sorted back into block order, then cut
+rank-major: rank ``r`` takes the ``r``-th of ``world`` equal runs and micro-step ``i`` the ``i``-th
+``micro_batch`` of it. The loss and gradient are sums over the whole step, so how a step is cut into
+micro-batches changes nothing but summation order. The trade-off of a global order: every rank's
+sequences come from the whole window, so cut in shuffled order each rank would decode nearly every
+block of it (read amplification up to ``min(world, blocks of the windows a step spans)``, where the
+per-rank order had none). Sorted, rank ``r`` reads about the ``r``-th part of the window in every
+step of it. Blocks decoded per block of an epoch, all ranks together (one worker each; 128 blocks of
+256, windows of 8 blocks): G 256 on 8 ranks 2.75 (8 cut unsorted), G 2048 on 8 ranks 1.0, G 256 on
+2 ranks 1.25, G 1024 on 32 ranks 5.7, G 4096 on 64 ranks 4.0 (32 unsorted). A micro-batch then holds
+rows of a few neighbouring blocks, which matters to nothing in the step's sums.
 
-The loader trusts only ``manifest.json``: ``check_manifest`` compares it with the model and checks
-that every shard it lists is present with its recorded size (sha256 is ``data_prep verify``'s job,
-not every run's); a shard that fails to index or decode when read raises ``ShardError`` naming it.
+Workers: a rank's micro-batches are numbered ``j = k * grad_accum + i``; DataLoader worker ``w`` of
+``W`` yields ``j0 + w, j0 + w + W, ...`` and the DataLoader's round-robin returns them in order, so
+the stream is identical for any number of workers. Each worker keeps open file handles, the tar
+indexes and a cache of decoded blocks of two windows; workers do not share it, so with ``W``
+workers a rank may decode a block up to ``W`` times (as with the per-rank order).
+
+Every micro-batch is ``{"input_ids": int64 [mb, L], "word_starts": bool [mb, L], "sample_ids":
+int64 [mb] (index of the sequence in the split: shards by name, blocks and rows in file order),
+"has_padding": bool, "global_step": k, "micro_step": i, "epoch": e}``.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data_prep.shard_format import (
-    BlockRef,
-    ShardError,
-    block_sizes,
-    ids_dtype,
-    index_shard,
-    load_manifest,
-    read_block,
+from data_prep.shard_format import load_manifest
+from pretrain.shard_reader import (
+    BlockReader, DataError, ShardError, SplitLayout, TokenIdError, check_manifest, index_all_shards,
 )
 
 __all__ = [
-    "DataError", "ShardError", "check_manifest", "TrainStream", "eval_batches", "eval_batch_count",
+    "DataError", "ShardError", "TokenIdError", "check_manifest", "index_all_shards", "TrainStream",
+    "eval_batches", "eval_batch_count",
 ]
 
 # Seed domains, so that the block order of an epoch and the window shuffles never share a stream.
 _BLOCK_ORDER, _WINDOW_ORDER = 0, 1
-_MAX_NAMED = 10            # problems name at most this many shards, then give a count
-_OPEN_FILES = 16           # file handles kept open per worker
 
 
-class DataError(ValueError):
-    """The data cannot serve the requested layout (split too small, bad arguments, changed layout)."""
-
-
-# ------------------------------------------------------------------------------------ manifest
-
-
-def check_manifest(manifest: dict, data_dir: str | os.PathLike, *, splits: Sequence[str] = (),
-                   vocab_size: Optional[int] = None, tokenizer_sha256: Optional[str] = None,
-                   seq_len_max: Optional[int] = None, max_positions: Optional[int] = None) -> list[str]:
-    """Every reason the data in ``data_dir`` cannot feed this model, as readable lines (empty: fine).
-
-    ``vocab_size`` is the tokenizer's (unpadded) vocabulary the model was built for,
-    ``tokenizer_sha256`` the hash of the model's tokenizer folder (as data prep computes it),
-    ``seq_len_max`` (alias ``max_positions``) the model's ``max_position_embeddings``; ``None`` skips a
-    check. Each split in
-    ``splits`` must have shards. Shard files are checked for presence and size only.
-    """
-    where = Path(data_dir) / "manifest.json"
-    seq_len_max = seq_len_max if seq_len_max is not None else max_positions
-    problems: list[str] = []
-    missing_keys = [k for k in ("seq_len", "block_size", "tokenizer", "shards") if k not in manifest]
-    if missing_keys:
-        return [f"{where}: missing keys {missing_keys} (not written by data_prep finalize?)"]
-    tok = manifest["tokenizer"]
-    data_vocab = tok.get("vocab_size")
-    if tokenizer_sha256 is not None and tok.get("sha256") != tokenizer_sha256:
-        problems.append(f"{where}: the data was tokenized with tokenizer sha256 {str(tok.get('sha256'))[:12]}..., "
-                        f"the model's tokenizer is {tokenizer_sha256[:12]}... (re-run data_prep with the model's tokenizer)")
-    if vocab_size is not None and data_vocab != vocab_size:
-        problems.append(f"{where}: tokenizer.vocab_size is {data_vocab}, the model's vocabulary is {vocab_size}")
-    seq_len = manifest["seq_len"]
-    if seq_len_max is not None and seq_len > seq_len_max:
-        problems.append(f"{where}: seq_len {seq_len} exceeds the model's max_position_embeddings {seq_len_max}")
-    if isinstance(data_vocab, int) and "dtype" in manifest and manifest["dtype"] != ids_dtype(data_vocab).name:
-        problems.append(f"{where}: dtype {manifest['dtype']!r} does not hold a vocabulary of {data_vocab}")
-    present = sorted({s.get("split") for s in manifest["shards"]} - {None})
-    for split in splits:
-        if not any(s.get("split") == split and s.get("sequences", 0) > 0 for s in manifest["shards"]):
-            problems.append(f"{where}: split {split!r} has no shards with sequences (splits present: {present})")
-    missing, wrong_size, inconsistent = [], [], []
-    for entry in manifest["shards"]:
-        path = Path(data_dir) / entry["name"]
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            missing.append(entry["name"])
-            continue
-        if "bytes" in entry and size != entry["bytes"]:
-            wrong_size.append(f"{entry['name']} ({size} bytes, manifest says {entry['bytes']})")
-        try:
-            block_sizes(entry, manifest["block_size"])
-        except (ShardError, KeyError) as exc:
-            inconsistent.append(str(exc))
-    for label, items, hint in (
-            ("shard files missing", missing, "restore them or re-run data_prep"),
-            ("shard files of the wrong size", wrong_size, "truncated or rewritten; run data_prep verify"),
-            ("shard entries inconsistent", inconsistent, "")):
-        if items:
-            more = f" and {len(items) - _MAX_NAMED} more" if len(items) > _MAX_NAMED else ""
-            problems.append(f"{Path(data_dir)}: {len(items)} {label}: {', '.join(items[:_MAX_NAMED])}{more}"
-                            + (f" ({hint})" if hint else ""))
-    return problems
-
-
-# ------------------------------------------------------------------------------------ layout
-
-
-class _Split:
-    """The blocks of one split, in a fixed order (shards by name, blocks in file order); picklable."""
-
-    def __init__(self, data_dir: str | os.PathLike, manifest: dict, split: str):
-        entries = sorted((s for s in manifest["shards"] if s.get("split") == split and s.get("blocks", 0) > 0),
-                         key=lambda s: s["name"])
-        self.split = split
-        self.seq_len = int(manifest["seq_len"])
-        self.block_size = int(manifest["block_size"])
-        self.paths = [str(Path(data_dir) / s["name"]) for s in entries]
-        self.shard_blocks = [int(s["blocks"]) for s in entries]
-        shard, index, size = [], [], []
-        for i, entry in enumerate(entries):
-            sizes = block_sizes(entry, self.block_size)
-            shard += [i] * len(sizes)
-            index += range(len(sizes))
-            size += sizes
-        self.block_shard = np.asarray(shard, dtype=np.int64)
-        self.block_index = np.asarray(index, dtype=np.int64)
-        self.block_len = np.asarray(size, dtype=np.int64)
-        self.sequences = int(self.block_len.sum())
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_len)
-
-    def describe_sequence(self, block: int, row: int) -> tuple[str, int]:
-        """(shard file name, sequence index within that shard)."""
-        return (os.path.basename(self.paths[self.block_shard[block]]),
-                int(self.block_index[block]) * self.block_size + int(row))
-
-
-def _open_split(data_dir, manifest, split) -> tuple[dict, _Split]:
+def _open_split(data_dir, manifest, split) -> tuple[dict, SplitLayout]:
+    """The split's layout, after the cheap manifest checks (the tar headers were read before training)."""
     manifest = load_manifest(data_dir) if manifest is None else manifest
-    problems = check_manifest(manifest, data_dir, splits=(split,))
+    problems = check_manifest(manifest, data_dir, splits=(split,), index_tars=False)
     if problems:
         raise ShardError("\n".join(problems))
-    return manifest, _Split(data_dir, manifest, split)
-
-
-class _BlockReader:
-    """Reads and decodes blocks of one split for one process; caches handles, indexes and blocks.
-
-    The decoded-block cache is bounded by sequences, not blocks, so that tiny blocks (short shards)
-    cannot make it hold more than about ``cache_sequences`` rows."""
-
-    def __init__(self, layout: _Split, cache_sequences: int):
-        self.layout = layout
-        self.cache_sequences = cache_sequences
-        self._files: OrderedDict[int, object] = OrderedDict()
-        self._indexes: dict[int, list[BlockRef]] = {}
-        self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self._cached_rows = 0
-
-    def _file(self, shard: int):
-        f = self._files.get(shard)
-        if f is not None:
-            self._files.move_to_end(shard)
-            return f
-        path = self.layout.paths[shard]
-        if shard not in self._indexes:
-            refs = index_shard(path)
-            if len(refs) != self.layout.shard_blocks[shard]:
-                raise ShardError(f"{path}: holds {len(refs)} blocks, the manifest says "
-                                 f"{self.layout.shard_blocks[shard]} (rewritten after finalize? run data_prep verify)")
-            self._indexes[shard] = refs
-        try:
-            f = open(path, "rb")
-        except OSError as exc:
-            raise ShardError(f"{path}: cannot open ({exc})") from exc
-        self._files[shard] = f
-        if len(self._files) > _OPEN_FILES:
-            self._files.popitem(last=False)[1].close()
-        return f
-
-    def block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        hit = self._blocks.get(b)
-        if hit is not None:
-            self._blocks.move_to_end(b)
-            return hit
-        lay = self.layout
-        shard, index, n = int(lay.block_shard[b]), int(lay.block_index[b]), int(lay.block_len[b])
-        f = self._file(shard)
-        try:
-            ids, starts = read_block(f, self._indexes[shard][index], lay.seq_len)
-        except (ValueError, OSError, EOFError) as exc:
-            raise ShardError(f"{lay.paths[shard]}: block {index} cannot be decoded ({exc}); "
-                             f"run data_prep verify") from exc
-        if ids.shape != (n, lay.seq_len) or starts.shape != (n, lay.seq_len) or ids.dtype.kind != "u":
-            raise ShardError(f"{lay.paths[shard]}: block {index} has input_ids {ids.dtype}{list(ids.shape)}, "
-                             f"expected unsigned [{n}, {lay.seq_len}] from the manifest")
-        self._blocks[b] = (ids, starts)
-        self._cached_rows += n
-        while self._cached_rows > self.cache_sequences and len(self._blocks) > 1:
-            _, (old, _) = self._blocks.popitem(last=False)
-            self._cached_rows -= len(old)
-        return ids, starts
-
-    def gather(self, blocks: np.ndarray, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``rows[i]`` of blocks ``blocks[i]`` as an int64 [B, L] and a bool [B, L] tensor."""
-        ids = np.empty((len(blocks), self.layout.seq_len), dtype=np.int64)
-        starts = np.empty((len(blocks), self.layout.seq_len), dtype=bool)
-        for b in np.unique(blocks):
-            sel = np.flatnonzero(blocks == b)
-            block_ids, block_starts = self.block(int(b))
-            ids[sel] = block_ids[rows[sel]]
-            starts[sel] = block_starts[rows[sel]]
-        return torch.from_numpy(ids), torch.from_numpy(starts)
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+    return manifest, SplitLayout(data_dir, manifest, split)
 
 
 # ------------------------------------------------------------------------------------ training
@@ -254,133 +90,163 @@ class _BlockReader:
 
 @dataclass(frozen=True)
 class _Plan:
-    """Which sequences each micro-batch of a rank's stream holds; a pure function of its fields."""
-    layout: _Split
-    rank: int
-    world: int
-    micro_batch: int
+    """Which sequences each global step holds; a pure function of its fields (no rank, world or micro-batch)."""
+    layout: SplitLayout
+    global_batch: int
     seed: int
-    window_batches: int        # batches per shuffle window; 0: no shuffle within the rank's run
+    window: int                # sequences per shuffle window; 0: no shuffle
 
     @property
-    def per_rank(self) -> int:
-        return self.layout.sequences // self.world
+    def steps_per_epoch(self) -> int:
+        return self.layout.sequences // self.global_batch
 
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.per_rank // self.micro_batch
-
-    def epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    def block_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """The epoch's block permutation and the end offset of each permuted block in the sequence order."""
         rng = np.random.Generator(np.random.PCG64([self.seed, _BLOCK_ORDER, epoch]))
         perm = rng.permutation(self.layout.num_blocks)
         return perm, np.cumsum(self.layout.block_len[perm])
 
     def window_order(self, epoch: int, window: int) -> np.ndarray:
-        """Offsets (within the rank's run) of the window's sequences, in the order batches take them."""
-        used = self.batches_per_epoch * self.micro_batch
-        span = self.window_batches * self.micro_batch
-        lo, hi = window * span, min((window + 1) * span, used)
-        rng = np.random.Generator(np.random.PCG64([self.seed, _WINDOW_ORDER, epoch, self.rank, window]))
+        """Block-order offsets of the window's sequences, in the order steps take them."""
+        lo, hi = window * self.window, min((window + 1) * self.window, self.layout.sequences)
+        rng = np.random.Generator(np.random.PCG64([self.seed, _WINDOW_ORDER, epoch, window]))
         return lo + rng.permutation(hi - lo)
 
     def locate(self, order: tuple[np.ndarray, np.ndarray], offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Rank-run offsets -> (block ids, rows within the blocks) under an epoch order."""
+        """Block-order offsets -> (block ids, rows within the blocks) under an epoch's block order."""
         perm, ends = order
-        pos = self.rank * self.per_rank + offsets
-        j = np.searchsorted(ends, pos, side="right")
-        return perm[j], pos - (ends[j] - self.layout.block_len[perm[j]])
+        j = np.searchsorted(ends, offsets, side="right")
+        return perm[j], offsets - (ends[j] - self.layout.block_len[perm[j]])
 
 
 class _PlanCursor:
-    """Caches the epoch order and window order that consecutive batches share."""
+    """Caches the block orders, windows and step that consecutive micro-batches share."""
 
     def __init__(self, plan: _Plan):
         self.plan = plan
         self._orders: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self._window: tuple[tuple[int, int], np.ndarray] | None = None
+        self._windows: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._keep_windows = (plan.global_batch // plan.window + 2) if plan.window else 0
+        self._step: tuple[int, tuple[np.ndarray, np.ndarray]] | None = None
 
-    def batch(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+    def _cached(self, cache: OrderedDict, key, make, keep: int):
+        value = cache.get(key)
+        if value is None:
+            value = cache[key] = make()
+            while len(cache) > keep:
+                cache.popitem(last=False)
+        return value
+
+    def step(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(block ids, rows) of global step ``k``'s ``G`` sequences, sorted into block order."""
+        if self._step is not None and self._step[0] == k:
+            return self._step[1]
         p = self.plan
-        epoch, b = divmod(g, p.batches_per_epoch)
-        order = self._orders.get(epoch)
-        if order is None:
-            order = self._orders[epoch] = p.epoch_order(epoch)
-            if len(self._orders) > 2:
-                self._orders.popitem(last=False)
-        if p.window_batches:
-            window, j = divmod(b, p.window_batches)
-            if self._window is None or self._window[0] != (epoch, window):
-                self._window = ((epoch, window), p.window_order(epoch, window))
-            offsets = self._window[1][j * p.micro_batch:(j + 1) * p.micro_batch]
+        epoch, s = divmod(k, p.steps_per_epoch)
+        order = self._cached(self._orders, epoch, lambda: p.block_order(epoch), 2)
+        p0, p1 = s * p.global_batch, (s + 1) * p.global_batch
+        if p.window:
+            pieces = []
+            for w in range(p0 // p.window, (p1 - 1) // p.window + 1):
+                perm = self._cached(self._windows, (epoch, w), lambda: p.window_order(epoch, w), self._keep_windows)
+                pieces.append(perm[max(p0 - w * p.window, 0):p1 - w * p.window])
+            offsets = np.sort(np.concatenate(pieces))
         else:
-            offsets = np.arange(b * p.micro_batch, (b + 1) * p.micro_batch)
-        return p.locate(order, offsets)
+            offsets = np.arange(p0, p1)
+        located = p.locate(order, offsets)
+        self._step = (k, located)
+        return located
+
+
+@dataclass(frozen=True)
+class _RankSlice:
+    rank: int
+    world: int
+    micro_batch: int
+
+    def take(self, step: tuple[np.ndarray, np.ndarray], micro_step: int) -> tuple[np.ndarray, np.ndarray]:
+        share = len(step[0]) // self.world
+        lo = self.rank * share + micro_step * self.micro_batch
+        return step[0][lo:lo + self.micro_batch], step[1][lo:lo + self.micro_batch]
 
 
 class _TrainDataset(IterableDataset):
-    """Infinite stream of one rank's micro-batches from ``start``; worker w of W yields g = start + w (mod W)."""
+    """Infinite stream of one rank's micro-batches from micro-batch ``start``; worker w of W yields
+    j = start + w (mod W)."""
 
-    def __init__(self, plan: _Plan, start: int, cache_sequences: int):
-        self.plan, self.start, self.cache_sequences = plan, start, cache_sequences
+    def __init__(self, plan: _Plan, part: _RankSlice, grad_accum: int, start: int, cache_sequences: int):
+        self.plan, self.part, self.grad_accum = plan, part, grad_accum
+        self.start, self.cache_sequences = start, cache_sequences
 
     def __iter__(self):
         info = get_worker_info()
         w, num = (info.id, info.num_workers) if info is not None else (0, 1)
         cursor = _PlanCursor(self.plan)
-        reader = _BlockReader(self.plan.layout, self.cache_sequences)
-        bpe = self.plan.batches_per_epoch
+        reader = BlockReader(self.plan.layout, self.cache_sequences)
+        first = self.plan.layout.block_first
         try:
-            g = self.start + w
+            j = self.start + w
             while True:
-                blocks, rows = cursor.batch(g)
-                input_ids, word_starts = reader.gather(blocks, rows)
-                yield {"input_ids": input_ids, "word_starts": word_starts, "position": g, "epoch": g // bpe}
-                g += num
+                k, i = divmod(j, self.grad_accum)
+                blocks, rows = self.part.take(cursor.step(k), i)
+                input_ids, word_starts, has_padding = reader.gather(blocks, rows)
+                yield {"input_ids": input_ids, "word_starts": word_starts,
+                       "sample_ids": torch.from_numpy(first[blocks] + rows), "has_padding": has_padding,
+                       "global_step": k, "micro_step": i, "epoch": k // self.plan.steps_per_epoch}
+                j += num
+        except Exception as exc:       # not ``except ShardError``: that name may be gone at interpreter exit
+            if info is None or not isinstance(exc, ShardError):
+                raise
+            # Re-raised by the main process as the same type with the bare message: the DataLoader's
+            # own re-raise would wrap it in the worker's traceback text.
+            yield {"failure": type(exc), "message": str(exc)}
         finally:
             reader.close()
 
 
 class TrainStream:
-    """One rank's infinite, deterministic stream of training micro-batches.
+    """One rank's infinite, deterministic stream of training micro-batches (see the module docstring).
 
-    Iterating yields dicts ``{"input_ids": LongTensor [B, L], "word_starts": BoolTensor [B, L],
-    "position": g, "epoch": e}`` (CPU tensors, pinned when CUDA is available). ``position`` is the
-    index of the *next* batch to be yielded; save ``state_dict()`` in a checkpoint and pass
-    ``start_position`` (or ``load_state_dict``) to resume exactly there. The stream is infinite: one
-    iterator serves a whole run, so DataLoader workers start once (``persistent_workers`` would only
-    matter for re-iteration, which here restarts from ``position`` with fresh workers instead).
+    ``samples_consumed`` counts the sequences of all complete global steps this stream has yielded,
+    plus ``start_samples``: a multiple of ``global_batch``. Iterating again restarts at that count;
+    ``state_dict`` taken between optimizer steps resumes exactly after the last one. The stream is
+    infinite: one iterator serves a whole run, so DataLoader workers start once.
     """
 
     def __init__(self, data_dir: str | os.PathLike, manifest: Optional[dict], split: str, rank: int, world: int,
-                 micro_batch: int, seed: int, num_workers: int = 0, prefetch_factor: int = 2, *,
-                 start_position: int = 0, shuffle_window_blocks: int = 8):
+                 micro_batch: int, global_batch: int, seed: int, num_workers: int = 0, prefetch_factor: int = 2,
+                 *, start_samples: int = 0, shuffle_window_blocks: int = 8):
         bad = [f"{name} must be >= {low}, got {value}" for name, value, low in (
-            ("world", world, 1), ("micro_batch", micro_batch, 1), ("seed", seed, 0), ("num_workers", num_workers, 0),
-            ("prefetch_factor", prefetch_factor, 1), ("start_position", start_position, 0),
-            ("shuffle_window_blocks", shuffle_window_blocks, 0))
+            ("world", world, 1), ("micro_batch", micro_batch, 1), ("global_batch", global_batch, 1),
+            ("seed", seed, 0), ("num_workers", num_workers, 0), ("prefetch_factor", prefetch_factor, 1),
+            ("start_samples", start_samples, 0), ("shuffle_window_blocks", shuffle_window_blocks, 0))
             if value < low]
         if not 0 <= rank < max(world, 1):
             bad.append(f"rank must be in [0, {world}), got {rank}")
+        if not bad and global_batch % (micro_batch * world):
+            bad.append(f"global_batch {global_batch} is not a multiple of micro_batch {micro_batch} x world {world}")
+        if not bad and start_samples % global_batch:
+            bad.append(f"start_samples {start_samples} is not a multiple of global_batch {global_batch}")
         if bad:
             raise DataError("TrainStream: " + "; ".join(bad))
         self.manifest, layout = _open_split(data_dir, manifest, split)
-        window_batches = math.ceil(shuffle_window_blocks * layout.block_size / micro_batch)
-        self._plan = _Plan(layout, rank, world, micro_batch, seed, window_batches)
-        if self._plan.batches_per_epoch == 0:
+        self._plan = _Plan(layout, global_batch, seed, shuffle_window_blocks * layout.block_size)
+        if self._plan.steps_per_epoch == 0:
             raise DataError(f"split {split!r} of {data_dir} has {layout.sequences} sequences: too few for "
-                            f"{world} rank(s) x micro-batch {micro_batch} = {world * micro_batch} per step "
-                            f"(prepare more data or lower impl.micro_batch_size)")
+                            f"one global batch of {global_batch} (prepare more data or lower train.global_batch_size)")
+        self._part = _RankSlice(rank, world, micro_batch)
         self.split, self.rank, self.world, self.micro_batch, self.seed = split, rank, world, micro_batch, seed
+        self.global_batch, self.shuffle_window_blocks = global_batch, shuffle_window_blocks
+        self.grad_accum = global_batch // (micro_batch * world)
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
-        self.position = start_position
-        # Two windows' worth of rows, plus a block for windows that straddle one.
-        self._cache_sequences = 2 * max(window_batches, 1) * micro_batch + layout.block_size
+        self.samples_consumed = start_samples
+        # Two windows (a step may straddle them) or two steps, plus blocks at their edges.
+        self._cache_sequences = 2 * max(self._plan.window, global_batch) + 2 * layout.block_size
 
     # -- sizes, from the manifest alone
     @property
-    def batches_per_epoch(self) -> int:
-        return self._plan.batches_per_epoch
+    def steps_per_epoch(self) -> int:
+        return self._plan.steps_per_epoch
 
     @property
     def tokens_per_batch(self) -> int:
@@ -396,64 +262,82 @@ class TrainStream:
 
     @property
     def dropped_per_epoch(self) -> int:
-        """Sequences of the split that no rank sees in an epoch (the tail that does not fill a step)."""
-        return self.sequences_in_split - self.world * self.batches_per_epoch * self.micro_batch
+        """Sequences of the split that no step takes in an epoch (the tail that does not fill a global batch)."""
+        return self.sequences_in_split - self.steps_per_epoch * self.global_batch
+
+    @property
+    def global_step(self) -> int:
+        """The next global step this stream yields."""
+        return self.samples_consumed // self.global_batch
 
     @property
     def epoch(self) -> int:
-        return self.position // self.batches_per_epoch
+        return self.global_step // self.steps_per_epoch
 
-    @property
-    def batch_in_epoch(self) -> int:
-        return self.position % self.batches_per_epoch
+    def split_fingerprint(self) -> str:
+        text = json.dumps([self.split, self._plan.layout.shards_signature])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
         lay = self._plan.layout
         return (f"{self.split}: {lay.sequences} sequences of {lay.seq_len} tokens in {lay.num_blocks} blocks of "
-                f"{len(lay.paths)} shards; {self.batches_per_epoch} micro-batches of {self.micro_batch} per rank "
-                f"per epoch x {self.world} ranks; {self.dropped_per_epoch} sequences dropped per epoch")
+                f"{len(lay.paths)} shards; {self.steps_per_epoch} steps of {self.global_batch} per epoch "
+                f"({self.world} ranks x micro-batch {self.micro_batch} x accumulation {self.grad_accum}); "
+                f"{self.dropped_per_epoch} sequences dropped per epoch")
 
-    def batch_sequences(self, g: int) -> list[tuple[str, int]]:
-        """Which sequences batch ``g`` holds, as (shard file name, sequence index in that shard)."""
-        blocks, rows = _PlanCursor(self._plan).batch(g)
-        return [self._plan.layout.describe_sequence(b, r) for b, r in zip(blocks, rows)]
+    def step_sample_ids(self, k: int) -> np.ndarray:
+        """Sample ids of all ``G`` sequences of global step ``k`` (all ranks), in block order."""
+        blocks, rows = _PlanCursor(self._plan).step(k)
+        return self._plan.layout.block_first[blocks] + rows
+
+    def describe_sample(self, sample_id: int) -> tuple[str, int]:
+        """(shard file name, sequence index in that shard) of a sample id."""
+        return self._plan.layout.describe_sample(sample_id)
 
     # -- resume
-    def state_dict(self) -> dict:
-        return {"position": self.position, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                "batches_per_epoch": self.batches_per_epoch, "world": self.world, "micro_batch": self.micro_batch,
-                "seed": self.seed, "split": self.split, "sequences": self.sequences_in_split}
+    _MUST_MATCH = ("global_batch", "seed", "split", "sequences_in_split", "split_fingerprint", "shuffle_window_blocks")
 
-    def load_state_dict(self, state: dict, strict: bool = True) -> None:
-        """Continue at ``state["position"]``. The position only means the same data under the same
-        layout; with ``strict=False`` a changed layout (e.g. another world size) resumes at the same
-        epoch and fraction of it instead, which is close but not exact."""
+    def state_dict(self) -> dict:
+        """The position and what it means; ``world`` and ``micro_batch`` are for the record only."""
+        return {"samples_consumed": self.samples_consumed, "global_batch": self.global_batch, "seed": self.seed,
+                "split": self.split, "sequences_in_split": self.sequences_in_split,
+                "split_fingerprint": self.split_fingerprint(), "shuffle_window_blocks": self.shuffle_window_blocks,
+                "epoch": self.epoch, "world": self.world, "micro_batch": self.micro_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at ``state["samples_consumed"]``, under any world size and micro-batch. A state of
+        another global batch, seed, split, data or shuffle window is refused, naming every difference."""
         mine = self.state_dict()
-        changed = [f"{k}: {state.get(k)!r} -> {mine[k]!r}"
-                   for k in ("batches_per_epoch", "world", "micro_batch", "seed", "split", "sequences")
+        changed = [f"{k}: {state.get(k)!r} in the checkpoint, {mine[k]!r} now" for k in self._MUST_MATCH
                    if state.get(k) != mine[k]]
-        if not changed:
-            self.position = int(state["position"])
-        elif strict:
-            raise DataError("data stream state is from a different layout (" + "; ".join(changed) + "); "
-                            "an exact resume needs the same data, seed, world size and micro-batch")
-        else:
-            fraction = state["batch_in_epoch"] / state["batches_per_epoch"]
-            self.position = state["epoch"] * self.batches_per_epoch + int(fraction * self.batches_per_epoch)
+        if changed:
+            raise DataError("the data stream's checkpointed position does not apply to this run ("
+                            + "; ".join(changed) + "): the same sequences in the same order need the same "
+                            "global batch, data seed, split and shards")
+        consumed = state.get("samples_consumed")
+        if not isinstance(consumed, int) or consumed < 0 or consumed % self.global_batch:
+            raise DataError(f"the data stream's samples_consumed {consumed!r} is not a multiple of the global "
+                            f"batch {self.global_batch}")
+        self.samples_consumed = consumed
 
     # -- iteration
     def __iter__(self) -> Iterator[dict]:
-        dataset = _TrainDataset(self._plan, self.position, self._cache_sequences)
+        start = self.global_step * self.grad_accum
+        dataset = _TrainDataset(self._plan, self._part, self.grad_accum, start, self._cache_sequences)
         workers = self.num_workers
         loader = DataLoader(dataset, batch_size=None, num_workers=workers,
                             prefetch_factor=self.prefetch_factor if workers else None,
                             pin_memory=torch.cuda.is_available())
-        expected = self.position
+        expected = start
         for batch in loader:
-            if batch["position"] != expected:  # the worker round-robin is what makes resume exact
-                raise RuntimeError(f"data stream out of order: got batch {batch['position']}, expected {expected}")
+            if "failure" in batch:
+                raise batch["failure"](batch["message"])
+            j = batch["global_step"] * self.grad_accum + batch["micro_step"]
+            if j != expected:  # the worker round-robin is what makes resume exact
+                raise RuntimeError(f"data stream out of order: got micro-batch {j}, expected {expected}")
             expected += 1
-            self.position = expected
+            if batch["micro_step"] == self.grad_accum - 1:
+                self.samples_consumed = (batch["global_step"] + 1) * self.global_batch
             yield batch
 
 
@@ -477,7 +361,8 @@ def eval_batches(data_dir: str | os.PathLike, manifest: Optional[dict], split: s
     ``world`` equal contiguous parts, so every rank has the same number of batches (and the same
     shapes: the last batch may be shorter than ``micro_batch`` on every rank alike). Fewer than
     ``world`` sequences of the split go unused. ``max_batches`` > 0 takes only the first ones.
-    Read in the calling process: evaluation reads each block once, in order."""
+    Read in the calling process: evaluation reads each block once, in order. Batches carry the
+    same keys as training's, less the step counters (``position`` is the batch's index)."""
     _, layout = _open_split(data_dir, manifest, split)
     per_rank = layout.sequences // world
     if per_rank == 0:
@@ -485,12 +370,13 @@ def eval_batches(data_dir: str | os.PathLike, manifest: Optional[dict], split: s
                         f"{world} ranks that evaluate it")
     count = _eval_layout(per_rank, micro_batch, max_batches)
     ends = np.cumsum(layout.block_len)
-    reader = _BlockReader(layout, cache_sequences=2 * layout.block_size + micro_batch)
+    reader = BlockReader(layout, cache_sequences=2 * layout.block_size + micro_batch)
     try:
         for b in range(count):
             pos = rank * per_rank + np.arange(b * micro_batch, min((b + 1) * micro_batch, per_rank))
             j = np.searchsorted(ends, pos, side="right")
-            input_ids, word_starts = reader.gather(j, pos - (ends[j] - layout.block_len[j]))
-            yield {"input_ids": input_ids, "word_starts": word_starts, "position": b}
+            input_ids, word_starts, has_padding = reader.gather(j, pos - (ends[j] - layout.block_len[j]))
+            yield {"input_ids": input_ids, "word_starts": word_starts, "sample_ids": torch.from_numpy(pos),
+                   "has_padding": has_padding, "position": b}
     finally:
         reader.close()

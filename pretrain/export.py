@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from pretrain.engine import COMPLETE, latest_complete_tag
+from pretrain.checkpointing import COMPLETE, latest_complete_tag
 
 log = logging.getLogger("pretrain")
 PREFIXES = ("module.", "_orig_mod.", "hf_model.")

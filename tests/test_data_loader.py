@@ -1,26 +1,32 @@
-"""pretrain.data over real shard tars written with data_prep.shard_format.ShardWriter."""
+"""pretrain.data over real shard tars: hand-made ones (ShardWriter, known bytes) and data_prep's (``shards``)."""
 from __future__ import annotations
 
+import json
 import shutil
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import pretrain.data as data
+import pretrain.shard_reader as shard_reader
 from data_prep.shard_format import (
     FORMAT_VERSION, ShardError, ShardWriter, ids_dtype, index_shard, load_manifest, shard_name, write_json_atomic,
 )
-from pretrain.data import DataError, TrainStream, check_manifest, eval_batch_count, eval_batches
+from pretrain.data import (
+    DataError, TokenIdError, TrainStream, check_manifest, eval_batch_count, eval_batches, index_all_shards,
+)
 
 SEQ_LEN, BLOCK, VOCAB = 16, 64, 30522
 UNEVEN = {"train": [1000, 17, 300], "validation": [50, 41]}
 TOKENIZER_SHA = "ab" * 32
 
 
-def write_dataset(root: Path, splits: dict[str, list[int]], vocab: int = VOCAB, seed: int = 0) -> dict:
-    """Shards of random sequences plus a hand-written manifest; returns {row bytes: (shard, index, starts)}."""
+def write_dataset(root: Path, splits: dict[str, list[int]], vocab: int = VOCAB, seed: int = 0,
+                  poison: tuple[str, int, int] | None = None) -> dict:
+    """Shards of random sequences plus a hand-written manifest; returns {row bytes: (shard, index, starts)}.
+    ``poison`` = (shard name, sequence, token id) writes one out-of-range id there."""
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)
     reference, entries = {}, []
@@ -29,8 +35,10 @@ def write_dataset(root: Path, splits: dict[str, list[int]], vocab: int = VOCAB, 
             name = shard_name(split, 0, index)
             ids = rng.integers(5, vocab, size=(n, SEQ_LEN))
             ids[:, 0] = 101
+            if poison and poison[0] == name:
+                ids[poison[1], 5] = poison[2]
             starts = rng.random((n, SEQ_LEN)) < 0.6
-            writer = ShardWriter(root / name, vocab)
+            writer = ShardWriter(root / name, max(vocab, poison[2] + 1 if poison else 0))
             for lo in range(0, n, BLOCK):
                 writer.write_block(ids[lo:lo + BLOCK], starts[lo:lo + BLOCK])
             sha = writer.close()
@@ -73,104 +81,161 @@ def take(stream, n):
 
 
 def stream(root, manifest, **kw):
-    args = dict(split="train", rank=0, world=1, micro_batch=8, seed=7, num_workers=0)
+    args = dict(split="train", rank=0, world=1, micro_batch=8, global_batch=32, seed=7, num_workers=0)
     args.update(kw)
     return TrainStream(root, manifest, **args)
 
 
 def test_batches_decode_to_exactly_the_written_sequences(uneven):
     root, manifest, reference = uneven
-    s = stream(root, manifest)
-    assert s.sequences_in_split == 1317 and s.batches_per_epoch == 1317 // 8 == 164
-    assert s.tokens_per_batch == 8 * SEQ_LEN and s.dropped_per_epoch == 1317 - 164 * 8
-    seen = []
-    for g, batch in enumerate(take(s, s.batches_per_epoch)):
+    s = stream(root, manifest)                        # 1 rank x micro-batch 8 x accumulation 4
+    assert s.sequences_in_split == 1317 and s.steps_per_epoch == 1317 // 32 == 41 and s.grad_accum == 4
+    assert s.tokens_per_batch == 8 * SEQ_LEN and s.dropped_per_epoch == 1317 - 41 * 32 == 5
+    seen, batches = [], iter(s)
+    for j in range(41 * 4):
+        batch = next(batches)
         assert batch["input_ids"].dtype == torch.int64 and batch["input_ids"].shape == (8, SEQ_LEN)
         assert batch["word_starts"].dtype == torch.bool and batch["word_starts"].shape == (8, SEQ_LEN)
-        assert batch["position"] == g and batch["epoch"] == 0
+        assert batch["sample_ids"].dtype == torch.int64 and batch["sample_ids"].shape == (8,)
+        assert (batch["global_step"], batch["micro_step"], batch["epoch"]) == (j // 4, j % 4, 0)
+        assert batch["has_padding"] is False                          # these shards hold no [PAD]
         rows = rows_of(batch, reference)
-        assert rows == s.batch_sequences(g)   # the plan and the bytes read agree
+        assert rows == [s.describe_sample(i) for i in batch["sample_ids"].tolist()]   # ids name the bytes read
         seen += rows
-    assert len(set(seen)) == len(seen) == 1312          # one epoch: each sequence at most once
+        assert s.samples_consumed == (j + 1) // 4 * 32                # complete steps only
+    assert len(set(seen)) == len(seen) == 1312                        # one epoch: each sequence at most once
     assert {name for name, _ in seen} == {shard_name("train", 0, i) for i in range(3)}
-    assert s.position == 164 and s.state_dict()["epoch"] == 1
+    assert s.state_dict()["epoch"] == 1 and s.global_step == 41
 
 
 def test_uint32_ids_for_a_large_vocabulary(tmp_path):
     reference = write_dataset(tmp_path, {"train": [70]}, vocab=70000, seed=3)
     manifest = load_manifest(tmp_path)
     assert manifest["dtype"] == "uint32"
-    batch = take(stream(tmp_path, manifest, micro_batch=4), 1)[0]
+    batch = take(stream(tmp_path, manifest, micro_batch=4, global_batch=4), 1)[0]
     assert len(rows_of(batch, reference)) == 4
     assert int(max(np.frombuffer(k, dtype=np.int64).max() for k in reference)) > 65535
 
 
-def test_every_rank_gets_the_same_batches_with_uneven_shards(uneven):
-    root, manifest, reference = uneven
-    world, micro = 2, 8
-    per_rank = {}
+G, SEED = 32, 5
+
+
+def run_job(data_dir, manifest, world, micro_batch, steps, state=None, num_workers=0):
+    """Every rank of one job for ``steps`` global steps, as the trainer would run them (ranks simulated
+    one after another). Returns ({step: sorted sample ids of all ranks}, {sample id: row bytes}, state)."""
+    per_step, row_bytes, states = defaultdict(list), {}, []
     for rank in range(world):
-        s = stream(root, manifest, rank=rank, world=world, micro_batch=micro, num_workers=2, prefetch_factor=2)
-        assert s.batches_per_epoch == (1317 // world) // micro == 82
-        batches = take(s, s.batches_per_epoch + 1)   # one epoch, then the stream goes on
-        assert [b["position"] for b in batches] == list(range(83))
-        assert batches[-1]["epoch"] == 1
-        per_rank[rank] = [r for b in batches[:-1] for r in rows_of(b, reference)]
-    assert len(per_rank[0]) == len(per_rank[1]) == 82 * micro
-    union = per_rank[0] + per_rank[1]
-    assert len(set(union)) == len(union) == 1312        # disjoint, and only 5 of 1317 dropped
-    # Contiguous shares of the shuffled order: each rank reads only part of the big shard.
-    big = shard_name("train", 0, 0)
-    assert 300 < sum(n == big for n, _ in per_rank[0]) < 700
+        s = TrainStream(data_dir, manifest, "train", rank, world, micro_batch, G, SEED, num_workers)
+        if state is not None:
+            s.load_state_dict(state)
+        for batch in take(s, steps * s.grad_accum):
+            assert batch["input_ids"].shape == (micro_batch, 64)
+            per_step[batch["global_step"]].append(batch["sample_ids"].numpy())
+            for sid, row in zip(batch["sample_ids"].tolist(), batch["input_ids"].numpy()):
+                row_bytes[sid] = row.tobytes()
+        states.append(s.state_dict())
+    assert all(st == {**states[0], "world": world, "micro_batch": micro_batch} for st in states)
+    return {k: np.sort(np.concatenate(v)) for k, v in per_step.items()}, row_bytes, states[0]
 
 
-def test_epochs_reshuffle_deterministically_and_batches_mix_blocks(uneven):
+def test_resume_on_other_world_sizes_and_micro_batches_continues_the_same_samples(shards):
+    manifest = load_manifest(shards)
+    whole = TrainStream(shards, manifest, "train", 0, 1, G, G, SEED)
+    per_epoch = whole.steps_per_epoch
+    leg = per_epoch // 2 + 1                          # three legs: the second crosses into epoch 1
+    reference, reference_rows, _ = run_job(shards, manifest, 1, G, 3 * leg)
+    legs, rows, state = {}, {}, None
+    for world, micro, workers in ((2, 8, 0), (1, 8, 2), (2, 4, 0)):   # accumulation 2, 4, 4
+        got, got_rows, state = run_job(shards, manifest, world, micro, leg, state, workers)
+        assert sorted(got) == list(range(len(legs), len(legs) + leg))     # continues at the next step
+        assert state["samples_consumed"] == (len(legs) + leg) * G
+        legs.update(got)
+        rows.update(got_rows)
+    assert legs.keys() == reference.keys()
+    for k in reference:
+        assert np.array_equal(legs[k], reference[k]), f"global step {k} holds other samples"
+    assert all(rows[i] == reference_rows[i] for i in reference_rows)  # and the same bytes
+    assert state["epoch"] == 3 * leg // per_epoch == 1
+    epoch0 = np.concatenate([legs[k] for k in range(per_epoch)])
+    assert len(np.unique(epoch0)) == len(epoch0) == whole.sequences_in_split - whole.dropped_per_epoch
+    epoch1 = np.concatenate([legs[k] for k in range(per_epoch, 3 * leg)])
+    assert len(np.unique(epoch1)) == len(epoch1)                      # new epoch: a fresh pass
+    assert not np.array_equal(epoch1, epoch0[:len(epoch1)])
+
+
+def test_a_changed_global_batch_seed_or_data_is_refused(uneven, tmp_path):
     root, manifest, _ = uneven
-    a, b = stream(root, manifest), stream(root, manifest)
-    other_seed = stream(root, manifest, seed=8)
-    bpe = a.batches_per_epoch
-    epoch0 = [a.batch_sequences(g) for g in range(bpe)]
-    epoch1 = [a.batch_sequences(bpe + g) for g in range(bpe)]
-    assert epoch0 == [b.batch_sequences(g) for g in range(bpe)]          # same seed, same order
-    assert epoch0 != epoch1 and epoch0[0] != other_seed.batch_sequences(0)
-    flat0, flat1 = [r for x in epoch0 for r in x], [r for x in epoch1 for r in x]
-    assert len(set(flat0) & set(flat1)) >= 1317 - 2 * 5               # each epoch nearly the whole split
-    same_slot = sum(x == y for x, y in zip(flat0, flat1))
-    assert same_slot < 20
-    # The block order is redrawn too: with 2 ranks, rank 0's share of epoch 1 is a new half of the data.
-    r0 = stream(root, manifest, world=2)
-    share = [{r for g in range(e * 82, (e + 1) * 82) for r in r0.batch_sequences(g)} for e in (0, 1)]
-    assert 0.3 < len(share[0] & share[1]) / len(share[0]) < 0.7
-    # Shuffle windows: a batch of 8 draws on several blocks, not on neighbours in one block.
-    distinct_blocks = [len({(n, i // BLOCK) for n, i in seqs}) for seqs in epoch0]
-    assert np.mean(distinct_blocks) > 4
-    no_window = stream(root, manifest, shuffle_window_blocks=0)
-    assert np.mean([len({(n, i // BLOCK) for n, i in no_window.batch_sequences(g)}) for g in range(bpe)]) < 2
-    # The real bytes follow the plan for a second stream too.
-    assert [rows[0] for rows in epoch1[:3]] == [b.batch_sequences(bpe + g)[0] for g in range(3)]
-
-
-def test_resume_at_any_position_matches_the_uninterrupted_stream(uneven):
-    root, manifest, _ = uneven
-    full = TrainStream(root, manifest, "train", 1, 2, 8, 7, 0, 2)   # positional, as pretrain/train.py calls it
-    bpe = full.batches_per_epoch
-    reference = take(full, bpe + 6)
-    g = bpe - 4                                       # the resumed part crosses an epoch boundary
-    for workers in (2, 0):
-        resumed = take(stream(root, manifest, rank=1, world=2, num_workers=workers, start_position=g), 10)
-        for x, y in zip(reference[g:], resumed):
-            assert x["position"] == y["position"]
-            assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["word_starts"], y["word_starts"])
-    # A checkpoint's state_dict restores the same next batch; another layout is refused, not guessed.
-    s = stream(root, manifest, rank=1, world=2)
-    take(s, 5)
+    s = stream(root, manifest, world=2, micro_batch=4)
+    take(s, 3 * s.grad_accum)
     state = s.state_dict()
-    assert state["position"] == 5 and state["batch_in_epoch"] == 5
-    again = stream(root, manifest, rank=1, world=2)
-    again.load_state_dict(state)
-    assert torch.equal(take(again, 1)[0]["input_ids"], reference[5]["input_ids"])
-    with pytest.raises(DataError, match="world: 2 -> 1"):
-        stream(root, manifest).load_state_dict(state)
+    assert state["samples_consumed"] == 96 and state["world"] == 2
+    other = stream(root, manifest, world=4, micro_batch=2)            # other layout, same global batch: fine
+    other.load_state_dict(state)
+    assert other.global_step == 3
+    with pytest.raises(DataError, match=r"global_batch: 32 in the checkpoint, 64 now") as err:
+        stream(root, manifest, global_batch=64, seed=8).load_state_dict(state)
+    assert "seed: 7 in the checkpoint, 8 now" in str(err.value)
+    copy = tmp_path / "data"                          # the same shards less one: other data
+    shutil.copytree(root, copy)
+    fewer = json.loads((copy / "manifest.json").read_text())
+    fewer["shards"] = [e for e in fewer["shards"] if e["name"] != shard_name("train", 0, 1)]
+    with pytest.raises(DataError, match=r"sequences_in_split: 1317 in the checkpoint, 1300 now.*split_fingerprint"):
+        stream(copy, fewer).load_state_dict(state)
+    with pytest.raises(DataError, match="samples_consumed 40 is not a multiple of the global batch 32"):
+        stream(root, manifest).load_state_dict({**state, "samples_consumed": 40})
+    with pytest.raises(DataError, match="global_batch 32 is not a multiple of micro_batch 8 x world 3"):
+        stream(root, manifest, world=3)
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+def test_any_number_of_workers_yields_the_identical_stream(uneven):
+    root, manifest, _ = uneven
+    start = (41 - 2) * 32                             # crosses the epoch boundary
+    runs = [take(stream(root, manifest, rank=1, world=2, micro_batch=8, num_workers=w, prefetch_factor=2,
+                        start_samples=start), 8) for w in (0, 3)]
+    assert [b["global_step"] for b in runs[0]] == [39, 39, 40, 40, 41, 41, 42, 42]
+    assert [b["epoch"] for b in runs[0]] == [0] * 4 + [1] * 4
+    for x, y in zip(*runs):
+        assert (x["global_step"], x["micro_step"]) == (y["global_step"], y["micro_step"])
+        for key in ("input_ids", "word_starts", "sample_ids"):
+            assert torch.equal(x[key], y[key])
+
+
+def test_epochs_reshuffle_deterministically_and_steps_mix_blocks(uneven):
+    root, manifest, _ = uneven
+    a, b, other_seed = stream(root, manifest), stream(root, manifest), stream(root, manifest, seed=8)
+    spe = a.steps_per_epoch
+    epoch0 = [a.step_sample_ids(k) for k in range(spe)]
+    epoch1 = [a.step_sample_ids(spe + k) for k in range(spe)]
+    assert all(np.array_equal(x, b.step_sample_ids(k)) for k, x in enumerate(epoch0))
+    assert not np.array_equal(epoch0[0], other_seed.step_sample_ids(0))
+    flat0, flat1 = np.concatenate(epoch0), np.concatenate(epoch1)
+    assert len(np.intersect1d(flat0, flat1)) >= 1317 - 2 * 5              # each epoch nearly the whole split
+    first_block = {int(i) // BLOCK for i in epoch0[0]}                    # sample ids in file order: ~block ids
+    assert len(first_block) >= 4                                          # a step mixes a window's blocks
+    unshuffled = stream(root, manifest, shuffle_window_blocks=0)
+    assert np.mean([len({int(i) // BLOCK for i in unshuffled.step_sample_ids(k)}) for k in range(spe)]) < 2
+    same_step = sum(len(np.intersect1d(x, y)) for x, y in zip(epoch0, epoch1))
+    assert same_step < 100                                                # a new order, not the old one again
+
+
+def test_each_rank_reads_about_its_share_of_the_blocks(uneven, monkeypatch):
+    root, manifest, _ = uneven
+    decoded = Counter()
+
+    def counting_read_block(f, ref, seq_len):
+        decoded[rank] += 1
+        return real_read_block(f, ref, seq_len)
+
+    real_read_block = shard_reader.read_block
+    monkeypatch.setattr(shard_reader, "read_block", counting_read_block)
+    world = 4
+    for rank in range(world):
+        s = stream(root, manifest, rank=rank, world=world, micro_batch=8)
+        take(s, s.steps_per_epoch)
+    # 22 blocks; cut unsorted, each rank would decode nearly all of them (about 4 x 22 together).
+    assert sum(decoded.values()) <= 2.2 * 22, decoded
+    assert all(decoded[r] < 16 for r in range(world)), decoded
 
 
 def test_resume_seek_reads_only_the_blocks_of_the_first_batch(uneven, monkeypatch):
@@ -185,19 +250,73 @@ def test_resume_seek_reads_only_the_blocks_of_the_first_batch(uneven, monkeypatc
         indexed.append(Path(path).name)
         return real_index_shard(path)
 
-    real_read_block, real_index_shard = data.read_block, data.index_shard
-    monkeypatch.setattr(data, "read_block", spy_read_block)
-    monkeypatch.setattr(data, "index_shard", spy_index_shard)
-    s = stream(root, manifest)
-    g = s.batches_per_epoch + 100                     # deep into epoch 1
-    batch = take(stream(root, manifest, start_position=g), 1)[0]
-    wanted = s.batch_sequences(g)
+    real_read_block, real_index_shard = shard_reader.read_block, shard_reader.index_shard
+    monkeypatch.setattr(shard_reader, "read_block", spy_read_block)
+    monkeypatch.setattr(shard_reader, "index_shard", spy_index_shard)
+    s = stream(root, manifest, world=2, rank=1, micro_batch=4, start_samples=(41 + 20) * 32)   # deep in epoch 1
+    batch = take(s, 1)[0]
+    assert batch["global_step"] == 61 and batch["micro_step"] == 0
+    wanted = [s.describe_sample(i) for i in batch["sample_ids"].tolist()]
     assert rows_of(batch, reference) == wanted
     wanted_blocks = {(name, i // BLOCK) for name, i in wanted}
     assert len(reads) == len(set(reads)) == len(wanted_blocks)      # each needed block once, nothing else
     offsets = {name: [r.ids_offset for r in index_shard(root / name)] for name in {n for n, _ in wanted}}
     assert {(name, offsets[name].index(off)) for name, off in reads} == wanted_blocks
     assert sorted(indexed) == sorted({name for name, _ in wanted})
+
+
+def test_has_padding_says_whether_a_batch_holds_pad_tokens(shards):
+    manifest = load_manifest(shards)
+    pad = manifest["tokenizer"]["special_ids"]["pad"]
+    s = TrainStream(shards, manifest, "train", 0, 1, 8, 8, SEED, shuffle_window_blocks=0)
+    flags = []
+    for batch in take(s, s.steps_per_epoch):
+        assert batch["has_padding"] is bool((batch["input_ids"] == pad).any())
+        flags.append(batch["has_padding"])
+    assert 0 < sum(flags) < len(flags) / 4             # only a task's last sequence of a split is padded
+    evals = list(eval_batches(shards, manifest, "validation", 0, 1, 8))
+    assert [b["has_padding"] for b in evals] == [bool((b["input_ids"] == pad).any()) for b in evals]
+
+
+def test_an_out_of_range_token_id_names_shard_and_block(tmp_path, shards):
+    bad = shard_name("train", 0, 2)
+    write_dataset(tmp_path / "poisoned", UNEVEN, poison=(bad, 130, VOCAB + 7))
+    manifest = load_manifest(tmp_path / "poisoned")
+    for workers in (0, 2):
+        with pytest.raises(TokenIdError) as err:
+            for _ in take(stream(tmp_path / "poisoned", manifest, num_workers=workers), 41 * 4):
+                pass
+        assert str(err.value).startswith(str(tmp_path / "poisoned" / bad) + ": block 2 holds token id 30529 "
+                                         "(row 2, sequence 130 of the shard, position 5)"), err.value
+        assert "vocabulary has 30522 ids" in str(err.value) and "Traceback" not in str(err.value)
+    # data_prep's shards under a manifest whose vocab_size was edited down: caught in training and evaluation.
+    edited = tmp_path / "edited"
+    shutil.copytree(shards, edited)
+    manifest = load_manifest(edited)
+    manifest["tokenizer"]["vocab_size"] = 1000
+    write_json_atomic(edited / "manifest.json", manifest)
+    with pytest.raises(TokenIdError, match=r"train-t0000\d-0000\d\.tar: block \d+ holds token id \d{4}"):
+        take(TrainStream(edited, manifest, "train", 0, 1, 8, 8, SEED), 1)
+    with pytest.raises(TokenIdError, match=r"validation-t0000\d-0000\d\.tar: block \d+ holds token id"):
+        list(eval_batches(edited, manifest, "validation", 0, 1, 8))
+
+
+def test_a_damaged_tar_header_is_found_before_any_batch(shards, tmp_path):
+    copy = tmp_path / "data"
+    shutil.copytree(shards, copy)
+    manifest = load_manifest(copy)
+    index_all_shards(copy, manifest, ["train", "validation"])         # intact: no error
+    victim = copy / next(e["name"] for e in manifest["shards"] if e["split"] == "train" and e["blocks"] > 3)
+    refs = index_shard(victim)
+    with open(victim, "r+b") as f:                    # the header of block 2's first member; same size
+        f.seek(refs[2].ids_offset - 512)
+        f.write(b"\xff" * 512)
+    with pytest.raises(ShardError, match=rf"1 shards with unreadable tar headers: {victim}: its tar headers list 2 blocks, the manifest says"):
+        index_all_shards(copy, manifest, ["train"])
+    index_all_shards(copy, manifest, ["validation"])  # only the splits asked for
+    problems = check_manifest(manifest, copy, splits=("train", "validation"))
+    assert len(problems) == 1 and victim.name in problems[0]
+    assert check_manifest(manifest, copy, splits=("train",), index_tars=False) == []
 
 
 def test_manifest_problems_are_all_named(uneven, tmp_path):
@@ -225,31 +344,26 @@ def test_manifest_problems_are_all_named(uneven, tmp_path):
         stream(copy, manifest)
 
 
-def test_corrupt_shard_raises_shard_error_naming_it(uneven, tmp_path):
+def test_corrupt_block_data_raises_shard_error_naming_it(uneven, tmp_path):
     root, manifest, _ = uneven
     copy = tmp_path / "data"
     shutil.copytree(root, copy)
     victim = copy / shard_name("train", 0, 2)
     refs = index_shard(victim)
-    with open(victim, "r+b") as f:                    # same size, so only reading can notice
+    with open(victim, "r+b") as f:                    # same size and headers, so only reading can notice
         f.seek(refs[2].ids_offset)
         f.write(b"\0" * 16)
+    index_all_shards(copy, manifest, ["train"])
     s = stream(copy, manifest, num_workers=2)
-    with pytest.raises(ShardError, match=rf"{victim.name}: block 2 cannot be decoded"):
-        for _ in zip(range(s.batches_per_epoch), s):
-            pass
-    with open(victim, "r+b") as f:                    # a broken tar header: the index scan fails
-        f.seek(0)
-        f.write(b"\xff" * 512)
-    with pytest.raises(ShardError, match=victim.name):
-        for _ in zip(range(s.batches_per_epoch), stream(copy, manifest)):
+    with pytest.raises(ShardError, match=rf"^{victim}: block 2 cannot be decoded"):
+        for _ in take(s, 41 * 4):
             pass
 
 
 def test_too_small_split_is_a_clear_error_not_a_hang(tmp_path):
     write_dataset(tmp_path, {"train": [20, 3], "validation": [2]})
     manifest = load_manifest(tmp_path)
-    with pytest.raises(DataError, match=r"23 sequences: too few for 2 rank\(s\) x micro-batch 16 = 32"):
+    with pytest.raises(DataError, match=r"23 sequences: too few for one global batch of 32"):
         stream(tmp_path, manifest, world=2, micro_batch=16)
     with pytest.raises(DataError, match="2 sequences, fewer than the 4 ranks"):
         list(eval_batches(tmp_path, manifest, "validation", rank=0, world=4, micro_batch=1))
@@ -266,6 +380,8 @@ def test_eval_batches_are_fixed_disjoint_and_equal_per_rank(uneven):
         assert len(batches) == eval_batch_count(manifest, "validation", world, micro) == 6   # 45 = 5 x 8 + 5
         assert [len(b["input_ids"]) for b in batches] == [8] * 5 + [5]
         per_rank[rank] = [r for b in batches for r in rows_of(b, reference)]
+        ids = torch.cat([b["sample_ids"] for b in batches]).tolist()
+        assert ids == list(range(rank * 45, rank * 45 + 45))                  # file order, rank's contiguous part
         again = list(eval_batches(root, manifest, "validation", rank=rank, world=world, micro_batch=micro,
                                   max_batches=2))
         assert [r for b in again for r in rows_of(b, reference)] == per_rank[rank][:16]

@@ -15,8 +15,8 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from mlflow_server import mlflow_server  # noqa: E402,F401  (a fixture)
 from pretrain import configlib  # noqa: E402
 from pretrain.config import Config  # noqa: E402
-from pretrain.tracking import make_tracker, share_run_id  # noqa: E402
-from pretrain.tracking_mlflow import MlflowTracker, default_local_store  # noqa: E402
+from pretrain.tracking import NullTracker, make_tracker, share_run_id  # noqa: E402
+from pretrain.tracking.mlflow_tracker import MlflowTracker, default_local_store  # noqa: E402
 
 
 def make_cfg(tmp_path, uri: str = "", **tracking) -> Config:
@@ -58,8 +58,9 @@ def test_new_run_gets_params_artifacts_and_complete_histories(tmp_path, mlflow_s
     # More than one log_batch worth of params (100), and one over MLflow's 6000-char value limit.
     params.update({f"extra.p{i:03d}": i for i in range(150)})
     params["extra.long"] = "x" * 7000
-    tracker = make_tracker(cfg, rank=0)
+    tracker = make_tracker(cfg, rank=0, jsonl=False)
     assert isinstance(tracker, MlflowTracker)
+    assert isinstance(make_tracker(cfg, rank=1), NullTracker)
     run_id = tracker.start(None, params, {"config.yaml": configlib.dump_yaml(cfg), "deepspeed.json": '{"a": 1}'})
     assert run_id and tracker.run_id == run_id
     assert share_run_id(run_id) == run_id            # no process group: unchanged
@@ -135,7 +136,7 @@ def test_restarted_tracker_continues_the_run_without_duplicate_steps(tmp_path, m
 
 def test_server_outage_loses_nothing_and_never_blocks(tmp_path, mlflow_server, tiny_bert_dir, caplog):
     """One tracker loses its server mid-run; a second one starts while it is down."""
-    caplog.set_level(logging.WARNING, logger="pretrain.tracking_mlflow")
+    caplog.set_level(logging.WARNING, logger="pretrain.tracking.mlflow_tracker")
     cfg = make_cfg(tmp_path, mlflow_server.uri, retry_seconds=1.0)
     tracker = MlflowTracker(cfg)
     run_id = tracker.start(None, {"a": 1}, {})

@@ -1,4 +1,4 @@
-"""MLflow implementation of :class:`pretrain.tracking.Tracker` (rank 0 only).
+"""MLflow implementation of :class:`pretrain.tracking.base.Tracker` (rank 0 only).
 
 The training loop must never wait on a tracking server. Every call here only appends to an
 in-memory, ordered buffer; one background thread owns all network traffic: it opens the run,
@@ -39,7 +39,9 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from pretrain.tracking import Tracker
+from data_prep.atomic import write_atomic
+from pretrain.configlib import flatten
+from pretrain.tracking.base import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -131,16 +133,6 @@ def _short_reason(exc: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _param_value(v: Any) -> str:
     text = json.dumps(v) if isinstance(v, (list, tuple, dict)) else str(v)
     if len(text) > MAX_PARAM_VAL_LENGTH:
@@ -159,7 +151,7 @@ def environment_tags(world_size: int) -> dict[str, str]:
             tags[f"env.{pkg}"] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             tags[f"env.{pkg}"] = "not installed"
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     try:
         commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
                                 text=True, timeout=10)
@@ -234,9 +226,12 @@ class MlflowTracker(Tracker):
             if key in self._bad_keys:
                 continue
             try:
-                points.append(("metric", key, float(value), now, int(step)))
+                value = float(value)
             except (TypeError, ValueError):
                 log.warning("MLflow: metric %r = %r at step %s is not a number; skipped", key, value, step)
+                continue
+            if math.isfinite(value):                 # a NaN point would break the UI's charts
+                points.append(("metric", key, value, now, int(step)))
         self._enqueue(points)
 
     def log_checkpoint(self, tag: str, step: int, path: str) -> None:
@@ -475,7 +470,7 @@ class MlflowTracker(Tracker):
         else:
             exp_id = self._experiment_id()
             run = self._call(self.client.create_run, exp_id, run_name=self.cfg.tracking.run_name or None)
-            init += [("param", k[:250], _param_value(v)) for k, v in _flatten(params).items()]
+            init += [("param", k[:250], _param_value(v)) for k, v in flatten(params).items()]
             init += [("text", name, content) for name, content in artifacts.items()]
             log.info("MLflow: run %s (%s) in experiment %r at %s", run.info.run_id, run.info.run_name,
                      self.cfg.tracking.experiment, self.tracking_uri)
@@ -501,9 +496,7 @@ class MlflowTracker(Tracker):
         path = self._run_id_path()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(self.run_id + "\n")
-            os.replace(tmp, path)
+            write_atomic(path, self.run_id + "\n")
         except OSError as exc:
             log.warning("MLflow: could not write %s (%s)", path, exc)
 
@@ -512,7 +505,9 @@ class MlflowTracker(Tracker):
         exp = self._call(self.client.get_experiment_by_name, name)
         if exp is None:
             try:
-                return self._call(self.client.create_experiment, name, artifact_location=self._artifact_root)
+                # Without this tag MLflow 3's UI opens the experiment in its GenAI layout.
+                return self._call(self.client.create_experiment, name, artifact_location=self._artifact_root,
+                                  tags={"mlflow.experimentKind": "custom_model_development"})
             except MlflowException as exc:   # created meanwhile by another job
                 exp = self._call(self.client.get_experiment_by_name, name)
                 if exp is None:

@@ -1,8 +1,4 @@
-"""Experiment tracking: a small interface, a no-op implementation, and a factory.
-
-Only rank 0 ever holds a real tracker; every other rank gets :class:`NullTracker`. The MLflow
-implementation lives in ``pretrain.tracking_mlflow`` so that importing this module stays cheap.
-"""
+"""The tracker interface, the no-op, and a fan-out to several trackers."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -36,23 +32,32 @@ class NullTracker(Tracker):
     """For ranks other than 0, tests, and ``tracking.backend: none``."""
 
 
-def make_tracker(cfg, rank: int) -> Tracker:
-    """``cfg`` is the full :class:`pretrain.config.Config`."""
-    if rank != 0 or cfg.tracking.backend == "none":
-        return NullTracker()
-    from pretrain.tracking_mlflow import MlflowTracker
+class TrackerGroup(Tracker):
+    """Every call goes to each tracker in order; the run id is the first one any of them has."""
 
-    return MlflowTracker(cfg)
+    def __init__(self, trackers: list[Tracker]):
+        self.trackers = trackers
 
+    @property
+    def run_id(self) -> Optional[str]:
+        return next((t.run_id for t in self.trackers if t.run_id), None)
 
-def share_run_id(run_id: Optional[str]) -> Optional[str]:
-    """Rank 0's run id on every rank (e.g. so all ranks write the same id into a checkpoint's
-    client state). A collective: every rank must call it. Without a process group it returns
-    ``run_id`` unchanged."""
-    import torch.distributed as dist
+    def start(self, run_id, params, artifacts):
+        ids = [t.start(run_id, params, artifacts) for t in self.trackers]
+        return next((i for i in ids if i), None)
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return run_id
-    box = [run_id]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    def log_metrics(self, metrics, step):
+        for t in self.trackers:
+            t.log_metrics(metrics, step)
+
+    def log_checkpoint(self, tag, step, path):
+        for t in self.trackers:
+            t.log_checkpoint(tag, step, path)
+
+    def log_model(self, hf_dir, step, final):
+        for t in self.trackers:
+            t.log_model(hf_dir, step, final)
+
+    def finish(self, status="FINISHED"):
+        for t in self.trackers:
+            t.finish(status)

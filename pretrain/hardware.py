@@ -1,0 +1,196 @@
+"""What the hardware really does: the precision ``impl.precision=auto`` picks, and the peak that MFU
+is measured against.
+
+Precision. bf16 pays only where the device computes it natively. On CUDA that is compute capability
+8.0 and later (A100, H100, L4, ...). On x86 CPUs it needs AVX-512-BF16 or AMX: without them torch
+emulates bf16 matmuls, which ran about 50x *slower* than fp32 on this project's AVX2 machines (0.8
+against 38.7 GFLOP/s on one thread). DeepSpeed's ``is_bf16_supported()`` answers True on either kind
+of CPU, so it is not asked. An explicit ``bf16`` on an emulating CPU is honoured, with a warning
+that gives the measured slowdown.
+
+Peak. MFU = model FLOPs per second / the peak of the precision actually used. On known GPUs the peak
+is the vendor's dense number (``GPU_PEAK_TFLOPS``). On CPUs (and unknown GPUs) it is a measured
+square-matmul throughput with the thread count this process actually has, measured once per machine
+and cached (``~/.cache/mlm-pretrain/peak_tflops.json``, keyed by device model, threads and precision),
+so that the MFU scale does not move across restarts on a busy machine. ``impl.peak_tflops``
+overrides both.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from data_prep.atomic import write_atomic
+from pretrain.flops import measure_matmul_peak_tflops
+
+log = logging.getLogger("pretrain")
+
+# Dense (no sparsity) peaks in TFLOP/s from the vendors' datasheets, matched against
+# torch.cuda.get_device_name() in this order (more specific names first). fp32 is the plain FP32
+# number: torch does not use TF32 for fp32 matmuls unless told to.
+GPU_PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    ("GB200", {"bf16": 2500.0, "fp16": 2500.0, "fp32": 80.0}),
+    ("B200", {"bf16": 2250.0, "fp16": 2250.0, "fp32": 80.0}),
+    ("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),
+    ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0}),
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2}),
+    ("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),       # SXM, and GH200
+    ("H800", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
+    ("A800", {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
+    ("L40S", {"bf16": 362.1, "fp16": 362.1, "fp32": 91.6}),
+    ("L40", {"bf16": 181.0, "fp16": 181.0, "fp32": 90.5}),
+    ("L4", {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3}),
+    ("A10G", {"bf16": 70.0, "fp16": 70.0, "fp32": 31.2}),
+    ("A10", {"bf16": 125.0, "fp16": 125.0, "fp32": 31.2}),
+    ("RTX A6000", {"bf16": 154.8, "fp16": 154.8, "fp32": 38.7}),
+    ("V100", {"fp16": 125.0, "fp32": 15.7}),
+    ("T4", {"fp16": 65.0, "fp32": 8.1}),
+    ("MI300X", {"bf16": 1307.4, "fp16": 1307.4, "fp32": 163.4}),
+    ("MI250", {"bf16": 362.1, "fp16": 362.1, "fp32": 47.9}),
+]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def cpu_info() -> dict:
+    """CPU model, the flags that decide bf16 speed, and torch's own view of them."""
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    relevant = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma"))
+    native = _cpu_native_bf16(flags)
+    return {"model": model, "flags": relevant, "native_bf16": native,
+            "torch_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+
+
+def _cpu_native_bf16(flags: set[str]) -> bool:
+    probe_avx512 = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    probe_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if probe_avx512 is not None and probe_amx is not None:
+        return bool(probe_avx512() or probe_amx())
+    return bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+def native_bf16(device: torch.device) -> tuple[bool, str]:
+    """(does ``device`` compute bf16 natively, why we think so)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        name = torch.cuda.get_device_name(device)
+        if major >= 8:
+            return True, f"{name} (compute capability {major}.{minor}) has bf16 tensor cores"
+        return False, f"{name} (compute capability {major}.{minor}) has no bf16 tensor cores"
+    if device.type == "cpu":
+        info = cpu_info()
+        if info["native_bf16"]:
+            have = [f for f in info["flags"] if f in ("avx512_bf16", "amx_bf16", "amx_tile")]
+            return True, f"{info['model']} has {', '.join(have) or 'native bf16'}"
+        return False, f"{info['model']} lacks AVX-512-BF16 and AMX: bf16 would be emulated"
+    return False, f"unknown device type {device.type!r}"
+
+
+def bf16_slowdown(device: torch.device, size: int = 256, seconds: float = 0.1) -> float:
+    """fp32 matmul throughput / bf16 matmul throughput on ``device`` (> 1: bf16 is slower)."""
+    fp32 = measure_matmul_peak_tflops(device, torch.float32, seconds=seconds, size=size)
+    bf16 = measure_matmul_peak_tflops(device, torch.bfloat16, seconds=seconds, size=size)
+    return fp32 / max(bf16, 1e-12)
+
+
+def resolve_precision(wanted: str, device: torch.device) -> tuple[str, str]:
+    """(precision to use, the reason, for the log). ``fp16`` on a CPU is a config error, caught
+    before any process group starts (``precision_problems``)."""
+    if wanted == "auto":
+        native, why = native_bf16(device)
+        return ("bf16", f"auto: bf16, {why}") if native else ("fp32", f"auto: fp32, {why}")
+    if wanted == "bf16" and device.type == "cpu":
+        native, why = native_bf16(device)
+        if not native:
+            slower = bf16_slowdown(device)
+            log.warning("impl.precision=bf16 on a CPU without native bf16 (%s): a bf16 matmul measured %.1fx "
+                        "slower than fp32 here; impl.precision=auto would pick fp32", why, slower)
+            return "bf16", f"bf16 as configured; emulated, {slower:.1f}x slower than fp32"
+    return wanted, f"{wanted} as configured"
+
+
+def precision_problems(wanted: str) -> list[str]:
+    """Found before any process group starts: the device type is known from CUDA availability."""
+    if wanted == "fp16" and not torch.cuda.is_available():
+        return ["impl.precision: fp16 needs a GPU (DeepSpeed refuses fp16 on the CPU); use auto, bf16 or fp32"]
+    return []
+
+
+def gpu_table_peak(name: str, precision: str) -> Optional[tuple[float, str]]:
+    for key, peaks in GPU_PEAK_TFLOPS:
+        if key.lower() in name.lower() and precision in peaks:
+            return peaks[precision], f"table: {key} {precision} dense"
+    return None
+
+
+def default_cache_path() -> Path:
+    root = os.environ.get("MLM_PRETRAIN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mlm-pretrain")
+    return Path(root) / "peak_tflops.json"
+
+
+def peak_tflops(device: torch.device, precision: str, override: float = 0.0,
+                cache_path: Optional[Path] = None) -> tuple[float, str]:
+    """(peak TFLOP/s of one process in ``precision``, where the number comes from)."""
+    if override > 0:
+        return override, "impl.peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        found = gpu_table_peak(name, precision)
+        if found:
+            return found
+        model, threads = name, 0
+    else:
+        model, threads = cpu_info()["model"], torch.get_num_threads()
+    key = f"{device.type}|{model}|threads={threads}|{precision}"
+    path = cache_path or default_cache_path()
+    cache = _read_cache(path)
+    if key in cache:
+        return float(cache[key]["tflops"]), f"measured {cache[key]['when']}, cached in {path}"
+    # Best of several short bursts: a neighbour's burst of work lowers one of them, not all.
+    value = max(measure_matmul_peak_tflops(device, DTYPES[precision], seconds=0.25) for _ in range(4))
+    cache[key] = {"tflops": value, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(_read_cache(path) | {key: cache[key]}, indent=1, sort_keys=True))
+    except OSError as exc:                            # a read-only home must not stop training
+        log.warning("could not cache the measured peak in %s: %s", path, exc)
+    return value, f"measured now ({threads} threads), cached in {path}"
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+class MfuCheck:
+    """MFU above 1 means the peak is wrong (too low): say so once, naming the peak used."""
+
+    def __init__(self, peak: float, source: str):
+        self.peak, self.source, self.warned = peak, source, False
+
+    def __call__(self, mfu: float) -> float:
+        if mfu > 1.0 and not self.warned:
+            self.warned = True
+            log.warning("MFU %.2f is above 1: the peak %.3f TFLOP/s (%s) is too low for this machine; set "
+                        "impl.peak_tflops, or delete the cached value to re-measure", mfu, self.peak, self.source)
+        return mfu

@@ -1,0 +1,118 @@
+"""Optimisers and the learning-rate schedule: what the engine is handed, not how ZeRO runs it.
+
+* ``build_optimizer``: AdamW or LAMB, weight decay on matrices only (as BERT), the fastest kernel the
+  device has (DeepSpeed's fused Adam/LAMB on CUDA, torch's fused AdamW on the CPU, DeepSpeed's CPU
+  Adam under optimiser offload).
+* ``make_skippable``: lets the loop veto one update (a non-finite loss on some rank).
+* ``WarmupDecay``: linear warm-up, then linear, cosine or constant.
+"""
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+
+from pretrain.config import Config
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al., 2019) for devices without DeepSpeed's fused kernel: Adam moments, then a
+    per-tensor trust ratio ||w|| / ||update|| scales the step."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state["step"] += 1
+                g = p.grad.float()
+                state["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
+                state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+                m_hat = state["exp_avg"] / (1 - b1 ** state["step"])
+                v_hat = state["exp_avg_sq"] / (1 - b2 ** state["step"])
+                update = m_hat / (v_hat.sqrt() + group["eps"])
+                if group["weight_decay"]:
+                    update.add_(p.float(), alpha=group["weight_decay"])
+                w_norm, u_norm = p.float().norm(), update.norm()
+                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+                p.add_((update * trust).to(p.dtype), alpha=-group["lr"])
+        return None
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+    """Weight decay on matrices only (not biases, LayerNorm, embeddings' norms), as in BERT."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    o = cfg.optim
+    fused = cfg.impl.fused_optimizer is True or cfg.impl.fused_optimizer == "auto"
+    kw = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    if o.name == "adamw":
+        if cfg.impl.offload_optimizer:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            opt = DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
+        elif fused and device.type == "cuda":
+            from deepspeed.ops.adam import FusedAdam
+            opt = FusedAdam(groups, adam_w_mode=True, **kw)
+        else:
+            # torch's fused CPU kernel updates all tensors in one pass (no per-parameter Python loop).
+            opt = torch.optim.AdamW(groups, fused=fused or None, **kw)
+    else:
+        if fused and device.type == "cuda":
+            from deepspeed.ops.lamb import FusedLamb
+            opt = FusedLamb(groups, **kw)
+        else:
+            opt = Lamb(groups, **kw)
+    make_skippable(opt)
+    return opt
+
+
+def make_skippable(opt: torch.optim.Optimizer) -> None:
+    """Let the training loop veto the next update (non-finite loss on some rank). ``overflow`` is
+    the attribute DeepSpeed's engine reads after a step to count it as skipped and hold the lr
+    schedule; under ZeRO its own overflow check on the (non-finite) gradients also skips."""
+    original = opt.step
+    opt.skip_next_step = False
+    opt.overflow = False
+
+    def step(self, *args, **kwargs):
+        self.overflow, self.skip_next_step = self.skip_next_step, False
+        return None if self.overflow else original(*args, **kwargs)
+
+    # a bound method: torch's LR schedulers wrap ``optimizer.step`` and expect one
+    opt.step = types.MethodType(step, opt)
+
+
+class WarmupDecay:
+    """lr multiplier: linear warmup, then linear or cosine decay to ``min_ratio`` at ``total``.
+    A class (not a closure) so LambdaLR can put it in its state dict."""
+
+    def __init__(self, warmup: int, total: int, schedule: str, min_ratio: float):
+        self.warmup, self.total, self.schedule, self.min_ratio = warmup, total, schedule, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        shape = 1.0 - progress if self.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_ratio + (1.0 - self.min_ratio) * shape
+
+
+def lr_schedule(cfg: Config) -> WarmupDecay:
+    return WarmupDecay(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)

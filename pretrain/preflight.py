@@ -1,0 +1,138 @@
+"""Every input problem, found before any process group exists (exit 2, all reported at once).
+
+Checked here: the data (manifest against the model, every shard present and indexable), continued
+pretraining (``model.init_from`` against the data's tokenizer), the precision against the device,
+and a resume: the checkpoint must be complete, and the settings that change results must be those
+it was written with. Settings that change only speed (``impl``), bookkeeping (logging, evaluation
+and checkpoint cadence, ``out_dir``, tracking) and a longer ``train.max_steps`` may change.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from data_prep.shard_format import load_manifest
+from pretrain import checkpointing, configlib, hardware
+from pretrain.config import Config
+from pretrain.configlib import ConfigError
+from pretrain.data import check_manifest
+
+# Groups and keys whose change would make the resumed run a different experiment.
+RESULTS_GROUPS = ("model", "masking", "optim")
+RESULTS_KEYS = ("train.global_batch_size", "train.seed", "data.seed", "data.train_split")
+MANIFEST_KEYS = ("seq_len", "block_size")
+
+
+def check_inputs(cfg: Config) -> tuple[dict, Optional[str]]:
+    """(manifest, checkpoint tag to resume from or None); raises ConfigError listing every problem."""
+    manifest = load_manifest(cfg.data.dir)
+    has_eval = any(s["split"] == cfg.data.eval_split for s in manifest.get("shards", []))
+    splits = [cfg.data.train_split] + ([cfg.data.eval_split] if has_eval else [])
+    # Also reads every shard's tar headers (cheap), so a damaged one is an input error now, not
+    # a crash hours into the run.
+    problems = check_manifest(manifest, cfg.data.dir, max_positions=cfg.model.max_position_embeddings,
+                              splits=splits)
+    problems += init_from_problems(cfg, manifest)
+    problems += hardware.precision_problems(cfg.impl.precision)
+    tag = None
+    try:
+        tag = checkpointing.resume_tag(cfg)
+    except ConfigError as exc:
+        problems += exc.problems
+    if tag is not None:
+        problems += resume_problems(cfg, manifest, checkpointing.checkpoint_root(cfg), tag)
+    if problems:
+        raise ConfigError(problems, f"{cfg.data.dir}/manifest.json" if not tag else f"{cfg.train.out_dir}")
+    return manifest, tag
+
+
+def tokenizer_vocab(folder: Path) -> Optional[dict[str, int]]:
+    """token -> id from a ``tokenizer.json`` or a WordPiece ``vocab.txt``; None if neither is there."""
+    if (folder / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    if (folder / "vocab.txt").is_file():
+        lines = (folder / "vocab.txt").read_text(encoding="utf-8").splitlines()
+        return {tok: i for i, tok in enumerate(lines)}
+    return None
+
+
+def init_from_problems(cfg: Config, manifest: dict) -> list[str]:
+    """Continued pretraining: the checkpoint must fit the data, and speak the data's tokenizer."""
+    if not cfg.model.init_from:
+        return []
+    folder = Path(cfg.model.init_from)
+    try:
+        model_cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return [f"model.init_from: {folder}/config.json unreadable ({exc})"]
+    problems = []
+    if model_cfg.get("vocab_size") != manifest["tokenizer"]["vocab_size"]:
+        problems.append(f"model.init_from: {folder} has vocab_size {model_cfg.get('vocab_size')}, the data's "
+                        f"tokenizer {manifest['tokenizer']['vocab_size']}: prepare the data with that model's tokenizer")
+    if model_cfg.get("max_position_embeddings", 512) < manifest["seq_len"]:
+        problems.append(f"model.init_from: {folder} has max_position_embeddings "
+                        f"{model_cfg.get('max_position_embeddings')} < the data's seq_len {manifest['seq_len']}")
+    data_tok = Path(cfg.data.dir) / manifest["tokenizer"]["path"]
+    model_vocab, data_vocab = tokenizer_vocab(folder), tokenizer_vocab(data_tok)
+    if model_vocab is None:
+        problems.append(f"model.init_from: {folder} has no tokenizer.json or vocab.txt, so it cannot be checked "
+                        f"against the data's tokenizer ({data_tok}): copy the model's tokenizer files beside it")
+    elif data_vocab is not None and model_vocab != data_vocab:
+        differ = sorted(set(model_vocab.items()) ^ set(data_vocab.items()), key=lambda kv: kv[1])[:3]
+        problems.append(f"model.init_from: {folder}'s vocabulary differs from the one the data was tokenized "
+                        f"with ({data_tok}), e.g. {differ}: prepare the data with the model's tokenizer")
+    return problems
+
+
+def resume_problems(cfg: Config, manifest: dict, root: Path, tag: str) -> list[str]:
+    """Each setting that changes results and differs from the checkpoint's, by name."""
+    try:
+        saved = checkpointing.saved_config(root, tag)
+    except (OSError, ValueError) as exc:
+        return [f"{root / tag}: {checkpointing.CONFIG_FILE} unreadable ({exc}); cannot check the resume"]
+    now = configlib.flatten(configlib.to_dict(cfg))
+    before = configlib.flatten(saved)
+    keys = [k for k in sorted(set(now) | set(before)) if k.split(".")[0] in RESULTS_GROUPS or k in RESULTS_KEYS]
+    problems = [f"{k}: the checkpoint {tag} was trained with {before.get(k, '<unset>')!r}, now {now.get(k, '<unset>')!r}"
+                for k in keys if now.get(k) != before.get(k)]
+    saved_steps = before.get("train.max_steps", 0)
+    if cfg.train.max_steps < saved_steps:
+        problems.append(f"train.max_steps: may only grow on resume (the checkpoint {tag} has "
+                        f"{saved_steps}, now {cfg.train.max_steps})")
+    try:
+        saved_manifest = json.loads((root / tag / "manifest.json").read_text())
+    except (OSError, ValueError):
+        saved_manifest = None
+    if saved_manifest:
+        for key in MANIFEST_KEYS:
+            if saved_manifest.get(key) != manifest.get(key):
+                problems.append(f"data: {key} was {saved_manifest.get(key)} for checkpoint {tag}, the data in "
+                                f"{cfg.data.dir} has {manifest.get(key)}")
+        if saved_manifest["tokenizer"].get("sha256") != manifest["tokenizer"].get("sha256"):
+            problems.append(f"data: the checkpoint {tag} was trained on data from another tokenizer than "
+                            f"{cfg.data.dir}'s")
+    problems += data_position_problems(cfg, manifest, root / tag)
+    if problems:
+        problems.append(f"(settings that change results may not change on resume; start a new run with "
+                        f"train.resume=none or another train.out_dir)")
+    return problems
+
+
+def data_position_problems(cfg: Config, manifest: dict, folder: Path) -> list[str]:
+    """The checkpoint's data position must apply to this data at this world size and micro-batch."""
+    from pretrain.data import DataError, TrainStream
+
+    try:
+        saved = json.loads((folder / checkpointing.STATE_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        return [f"{folder}: {checkpointing.STATE_FILE} unreadable ({exc}): not a checkpoint of this version"]
+    try:
+        stream = TrainStream(cfg.data.dir, manifest, cfg.data.train_split, 0, cfg.world_size(),
+                             cfg.impl.micro_batch_size, cfg.train.global_batch_size, cfg.data.seed)
+        stream.load_state_dict(saved.get("data", {}))
+    except DataError as exc:
+        return [str(exc)]
+    return []

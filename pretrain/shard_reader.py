@@ -1,0 +1,273 @@
+"""Reading the blocks of the shards that ``data_prep`` wrote, and everything that can be wrong with them.
+
+``check_manifest`` compares ``manifest.json`` with the model and checks that every shard it lists is
+present with its recorded size and has readable tar headers (sha256 is ``data_prep verify``'s job,
+not every run's). ``index_all_shards`` is the header scan alone. Both run before any process group
+starts, so that a damaged shard is an exit-2 message naming it, not a traceback some hours in.
+
+``SplitLayout`` is a split's blocks in a fixed order (shards by name, blocks in file order): the
+sample id of a sequence is its index in that order. ``BlockReader`` reads blocks by tar offset and
+checks each decoded block once: its shape and dtype against the manifest, and every token id below
+the vocabulary size (a corrupt shard or an edited ``vocab_size`` otherwise trains for a while and
+dies in the embedding lookup with an ``IndexError`` naming nothing).
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from data_prep.shard_format import BlockRef, ShardError, block_sizes, ids_dtype, index_shard, read_block
+
+__all__ = ["DataError", "ShardError", "TokenIdError", "check_manifest", "index_all_shards", "SplitLayout",
+           "BlockReader"]
+
+_MAX_NAMED = 10            # problems name at most this many shards, then give a count
+_OPEN_FILES = 16           # file handles kept open per reader
+_INDEX_THREADS = 8
+
+
+class DataError(ValueError):
+    """The data cannot serve the requested layout (split too small, bad arguments, changed layout)."""
+
+
+class TokenIdError(ShardError):
+    """A decoded block holds a token id at or above the vocabulary size; the message names shard and block."""
+
+
+def _named(count_label: str, items: list[str], where, hint: str = "") -> str:
+    more = f" and {len(items) - _MAX_NAMED} more" if len(items) > _MAX_NAMED else ""
+    return (f"{where}: {len(items)} {count_label}: {', '.join(items[:_MAX_NAMED])}{more}"
+            + (f" ({hint})" if hint else ""))
+
+
+# ------------------------------------------------------------------------------------ manifest
+
+
+def _shard_index(path: str, expected_blocks: int) -> np.ndarray:
+    """The shard's blocks as int64 rows ``[ids_offset, ids_size, starts_offset, starts_size]``: 32 bytes
+    a block, where a list of ``BlockRef`` objects costs several times that in every worker."""
+    refs = index_shard(path)
+    if len(refs) != expected_blocks:
+        raise ShardError(f"{path}: its tar headers list {len(refs)} blocks, the manifest says {expected_blocks} "
+                         f"(a damaged header, or rewritten after finalize; run data_prep verify)")
+    return np.asarray([[r.ids_offset, r.ids_size, r.starts_offset, r.starts_size] for r in refs],
+                      dtype=np.int64).reshape(-1, 4)
+
+
+def _index_problems(data_dir, entries: Sequence[dict]) -> list[str]:
+    def problem(entry: dict) -> Optional[str]:
+        try:
+            _shard_index(str(Path(data_dir) / entry["name"]), int(entry.get("blocks", 0)))
+        except ShardError as exc:
+            return str(exc)
+        return None
+
+    # Threads: a cold scan waits on one small read per tar member (4x faster with 4 threads here).
+    with ThreadPoolExecutor(max_workers=_INDEX_THREADS) as pool:
+        failed = [p for p in pool.map(problem, entries) if p is not None]
+    return [_named("shards with unreadable tar headers", failed, Path(data_dir))] if failed else []
+
+
+def index_all_shards(data_dir: str | os.PathLike, manifest: dict, splits: Sequence[str]) -> None:
+    """Read the tar headers (not the data) of every shard of ``splits``; raise one ``ShardError`` naming
+    every shard that cannot be indexed or whose block count differs from the manifest's."""
+    problems = _index_problems(data_dir, [s for s in manifest["shards"] if s.get("split") in set(splits)])
+    if problems:
+        raise ShardError("\n".join(problems))
+
+
+def check_manifest(manifest: dict, data_dir: str | os.PathLike, *, splits: Sequence[str] = (),
+                   vocab_size: Optional[int] = None, tokenizer_sha256: Optional[str] = None,
+                   seq_len_max: Optional[int] = None, max_positions: Optional[int] = None,
+                   index_tars: bool = True) -> list[str]:
+    """Every reason the data in ``data_dir`` cannot feed this model, as readable lines (empty: fine).
+
+    ``vocab_size`` is the tokenizer's (unpadded) vocabulary the model was built for,
+    ``tokenizer_sha256`` the hash of the model's tokenizer folder (as data prep computes it),
+    ``seq_len_max`` (alias ``max_positions``) the model's ``max_position_embeddings``; ``None`` skips a
+    check. Each split in ``splits`` must have shards. Shard files are checked for presence and size,
+    and with ``index_tars`` the tar headers of the shards of ``splits`` (all shards if none are named)
+    are read too (``index_all_shards``).
+    """
+    where = Path(data_dir) / "manifest.json"
+    seq_len_max = seq_len_max if seq_len_max is not None else max_positions
+    problems: list[str] = []
+    missing_keys = [k for k in ("seq_len", "block_size", "tokenizer", "shards") if k not in manifest]
+    if missing_keys:
+        return [f"{where}: missing keys {missing_keys} (not written by data_prep finalize?)"]
+    tok = manifest["tokenizer"]
+    data_vocab = tok.get("vocab_size")
+    if tokenizer_sha256 is not None and tok.get("sha256") != tokenizer_sha256:
+        problems.append(f"{where}: the data was tokenized with tokenizer sha256 {str(tok.get('sha256'))[:12]}..., "
+                        f"the model's tokenizer is {tokenizer_sha256[:12]}... (re-run data_prep with the model's tokenizer)")
+    if vocab_size is not None and data_vocab != vocab_size:
+        problems.append(f"{where}: tokenizer.vocab_size is {data_vocab}, the model's vocabulary is {vocab_size}")
+    seq_len = manifest["seq_len"]
+    if seq_len_max is not None and seq_len > seq_len_max:
+        problems.append(f"{where}: seq_len {seq_len} exceeds the model's max_position_embeddings {seq_len_max}")
+    if isinstance(data_vocab, int) and "dtype" in manifest and manifest["dtype"] != ids_dtype(data_vocab).name:
+        problems.append(f"{where}: dtype {manifest['dtype']!r} does not hold a vocabulary of {data_vocab}")
+    present = sorted({s.get("split") for s in manifest["shards"]} - {None})
+    for split in splits:
+        if not any(s.get("split") == split and s.get("sequences", 0) > 0 for s in manifest["shards"]):
+            problems.append(f"{where}: split {split!r} has no shards with sequences (splits present: {present})")
+    missing, wrong_size, inconsistent, sound = [], [], [], []
+    for entry in manifest["shards"]:
+        path = Path(data_dir) / entry["name"]
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            missing.append(entry["name"])
+            continue
+        if "bytes" in entry and size != entry["bytes"]:
+            wrong_size.append(f"{entry['name']} ({size} bytes, manifest says {entry['bytes']})")
+            continue
+        try:
+            block_sizes(entry, manifest["block_size"])
+        except (ShardError, KeyError) as exc:
+            inconsistent.append(str(exc))
+            continue
+        if not splits or entry.get("split") in splits:
+            sound.append(entry)
+    for label, items, hint in (
+            ("shard files missing", missing, "restore them or re-run data_prep"),
+            ("shard files of the wrong size", wrong_size, "truncated or rewritten; run data_prep verify"),
+            ("shard entries inconsistent", inconsistent, "")):
+        if items:
+            problems.append(_named(label, items, Path(data_dir), hint))
+    if index_tars:
+        problems += _index_problems(data_dir, sound)
+    return problems
+
+
+# ------------------------------------------------------------------------------------ layout
+
+
+class SplitLayout:
+    """The blocks of one split, in a fixed order (shards by name, blocks in file order); picklable.
+    A sequence's sample id is its index in this order: ``block_first[block] + row``."""
+
+    def __init__(self, data_dir: str | os.PathLike, manifest: dict, split: str):
+        entries = sorted((s for s in manifest["shards"] if s.get("split") == split and s.get("blocks", 0) > 0),
+                         key=lambda s: s["name"])
+        tok = manifest["tokenizer"]
+        if "pad" not in tok.get("special_ids", {}):
+            raise DataError(f"{Path(data_dir) / 'manifest.json'}: tokenizer.special_ids has no 'pad'")
+        self.split = split
+        self.seq_len = int(manifest["seq_len"])
+        self.block_size = int(manifest["block_size"])
+        self.vocab_size = int(tok["vocab_size"])
+        self.pad_id = int(tok["special_ids"]["pad"])
+        self.paths = [str(Path(data_dir) / s["name"]) for s in entries]
+        self.shard_blocks = [int(s["blocks"]) for s in entries]
+        # What a resumed stream must find unchanged: names, counts and content hashes of the split's shards.
+        self.shards_signature = [[s["name"], int(s["sequences"]), s.get("sha256", s.get("bytes"))] for s in entries]
+        shard, index, size = [], [], []
+        for i, entry in enumerate(entries):
+            sizes = block_sizes(entry, self.block_size)
+            shard += [i] * len(sizes)
+            index += range(len(sizes))
+            size += sizes
+        self.block_shard = np.asarray(shard, dtype=np.int64)
+        self.block_index = np.asarray(index, dtype=np.int64)
+        self.block_len = np.asarray(size, dtype=np.int64)
+        self.block_first = np.cumsum(self.block_len) - self.block_len
+        self.sequences = int(self.block_len.sum())
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_len)
+
+    def describe_sample(self, sample_id: int) -> tuple[str, int]:
+        """(shard file name, sequence index within that shard) of a sample id."""
+        block = int(np.searchsorted(self.block_first, sample_id, side="right")) - 1
+        row = int(sample_id - self.block_first[block])
+        return (os.path.basename(self.paths[self.block_shard[block]]),
+                int(self.block_index[block]) * self.block_size + row)
+
+
+class BlockReader:
+    """Reads, checks and decodes blocks of one split for one process; caches handles, indexes and blocks.
+
+    The decoded-block cache is bounded by sequences, not blocks, so that tiny blocks (short shards)
+    cannot make it hold more than about ``cache_sequences`` rows. Shards are indexed lazily, each once
+    per reader: after ``index_all_shards`` passed, a failure here is a real I/O fault (still a
+    ``ShardError`` naming the shard)."""
+
+    def __init__(self, layout: SplitLayout, cache_sequences: int):
+        self.layout = layout
+        self.cache_sequences = cache_sequences
+        self._files: OrderedDict[int, object] = OrderedDict()
+        self._indexes: dict[int, np.ndarray] = {}
+        self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._cached_rows = 0
+
+    def _file(self, shard: int):
+        f = self._files.get(shard)
+        if f is not None:
+            self._files.move_to_end(shard)
+            return f
+        path = self.layout.paths[shard]
+        if shard not in self._indexes:
+            self._indexes[shard] = _shard_index(path, self.layout.shard_blocks[shard])
+        try:
+            f = open(path, "rb")
+        except OSError as exc:
+            raise ShardError(f"{path}: cannot open ({exc})") from exc
+        self._files[shard] = f
+        if len(self._files) > _OPEN_FILES:
+            self._files.popitem(last=False)[1].close()
+        return f
+
+    def block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        hit = self._blocks.get(b)
+        if hit is not None:
+            self._blocks.move_to_end(b)
+            return hit
+        lay = self.layout
+        shard, index, n = int(lay.block_shard[b]), int(lay.block_index[b]), int(lay.block_len[b])
+        f = self._file(shard)
+        path = lay.paths[shard]
+        try:
+            ids, starts = read_block(f, BlockRef(*map(int, self._indexes[shard][index])), lay.seq_len)
+        except (ValueError, OSError, EOFError) as exc:
+            raise ShardError(f"{path}: block {index} cannot be decoded ({exc}); run data_prep verify") from exc
+        if ids.shape != (n, lay.seq_len) or starts.shape != (n, lay.seq_len) or ids.dtype.kind != "u":
+            raise ShardError(f"{path}: block {index} has input_ids {ids.dtype}{list(ids.shape)}, "
+                             f"expected unsigned [{n}, {lay.seq_len}] from the manifest")
+        if ids.size and int(ids.max()) >= lay.vocab_size:
+            row, col = (int(x) for x in np.argwhere(ids >= lay.vocab_size)[0])
+            raise TokenIdError(
+                f"{path}: block {index} holds token id {int(ids[row, col])} (row {row}, sequence "
+                f"{index * lay.block_size + row} of the shard, position {col}) but the vocabulary has "
+                f"{lay.vocab_size} ids: the shard is corrupt or manifest.json's tokenizer.vocab_size was "
+                f"edited (run data_prep verify)")
+        self._blocks[b] = (ids, starts)
+        self._cached_rows += n
+        while self._cached_rows > self.cache_sequences and len(self._blocks) > 1:
+            _, (old, _) = self._blocks.popitem(last=False)
+            self._cached_rows -= len(old)
+        return ids, starts
+
+    def gather(self, blocks: np.ndarray, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Rows ``rows[i]`` of blocks ``blocks[i]`` as an int64 [B, L] and a bool [B, L] tensor, and
+        whether any of them holds padding (computed here, so the trainer needs no device sync to know)."""
+        ids = np.empty((len(blocks), self.layout.seq_len), dtype=np.int64)
+        starts = np.empty((len(blocks), self.layout.seq_len), dtype=bool)
+        for b in np.unique(blocks):
+            sel = np.flatnonzero(blocks == b)
+            block_ids, block_starts = self.block(int(b))
+            ids[sel] = block_ids[rows[sel]]
+            starts[sel] = block_starts[rows[sel]]
+        return torch.from_numpy(ids), torch.from_numpy(starts), bool((ids == self.layout.pad_id).any())
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()

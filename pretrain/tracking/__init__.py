@@ -1,0 +1,61 @@
+"""Experiment tracking, on rank 0 only: the interface and a no-op (``base``), the ``metrics.jsonl``
+writer (``jsonl``), and MLflow (``mlflow_tracker``, imported only when used)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+from pretrain import configlib
+from pretrain.tracking.base import NullTracker, Tracker, TrackerGroup
+from pretrain.tracking.jsonl import JsonlTracker
+
+__all__ = ["Tracker", "NullTracker", "TrackerGroup", "JsonlTracker", "make_tracker", "share_run_id", "run_params"]
+
+
+def make_tracker(cfg, rank: int, resume_step: int = 0, jsonl: bool = True) -> Tracker:
+    """``cfg`` is the full :class:`pretrain.config.Config`. Rank 0 writes ``metrics.jsonl`` in
+    ``train.out_dir`` and, with ``tracking.backend: mlflow``, an MLflow run; other ranks nothing."""
+    if rank != 0:
+        return NullTracker()
+    trackers: list[Tracker] = [JsonlTracker(Path(cfg.train.out_dir), resume_step)] if jsonl else []
+    if cfg.tracking.backend == "mlflow":
+        from pretrain.tracking.mlflow_tracker import MlflowTracker
+
+        trackers.append(MlflowTracker(cfg))
+    return TrackerGroup(trackers) if len(trackers) != 1 else trackers[0]
+
+
+def share_run_id(run_id: Optional[str]) -> Optional[str]:
+    """Rank 0's run id on every rank (e.g. so all ranks write the same id into a checkpoint's
+    client state). A collective: every rank must call it. Without a process group it returns
+    ``run_id`` unchanged."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return run_id
+    box = [run_id]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def run_params(cfg, world: int, precision: str, manifest: dict) -> dict:
+    """Flat parameters for the tracker: the resolved config plus what the run derived from it."""
+    import torch
+
+    totals = manifest.get("totals", {})
+    params = configlib.flatten(configlib.to_dict(cfg))
+    params.update({
+        "derived.world_size": world,
+        "derived.grad_accum_steps": cfg.grad_accum_steps(world),
+        "derived.precision": precision,
+        "data.seq_len": manifest["seq_len"],
+        "data.vocab_size": manifest["tokenizer"]["vocab_size"],
+        "data.tokenizer_sha256": manifest["tokenizer"]["sha256"],
+        "data.train_tokens": totals.get("train", {}).get("tokens"),
+        "data.train_sequences": totals.get("train", {}).get("sequences"),
+        "data.train_shards": totals.get("train", {}).get("shards"),
+        "launch.command": " ".join(sys.argv),
+        "launch.torch": torch.__version__,
+    })
+    return params
