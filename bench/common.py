@@ -58,44 +58,22 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str
 
 
 # ---------------------------------------------------------------- the machine
-# Until ``pretrain.hardware`` (cpu_info, resolve_precision, peak_tflops) is on main, these fall back
-# to the same questions asked here; the benchmarks call only these three.
-_RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
 
 def cpu_record() -> dict:
-    """Model name, the flags that decide matmul speed, and whether bf16 is native."""
-    try:
-        from pretrain.hardware import cpu_info
-        return cpu_info()
-    except ImportError:
-        pass
-    import torch
+    """Model name, the flags that decide matmul speed, whether bf16 is native (pretrain.hardware)."""
+    from pretrain.hardware import cpu_info
 
-    model, flags = "unknown", set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            model = value.strip()
-        elif key.strip() == "flags":
-            flags = set(value.split())
-            break
-    return {"model": model, "flags": [f for f in _RELEVANT_FLAGS if f in flags],
-            "native_bf16": bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())}
+    return cpu_info()
 
 
 def auto_precision() -> tuple[str, str]:
     """What ``impl.precision=auto`` picks on this CPU, and why."""
-    try:
-        import torch
+    import torch
 
-        from pretrain.hardware import resolve_precision
-        return resolve_precision("auto", torch.device("cpu"))
-    except ImportError:
-        pass
-    if cpu_record()["native_bf16"]:
-        return "bf16", "the CPU has native bf16 (avx512_bf16 or AMX)"
-    return "fp32", "no native bf16 on this CPU (bf16 would be emulated, ~50x slower)"
+    from pretrain.hardware import resolve_precision
+
+    return resolve_precision("auto", torch.device("cpu"))
 
 
 def matmul_peak(precision: str, threads: int, seconds: float) -> tuple[float, str]:
@@ -108,3 +86,24 @@ def matmul_peak(precision: str, threads: int, seconds: float) -> tuple[float, st
     value = measure_matmul_peak_tflops("cpu", torch.bfloat16 if precision == "bf16" else torch.float32,
                                        seconds=seconds)
     return value, f"measured now: 1024^2 {precision} matmul, {threads} threads"
+
+
+def trainer_peak(precision: str, threads: int, scratch: str | os.PathLike) -> tuple[float, str]:
+    """The peak our trainer divides by (``pretrain.hardware.peak_tflops``: measured once per machine
+    and thread count, then cached), and its source. Asked against a copy of the trainer's cache in
+    ``scratch``, so that a measurement taken here, on a machine that may be busy, never becomes
+    the trainer's cached value."""
+    import shutil
+
+    import torch
+
+    from pretrain.hardware import default_cache_path, peak_tflops
+
+    torch.set_num_threads(threads)
+    copy = Path(scratch) / "peak_tflops.json"
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.unlink(missing_ok=True)
+    if default_cache_path().is_file():
+        shutil.copyfile(default_cache_path(), copy)
+    value, source = peak_tflops(torch.device("cpu"), precision, cache_path=copy)
+    return value, source.replace(str(copy), f"a scratch copy of {default_cache_path()}")

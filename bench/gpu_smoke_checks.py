@@ -20,13 +20,10 @@ from bench.common import format_table  # noqa: E402
 def peak() -> str:
     import torch
 
+    from pretrain.hardware import peak_tflops
+
     device = torch.device("cuda", 0)
-    try:
-        from pretrain.hardware import peak_tflops
-        value, source = peak_tflops(device, "bf16", threads=1)
-    except ImportError:        # before pretrain.hardware: measure, as the trainer does
-        from pretrain.flops import measure_matmul_peak_tflops
-        value, source = measure_matmul_peak_tflops(device, torch.bfloat16), "measured: 4096^2 bf16 matmul"
+    value, source = peak_tflops(device, "bf16")      # the vendor table; measured for unknown GPUs
     return f"{value:.1f}\t{source} ({torch.cuda.get_device_name(device)})"
 
 

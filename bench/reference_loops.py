@@ -96,9 +96,9 @@ def bare_worker(spec: dict) -> None:
     from data_prep.shard_format import load_manifest
     from pretrain.config import load_config
     from pretrain.data import TrainStream
-    from pretrain.engine import WarmupDecay
     from pretrain.masking import SpecialIds, mask_batch, mask_generator
     from pretrain.model import build_model
+    from pretrain.optim import lr_schedule
 
     torch.set_num_threads(spec["threads"])
     shards = Path(spec["shards"])
@@ -113,10 +113,10 @@ def bare_worker(spec: dict) -> None:
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=spec["fused"])
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, WarmupDecay(o.warmup_steps, cfg.train.max_steps, o.schedule, o.min_lr_ratio))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg))
     forward = torch.compile(model) if spec["compile"] else model
-    batches = iter(TrainStream(shards, manifest, "train", 0, 1, spec["batch_size"], cfg.data.seed))
+    batches = iter(TrainStream(shards, manifest, "train", 0, 1, spec["batch_size"],
+                               spec["batch_size"] * spec["grad_accum"], cfg.data.seed))
     ends, cpu, loss = [], [], float("nan")
     model.train()
     for step in range(spec["steps"]):

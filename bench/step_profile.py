@@ -8,14 +8,13 @@ from ``pretrain.engine.initialize``, ``TrainStream``, ``mask_batch``), built onc
   CPU every op is synchronous, so a phase's time is its own).
 * ``profile``: ``torch.profiler`` over a few steps of ours and of the bare loop (the same model,
   sparse head, ``torch.optim.AdamW``): the ops that take the time, side by side.
-* ``leads``: A/B timings, each a median over ``--steps - --warmup-steps`` repeats, of one change
-  at a time. Where the fix sits in a file this benchmark does not own, it is prototyped here by
-  a monkeypatch (named in the output) so the gain is measured before anyone edits that file.
+* ``leads``: A/B timings, each a median over ``--steps - --warmup-steps`` repeats taken in turn
+  (A, B, A, B, ...), of one change at a time: through a config switch where one exists
+  (``impl.fused_optimizer``, ZeRO stage, dropout), else the two ways side by side (the accuracy
+  argmax, the padding mask), so a gain is measured before anyone edits the file it lives in.
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -62,47 +61,36 @@ def _load(config: Path, overrides: list[str]):
     return cfg, eng.init_distributed(cfg)
 
 
-@contextlib.contextmanager
-def fused_torch_adamw():
-    """Prototype of the lead 'torch's fused AdamW on the CPU': ``pretrain.engine.build_optimizer``
-    builds ``torch.optim.AdamW(..., fused=True)`` wherever it builds ``torch.optim.AdamW``."""
-    original = torch.optim.AdamW
-    torch.optim.AdamW = functools.partial(original, fused=True)
-    try:
-        yield
-    finally:
-        torch.optim.AdamW = original
-
-
-def build(config: Path, overrides: list[str], shards: Path, *, bare: bool = False,
-          fused_adamw: bool = False) -> Setup:
-    """Ours (DeepSpeed engine) or the bare loop's pieces (model + torch AdamW + LambdaLR)."""
+def build(config: Path, overrides: list[str], shards: Path, *, bare: bool = False) -> Setup:
+    """Ours (DeepSpeed engine) or the bare loop's pieces (model + torch AdamW + LambdaLR).
+    ``impl.fused_optimizer`` picks the bare loop's AdamW kernel too (false: foreach, else fused)."""
     from data_prep.shard_format import load_manifest
     from pretrain import engine as eng
+    from pretrain import hardware
     from pretrain.data import TrainStream
     from pretrain.masking import SpecialIds
     from pretrain.model import build_model
+    from pretrain.optim import lr_schedule
 
     cfg, info = _load(config, overrides)
     manifest = load_manifest(shards)
-    precision = eng.resolve_precision(cfg, info.device)
+    precision, _ = hardware.resolve_precision(cfg.impl.precision, info.device)
     special = SpecialIds.from_manifest(manifest)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl,
                         seq_len=manifest["seq_len"])
-    batches = iter(TrainStream(shards, manifest, "train", 0, 1, cfg.impl.micro_batch_size, cfg.data.seed))
-    with fused_torch_adamw() if fused_adamw else contextlib.nullcontext():
-        if bare:
-            o = cfg.optim
-            optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                          weight_decay=o.weight_decay)
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, eng.WarmupDecay(
-                o.warmup_steps, cfg.train.max_steps, o.schedule, o.min_lr_ratio))
-            engine = None
-        else:
-            engine, optimizer, scheduler, _ = eng.initialize(model, cfg, info, precision)
-            if cfg.impl.compile:
-                engine.compile()
+    batches = iter(TrainStream(shards, manifest, "train", 0, 1, cfg.impl.micro_batch_size,
+                               cfg.train.global_batch_size, cfg.data.seed))
+    if bare:
+        o = cfg.optim
+        optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                      weight_decay=o.weight_decay, fused=cfg.impl.fused_optimizer is not False or None)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg))
+        engine = None
+    else:
+        engine, scheduler, _, optimizer = eng.initialize(model, cfg, info, precision)
+        if cfg.compile_now(cfg.train.max_steps):
+            engine.compile()
     return Setup(cfg, special, info, precision, model, engine, optimizer, scheduler, batches, manifest["seq_len"])
 
 
@@ -110,16 +98,17 @@ PHASES = ["data", "mask", "all_reduce", "forward", "backward", "step"]
 
 
 def timed_step(s: Setup, step: int) -> list[float]:
-    """One optimiser step (one micro-batch) as ``fit`` runs it; returns the phases' seconds."""
+    """One optimiser step of one micro-batch, the calls of ``pretrain.train.train_step`` in the same
+    order, each timed; returns the phases' seconds."""
     from pretrain.masking import mask_batch, mask_generator
-    from pretrain.monitor import dropout_seed
+    from pretrain.seeds import derive_seed
 
     t = [_clock()]
     batch = next(s.batches)
     t.append(_clock())
     m = mask_batch(batch["input_ids"], batch["word_starts"], s.special, s.cfg.masking,
                    mask_generator(s.cfg.masking.seed, step, 0, 0, s.info.device))
-    attention_mask = batch["input_ids"] != s.special.pad
+    attention_mask = (batch["input_ids"] != s.special.pad) if batch.get("has_padding", True) else None
     t.append(_clock())
     predicted = m.num_masked.double().reshape(1)
     dist.all_reduce(predicted)
@@ -127,7 +116,7 @@ def timed_step(s: Setup, step: int) -> list[float]:
     local_bad = torch.zeros(2)          # the loop's second collective: non-finite loss / stop flags
     dist.all_reduce(local_bad, op=dist.ReduceOp.MAX)
     t.append(_clock())
-    torch.manual_seed(dropout_seed(s.cfg.train.seed, step, 0, 0))
+    torch.manual_seed(derive_seed("dropout", s.cfg.train.seed, step, 0, 0))
     if s.engine is not None:
         loss_sum, _, _ = s.engine(m.input_ids, attention_mask, m.positions, m.labels)
         t.append(_clock())
@@ -136,7 +125,7 @@ def timed_step(s: Setup, step: int) -> list[float]:
         s.engine.step()
     else:
         with torch.autocast("cpu", torch.bfloat16, enabled=s.precision == "bf16"):
-            loss_sum, _, _ = s.model(m.input_ids, attention_mask, m.positions, m.labels)
+            loss_sum, _, _ = s.model(m.input_ids, batch["input_ids"] != s.special.pad, m.positions, m.labels)
         t.append(_clock())
         (loss_sum * scale).backward()
         t.append(_clock())
@@ -222,7 +211,8 @@ def optimizer_lead(config, overrides, shards, steps, warmup) -> list[list]:
     The settings take their steps in turn (round-robin), so a change of load hits them alike."""
     settings = [(f"ours ZeRO {z}", [f"impl.zero_stage={z}"], False) for z in (0, 1, 2)]
     settings.append(("bare loop", [], True))
-    setups = [(label, fused, build(config, overrides + extra, shards, bare=bare, fused_adamw=fused))
+    setups = [(label, fused, build(config, overrides + extra + [f"impl.fused_optimizer={str(fused).lower()}"],
+                                   shards, bare=bare))
               for label, extra, bare in settings for fused in (False, True)]
     runs: list[list[list[float]]] = [[] for _ in setups]
     for i in range(steps):
@@ -233,7 +223,7 @@ def optimizer_lead(config, overrides, shards, steps, warmup) -> list[list]:
         r = r[warmup:]
         med = [statistics.median(x[PHASES.index(p)] for x in r) for p in ("forward", "backward", "step")]
         wrapper = type(s.engine.optimizer).__name__ if s.engine is not None else "-"
-        rows.append([label, "AdamW fused=True" if fused else "AdamW (default: foreach)", wrapper,
+        rows.append([label, "torch AdamW fused" if fused else "torch AdamW foreach", wrapper,
                      *(f"{1000 * v:.1f}" for v in med), f"{1000 * statistics.median(sum(x) for x in r):.1f}"])
     return rows
 
@@ -286,14 +276,14 @@ def encoder_lead(config, overrides, shards, repeats) -> list[list]:
 def small_costs(s: Setup, repeats: int) -> list[list]:
     """Per-micro-step costs outside the model: seeding, masking, the two collectives, data."""
     from pretrain.masking import mask_batch, mask_generator
-    from pretrain.monitor import dropout_seed
+    from pretrain.seeds import derive_seed
 
     batch = next(s.batches)
     fixed = type(s.cfg.masking)(**{**vars(s.cfg.masking), "fixed_count": True})
     flags = torch.zeros(2)
     count = torch.ones(1, dtype=torch.float64)
     return [
-        ["dropout re-seed: torch.manual_seed(dropout_seed(...))", f"{_median_ms(lambda: torch.manual_seed(dropout_seed(42, 7, 0, 0)), repeats):.3f}"],
+        ["dropout re-seed: torch.manual_seed(derive_seed(...))", f"{_median_ms(lambda: torch.manual_seed(derive_seed('dropout', 42, 7, 0, 0)), repeats):.3f}"],
         ["masking (token, variable count)", f"{_median_ms(lambda: mask_batch(batch['input_ids'], batch['word_starts'], s.special, s.cfg.masking, mask_generator(0, 1, 0, 0)), repeats):.3f}"],
         ["masking (fixed_count)", f"{_median_ms(lambda: mask_batch(batch['input_ids'], batch['word_starts'], s.special, fixed, mask_generator(0, 1, 0, 0)), repeats):.3f}"],
         ["all_reduce: masked count (world 1, gloo)", f"{_median_ms(lambda: dist.all_reduce(count), repeats):.3f}"],
@@ -308,8 +298,7 @@ def leads(config: Path, overrides: list[str], shards: Path, steps: int, warmup: 
     parts = []
     rows = optimizer_lead(config, overrides, shards, steps, warmup)
     parts.append("Optimiser and engine (median ms per step; ours = DeepSpeed engine; bare = model + "
-                 "torch AdamW + clip + LambdaLR; fused=True prototyped by a monkeypatch of torch.optim.AdamW "
-                 "inside pretrain.engine.build_optimizer):\n"
+                 "torch AdamW + clip + LambdaLR; the kernel from impl.fused_optimizer=false|true):\n"
                  + format_table(["setting", "optimiser", "DeepSpeed wrapper", "forward", "backward", "step",
                                  "whole step"], rows))
     s = build(config, overrides, shards)

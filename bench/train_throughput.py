@@ -24,12 +24,14 @@ Measured: wall time from the end of step ``--warmup-steps`` to the end of the la
 whose logging window is the warm-up length), over sequences x seq_len tokens. Our trainer's own
 ``perf/tokens_per_s`` (``metrics.jsonl``, first window dropped) is printed beside it as a cross-check.
 MFU: ``pretrain.flops.mlm_flops_per_sequence`` (the dense-head count for rows whose head runs on every
-token) against a matmul peak in the precision used, measured in this run with the same threads (the
-higher of a measurement before and after the runs). The CPU model, its flags and what
+token) against a matmul peak in the precision used with the same threads: the highest of a
+measurement before the runs, one after, and the trainer's own (``pretrain.hardware.peak_tflops``). The CPU model, its flags and what
 ``impl.precision=auto`` picks are printed first and go into ``--json``.
 
 The machine may be shared: each row also shows its *CPU share* (CPU seconds the process got in the
-timed window / (wall seconds x threads); ~100% when it had its cores to itself) and the 1-minute load.
+timed window / (wall seconds x threads); ~100% when it had its cores to itself), *tokens per
+CPU-second* (what the work cost, whatever else ran; exact with ``--threads 1``, while spinning
+OpenMP threads inflate it with more) and the 1-minute load.
 With ``--repeats`` the variants run round-robin and the fastest run of each counts.
 
 Shards: ``--data DIR``, or the embedded Wikipedia sample sharded with the real ``data_prep`` CLI into
@@ -52,12 +54,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import (auto_precision, cpu_record, ensure_sample_shards, format_table,  # noqa: E402
-                          load_average, matmul_peak, thread_env)
+                          load_average, matmul_peak, thread_env, trainer_peak)
 
 # shape -> (YAML, overrides every row of ours and of the bare loop gets, default batch, steps, warm-up)
 SHAPES: dict[str, tuple[Path, list[str], int, int, int]] = {
     "mini": (REPO / "configs" / "mini.yaml", [], 32, 24, 8),
-    "base": (REPO / "configs" / "base.yaml", ["impl.compile=false"], 8, 6, 2),
+    "base": (REPO / "configs" / "base.yaml", [], 8, 6, 2),
 }
 
 
@@ -84,8 +86,10 @@ VARIANTS: dict[str, Variant] = {
     "ours-compile-fixed": Variant("ours, torch.compile, sparse head, masking.fixed_count", "ours",
                                   ("impl.compile=true", "masking.fixed_count=true")),
     "ours-zero1": Variant("ours, eager, sparse head, ZeRO 1", "ours", ("impl.zero_stage=1",)),
-    "ours-fusedopt": Variant("ours, eager, impl.fused_optimizer=true", "ours", ("impl.fused_optimizer=true",)),
-    "ours-unfusedopt": Variant("ours, eager, impl.fused_optimizer=false", "ours", ("impl.fused_optimizer=false",)),
+    "ours-fusedopt": Variant("ours, eager, impl.fused_optimizer=true (CPU: torch fused AdamW)", "ours",
+                             ("impl.fused_optimizer=true",)),
+    "ours-unfusedopt": Variant("ours, eager, impl.fused_optimizer=false (torch foreach AdamW)", "ours",
+                               ("impl.fused_optimizer=false",)),
     "ours-nodrop": Variant("ours, eager, no dropout", "ours", NO_DROPOUT),
     "bare": Variant("bare PyTorch loop, our model + sparse head, AdamW (foreach)", "bare",
                     options=(("fused", False), ("compile", False))),
@@ -140,7 +144,8 @@ def base_overrides(args, plan: Plan, shards: Path, out_dir: Path) -> list[str]:
             "train.resume=none", "train.keep_checkpoints=1",
             f"train.global_batch_size={plan.batch_size * args.grad_accum}",
             f"impl.micro_batch_size={plan.batch_size}", "impl.zero_stage=0", "impl.num_workers=0",
-            f"impl.precision={args.precision}", "tracking.backend=none", *SHAPES[plan.shape][1]]
+            f"impl.precision={args.precision}", "impl.compile=false", "tracking.backend=none",
+            *SHAPES[plan.shape][1]]
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -252,11 +257,12 @@ def table(rows: list[Row], args, plan: Plan, peak: float, manifest: dict) -> str
             f"{plan.batch_size * args.grad_accum * seq_len / tps:.3f}",
             "-" if m.metrics_tokens_per_s != m.metrics_tokens_per_s else f"{m.metrics_tokens_per_s:,.0f}",
             f"{m.final_loss:.3f}", f"{m.startup_s:.0f}", f"{100 * m.cpu_share:.0f}%",
+            f"{m.sequences * seq_len / (m.seconds * m.cpu_share * args.threads):,.0f}",
             f"{m.load_before[0]:.1f}/{m.load_after[0]:.1f}",
             " ".join(f"{tokens_per_s(x):,.0f}" for x in r.runs),
         ])
     return format_table(["variant", "what", "tokens/s", "vs HF", "MFU", "s/step", "trainer's own tokens/s",
-                         "loss", "start-up s", "CPU share", "load before/after", "all runs tokens/s"], out)
+                         "loss", "start-up s", "CPU share", "tokens per CPU-s", "load before/after", "all runs tokens/s"], out)
 
 
 def ratios(rows: list[Row], seq_len: int, seqs_per_step: int) -> list[str]:
@@ -337,6 +343,8 @@ def main(argv=None) -> int:
     seq_len = manifest["seq_len"]
     peak_before, source = matmul_peak(args.precision, args.threads, args.peak_seconds)
     print(f"matmul peak: {peak_before:.4f} TFLOP/s ({source}); load {load_average()}", flush=True)
+    peak_trainer, trainer_source = trainer_peak(args.precision, args.threads, args.work_dir)
+    print(f"the trainer's peak: {peak_trainer:.4f} TFLOP/s ({trainer_source})", flush=True)
 
     if args.breakdown or args.profile or args.leads:
         return diagnose(args, plans(args), shards, seq_len)
@@ -357,8 +365,9 @@ def main(argv=None) -> int:
                       f"load {m.load_before[0]:.2f} -> {m.load_after[0]:.2f})", flush=True)
         results[plan.shape] = list(rows.values())
     peak_after, _ = matmul_peak(args.precision, args.threads, args.peak_seconds)
-    peak = max(peak_before, peak_after)
-    print(f"\nmatmul peak: {peak_before:.4f} before, {peak_after:.4f} after; MFU uses {peak:.4f} TFLOP/s")
+    peak = max(peak_before, peak_after, peak_trainer)
+    print(f"\nmatmul peak: {peak_before:.4f} before, {peak_after:.4f} after, {peak_trainer:.4f} the trainer's; "
+          f"MFU uses the highest, {peak:.4f} TFLOP/s")
     for plan in plans(args):
         print(f"\n{plan.shape}, {args.precision}, batch {plan.batch_size}, {args.threads} threads:")
         print(table(results[plan.shape], args, plan, peak, manifest))
@@ -366,6 +375,7 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "args": vars(args), "cpu": machine, "auto_precision": [auto, reason], "peak_tflops": [peak_before, peak_after],
+            "trainer_peak": [peak_trainer, trainer_source],
             "runs": [asdict(m) for rows in results.values() for r in rows for m in r.runs]}, indent=2))
     return 0
 
