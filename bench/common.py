@@ -88,6 +88,27 @@ def matmul_peak(precision: str, threads: int, seconds: float) -> tuple[float, st
     return value, f"measured now: 1024^2 {precision} matmul, {threads} threads"
 
 
+def matmul_peak_cpu_time(precision: str, threads: int, seconds: float, n: int = 1024) -> float:
+    """The same matmul timed by the process's CPU seconds / threads instead of wall time: the peak
+    the process would reach with its threads to itself, however busy the machine is (exact with
+    one thread). The yardstick for MFU computed from tokens per CPU-second."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(threads)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    for _ in range(3):
+        torch.matmul(a, b, out=out)
+    iters, start = 0, time.process_time()
+    while time.process_time() - start < seconds * threads:
+        torch.matmul(a, b, out=out)
+        iters += 1
+    return 2.0 * n ** 3 * iters / ((time.process_time() - start) / threads) / 1e12
+
+
 def trainer_peak(precision: str, threads: int, scratch: str | os.PathLike) -> tuple[float, str]:
     """The peak our trainer divides by (``pretrain.hardware.peak_tflops``: measured once per machine
     and thread count, then cached), and its source. Asked against a copy of the trainer's cache in

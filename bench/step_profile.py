@@ -247,18 +247,22 @@ def argmax_lead(s: Setup, repeats: int) -> list[list]:
     return [[f"{m.positions.numel()} x {logits.shape[1]} {str(dtype).removeprefix('torch.')}", *r] for r in rows]
 
 
-def encoder_lead(config, overrides, shards, repeats) -> list[list]:
-    """Encoder forward + backward (train mode) with the padding mask as a tensor (today; HF checks
-    ``mask.all()`` and drops it itself in eager mode) or as None (nothing to check), with dropout
-    as configured and with dropout off."""
+def encoder_lead(config, overrides, shards, repeats, compiled: bool = False) -> list[list]:
+    """Encoder forward + backward (train mode) with the padding mask as a tensor (today; in eager
+    mode HF checks ``mask.all()`` and drops an all-true mask itself, but not while torch.compile
+    traces) or as None (nothing to check), with dropout as configured and with dropout off."""
     rows = []
-    for label, extra in (("dropout as configured", []),
-                         ("attention dropout 0", ["model.attention_dropout=0"]),
-                         ("all dropout 0", ["model.attention_dropout=0", "model.hidden_dropout=0"])):
+    dropouts = (("dropout as configured", []),
+                ("attention dropout 0", ["model.attention_dropout=0"]),
+                ("all dropout 0", ["model.attention_dropout=0", "model.hidden_dropout=0"]))
+    for label, extra in dropouts[:1] if compiled else dropouts:
         s = build(config, overrides + extra, shards, bare=True)
         encoder = s.model.hf_model.bert
         if s.precision == "bf16":
             encoder.to(torch.bfloat16)
+        if compiled:
+            encoder = torch.compile(encoder)
+            label += ", torch.compile"
         batch, m = _sample_masked(s)
         ids = m.input_ids
         mask = batch["input_ids"] != s.special.pad
@@ -293,21 +297,23 @@ def small_costs(s: Setup, repeats: int) -> list[list]:
     ]
 
 
-def leads(config: Path, overrides: list[str], shards: Path, steps: int, warmup: int) -> str:
+def leads(config: Path, overrides: list[str], shards: Path, steps: int, warmup: int, compiled: bool = True) -> None:
+    """Prints each table as soon as it is measured."""
     repeats = max(3, steps - warmup)
-    parts = []
     rows = optimizer_lead(config, overrides, shards, steps, warmup)
-    parts.append("Optimiser and engine (median ms per step; ours = DeepSpeed engine; bare = model + "
-                 "torch AdamW + clip + LambdaLR; the kernel from impl.fused_optimizer=false|true):\n"
-                 + format_table(["setting", "optimiser", "DeepSpeed wrapper", "forward", "backward", "step",
-                                 "whole step"], rows))
+    print("Optimiser and engine (median ms per step; ours = DeepSpeed engine; bare = model + "
+          "torch AdamW + clip + LambdaLR; the kernel from impl.fused_optimizer=false|true):\n"
+          + format_table(["setting", "optimiser", "DeepSpeed wrapper", "forward", "backward", "step",
+                          "whole step"], rows) + "\n", flush=True)
     s = build(config, overrides, shards)
-    parts.append("Accuracy metric in MLMModel.forward (median ms per micro-step):\n"
-                 + format_table(["logits", "what", "ms"], argmax_lead(s, repeats)))
-    parts.append("Per-micro-step costs outside the model (median ms):\n"
-                 + format_table(["what", "ms"], small_costs(s, repeats)))
+    print("Accuracy metric in MLMModel.forward (median ms per micro-step):\n"
+          + format_table(["logits", "what", "ms"], argmax_lead(s, repeats)) + "\n", flush=True)
+    print("Per-micro-step costs outside the model (median ms):\n"
+          + format_table(["what", "ms"], small_costs(s, repeats)) + "\n", flush=True)
     del s
-    parts.append("Encoder forward + backward, train mode, one micro-batch (median ms):\n"
-                 + format_table(["dropout", "batch has no padding", "mask tensor (today)", "mask None",
-                                 "difference"], encoder_lead(config, overrides, shards, repeats)))
-    return "\n\n".join(parts)
+    header = ["dropout", "batch has no padding", "mask tensor (today)", "mask None", "difference"]
+    print("Encoder forward + backward, train mode, one micro-batch (median ms):\n"
+          + format_table(header, encoder_lead(config, overrides, shards, repeats)) + "\n", flush=True)
+    if compiled:
+        print("The same under torch.compile (compile time not counted):\n"
+              + format_table(header, encoder_lead(config, overrides, shards, repeats, compiled=True)), flush=True)

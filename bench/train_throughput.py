@@ -31,7 +31,9 @@ measurement before the runs, one after, and the trainer's own (``pretrain.hardwa
 The machine may be shared: each row also shows its *CPU share* (CPU seconds the process got in the
 timed window / (wall seconds x threads); ~100% when it had its cores to itself), *tokens per
 CPU-second* (what the work cost, whatever else ran; exact with ``--threads 1``, while spinning
-OpenMP threads inflate it with more) and the 1-minute load.
+OpenMP threads inflate it with more), *MFU (CPU time)* (the same per CPU-second, against the matmul
+peak timed by CPU seconds: the load-proof MFU on a shared machine with ``--threads 1``) and the
+1-minute load.
 With ``--repeats`` the variants run round-robin and the fastest run of each counts.
 
 Shards: ``--data DIR``, or the embedded Wikipedia sample sharded with the real ``data_prep`` CLI into
@@ -54,7 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import (auto_precision, cpu_record, ensure_sample_shards, format_table,  # noqa: E402
-                          load_average, matmul_peak, thread_env, trainer_peak)
+                          load_average, matmul_peak, matmul_peak_cpu_time, thread_env, trainer_peak)
 
 # shape -> (YAML, overrides every row of ours and of the bare loop gets, default batch, steps, warm-up)
 SHAPES: dict[str, tuple[Path, list[str], int, int, int]] = {
@@ -231,7 +233,7 @@ def run_reference(variant: str, args, plan: Plan, shards: Path) -> Measurement:
 # ------------------------------------------------------------------------------------------ report
 
 
-def table(rows: list[Row], args, plan: Plan, peak: float, manifest: dict) -> str:
+def table(rows: list[Row], args, plan: Plan, peak: float, cpu_peak: float, manifest: dict) -> str:
     from pretrain.config import MaskingConfig, ModelConfig
     from pretrain.configlib import load_yaml
     from pretrain.flops import mlm_flops_per_sequence
@@ -249,6 +251,7 @@ def table(rows: list[Row], args, plan: Plan, peak: float, manifest: dict) -> str
     for r in rows:
         m = best[r.variant]
         tps = tokens_per_s(m)
+        per_cpu_s = m.sequences * seq_len / (m.seconds * m.cpu_share * args.threads)
         flops = mlm_flops_per_sequence(model, seq_len, rate * seq_len, sparse_head=not VARIANTS[r.variant].dense_head,
                                        vocab_size=vocab)
         out.append([
@@ -256,13 +259,14 @@ def table(rows: list[Row], args, plan: Plan, peak: float, manifest: dict) -> str
             f"{100 * flops * tps / seq_len / (peak * 1e12):.1f}%",
             f"{plan.batch_size * args.grad_accum * seq_len / tps:.3f}",
             "-" if m.metrics_tokens_per_s != m.metrics_tokens_per_s else f"{m.metrics_tokens_per_s:,.0f}",
-            f"{m.final_loss:.3f}", f"{m.startup_s:.0f}", f"{100 * m.cpu_share:.0f}%",
-            f"{m.sequences * seq_len / (m.seconds * m.cpu_share * args.threads):,.0f}",
+            f"{m.final_loss:.3f}", f"{m.startup_s:.0f}", f"{100 * m.cpu_share:.0f}%", f"{per_cpu_s:,.0f}",
+            f"{100 * flops * per_cpu_s * args.threads / seq_len / (cpu_peak * 1e12):.1f}%",
             f"{m.load_before[0]:.1f}/{m.load_after[0]:.1f}",
             " ".join(f"{tokens_per_s(x):,.0f}" for x in r.runs),
         ])
     return format_table(["variant", "what", "tokens/s", "vs HF", "MFU", "s/step", "trainer's own tokens/s",
-                         "loss", "start-up s", "CPU share", "tokens per CPU-s", "load before/after", "all runs tokens/s"], out)
+                         "loss", "start-up s", "CPU share", "tokens per CPU-s", "MFU (CPU time)", "load before/after",
+                         "all runs tokens/s"], out)
 
 
 def ratios(rows: list[Row], seq_len: int, seqs_per_step: int) -> list[str]:
@@ -344,6 +348,7 @@ def main(argv=None) -> int:
     peak_before, source = matmul_peak(args.precision, args.threads, args.peak_seconds)
     print(f"matmul peak: {peak_before:.4f} TFLOP/s ({source}); load {load_average()}", flush=True)
     peak_trainer, trainer_source = trainer_peak(args.precision, args.threads, args.work_dir)
+    cpu_peaks = [matmul_peak_cpu_time(args.precision, args.threads, args.peak_seconds)]
     print(f"the trainer's peak: {peak_trainer:.4f} TFLOP/s ({trainer_source})", flush=True)
 
     if args.breakdown or args.profile or args.leads:
@@ -366,16 +371,18 @@ def main(argv=None) -> int:
         results[plan.shape] = list(rows.values())
     peak_after, _ = matmul_peak(args.precision, args.threads, args.peak_seconds)
     peak = max(peak_before, peak_after, peak_trainer)
+    cpu_peaks.append(matmul_peak_cpu_time(args.precision, args.threads, args.peak_seconds))
     print(f"\nmatmul peak: {peak_before:.4f} before, {peak_after:.4f} after, {peak_trainer:.4f} the trainer's; "
-          f"MFU uses the highest, {peak:.4f} TFLOP/s")
+          f"MFU uses the highest, {peak:.4f} TFLOP/s; by CPU time {max(cpu_peaks):.4f} "
+          f"(before {cpu_peaks[0]:.4f}, after {cpu_peaks[1]:.4f}) for MFU (CPU time)")
     for plan in plans(args):
         print(f"\n{plan.shape}, {args.precision}, batch {plan.batch_size}, {args.threads} threads:")
-        print(table(results[plan.shape], args, plan, peak, manifest))
+        print(table(results[plan.shape], args, plan, peak, max(cpu_peaks), manifest))
         print("\n".join(ratios(results[plan.shape], seq_len, plan.batch_size * args.grad_accum)))
     if args.json:
         Path(args.json).write_text(json.dumps({
             "args": vars(args), "cpu": machine, "auto_precision": [auto, reason], "peak_tflops": [peak_before, peak_after],
-            "trainer_peak": [peak_trainer, trainer_source],
+            "trainer_peak": [peak_trainer, trainer_source], "cpu_time_peak_tflops": cpu_peaks,
             "runs": [asdict(m) for rows in results.values() for r in rows for m in r.runs]}, indent=2))
     return 0
 
@@ -404,7 +411,7 @@ def diagnose(args, plan_list: list[Plan], shards: Path, seq_len: int) -> int:
             print(step_profile.profile(plan.config, common, shards, plan.steps - plan.warmup_steps,
                                        Path(args.work_dir) / "profile" / plan.shape), flush=True)
         else:
-            print(step_profile.leads(plan.config, common, shards, plan.steps, plan.warmup_steps), flush=True)
+            step_profile.leads(plan.config, common, shards, plan.steps, plan.warmup_steps)
     return 0
 
 
