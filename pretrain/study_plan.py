@@ -38,14 +38,14 @@ RESERVED_KEYS = ("train.out_dir", "train.resume", "tracking.run_name", "tracking
 
 @dataclass
 class StudySection:
-    name: str = "study"
+    name: str = ""                     # "" -> the config file's name
     out_dir: str = ""                  # "" -> runs/study-<name>
     ranks: int = 1                     # ranks per variant (local: processes; Slurm: one node's GPUs)
     grid: dict = field(default_factory=dict)   # dotted key -> list of values
 
     def check(self) -> list[str]:
         p = []
-        if not re.fullmatch(r"[A-Za-z0-9._-]+", self.name):
+        if not re.fullmatch(r"[A-Za-z0-9._-]*", self.name):
             p.append(f"name: letters, digits, '.', '_' and '-' only, got {self.name!r}")
         if self.ranks < 1:
             p.append(f"ranks: must be >= 1, got {self.ranks}")
@@ -145,6 +145,7 @@ def load_study(config_path: str, args: list[str] = ()) -> Study:
         section = configlib.build(StudySection, section_data, source=f"{config_path} (study section)")
     except ConfigError as exc:
         raise ConfigError(problems + [f"study.{p}" for p in exc.problems], config_path) from None
+    section.name = section.name or Path(config_path).stem
     study_dir = Path(section.out_dir or f"runs/study-{section.name}").resolve()
 
     variants: list[Variant] = []

@@ -169,6 +169,6 @@ def write_summary(study, read_status: Callable, is_finished: Callable) -> list[P
                   "Eval metrics at 15% token masking (80/10/10, fixed seed) whatever the variant trains with.\n\n"
                   + to_markdown(table, cols))
     write_csv(out / "summary.csv", table, cols)
-    plot_eval_loss(out / "eval_loss.png", curves, f"study {study.section.name}: eval loss")
-    plot_probe_accuracy(out / "probe_accuracy.png", table, f"study {study.section.name}: final probe accuracy")
+    plot_eval_loss(out / "eval_loss.png", curves, f"{study.section.name}: eval loss")
+    plot_probe_accuracy(out / "probe_accuracy.png", table, f"{study.section.name}: final probe accuracy")
     return [md, out / "summary.csv", out / "eval_loss.png", out / "probe_accuracy.png"]

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from mlflow_server import mlflow_server  # noqa: F401  (a fixture)
+from tests.slurm.cluster import slurm_cluster  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
@@ -142,3 +144,77 @@ def test_shipped_study_config_and_command_line_grid(shards):
     assert all(v.cfg.masking.rate == 0.4 and v.cfg.optim.betas == [0.9, 0.99] for v in study.variants)
     section, axes, shared, problems = split_args(["a.b=1,2", "c.d=[1,2]", "study.ranks=4", "e=x"])
     assert (section, axes, shared, problems) == ({"ranks": 4}, {"a.b": [1, 2]}, {"c.d": [1, 2], "e": "x"}, [])
+
+
+def test_summary_picks_up_downstream_metrics_and_marks_the_missing(shards, tmp_path):
+    """Metrics written in the trainer's metrics.jsonl format: a variant with probe results and one
+    without; the table shows '-' where a metric is absent, the probe plot draws the bars."""
+    import matplotlib.image
+
+    from pretrain.study import is_finished, read_status
+    from pretrain.study_plan import load_study
+    from pretrain.study_summary import write_summary
+
+    study = load_study("configs/tiny.yaml", [f"data.dir={shards}", f"study.out_dir={tmp_path}", "masking.rate=0.15,0.4",
+                                             "model.max_position_embeddings=64"])
+    with_probe, without = study.variants
+    rows = {with_probe.name: [{"step": 5, "train/loss": 7.0, "train/tokens_seen": 5120, "perf/tokens_per_s": 900.0},
+                         {"step": 5, "eval/loss": 6.9, "eval/accuracy": 0.11},
+                         {"step": 10, "train/loss": 6.0, "train/tokens_seen": 10240, "perf/tokens_per_s": 1100.0},
+                         {"step": 10, "eval/loss": 6.1, "eval/accuracy": 0.15,
+                          "downstream/word_order/accuracy": 0.71, "downstream/word_order/macro_f1": 0.70,
+                          "downstream/word_order/baseline_accuracy": 0.5}],
+            without.name: [{"step": 5, "train/loss": 7.5, "train/tokens_seen": 5120, "perf/tokens_per_s": 1000.0},
+                      {"step": 5, "eval/loss": 7.2, "eval/accuracy": 0.09}]}
+    for variant in study.variants:
+        lines = rows[variant.name]
+        variant.out_dir.mkdir(parents=True)
+        (variant.out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        (variant.out_dir / "study_status.json").write_text(json.dumps({"launches": 1, "wall_s": 12.5, "last_exit": 3}))
+    write_summary(study, read_status, is_finished)
+    with open(tmp_path / "summary.csv") as f:
+        table = list(csv.DictReader(f))
+    assert list(table[0]) == ["variant", "masking.rate", "status", "steps", "tokens_seen", "eval/loss", "eval/accuracy",
+                              "downstream/word_order/accuracy", "downstream/word_order/baseline_accuracy",
+                              "downstream/word_order/macro_f1", "tokens_per_s", "wall_s"]
+    assert table[0] == {"variant": "rate=0.15", "masking.rate": "0.15", "status": "incomplete", "steps": "10",
+                             "tokens_seen": "10240", "eval/loss": "6.1", "eval/accuracy": "0.15",
+                             "downstream/word_order/accuracy": "0.71", "downstream/word_order/baseline_accuracy": "0.5",
+                             "downstream/word_order/macro_f1": "0.7", "tokens_per_s": "1000.0", "wall_s": "12.5"}
+    assert [table[1][k] for k in ("eval/loss", "downstream/word_order/accuracy", "downstream/word_order/macro_f1")] \
+        == ["7.2", "-", "-"]
+    assert "| rate=0.4 | 0.4 | incomplete | 5 | 5120 | 7.2 | 0.09 | - | - | - | 1000 | 12.5 |" in \
+        (tmp_path / "summary.md").read_text()
+    image = matplotlib.image.imread(tmp_path / "probe_accuracy.png")[..., :3]
+    first_colour = (0x1F / 255, 0x77 / 255, 0xB4 / 255)                # matplotlib's C0: the first variant's bar
+    assert (abs(image - first_colour).max(axis=-1) < 0.02).sum() > 2000
+
+
+@pytest.mark.slurm
+def test_slurm_array_job_one_variant_per_task_then_the_summary(shards, slurm_cluster, mlflow_server, tmp_path):
+    """submit_study.sh on a real Slurm: the array's tasks train their variants at the same time on
+    the two nodes, logging to one MLflow server; the dependent job writes the summary."""
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "study"
+    env = slurm_cluster.client_env(MLFLOW_TRACKING_URI=mlflow_server.uri)
+    proc = slurm_cluster.run("bash", "launchers/slurm/submit_study.sh", f"--output={tmp_path}/%x-%A_%a.out",
+                             "--time=00:10:00", "--", "configs/tiny.yaml", f"data.dir={shards}",
+                             f"study.out_dir={out}", "study.name=slurm", *COMMON, "masking.rate=0.15,0.4",
+                             env=env, timeout=180)
+    array_job, summary_job = map(int, proc.stdout.split())
+    (summary,) = slurm_cluster.wait(summary_job, timeout=480)
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(tmp_path.glob("*.out")))
+    tasks = slurm_cluster.jobs(array_job)
+    assert sorted(t.array_task_id for t in tasks) == [0, 1] and all(t.ok for t in tasks), (tasks, logs)
+    assert summary.ok, (summary, logs)
+    with open(out / "summary.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [(r["variant"], r["status"], r["steps"]) for r in table] == [
+        ("rate=0.15", "finished", str(STEPS)), ("rate=0.4", "finished", str(STEPS))]
+    client = MlflowClient(tracking_uri=mlflow_server.uri)
+    runs = client.search_runs([client.get_experiment_by_name("study-test").experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED", [r.info for r in runs]
+    assert sorted(r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id) \
+        == ["rate=0.15", "rate=0.4"]
