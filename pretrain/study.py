@@ -38,6 +38,7 @@ EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 3
 PARENT_ID_FILE = "mlflow_parent_run_id"
 STATUS_FILE = "study_status.json"          # per variant: launches, wall time, last exit code
 REPO = Path(__file__).resolve().parents[1]
+_SET_FOR_STUDY_ONLY: list[str] = []        # environment variables the variants must not inherit
 
 
 def is_finished(variant: Variant) -> bool:
@@ -84,6 +85,12 @@ class ParentRun:
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
+        # Fail in seconds, not after MLflow's minutes of HTTP retries, when the server is down. Only
+        # this process: the variants' trackers choose their own retry settings.
+        for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1"), ("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")):
+            if name not in os.environ:
+                os.environ[name] = value
+                _SET_FOR_STUDY_ONLY.append(name)
         self.client = MlflowClient(tracking_uri=self.uri)
         id_file = self.study.dir / PARENT_ID_FILE
         if id_file.is_file():
@@ -175,6 +182,8 @@ def run_variant(study: Study, variant: Variant, parent: ParentRun, interrupt: In
     _write_atomic(config_file, configlib.dump_yaml(cfg))
     ranks = study.section.ranks
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    for name in _SET_FOR_STUDY_ONLY:
+        env.pop(name, None)
     # The deepspeed launcher sets no thread count; oversubscribed CPU ranks ran 9x slower.
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // ranks)))
     status = read_status(variant)
@@ -232,7 +241,12 @@ def main(argv=None) -> int:
     study.dir.mkdir(parents=True, exist_ok=True)
     _write_atomic(study.dir / "study.json", json.dumps(describe(study), indent=1, default=str) + "\n")
     parent = ParentRun(study)
-    parent.open()
+    try:
+        parent.open()
+    except Exception as exc:  # noqa: BLE001 - server down, refused, bad URI: nothing has started yet
+        print(f"error: MLflow at {parent.uri}: cannot open the study's run ({str(exc).splitlines()[0][:300]}); "
+              "start the server, fix tracking.tracking_uri, or set tracking.backend=none", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if args.prepare:
         for v in study.variants:
             print(f"{v.index}\t{v.name}", file=sys.stderr)

@@ -275,8 +275,10 @@ def test_fixed_count_static_shapes(rows):
 
 
 def test_eval_config_ignores_training_settings():
-    ev = eval_masking_config(MaskingConfig(rate=0.4, strategy="span", seed=77, fixed_count=True))
-    assert (ev.rate, ev.mask_prob, ev.random_prob, ev.strategy, ev.fixed_count) == (0.15, 0.8, 0.1, "token", False)
+    ev = eval_masking_config(MaskingConfig(rate=0.4, mask_prob=1.0, random_prob=0.0, strategy="span", seed=77,
+                                           fixed_count=True, dynamic=False))
+    assert (ev.rate, ev.mask_prob, ev.random_prob, ev.strategy, ev.fixed_count, ev.dynamic) == \
+        (0.15, 0.8, 0.1, "token", False, True)
     assert ev.seed == eval_masking_config(MaskingConfig()).seed and not ev.check()
 
 

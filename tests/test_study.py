@@ -124,6 +124,14 @@ def test_every_problem_of_every_variant_before_anything_starts(shards, tmp_path)
     assert "train.global_batch_size (16) must be a multiple of impl.micro_batch_size (5)" in err, err
     assert not out.exists(), "nothing may start"
 
+    # a tracking server that is down: said at once, nothing trains
+    from conftest import free_port
+
+    down = f"http://127.0.0.1:{free_port()}"
+    proc = study(shards, out, f"tracking.tracking_uri={down}", rc=2)
+    assert f"error: MLflow at {down}: cannot open the study's run" in proc.stderr, proc.stderr
+    assert not [d for d in out.iterdir() if d.is_dir()], "no variant may start"
+
 
 def test_shipped_study_config_and_command_line_grid(shards):
     from pretrain.study_plan import load_study, split_args
