@@ -188,13 +188,18 @@ def run_variant(study: Study, variant: Variant, parent: ParentRun, interrupt: In
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // ranks)))
     status = read_status(variant)
     cmd = launch_command(config_file, ranks)
-    print(f"study: {variant.name}: {'resuming' if status['launches'] else 'starting'} "
+    from pretrain.engine import checkpoint_root, latest_complete_tag
+
+    tag = latest_complete_tag(checkpoint_root(cfg))
+    print(f"study: {variant.name}: {f'resuming from {tag}' if tag else 'starting'} "
           f"({' '.join(cmd)}; log {variant.out_dir / 'train.log'})", flush=True)
     start = time.monotonic()
     with open(variant.out_dir / "train.log", "ab") as log_file:
         child = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                  start_new_session=True, preexec_fn=_ignore_usr1)
         interrupt.child = child
+        if interrupt.requested:            # the signal came while the launch was being set up
+            os.killpg(child.pid, signal.SIGUSR1)
         rc = child.wait()
         interrupt.child = None
     status = {"launches": status["launches"] + 1, "wall_s": status["wall_s"] + time.monotonic() - start,
