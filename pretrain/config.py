@@ -66,6 +66,10 @@ class DataConfig:
 
 @dataclass
 class MaskingConfig:
+    # Prediction and corruption are decoupled (Wettig et al. 2023): `rate` of the non-special tokens
+    # are predicted (the loss covers them); of those, mask_prob become [MASK], random_prob a random
+    # token and the rest stay visible, so rate x (mask_prob + random_prob) of the tokens are
+    # corrupted. BERT's 80/10/10 is mask_prob 0.8, random_prob 0.1; 100/0/0 is mask_prob 1, random_prob 0.
     rate: float = 0.15                 # fraction of non-special tokens selected for prediction
     mask_prob: float = 0.8             # of the selected: replaced by [MASK]
     random_prob: float = 0.1           # of the selected: replaced by a random non-special token; rest unchanged
@@ -76,6 +80,10 @@ class MaskingConfig:
     # stochastically rounded rate x the row's non-special tokens; unused slots get label -100.
     # Otherwise each token is selected independently. Token strategy only.
     fixed_count: bool = False
+    # true: a new mask every time a sequence is seen (seeded by step, rank, micro-step). false: static,
+    # as original BERT's pre-generated masks: each sequence keeps one mask for the whole run, seeded
+    # by (seed, the sequence's id in its split), whatever the step, epoch or resume.
+    dynamic: bool = True
     seed: int = 0
 
     def check(self) -> list[str]:
@@ -197,6 +205,7 @@ class TrackingConfig:
     register_model: str = ""           # register the final export under this Model Registry name
     system_metrics: bool = True
     retry_seconds: float = 2.0         # at most this long per attempt when the server is unreachable
+    parent_run_id: str = ""            # make the run a child of this one (pretrain.study sets it)
 
 
 @dataclass
