@@ -63,12 +63,12 @@ waits. Everything else is device tensors and the given generator.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field
 
 import torch
 
+from pretrain.seeds import derive_seed
 from pretrain.config import MaskingConfig
 
 IGNORE_INDEX = -100                      # label of an unused fixed_count slot (torch's CE default)
@@ -208,8 +208,7 @@ class _HashDraws:
 
 def mask_seed(seed: int, step: int, rank: int, micro_step: int) -> int:
     """A well-mixed 63-bit seed from the tuple: nearby tuples give unrelated streams."""
-    key = f"mlm-mask/{int(seed)}/{int(step)}/{int(rank)}/{int(micro_step)}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+    return derive_seed("mlm-mask", seed, step, rank, micro_step)
 
 
 def mask_generator(seed: int, step: int, rank: int, micro_step: int,
@@ -245,14 +244,17 @@ def random_non_special(n: int, special: SpecialIds, generator: torch.Generator,
 
 def mask_batch(input_ids: torch.Tensor, word_starts: torch.Tensor, special: SpecialIds,
                cfg: MaskingConfig, generator: torch.Generator | None = None,
-               sample_ids: torch.Tensor | None = None) -> MaskedBatch:
+               sample_ids: torch.Tensor | None = None, step: int | None = None) -> MaskedBatch:
     """Choose ``cfg.rate`` of the tokens per ``cfg.strategy`` (the prediction targets), then replace
     mask_prob of them by [MASK], random_prob by a random non-special id, and keep the rest visible.
     ``input_ids`` is not modified.
 
-    Dynamic masking (``cfg.dynamic``) draws from ``generator``, which must live on the inputs'
-    device; ``sample_ids`` is ignored. Static masking needs ``sample_ids`` ([B] int64, a stable
-    identity of each row's sequence) and ignores ``generator``."""
+    With ``sample_ids`` ([B] int64, a stable identity of each row's sequence) every draw is a hash
+    of (seed, sample id, position): static masking (``cfg.dynamic`` false) keys it by the sequence
+    alone, dynamic masking by the sequence and ``step``. A row's mask then depends on nothing else,
+    neither the rank nor the micro-batch it lands in, so a run resumed at another world size or
+    micro-batch masks exactly as the uninterrupted one (the trainer always masks this way).
+    Without ``sample_ids``, dynamic masking draws from ``generator`` (on the inputs' device)."""
     if input_ids.dim() != 2 or word_starts.shape != input_ids.shape:
         raise ValueError(f"mask_batch: expected input_ids and word_starts of one shape [B, L], got "
                          f"{tuple(input_ids.shape)} and {tuple(word_starts.shape)}")
@@ -260,15 +262,18 @@ def mask_batch(input_ids: torch.Tensor, word_starts: torch.Tensor, special: Spec
         raise ValueError(f"masking.fixed_count works with strategy 'token' only (got {cfg.strategy!r}): "
                          "whole words and spans cannot fill an exact token count without bias")
     ids = input_ids.long()
-    if cfg.dynamic:
-        if generator is None:
-            raise ValueError("mask_batch: dynamic masking needs a generator (mask_generator(seed, step, rank, micro))")
-        draws = _GeneratorDraws(generator, ids.device)
+    if sample_ids is not None and sample_ids.shape != (ids.shape[0],):
+        raise ValueError(f"mask_batch: sample_ids must have shape [{ids.shape[0]}] (one stable id per row), "
+                         f"got {tuple(sample_ids.shape)}")
+    if not cfg.dynamic or (sample_ids is not None and step is not None):
+        if sample_ids is None:
+            raise ValueError("mask_batch: masking.dynamic=false needs sample_ids (one stable id per row)")
+        key = derive_seed("mask", cfg.seed, step) if cfg.dynamic else cfg.seed
+        draws = _HashDraws(key, sample_ids.to(ids.device, torch.long), ids.shape[1])
+    elif generator is None:
+        raise ValueError("mask_batch: dynamic masking needs sample_ids and step, or a generator")
     else:
-        if sample_ids is None or sample_ids.shape != (ids.shape[0],):
-            raise ValueError(f"mask_batch: masking.dynamic=false needs sample_ids of shape [{ids.shape[0]}] "
-                             f"(one stable id per row), got {None if sample_ids is None else tuple(sample_ids.shape)}")
-        draws = _HashDraws(cfg.seed, sample_ids.to(ids.device, torch.long), ids.shape[1])
+        draws = _GeneratorDraws(generator, ids.device)
     special_tok = special.is_special(ids)
     flat_ids = ids.reshape(-1)
 

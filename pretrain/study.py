@@ -32,6 +32,7 @@ from pathlib import Path
 
 from pretrain import configlib
 from pretrain.configlib import ConfigError
+from data_prep.atomic import write_atomic
 from pretrain.study_plan import Study, Variant, describe, load_study, with_tracking
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 3
@@ -42,7 +43,7 @@ _SET_FOR_STUDY_ONLY: list[str] = []        # environment variables the variants 
 
 
 def is_finished(variant: Variant) -> bool:
-    from pretrain.engine import COMPLETE, checkpoint_root, tag_for_step
+    from pretrain.checkpointing import COMPLETE, checkpoint_root, tag_for_step
 
     final = checkpoint_root(variant.cfg) / tag_for_step(variant.cfg.train.max_steps) / COMPLETE
     return final.is_file() and (variant.out_dir / "hf_final" / "config.json").is_file()
@@ -55,9 +56,7 @@ def read_status(variant: Variant) -> dict:
 
 def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_atomic(path, text)
 
 
 # ---------------------------------------------------------------- MLflow parent run
@@ -70,7 +69,7 @@ class ParentRun:
         self.enabled = base.tracking.backend == "mlflow"
         self.uri = ""
         if self.enabled:
-            from pretrain.tracking_mlflow import default_local_store
+            from pretrain.tracking.mlflow_tracker import default_local_store
 
             self.uri = base.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
             self.artifact_root = None
@@ -188,7 +187,7 @@ def run_variant(study: Study, variant: Variant, parent: ParentRun, interrupt: In
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // ranks)))
     status = read_status(variant)
     cmd = launch_command(config_file, ranks)
-    from pretrain.engine import checkpoint_root, latest_complete_tag
+    from pretrain.checkpointing import checkpoint_root, latest_complete_tag
 
     tag = latest_complete_tag(checkpoint_root(cfg))
     print(f"study: {variant.name}: {f'resuming from {tag}' if tag else 'starting'} "

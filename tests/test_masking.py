@@ -428,7 +428,28 @@ def test_static_masking_statistics(rows, strategy, fixed):
 def test_static_masking_needs_sample_ids(rows):
     ids, starts = rows[0][:4], rows[1][:4]
     cfg = MaskingConfig(dynamic=False)
-    with pytest.raises(ValueError, match=r"masking.dynamic=false needs sample_ids of shape \[4\]"):
+    with pytest.raises(ValueError, match=r"masking.dynamic=false needs sample_ids"):
         mask_batch(ids, starts, SPECIAL, cfg, mask_generator(0, 0, 0, 0))
-    with pytest.raises(ValueError, match="dynamic masking needs a generator"):
+    with pytest.raises(ValueError, match=r"sample_ids must have shape \[4\]"):
+        mask_batch(ids, starts, SPECIAL, cfg, sample_ids=torch.arange(3))
+    with pytest.raises(ValueError, match="dynamic masking needs sample_ids and step, or a generator"):
         mask_batch(ids, starts, SPECIAL, MaskingConfig(), sample_ids=torch.arange(4))
+
+
+@pytest.mark.parametrize("strategy", ["token", "whole_word", "span"])
+def test_dynamic_masks_keyed_by_sample_do_not_depend_on_the_batch_layout(rows, strategy):
+    """What the trainer does: a row's mask is a function of (seed, step, sample id) only, so the same
+    step masks the same way at any world size or micro-batch, and another step masks differently."""
+    ids, starts = rows[0][:8], rows[1][:8]
+    sample_ids = torch.arange(8) * 101 + 7
+    cfg = MaskingConfig(strategy=strategy, seed=5)
+
+    def rows_masked(order, step):
+        m = mask_batch(ids[order], starts[order], SPECIAL, cfg, sample_ids=sample_ids[order], step=step)
+        return {int(sample_ids[order][r]): m.input_ids[r] for r in range(len(order))}
+
+    whole = rows_masked(torch.arange(8), step=3)
+    halves = {**rows_masked(torch.tensor([6, 1, 4, 3]), step=3), **rows_masked(torch.tensor([5, 0, 7, 2]), step=3)}
+    assert all(torch.equal(whole[k], halves[k]) for k in whole)
+    later = rows_masked(torch.arange(8), step=4)
+    assert sum(not torch.equal(whole[k], later[k]) for k in whole) >= 6
