@@ -1,6 +1,8 @@
 """``python -m data_prep`` / ``data_prep``: tokenizer | shard | finalize | verify | inspect.
 
-Exit codes: 0 success, 1 ``verify`` found bad shards, 2 bad input or settings (message on stderr).
+Exit codes: 0 success, 1 ``verify`` found damaged shards (missing, truncated, corrupted), 2 bad input
+or settings, including data that disagrees with its tokenizer (ids outside the vocabulary, a manifest
+``vocab_size`` that is not the tokenizer's); the message is on stderr.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ _SHARD_FLAGS = {  # ShardSettings field -> (flag, type, help)
     "seed": ("--seed", int, "shuffle and validation-split seed (default 0)"),
     "validation_fraction": ("--validation-fraction", float, "fraction of documents held out (default 0)"),
     "shard_size": ("--shard-size", int, "sequences per shard (default 16384)"),
+    "group_chars": ("--group-chars", int, "characters per packing group: the unit of work and of packing, "
+                    "independent of the task count (default 67108864)"),
     "block_size": ("--block-size", int, "sequences per webdataset sample (default 256)"),
     "workers": ("--workers", int, "tokenizer processes (default 1: in-process, Rust threads use all cores)"),
     "batch_chars": ("--batch-chars", int, "characters per tokenizer batch (default 1048576)"),
@@ -65,8 +69,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
 
     p = sub.add_parser("verify", help="check every shard against manifest.json",
-                       description="Check every shard (presence, size, sha256, decoding, counts); exit 1 "
-                                   "naming each bad shard.")
+                       description="Check the tokenizer beside the shards against the manifest (vocab_size, "
+                                   "special ids) and every shard (presence, size, sha256, decoding, counts, every "
+                                   "token id below the vocabulary size). Exit 1 naming each damaged shard; exit 2 "
+                                   "when the data disagrees with its tokenizer.")
     p.add_argument("dir")
     p.add_argument("--workers", type=int, default=4, help="shards checked at once (default 4)")
 
@@ -97,7 +103,8 @@ def _run(args) -> int:
         sources = resolve_inputs(args.input)
         opts = ReadOptions(text_field=args.text_field, txt_mode=args.txt_mode, hf_split=args.hf_split)
         out = train_tokenizer(iter_task_documents(sources, "files", 1, 0, opts), args.out, args.vocab_size,
-                              lowercase=args.lowercase, min_frequency=args.min_frequency)
+                              lowercase=args.lowercase, min_frequency=args.min_frequency,
+                              inputs=[s.path if s.kind != "hub" else f"hub:{s.path}" for s in sources])
         logging.getLogger("data_prep").info("tokenizer saved to %s", out)
         return 0
     if args.command == "shard":
@@ -106,9 +113,9 @@ def _run(args) -> int:
         result = run_shard(_shard_settings(args))
         if not result.skipped:
             logging.getLogger("data_prep").info(
-                "task %d: %d shard(s) written, %d kept from an earlier run, %s documents, %.1f s -> %s",
-                result.task, result.shards_written, result.shards_reused, result.documents, result.seconds,
-                result.manifest)
+                "task %d: %d packing group(s), %d shard(s) written, %d kept from an earlier run, %s documents, "
+                "%.1f s -> %s", result.task, result.groups, result.shards_written, result.shards_reused,
+                result.documents, result.seconds, result.manifest)
         return 0
     if args.command == "finalize":
         from .finalize import finalize
@@ -118,13 +125,17 @@ def _run(args) -> int:
               + ", ".join(f"{s}: {t['sequences']:,} sequences, {t['tokens']:,} tokens" for s, t in m["totals"].items()))
         return 0
     if args.command == "verify":
-        from .verify import verify
+        from .verify import verify_report
 
-        problems = verify(args.dir, workers=args.workers)
-        for problem in problems:
+        report = verify_report(args.dir, workers=args.workers)
+        for problem in report.problems:
             print(f"data_prep verify: BAD {problem}", file=sys.stderr)
-        if problems:
-            print(f"data_prep verify: {len(problems)} problem(s) in {args.dir}", file=sys.stderr)
+        if report.mismatched:
+            print(f"data_prep verify: error: {args.dir}: {len(report.mismatched)} disagreement(s) between the data "
+                  f"and its tokenizer, {len(report.damaged)} damaged shard(s)", file=sys.stderr)
+            return 2
+        if report.damaged:
+            print(f"data_prep verify: {len(report.damaged)} problem(s) in {args.dir}", file=sys.stderr)
             return 1
         print(f"{args.dir}: all shards verified")
         return 0

@@ -1,5 +1,6 @@
 """``data_prep finalize``: merge the per-task manifests into ``manifest.json`` (the format documented in
-``shard_format``), refusing an incomplete or inconsistent set of tasks."""
+``shard_format``), refusing an incomplete or inconsistent set of tasks. Shards are listed in the
+dataset's order (``shard.shard_order``), which does not depend on the number of tasks."""
 from __future__ import annotations
 
 import json
@@ -8,8 +9,9 @@ from pathlib import Path
 
 from .errors import DataPrepError
 from .settings import SPLITS
-from .shard import TASK_MANIFEST_GLOB, task_manifest_name
-from .shard_format import FORMAT_VERSION, MANIFEST, tokenizer_sha256, write_json_atomic
+from .shard import TASK_MANIFEST_GLOB, shard_order, task_manifest_name
+from .atomic import write_json_atomic
+from .shard_format import FORMAT_VERSION, MANIFEST, tokenizer_sha256
 
 _TOTAL_KEYS = ("shards", "sequences", "tokens", "padding", "documents")
 
@@ -26,6 +28,9 @@ def _load_task_manifests(data_dir: Path) -> dict[int, dict]:
             raise DataPrepError(f"{path}: unreadable task manifest ({exc})") from None
         if m.get("format_version") != FORMAT_VERSION or not isinstance(m.get("task"), int):
             raise DataPrepError(f"{path}: not a task manifest of format_version {FORMAT_VERSION}")
+        if "groups" not in m:
+            raise DataPrepError(f"{path}: written by an older data_prep, which cut shards by task rather than by "
+                                "packing group; re-run `data_prep shard` into a new --out folder")
         if path.name != task_manifest_name(m["task"]):
             raise DataPrepError(f"{path}: holds task {m['task']}, expected in {task_manifest_name(m['task'])}")
         tasks[m["task"]] = m
@@ -74,7 +79,18 @@ def finalize(data_dir: str | os.PathLike) -> dict:
     if tokenizer_sha256(tok_dir) != tokenizer["sha256"]:
         raise DataPrepError(f"{tok_dir}: files changed since the shards were written (sha256 differs)")
 
-    shards = [e for split in SPLITS for t in sorted(tasks) for e in tasks[t]["shards"] if e["split"] == split]
+    owner: dict[tuple, int] = {}
+    for index, m in sorted(tasks.items()):
+        for g in m.get("groups", []):
+            if tuple(g) in owner:
+                problems.append(f"{task_manifest_name(index)}: packing group {g} was also written by "
+                                f"{task_manifest_name(owner[tuple(g)])}")
+            owner.setdefault(tuple(g), index)
+    if problems:
+        raise DataPrepError(f"{data_dir}: task manifests overlap:\n  " + "\n  ".join(problems))
+
+    # one order whatever the number of tasks: the dataset is the same for any K
+    shards = sorted((e for m in tasks.values() for e in m["shards"]), key=shard_order)
     for e in shards:
         path = data_dir / e["name"]
         if not path.is_file():

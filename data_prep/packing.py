@@ -1,6 +1,7 @@
 """Packing a split's token stream into sequences of exactly ``seq_len`` tokens, and the per-shard shuffle.
 
-The rule, in full: a split's documents (in task order, empty ones dropped) form one stream
+The rule, in full: a split's documents of one packing group (``data_prep.groups``; in file order,
+empty ones dropped) form one stream
 ``d0 [SEP] d1 [SEP] d2 ...``. The stream is cut into bodies of ``seq_len - 2`` tokens, each sent as
 ``[CLS] body [SEP]``; a separator that would open a body is dropped, since the ``[SEP]`` closing the
 previous sequence already separates the two documents. Long documents continue in the next sequence.
@@ -12,7 +13,7 @@ before a body's end, that body ends in its separator and the sequence in ``[SEP]
 Word starts: ``[CLS]``, ``[SEP]`` and ``[PAD]`` are marked as word starts (each is a word of its own,
 so whole-word masking never glues one to a neighbouring word); text tokens carry the tokenizer's bit.
 
-Every sequence also reports where the stream stands after it (document index in the task and token
+Every sequence also reports where the stream stands after it (document index in the group and token
 offset inside that document): a task resumed after a kill restarts each split's stream there.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .tokenizer import Encoded
 class Packed:
     ids: np.ndarray          # [n, seq_len]
     starts: np.ndarray       # [n, seq_len] bool
-    end_doc: np.ndarray      # [n] task-local index of the document the stream stands in after each sequence
+    end_doc: np.ndarray      # [n] group-local index of the document the stream stands in after each sequence
     end_offset: np.ndarray   # [n] tokens of that document already packed
     padding: int = 0         # [PAD] tokens in these sequences
 
@@ -154,8 +155,9 @@ class Packer:
         return packed
 
 
-def shard_permutation(seed: int, split: str, task: int, index: int, n: int) -> np.ndarray:
+def shard_permutation(seed: int, split: str, source: int, group: int, index: int, n: int) -> np.ndarray:
     """Order of a shard's sequences on disk: position ``j`` holds the ``perm[j]``-th packed sequence.
-    Depends only on (seed, split, task, shard index), so a resumed task shuffles as the first run did."""
-    rng = np.random.default_rng([seed, zlib.crc32(split.encode()), task, index])
+    Depends only on (seed, split, packing group, shard index): not on the task that writes it, and a
+    resumed task shuffles as the first run did."""
+    rng = np.random.default_rng([seed, zlib.crc32(split.encode()), source, group, index])
     return rng.permutation(n)

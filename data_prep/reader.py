@@ -10,16 +10,20 @@ Inputs (``--input``, any number, globs allowed):
   a ``DatasetDict``); any other folder stands for the supported files inside it;
 * ``hub:NAME`` or ``hub:NAME:CONFIG`` — ``datasets.load_dataset(..., streaming=True)`` (needs a network).
 
-``.txt``, ``.jsonl`` and ``.json`` may be gzip-compressed (``.gz``). Documents that are empty or only
+``.txt``, ``.jsonl`` and ``.json`` may be gzip-compressed (``.gz``); a truncated or damaged ``.gz``
+is reported as such (not as an encoding problem), naming the file. Documents that are empty or only
 whitespace are skipped. Sources are sorted by path, so the order of ``--input`` flags does not matter.
 
 Partitioning among ``K`` array tasks (deterministic, from the source list alone):
 
 * ``files``: each source belongs to exactly one task. Sources are dealt largest first to the task with
   the fewest bytes so far (ties: lower task index). Scales: a task reads only its own files.
-* ``documents``: every task reads every source and keeps the documents whose running index ``d``
-  (counted over all sources in sorted order, from 0) has ``d % K == I``. For one big file.
+* ``documents``: every task reads every source. ``data_prep shard`` shares out packing groups
+  (``data_prep.groups``: every ``K``-th group); ``iter_task_documents`` keeps the documents whose
+  running index ``d`` (over all sources in sorted order, from 0) has ``d % K == I``. For one big file.
 * ``auto`` (default): ``files`` when there are at least ``K`` sources, else ``documents``.
+
+Neither changes the shards: they are cut by packing groups, which do not depend on ``K``.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import gzip
 import heapq
 import json
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -125,12 +130,45 @@ def _open_binary(path: str):
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
+_GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)
+
+
+def _gzip_problem(path: str, exc: BaseException) -> str:
+    if isinstance(exc, EOFError):
+        return (f"{path}: truncated gzip file: the compressed data ends before its end marker (an interrupted "
+                "download or copy?); copy or compress it again")
+    if isinstance(exc, gzip.BadGzipFile) and "Not a gzipped file" in str(exc):
+        return f"{path}: not a gzip file ({exc}); remove the .gz suffix if it is plain text"
+    return (f"{path}: corrupt gzip data ({exc}): the file is damaged, not wrongly encoded; "
+            "copy or compress it again")
+
+
+def _gzip_damage(path: str) -> str | None:
+    """Why a ``.gz`` file does not decompress to its end (checksum included), or None when it does."""
+    try:
+        with gzip.open(path, "rb") as f:
+            while f.read(1 << 20):
+                pass
+    except _GZIP_ERRORS as exc:
+        return _gzip_problem(path, exc)
+    return None
+
+
+def _not_utf8(path: str, lineno: int, offset: int, exc: UnicodeDecodeError) -> DataPrepError:
+    # Damage inside a gzip stream decompresses to garbage before the checksum at the end can
+    # catch it: check the whole stream before blaming the encoding.
+    damage = _gzip_damage(path) if path.endswith(".gz") else None
+    if damage:
+        return DataPrepError(damage)
+    return DataPrepError(f"{path}: line {lineno} (byte offset {offset}): not valid UTF-8 "
+                         f"({exc.reason}); convert the file to UTF-8")
+
+
 def _decode_line(raw: bytes, path: str, lineno: int, offset: int) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise DataPrepError(f"{path}: line {lineno} (byte offset {offset + exc.start}): not valid UTF-8 "
-                            f"({exc.reason}); convert the file to UTF-8") from None
+        raise _not_utf8(path, lineno, offset + exc.start, exc) from None
 
 
 def _iter_txt_blocks(path: str) -> Iterator[str]:
@@ -155,9 +193,7 @@ def _iter_txt_file(path: str) -> Iterator[str]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        lineno = data.count(b"\n", 0, exc.start) + 1
-        raise DataPrepError(f"{path}: line {lineno} (byte offset {exc.start}): not valid UTF-8 "
-                            f"({exc.reason}); convert the file to UTF-8") from None
+        raise _not_utf8(path, data.count(b"\n", 0, exc.start) + 1, exc.start, exc) from None
     if text.strip():
         yield text
 
@@ -251,6 +287,16 @@ def iter_source(source: Source, opts: ReadOptions) -> Iterator[str]:
     """Every non-empty document of one source, in file order."""
     if not (source.kind == "hub" or os.path.exists(source.path)):
         raise DataPrepError(f"{source.path}: input disappeared while data prep was running")
+    if not source.path.endswith(".gz"):
+        yield from _iter_source(source, opts)
+        return
+    try:
+        yield from _iter_source(source, opts)
+    except _GZIP_ERRORS as exc:
+        raise DataPrepError(_gzip_problem(source.path, exc)) from None
+
+
+def _iter_source(source: Source, opts: ReadOptions) -> Iterator[str]:
     if source.kind == "txt":
         yield from (_iter_txt_file if opts.txt_mode == "file" else _iter_txt_blocks)(source.path)
     elif source.kind == "jsonl" or (source.kind == "json" and not _json_is_array(source.path)):

@@ -1,6 +1,8 @@
 """The settings of ``data_prep shard``: one dataclass, optionally from a YAML file (``configs/data/``),
 with command-line flags on top. Settings that change the shards are recorded in every task manifest
-and must agree across tasks; ``workers``, ``batch_chars`` and ``log_every`` only change speed."""
+and must agree across tasks; ``workers``, ``batch_chars`` and ``log_every`` only change speed, and
+``num_tasks``/``partition`` only change which task writes which shard (they are recorded so that
+``finalize`` can check that the tasks belong together)."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,7 +33,8 @@ class ShardSettings:
     partition: str = "auto"           # auto | files | documents (see data_prep.reader)
     seed: int = 0
     validation_fraction: float = 0.0  # of documents, chosen by a hash of the text (and seed)
-    shard_size: int = 16384           # sequences per shard (the last shard of a split holds the rest)
+    shard_size: int = 16384           # sequences per shard (the last shard of a group's split holds the rest)
+    group_chars: int = 1 << 26        # a packing group closes at this many characters (see data_prep.groups)
     block_size: int = DEFAULT_BLOCK_SIZE
     workers: int = 1                  # tokenizer processes; 1 = in-process (Rust threads use all cores)
     batch_chars: int = 1 << 20        # characters per tokenizer batch
@@ -58,7 +61,7 @@ class ShardSettings:
             p.append(f"--validation-fraction {self.validation_fraction}: must be in [0, 1)")
         if self.seed < 0:
             p.append(f"--seed {self.seed}: must be >= 0")
-        for name in ("shard_size", "block_size", "workers", "batch_chars"):
+        for name in ("shard_size", "group_chars", "block_size", "workers", "batch_chars"):
             if getattr(self, name) < 1:
                 p.append(f"--{name.replace('_', '-')} {getattr(self, name)}: must be at least 1")
         return p

@@ -1,18 +1,22 @@
-"""``data_prep shard``: one array task's documents → tokenized, packed, shuffled shards + ``task-XXXXX.json``.
+"""``data_prep shard``: one array task's packing groups → tokenized, packed, shuffled shards + ``task-XXXXX.json``.
 
-Pipeline: read documents (main thread) → tokenize in batches (a prefetch thread running the Rust
-tokenizer, which releases the GIL and uses every core; or ``workers`` processes) → route each
-document to train or validation → pack per split (``packing.Packer``) → every ``shard_size``
-sequences, shuffle them (``packing.shard_permutation``) and write one shard in blocks of ``block_size``.
+Pipeline: read documents and cut them into packing groups (main thread; ``data_prep.groups``) →
+tokenize in batches (a prefetch thread running the Rust tokenizer, which releases the GIL and uses
+every core; or ``workers`` processes) → route each document to train or validation → pack per group
+and split (``packing.Packer``) → every ``shard_size`` sequences, shuffle them
+(``packing.shard_permutation``) and write one shard in blocks of ``block_size``
+(``group_writer``). A batch never spans two groups.
+
+Groups, not tasks, decide the shards: their documents, packing, shuffle and file names depend only
+on (input, tokenizer, settings), so any number of array tasks writes the same files. A task owns a
+disjoint set of groups and touches only their files.
 
 Splits: a document goes to validation iff a keyed hash of its text (key: the seed) falls below
 ``validation_fraction``, so the choice depends neither on the task count nor on the order.
 
-Restarts: after each shard is renamed into place, a sidecar ``.progress-tXXXXX/<shard>.json`` records
-its manifest entry, the settings hash and where the split's stream stands. A re-run of a killed task
-keeps the longest run of shards whose sidecar and sha256 check out, skips (without tokenizing) the
-documents they hold, and writes the rest: the same bytes as a run that was never killed. The task
-manifest is written last; a task whose manifest exists with the same settings is not run again.
+Restarts (``group_writer``): a re-run of a killed task skips the groups it completed and resumes
+the group it was in at its last finished shard. The task manifest is written last; a task whose
+manifest exists with the same settings is not run again.
 """
 from __future__ import annotations
 
@@ -28,14 +32,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from .errors import DataPrepError
-from .packing import Packed, Packer, shard_permutation
+from .group_writer import (GroupWriter, SplitResume, files_by_group, finished_group, kept_shards,
+                           remove_group_leftovers)
+from .groups import GroupKey, ReadCount, iter_owned_documents
 from .progress import Progress
-from .reader import ReadOptions, iter_task_documents, resolve_inputs, resolve_partition, task_sources
+from .reader import ReadOptions, resolve_inputs, resolve_partition, task_sources
 from .settings import SPLITS, ShardSettings, settings_sha256
-from .shard_format import FORMAT_VERSION, ShardWriter, ids_dtype, sha256_file, shard_name, write_json_atomic
+from .atomic import write_json_atomic
+from .shard_format import FORMAT_VERSION, ids_dtype
 from .tokenizer import Encoded, LoadedTokenizer, install_tokenizer_copy, load_tokenizer
 
 log = logging.getLogger("data_prep")
@@ -64,6 +69,7 @@ class TaskResult:
     skipped: bool                 # the task manifest already existed with the same settings
     shards_written: int = 0
     shards_reused: int = 0        # complete, verified shards kept from a killed run
+    groups: int = 0               # packing groups this task owns
     documents: dict = field(default_factory=dict)
     tokens: int = 0               # tokens tokenized in this run
     seconds: float = 0.0
@@ -75,11 +81,17 @@ class TaskResult:
 
 @dataclass
 class _Batch:
-    split: str
+    """What flows through the pipeline: a group's start (with what a killed run left), a batch of one
+    split's documents, the group's end; or a group a killed run completed (``done``)."""
+    kind: str                                   # start | docs | end | done
+    group: GroupKey
+    split: str = "train"
     doc_ids: list[int] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     chars: int = 0
     first_offset: int = 0
+    resume: dict[str, SplitResume] | None = None  # start: per split
+    entries: list[dict] | None = None           # done: the group's shards
 
 
 _worker_tokenizer: LoadedTokenizer | None = None
@@ -97,7 +109,7 @@ def _worker_encode(texts: list[str]) -> Encoded:
 
 
 def _encode_in_order(tok: LoadedTokenizer, batches, workers: int):
-    """(batch, Encoded) pairs in input order, with a bounded number of batches in flight."""
+    """(batch, Encoded or None) pairs in input order, with a bounded number of batches in flight."""
     if workers == 1:
         with ThreadPoolExecutor(1, thread_name_prefix="tokenize") as pool:
             yield from _bounded(batches, lambda b: pool.submit(tok.encode, b.texts), lambda f: f.result(), 2)
@@ -112,22 +124,57 @@ def _encode_in_order(tok: LoadedTokenizer, batches, workers: int):
 def _bounded(items, submit, result, ahead: int):
     pending: deque = deque()
     for item in items:
-        pending.append((item, submit(item)))
+        pending.append((item, submit(item) if item.texts else None))
         if len(pending) > ahead:
             done, handle = pending.popleft()
-            yield done, result(handle)
+            yield done, (result(handle) if handle is not None else None)
     while pending:
         done, handle = pending.popleft()
-        yield done, result(handle)
+        yield done, (result(handle) if handle is not None else None)
 
 
-def _document_batches(docs, s: ShardSettings, resume: dict, documents: dict):
-    """Route each document to its split and group them into tokenizer batches, skipping what the kept
-    shards of a killed run already hold (counting every document, kept or not, in ``documents``)."""
-    pending = {split: _Batch(split) for split in SPLITS}
-    for d, text in enumerate(docs):
+class _Kept:
+    """What a killed run of this task left in the output folder, looked up group by group."""
+
+    def __init__(self, out: Path, progress_dir: Path, settings_hash: str):
+        self.out, self.progress_dir, self.settings_hash = out, progress_dir, settings_hash
+        self.files = files_by_group(out)
+
+    def finished(self, key: GroupKey) -> list[dict] | None:
+        entries = finished_group(self.out, self.progress_dir, key, self.settings_hash)
+        if entries is not None:
+            remove_group_leftovers(self.out, self.files.get(key.tag, []), {e["name"] for e in entries})
+        return entries
+
+    def resume(self, key: GroupKey) -> dict[str, SplitResume]:
+        resume = {split: kept_shards(self.out, self.progress_dir, split, key, self.settings_hash) for split in SPLITS}
+        remove_group_leftovers(self.out, self.files.get(key.tag, []),
+                               {e["name"] for r in resume.values() for e in r.entries})
+        return resume
+
+
+def _group_batches(docs, s: ShardSettings, kept: _Kept, documents: dict):
+    """Route each document to its split and group them into tokenizer batches that never span two groups,
+    skipping what a killed run already wrote (counting every document, kept or not, in ``documents``)."""
+    key, done, resume, pending, d = None, None, None, None, 0
+    for group, text in docs:
+        if group != key:
+            if key is not None:
+                yield from _close_group(key, done, pending)
+            key, d = group, 0
+            done = kept.finished(key)
+            if done is not None:
+                yield _Batch("done", key, entries=done)
+            else:
+                resume = kept.resume(key)
+                yield _Batch("start", key, resume=resume)
+            pending = {split: _Batch("docs", key, split) for split in SPLITS}
+        else:
+            d += 1
         split = "validation" if is_validation(text, s.validation_fraction, s.seed) else "train"
         documents[split] += 1
+        if done is not None:
+            continue
         r = resume[split]
         if d < r.doc:
             continue
@@ -139,109 +186,15 @@ def _document_batches(docs, s: ShardSettings, resume: dict, documents: dict):
         batch.chars += len(text)
         if batch.chars >= s.batch_chars:
             yield batch
-            pending[split] = _Batch(split)
-    yield from (b for b in pending.values() if b.texts)
+            pending[split] = _Batch("docs", key, split)
+    if key is not None:
+        yield from _close_group(key, done, pending)
 
 
-# ----------------------------------------------------------------------------------------------
-# Shards of one split
-
-
-@dataclass
-class _Resume:
-    entries: list[dict] = field(default_factory=list)   # manifest entries of shards kept from a killed run
-    doc: int = 0                                        # the split's stream restarts in this document
-    offset: int = 0                                     # after this many of its tokens
-
-
-class SplitWriter:
-    """Collects one split's packed sequences and writes a shard per ``shard_size`` of them."""
-
-    def __init__(self, out: Path, split: str, task: int, s: ShardSettings, vocab_size: int, pad_id: int,
-                 settings_hash: str, progress_dir: Path, resume: _Resume):
-        self.out, self.split, self.task, self.s = out, split, task, s
-        self.vocab_size, self.pad_id, self.settings_hash = vocab_size, pad_id, settings_hash
-        self.progress_dir = progress_dir
-        self.entries = list(resume.entries)
-        self.reused = len(resume.entries)
-        self._chunks: list[Packed] = []
-        self._rows = 0
-
-    def add(self, packed: Packed) -> int:
-        """Returns the number of shards written."""
-        if len(packed) == 0:
-            return 0
-        self._chunks.append(packed)
-        self._rows += len(packed)
-        written = 0
-        while self._rows >= self.s.shard_size:
-            self._write(self._take(self.s.shard_size))
-            written += 1
-        return written
-
-    def close(self) -> int:
-        if self._rows == 0:
-            return 0
-        self._write(self._take(self._rows))
-        return 1
-
-    def _take(self, n: int) -> Packed:
-        ids = np.concatenate([c.ids for c in self._chunks])
-        starts = np.concatenate([c.starts for c in self._chunks])
-        end_doc = np.concatenate([c.end_doc for c in self._chunks])
-        end_offset = np.concatenate([c.end_offset for c in self._chunks])
-        taken = Packed(ids[:n], starts[:n], end_doc[:n], end_offset[:n])
-        self._rows -= n
-        self._chunks = [Packed(ids[n:], starts[n:], end_doc[n:], end_offset[n:])] if self._rows else []
-        return taken
-
-    def _write(self, packed: Packed) -> None:
-        index = len(self.entries)
-        name = shard_name(self.split, self.task, index)
-        n = len(packed)
-        order = shard_permutation(self.s.seed, self.split, self.task, index, n)
-        ids, starts = packed.ids[order], packed.starts[order]
-        writer = ShardWriter(self.out / name, self.vocab_size)
-        try:
-            for b in range(0, n, self.s.block_size):
-                writer.write_block(ids[b:b + self.s.block_size], starts[b:b + self.s.block_size])
-            digest = writer.close()
-        except BaseException:
-            writer.abort()
-            raise
-        padding = int(np.count_nonzero(ids == self.pad_id))
-        entry = {"name": name, "split": self.split, "task": self.task, "index": index, "sequences": n,
-                 "blocks": writer.blocks, "tokens": n * self.s.seq_len - padding, "padding": padding,
-                 "bytes": (self.out / name).stat().st_size, "sha256": digest}
-        write_json_atomic(self.progress_dir / f"{name}.json", {
-            "settings_sha256": self.settings_hash, "entry": entry,
-            "resume": {"doc": int(packed.end_doc[-1]), "offset": int(packed.end_offset[-1])}})
-        self.entries.append(entry)
-
-
-def _kept_shards(out: Path, progress_dir: Path, split: str, task: int, settings_hash: str) -> _Resume:
-    """The longest run of shards 0, 1, ... of a killed run that are complete and verified."""
-    resume = _Resume()
-    while True:
-        name = shard_name(split, task, len(resume.entries))
-        try:
-            record = json.loads((progress_dir / f"{name}.json").read_text())
-            entry = record["entry"]
-            ok = (record["settings_sha256"] == settings_hash and (out / name).is_file()
-                  and (out / name).stat().st_size == entry["bytes"] and sha256_file(out / name) == entry["sha256"])
-        except (OSError, ValueError, KeyError, TypeError):
-            ok = False
-        if not ok:
-            return resume
-        resume.entries.append(entry)
-        resume.doc, resume.offset = record["resume"]["doc"], record["resume"]["offset"]
-
-
-def _remove_own_leftovers(out: Path, task: int, keep: set[str]) -> None:
-    """Half-written ``*.tmp`` shards and shards of an older, different run of this task."""
-    for path in out.glob(f"*-t{task:05d}-*.tar*"):
-        if path.name.endswith(".tmp") or (path.suffix == ".tar" and path.name not in keep):
-            path.unlink(missing_ok=True)
+def _close_group(key: GroupKey, done, pending: dict):
+    if done is None:
+        yield from (b for b in pending.values() if b.texts)
+        yield _Batch("end", key)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,20 +212,26 @@ def _describe_difference(old: dict, new: dict) -> str:
     return "; ".join(parts) or "unknown"
 
 
+def shard_order(entry: dict) -> tuple:
+    """The dataset's order of shards: train before validation, then by group, then by index."""
+    return SPLITS.index(entry["split"]), entry["source"], entry["group"], entry["index"]
+
+
 def _write_task_manifest(path: Path, s: ShardSettings, identity: dict, settings_hash: str, tok: LoadedTokenizer,
-                         dtype: str, sources, writers: dict, documents: dict) -> None:
-    totals = {split: {"shards": len(w.entries),
-                      "sequences": sum(e["sequences"] for e in w.entries),
-                      "tokens": sum(e["tokens"] for e in w.entries),
-                      "padding": sum(e["padding"] for e in w.entries),
-                      "documents": documents[split]} for split, w in writers.items()}
+                         dtype: str, sources, entries: list[dict], groups: list[GroupKey], documents: dict) -> None:
+    entries = sorted(entries, key=shard_order)
+    totals = {split: {"shards": sum(1 for e in entries if e["split"] == split),
+                      "sequences": sum(e["sequences"] for e in entries if e["split"] == split),
+                      "tokens": sum(e["tokens"] for e in entries if e["split"] == split),
+                      "padding": sum(e["padding"] for e in entries if e["split"] == split),
+                      "documents": documents[split]} for split in SPLITS}
     write_json_atomic(path, {
         "format_version": FORMAT_VERSION, "task": s.task_index, "num_tasks": s.num_tasks,
         "settings_sha256": settings_hash, "settings": identity,
         "origin": {"inputs": list(s.inputs), "tokenizer": str(s.tokenizer)},
         "seq_len": s.seq_len, "block_size": s.block_size, "dtype": dtype,
         "tokenizer": tok.manifest_entry(), "sources": [src.path for src in sources],
-        "shards": [e for split in SPLITS for e in writers[split].entries], "totals": totals})
+        "groups": [list(g) for g in groups], "shards": entries, "totals": totals})
 
 
 def run_shard(settings: ShardSettings) -> TaskResult:
@@ -307,42 +266,51 @@ def run_shard(settings: ShardSettings) -> TaskResult:
     install_tokenizer_copy(tok, out)
     progress_dir = out / progress_dir_name(task)
     progress_dir.mkdir(exist_ok=True)
-    resume = {split: _kept_shards(out, progress_dir, split, task, settings_hash) for split in SPLITS}
-    _remove_own_leftovers(out, task, {e["name"] for r in resume.values() for e in r.entries})
-    for split in SPLITS:
-        if resume[split].entries:
-            log.info("task %d: keeping %d finished %s shard(s) of an earlier run", task,
-                     len(resume[split].entries), split)
+    kept = _Kept(out, progress_dir, settings_hash)
 
-    ids = tok.special_ids
-    packers = {split: Packer(s.seq_len, ids["cls"], ids["sep"], ids["pad"], dtype) for split in SPLITS}
-    writers = {split: SplitWriter(out, split, task, s, tok.vocab_size, ids["pad"], settings_hash,
-                                  progress_dir, resume[split]) for split in SPLITS}
     documents = {split: 0 for split in SPLITS}
-    docs = iter_task_documents(sources, partition, num_tasks, task,
-                               ReadOptions(text_field=s.text_field, txt_mode=s.txt_mode, hf_split=s.hf_split))
+    read = ReadCount()
+    docs = iter_owned_documents(sources, partition, num_tasks, task,
+                                ReadOptions(text_field=s.text_field, txt_mode=s.txt_mode, hf_split=s.hf_split),
+                                s.group_chars, read)
     progress = Progress(f"task {task}/{num_tasks}", s.log_every)
-    tokens = 0
+    entries: list[dict] = []
+    groups: list[GroupKey] = []
+    tokens = reused = written = 0
+    group: GroupWriter | None = None
     try:
-        for batch, enc in _encode_in_order(tok, _document_batches(docs, s, resume, documents), s.workers):
-            packed = packers[batch.split].add(enc, np.asarray(batch.doc_ids), batch.first_offset)
-            written = writers[batch.split].add(packed)
-            tokens += int(enc.lens.sum())
-            progress.update(len(batch.texts), int(enc.lens.sum()), written)
-        for split in SPLITS:
-            progress.update(0, 0, writers[split].add(packers[split].finish()) + writers[split].close())
+        for batch, enc in _encode_in_order(tok, _group_batches(docs, s, kept, documents), s.workers):
+            if batch.kind == "docs":
+                n = group.add(batch.split, enc, batch.doc_ids, batch.first_offset)
+                written += n
+                tokens += int(enc.lens.sum())
+                progress.update(len(batch.texts), int(enc.lens.sum()), n)
+            elif batch.kind == "start":
+                group = GroupWriter(out, batch.group, s, tok, dtype, settings_hash, progress_dir, batch.resume)
+                reused += group.reused
+                groups.append(batch.group)
+            elif batch.kind == "end":
+                group_entries, n = group.finish()
+                entries += group_entries
+                written += n
+                progress.update(0, 0, n)
+                group = None
+            else:  # done: the group was complete before this run
+                entries += batch.entries
+                reused += len(batch.entries)
+                groups.append(batch.group)
     finally:
         progress.close()
 
-    if sum(documents.values()) == 0:
+    if read.documents_read == 0:
         names = ", ".join(src.path for src in mine[:5]) + (" ..." if len(mine) > 5 else "")
         raise DataPrepError(f"empty input: task {task} of {num_tasks} found no documents in {names}")
+    if not groups:
+        log.warning("task %d of %d owns no packing group: the input makes fewer groups than there are tasks "
+                    "(use fewer tasks or a smaller --group-chars)", task, num_tasks)
 
-    _write_task_manifest(manifest_path, s, identity, settings_hash, tok, dtype.name,
-                         mine, writers, documents)
+    _write_task_manifest(manifest_path, s, identity, settings_hash, tok, dtype.name, mine, entries, groups,
+                         documents)
     shutil.rmtree(progress_dir, ignore_errors=True)
-    reused = sum(w.reused for w in writers.values())
-    written = sum(len(w.entries) for w in writers.values()) - reused
-    return TaskResult(task, manifest_path, skipped=False, shards_written=written,
-                      shards_reused=reused, documents=documents, tokens=tokens,
-                      seconds=time.perf_counter() - t0)
+    return TaskResult(task, manifest_path, skipped=False, shards_written=written, shards_reused=reused,
+                      groups=len(groups), documents=documents, tokens=tokens, seconds=time.perf_counter() - t0)

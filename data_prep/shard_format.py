@@ -10,9 +10,11 @@ sharing the sample key::
 Storing blocks instead of one sequence per sample keeps tar's 512-byte headers and padding at a few
 percent of the data (about 2.2 bytes per token at uint16 and 128 tokens per sequence).
 
-Shard file names: ``<split>-t<task:05d>-<index:05d>.tar``. Every sequence is exactly ``seq_len``
-tokens: ``[CLS] ... [SEP]``, documents separated by ``[SEP]``; only the last sequence of each split of a task may end in
-``[PAD]`` tokens.
+Shard file names: ``<split>-s<source:05d>-g<group:05d>-<index:05d>.tar``: shard ``index`` of one
+split of packing group ``group`` of input source ``source`` (``data_prep.groups``). Groups do not
+depend on the number of array tasks, so neither do the names nor the bytes. Every sequence is exactly
+``seq_len`` tokens: ``[CLS] ... [SEP]``, documents separated by ``[SEP]``; only the last sequence of
+each split of a group may end in ``[PAD]`` tokens.
 
 ``manifest.json`` (written by ``data_prep finalize``; the trainer trusts nothing else)::
 
@@ -26,9 +28,9 @@ tokens: ``[CLS] ... [SEP]``, documents separated by ``[SEP]``; only the last seq
         "special_ids": {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103},
         "special_tokens": {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
       },
-      "num_tasks": 4,
-      "shards": [
-        {"name": "train-t00000-00000.tar", "split": "train", "task": 0, "index": 0,
+      "num_tasks": 4,                       # how many array tasks wrote it (does not change the shards)
+      "shards": [                           # by split (train first), then source, group, index
+        {"name": "train-s00000-g00000-00000.tar", "split": "train", "source": 0, "group": 0, "index": 0,
          "sequences": 2048, "blocks": 8, "tokens": 262000, "padding": 144, "bytes": 575488, "sha256": "..."}
       ],
       "totals": {"train": {"shards": 8, "sequences": 16384, "tokens": ..., "padding": ..., "documents": ...},
@@ -62,8 +64,9 @@ class ShardError(RuntimeError):
     """A shard or manifest that cannot be trusted; the message names the file."""
 
 
-def shard_name(split: str, task: int, index: int) -> str:
-    return f"{split}-t{task:05d}-{index:05d}.tar"
+def shard_name(split: str, source: int, index: int, group: int = 0) -> str:
+    """Shard ``index`` of ``split`` in packing group ``group`` of input source ``source``."""
+    return f"{split}-s{source:05d}-g{group:05d}-{index:05d}.tar"
 
 
 def ids_dtype(vocab_size: int) -> np.dtype:
@@ -207,17 +210,6 @@ def load_manifest(data_dir: str | os.PathLike) -> dict:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ShardError(f"{path}: format_version {manifest.get('format_version')!r}, this code reads {FORMAT_VERSION}")
     return manifest
-
-
-def write_json_atomic(path: str | os.PathLike, obj: dict) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def tokenizer_sha256(folder: str | os.PathLike, names: list[str] | None = None) -> str:

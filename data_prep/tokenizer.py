@@ -184,9 +184,10 @@ def install_tokenizer_copy(tok: LoadedTokenizer, out_dir: Path, name: str = "tok
 
 
 def train_tokenizer(documents, out_dir: str | os.PathLike, vocab_size: int, lowercase: bool = True,
-                    min_frequency: int = 2, limit_alphabet: int = 1000) -> Path:
+                    min_frequency: int = 2, limit_alphabet: int = 1000, inputs: list[str] | None = None) -> Path:
     """Train a BERT-style WordPiece tokenizer on an iterable of strings and save a folder that
-    ``transformers.AutoTokenizer.from_pretrained`` loads."""
+    ``transformers.AutoTokenizer.from_pretrained`` loads. ``inputs`` (the files the documents come
+    from) only serve error messages."""
     from transformers import BertTokenizerFast
 
     specials = [BERT_SPECIAL_TOKENS[r] for r in SPECIAL_ROLES]
@@ -202,7 +203,9 @@ def train_tokenizer(documents, out_dir: str | os.PathLike, vocab_size: int, lowe
     counted = _CountingIterator(documents)
     tok.train_from_iterator(counted, trainer=trainer)
     if counted.count == 0:
-        raise DataPrepError("empty input: no documents to train the tokenizer on")
+        names = ", ".join((inputs or [])[:5]) + (" ..." if len(inputs or []) > 5 else "")
+        raise DataPrepError("empty input: no documents to train the tokenizer on"
+                            + (f" in {names}" if names else "") + " (every document empty or whitespace)")
     cls, sep = BERT_SPECIAL_TOKENS["cls"], BERT_SPECIAL_TOKENS["sep"]
     tok.post_processor = processors.TemplateProcessing(
         single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",

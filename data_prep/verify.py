@@ -1,68 +1,139 @@
-"""``data_prep verify`` (every shard against the manifest) and ``data_prep inspect`` (totals and samples)."""
+"""``data_prep verify`` (the tokenizer and every shard against the manifest, every id against the
+vocabulary) and ``data_prep inspect`` (totals and samples)."""
 from __future__ import annotations
 
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from .errors import DataPrepError
-from .shard_format import ShardError, block_sizes, iter_blocks, load_manifest, sha256_file, tokenizer_sha256
+from .shard_format import MANIFEST, ShardError, block_sizes, iter_blocks, load_manifest, sha256_file, tokenizer_sha256
+from .tokenizer import load_tokenizer
+
+
+_REQUIRED = {"seq_len": int, "block_size": int, "dtype": str, "tokenizer": dict, "shards": list}
+_REQUIRED_TOKENIZER = ("path", "sha256", "vocab_size", "special_ids")
 
 
 def _load(data_dir: Path) -> dict:
     try:
-        return load_manifest(data_dir)
+        manifest = load_manifest(data_dir)
     except ShardError as exc:
         raise DataPrepError(str(exc)) from None
+    where = data_dir / MANIFEST
+    problems = [f"{key}: missing or not a {kind.__name__}" for key, kind in _REQUIRED.items()
+                if not isinstance(manifest.get(key), kind)]
+    if isinstance(manifest.get("tokenizer"), dict):
+        problems += [f"tokenizer.{key}: missing" for key in _REQUIRED_TOKENIZER if key not in manifest["tokenizer"]]
+    if problems:
+        raise DataPrepError(f"{where}: not a data_prep manifest:\n  " + "\n  ".join(problems))
+    return manifest
 
 
-def check_shard(data_dir: Path, entry: dict, manifest: dict) -> str | None:
-    """None when the shard matches its manifest entry, else what is wrong (naming the shard)."""
+@dataclass
+class Report:
+    """What ``verify`` found. ``damaged``: shards missing, truncated, corrupted or not decoding (restore
+    or re-run them). ``mismatched``: data that decodes but disagrees with its tokenizer: ids outside the
+    vocabulary, a manifest ``vocab_size`` or special ids that are not the tokenizer's (bad input for the
+    trainer: the data set or its manifest was written wrong or edited)."""
+    damaged: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[str]:
+        return self.mismatched + self.damaged
+
+
+def check_shard(data_dir: Path, entry: dict, manifest: dict, vocab_size: int) -> tuple[str, str] | None:
+    """None when the shard matches its manifest entry and every id is below ``vocab_size``; else
+    ("damaged" or "mismatched", what is wrong, naming the shard)."""
     name, path = entry["name"], data_dir / entry["name"]
     if not path.is_file():
-        return f"{name}: missing"
+        return "damaged", f"{name}: missing"
     size = path.stat().st_size
     if size != entry["bytes"]:
-        return f"{name}: {size} bytes, manifest says {entry['bytes']} (truncated or rewritten?)"
+        return "damaged", f"{name}: {size} bytes, manifest says {entry['bytes']} (truncated or rewritten?)"
     if sha256_file(path) != entry["sha256"]:
-        return f"{name}: sha256 differs from the manifest (corrupted)"
+        return "damaged", f"{name}: sha256 differs from the manifest (corrupted)"
     seq_len, dtype = manifest["seq_len"], np.dtype(manifest["dtype"])
     pad_id = manifest["tokenizer"]["special_ids"]["pad"]
+    first_bad, bad_ids = None, 0
     try:
         expected = block_sizes(entry, manifest["block_size"])
         got, padding = [], 0
         for ids, starts in iter_blocks(path, seq_len):
             if ids.dtype != dtype or ids.ndim != 2 or ids.shape[1] != seq_len or starts.shape != ids.shape:
-                return f"{name}: block {len(got)} is {ids.dtype} {ids.shape}, expected {dtype} [n, {seq_len}]"
+                return "damaged", f"{name}: block {len(got)} is {ids.dtype} {ids.shape}, expected {dtype} [n, {seq_len}]"
+            if ids.size and int(ids.max()) >= vocab_size:
+                outside = ids >= vocab_size
+                bad_ids += int(np.count_nonzero(outside))
+                if first_bad is None:
+                    row, col = (int(i) for i in np.argwhere(outside)[0])
+                    first_bad = (len(got), row, col, int(ids[row, col]))
             got.append(len(ids))
             padding += int(np.count_nonzero(ids == pad_id))
     except (ShardError, ValueError, OSError) as exc:
-        return f"{name}: does not decode ({exc})"
+        return "damaged", f"{name}: does not decode ({exc})"
     if got != expected:
-        return (f"{name}: {len(got)} blocks of {sum(got)} sequences, "
-                f"manifest says {entry['blocks']} of {entry['sequences']}")
+        return "damaged", (f"{name}: {len(got)} blocks of {sum(got)} sequences, "
+                           f"manifest says {entry['blocks']} of {entry['sequences']}")
     if padding != entry["padding"] or sum(got) * seq_len - padding != entry["tokens"]:
-        return f"{name}: {padding} padding tokens, manifest says {entry['padding']}"
+        return "damaged", f"{name}: {padding} padding tokens, manifest says {entry['padding']}"
+    if first_bad is not None:
+        block, row, col, value = first_bad
+        return "mismatched", (f"{name}: block {block}, sequence {row}, position {col}: token id {value} is outside "
+                              f"the tokenizer's vocabulary of {vocab_size} ({bad_ids} such id(s) in this shard)")
     return None
 
 
-def verify(data_dir: str | os.PathLike, workers: int = 4) -> list[str]:
-    """Every problem found (all shards are checked); an empty list means the data is sound."""
+def _tokenizer_vocab(data_dir: Path, manifest: dict, report: Report) -> int:
+    """The vocabulary size to check ids against: the tokenizer's beside the shards (the manifest's when
+    that cannot be loaded); disagreements with the manifest go into ``report``."""
+    info = manifest["tokenizer"]
+    stated = info.get("vocab_size")
+    folder = data_dir / info["path"]
+    if not folder.is_dir():
+        report.damaged.append(f"{folder}: tokenizer folder missing")
+        return stated
+    if tokenizer_sha256(folder) != info["sha256"]:
+        report.damaged.append(f"{folder}: tokenizer sha256 differs from the manifest")
+    try:
+        tok = load_tokenizer(folder)
+    except DataPrepError as exc:
+        report.mismatched.append(f"{folder}: the tokenizer beside the shards does not load ({exc})")
+        return stated
+    if stated != tok.vocab_size:
+        report.mismatched.append(f"{data_dir / MANIFEST}: vocab_size {stated!r}, but the tokenizer in {folder} has "
+                                 f"{tok.vocab_size} tokens (manifest edited, or written for another tokenizer?)")
+    if info.get("special_ids") != tok.special_ids:
+        report.mismatched.append(f"{data_dir / MANIFEST}: special_ids {info.get('special_ids')} are not the "
+                                 f"tokenizer's {tok.special_ids} ({folder})")
+    return tok.vocab_size
+
+
+def verify_report(data_dir: str | os.PathLike, workers: int = 4) -> Report:
+    """Check the tokenizer beside the shards against the manifest, then every shard (all are checked)."""
     data_dir = Path(data_dir)
     manifest = _load(data_dir)
-    problems = []
-    tok = data_dir / manifest["tokenizer"]["path"]
-    if not tok.is_dir():
-        problems.append(f"{tok}: tokenizer folder missing")
-    elif tokenizer_sha256(tok) != manifest["tokenizer"]["sha256"]:
-        problems.append(f"{tok}: tokenizer sha256 differs from the manifest")
+    report = Report()
+    vocab_size = _tokenizer_vocab(data_dir, manifest, report)
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        report.mismatched.append(f"{data_dir / MANIFEST}: vocab_size {vocab_size!r} is not a positive integer")
+        return report
     with ThreadPoolExecutor(max(1, workers)) as pool:  # hashing and file reads release the GIL
-        results = pool.map(lambda e: check_shard(data_dir, e, manifest), manifest["shards"])
-        problems.extend(r for r in results if r)
-    return problems
+        for result in pool.map(lambda e: check_shard(data_dir, e, manifest, vocab_size), manifest["shards"]):
+            if result:
+                getattr(report, result[0]).append(result[1])
+    return report
+
+
+def verify(data_dir: str | os.PathLike, workers: int = 4) -> list[str]:
+    """Every problem found; an empty list means the data is sound."""
+    return verify_report(data_dir, workers).problems
 
 
 def inspect(data_dir: str | os.PathLike, samples: int = 3, split: str = "train", file=None) -> None:

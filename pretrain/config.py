@@ -66,6 +66,10 @@ class DataConfig:
 
 @dataclass
 class MaskingConfig:
+    # Prediction and corruption are decoupled (Wettig et al. 2023): `rate` of the non-special tokens
+    # are predicted (the loss covers them); of those, mask_prob become [MASK], random_prob a random
+    # token and the rest stay visible, so rate x (mask_prob + random_prob) of the tokens are
+    # corrupted. BERT's 80/10/10 is mask_prob 0.8, random_prob 0.1; 100/0/0 is mask_prob 1, random_prob 0.
     rate: float = 0.15                 # fraction of non-special tokens selected for prediction
     mask_prob: float = 0.8             # of the selected: replaced by [MASK]
     random_prob: float = 0.1           # of the selected: replaced by a random non-special token; rest unchanged
@@ -76,6 +80,10 @@ class MaskingConfig:
     # stochastically rounded rate x the row's non-special tokens; unused slots get label -100.
     # Otherwise each token is selected independently. Token strategy only.
     fixed_count: bool = False
+    # true: a new mask every time a sequence is seen (seeded by step, rank, micro-step). false: static,
+    # as original BERT's pre-generated masks: each sequence keeps one mask for the whole run, seeded
+    # by (seed, the sequence's id in its split), whatever the step, epoch or resume.
+    dynamic: bool = True
     seed: int = 0
 
     def check(self) -> list[str]:
@@ -197,6 +205,60 @@ class TrackingConfig:
     register_model: str = ""           # register the final export under this Model Registry name
     system_metrics: bool = True
     retry_seconds: float = 2.0         # at most this long per attempt when the server is unreachable
+    parent_run_id: str = ""            # make the run a child of this one (pretrain.study sets it)
+
+
+@dataclass
+class DownstreamTaskConfig:
+    """One downstream task (``pretrain.eval_tasks``): a labelled CSV/TSV/JSONL file or label-folder,
+    or ``path: word_order``, the built-in task made from held-out text."""
+    name: str = ""                     # metric key downstream/<name>/...; default: the file's stem
+    path: str = ""                     # a labelled file or folder, or "word_order"
+    text_column: str = "text"
+    label_column: str = "label"
+    test_path: str = ""                # "": a stratified test split of `path`, drawn with `seed`
+    test_fraction: float = 0.25
+    text_path: str = ""                # word_order only: raw text (.txt/.jsonl); "": data.dir's eval split
+    shuffle_window: int = 3            # word_order only: words are shuffled inside windows this long
+    max_examples: int = 2000           # per split, a seeded subsample above this (0: all)
+    max_length: int = 128              # tokens per example
+    seed: int = 0
+
+    def check(self) -> list[str]:
+        p = []
+        if not self.path:
+            p.append("path: required (a labelled .csv/.tsv/.jsonl file or folder, or 'word_order')")
+        elif self.path != "word_order" and not os.path.exists(self.path):
+            p.append(f"path: {self.path!r} does not exist")
+        if self.test_path and not os.path.exists(self.test_path):
+            p.append(f"test_path: {self.test_path!r} does not exist")
+        if self.text_path and not os.path.exists(self.text_path):
+            p.append(f"text_path: {self.text_path!r} does not exist")
+        if not 0.0 < self.test_fraction < 1.0:
+            p.append(f"test_fraction: must be in (0, 1), got {self.test_fraction}")
+        if self.shuffle_window < 2:
+            p.append(f"shuffle_window: must be >= 2, got {self.shuffle_window}")
+        if self.max_examples < 0 or self.max_length < 8:
+            p.append(f"max_examples must be >= 0 and max_length >= 8, got {self.max_examples}, {self.max_length}")
+        return p
+
+
+@dataclass
+class EvalConfig:
+    # A linear probe on frozen mean-pooled features of the trainer's own weights, logged as
+    # downstream/<task>/{accuracy,macro_f1} (pretrain.downstream.probe_metrics).
+    downstream: list[DownstreamTaskConfig] = field(default_factory=list)
+    downstream_every: int = 0          # steps between probes; 0: with every train.eval_every evaluation
+    downstream_batch_size: int = 32
+
+    def check(self) -> list[str]:
+        p = []
+        if self.downstream_every < 0 or self.downstream_batch_size <= 0:
+            p.append(f"downstream_every must be >= 0 and downstream_batch_size > 0, got "
+                     f"{self.downstream_every}, {self.downstream_batch_size}")
+        names = [t.name or os.path.splitext(os.path.basename(t.path))[0] for t in self.downstream]
+        p += [f"downstream: task name {n!r} used twice" for n in sorted({n for n in names if names.count(n) > 1})]
+        return p      # each task's own check() runs through configlib.validate
 
 
 @dataclass
@@ -208,6 +270,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     impl: ImplConfig = field(default_factory=ImplConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def world_size(self) -> int:
         return int(os.environ.get("WORLD_SIZE", "1"))

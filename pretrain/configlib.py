@@ -107,6 +107,10 @@ def _coerce(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
     return value
 
 
+def _dataclass_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(dataclasses.is_dataclass(v) for v in value)
+
+
 def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T:
     hints = get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
@@ -121,7 +125,7 @@ def _build(cls: type[T], data: dict, prefix: str, problems: list[str]) -> T:
             before = len(problems)
             value = _coerce(data[f.name], hints[f.name], f"{prefix}{f.name}", problems)
             # A mistyped field keeps its default so the value checks still run on everything else.
-            if len(problems) == before or dataclasses.is_dataclass(hints[f.name]):
+            if len(problems) == before or dataclasses.is_dataclass(hints[f.name]) or _dataclass_list(value):
                 kwargs[f.name] = value
     try:
         obj = cls(**kwargs)
@@ -165,12 +169,14 @@ def load_yaml(path: str | Path) -> dict:
 def build(cls: type[T], data: dict, overrides: list[str] = (), source: str = "config") -> T:
     """Build ``cls`` from a mapping plus overrides; every problem is reported at once."""
     problems: list[str] = []
+    overridden: dict[str, str] = {}         # dotted key -> the override that set it
     for text in overrides:
         try:
             keys, value = parse_override(text)
         except ConfigError as exc:
             problems.extend(exc.problems)
             continue
+        overridden[".".join(keys)] = text
         node = data
         for k in keys[:-1]:
             if not isinstance(node.get(k), dict):
@@ -181,8 +187,18 @@ def build(cls: type[T], data: dict, overrides: list[str] = (), source: str = "co
     if obj is not None:
         problems.extend(validate(obj))
     if problems:
-        raise ConfigError(problems, source)
+        raise ConfigError([_attribute(p, overridden) for p in problems],
+                          f"{source} with overrides" if overridden else source)
     return obj
+
+
+def _attribute(problem: str, overridden: dict[str, str]) -> str:
+    """Name the command-line override behind a problem, so it is not blamed on the YAML file."""
+    key = problem.split(":", 1)[0].strip()
+    for dotted, text in overridden.items():
+        if key == dotted or key.startswith(dotted + ".") or dotted.startswith(key + "."):
+            return f"{problem} (from the override {text!r})"
+    return problem
 
 
 def load(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
@@ -197,6 +213,9 @@ def validate(obj: Any, prefix: str = "") -> list[str]:
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             problems.extend(validate(value, f"{prefix}{f.name}."))
+        elif _dataclass_list(value):
+            for i, item in enumerate(value):
+                problems.extend(validate(item, f"{prefix}{f.name}[{i}]."))
     check = getattr(obj, "check", None)
     if callable(check):
         problems.extend(f"{prefix}{p}" for p in check())

@@ -27,8 +27,10 @@ from data_prep.shard_format import ShardError
 from pretrain import checkpointing, configlib, engine as eng, hardware
 from pretrain.config import Config, ConfigError, load_config
 from pretrain.data import TrainStream, eval_batches
+from pretrain.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
+from pretrain.eval_tasks import TaskError
 from pretrain.flops import mlm_flops_per_sequence
-from pretrain.masking import SpecialIds, eval_masking_config, mask_batch, mask_generator
+from pretrain.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.model import build_model
 from pretrain.preflight import check_inputs
 from pretrain.seeds import derive_seed
@@ -70,8 +72,10 @@ def train_step(engine, optimizer, micro_batches: list[dict], step: int, cfg: Con
     masked = []
     for i, batch in enumerate(micro_batches):
         ids = batch["input_ids"].to(device, non_blocking=True)
-        gen = mask_generator(cfg.masking.seed, step, rank, i, device)
-        m = mask_batch(ids, batch["word_starts"].to(device, non_blocking=True), special, cfg.masking, gen)
+        # Keyed by each sequence's identity (and the step, unless static): the same masks at any
+        # world size or micro-batch.
+        m = mask_batch(ids, batch["word_starts"].to(device, non_blocking=True), special, cfg.masking,
+                       sample_ids=batch["sample_ids"].to(device, non_blocking=True), step=step)
         # Rows packed full have no padding: no mask lets SDPA take its fast path.
         attention_mask = (ids != special.pad) if batch.get("has_padding", True) else None
         masked.append((m, attention_mask, ids.numel() if attention_mask is None else attention_mask.sum()))
@@ -127,7 +131,8 @@ class ThroughputWindow:
         return out
 
 
-def fit(cfg: Config, manifest: dict, resume_from: str | None, info: eng.DistInfo, stop: StopSignal) -> int:
+def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info: eng.DistInfo,
+        stop: StopSignal) -> int:
     rank, world, device = info.rank, info.world, info.device
     precision, why = hardware.resolve_precision(cfg.impl.precision, device)
     special, seq_len = SpecialIds.from_manifest(manifest), manifest["seq_len"]
@@ -164,8 +169,17 @@ def fit(cfg: Config, manifest: dict, resume_from: str | None, info: eng.DistInfo
             log.info("step %d %s", step, " ".join(f"{k.split('/', 1)[-1]}={_fmt(v)}" for k, v in metrics.items()))
             tracker.log_metrics(metrics, step)
 
+    def probe(step: int) -> None:
+        """The downstream probe on the trainer's own weights (whole at ZeRO-3: every rank calls)."""
+        engine.eval()
+        with eng.full_weights(engine) as module:
+            emit(probe_metrics(module.hf_model.base_model, tasks, device, cfg.eval.downstream_batch_size), step)
+        engine.train()
+
     status = "FAILED"
     try:
+        if tasks and state.step == 0:          # what the probe scores mean: random weights, majority class
+            emit(baseline_metrics(model.hf_model.config, tasks, device, cfg.eval.downstream_batch_size), 0)
         batches, window, nonfinite_in_a_row = iter(stream), ThroughputWindow(device), 0
         while state.step < cfg.train.max_steps:
             engine.train()
@@ -203,6 +217,8 @@ def fit(cfg: Config, manifest: dict, resume_from: str | None, info: eng.DistInfo
                       "train/nonfinite_skipped": state.nonfinite_total}, step)
             if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
                 emit(evaluate(engine, cfg, manifest, special, info), step)
+            if tasks and probe_due(step, cfg.eval.downstream_every, cfg.train.eval_every, last):
+                probe(step)
             halting = step == cfg.train.halt_at_step
             periodic = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and not result.nonfinite
             if result.stop or halting or last or periodic:
@@ -221,6 +237,8 @@ def fit(cfg: Config, manifest: dict, resume_from: str | None, info: eng.DistInfo
             # Killed after the final checkpoint and before its export: finish what that run would have.
             log.info("the final checkpoint at step %d has no export yet: evaluating and exporting it", state.step)
             emit(evaluate(engine, cfg, manifest, special, info), state.step)
+            if tasks:
+                probe(state.step)
             export_final(cfg, tracker, state.step)
         status = "FINISHED"
         return 0
@@ -288,11 +306,11 @@ def evaluate(engine, cfg: Config, manifest: dict, special: SpecialIds, info: eng
     engine.eval()
     mcfg = eval_masking_config(cfg.masking)
     sums = torch.zeros(3, dtype=torch.float64, device=info.device)
-    for i, batch in enumerate(eval_batches(cfg.data.dir, manifest, cfg.data.eval_split, info.rank, info.world,
-                                           cfg.impl.micro_batch_size, cfg.train.eval_batches)):
+    for batch in eval_batches(cfg.data.dir, manifest, cfg.data.eval_split, info.rank, info.world,
+                              cfg.impl.micro_batch_size, cfg.train.eval_batches):
         ids = batch["input_ids"].to(info.device)
         m = mask_batch(ids, batch["word_starts"].to(info.device), special, mcfg,
-                       mask_generator(mcfg.seed, 0, info.rank, i, info.device))
+                       sample_ids=batch["sample_ids"].to(info.device), step=0)
         loss_sum, correct, count = engine(m.input_ids, ids != special.pad, m.positions, m.labels)
         sums += torch.stack([loss_sum.double(), correct.double(), count.double()])
     dist.all_reduce(sums)
@@ -337,14 +355,16 @@ def main(argv=None) -> int:
         # checkpoint is waited for, before the checkpoint to resume from is chosen.
         run_lock = checkpointing.RunLock(cfg.train.out_dir) if first_rank else None   # noqa: F841 (held)
         manifest, resume_from = check_inputs(cfg)
-    except (ConfigError, ShardError) as exc:
+        tasks = prepare_tasks(cfg.eval.downstream, Path(cfg.data.dir) / manifest["tokenizer"]["path"],
+                              data_dir=cfg.data.dir, manifest=manifest)
+    except (ConfigError, ShardError, TaskError) as exc:
         if first_rank:
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     stop = StopSignal()          # from here on, SIGUSR1/SIGTERM mean "checkpoint after the current step"
     info = eng.init_distributed(cfg)
     try:
-        return fit(cfg, manifest, resume_from, info, stop)
+        return fit(cfg, manifest, tasks, resume_from, info, stop)
     except ShardError as exc:    # found while reading: name the shard, no traceback on every rank
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from data_prep.packing import Packer, shard_permutation
-from data_prep.reader import ReadOptions, iter_task_documents, resolve_inputs
+from data_prep.reader import ReadOptions, iter_source, iter_task_documents, resolve_inputs
 from data_prep.settings import ShardSettings
 from data_prep.shard import run_shard
 from data_prep.shard_format import iter_blocks, load_manifest
@@ -21,6 +21,7 @@ from data_prep.tokenizer import Encoded, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN = 128
+GROUP_CHARS = 100_000  # several packing groups per file of the sample corpus
 
 
 def cli(*args, check=True, env=None):
@@ -39,14 +40,14 @@ def shard(inputs, tokenizer, out, **kw) -> Path:
 
 
 def stream_order(data_dir: Path, split: str, task: int = 0):
-    """A task's sequences in packing order (each shard un-shuffled), from the task manifest."""
+    """A task's sequences in packing order (shards in dataset order, each un-shuffled), from the task manifest."""
     m = json.loads((data_dir / f"task-{task:05d}.json").read_text())
     ids, starts = [], []
     for e in (e for e in m["shards"] if e["split"] == split):
         blocks = list(iter_blocks(data_dir / e["name"], m["seq_len"]))
         sh_ids = np.concatenate([b[0] for b in blocks])
         sh_starts = np.concatenate([b[1] for b in blocks])
-        order = shard_permutation(m["settings"]["seed"], split, task, e["index"], len(sh_ids))
+        order = shard_permutation(m["settings"]["seed"], split, e["source"], e["group"], e["index"], len(sh_ids))
         back = np.empty_like(sh_ids)
         back[order] = sh_ids
         back_starts = np.empty_like(sh_starts)
@@ -54,6 +55,22 @@ def stream_order(data_dir: Path, split: str, task: int = 0):
         ids.append(back)
         starts.append(back_starts)
     return np.concatenate(ids), np.concatenate(starts)
+
+
+def packing_groups(docs_per_source: list[list[str]], group_chars: int) -> list[list[str]]:
+    """The group rule written out: per source, a group closes at the document reaching group_chars."""
+    groups = []
+    for docs in docs_per_source:
+        current, chars = [], 0
+        for d in docs:
+            current.append(d)
+            chars += len(d)
+            if chars >= group_chars:
+                groups.append(current)
+                current, chars = [], 0
+        if current:
+            groups.append(current)
+    return groups
 
 
 def reference_pack(doc_ids, doc_starts, seq_len, cls, sep, pad):
@@ -91,9 +108,15 @@ def wiki_docs(wiki_txt_dir):
 
 
 @pytest.fixture(scope="module")
+def wiki_groups(wiki_txt_dir):
+    per_source = [list(iter_source(s, ReadOptions())) for s in resolve_inputs([str(wiki_txt_dir)])]
+    return packing_groups(per_source, GROUP_CHARS)
+
+
+@pytest.fixture(scope="module")
 def sharded(tmp_path_factory, wiki_txt_dir, bert_uncased_dir):
     return shard([wiki_txt_dir / "*.txt"], bert_uncased_dir, tmp_path_factory.mktemp("sharded") / "out",
-                 seq_len=SEQ_LEN, shard_size=256, seed=11)
+                 seq_len=SEQ_LEN, shard_size=256, seed=11, group_chars=GROUP_CHARS)
 
 
 def test_packer_rule_on_a_small_stream():
@@ -121,30 +144,38 @@ def test_packer_rule_on_a_small_stream():
     assert last.padding == 2 and (last.end_doc[0], last.end_offset[0]) == (1, 2)
 
 
-def test_shards_equal_the_tokenizer_output_packed(sharded, wiki_docs, hf_tokenizer):
+def test_shards_equal_the_tokenizer_output_packed(sharded, wiki_groups, hf_tokenizer):
     m = load_manifest(sharded) if (sharded / "manifest.json").exists() else None
     assert m is None  # not finalized yet: the task manifest alone describes the shards
+    assert len(wiki_groups) >= 8  # 4 files, each cut into packing groups
     ids, starts = stream_order(sharded, "train")
-    enc = hf_tokenizer(wiki_docs, add_special_tokens=False, padding=False, truncation=False)
-    doc_ids = enc["input_ids"]
-    doc_starts = [[w != (ws[i - 1] if i else None) for i, w in enumerate(ws)]
-                  for ws in (enc.word_ids(i) for i in range(len(wiki_docs)))]
     sp = {r: getattr(hf_tokenizer, f"{r}_token_id") for r in ("cls", "sep", "pad")}
-    ref_ids, ref_starts = reference_pack(doc_ids, doc_starts, SEQ_LEN, sp["cls"], sp["sep"], sp["pad"])
+    ref_ids, ref_starts, group_ends, all_doc_ids = [], [], [], []
+    for docs in wiki_groups:  # each group packed on its own, groups in order
+        enc = hf_tokenizer(docs, add_special_tokens=False, padding=False, truncation=False)
+        doc_ids = enc["input_ids"]
+        doc_starts = [[w != (ws[i - 1] if i else None) for i, w in enumerate(ws)]
+                      for ws in (enc.word_ids(i) for i in range(len(docs)))]
+        g_ids, g_starts = reference_pack(doc_ids, doc_starts, SEQ_LEN, sp["cls"], sp["sep"], sp["pad"])
+        ref_ids.append(g_ids)
+        ref_starts.append(g_starts)
+        group_ends.append(sum(map(len, ref_ids)) - 1)
+        all_doc_ids += doc_ids
+    ref_ids, ref_starts = np.concatenate(ref_ids), np.concatenate(ref_starts)
     assert ids.dtype == np.uint16 and ids.shape == ref_ids.shape == (len(ref_ids), SEQ_LEN)
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_array_equal(starts, ref_starts)
-    # framing: every sequence is [CLS] ... [SEP]; only the very last one is padded
+    # framing: every sequence is [CLS] ... [SEP]; only a group's last one may be padded
     assert (ids[:, 0] == sp["cls"]).all()
     padded = (ids == sp["pad"]).any(axis=1)
-    assert not padded[:-1].any()
+    assert set(np.flatnonzero(padded)) <= set(group_ends) and padded.sum() >= len(wiki_groups) // 2
     assert (ids[~padded, -1] == sp["sep"]).all()
     # concatenated bodies without separators are exactly the documents' tokens, in order
     content = ids[(ids != sp["cls"]) & (ids != sp["sep"]) & (ids != sp["pad"])]
-    assert content.tolist() == [t for d in doc_ids for t in d]
+    assert content.tolist() == [t for d in all_doc_ids for t in d]
     # and the decoded first sequence starts with the first article's text
     first = hf_tokenizer.decode(ids[0][1:20].tolist())
-    assert hf_tokenizer.decode(doc_ids[0][:19]) == first
+    assert hf_tokenizer.decode(all_doc_ids[0][:19]) == first
 
 
 def test_word_start_bits_for_words_split_into_pieces(sharded, bert_uncased_dir):
@@ -229,15 +260,20 @@ def test_inputs_in_every_format_give_identical_shards(tmp_path, wiki_txt_dir, be
     for p in sorted(wiki_txt_dir.glob("*.txt")):
         with gzip.open(tmp_path / "gz" / (p.name + ".gz"), "wb") as f:
             f.write(p.read_bytes())
+    (tmp_path / "one.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ds["text"]))
     digests = {}
     for name, inp in [("txt", wiki_txt_dir / "*.txt"), ("jsonl", tmp_path / "jsonl"),
-                      ("parquet", tmp_path / "parquet" / "*.parquet"), ("saved", tmp_path / "saved"),
-                      ("json-array", tmp_path / "array.json"), ("txt.gz", tmp_path / "gz")]:
+                      ("parquet", tmp_path / "parquet" / "*.parquet"), ("txt.gz", tmp_path / "gz"),
+                      ("saved", tmp_path / "saved"), ("json-array", tmp_path / "array.json"),
+                      ("one-jsonl", tmp_path / "one.jsonl")]:
         out = shard([inp], bert_uncased_dir, tmp_path / f"out-{name}", shard_size=10_000)
         m = json.loads((out / "task-00000.json").read_text())
         assert m["totals"]["train"]["documents"] == 1000
         digests[name] = [e["sha256"] for e in m["shards"]]
-    assert all(d == digests["txt"] for d in digests.values()), digests
+    # packing groups never span two sources: the same files in any format give the same shards,
+    # and so does the same single source
+    assert len(digests["txt"]) == 4 and all(digests[n] == digests["txt"] for n in ("jsonl", "parquet", "txt.gz"))
+    assert len(digests["saved"]) == 1 and digests["saved"] == digests["json-array"] == digests["one-jsonl"]
 
 
 def test_validation_split_is_by_document_and_deterministic(tmp_path, wiki_txt_dir, bert_uncased_dir):
@@ -248,7 +284,7 @@ def test_validation_split_is_by_document_and_deterministic(tmp_path, wiki_txt_di
     assert 60 <= t["validation"]["documents"] <= 140  # 10% of 1,000 documents, binomial spread
     assert {e["split"] for e in m["shards"]} == {"train", "validation"}
     val_ids, _ = stream_order(out, "validation")
-    assert (val_ids == 0).any(axis=1).sum() <= 1  # only the split's last sequence is padded
+    assert (val_ids == 0).any(axis=1).sum() <= len(m["groups"])  # only a group's last sequence is padded
     again = shard([wiki_txt_dir], bert_uncased_dir, tmp_path / "b", validation_fraction=0.1, seed=5, shard_size=512)
     assert [e["sha256"] for e in json.loads((again / "task-00000.json").read_text())["shards"]] == \
            [e["sha256"] for e in m["shards"]]

@@ -7,20 +7,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from data_prep.cli import main
 from data_prep.errors import DataPrepError
 from data_prep.finalize import finalize
-from data_prep.reader import ReadOptions, iter_task_documents, resolve_inputs, resolve_partition
+from data_prep.reader import resolve_inputs, resolve_partition
 from data_prep.settings import ShardSettings, load_settings_file
 from data_prep.shard import run_shard
 from data_prep.shard_format import iter_blocks, load_manifest
-from data_prep.verify import verify
+from data_prep.verify import verify, verify_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,51 +36,68 @@ def run_tasks(inputs, tokenizer, out, num_tasks, **kw) -> Path:
     return Path(out)
 
 
-def all_sequences(out: Path) -> list[np.ndarray]:
-    m = load_manifest(out)
-    return [ids for e in m["shards"] for ids, _ in iter_blocks(out / e["name"], m["seq_len"])]
-
-
-def content_counts(out: Path) -> Counter:
-    """Multiset of text tokens over every shard (framing [CLS]/[SEP]/[PAD] removed)."""
-    ids = np.concatenate([s.ravel() for s in all_sequences(out)])
-    special = np.isin(ids, [0, 101, 102])
-    return Counter(ids[~special].tolist())
-
-
 def files_digest(out: Path) -> dict[str, str]:
     from data_prep.shard_format import sha256_file
 
     return {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()}
 
 
+GROUP_CHARS = 60_000  # 2 to 3 packing groups per file of the sample corpus
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, wiki_txt_dir, bert_uncased_dir):
     return run_tasks([wiki_txt_dir], bert_uncased_dir, tmp_path_factory.mktemp("single") / "out", 1,
-                     shard_size=256, validation_fraction=0.1, seed=7)
+                     shard_size=256, validation_fraction=0.1, seed=7, group_chars=GROUP_CHARS)
+
+
+def tar_digests(out: Path) -> dict[str, str]:
+    from data_prep.shard_format import sha256_file
+
+    return {p.name: sha256_file(p) for p in sorted(out.glob("*.tar"))}
 
 
 @pytest.mark.parametrize("partition", ["files", "documents"])
-def test_array_tasks_together_hold_what_one_task_holds(tmp_path, single, wiki_txt_dir, bert_uncased_dir, partition):
+def test_any_number_of_tasks_writes_the_same_shards(tmp_path, single, wiki_txt_dir, bert_uncased_dir, partition):
+    """The dataset is a function of (input, tokenizer, settings): 3 tasks write the very files 1 task writes."""
     out = run_tasks([wiki_txt_dir], bert_uncased_dir, tmp_path / "out", 3, shard_size=256,
-                    validation_fraction=0.1, seed=7, partition=partition)
+                    validation_fraction=0.1, seed=7, partition=partition, group_chars=GROUP_CHARS)
     m, one = load_manifest(out), load_manifest(single)
-    assert m["num_tasks"] == 3 and {e["task"] for e in m["shards"]} == {0, 1, 2}
-    for split in ("train", "validation"):
-        assert m["totals"][split]["documents"] == one["totals"][split]["documents"]
-    # every text token of every document lands in exactly one task
-    assert content_counts(out) == content_counts(single)
-    # and the tasks' documents are a partition of all documents
+    assert m["num_tasks"] == 3 and one["num_tasks"] == 1
+    # byte for byte: the same shard files, listed in the same order with the same counts
+    assert tar_digests(out) == tar_digests(single) and len(tar_digests(out)) >= 12
+    assert m["shards"] == one["shards"] and m["totals"] == one["totals"]
+    # each task did a disjoint, non-empty part of the work: its own packing groups
+    tasks = [json.loads((out / f"task-{i:05d}.json").read_text()) for i in range(3)]
+    owned = [tuple(g) for t in tasks for g in t["groups"]]
+    assert all(t["groups"] for t in tasks) and len(owned) == len(set(owned)) == len(
+        {(e["source"], e["group"]) for e in one["shards"]})
+    assert sorted(e["name"] for t in tasks for e in t["shards"]) == sorted(e["name"] for e in one["shards"])
     sources = resolve_inputs([str(wiki_txt_dir)])
     assert resolve_partition(partition, len(sources), 3) == partition
-    per_task = [list(iter_task_documents(sources, partition, 3, i, ReadOptions())) for i in range(3)]
-    everything = list(iter_task_documents(sources, "files", 1, 0, ReadOptions()))
-    assert all(per_task) and Counter(d for docs in per_task for d in docs) == Counter(everything)
-    # each task pads at most its own last sequence per split
-    for task in range(3):
+    # each group pads at most its own last sequence per split
+    for source, group in owned:
         for split in ("train", "validation"):
-            padded = [e["padding"] > 0 for e in m["shards"] if e["task"] == task and e["split"] == split]
+            padded = [e["padding"] > 0 for e in m["shards"]
+                      if (e["source"], e["group"], e["split"]) == (source, group, split)]
             assert sum(padded) <= 1 and (not any(padded) or padded[-1])
+
+
+def test_task_count_does_not_change_the_dataset_through_the_cli(tmp_path, bert_uncased_dir, wiki_articles):
+    """One big file, as the documents partition is made for: 1, 2 and 5 tasks give identical shards."""
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"text": text}) + "\n" for _, text in wiki_articles[:1500]))
+    digests = {}
+    for k in (1, 2, 5):
+        out = tmp_path / f"k{k}"
+        for i in range(k):
+            assert main(["shard", "--input", str(big), "--tokenizer", str(bert_uncased_dir), "--out", str(out),
+                         "--num-tasks", str(k), "--task-index", str(i), "--group-chars", "100000",
+                         "--shard-size", "200", "--validation-fraction", "0.05", "--seq-len", "64"]) == 0
+        assert main(["finalize", str(out)]) == 0
+        digests[k] = tar_digests(out)
+        assert load_manifest(out)["shards"] == load_manifest(tmp_path / "k1")["shards"]
+    assert len(digests[1]) >= 10 and digests[1] == digests[2] == digests[5]
 
 
 def test_concurrent_array_tasks_share_one_output_folder(tmp_path, single, wiki_txt_dir, bert_uncased_dir):
@@ -90,7 +105,8 @@ def test_concurrent_array_tasks_share_one_output_folder(tmp_path, single, wiki_t
     out = tmp_path / "out"
     procs = [subprocess.Popen([sys.executable, "-m", "data_prep", "shard", "--input", str(wiki_txt_dir),
                                "--tokenizer", str(bert_uncased_dir), "--out", str(out), "--shard-size", "256",
-                               "--validation-fraction", "0.1", "--seed", "7"], cwd=REPO,
+                               "--validation-fraction", "0.1", "--seed", "7", "--group-chars", str(GROUP_CHARS)],
+                              cwd=REPO,
                               stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_ID": str(i)})
              for i in range(3)]
@@ -99,7 +115,7 @@ def test_concurrent_array_tasks_share_one_output_folder(tmp_path, single, wiki_t
     proc = subprocess.run([sys.executable, "-m", "data_prep", "finalize", str(out)], cwd=REPO, capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stderr
-    assert verify(out) == [] and content_counts(out) == content_counts(single)
+    assert verify(out) == [] and tar_digests(out) == tar_digests(single)
     assert sorted(p.name for p in out.iterdir() if not p.suffix == ".tar") == \
            ["manifest.json", "task-00000.json", "task-00001.json", "task-00002.json", "tokenizer"]
 
@@ -143,7 +159,7 @@ def test_kill_after_first_shards_then_rerun_reuses_them(tmp_path, wiki_txt_dir, 
                              "--tokenizer", str(bert_uncased_dir), "--out", str(out), "--num-tasks", "1",
                              "--task-index", "0", "--shard-size", "64", "--validation-fraction", "0.15",
                              "--seed", "3", "--batch-chars", "20000"], cwd=REPO, stderr=subprocess.DEVNULL)
-    sidecar = out / ".progress-t00000" / "train-t00000-00002.tar.json"
+    sidecar = out / ".progress-t00000" / "train-s00000-g00000-00002.tar.json"
     deadline = time.time() + 120
     while not sidecar.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.002)
@@ -151,7 +167,7 @@ def test_kill_after_first_shards_then_rerun_reuses_them(tmp_path, wiki_txt_dir, 
     proc.wait()
     assert not (out / "task-00000.json").exists(), "finished before the kill"
     # what a kill can leave: a half-written shard
-    (out / "train-t00000-00099.tar.tmp").write_bytes(b"half a shard")
+    (out / "train-s00003-g00000-00099.tar.tmp").write_bytes(b"half a shard")
     result = run_shard(settings([wiki_txt_dir], bert_uncased_dir, out, **kw))
     assert result.shards_reused >= 3 and result.tokens < full.tokens
     assert files_digest(out) == files_digest(whole)
@@ -164,7 +180,7 @@ def test_resume_from_sidecars_with_a_corrupt_shard_rewrites_from_there(tmp_path,
     whole = tmp_path / "whole"
     run_shard(settings([wiki_txt_dir], bert_uncased_dir, whole, **kw))
     expected = files_digest(whole)
-    import data_prep.shard as shard_mod
+    import data_prep.group_writer as shard_mod
 
     calls = {"n": 0}
     original = shard_mod.SplitWriter._write
@@ -182,11 +198,13 @@ def test_resume_from_sidecars_with_a_corrupt_shard_rewrites_from_there(tmp_path,
     finally:
         shard_mod.SplitWriter._write = original
     interrupted = tmp_path / "interrupted"
-    sidecars = sorted(p.name for p in (interrupted / ".progress-t00000").iterdir())
+    sidecars = sorted(p.name for p in (interrupted / ".progress-t00000").glob("*.tar.json"))
     assert len(sidecars) == 6 and not (interrupted / "task-00000.json").exists()
+    assert list((interrupted / ".progress-t00000").glob("group-*.json"))  # at least one group was complete
     assert not list(interrupted.glob("*.tmp"))  # ShardWriter.abort removed the half-written shard
-    # flip a byte in the third kept train shard: it and everything after it in its split is redone
-    name = "train-t00000-00002.tar"
+    # flip a byte in the third kept train shard of the first, complete group: it and everything after
+    # it in its group's split is redone; the group's validation shards and the other groups' are kept
+    name = "train-s00000-g00000-00002.tar"
     data = bytearray((interrupted / name).read_bytes())
     data[len(data) // 2] ^= 0xFF
     (interrupted / name).write_bytes(bytes(data))
@@ -216,6 +234,61 @@ def test_verify_names_every_bad_shard(tmp_path, wiki_txt_dir, bert_uncased_dir):
                           capture_output=True, text=True)
     assert proc.returncode == 1
     assert all(n in proc.stderr for n in (truncated, flipped, missing)) and names[3] not in proc.stderr
+
+
+def _rewrite_shard(out: Path, name: str, edit) -> None:
+    """Rewrite a shard through ``edit(block_index, ids)`` and record its new size and sha256 in the
+    manifest, as a buggy writer or a shard written with another tokenizer would leave it."""
+    from data_prep.atomic import write_json_atomic
+    from data_prep.shard_format import ShardWriter
+
+    m = load_manifest(out)
+    blocks = list(iter_blocks(out / name, m["seq_len"]))
+    writer = ShardWriter(out / name, m["tokenizer"]["vocab_size"])
+    for b, (ids, starts) in enumerate(blocks):
+        edit(b, ids)
+        writer.write_block(ids, starts)
+    digest = writer.close()
+    entry = next(e for e in m["shards"] if e["name"] == name)
+    entry.update(sha256=digest, bytes=(out / name).stat().st_size)
+    write_json_atomic(out / "manifest.json", m)
+
+
+def test_verify_checks_ids_and_vocab_size_against_the_tokenizer(tmp_path, wiki_txt_dir, bert_uncased_dir):
+    out = run_tasks([wiki_txt_dir], bert_uncased_dir, tmp_path / "out", 1, shard_size=128, block_size=32, seq_len=64)
+    assert verify(out) == []
+    names = [e["name"] for e in load_manifest(out)["shards"]]
+
+    def put_bad_id(block, ids):
+        if block == 1:
+            ids[3, 7] = 30522      # the first id past bert-base-uncased's vocabulary; uint16 holds it
+            ids[5, 0] = 40000
+
+    _rewrite_shard(out, names[2], put_bad_id)
+    report = verify_report(out)
+    assert report.damaged == [] and len(report.mismatched) == 1, report
+    assert report.mismatched[0] == (f"{names[2]}: block 1, sequence 3, position 7: token id 30522 is outside the "
+                                    "tokenizer's vocabulary of 30522 (2 such id(s) in this shard)")
+    proc = subprocess.run([sys.executable, "-m", "data_prep", "verify", str(out)], cwd=REPO, capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{names[2]}: block 1, sequence 3" in proc.stderr and names[3] not in proc.stderr
+
+    # a manifest whose vocab_size was edited: named, with both numbers, exit 2
+    m = load_manifest(out)
+    m["tokenizer"]["vocab_size"] = 30000
+    (out / "manifest.json").write_text(json.dumps(m))
+    proc = subprocess.run([sys.executable, "-m", "data_prep", "verify", str(out)], cwd=REPO, capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{out / 'manifest.json'}: vocab_size 30000, but the tokenizer in {out / 'tokenizer'} has 30522 tokens" \
+        in proc.stderr
+    # a manifest that lost a key the checks need: a message, not a KeyError
+    del m["tokenizer"]["special_ids"]
+    (out / "manifest.json").write_text(json.dumps(m))
+    proc = subprocess.run([sys.executable, "-m", "data_prep", "verify", str(out)], cwd=REPO, capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and "tokenizer.special_ids: missing" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_finalize_refuses_missing_and_mismatched_tasks(tmp_path, wiki_txt_dir, bert_uncased_dir):
@@ -314,6 +387,43 @@ def test_errors_name_the_file_line_or_task(tmp_path, capsys, bert_uncased_dir):
         capsys, ["shard", "--tokenizer", str(no_mask), "--out", str(tmp_path / "o2"), "--input", str(ok)])
     assert "has no tokenizer.json" in _error(
         capsys, ["shard", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o3"), "--input", str(ok)])
+
+
+def test_damaged_gzip_input_is_named_with_advice_that_fits(tmp_path, capsys, wiki_txt_dir, bert_uncased_dir):
+    import gzip
+
+    good = gzip.compress((wiki_txt_dir / "wiki-00.txt").read_bytes())
+    cases = {"truncated.txt.gz": (good[: len(good) // 2], "truncated gzip file")}
+    # bytes flipped in the middle decompress to garbage that fails UTF-8 decoding long before the
+    # checksum at the end; flipped near the end they fail the checksum; both are damage, not encoding
+    for where in (len(good) // 3, len(good) - 20):
+        damaged = bytearray(good)
+        for k in range(4):
+            damaged[where + k] ^= 0x5A
+        cases[f"damaged-{where}.txt.gz"] = (bytes(damaged), "corrupt gzip data")
+    cases["plain.txt.gz"] = ((wiki_txt_dir / "wiki-00.txt").read_bytes(), "not a gzip file")
+    for name, (data, message) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        for argv in (["shard", "--tokenizer", str(bert_uncased_dir), "--out", str(tmp_path / f"out-{name}"),
+                      "--input", str(path)],
+                     ["tokenizer", "--input", str(path), "--out", str(tmp_path / f"tok-{name}"),
+                      "--vocab-size", "200"]):
+            err = _error(capsys, argv)
+            assert f"{path}: {message}" in err and "UTF-8" not in err, (argv, err)
+    # a sound gzip of text in another encoding still gets the encoding advice
+    latin = tmp_path / "latin1.txt.gz"
+    latin.write_bytes(gzip.compress("first line\n\nsecond doc\ncaf\xe9 au lait\n".encode("latin-1")))
+    err = _error(capsys, ["shard", "--tokenizer", str(bert_uncased_dir), "--out", str(tmp_path / "o-latin"),
+                          "--input", str(latin)])
+    assert f"{latin}: line 4 (byte offset 26): not valid UTF-8" in err and "convert the file to UTF-8" in err
+
+
+def test_tokenizer_empty_input_names_the_files(tmp_path, capsys):
+    empty = tmp_path / "blank.txt"
+    empty.write_text("\n   \n\n")
+    err = _error(capsys, ["tokenizer", "--input", str(empty), "--out", str(tmp_path / "tok"), "--vocab-size", "100"])
+    assert f"empty input: no documents to train the tokenizer on in {empty}" in err
 
 
 def _tokenizer_without_mask(folder: Path) -> None:

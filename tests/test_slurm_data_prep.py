@@ -1,7 +1,8 @@
 """The data-prep array job on a real Slurm: launchers/slurm/submit_data_prep.sh submits one
 `data_prep shard` task per index plus a dependent finalize. Its shards must be byte-identical to the
-same tasks run locally one after another; a task that never ran makes finalize refuse and name it;
-re-submitting just that index completes the set."""
+same data prepared locally by a single task (the shards do not depend on the number of tasks); a
+task that never ran makes finalize refuse and name it; re-submitting just that index completes the
+set. Submitted without --cpus-per-task, the tasks must fit the 2-CPU test nodes."""
 from __future__ import annotations
 
 import json
@@ -36,12 +37,11 @@ def shard_args(corpus, bert_uncased_dir) -> list[str]:
 
 @pytest.fixture(scope="module")
 def local_reference(shard_args, tmp_path_factory, slurm_cluster) -> Path:
-    """The same K tasks run here, one process after another, then finalized."""
+    """The same data prepared here by one task, then finalized."""
     out = tmp_path_factory.mktemp("local") / "shards"
     env = slurm_cluster.client_env()
-    for i in range(TASKS):
-        run_python(env, "-m", "data_prep", "shard", *shard_args, "--out", str(out),
-                   "--num-tasks", str(TASKS), "--task-index", str(i))
+    run_python(env, "-m", "data_prep", "shard", *shard_args, "--out", str(out), "--num-tasks", "1",
+               "--task-index", "0")
     run_python(env, "-m", "data_prep", "finalize", str(out))
     return out
 
@@ -50,17 +50,14 @@ def shard_hashes(folder: Path) -> dict[str, str]:
     return {p.name: sha256_file(p) for p in sorted(folder.glob("*.tar"))}
 
 
-def submit(cluster, shard_args, out: Path, logs: Path, *extra: str) -> tuple[int, int]:
-    # One CPU per task: the test nodes have as many as this machine (2).
-    r = cluster.run(str(SUBMIT), "--tasks", str(TASKS), *extra, "--cpus-per-task=1", f"--output={logs}/%x-%j.out", "--",
-                    *shard_args, "--out", str(out))
+def submit(cluster, shard_args, out: Path, *extra: str) -> tuple[int, int]:
+    r = cluster.run(str(SUBMIT), "--tasks", str(TASKS), *extra, "--", *shard_args, "--out", str(out))
     array_job, finalize_job = map(int, r.stdout.split())
     return array_job, finalize_job
 
 
-def job_log(logs: Path, job_id: int) -> str:
-    files = list(logs.glob(f"*-{job_id}.out"))
-    return files[0].read_text(errors="replace") if files else f"<no log for job {job_id} in {logs}>"
+def read_log(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else f"<no log {path}>"
 
 
 def test_array_job_matches_local_run_and_resubmits_a_missing_task(slurm_cluster, shard_args, local_reference,
@@ -69,12 +66,13 @@ def test_array_job_matches_local_run_and_resubmits_a_missing_task(slurm_cluster,
     out, logs = tmp_path / "shards", tmp_path / "logs"
     logs.mkdir()
     reference = shard_hashes(local_reference)
-    assert {int(n.split("-t")[1][:5]) for n in reference} == set(range(TASKS)), reference
     assert len(reference) > 2 * TASKS, "want several shards per task"
 
     # Submitted held, so that task 1 can be cancelled before it runs: a task lost to preemption or a
-    # dead node. afterany lets finalize run anyway, and it must refuse, naming the task.
-    array_job, finalize_job = submit(cluster, shard_args, out, logs, "--hold")
+    # dead node. afterany lets finalize run anyway, and it must refuse, naming the task. No
+    # --cpus-per-task: the helper must ask for what the 2-CPU nodes have. --output names the array
+    # tasks' logs only.
+    array_job, finalize_job = submit(cluster, shard_args, out, "--hold", f"--output={logs}/prep-%A_%a.out")
     cluster.run("scancel", f"{array_job}_1")
     cluster.run("scontrol", "release", str(array_job))
     cluster.run("scontrol", "release", str(finalize_job))
@@ -82,29 +80,38 @@ def test_array_job_matches_local_run_and_resubmits_a_missing_task(slurm_cluster,
     # A pending element cancelled out of an array leaves no record: only 0 and 2 ran.
     assert set(tasks) == {0, 2}, tasks
     for i in (0, 2):
-        assert tasks[i].ok, f"task {i}: {tasks[i].state} {tasks[i].exit_code}\n{job_log(logs, tasks[i].job_id)}"
+        task_log = read_log(logs / f"prep-{array_job}_{i}.out")
+        assert tasks[i].ok, f"task {i}: {tasks[i].state} {tasks[i].exit_code}\n{task_log}"
+        assert f"task={i} " in task_log and "cpus=2 " in task_log, task_log
     (fin,) = cluster.wait(finalize_job, timeout=120)
-    fin_log = job_log(logs, finalize_job)
+    fin_log = read_log(logs / f"mlm-data-finalize-{finalize_job}.out")
     assert fin.state == "FAILED" and fin.exit_code != "0:0", f"{fin.state} {fin.exit_code}\n{fin_log}"
     assert re.search(r"missing task indices: 1\b", fin_log), fin_log
+    assert sorted(p.name for p in logs.iterdir()) == sorted(
+        [f"prep-{array_job}_0.out", f"prep-{array_job}_2.out", f"mlm-data-finalize-{finalize_job}.out"])
     assert not (out / "manifest.json").exists()
-    # What the two tasks that ran wrote is already byte-identical to the local run.
+    # What the two tasks that ran wrote is already byte-identical to the one-task run.
     partial = shard_hashes(out)
-    assert partial == {n: h for n, h in reference.items() if "-t00001-" not in n}
+    written = {e["name"] for i in (0, 2) for e in json.loads((out / f"task-{i:05d}.json").read_text())["shards"]}
+    assert partial and set(partial) == written
+    assert partial == {n: h for n, h in reference.items() if n in written}
 
     # Re-submit only the missing index; the new finalize completes the set.
-    array_job, finalize_job = submit(cluster, shard_args, out, logs, "--only", "1")
+    array_job, finalize_job = submit(cluster, shard_args, out, "--only", "1", "--cpus-per-task=1",
+                                     f"--output={logs}/%x-%j.out")
     (task1,) = cluster.wait(array_job, timeout=120)
-    assert task1.array_task_id == 1 and task1.ok, f"{task1.state} {task1.exit_code}\n{job_log(logs, task1.job_id)}"
+    assert task1.array_task_id == 1 and task1.ok, \
+        f"{task1.state} {task1.exit_code}\n{read_log(logs / f'mlm-data-prep-{task1.job_id}.out')}"
+    assert "cpus=1 " in read_log(logs / f"mlm-data-prep-{task1.job_id}.out")
     (fin,) = cluster.wait(finalize_job, timeout=120)
-    fin_log = job_log(logs, finalize_job)
+    fin_log = read_log(logs / f"mlm-data-finalize-{finalize_job}.out")
     assert fin.ok, f"{fin.state} {fin.exit_code}\n{fin_log}"
     assert "all shards verified" in fin_log, fin_log      # finalize.sbatch re-hashes every shard
 
     assert shard_hashes(out) == reference
     ours = json.loads((out / "manifest.json").read_text())
     theirs = json.loads((local_reference / "manifest.json").read_text())
-    assert ours["num_tasks"] == TASKS
+    assert ours["num_tasks"] == TASKS and theirs["num_tasks"] == 1
     assert ours["shards"] == theirs["shards"]
     assert ours["totals"] == theirs["totals"]
 

@@ -73,7 +73,9 @@ def test_new_run_gets_params_artifacts_and_complete_histories(tmp_path, mlflow_s
     client = MlflowClient(mlflow_server.uri)
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "tiny"
-    assert client.get_experiment(run.info.experiment_id).name == cfg.tracking.experiment
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.name == cfg.tracking.experiment
+    assert experiment.tags.get("mlflow.experimentKind") == "custom_model_development"   # not the GenAI layout
     got = run.data.params
     assert len(got) == len(params)
     assert got["optim.lr"] == str(cfg.optim.lr) and got["optim.betas"] == "[0.9, 0.98]"

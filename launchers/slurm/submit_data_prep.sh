@@ -1,14 +1,20 @@
 #!/bin/bash
 # Submit the data-prep array job (one `data_prep shard` task per index) and a finalize job after it.
 #
-#   launchers/slurm/submit_data_prep.sh --tasks K [--only I,J,...] [SBATCH_OPTION...] -- SHARD_ARGS...
+#   launchers/slurm/submit_data_prep.sh --tasks K [--only I,J,...] [--finalize-output PATTERN] \
+#       [SBATCH_OPTION...] -- SHARD_ARGS...
 #
 #   launchers/slurm/submit_data_prep.sh --tasks 16 --partition=cpu -- \
 #       --input 'corpus/*.txt' --tokenizer tok/ --out data/wiki128 --seq-len 128
 #
 # SHARD_ARGS go to `python -m data_prep shard` unchanged and must include --out DIR. SBATCH_OPTIONs
-# (--partition, --account, --time, --output, ...) go to both sbatch calls; SBATCH_* environment
-# variables work too. Prints "ARRAY_JOB_ID FINALIZE_JOB_ID" on stdout.
+# (--partition, --account, --time, ...) go to both sbatch calls; SBATCH_* environment variables work
+# too. Prints "ARRAY_JOB_ID FINALIZE_JOB_ID" on stdout. The shards do not depend on K.
+#
+# CPUs per task: --cpus-per-task=N if given, else min(4, the fewest CPUs of a node in the partition),
+# so that every node can run a task. Logs: --output/--error name the array tasks' logs only; the
+# finalize log goes to the same folder as %x-%j.out (job name mlm-data-finalize), or to
+# --finalize-output PATTERN.
 #
 # Finalize waits with afterany, so it runs even when tasks failed and then refuses, naming the missing
 # task indices. Re-submit just those with the same arguments plus --only:
@@ -19,16 +25,30 @@
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
-usage() { sed -n '2,20s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2; exit 2; }
+usage() { sed -n '2,27s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2; exit 2; }
 die() { echo "submit_data_prep.sh: $*" >&2; exit 2; }
 
-tasks="" only="" sbatch_opts=()
+# sbatch_opts go to both jobs; array_opts (logs, CPUs) to the array only
+tasks="" only="" finalize_output="" output="" cpus="" partition="" sbatch_opts=() array_opts=()
 while [ $# -gt 0 ]; do
     case $1 in
         --tasks) [ $# -ge 2 ] || die "--tasks needs a value"; tasks=$2; shift 2 ;;
         --tasks=*) tasks=${1#*=}; shift ;;
         --only) [ $# -ge 2 ] || die "--only needs a value"; only=$2; shift 2 ;;
         --only=*) only=${1#*=}; shift ;;
+        --finalize-output) [ $# -ge 2 ] || die "--finalize-output needs a value"; finalize_output=$2; shift 2 ;;
+        --finalize-output=*) finalize_output=${1#*=}; shift ;;
+        --output|-o) [ $# -ge 2 ] || die "$1 needs a value"; output=$2; array_opts+=("--output=$2"); shift 2 ;;
+        --output=*) output=${1#*=}; array_opts+=("$1"); shift ;;
+        -o?*) output=${1#-o}; array_opts+=("--output=$output"); shift ;;
+        --error|-e) [ $# -ge 2 ] || die "$1 needs a value"; array_opts+=("--error=$2"); shift 2 ;;
+        --error=*) array_opts+=("$1"); shift ;;
+        -e?*) array_opts+=("--error=${1#-e}"); shift ;;
+        --cpus-per-task|-c) [ $# -ge 2 ] || die "$1 needs a value"; cpus=$2; shift 2 ;;
+        --cpus-per-task=*) cpus=${1#*=}; shift ;;
+        -c?*) cpus=${1#-c}; shift ;;
+        --partition|-p) [ $# -ge 2 ] || die "$1 needs a value"; partition=$2; sbatch_opts+=("--partition=$2"); shift 2 ;;
+        --partition=*) partition=${1#*=}; sbatch_opts+=("$1"); shift ;;
         -h|--help) usage ;;
         --) shift; break ;;
         *) sbatch_opts+=("$1"); shift ;;
@@ -59,13 +79,30 @@ else
     array=0-$((tasks - 1))
 fi
 
-array_job=$(sbatch --parsable --array="$array" "${sbatch_opts[@]}" \
+if [ -z "$cpus" ]; then
+    # the node with the fewest CPUs must still be able to run a task
+    node_cpus=$(sinfo -h -N -o %c ${partition:+--partition="$partition"} 2>/dev/null | tr -dc '0-9\n' | sort -n | head -n1)
+    cpus=4
+    if [[ $node_cpus =~ ^[1-9][0-9]*$ ]] && [ "$node_cpus" -lt "$cpus" ]; then cpus=$node_cpus; fi
+fi
+[[ $cpus =~ ^[1-9][0-9]*$ ]] || die "--cpus-per-task wants a positive integer, got '$cpus'"
+array_opts+=("--cpus-per-task=$cpus")
+finalize_opts=()
+if [ -n "$finalize_output" ]; then
+    finalize_opts+=("--output=$finalize_output")
+elif [ -n "$output" ]; then
+    # the array's pattern (%A_%a) would name finalize's log after a task that does not exist
+    log_dir=$(dirname -- "$output")
+    finalize_opts+=("--output=$log_dir/%x-%j.out")
+fi
+
+array_job=$(sbatch --parsable --array="$array" "${sbatch_opts[@]}" "${array_opts[@]}" \
     "$here/data_prep.sbatch" --num-tasks "$tasks" "${shard_args[@]}")
 array_job=${array_job%%;*}
 # afterany rather than afterok: with afterok a failed task leaves finalize pending forever (or, with
 # --kill-on-invalid-dep, silently cancelled); finalize itself names the missing tasks.
-finalize_job=$(sbatch --parsable --dependency="afterany:$array_job" "${sbatch_opts[@]}" \
+finalize_job=$(sbatch --parsable --dependency="afterany:$array_job" "${sbatch_opts[@]}" "${finalize_opts[@]}" \
     "$here/finalize.sbatch" "$out")
 finalize_job=${finalize_job%%;*}
-echo "array job $array_job (tasks $array of $tasks), finalize job $finalize_job -> $out" >&2
+echo "array job $array_job (tasks $array of $tasks, $cpus CPU(s) each), finalize job $finalize_job -> $out" >&2
 echo "$array_job $finalize_job"
