@@ -38,7 +38,7 @@ def paths(config: str, shards: str) -> str:
     from pretrain.config import load_config
     from pretrain.data import TrainStream
     from pretrain.engine import build_optimizer
-    from pretrain.masking import SpecialIds, mask_batch, mask_generator
+    from pretrain.masking import SpecialIds, mask_batch
     from pretrain.model import build_model
 
     device = torch.device("cuda", 0)
@@ -63,13 +63,13 @@ def paths(config: str, shards: str) -> str:
 
     cfg = load_config(config, [f"data.dir={shards}", "impl.attention=sdpa"])
     model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl).to(device, torch.bfloat16)
-    batch = next(iter(TrainStream(shards, manifest, "train", 0, 1, 8, cfg.data.seed)))
+    batch = next(iter(TrainStream(shards, manifest, "train", 0, 1, 8, 8, cfg.data.seed)))
     ids = batch["input_ids"].to(device)
     full = (ids != special.pad).all(dim=1)                # flash takes no padding mask: unpadded rows only
     if not full.any():
         raise SystemExit(f"{shards}: no unpadded row in the first batch to try flash attention on")
     m = mask_batch(ids[full], batch["word_starts"].to(device)[full], special, cfg.masking,
-                   mask_generator(0, 0, 0, 0, device))
+                   sample_ids=batch["sample_ids"].to(device)[full], step=0)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         loss_sum, _, count = model(m.input_ids, None, m.positions, m.labels)
         loss_sum.backward()

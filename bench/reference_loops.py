@@ -96,7 +96,7 @@ def bare_worker(spec: dict) -> None:
     from data_prep.shard_format import load_manifest
     from pretrain.config import load_config
     from pretrain.data import TrainStream
-    from pretrain.masking import SpecialIds, mask_batch, mask_generator
+    from pretrain.masking import SpecialIds, mask_batch
     from pretrain.model import build_model
     from pretrain.optim import lr_schedule
 
@@ -123,7 +123,7 @@ def bare_worker(spec: dict) -> None:
         for micro in range(spec["grad_accum"]):
             batch = next(batches)
             m = mask_batch(batch["input_ids"], batch["word_starts"], special, cfg.masking,
-                           mask_generator(cfg.masking.seed, step, 0, micro))
+                           sample_ids=batch["sample_ids"], step=step)
             with torch.autocast("cpu", torch.bfloat16, enabled=spec["precision"] == "bf16"):
                 loss_sum, _, count = forward(m.input_ids, batch["input_ids"] != special.pad, m.positions, m.labels)
             loss_sum = loss_sum / count.clamp(min=1) / spec["grad_accum"]

@@ -100,14 +100,14 @@ PHASES = ["data", "mask", "all_reduce", "forward", "backward", "step"]
 def timed_step(s: Setup, step: int) -> list[float]:
     """One optimiser step of one micro-batch, the calls of ``pretrain.train.train_step`` in the same
     order, each timed; returns the phases' seconds."""
-    from pretrain.masking import mask_batch, mask_generator
+    from pretrain.masking import mask_batch
     from pretrain.seeds import derive_seed
 
     t = [_clock()]
     batch = next(s.batches)
     t.append(_clock())
     m = mask_batch(batch["input_ids"], batch["word_starts"], s.special, s.cfg.masking,
-                   mask_generator(s.cfg.masking.seed, step, 0, 0, s.info.device))
+                   sample_ids=batch["sample_ids"], step=step)
     attention_mask = (batch["input_ids"] != s.special.pad) if batch.get("has_padding", True) else None
     t.append(_clock())
     predicted = m.num_masked.double().reshape(1)
@@ -198,11 +198,11 @@ def _ab_median_ms(fns: list[Callable[[], object]], repeats: int, warmup: int = 2
 
 
 def _sample_masked(s: Setup):
-    from pretrain.masking import mask_batch, mask_generator
+    from pretrain.masking import mask_batch
 
     batch = next(s.batches)
     return batch, mask_batch(batch["input_ids"], batch["word_starts"], s.special, s.cfg.masking,
-                             mask_generator(s.cfg.masking.seed, 0, 0, 0, s.info.device))
+                             sample_ids=batch["sample_ids"], step=0)
 
 
 def optimizer_lead(config, overrides, shards, steps, warmup) -> list[list]:
@@ -288,8 +288,9 @@ def small_costs(s: Setup, repeats: int) -> list[list]:
     count = torch.ones(1, dtype=torch.float64)
     return [
         ["dropout re-seed: torch.manual_seed(derive_seed(...))", f"{_median_ms(lambda: torch.manual_seed(derive_seed('dropout', 42, 7, 0, 0)), repeats):.3f}"],
-        ["masking (token, variable count)", f"{_median_ms(lambda: mask_batch(batch['input_ids'], batch['word_starts'], s.special, s.cfg.masking, mask_generator(0, 1, 0, 0)), repeats):.3f}"],
-        ["masking (fixed_count)", f"{_median_ms(lambda: mask_batch(batch['input_ids'], batch['word_starts'], s.special, fixed, mask_generator(0, 1, 0, 0)), repeats):.3f}"],
+        ["masking, keyed by sample id (the trainer's)", f"{_median_ms(lambda: mask_batch(batch['input_ids'], batch['word_starts'], s.special, s.cfg.masking, sample_ids=batch['sample_ids'], step=1), repeats):.3f}"],
+        ["masking, keyed by sample id, fixed_count", f"{_median_ms(lambda: mask_batch(batch['input_ids'], batch['word_starts'], s.special, fixed, sample_ids=batch['sample_ids'], step=1), repeats):.3f}"],
+        ["masking from a torch.Generator (before)", f"{_median_ms(lambda: mask_batch(batch['input_ids'], batch['word_starts'], s.special, s.cfg.masking, mask_generator(0, 1, 0, 0)), repeats):.3f}"],
         ["all_reduce: masked count (world 1, gloo)", f"{_median_ms(lambda: dist.all_reduce(count), repeats):.3f}"],
         ["all_reduce: non-finite/stop flags (world 1, gloo)", f"{_median_ms(lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX), repeats):.3f}"],
         ["next micro-batch from TrainStream (workers 0)", f"{_median_ms(lambda: next(s.batches), repeats):.3f}"],
