@@ -37,7 +37,7 @@ def paths(config: str, shards: str) -> str:
     from data_prep.shard_format import load_manifest
     from pretrain.config import load_config
     from pretrain.data import TrainStream
-    from pretrain.engine import build_optimizer
+    from pretrain.optim import build_optimizer
     from pretrain.masking import SpecialIds, mask_batch
     from pretrain.model import build_model
 
