@@ -84,29 +84,21 @@ def matmul_peak(precision: str, threads: int, seconds: float) -> tuple[float, st
 
     torch.set_num_threads(threads)
     value = measure_matmul_peak_tflops("cpu", torch.bfloat16 if precision == "bf16" else torch.float32,
-                                       seconds=seconds)
-    return value, f"measured now: 1024^2 {precision} matmul, {threads} threads"
+                                       seconds=seconds, clock="wall")
+    return value, f"measured now: 1024^2 {precision} matmul, {threads} threads, wall clock"
 
 
 def matmul_peak_cpu_time(precision: str, threads: int, seconds: float, n: int = 1024) -> float:
-    """The same matmul timed by the process's CPU seconds / threads instead of wall time: the peak
-    the process would reach with its threads to itself, however busy the machine is (exact with
-    one thread). The yardstick for MFU computed from tokens per CPU-second."""
-    import time
-
+    """The matmul peak timed by the process's CPU seconds / threads (the trainer's own way): what the
+    process would reach with its threads to itself, however busy the machine is. The yardstick for
+    MFU computed from tokens per CPU-second."""
     import torch
+
+    from pretrain.flops import measure_matmul_peak_tflops
 
     torch.set_num_threads(threads)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    out = torch.empty(n, n, dtype=dtype)
-    for _ in range(3):
-        torch.matmul(a, b, out=out)
-    iters, start = 0, time.process_time()
-    while time.process_time() - start < seconds * threads:
-        torch.matmul(a, b, out=out)
-        iters += 1
-    return 2.0 * n ** 3 * iters / ((time.process_time() - start) / threads) / 1e12
+    return measure_matmul_peak_tflops("cpu", dtype, seconds=seconds, size=n, clock="cpu")
 
 
 def trainer_peak(precision: str, threads: int, scratch: str | os.PathLike) -> tuple[float, str]:
