@@ -55,3 +55,68 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the machine
+
+
+def cpu_record() -> dict:
+    """Model name, the flags that decide matmul speed, whether bf16 is native (pretrain.hardware)."""
+    from pretrain.hardware import cpu_info
+
+    return cpu_info()
+
+
+def auto_precision() -> tuple[str, str]:
+    """What ``impl.precision=auto`` picks on this CPU, and why."""
+    import torch
+
+    from pretrain.hardware import resolve_precision
+
+    return resolve_precision("auto", torch.device("cpu"))
+
+
+def matmul_peak(precision: str, threads: int, seconds: float) -> tuple[float, str]:
+    """Dense-matmul TFLOP/s in ``precision`` with ``threads`` threads, measured now, and its source."""
+    import torch
+
+    from pretrain.flops import measure_matmul_peak_tflops
+
+    torch.set_num_threads(threads)
+    value = measure_matmul_peak_tflops("cpu", torch.bfloat16 if precision == "bf16" else torch.float32,
+                                       seconds=seconds, clock="wall")
+    return value, f"measured now: 1024^2 {precision} matmul, {threads} threads, wall clock"
+
+
+def matmul_peak_cpu_time(precision: str, threads: int, seconds: float, n: int = 1024) -> float:
+    """The matmul peak timed by the process's CPU seconds / threads (the trainer's own way): what the
+    process would reach with its threads to itself, however busy the machine is. The yardstick for
+    MFU computed from tokens per CPU-second."""
+    import torch
+
+    from pretrain.flops import measure_matmul_peak_tflops
+
+    torch.set_num_threads(threads)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return measure_matmul_peak_tflops("cpu", dtype, seconds=seconds, size=n, clock="cpu")
+
+
+def trainer_peak(precision: str, threads: int, scratch: str | os.PathLike) -> tuple[float, str]:
+    """The peak our trainer divides by (``pretrain.hardware.peak_tflops``: measured once per machine
+    and thread count, then cached), and its source. Asked against a copy of the trainer's cache in
+    ``scratch``, so that a measurement taken here, on a machine that may be busy, never becomes
+    the trainer's cached value."""
+    import shutil
+
+    import torch
+
+    from pretrain.hardware import default_cache_path, peak_tflops
+
+    torch.set_num_threads(threads)
+    copy = Path(scratch) / "peak_tflops.json"
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.unlink(missing_ok=True)
+    if default_cache_path().is_file():
+        shutil.copyfile(default_cache_path(), copy)
+    value, source = peak_tflops(torch.device("cpu"), precision, cache_path=copy)
+    return value, source.replace(str(copy), f"a scratch copy of {default_cache_path()}")

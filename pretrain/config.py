@@ -15,7 +15,7 @@ from typing import Literal, Optional, Union
 from pretrain import configlib
 from pretrain.configlib import ConfigError  # noqa: F401  (re-exported)
 
-COMPILE_AUTO_MIN_STEPS = 2000
+COMPILE_AUTO_MIN_STEPS = 500     # compile's start-up paid back after ~200 steps on mini (bench/)
 
 
 # Defaults that differ by architecture; a field absent from an arch's table does not apply to it.
@@ -124,6 +124,10 @@ class DataConfig:
 
 @dataclass
 class MaskingConfig:
+    # Prediction and corruption are decoupled (Wettig et al. 2023): `rate` of the non-special tokens
+    # are predicted (the loss covers them); of those, mask_prob become [MASK], random_prob a random
+    # token and the rest stay visible, so rate x (mask_prob + random_prob) of the tokens are
+    # corrupted. BERT's 80/10/10 is mask_prob 0.8, random_prob 0.1; 100/0/0 is mask_prob 1, random_prob 0.
     rate: float = 0.15                 # fraction of non-special tokens selected for prediction
     mask_prob: float = 0.8             # of the selected: replaced by [MASK]
     random_prob: float = 0.1           # of the selected: replaced by a random non-special token; rest unchanged
@@ -134,6 +138,10 @@ class MaskingConfig:
     # stochastically rounded rate x the row's non-special tokens; unused slots get label -100.
     # Otherwise each token is selected independently. Token strategy only.
     fixed_count: bool = False
+    # true: a new mask every time a sequence is seen (seeded by step, rank, micro-step). false: static,
+    # as original BERT's pre-generated masks: each sequence keeps one mask for the whole run, seeded
+    # by (seed, the sequence's id in its split), whatever the step, epoch or resume.
+    dynamic: bool = True
     seed: int = 0
 
     def check(self) -> list[str]:
@@ -258,6 +266,7 @@ class TrackingConfig:
     register_model: str = ""           # register the final export under this Model Registry name
     system_metrics: bool = True
     retry_seconds: float = 2.0         # at most this long per attempt when the server is unreachable
+    parent_run_id: str = ""            # make the run a child of this one (pretrain.study sets it)
 
 
 @dataclass
@@ -333,6 +342,9 @@ class Config:
 
     def check(self) -> list[str]:
         problems = batch_size_problems(self.train.global_batch_size, self.impl.micro_batch_size, self.world_size())
+        if self.optim.name == "lamb" and self.impl.zero_stage > 0:
+            problems.append("optim.name=lamb needs impl.zero_stage=0: ZeRO hands the optimiser flat partitions, "
+                            "so LAMB's per-tensor trust ratio would be computed per partition (other results)")
         if self.optim.name == "lamb" and self.impl.offload_optimizer:
             problems.append("optim.name=lamb with impl.offload_optimizer=true: DeepSpeed's optimiser offload "
                             "runs Adam only; use optim.name=adamw or turn the offload off")

@@ -74,22 +74,22 @@ def mlm_eval(hf_dir: str | Path, data_dir: str | Path, batch_size: int = 32, max
 def _eval_masks(data_dir, manifest: dict, batch_size: int, max_batches: int, split: str, device):
     """(batch ids, masked batch) pairs exactly as the trainer's ``evaluate`` makes them on one rank."""
     from pretrain.data import eval_batches
-    from pretrain.masking import SpecialIds, eval_masking_config, mask_batch, mask_generator
+    from pretrain.masking import SpecialIds, eval_masking_config, mask_batch
 
     special = SpecialIds.from_manifest(manifest)
     mcfg = eval_masking_config()
-    for i, batch in enumerate(eval_batches(data_dir, manifest, split, 0, 1, batch_size, max_batches)):
+    for batch in eval_batches(data_dir, manifest, split, 0, 1, batch_size, max_batches):
         ids = batch["input_ids"].to(device)
         yield ids, mask_batch(ids, batch["word_starts"].to(device), special, mcfg,
-                              mask_generator(mcfg.seed, 0, 0, i, device))
+                              sample_ids=batch["sample_ids"].to(device), step=0)
 
 
 @torch.no_grad()
 def mlm_eval_model(hf_model, data_dir: str | Path, manifest: dict, batch_size: int = 32, max_batches: int = 0,
                    split: str = "validation", device: str | torch.device = "cpu") -> dict[str, float]:
     """{"loss", "accuracy"} of a ``BertForMaskedLM`` in memory, masked as the trainer's own evaluation
-    masks (``eval_masking_config``, ``mask_generator(seed, 0, 0, i)``): with the same batch size,
-    the same positions for every model, so losses compare across runs and trainers."""
+    masks (``eval_masking_config``, keyed by each sequence's id): the same positions for every model,
+    batch size and world size, so losses compare across runs and trainers."""
     from pretrain.masking import SpecialIds
     from pretrain.model import MLMModel
 

@@ -10,8 +10,8 @@ that gives the measured slowdown.
 
 Peak. MFU = model FLOPs per second / the peak of the precision actually used. On known GPUs the peak
 is the vendor's dense number (``GPU_PEAK_TFLOPS``). On CPUs (and unknown GPUs) it is a measured
-square-matmul throughput with the thread count this process actually has, measured once per machine
-and cached (``~/.cache/mlm-pretrain/peak_tflops.json``, keyed by device model, threads and precision),
+square-matmul throughput with the thread count this process actually has, timed by the CPU seconds
+it got (so a busy machine does not lower it), measured once per machine and cached (``~/.cache/mlm-pretrain/peak_tflops.json``, keyed by device model, threads and precision),
 so that the MFU scale does not move across restarts on a busy machine. ``impl.peak_tflops``
 overrides both.
 """
@@ -163,7 +163,7 @@ def peak_tflops(device: torch.device, precision: str, override: float = 0.0,
     cache = _read_cache(path)
     if key in cache:
         return float(cache[key]["tflops"]), f"measured {cache[key]['when']}, cached in {path}"
-    # Best of several short bursts: a neighbour's burst of work lowers one of them, not all.
+    # Timed by CPU seconds on a CPU (see measure_matmul_peak_tflops): a busy machine does not lower it.
     value = max(measure_matmul_peak_tflops(device, DTYPES[precision], seconds=0.25) for _ in range(4))
     cache[key] = {"tflops": value, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:

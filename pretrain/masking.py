@@ -1,9 +1,23 @@
-"""Dynamic MLM masking, done on the device once per micro-step.
+"""MLM masking, done on the device once per micro-step: dynamic (default) or static.
 
-``mask_batch`` is a pure function of (token ids, word starts, special ids, masking config, generator).
-The generator comes from ``mask_generator(seed, step, rank, micro_step)``, so a resumed run masks
-every micro-batch exactly as the uninterrupted run did (given the same micro-batch size and world
-size, which decide what each (rank, micro_step) holds).
+``mask_batch`` is a pure function of (token ids, word starts, special ids, masking config, and either
+a generator or the rows' sample ids):
+
+* **Dynamic** (``masking.dynamic: true``): the generator comes from ``mask_generator(seed, step,
+  rank, micro_step)``, so a sequence gets a new mask every time it is seen, and a resumed run masks
+  every micro-batch exactly as the uninterrupted run did (given the same micro-batch size and world
+  size, which decide what each (rank, micro_step) holds).
+* **Static** (``masking.dynamic: false``, original BERT's pre-generated masks without writing them
+  to disk): every random number is a counter-based hash of (seed, draw kind, sample id, position in
+  the row), so a sequence keeps one mask for the whole run whatever the step, epoch, rank, micro-batch
+  or resume. Device tensors only (int64 arithmetic), no per-row generator; every strategy and
+  ``fixed_count`` work.
+
+Prediction versus corruption (Wettig et al. 2023, "Should You Mask 15% in MLM?"): ``rate`` is the
+share of tokens the model *predicts* (the loss covers them); of those, ``mask_prob`` are corrupted to
+[MASK], ``random_prob`` to a random token, and the rest stay visible. The corruption rate is
+``rate * (mask_prob + random_prob)``. BERT's 80/10/10 is one point of that space, 100/0/0 (predict
+exactly what is corrupted, all by [MASK]) another.
 
 Which tokens may be chosen: every id except the manifest's special ids ([PAD], [CLS], [SEP], [MASK]
 and [UNK]). [UNK] is excluded like Hugging Face's ``DataCollatorForLanguageModeling`` does (it counts
@@ -49,12 +63,12 @@ waits. Everything else is device tensors and the given generator.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field
 
 import torch
 
+from pretrain.seeds import derive_seed
 from pretrain.config import MaskingConfig
 
 IGNORE_INDEX = -100                      # label of an unused fixed_count slot (torch's CE default)
@@ -112,10 +126,89 @@ class MaskedBatch:
     num_masked: torch.Tensor    # 0-d int64 on the device: labels that count (== N without fixed_count)
 
 
+# ---------------------------------------------------------------------------- random numbers
+# Kinds of draw: each gets its own stream, so that e.g. the choice of a token and its replacement
+# are independent in static masking.
+_CHOOSE, _SPAN_CUT, _SPAN_COIN, _ACTION, _REPLACEMENT, _FIXED_DITHER, _FIXED_SCORE = range(1, 8)
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """A bijection of [0, 2**32) with good avalanche (xor-shift / multiply rounds), on Python ints or
+    int64 tensors. The odd multipliers stay below 2**31 so every product fits in int64 unsigned-free."""
+    x = x ^ (x >> 16)
+    x = (x * 0x6C8E9CF5) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2545F491) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x4F1BBCDD) & _M32
+    return x ^ (x >> 15)
+
+
+def _absorb(h, key):
+    """Fold a 64-bit key into a 32-bit hash state, low half then high half."""
+    h = _mix32((h ^ (key & _M32)) & _M32)
+    return _mix32((h + ((key >> 32) & _M32) + 0x3C6EF372) & _M32)
+
+
+def _uniform24(h: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms on [0, 1) with 24 bits, exactly representable."""
+    return (h >> 8).float() * (1.0 / (1 << 24))
+
+
+class _GeneratorDraws:
+    """Dynamic masking: consecutive draws from one generator (the call order is part of the mask)."""
+
+    def __init__(self, gen: torch.Generator, device: torch.device):
+        self.gen, self.device = gen, device
+
+    def tokens(self, kind: int, shape) -> torch.Tensor:
+        return torch.rand(shape, generator=self.gen, device=self.device)
+
+    def rows(self, kind: int, b: int) -> torch.Tensor:
+        return torch.rand(b, generator=self.gen, device=self.device, dtype=torch.float64)
+
+    def at(self, kind: int, flat_positions: torch.Tensor) -> torch.Tensor:
+        return torch.rand(flat_positions.numel(), generator=self.gen, device=self.device)
+
+    def ids_at(self, kind: int, flat_positions: torch.Tensor, n: int) -> torch.Tensor:
+        return torch.randint(0, n, (flat_positions.numel(),), generator=self.gen, device=self.device)
+
+
+class _HashDraws:
+    """Static masking: the draw of kind k at (row b, position j) is hash(seed, k, sample_ids[b], j)."""
+
+    def __init__(self, seed: int, sample_ids: torch.Tensor, seq_len: int):
+        self.seed, self.ids, self.seq_len = int(seed), sample_ids, seq_len
+
+    def _row_keys(self, kind: int) -> torch.Tensor:
+        head = _absorb(_absorb(0x9E3779B9, self.seed & ((1 << 64) - 1)), kind)   # Python ints
+        return _absorb(torch.full_like(self.ids, head), self.ids)
+
+    def _hash(self, kind: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        return _mix32(self._row_keys(kind)[rows] ^ _mix32(cols + 0x2F1D7A3B))
+
+    def tokens(self, kind: int, shape) -> torch.Tensor:
+        b, length = shape
+        rows = torch.arange(b, device=self.ids.device)[:, None]
+        return _uniform24(self._hash(kind, rows, torch.arange(length, device=self.ids.device)[None, :]))
+
+    def rows(self, kind: int, b: int) -> torch.Tensor:
+        h = self._hash(kind, torch.arange(b, device=self.ids.device), torch.zeros(b, dtype=torch.long,
+                                                                                  device=self.ids.device))
+        return h.double() * (1.0 / (1 << 32))
+
+    def at(self, kind: int, flat_positions: torch.Tensor) -> torch.Tensor:
+        return _uniform24(self._hash(kind, flat_positions // self.seq_len, flat_positions % self.seq_len))
+
+    def ids_at(self, kind: int, flat_positions: torch.Tensor, n: int) -> torch.Tensor:
+        # (h * n) >> 32 maps 32 uniform bits onto [0, n) (n < 2**31: the product fits in int64)
+        return (self._hash(kind, flat_positions // self.seq_len, flat_positions % self.seq_len) * n) >> 32
+
+
 def mask_seed(seed: int, step: int, rank: int, micro_step: int) -> int:
     """A well-mixed 63-bit seed from the tuple: nearby tuples give unrelated streams."""
-    key = f"mlm-mask/{int(seed)}/{int(step)}/{int(rank)}/{int(micro_step)}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+    return derive_seed("mlm-mask", seed, step, rank, micro_step)
 
 
 def mask_generator(seed: int, step: int, rank: int, micro_step: int,
@@ -126,11 +219,19 @@ def mask_generator(seed: int, step: int, rank: int, micro_step: int,
 
 
 def eval_masking_config(cfg: MaskingConfig | None = None) -> MaskingConfig:
-    """Evaluation always masks 15% of tokens, 80/10/10, with a fixed seed, whatever training uses,
-    so eval losses compare across runs with different masking settings. Variable-count selection
-    (not fixed_count) so the eval masks do not depend on that speed switch either."""
+    """Evaluation always masks 15% of tokens, 80/10/10, dynamically with a fixed seed, whatever
+    training uses, so eval losses compare across runs with different masking settings.
+    Variable-count selection (not fixed_count) so the eval masks do not depend on that speed switch
+    either."""
     return MaskingConfig(rate=0.15, mask_prob=0.8, random_prob=0.1, strategy="token",
-                         fixed_count=False, seed=EVAL_MASK_SEED)
+                         fixed_count=False, dynamic=True, seed=EVAL_MASK_SEED)
+
+
+def _to_non_special(r: torch.Tensor, special: SpecialIds) -> torch.Tensor:
+    """Map [0, V - k) monotonically onto the non-special ids: step over each special, in ascending order."""
+    for s in special.all_special:
+        r += (r >= s).long()
+    return r
 
 
 def random_non_special(n: int, special: SpecialIds, generator: torch.Generator,
@@ -138,17 +239,22 @@ def random_non_special(n: int, special: SpecialIds, generator: torch.Generator,
     """``n`` ids uniform over the vocabulary minus the special ids."""
     r = torch.randint(0, special.vocab_size - len(special.all_special), (n,), generator=generator,
                       device=device)
-    # Map [0, V - k) monotonically onto the non-special ids: step over each special, in ascending order.
-    for s in special.all_special:
-        r += (r >= s).long()
-    return r
+    return _to_non_special(r, special)
 
 
 def mask_batch(input_ids: torch.Tensor, word_starts: torch.Tensor, special: SpecialIds,
-               cfg: MaskingConfig, generator: torch.Generator) -> MaskedBatch:
-    """Choose tokens per ``cfg.strategy``, then replace mask_prob of them by [MASK], random_prob by a
-    random non-special id, and keep the rest. ``input_ids`` is not modified; the generator must live
-    on the inputs' device."""
+               cfg: MaskingConfig, generator: torch.Generator | None = None,
+               sample_ids: torch.Tensor | None = None, step: int | None = None) -> MaskedBatch:
+    """Choose ``cfg.rate`` of the tokens per ``cfg.strategy`` (the prediction targets), then replace
+    mask_prob of them by [MASK], random_prob by a random non-special id, and keep the rest visible.
+    ``input_ids`` is not modified.
+
+    With ``sample_ids`` ([B] int64, a stable identity of each row's sequence) every draw is a hash
+    of (seed, sample id, position): static masking (``cfg.dynamic`` false) keys it by the sequence
+    alone, dynamic masking by the sequence and ``step``. A row's mask then depends on nothing else,
+    neither the rank nor the micro-batch it lands in, so a run resumed at another world size or
+    micro-batch masks exactly as the uninterrupted one (the trainer always masks this way).
+    Without ``sample_ids``, dynamic masking draws from ``generator`` (on the inputs' device)."""
     if input_ids.dim() != 2 or word_starts.shape != input_ids.shape:
         raise ValueError(f"mask_batch: expected input_ids and word_starts of one shape [B, L], got "
                          f"{tuple(input_ids.shape)} and {tuple(word_starts.shape)}")
@@ -156,24 +262,36 @@ def mask_batch(input_ids: torch.Tensor, word_starts: torch.Tensor, special: Spec
         raise ValueError(f"masking.fixed_count works with strategy 'token' only (got {cfg.strategy!r}): "
                          "whole words and spans cannot fill an exact token count without bias")
     ids = input_ids.long()
+    if sample_ids is not None and sample_ids.shape != (ids.shape[0],):
+        raise ValueError(f"mask_batch: sample_ids must have shape [{ids.shape[0]}] (one stable id per row), "
+                         f"got {tuple(sample_ids.shape)}")
+    if not cfg.dynamic or (sample_ids is not None and step is not None):
+        if sample_ids is None:
+            raise ValueError("mask_batch: masking.dynamic=false needs sample_ids (one stable id per row)")
+        key = derive_seed("mask", cfg.seed, step) if cfg.dynamic else cfg.seed
+        draws = _HashDraws(key, sample_ids.to(ids.device, torch.long), ids.shape[1])
+    elif generator is None:
+        raise ValueError("mask_batch: dynamic masking needs sample_ids and step, or a generator")
+    else:
+        draws = _GeneratorDraws(generator, ids.device)
     special_tok = special.is_special(ids)
     flat_ids = ids.reshape(-1)
 
     if cfg.fixed_count:
-        positions, labels = _choose_fixed(special_tok, flat_ids, cfg.rate, generator)
+        positions, labels = _choose_fixed(special_tok, flat_ids, cfg.rate, draws)
         valid = labels != IGNORE_INDEX
         num_masked = valid.sum()
     else:
         chosen = {"token": _choose_tokens, "whole_word": _choose_words, "span": _choose_spans}[cfg.strategy](
-            special_tok, word_starts.bool(), cfg, generator)
+            special_tok, word_starts.bool(), cfg, draws)
         positions = chosen.reshape(-1).nonzero().squeeze(1)        # host sync: N is data-dependent
         labels = flat_ids[positions]
         valid = None
         num_masked = torch.tensor(positions.numel(), device=ids.device)
 
-    n = positions.numel()
-    action = torch.rand(n, generator=generator, device=ids.device)
-    replacement = random_non_special(n, special, generator, ids.device)
+    action = draws.at(_ACTION, positions)
+    replacement = _to_non_special(draws.ids_at(_REPLACEMENT, positions, special.vocab_size - len(special.all_special)),
+                                  special)
     new = torch.where(action < cfg.mask_prob, torch.full_like(labels, special.mask),
                       torch.where(action < cfg.mask_prob + cfg.random_prob, replacement, flat_ids[positions]))
     if valid is not None:
@@ -183,9 +301,8 @@ def mask_batch(input_ids: torch.Tensor, word_starts: torch.Tensor, special: Spec
     return MaskedBatch(masked.view_as(ids), positions, labels, num_masked)
 
 
-def _choose_tokens(special_tok, word_starts, cfg, gen):
-    u = torch.rand(special_tok.shape, generator=gen, device=special_tok.device)
-    return (u < cfg.rate) & ~special_tok
+def _choose_tokens(special_tok, word_starts, cfg, draws):
+    return (draws.tokens(_CHOOSE, special_tok.shape) < cfg.rate) & ~special_tok
 
 
 def _unit_starts(special_tok: torch.Tensor, word_starts: torch.Tensor) -> torch.Tensor:
@@ -196,27 +313,31 @@ def _unit_starts(special_tok: torch.Tensor, word_starts: torch.Tensor) -> torch.
 
 
 def _start_of_unit(unit_start: torch.Tensor) -> torch.Tensor:
-    """Flat index of the start of each token's unit: a running maximum, no loop."""
+    """Flat index of the start of each token's unit: a running maximum, no loop. Units never cross
+    rows (a row's first token starts one), so static masks depend on the row alone."""
     flat = unit_start.reshape(-1)
     idx = torch.arange(flat.numel(), device=flat.device)
     return torch.cummax(torch.where(flat, idx, torch.zeros_like(idx)), dim=0).values
 
 
-def _choose_words(special_tok, word_starts, cfg, gen):
+def _choose_words(special_tok, word_starts, cfg, draws):
     start = _start_of_unit(_unit_starts(special_tok, word_starts))
-    u = torch.rand(start.numel(), generator=gen, device=start.device)
+    u = draws.tokens(_CHOOSE, special_tok.shape).reshape(-1)
     return ((u[start] < cfg.rate) & ~special_tok.reshape(-1)).view_as(special_tok)
 
 
 def span_segments(special_tok: torch.Tensor, word_starts: torch.Tensor, cfg: MaskingConfig,
-                  gen: torch.Generator) -> torch.Tensor:
-    """Flat index of the first token of each token's candidate span (see the module docstring)."""
+                  draws) -> torch.Tensor:
+    """Flat index of the first token of each token's candidate span (see the module docstring).
+    ``draws``: a torch.Generator, or the draw source ``mask_batch`` made."""
     device = special_tok.device
+    if isinstance(draws, torch.Generator):
+        draws = _GeneratorDraws(draws, device)
     first_after_boundary = torch.ones_like(special_tok)
     first_after_boundary[:, 1:] = special_tok[:, :-1]
     word_start = (_unit_starts(special_tok, word_starts) & ~special_tok).reshape(-1)
     first_after_boundary = first_after_boundary.reshape(-1)
-    u = torch.rand(word_start.numel(), generator=gen, device=device)
+    u = draws.tokens(_SPAN_CUT, special_tok.shape).reshape(-1)
     random_cut = word_start & (first_after_boundary | (u < cfg.span_geometric_p))
     word_no = torch.cumsum(word_start.long(), 0)              # same for every piece of a word
     last_cut = torch.cummax(torch.where(random_cut, word_no, torch.zeros_like(word_no)), 0).values
@@ -227,9 +348,9 @@ def span_segments(special_tok: torch.Tensor, word_starts: torch.Tensor, cfg: Mas
     return torch.cummax(torch.where(cut, idx, torch.zeros_like(idx)), 0).values
 
 
-def _choose_spans(special_tok, word_starts, cfg, gen):
-    seg = span_segments(special_tok, word_starts, cfg, gen)
-    u = torch.rand(seg.numel(), generator=gen, device=seg.device)
+def _choose_spans(special_tok, word_starts, cfg, draws):
+    seg = span_segments(special_tok, word_starts, cfg, draws)
+    u = draws.tokens(_SPAN_COIN, special_tok.shape).reshape(-1)
     if cfg.rate <= 0.25:
         q = (1.0 - (1.0 - 4.0 * cfg.rate) ** 0.5) / 2.0        # q (1 - q) = rate
         coin = u < q
@@ -240,13 +361,13 @@ def _choose_spans(special_tok, word_starts, cfg, gen):
     return (chosen_seg & ~special_tok.reshape(-1)).view_as(special_tok)
 
 
-def _choose_fixed(special_tok, flat_ids, rate, gen):
+def _choose_fixed(special_tok, flat_ids, rate, draws):
     b, length = special_tok.shape
     slots = min(length, max(1, math.ceil(rate * length - 1e-9)))
     choosable = (~special_tok).sum(1)
-    dither = torch.rand(b, generator=gen, device=special_tok.device, dtype=torch.float64)
+    dither = draws.rows(_FIXED_DITHER, b)
     fill = torch.floor(choosable.double() * rate + dither).long().clamp(max=slots)   # [B]
-    scores = torch.rand(special_tok.shape, generator=gen, device=special_tok.device)
+    scores = draws.tokens(_FIXED_SCORE, special_tok.shape)
     scores = scores.masked_fill(special_tok, -1.0)            # specials rank last, never filled
     top = scores.topk(slots, dim=1).indices                   # best first: slot j is filled iff j < fill
     filled = torch.arange(slots, device=top.device)[None, :] < fill[:, None]

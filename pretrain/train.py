@@ -30,7 +30,7 @@ from pretrain.data import TrainStream, eval_batches
 from pretrain.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
 from pretrain.eval_tasks import TaskError
 from pretrain.flops import mlm_flops_per_sequence
-from pretrain.masking import SpecialIds, eval_masking_config, mask_batch, mask_generator
+from pretrain.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.model import build_model
 from pretrain.preflight import check_inputs
 from pretrain.seeds import derive_seed
@@ -72,8 +72,10 @@ def train_step(engine, optimizer, micro_batches: list[dict], step: int, cfg: Con
     masked = []
     for i, batch in enumerate(micro_batches):
         ids = batch["input_ids"].to(device, non_blocking=True)
-        gen = mask_generator(cfg.masking.seed, step, rank, i, device)
-        m = mask_batch(ids, batch["word_starts"].to(device, non_blocking=True), special, cfg.masking, gen)
+        # Keyed by each sequence's identity (and the step, unless static): the same masks at any
+        # world size or micro-batch.
+        m = mask_batch(ids, batch["word_starts"].to(device, non_blocking=True), special, cfg.masking,
+                       sample_ids=batch["sample_ids"].to(device, non_blocking=True), step=step)
         # Rows packed full have no padding: no mask lets SDPA take its fast path.
         attention_mask = (ids != special.pad) if batch.get("has_padding", True) else None
         masked.append((m, attention_mask, ids.numel() if attention_mask is None else attention_mask.sum()))
@@ -304,11 +306,11 @@ def evaluate(engine, cfg: Config, manifest: dict, special: SpecialIds, info: eng
     engine.eval()
     mcfg = eval_masking_config(cfg.masking)
     sums = torch.zeros(3, dtype=torch.float64, device=info.device)
-    for i, batch in enumerate(eval_batches(cfg.data.dir, manifest, cfg.data.eval_split, info.rank, info.world,
-                                           cfg.impl.micro_batch_size, cfg.train.eval_batches)):
+    for batch in eval_batches(cfg.data.dir, manifest, cfg.data.eval_split, info.rank, info.world,
+                              cfg.impl.micro_batch_size, cfg.train.eval_batches):
         ids = batch["input_ids"].to(info.device)
         m = mask_batch(ids, batch["word_starts"].to(info.device), special, mcfg,
-                       mask_generator(mcfg.seed, 0, info.rank, i, info.device))
+                       sample_ids=batch["sample_ids"].to(info.device), step=0)
         loss_sum, correct, count = engine(m.input_ids, ids != special.pad, m.positions, m.labels)
         sums += torch.stack([loss_sum.double(), correct.double(), count.double()])
     dist.all_reduce(sums)

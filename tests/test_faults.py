@@ -120,7 +120,8 @@ def test_incomplete_resume_tag_is_input_error(finished_run, shards, tmp_path):
 
 @pytest.mark.parametrize("overrides,needle", [
     (["impl.precision=fp16"], "fp16 needs a GPU"),
-    (["optim.name=lamb", "impl.offload_optimizer=true", "impl.zero_stage=2"], "optim.name=lamb"),
+    (["optim.name=lamb", "impl.offload_optimizer=true", "impl.zero_stage=2"], "DeepSpeed's optimiser offload"),
+    (["optim.name=lamb", "impl.zero_stage=1"], "LAMB's per-tensor trust ratio"),
 ])
 def test_bad_settings_are_reported_once_before_any_process_group(shards, tmp_path, overrides, needle):
     proc = train(shards, tmp_path, "train.max_steps=2", *overrides, ranks=2)

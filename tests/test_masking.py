@@ -275,8 +275,10 @@ def test_fixed_count_static_shapes(rows):
 
 
 def test_eval_config_ignores_training_settings():
-    ev = eval_masking_config(MaskingConfig(rate=0.4, strategy="span", seed=77, fixed_count=True))
-    assert (ev.rate, ev.mask_prob, ev.random_prob, ev.strategy, ev.fixed_count) == (0.15, 0.8, 0.1, "token", False)
+    ev = eval_masking_config(MaskingConfig(rate=0.4, mask_prob=1.0, random_prob=0.0, strategy="span", seed=77,
+                                           fixed_count=True, dynamic=False))
+    assert (ev.rate, ev.mask_prob, ev.random_prob, ev.strategy, ev.fixed_count, ev.dynamic) == \
+        (0.15, 0.8, 0.1, "token", False, True)
     assert ev.seed == eval_masking_config(MaskingConfig()).seed and not ev.check()
 
 
@@ -301,3 +303,153 @@ def test_cuda_matches_statistics(rows):
         assert abs(rate - 0.15) < 0.005 and abs(p_mask - 0.8) < 0.015 and abs(p_rand - 0.1) < 0.015
         again = mask_batch(ids, starts, SPECIAL, cfg, mask_generator(0, 0, 0, 0, ids.device))
         assert torch.equal(m.input_ids, again.input_ids)
+        # static masks are integer arithmetic: the same on the GPU as on the CPU
+        static_cfg = MaskingConfig(strategy=strategy, fixed_count=fixed, dynamic=False)
+        sample_ids = torch.arange(len(ids)) + 2 ** 33
+        on_gpu = mask_batch(ids, starts, SPECIAL, static_cfg, sample_ids=sample_ids.cuda())
+        on_cpu = mask_batch(ids.cpu(), starts.cpu(), SPECIAL, static_cfg, sample_ids=sample_ids)
+        assert torch.equal(on_gpu.input_ids.cpu(), on_cpu.input_ids)
+        assert torch.equal(on_gpu.positions.cpu(), on_cpu.positions)
+
+
+# ------------------------------------------------------------------ prediction versus corruption
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_decoupled_prediction_and_corruption_rates(rows, dynamic):
+    """Wettig et al.'s space: predict `rate` of the tokens, corrupt a share of those; 80/10/10 and
+    100/0/0 are two of its points. Every share holds to +-0.5% of the choosable tokens."""
+    ids, starts = rows
+    n_tokens = int(choosable(ids).sum())
+    assert n_tokens >= 100_000
+    sample_ids = torch.arange(len(ids)) * 7919 + 12_345
+    for rate, mask_prob, random_prob in [(0.15, 0.8, 0.1), (0.4, 1.0, 0.0), (0.4, 0.5, 0.0), (0.3, 0.0, 0.0),
+                                         (0.2, 0.3, 0.5)]:
+        cfg = MaskingConfig(rate=rate, mask_prob=mask_prob, random_prob=random_prob, dynamic=dynamic, seed=21)
+        m = mask_batch(ids, starts, SPECIAL, cfg, mask_generator(cfg.seed, 0, 0, 0), sample_ids=sample_ids)
+        predicted, p_mask, p_rand, p_keep = check_common(ids, m, cfg)
+        point = (rate, mask_prob, random_prob)
+        assert abs(predicted - rate) < 0.005, point
+        assert abs(predicted * p_mask - rate * mask_prob) < 0.005, point              # became [MASK]
+        assert abs(predicted * p_rand - rate * random_prob) < 0.005, point            # became a random token
+        assert abs(predicted * p_keep - rate * (1 - mask_prob - random_prob)) < 0.005, point   # predicted, visible
+        corrupted = (m.input_ids != ids).sum().item() / n_tokens
+        assert abs(corrupted - rate * (mask_prob + random_prob)) < 0.005, point
+        if mask_prob == 1.0:
+            assert p_mask == 1.0
+        if mask_prob + random_prob == 0.0:
+            assert torch.equal(m.input_ids, ids), "nothing corrupted: the input is the text itself"
+
+
+# ------------------------------------------------------------------ static masking
+def static(ids, starts, cfg, sample_ids, step=0, rank=0, micro=0):
+    return mask_batch(ids, starts, SPECIAL, cfg, mask_generator(cfg.seed, step, rank, micro), sample_ids=sample_ids)
+
+
+STRATEGIES = [("token", False), ("token", True), ("whole_word", False), ("span", False)]
+
+
+@pytest.mark.parametrize("strategy,fixed", STRATEGIES)
+def test_static_mask_belongs_to_the_sequence_not_to_the_step(rows, strategy, fixed):
+    """The same sequence gets the same mask in another step, epoch (another batch, place in the
+    batch, rank, micro-step) and process; dynamic masking gives it a new one each time."""
+    ids, starts = rows[0][:96], rows[1][:96]
+    sample_ids = torch.arange(96) + 5_000
+    cfg = MaskingConfig(strategy=strategy, fixed_count=fixed, dynamic=False, seed=3)
+    first = static(ids, starts, cfg, sample_ids, step=1)
+    # "epoch 3": the rows come in another order, split into micro-batches of another size
+    order = torch.randperm(96, generator=torch.Generator().manual_seed(1))
+    again_rows = torch.empty_like(ids)
+    again_chosen = torch.empty_like(ids, dtype=torch.bool)
+    for k, part in enumerate(order.split(40)):
+        torch.manual_seed(100 + k)                           # the global RNG plays no part either
+        m = static(ids[part], starts[part], cfg, sample_ids[part], step=700 + k, rank=k % 2, micro=k)
+        again_rows[part], again_chosen[part] = m.input_ids, chosen_mask(ids[part], m)
+    assert torch.equal(again_rows, first.input_ids) and torch.equal(again_chosen, chosen_mask(ids, first))
+    # another sequence id, another mask; another masking seed, another mask
+    assert not torch.equal(static(ids, starts, cfg, sample_ids + 1).input_ids, first.input_ids)
+    assert not torch.equal(static(ids, starts, MaskingConfig(strategy=strategy, fixed_count=fixed, dynamic=False,
+                                                             seed=4), sample_ids).input_ids, first.input_ids)
+    # dynamic masking: the same rows at another step are masked differently
+    dyn = MaskingConfig(strategy=strategy, fixed_count=fixed, seed=3)
+    a, b = static(ids, starts, dyn, sample_ids, step=1), static(ids, starts, dyn, sample_ids, step=2)
+    assert not torch.equal(a.input_ids, b.input_ids)
+    assert torch.equal(static(ids, starts, dyn, sample_ids + 99, step=1).input_ids, a.input_ids), \
+        "dynamic masking ignores sample ids"
+
+
+def test_static_mask_is_the_same_in_a_fresh_process(rows):
+    """What a resumed job does: a new process masks the same sequence exactly as before."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    ids, starts = rows[0][:8], rows[1][:8]
+    cfg = MaskingConfig(strategy="span", rate=0.3, dynamic=False, seed=9)
+    here = static(ids, starts, cfg, torch.arange(8) * 3).input_ids
+    code = ("import sys, torch; from pretrain.config import MaskingConfig; "
+            "from pretrain.masking import SpecialIds, mask_batch; "
+            "ids, starts = torch.tensor(eval(sys.argv[1])), torch.tensor(eval(sys.argv[2])); "
+            f"sp = SpecialIds(pad=0, unk=100, cls=101, sep=102, mask=103, vocab_size=30522); torch.manual_seed(5); "
+            "cfg = MaskingConfig(strategy='span', rate=0.3, dynamic=False, seed=9); "
+            "print(mask_batch(ids, starts, sp, cfg, sample_ids=torch.arange(8) * 3).input_ids.tolist())")
+    out = subprocess.run([sys.executable, "-c", code, str(ids.tolist()), str(starts.tolist())], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert torch.equal(torch.tensor(eval(out)), here)
+
+
+@pytest.mark.parametrize("strategy,fixed", STRATEGIES)
+def test_static_masking_statistics(rows, strategy, fixed):
+    """Hash-drawn masks keep every strategy's rate and invariants; draws are independent across
+    positions and across sequences."""
+    ids, starts = rows
+    cfg = MaskingConfig(strategy=strategy, fixed_count=fixed, dynamic=False, seed=13)
+    sample_ids = torch.arange(len(ids)) + 2 ** 40             # ids beyond 32 bits
+    m = static(ids, starts, cfg, sample_ids)
+    rate, p_mask, p_rand, p_keep = check_common(ids, m, cfg)
+    assert abs(rate - 0.15) < (0.002 if fixed else 0.005 if strategy == "token" else 0.01), rate
+    assert abs(p_mask - 0.8) < 0.015 and abs(p_rand - 0.1) < 0.015 and abs(p_keep - 0.1) < 0.015
+    chosen = chosen_mask(ids, m)
+    if strategy == "whole_word":
+        units = unit_ids(ids, starts)
+        per_unit = np.bincount(units, weights=chosen.reshape(-1).numpy().astype(float))
+        assert np.all((per_unit == 0) | (per_unit == np.bincount(units))), "a word was partly chosen"
+    if strategy == "token":
+        # neighbours independent: P(chosen | left neighbour chosen) ~ rate
+        ok = choosable(ids)[:, 1:] & choosable(ids)[:, :-1]
+        both = (chosen[:, 1:] & chosen[:, :-1] & ok).sum().item()
+        left = (chosen[:, :-1] & ok).sum().item()
+        assert abs(both / left - 0.15) < 0.02, both / left
+        # sequences independent: the same text under two ids overlaps as two independent masks do
+        other = chosen_mask(ids, static(ids, starts, cfg, sample_ids + len(ids)))
+        overlap = (chosen & other).sum().item() / int(choosable(ids).sum())
+        assert abs(overlap - 0.15 ** 2) < 0.003, overlap
+
+
+def test_static_masking_needs_sample_ids(rows):
+    ids, starts = rows[0][:4], rows[1][:4]
+    cfg = MaskingConfig(dynamic=False)
+    with pytest.raises(ValueError, match=r"masking.dynamic=false needs sample_ids"):
+        mask_batch(ids, starts, SPECIAL, cfg, mask_generator(0, 0, 0, 0))
+    with pytest.raises(ValueError, match=r"sample_ids must have shape \[4\]"):
+        mask_batch(ids, starts, SPECIAL, cfg, sample_ids=torch.arange(3))
+    with pytest.raises(ValueError, match="dynamic masking needs sample_ids and step, or a generator"):
+        mask_batch(ids, starts, SPECIAL, MaskingConfig(), sample_ids=torch.arange(4))
+
+
+@pytest.mark.parametrize("strategy", ["token", "whole_word", "span"])
+def test_dynamic_masks_keyed_by_sample_do_not_depend_on_the_batch_layout(rows, strategy):
+    """What the trainer does: a row's mask is a function of (seed, step, sample id) only, so the same
+    step masks the same way at any world size or micro-batch, and another step masks differently."""
+    ids, starts = rows[0][:8], rows[1][:8]
+    sample_ids = torch.arange(8) * 101 + 7
+    cfg = MaskingConfig(strategy=strategy, seed=5)
+
+    def rows_masked(order, step):
+        m = mask_batch(ids[order], starts[order], SPECIAL, cfg, sample_ids=sample_ids[order], step=step)
+        return {int(sample_ids[order][r]): m.input_ids[r] for r in range(len(order))}
+
+    whole = rows_masked(torch.arange(8), step=3)
+    halves = {**rows_masked(torch.tensor([6, 1, 4, 3]), step=3), **rows_masked(torch.tensor([5, 0, 7, 2]), step=3)}
+    assert all(torch.equal(whole[k], halves[k]) for k in whole)
+    later = rows_masked(torch.arange(8), step=4)
+    assert sum(not torch.equal(whole[k], later[k]) for k in whole) >= 6

@@ -469,7 +469,9 @@ class MlflowTracker(Tracker):
                      len(self._last_step), max(self._last_step.values(), default=None))
         else:
             exp_id = self._experiment_id()
-            run = self._call(self.client.create_run, exp_id, run_name=self.cfg.tracking.run_name or None)
+            parent = self.cfg.tracking.parent_run_id
+            run = self._call(self.client.create_run, exp_id, run_name=self.cfg.tracking.run_name or None,
+                             tags={"mlflow.parentRunId": parent} if parent else None)
             init += [("param", k[:250], _param_value(v)) for k, v in flatten(params).items()]
             init += [("text", name, content) for name, content in artifacts.items()]
             log.info("MLflow: run %s (%s) in experiment %r at %s", run.info.run_id, run.info.run_name,

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Every GPU-only path of the trainer, on one node, in a few minutes, through the real entry point:
+#   fused-adam    DeepSpeed FusedAdam, bf16, SDPA (flash where the batch has no padding), ZeRO 1
+#   fused-lamb    DeepSpeed FusedLamb, bf16, ZeRO 0 (LAMB's per-tensor trust ratio needs whole tensors)
+#   compile-fixed torch.compile + masking.fixed_count (static shapes), FusedAdam, bf16, ZeRO 1
+#   nccl-N        NCCL across all N visible GPUs of this node, ZeRO 2, bf16
+# before them, bench/gpu_smoke_checks.py checks FusedAdam/FusedLamb and the flash SDPA kernel directly,
+# and after them prints tokens/s and MFU (against the peak printed first) from each run's metrics.jsonl.
+#
+#   bench/gpu_smoke.sh [--dry-run] [--gpus N] [--steps 50] [--micro-batch 64] [--config configs/mini.yaml]
+#                      [--data SHARD_DIR] [--work-dir /tmp/gpu_smoke]
+#
+# --dry-run prints the commands without running them (needs no GPU). Prebuild DeepSpeed's ops at
+# install (DS_BUILD_OPS="DS_BUILD_FUSED_ADAM=1 DS_BUILD_FUSED_LAMB=1" launchers/setup_env.sh), or
+# the first run JIT-builds them with nvcc (minutes) and the 5-minute budget does not hold.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+DEEPSPEED=${DEEPSPEED:-$(dirname "$PY")/deepspeed}
+command -v "$DEEPSPEED" >/dev/null 2>&1 || DEEPSPEED=deepspeed
+
+DRY_RUN=0 GPUS="" STEPS=50 MICRO=64 CONFIG=configs/mini.yaml DATA="" WORK=/tmp/gpu_smoke
+usage() { sed -n '10,11p' "$0" | sed 's/^# \{0,3\}//'; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY_RUN=1; shift ;;
+    --gpus) GPUS=$2; shift 2 ;;
+    --steps) STEPS=$2; shift 2 ;;
+    --micro-batch) MICRO=$2; shift 2 ;;
+    --config) CONFIG=$2; shift 2 ;;
+    --data) DATA=$2; shift 2 ;;
+    --work-dir) WORK=$2; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "gpu_smoke: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+  esac
+done
+for pair in "--steps:$STEPS" "--micro-batch:$MICRO" ${GPUS:+"--gpus:$GPUS"}; do
+  case "${pair#*:}" in ''|*[!0-9]*|0) echo "gpu_smoke: ${pair%%:*} must be a positive integer, got '${pair#*:}'" >&2; exit 2 ;; esac
+done
+[ -f "$CONFIG" ] || { echo "gpu_smoke: --config $CONFIG: no such file" >&2; exit 2; }
+if [ "$STEPS" -lt 20 ]; then echo "gpu_smoke: --steps must be >= 20 (two logging windows of 10)" >&2; exit 2; fi
+
+if [ "$DRY_RUN" = 1 ]; then
+  GPUS=${GPUS:-2}
+  DATA=${DATA:-$WORK/shards-seq128}
+  PEAK="<peak>"   # filled in from the GPU model on a real run
+else
+  if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu_smoke: torch.cuda.is_available() is False on $(hostname): no CUDA GPU to smoke-test." >&2
+    echo "gpu_smoke: run it on a GPU node (or --dry-run to see the commands)." >&2
+    exit 2
+  fi
+  VISIBLE=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+  GPUS=${GPUS:-$VISIBLE}
+  if [ "$GPUS" -gt "$VISIBLE" ]; then echo "gpu_smoke: --gpus $GPUS but only $VISIBLE visible" >&2; exit 2; fi
+  mkdir -p "$WORK"
+  if [ -z "$DATA" ]; then
+    DATA=$("$PY" -c "import sys; sys.path.insert(0, '.'); from bench.common import ensure_sample_shards; print(ensure_sample_shards(sys.argv[1]))" "$WORK")
+  fi
+  PEAK_LINE=$("$PY" bench/gpu_smoke_checks.py peak)
+  PEAK=${PEAK_LINE%%$'\t'*}
+  echo "peak: $PEAK TFLOP/s (${PEAK_LINE#*$'\t'})"
+fi
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}   # the deepspeed launcher leaves it unset
+
+COMMON=(data.dir="$DATA" train.max_steps="$STEPS" train.log_every=10 train.eval_every=0 train.checkpoint_every=0
+        train.resume=none train.keep_checkpoints=1 tracking.backend=none impl.precision=bf16 impl.attention=sdpa
+        impl.dist_backend=nccl impl.micro_batch_size="$MICRO" impl.num_workers=2 impl.peak_tflops="$PEAK")
+RUN_DIRS=()
+FAILED=()
+START=$SECONDS
+
+run() {  # run NAME NUM_GPUS OVERRIDES...
+  local name=$1 ngpu=$2; shift 2
+  local out="$WORK/runs/$name"
+  local cmd=("$DEEPSPEED" --num_gpus "$ngpu" --master_port $((29500 + RANDOM % 1000)) --module pretrain.train
+             --config "$CONFIG" "${COMMON[@]}" train.out_dir="$out" train.global_batch_size=$((MICRO * ngpu)) "$@")
+  echo "+ ${cmd[*]}"
+  [ "$DRY_RUN" = 1 ] && return 0
+  rm -rf "$out" && mkdir -p "$out"
+  local t0=$SECONDS
+  if timeout 300 "${cmd[@]}" >"$out/stdout.log" 2>&1; then
+    echo "  $name: done in $((SECONDS - t0)) s"
+  else
+    echo "  $name: FAILED (exit $?) after $((SECONDS - t0)) s; last lines of $out/stdout.log:"
+    tail -n 15 "$out/stdout.log" | sed 's/^/    /'
+    FAILED+=("$name")
+  fi
+  RUN_DIRS+=("$out")
+}
+
+if [ "$DRY_RUN" = 1 ]; then
+  echo "+ $PY bench/gpu_smoke_checks.py paths $CONFIG $DATA"
+else
+  "$PY" bench/gpu_smoke_checks.py paths "$CONFIG" "$DATA" || FAILED+=("paths")
+fi
+run fused-adam 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=1
+run fused-lamb 1 optim.name=lamb impl.fused_optimizer=true impl.zero_stage=0
+run compile-fixed 1 impl.compile=true masking.fixed_count=true impl.fused_optimizer=true impl.zero_stage=1
+run "nccl-$GPUS" "$GPUS" impl.zero_stage=2 impl.fused_optimizer=true
+
+[ "$DRY_RUN" = 1 ] && exit 0
+echo
+"$PY" bench/gpu_smoke_checks.py report "${RUN_DIRS[@]}" || true
+echo "total: $((SECONDS - START)) s"
+if [ ${#FAILED[@]} -gt 0 ]; then echo "gpu_smoke: FAILED: ${FAILED[*]}" >&2; exit 1; fi
+echo "gpu_smoke: all GPU paths ran"

@@ -1,0 +1,111 @@
+"""The Python half of ``bench/gpu_smoke.sh``: the peak it measures MFU against, direct checks of the
+GPU-only code paths, and the tokens/s + MFU table read from each run's ``metrics.jsonl``.
+
+    python bench/gpu_smoke_checks.py peak                 # "<TFLOP/s>\t<source>" for cuda:0, bf16
+    python bench/gpu_smoke_checks.py paths CONFIG SHARDS  # FusedAdam, FusedLamb, flash SDPA on cuda:0
+    python bench/gpu_smoke_checks.py report RUN_DIR...    # one row per run
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.common import format_table  # noqa: E402
+
+
+def peak() -> str:
+    import torch
+
+    from pretrain.hardware import peak_tflops
+
+    device = torch.device("cuda", 0)
+    value, source = peak_tflops(device, "bf16")      # the vendor table; measured for unknown GPUs
+    return f"{value:.1f}\t{source} ({torch.cuda.get_device_name(device)})"
+
+
+def paths(config: str, shards: str) -> str:
+    """Each GPU-only path once, directly, so a silent fallback cannot pass for it: the optimiser
+    class ``build_optimizer`` picks (and one step of it), and our model's forward + backward in bf16
+    with SDPA restricted to the flash kernel (an error if flash cannot take these inputs)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from data_prep.shard_format import load_manifest
+    from pretrain.config import load_config
+    from pretrain.data import TrainStream
+    from pretrain.optim import build_optimizer
+    from pretrain.masking import SpecialIds, mask_batch
+    from pretrain.model import build_model
+
+    device = torch.device("cuda", 0)
+    manifest = load_manifest(shards)
+    special = SpecialIds.from_manifest(manifest)
+    lines = []
+    for overrides, expected in ((["optim.name=adamw", "impl.fused_optimizer=true"], "FusedAdam"),
+                                (["optim.name=lamb", "impl.fused_optimizer=true"], "FusedLamb")):
+        cfg = load_config(config, [f"data.dir={shards}", "impl.attention=sdpa", *overrides])
+        model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl).to(device)
+        opt = build_optimizer(model, cfg, device)
+        if type(opt).__name__ != expected:
+            raise SystemExit(f"{' '.join(overrides)}: build_optimizer gave {type(opt).__name__}, expected {expected}")
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+        before = model.hf_model.bert.embeddings.word_embeddings.weight.detach().clone()
+        opt.step()
+        moved = (model.hf_model.bert.embeddings.word_embeddings.weight - before).abs().max().item()
+        if not moved > 0:
+            raise SystemExit(f"{expected}: one step left the weights unchanged")
+        lines.append(f"{expected}: built by build_optimizer for {' '.join(overrides)}; one step moved weights by up to {moved:.2e}")
+
+    cfg = load_config(config, [f"data.dir={shards}", "impl.attention=sdpa"])
+    model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl).to(device, torch.bfloat16)
+    batch = next(iter(TrainStream(shards, manifest, "train", 0, 1, 8, 8, cfg.data.seed)))
+    ids = batch["input_ids"].to(device)
+    full = (ids != special.pad).all(dim=1)                # flash takes no padding mask: unpadded rows only
+    if not full.any():
+        raise SystemExit(f"{shards}: no unpadded row in the first batch to try flash attention on")
+    m = mask_batch(ids[full], batch["word_starts"].to(device)[full], special, cfg.masking,
+                   sample_ids=batch["sample_ids"].to(device)[full], step=0)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        loss_sum, _, count = model(m.input_ids, None, m.positions, m.labels)
+        loss_sum.backward()
+    lines.append(f"flash SDPA: forward + backward of {int(full.sum())} unpadded rows in bf16 with only "
+                 f"SDPBackend.FLASH_ATTENTION allowed; loss {loss_sum.item() / max(count.item(), 1):.3f}")
+    return "\n".join(lines)
+
+
+def report(run_dirs: list[str]) -> tuple[str, bool]:
+    """tokens/s and MFU per run, averaged over the logged windows after the first (start-up)."""
+    rows, ok = [], True
+    for d in map(Path, run_dirs):
+        path = d / "metrics.jsonl"
+        windows = [r for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+                   if "perf/tokens_per_s" in r] if path.is_file() else []
+        timed = windows[1:] or windows
+        if not timed:
+            rows.append([d.name, "-", "-", "-", "-", f"no metrics in {path}"])
+            ok = False
+            continue
+        tps = sum(r["perf/tokens_per_s"] for r in timed) / len(timed)
+        mfu = sum(r["perf/mfu"] for r in timed) / len(timed)
+        rows.append([d.name, timed[-1]["step"], f"{tps:,.0f}", f"{100 * mfu:.1f}%",
+                     f"{timed[-1]['train/loss']:.3f}", f"{len(timed)} windows after the first"])
+    return format_table(["run", "steps", "tokens/s", "MFU (vs the peak above)", "loss", "note"], rows), ok
+
+
+if __name__ == "__main__":
+    command, rest = sys.argv[1], sys.argv[2:]
+    if command == "peak":
+        print(peak())
+    elif command == "paths":
+        print(paths(*rest))
+    elif command == "report":
+        text, all_ok = report(rest)
+        print(text)
+        sys.exit(0 if all_ok else 1)
+    else:
+        sys.exit(f"unknown command {command!r}: peak | paths CONFIG SHARDS | report RUN_DIR...")

@@ -1,0 +1,143 @@
+"""The two yardsticks ``bench/train_throughput.py`` runs beside our trainer, each in a child process
+of its own (fresh thread pools and allocator, the same environment as ours):
+
+    python bench/reference_loops.py '{"kind": "hf" | "bare", ...spec...}'
+
+* ``hf``: ``transformers.Trainer`` + ``DataCollatorForLanguageModeling`` over the shards'
+  ``input_ids``, ``BertForMaskedLM`` from the same ``BertConfig`` as ours (SDPA attention): what
+  ``run_mlm.py`` does. Its MLM head runs on every token.
+* ``bare``: the efficiency yardstick, a plain PyTorch loop around *our* model (``build_model``:
+  same shape, same sparse head) with our data stream and masking: forward, backward, clip,
+  ``torch.optim.AdamW``, schedule. No engine, no collectives, no logging. bf16 is
+  ``torch.autocast`` over fp32 weights (what a plain PyTorch user writes).
+
+Both write ``result.json`` into the spec's ``out_dir``: wall and CPU time at the end of every
+optimiser step, and the last loss.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _write_result(spec: dict, ends: list[float], cpu: list[float], loss: float) -> None:
+    (Path(spec["out_dir"]) / "result.json").write_text(json.dumps(
+        {"step_end_unix": ends, "step_end_cpu": cpu, "final_loss": loss}))
+
+
+def hf_worker(spec: dict) -> None:
+    import numpy as np
+    import torch
+    from transformers import (AutoTokenizer, BertForMaskedLM, DataCollatorForLanguageModeling, Trainer,
+                              TrainerCallback, TrainingArguments)
+
+    from data_prep.shard_format import iter_blocks, load_manifest
+    from pretrain.config import load_config
+    from pretrain.masking import SpecialIds
+    from pretrain.model import bert_config
+
+    torch.set_num_threads(spec["threads"])
+    shards = Path(spec["shards"])
+    manifest = load_manifest(shards)
+    special = SpecialIds.from_manifest(manifest)
+    cfg = load_config(spec["config"], spec["overrides"])
+    ids = np.concatenate([block for entry in sorted(manifest["shards"], key=lambda s: s["name"])
+                          if entry["split"] == "train"
+                          for block, _ in iter_blocks(shards / entry["name"], manifest["seq_len"])])
+    ids = torch.from_numpy(ids.astype(np.int64))
+
+    class Sequences(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": ids[i], "attention_mask": (ids[i] != special.pad).long()}
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.ends: list[float] = []
+            self.cpu: list[float] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.time())
+            self.cpu.append(time.process_time())
+
+    tokenizer = AutoTokenizer.from_pretrained(shards / manifest["tokenizer"]["path"])
+    if tokenizer.mask_token_id != special.mask or len(tokenizer) != manifest["tokenizer"]["vocab_size"]:
+        raise RuntimeError(f"{shards}: the shard folder's tokenizer disagrees with its manifest")
+    torch.manual_seed(cfg.train.seed)
+    model = BertForMaskedLM(bert_config(cfg.model, manifest["tokenizer"]["vocab_size"], special, "sdpa"))
+    o = cfg.optim
+    targs = TrainingArguments(
+        output_dir=spec["out_dir"], max_steps=spec["steps"], per_device_train_batch_size=spec["batch_size"],
+        gradient_accumulation_steps=spec["grad_accum"], learning_rate=o.lr, weight_decay=o.weight_decay,
+        adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_epsilon=o.eps, max_grad_norm=o.grad_clip,
+        warmup_steps=o.warmup_steps, lr_scheduler_type=o.schedule, optim=spec["optim"],
+        bf16=spec["precision"] == "bf16", use_cpu=True, seed=cfg.train.seed, dataloader_num_workers=0,
+        logging_strategy="steps", logging_steps=spec["warmup_steps"], save_strategy="no", report_to="none",
+        disable_tqdm=True)
+    timer = StepTimer()
+    trainer = Trainer(model=model, args=targs, train_dataset=Sequences(),
+                      data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=cfg.masking.rate),
+                      callbacks=[timer])
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    _write_result(spec, timer.ends, timer.cpu, losses[-1] if losses else float("nan"))
+
+
+def bare_worker(spec: dict) -> None:
+    import torch
+
+    from data_prep.shard_format import load_manifest
+    from pretrain.config import load_config
+    from pretrain.data import TrainStream
+    from pretrain.masking import SpecialIds, mask_batch
+    from pretrain.model import build_model
+    from pretrain.optim import lr_schedule
+
+    torch.set_num_threads(spec["threads"])
+    shards = Path(spec["shards"])
+    manifest = load_manifest(shards)
+    special = SpecialIds.from_manifest(manifest)
+    cfg = load_config(spec["config"], spec["overrides"])
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl, seq_len=manifest["seq_len"])
+    o = cfg.optim
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=spec["fused"])
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg))
+    forward = torch.compile(model) if spec["compile"] else model
+    batches = iter(TrainStream(shards, manifest, "train", 0, 1, spec["batch_size"],
+                               spec["batch_size"] * spec["grad_accum"], cfg.data.seed))
+    ends, cpu, loss = [], [], float("nan")
+    model.train()
+    for step in range(spec["steps"]):
+        for micro in range(spec["grad_accum"]):
+            batch = next(batches)
+            m = mask_batch(batch["input_ids"], batch["word_starts"], special, cfg.masking,
+                           sample_ids=batch["sample_ids"], step=step)
+            with torch.autocast("cpu", torch.bfloat16, enabled=spec["precision"] == "bf16"):
+                loss_sum, _, count = forward(m.input_ids, batch["input_ids"] != special.pad, m.positions, m.labels)
+            loss_sum = loss_sum / count.clamp(min=1) / spec["grad_accum"]
+            loss_sum.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = float(loss_sum) * spec["grad_accum"]
+        ends.append(time.time())
+        cpu.append(time.process_time())
+    _write_result(spec, ends, cpu, loss)
+
+
+if __name__ == "__main__":
+    job = json.loads(sys.argv[1])
+    {"hf": hf_worker, "bare": bare_worker}[job["kind"]](job)

@@ -1,0 +1,174 @@
+"""A study's summary: one row per variant (Markdown and CSV) and two plots, from each variant's
+``metrics.jsonl`` (what the trainer wrote; the same numbers went to its MLflow child run).
+
+Columns: the grid values, status, steps and tokens trained, every ``eval/*`` metric (evaluation
+always masks 15% of tokens, 80/10/10, with a fixed seed, so these compare across masking settings),
+every ``downstream/*`` metric any variant logged (probe and labelled tasks, with their baselines),
+training tokens/s (median of the logged windows) and wall time. A metric a variant lacks shows "-".
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Callable
+
+FIXED_COLUMNS = ("variant", "status", "steps", "tokens_seen")
+FIRST_EVAL = ("eval/loss", "eval/accuracy")
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    path = out_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue                    # a line cut short by a kill
+    return rows
+
+
+def _last(rows: list[dict], key: str):
+    values = [r[key] for r in rows if key in r]
+    return values[-1] if values else None
+
+
+def variant_row(variant, rows: list[dict], status: dict, finished: bool) -> dict:
+    steps = max((r["step"] for r in rows), default=0)
+    tokens_per_s = [r["perf/tokens_per_s"] for r in rows if "perf/tokens_per_s" in r]
+    row = {"variant": variant.name, **{k: v for k, v in variant.values.items()},
+           "status": "finished" if finished else ("not started" if not status.get("launches") else
+                                                  "failed" if status.get("last_exit") not in (0, 3) else "incomplete"),
+           "steps": steps, "tokens_seen": _last(rows, "train/tokens_seen")}
+    for key in sorted({k for r in rows for k in r if k.startswith(("eval/", "downstream/"))}):
+        row[key] = _last(rows, key)
+    row["tokens_per_s"] = statistics.median(tokens_per_s) if tokens_per_s else None
+    row["wall_s"] = round(status["wall_s"], 1) if status.get("launches") else None
+    return row
+
+
+def eval_curve(rows: list[dict]) -> tuple[list[float], list[float]]:
+    """(tokens seen, eval loss) at every evaluation; tokens per step from the logged tokens_seen."""
+    per_step = [r["train/tokens_seen"] / r["step"] for r in rows if "train/tokens_seen" in r and r["step"]]
+    if not per_step:
+        return [], []
+    points = [(r["step"] * per_step[-1], r["eval/loss"]) for r in rows if "eval/loss" in r]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def columns(table: list[dict], grid_keys: list[str]) -> list[str]:
+    metric_keys = sorted({k for row in table for k in row if k.startswith(("eval/", "downstream/"))})
+    evals = [k for k in FIRST_EVAL if k in metric_keys] + [k for k in metric_keys if k.startswith("eval/")
+                                                           and k not in FIRST_EVAL]
+    downstream = [k for k in metric_keys if k.startswith("downstream/")]
+    return ["variant", *grid_keys, "status", "steps", "tokens_seen", *evals, *downstream, "tokens_per_s", "wall_s"]
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.4g}" if abs(value) < 1e6 else f"{value:.3e}"
+    return str(value)
+
+
+def to_markdown(table: list[dict], cols: list[str]) -> str:
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(_fmt(row.get(c)) for c in cols) + " |" for row in table]
+    return "\n".join(lines) + "\n"
+
+
+def write_csv(path: Path, table: list[dict], cols: list[str]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(cols)
+        for row in table:
+            writer.writerow(["-" if row.get(c) is None else row[c] for c in cols])
+
+
+def plot_eval_loss(path: Path, curves: dict[str, tuple[list, list]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, (x, y) in curves.items():
+        if x:
+            ax.plot(x, y, marker="o", markersize=3, label=name)
+    if not any(x for x, _ in curves.values()):
+        ax.text(0.5, 0.5, "no evaluation logged yet", ha="center", va="center", transform=ax.transAxes)
+    else:
+        ax.legend(fontsize=8)
+    ax.set_xlabel("training tokens seen")
+    ax.set_ylabel("eval loss (15% token masking, fixed seed)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_probe_accuracy(path: Path, table: list[dict], title: str) -> None:
+    """Final ``downstream/<task>/accuracy`` per variant, grouped by task; a task's logged baselines
+    (any ``downstream/<task>/...baseline...`` key with 'acc' in it) as dashed lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({k.split("/")[1] for row in table for k in row
+                    if k.startswith("downstream/") and k.endswith("/accuracy") and row[k] is not None})
+    fig, ax = plt.subplots(figsize=(max(6, 1.5 + len(table) * max(len(tasks), 1) * 0.5), 5))
+    width = 0.8 / max(len(table), 1)
+    for t, task in enumerate(tasks):
+        for i, row in enumerate(table):
+            value = row.get(f"downstream/{task}/accuracy")
+            if value is not None:
+                ax.bar(t + (i - (len(table) - 1) / 2) * width, value, width, color=f"C{i}",
+                       label=row["variant"] if t == 0 else None)
+        for key in sorted({k for row in table for k in row if k.startswith(f"downstream/{task}/")
+                           and "baseline" in k and "acc" in k}):
+            base = next((row[key] for row in table if row.get(key) is not None), None)
+            if base is not None:
+                ax.hlines(base, t - 0.45, t + 0.45, colors="k", linestyles="dashed")
+                ax.text(t + 0.45, base, key.split("/")[-1], fontsize=7, va="bottom", ha="right")
+    if tasks:
+        ax.set_xticks(range(len(tasks)), tasks)
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no downstream/<task>/accuracy metric in any variant", ha="center", va="center",
+                transform=ax.transAxes)
+        ax.set_xticks([])
+    ax.set_ylabel("final probe accuracy")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_summary(study, read_status: Callable, is_finished: Callable) -> list[Path]:
+    """summary.md, summary.csv, eval_loss.png and probe_accuracy.png in the study folder."""
+    table, curves = [], {}
+    for variant in study.variants:
+        rows = read_metrics(variant.out_dir)
+        table.append(variant_row(variant, rows, read_status(variant), is_finished(variant)))
+        curves[variant.name] = eval_curve(rows)
+    cols = columns(table, study.grid_keys)
+    out = study.dir
+    md = out / "summary.md"
+    md.write_text(f"# Study {study.section.name}\n\nGrid: "
+                  + (", ".join(f"`{k}` in {v}" for k, v in study.section.grid.items()) or "none")
+                  + f"; {study.section.ranks} rank(s) per variant; config `{study.config_path}`.\n"
+                  "Eval metrics at 15% token masking (80/10/10, fixed seed) whatever the variant trains with.\n\n"
+                  + to_markdown(table, cols))
+    write_csv(out / "summary.csv", table, cols)
+    plot_eval_loss(out / "eval_loss.png", curves, f"{study.section.name}: eval loss")
+    plot_probe_accuracy(out / "probe_accuracy.png", table, f"{study.section.name}: final probe accuracy")
+    return [md, out / "summary.csv", out / "eval_loss.png", out / "probe_accuracy.png"]

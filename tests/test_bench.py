@@ -1,0 +1,92 @@
+"""The benchmarks keep working against the trainer as it changes: the throughput bench runs our real
+CLI and the bare loop end to end, and the GPU smoke script's commands are valid configs."""
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+from pretrain.config import load_config
+
+SMOKE = REPO / "bench" / "gpu_smoke.sh"
+
+
+def _dry_run(*args: str) -> list[list[str]]:
+    done = subprocess.run([str(SMOKE), "--dry-run", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [shlex.split(line[2:]) for line in done.stdout.splitlines() if line.startswith("+ ")]
+
+
+def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
+    commands = _dry_run("--gpus", "2", "--data", str(shards), "--micro-batch", "16")
+    launches = {}
+    for cmd in commands:
+        if "--module" not in cmd:
+            continue
+        assert cmd[0].endswith("deepspeed") and cmd[cmd.index("--module") + 1] == "pretrain.train"
+        args = cmd[cmd.index("--module") + 2:]
+        overrides = [a.replace("<peak>", "989") for a in args[2:]]
+        cfg = load_config(str(REPO / args[1]), overrides)      # every key exists, every value parses
+        name = cfg.train.out_dir.rsplit("/", 1)[-1]
+        launches[name] = (int(cmd[cmd.index("--num_gpus") + 1]), cfg)
+    assert sorted(launches) == ["compile-fixed", "fused-adam", "fused-lamb", "nccl-2"]
+    for gpus, cfg in launches.values():
+        assert (cfg.impl.precision, cfg.impl.dist_backend, cfg.impl.attention) == ("bf16", "nccl", "sdpa")
+        assert cfg.impl.fused_optimizer is True and cfg.data.dir == str(shards)
+        assert cfg.train.global_batch_size == 16 * gpus
+    assert launches["fused-lamb"][1].optim.name == "lamb" and launches["fused-adam"][1].optim.name == "adamw"
+    assert launches["compile-fixed"][1].impl.compile and launches["compile-fixed"][1].masking.fixed_count
+    assert launches["nccl-2"][0] == 2 and launches["nccl-2"][1].impl.zero_stage == 2
+    assert any(cmd[1:3] == ["bench/gpu_smoke_checks.py", "paths"] for cmd in commands)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((), "torch.cuda.is_available() is False"),
+    (("--steps", "x"), "--steps must be a positive integer"),
+    (("--steps", "10"), "--steps must be >= 20"),
+    (("--config", "configs/nope.yaml"), "no such file"),
+    (("--frobnicate",), "unknown argument"),
+])
+def test_gpu_smoke_refuses_with_a_clear_message(args, message):
+    if not args and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    done = subprocess.run([str(SMOKE), *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, (done.returncode, done.stderr)
+
+
+def test_smoke_report_drops_the_first_window_and_flags_runs_without_metrics(tmp_path):
+    from bench.gpu_smoke_checks import report
+
+    run = tmp_path / "fused-adam"
+    run.mkdir()
+    windows = [(10, 100.0, 0.01, 9.0), (20, 3000.0, 0.30, 8.0), (30, 5000.0, 0.50, 7.5)]
+    run.joinpath("metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "train/loss": loss, "perf/tokens_per_s": tps, "perf/mfu": mfu}) + "\n"
+        for s, tps, mfu, loss in windows) + json.dumps({"step": 30, "eval/loss": 7.4}) + "\n")
+    text, ok = report([str(run)])
+    assert ok and "4,000" in text and "40.0%" in text and "7.500" in text
+    text, ok = report([str(run), str(tmp_path / "crashed")])
+    assert not ok and "no metrics" in text
+
+
+def test_throughput_bench_runs_our_cli_and_the_bare_loop(shards, tmp_path):
+    out = tmp_path / "result.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "train_throughput.py"), "--data", str(shards), "--work-dir",
+         str(tmp_path), "--variants", "ours", "bare-fused", "--steps", "3", "--warmup-steps", "1",
+         "--batch-size", "4", "--threads", "1", "--precision", "fp32", "--peak-seconds", "0.1", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["cpu"]["model"] and isinstance(result["cpu"]["native_bf16"], bool)
+    assert result["auto_precision"][0] in ("bf16", "fp32")
+    runs = {r["variant"]: r for r in result["runs"]}
+    assert sorted(runs) == ["bare-fused", "ours"]
+    for r in runs.values():
+        assert r["sequences"] == 2 * 4 and r["seconds"] > 0 and 0 < r["final_loss"] < 20
+    assert "ours / bare-fused = " in done.stdout
