@@ -5,7 +5,8 @@
 
 Both rows are ``configs/mini.yaml`` (4 layers, hidden 256, 4 heads, lr 1e-3, AdamW) run by the real
 entry point, ``python -m pretrain.train``, one process (world size 1, ZeRO 0, no data workers, no
-tracking, eager: no torch.compile, whose start-up would eat the budget), the same shards, data order and masking seeds (15%), the same micro-batch and precision:
+tracking, eager: no torch.compile, whose start-up would eat the budget), the same shards, data order
+and masking seeds (15%), the same micro-batch and precision:
 
 * ``bert``: ``model.arch=bert``, FFN 1024, its standard dropout 0.1, learned absolute positions.
 * ``modernbert``: ``model.arch=modernbert``, GeGLU FFN of 704 (3 x 256 x 704 weights per layer against
@@ -15,13 +16,14 @@ tracking, eager: no torch.compile, whose start-up would eat the budget), the sam
 The learning rate is constant after a short warm-up (``optim.schedule=constant``), so where the budget
 cuts a run does not change its schedule. The budget runs from the trainer's ``start:`` log line (model
 built, engine ready) to SIGTERM, after which the trainer finishes its step, checkpoints and exits
-(code 3); "seconds trained" includes that last step. That checkpoint is exported with ``python -m pretrain.export`` and the exported Hugging Face
-model is evaluated here on the held-out split (15% masking, 80/10/10, the trainer's fixed evaluation
-seed): masked-token loss and accuracy, and the downstream probe of ``pretrain.evaluate`` (logistic
-regression on frozen mean-pooled features; the word-order task built from the held-out split, with
-the random-init baseline beside it). tokens/s and MFU are the trainer's own ``perf/*`` figures
-(``metrics.jsonl``, the first logging window dropped as warm-up), MFU against one matmul peak measured
-here before the runs and passed to both (``impl.peak_tflops``).
+(code 3); "seconds trained" includes that last step. That checkpoint is exported with
+``python -m pretrain.export``, and the export is evaluated here on the held-out split: masked-token
+loss and accuracy at the trainer's own evaluation masking (15%, 80/10/10, fixed seed, masks keyed by
+sequence id; ``pretrain.evaluate.mlm_eval_model``), and the downstream probe of ``pretrain.evaluate``
+(logistic regression on frozen mean-pooled features, on the word-order task built from the held-out
+split, with the random-init baseline beside it). tokens/s and MFU are the trainer's own ``perf/*``
+figures (``metrics.jsonl``, the first logging window dropped as warm-up), MFU against one matmul peak
+measured here before the runs and passed to both (``impl.peak_tflops``).
 
 Shards: ``--data DIR`` (it needs a validation split), or the embedded Wikipedia sample sharded with
 the real ``data_prep`` CLI into ``--work-dir`` (bert-base-uncased vocabulary, 5% of documents held out).
@@ -137,30 +139,19 @@ def _sigterm_after(proc: subprocess.Popen, seconds: float):
     return timer
 
 
-def held_out_mlm(hf_dir: Path, arch: str, shards: Path, batch_size: int, max_batches: int, threads: int) -> dict:
-    """Masked-token loss and accuracy of an exported model on the validation split at 15% masking."""
+def held_out_mlm(hf_dir: Path, shards: Path, batch_size: int, max_batches: int, threads: int) -> dict:
+    """Masked-token loss and accuracy of an exported model on the validation split at the trainer's
+    evaluation masking (``pretrain.evaluate.mlm_eval_model``)."""
     import torch
+    from transformers import AutoModelForMaskedLM
 
     from data_prep.shard_format import load_manifest
-    from pretrain.config import ImplConfig, ModelConfig
-    from pretrain.data import eval_batches
-    from pretrain.masking import SpecialIds, eval_masking_config, mask_batch, mask_generator
-    from pretrain.model import build_model
+    from pretrain.evaluate import mlm_eval_model
 
     torch.set_num_threads(threads)
-    manifest = load_manifest(shards)
-    special = SpecialIds.from_manifest(manifest)
-    model = build_model(ModelConfig(arch=arch, init_from=str(hf_dir)), manifest["tokenizer"]["vocab_size"],
-                        special, ImplConfig(attention="sdpa")).eval()
-    mcfg = eval_masking_config()
-    loss_sum, correct, count = 0.0, 0, 0
-    with torch.no_grad():
-        for i, batch in enumerate(eval_batches(shards, manifest, "validation", 0, 1, batch_size, max_batches)):
-            ids = batch["input_ids"]
-            m = mask_batch(ids, batch["word_starts"], special, mcfg, mask_generator(mcfg.seed, 0, 0, i, ids.device))
-            batch_loss, batch_correct, batch_count = model(m.input_ids, ids != special.pad, m.positions, m.labels)
-            loss_sum, correct, count = loss_sum + float(batch_loss), correct + int(batch_correct), count + int(batch_count)
-    return {"eval_loss": loss_sum / count, "eval_accuracy": correct / count, "eval_tokens": count,
+    model = AutoModelForMaskedLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    out = mlm_eval_model(model, shards, load_manifest(shards), batch_size, max_batches)
+    return {"eval_loss": out["loss"], "eval_accuracy": out["accuracy"],
             "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -207,7 +198,7 @@ def main(argv=None) -> int:
     results = []
     for arch in args.archs:
         res = train_for(arch, args, shards, peak)
-        res.update(held_out_mlm(res["hf_dir"], arch, shards, args.batch_size, args.eval_batches, args.threads))
+        res.update(held_out_mlm(res["hf_dir"], shards, args.batch_size, args.eval_batches, args.threads))
         if args.probe_examples:
             res.update(word_order_probe(res["hf_dir"], shards, args.probe_examples, args.threads))
         results.append(res)
@@ -216,7 +207,8 @@ def main(argv=None) -> int:
     header = ["arch", "params", "seconds trained", "steps", "tokens", "tokens/s", "MFU", "train loss (last window)",
               "held-out MLM loss", "held-out MLM accuracy (15%)", "word-order probe acc (random init)",
               "load avg before/after"]
-    table = [[r["arch"], f"{r['params'] / 1e6:.2f}M", f"{r['trained_s']:.0f}", r["steps"], f"{r['tokens']:,}", f"{r['tokens_per_s']:,.0f}",
+    table = [[r["arch"], f"{r['params'] / 1e6:.2f}M", f"{r['trained_s']:.0f}", r["steps"], f"{r['tokens']:,}",
+              f"{r['tokens_per_s']:,.0f}",
               f"{100 * r['mfu']:.1f}%", f"{r['train_loss']:.3f}", f"{r['eval_loss']:.3f}",
               f"{100 * r['eval_accuracy']:.2f}%",
               f"{r['probe_accuracy']:.3f} ({r['probe_random_init_accuracy']:.3f})" if "probe_accuracy" in r else "-",
@@ -226,8 +218,9 @@ def main(argv=None) -> int:
     if len(results) == 2:
         a, b = results
         print(f"\n{b['arch']} / {a['arch']}: tokens/s x{b['tokens_per_s'] / a['tokens_per_s']:.2f}, "
-              f"MFU x{b['mfu'] / a['mfu']:.2f}, held-out accuracy {100 * (b['eval_accuracy'] - a['eval_accuracy']):+.2f} "
-              f"points, held-out loss {b['eval_loss'] - a['eval_loss']:+.3f} (perplexity x"
+              f"MFU x{b['mfu'] / a['mfu']:.2f}, "
+              f"held-out accuracy {100 * (b['eval_accuracy'] - a['eval_accuracy']):+.2f} points, "
+              f"held-out loss {b['eval_loss'] - a['eval_loss']:+.3f} (perplexity x"
               f"{math.exp(b['eval_loss'] - a['eval_loss']):.2f}) in the same {args.budget_s:.0f} s")
     return 0
 

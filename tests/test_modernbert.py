@@ -237,7 +237,8 @@ def run(cmd, check=True):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} -> {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{' '.join(map(str, cmd))} -> {proc.returncode}\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-6000:]}")
     return proc
 
 
@@ -312,7 +313,8 @@ def test_export_has_the_trained_models_logits_and_fills_masks(runs, exported, sh
     final = load_file(runs[3] / "hf_final" / "model.safetensors")     # the trainer's own end-of-run export
     assert all(torch.equal(final[k], v) for k, v in load_file(exported / "model.safetensors").items())
 
-    # The trainer evaluated its ZeRO-3 engine at the last step (2 ranks x 2 batches, 15% fixed masks);
+    # The trainer evaluated its ZeRO-3 engine at the last step (2 ranks x 2 batches, 15% masks keyed
+    # by sequence id);
     # the exported model on the same batches gives the same loss.
     manifest = load_manifest(shards)
     special = SpecialIds.from_manifest(manifest)
@@ -321,7 +323,7 @@ def test_export_has_the_trained_models_logits_and_fills_masks(runs, exported, sh
     for rank in range(2):
         for i, batch in enumerate(eval_batches(shards, manifest, "validation", rank, 2, 8, 2)):
             ids = batch["input_ids"]
-            mb = mask_batch(ids, batch["word_starts"], special, mcfg, mask_generator(mcfg.seed, 0, rank, i, ids.device))
+            mb = mask_batch(ids, batch["word_starts"], special, mcfg, sample_ids=batch["sample_ids"], step=0)
             with torch.no_grad():
                 logits = model(input_ids=mb.input_ids, attention_mask=ids != special.pad).logits
             loss_sum += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1))[mb.positions],
