@@ -43,7 +43,8 @@ VOCAB, SEQ_LEN, MASK_ID, MASK_RATE = 512, 32, 4, 0.15
 SPECIAL = SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=MASK_ID, vocab_size=VOCAB)
 
 
-def make_config(stage: int, precision: str, optimizer: str, micro_batch: int, out_dir: str) -> Config:
+def make_config(stage: int, precision: str, optimizer: str, micro_batch: int, out_dir: str,
+                offload: bool = False) -> Config:
     cfg = Config()
     for section, values in configlib.load_yaml(Path(__file__).resolve().parents[1] / "configs/tiny.yaml").items():
         for key, value in values.items():
@@ -51,7 +52,7 @@ def make_config(stage: int, precision: str, optimizer: str, micro_batch: int, ou
     cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0   # nothing random in a step
     cfg.model.max_position_embeddings = SEQ_LEN
     cfg.impl.zero_stage, cfg.impl.precision, cfg.optim.name = stage, precision, optimizer
-    cfg.impl.micro_batch_size = micro_batch
+    cfg.impl.micro_batch_size, cfg.impl.offload_optimizer = micro_batch, offload
     cfg.train.out_dir, cfg.train.keep_checkpoints = out_dir, 0
     return cfg
 
@@ -106,6 +107,7 @@ def main() -> int:
     p.add_argument("--precision", default="fp32")
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--offload", action="store_true", help="ZeRO-Offload: optimiser state in CPU memory")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--out-dir", required=True)
     p.add_argument("--load", default="", help="tag to load from OUT_DIR/checkpoints (converted if needed)")
@@ -116,7 +118,8 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     eng.prepare_env()
-    cfg = make_config(args.stage, args.precision, args.optimizer, args.micro_batch, args.out_dir)
+    cfg = make_config(args.stage, args.precision, args.optimizer, args.micro_batch, args.out_dir,
+                      args.offload)
     info = eng.init_distributed(cfg)
     engine = build_engine(cfg, info)
     root = Path(cfg.train.out_dir) / "checkpoints"          # where the project saves them

@@ -6,12 +6,13 @@ do not depend on the layout, the project's checkpoint writer. The conversion is 
 (every fp32 parameter and Adam moment after loading equals what the saving run held) and by the
 losses of the steps after it against an uninterrupted run.
 
-Loss tolerance: relative 1e-4. After a conversion the weights and moments are bit-identical, so the
-first loss after it is the same; the steps after differ only in the order of fp32 sums (4
-accumulated micro-batches on one rank, or 2 per rank all-reduced, or reduce-scattered under ZeRO 3),
-about 1e-7 relative per gradient element, which Adam's m / sqrt(v) carries into the update and the
-following steps grow: 4e-6 was seen after 3 steps. A lost moment, a reset schedule or a wrong
-slice moves these losses by 1e-3 or more.
+Loss tolerance: relative 5e-5. After a conversion the weights and moments are bit-identical and the
+lr the same (asserted exactly), so the first loss after it is the same; the steps after differ only
+in the order of fp32 sums (4 accumulated micro-batches on one rank, or 2 per rank all-reduced, or
+reduce-scattered under ZeRO 3), about 1e-7 relative per gradient element, which Adam's
+m / sqrt(v) carries into the update and later steps grow: at most 4e-6 was seen 3 steps after a
+conversion. Zeroed moments moved the 2nd and 3rd losses after loading by 2e-4 and 5e-4, a
+schedule restarted from step 0 by 4e-4 at the 3rd.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ PY = sys.executable
 DEEPSPEED = str(Path(PY).with_name("deepspeed"))
 WORKER = "tests/reshard_worker.py"
 STEPS = 3
-LOSS_RTOL = 1e-4
+LOSS_RTOL = 5e-5
 
 
 def leg(out_dir: Path, dump: Path, ranks: int, stage: int, *extra: str, precision: str = "fp32",
@@ -81,6 +82,7 @@ def test_zero2_world2_to_zero0_world1_to_zero3_world2(tmp_path):
     resumed = a["losses"] + b["losses"] + c["losses"]
     assert len(ref["losses"]) == len(resumed) == 3 * STEPS
     assert a["losses"] == ref["losses"][:STEPS]                     # same layout, same arithmetic
+    assert b["losses"][0] == pytest.approx(ref["losses"][STEPS], rel=1e-12)   # the very weights ref had
     assert resumed == pytest.approx(ref["losses"], rel=LOSS_RTOL, abs=0)
     assert ref["losses"][0] != pytest.approx(ref["losses"][-1], rel=100 * LOSS_RTOL)   # training moves the loss
 
