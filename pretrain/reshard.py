@@ -1,14 +1,16 @@
 """Resume a checkpoint at another world size, ZeRO stage or precision.
 
-DeepSpeed's checkpoints are tied to their layout: ZeRO 1/2 (and bf16 at stage 0, whose
-BF16_Optimizer partitions like ZeRO 1) store each rank's slice of one flat fp32 buffer per
-parameter group, ZeRO 3 stores each parameter cut in ``world`` padded pieces, and fp32 at stage 0
-stores the client optimiser's own state dict. Loading at another world size or stage fails deep
-inside DeepSpeed. Here every layout is consolidated once, by rank 0, into DeepSpeed's "universal"
-folder format (``zero/<param name>/{fp32,exp_avg,exp_avg_sq,step}.pt`` plus ``zero/optimizer_state.pt``),
-cached inside the checkpoint's tag folder, and loaded into the running engine: through the ZeRO /
-BF16 optimiser's own universal loader where there is one, and through ``load_state_dict`` of the
-module and the client optimiser at fp32 stage 0, where DeepSpeed has none.
+DeepSpeed's checkpoints are tied to their layout: ZeRO 1/2 (and BF16_Optimizer, bf16 with fp32
+gradient accumulation) store each rank's slice of one flat fp32 buffer per parameter group, ZeRO 3
+stores each parameter cut in ``world`` padded pieces, and stage 0 stores the client optimiser's
+state dict by position (in bf16, beside FP16_UnfusedOptimizer's per-parameter fp32 masters).
+Loading at another world size or stage fails deep inside DeepSpeed. Here every layout is
+consolidated once, by rank 0, into DeepSpeed's "universal" folder format
+(``zero/<param name>/{fp32,exp_avg,exp_avg_sq,step}.pt`` plus ``zero/optimizer_state.pt``), cached
+inside the checkpoint's tag folder, and loaded into the running engine: through the ZeRO / BF16
+optimiser's own universal loader where there is one (its ``load_state_dict(checkpoint_folder=)``),
+and at stage 0, where DeepSpeed has none, into the module, the fp32 masters and the client
+optimiser's ``load_state_dict``. No DeepSpeed config key is involved.
 
 API for the checkpoint code: ``checkpoint_layout(engine)`` (saved as ``layout.json`` beside each
 checkpoint), ``read_layout(folder)``, ``check_convertible(saved, wanted)`` (before the process group
@@ -90,7 +92,8 @@ def checkpoint_layout(engine) -> dict[str, Any]:
 
 
 def wanted_layout(world: int, zero_stage: int, precision: str, offload_optimizer: bool, optimizer: str) -> dict:
-    """The layout a run will have, known from its config before any process group starts."""
+    """The layout a run will have, known from its config before any process group starts
+    (``precision`` resolved: fp32 | bf16 | fp16; ``optimizer``: ``optim.name``)."""
     return {"world": world, "zero_stage": zero_stage, "precision": precision,
             "offload_optimizer": offload_optimizer, "optimizer": optimizer}
 
@@ -117,15 +120,17 @@ def check_convertible(saved: dict, wanted: dict) -> list[str]:
     """Problems that make ``saved`` unloadable as ``wanted`` (empty: fine). Call before the process
     group starts; raise ``ReshardError`` (or report with the other config problems) on any."""
     problems = []
-    if saved is None or not needs_conversion(saved, wanted):
+    if saved is None:
         return problems
-    if "fp16" in (saved["precision"], wanted["precision"]):
-        problems.append(f"precision fp16 (saved {saved['precision']}, wanted {wanted['precision']}): its "
-                        "loss-scaler state is not converted; only fp32 and bf16 change layout")
     families = [_OPTIMIZER_FAMILY.get(o, o) for o in (saved.get("optimizer"), wanted.get("optimizer"))]
     if families[0] != families[1]:
         problems.append(f"optimizer {saved.get('optimizer')} was saved, {wanted.get('optimizer')} is configured: "
                         "moments of one optimiser do not resume another")
+    if not needs_conversion(saved, wanted):
+        return problems
+    if "fp16" in (saved["precision"], wanted["precision"]):
+        problems.append(f"precision fp16 (saved {saved['precision']}, wanted {wanted['precision']}): its "
+                        "loss-scaler state is not converted; only fp32 and bf16 change layout")
     if saved["zero_stage"] == 0 and not saved.get("param_names_by_group"):
         problems.append("the layout file has no param_names_by_group, needed to read a ZeRO 0 checkpoint")
     return problems
@@ -265,22 +270,38 @@ def _write_universal(out: Path, params: dict, step: Any, hyper: list[dict], mode
 
 
 def ensure_universal(tag_folder: Path, saved: dict) -> Path:
-    """The consolidated folder, written once by rank 0 (atomically) while the others wait."""
-    out = Path(tag_folder) / UNIVERSAL_DIR
+    """The consolidated folder, written once by rank 0 (atomically) while the others wait; a
+    failure there is raised on every rank instead of leaving them at a barrier."""
+    tag_folder = Path(tag_folder)
+    out = tag_folder / UNIVERSAL_DIR
+    failure = [None]
     if dist.get_rank() == 0 and not (out / _DONE).is_file():
-        tmp = out.with_name(f"{UNIVERSAL_DIR}.tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        params, step, hyper, model_states = consolidate(tag_folder, saved)
-        _write_universal(tmp, params, step, hyper, model_states)
-        (tmp / _DONE).write_text(json.dumps({"from": saved}, indent=1) + "\n")
-        shutil.rmtree(out, ignore_errors=True)          # a partial one from a crash between rmtree and rename
-        os.replace(tmp, out)
-    dist.barrier()
+        try:
+            for stale in tag_folder.glob(f"{UNIVERSAL_DIR}.tmp*"):     # from a conversion that crashed
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp = tag_folder / f"{UNIVERSAL_DIR}.tmp{os.getpid()}"
+            tmp.mkdir()
+            params, step, hyper, model_states = consolidate(tag_folder, saved)
+            _write_universal(tmp, params, step, hyper, model_states)
+            (tmp / _DONE).write_text(json.dumps({"from": saved}, indent=1) + "\n")
+            shutil.rmtree(out, ignore_errors=True)      # an incomplete one (no _DONE) cannot be trusted
+            os.replace(tmp, out)
+        except Exception as e:  # noqa: BLE001  (re-raised on every rank below)
+            failure[0] = f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0]:
+        raise ReshardError(f"converting checkpoint {tag_folder} failed: {failure[0]}")
     return out
 
 
 # ------------------------------------------------------ loading any layout
+def _restore_hyperparameters(groups: list[dict], saved: list[dict]) -> None:
+    """lr (and initial_lr, betas, weight decay...) per group; only keys the running optimiser knows,
+    so a kernel switch (FusedAdam <-> torch AdamW) brings no foreign flags."""
+    for group, saved_group in zip(groups, saved):
+        group.update({k: v for k, v in saved_group.items() if k in group and k != "params"})
+
+
 def _load_unpartitioned(engine, universal: Path) -> None:
     """No DeepSpeed optimiser here reads the universal folder: the module, FP16_UnfusedOptimizer's
     fp32 masters (bf16) and the client optimiser's ``load_state_dict`` take the state directly."""
@@ -303,8 +324,7 @@ def _load_unpartitioned(engine, universal: Path) -> None:
                 if entry:
                     state_dict["state"][index] = entry
                 index += 1
-    for group, saved in zip(state_dict["param_groups"], _load(zero / "optimizer_state.pt")["param_groups"]):
-        group.update(saved)
+    _restore_hyperparameters(state_dict["param_groups"], _load(zero / "optimizer_state.pt")["param_groups"])
     inner.load_state_dict(state_dict)
 
 
@@ -320,9 +340,7 @@ def _load_partitioned(engine, universal: Path) -> None:
     if engine.zero_optimization_stage() < 3:
         opt.update_lp_params()                    # the module's weights from the fp32 masters just set
     # ZeRO 3's universal loader gives every group the hyperparameters of the first (its weight decay too)
-    saved_groups = _load(universal / "zero" / "optimizer_state.pt")["param_groups"]
-    for group, saved in zip(opt.optimizer.param_groups, saved_groups):
-        group.update(saved)
+    _restore_hyperparameters(opt.optimizer.param_groups, _load(universal / "zero" / "optimizer_state.pt")["param_groups"])
 
 
 def load_resharded(engine, root: Path, tag: str, saved: dict) -> dict:
