@@ -49,7 +49,7 @@ class ReshardError(RuntimeError):
 
 
 # ------------------------------------------------------------------ layouts
-def _param_names_by_group(engine) -> Optional[list[list[str]]]:
+def param_names_by_group(engine) -> Optional[list[list[str]]]:
     """Parameter names in the optimiser's group order, where its groups still hold the module's own
     parameters (fp32 at stage 0; bf16 at stage 0, whose FP16_UnfusedOptimizer keeps them as
     ``fp16_groups``): the layouts whose files index state by position, not by name."""
@@ -61,7 +61,7 @@ def _param_names_by_group(engine) -> Optional[list[list[str]]]:
     return None
 
 
-def _is_partitioned(engine) -> bool:
+def is_partitioned(engine) -> bool:
     """ZeRO 1-3 and BF16_Optimizer own flat fp32 partitions; below that, every rank holds it all."""
     return any(hasattr(p, "_hp_mapping") or hasattr(p, "ds_id") for p in engine.module.parameters())
 
@@ -87,7 +87,7 @@ def checkpoint_layout(engine) -> dict[str, Any]:
         "deepspeed": deepspeed.__version__,
         "torch": torch.__version__.split("+")[0],
         "param_shapes": {n: list(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()},
-        "param_names_by_group": _param_names_by_group(engine),
+        "param_names_by_group": param_names_by_group(engine),
     }
 
 
@@ -242,6 +242,8 @@ def consolidate(folder: Path, layout: dict) -> tuple[dict, Any, list[dict], dict
     if shards and shards != layout["world"]:
         raise ReshardError(f"{folder}: {LAYOUT_FILE} says world {layout['world']}, but {shards} optimiser "
                            "shard files are there")
+    if step is None:                                 # DeepSpeed's fused kernels count steps per group
+        step = next((h["step"] for h in hyper if "step" in h), None)
     missing = sorted(set(layout["param_shapes"]) - set(params))
     if missing:
         raise ReshardError(f"{folder}: no saved state for parameters {missing[:5]}")
@@ -295,6 +297,22 @@ def ensure_universal(tag_folder: Path, saved: dict) -> Path:
 
 
 # ------------------------------------------------------ loading any layout
+def _set_step(optimizer: torch.optim.Optimizer, universal: Path) -> None:
+    """Each kernel counts steps its own way: torch's Adam(W) a float tensor per parameter, DeepSpeed's
+    fused kernels an int per group, DeepSpeedCPUAdam and our LAMB an int per parameter."""
+    step = _load(universal / "zero" / "optimizer_state.pt")["optimizer_state_dict"]["state"][0]["step"]
+    if step is None:
+        return
+    count = int(step.item() if torch.is_tensor(step) else step)
+    if type(optimizer).__name__ in ("FusedAdam", "FusedLamb"):
+        for group in optimizer.param_groups:
+            group["step"] = count
+        return
+    for state in optimizer.state.values():
+        state["step"] = (torch.tensor(float(count), dtype=torch.float32)
+                         if isinstance(optimizer, torch.optim.Adam) else count)
+
+
 def _restore_hyperparameters(groups: list[dict], saved: list[dict]) -> None:
     """lr (and initial_lr, betas, weight decay...) per group; only keys the running optimiser knows,
     so a kernel switch (FusedAdam <-> torch AdamW) brings no foreign flags."""
@@ -312,7 +330,7 @@ def _load_unpartitioned(engine, universal: Path) -> None:
     state_dict = inner.state_dict()
     index = 0
     with torch.no_grad():
-        for g, group_names in enumerate(_param_names_by_group(engine)):
+        for g, group_names in enumerate(param_names_by_group(engine)):
             for i, name in enumerate(group_names):
                 fp32 = _load(zero / name / "fp32.pt")["param"]
                 module_params[name].copy_(fp32)
@@ -326,6 +344,7 @@ def _load_unpartitioned(engine, universal: Path) -> None:
                 index += 1
     _restore_hyperparameters(state_dict["param_groups"], _load(zero / "optimizer_state.pt")["param_groups"])
     inner.load_state_dict(state_dict)
+    _set_step(inner, universal)
 
 
 def _load_partitioned(engine, universal: Path) -> None:
@@ -341,6 +360,7 @@ def _load_partitioned(engine, universal: Path) -> None:
         opt.update_lp_params()                    # the module's weights from the fp32 masters just set
     # ZeRO 3's universal loader gives every group the hyperparameters of the first (its weight decay too)
     _restore_hyperparameters(opt.optimizer.param_groups, _load(universal / "zero" / "optimizer_state.pt")["param_groups"])
+    _set_step(opt.optimizer, universal)
 
 
 def load_resharded(engine, root: Path, tag: str, saved: dict) -> dict:
@@ -356,7 +376,7 @@ def load_resharded(engine, root: Path, tag: str, saved: dict) -> dict:
     if dist.get_rank() == 0:
         log.info("checkpoint %s was saved at %s; converting to %s", tag, describe(saved), describe(running))
     universal = ensure_universal(Path(root) / tag, saved)
-    if _is_partitioned(engine):
+    if is_partitioned(engine):
         _load_partitioned(engine, universal)
     else:
         _load_unpartitioned(engine, universal)
@@ -367,34 +387,3 @@ def load_resharded(engine, root: Path, tag: str, saved: dict) -> dict:
     engine.global_samples = model_states.get("global_samples", engine.global_steps * engine.train_batch_size())
     engine.skipped_steps = model_states["skipped_steps"]
     return {k: v for k, v in model_states.items() if k not in _DEEPSPEED_KEYS}
-
-
-# ------------------------------------------------- inspection (tests, tools)
-def full_state(engine) -> dict[str, dict[str, torch.Tensor]]:
-    """Every parameter's full fp32 value and optimiser moments, by name, on every rank: what a
-    conversion must preserve. Collective under ZeRO (all ranks call it)."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    if not _is_partitioned(engine):
-        masters = getattr(engine.optimizer, "fp32_groups", None)
-        inner = engine.optimizer.optimizer if masters is not None else engine.optimizer
-        module_params = dict(engine.module.named_parameters())
-        out = {}
-        for g, group_names in enumerate(_param_names_by_group(engine)):
-            for i, name in enumerate(group_names):
-                held = inner.param_groups[g]["params"][i]        # the module's param, or its fp32 master
-                out[name] = {"fp32": held.detach().float().cpu().clone(),
-                             **{k: v.detach().cpu().clone() for k, v in inner.state.get(held, {}).items()
-                                if k in MOMENTS}}
-                assert module_params[name].shape == held.shape
-        return out
-    if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
-        # ZeRO 1/2 link each parameter's view of the moments once, right after the first group's first
-        # step, when a torch optimiser has not yet created the other groups' state: link them again.
-        engine.optimizer._hp_optimizer_states_linked = False
-        engine.optimizer._lazy_init_hp_params_optimizer_state()
-    out = {}
-    for name, p in engine.module.named_parameters():
-        out[name] = {"fp32": safe_get_full_fp32_param(p).detach().cpu().clone(),
-                     **{k: safe_get_full_optimizer_state(p, k).detach().cpu().clone() for k in MOMENTS}}
-    return out

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reshard_worker import build_engine, eng, load_any, make_config, reshard, save_checkpoint, train_steps  # noqa: E402
+from reshard_worker import (build_engine, eng, full_state, load_any, make_config, reshard,  # noqa: E402
+                            save_checkpoint, train_steps)
 
 STEPS = 3
 
@@ -63,7 +64,7 @@ def main() -> int:
             train_steps(engine, cfg, info, 0, STEPS)
             save_checkpoint(engine, cfg, STEPS, {"step": STEPS}, {reshard.LAYOUT_FILE: json.dumps(
                 reshard.checkpoint_layout(engine))})
-            state = reshard.full_state(engine)
+            state = full_state(engine)
             losses = train_steps(engine, cfg, info, STEPS, 2)
             if info.rank == 0:
                 torch.save({"state": state, "losses": losses}, f"{args.dir}/{name}.pt")
@@ -79,7 +80,7 @@ def main() -> int:
         try:
             engine = build_engine(cfg, info)
             load_any(engine, Path(cfg.train.out_dir) / "checkpoints", f"step{STEPS:08d}")
-            state_diff = max_diff(want["state"], reshard.full_state(engine))
+            state_diff = max_diff(want["state"], full_state(engine))
             losses = train_steps(engine, cfg, info, STEPS, 2)
             rel = [abs(a - b) / a for a, b in zip(losses, want["losses"])]
             line += f"state {state_diff:.1e}  loss rel diff {rel[0]:.1e} {rel[1]:.1e}"

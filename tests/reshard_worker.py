@@ -80,6 +80,36 @@ def global_batch(step: int, size: int):
     return ids.masked_fill(chosen, MASK_ID), chosen, ids
 
 
+def full_state(engine) -> dict[str, dict[str, torch.Tensor]]:
+    """Every parameter's full fp32 value and optimiser moments, by name, on every rank: what a
+    conversion must preserve. Collective under ZeRO (all ranks call it)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if not reshard.is_partitioned(engine):
+        masters = getattr(engine.optimizer, "fp32_groups", None)
+        inner = engine.optimizer.optimizer if masters is not None else engine.optimizer
+        module_params = dict(engine.module.named_parameters())
+        out = {}
+        for g, group_names in enumerate(reshard.param_names_by_group(engine)):
+            for i, name in enumerate(group_names):
+                held = inner.param_groups[g]["params"][i]        # the module's param, or its fp32 master
+                out[name] = {"fp32": held.detach().float().cpu().clone(),
+                             **{k: v.detach().cpu().clone() for k, v in inner.state.get(held, {}).items()
+                                if k in reshard.MOMENTS}}
+                assert module_params[name].shape == held.shape
+        return out
+    if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
+        # ZeRO 1/2 link each parameter's view of the moments once, right after the first group's first
+        # step, when a torch optimiser has not yet created the other groups' state: link them again.
+        engine.optimizer._hp_optimizer_states_linked = False
+        engine.optimizer._lazy_init_hp_params_optimizer_state()
+    out = {}
+    for name, p in engine.module.named_parameters():
+        out[name] = {"fp32": safe_get_full_fp32_param(p).detach().cpu().clone(),
+                     **{k: safe_get_full_optimizer_state(p, k).detach().cpu().clone() for k in reshard.MOMENTS}}
+    return out
+
+
 def train_steps(engine, cfg: Config, info, first: int, count: int) -> list[float]:
     world, micro = info.world, cfg.impl.micro_batch_size
     accum = cfg.grad_accum_steps(world)
@@ -127,7 +157,7 @@ def main() -> int:
     if args.load:
         client_state = load_any(engine, root, args.load)
         step = client_state["step"]
-        before = reshard.full_state(engine)
+        before = full_state(engine)
     lr_before = engine.lr_scheduler.get_last_lr()
     losses = train_steps(engine, cfg, info, step, args.steps)
     step += args.steps
@@ -135,7 +165,7 @@ def main() -> int:
         layout = reshard.checkpoint_layout(engine)
         save_checkpoint(engine, cfg, step, {"step": step, "client_note": f"saved at {reshard.describe(layout)}"},
                         {reshard.LAYOUT_FILE: json.dumps(layout)})
-    after = reshard.full_state(engine)
+    after = full_state(engine)
     if info.rank == 0:
         torch.save({"losses": losses, "before": before, "after": after, "client_state": client_state,
                     "lr_before": lr_before,

@@ -87,12 +87,13 @@ def test_zero2_world2_to_zero0_world1_to_zero3_world2(tmp_path):
     assert ref["losses"][0] != pytest.approx(ref["losses"][-1], rel=100 * LOSS_RTOL)   # training moves the loss
 
 
-def test_bf16_zero1_world2_to_stage0_world1(tmp_path):
+def test_bf16_lamb_zero1_world2_to_stage0_world1(tmp_path):
     """bf16 stores its fp32 masters differently at each stage (ZeRO's flat partitions, and
-    FP16_UnfusedOptimizer's per-parameter copies at stage 0); both are converted."""
+    FP16_UnfusedOptimizer's per-parameter copies at stage 0); both are converted. Our LAMB counts
+    steps as ints where torch's AdamW keeps tensors."""
     run = tmp_path / "run"
-    a, _ = leg(run, tmp_path / "a.pt", 2, 1, "--save", precision="bf16")
-    b, log = leg(run, tmp_path / "b.pt", 1, 0, "--load", "step00000003", precision="bf16")
+    a, _ = leg(run, tmp_path / "a.pt", 2, 1, "--save", "--optimizer", "lamb", precision="bf16")
+    b, log = leg(run, tmp_path / "b.pt", 1, 0, "--load", "step00000003", "--optimizer", "lamb", precision="bf16")
     assert "saved at world 2 / ZeRO 1 / bf16; converting to world 1 / ZeRO 0 / bf16" in log
     assert_same_state(a["after"], b["before"])
     assert b["lr_before"] == a["lr_after"] and b["global_steps"] == 6
