@@ -22,22 +22,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pretrain import configlib, engine as eng, reshard  # noqa: E402
+from pretrain import checkpointing, configlib, engine as eng, reshard  # noqa: E402
 from pretrain.config import Config  # noqa: E402
 from pretrain.masking import SpecialIds  # noqa: E402
 from pretrain.model import build_model  # noqa: E402
 
 
-
-def save_checkpoint(engine, cfg: Config, step: int, client_state: dict, side_files: dict[str, str]) -> None:
-    """The project's own checkpoint writer (tags, COMPLETE marker, ``latest``), wherever it lives."""
-    import pretrain
-
-    if (Path(pretrain.__file__).parent / "checkpointing.py").is_file():   # after the split of engine.py
-        from pretrain import checkpointing
-        checkpointing.save(engine, cfg, step, client_state, side_files, {})
-    else:
-        eng.save_checkpoint(engine, cfg, step, client_state, side_files)
 
 VOCAB, SEQ_LEN, MASK_ID, MASK_RATE = 512, 32, 4, 0.15
 SPECIAL = SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=MASK_ID, vocab_size=VOCAB)
@@ -63,12 +53,9 @@ def build_engine(cfg: Config, info):
     return eng.initialize(model, cfg, info, cfg.impl.precision)[0]
 
 
-def load_any(engine, root: Path, tag: str) -> dict:
-    """What the trainer's load path does: convert when the saved layout is not the running one."""
-    saved = reshard.read_layout(root / tag)
-    if reshard.needs_conversion(saved, reshard.checkpoint_layout(engine)):
-        return reshard.load_resharded(engine, root, tag, saved)
-    return engine.load_checkpoint(str(root), tag=tag)[1]
+def load_any(engine, cfg: Config, tag: str) -> dict:
+    """The trainer's own load path: converts when the saved layout is not the running one."""
+    return checkpointing.load(engine, cfg, tag)
 
 
 def global_batch(step: int, size: int):
@@ -152,19 +139,17 @@ def main() -> int:
                       args.offload)
     info = eng.init_distributed(cfg)
     engine = build_engine(cfg, info)
-    root = Path(cfg.train.out_dir) / "checkpoints"          # where the project saves them
     step, before, client_state = 0, None, {}
     if args.load:
-        client_state = load_any(engine, root, args.load)
+        client_state = load_any(engine, cfg, args.load)
         step = client_state["step"]
         before = full_state(engine)
     lr_before = engine.lr_scheduler.get_last_lr()
     losses = train_steps(engine, cfg, info, step, args.steps)
     step += args.steps
     if args.save:
-        layout = reshard.checkpoint_layout(engine)
-        save_checkpoint(engine, cfg, step, {"step": step, "client_note": f"saved at {reshard.describe(layout)}"},
-                        {reshard.LAYOUT_FILE: json.dumps(layout)})
+        layout = reshard.describe(reshard.checkpoint_layout(engine))
+        checkpointing.save(engine, cfg, step, {"step": step, "client_note": f"saved at {layout}"}, {}, {})
     after = full_state(engine)
     if info.rank == 0:
         torch.save({"losses": losses, "before": before, "after": after, "client_state": client_state,
