@@ -19,6 +19,7 @@ import torch.distributed as dist
 import yaml
 
 from data_prep.atomic import write_atomic
+from pretrain import reshard
 from pretrain.config import Config
 from pretrain.configlib import ConfigError
 
@@ -84,9 +85,10 @@ def save(engine, cfg: Config, step: int, client_state: dict, side_files: dict[st
     dist.barrier()
     eng.save_shards(engine, root, tag, client_state)
     dist.barrier()
+    layout = reshard.checkpoint_layout(engine)      # lets another world size or ZeRO stage load it
     if dist.get_rank() == 0:
         folder = root / tag
-        for name, text in side_files.items():
+        for name, text in {**side_files, reshard.LAYOUT_FILE: json.dumps(layout)}.items():
             write_atomic(folder / name, text)
         for name, src in copy_dirs.items():
             shutil.copytree(src, folder / name, dirs_exist_ok=True)

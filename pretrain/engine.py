@@ -161,6 +161,13 @@ def save_shards(engine, root: Path, tag: str, client_state: dict) -> None:
 
 
 def load_shards(engine, root: Path, tag: str) -> dict:
+    """Load ``tag`` into ``engine``; a checkpoint of another world size, ZeRO stage or precision is
+    converted (``pretrain.reshard``, once, cached beside it) and the log says so."""
+    from pretrain import reshard
+
+    saved = reshard.read_layout(root / tag)
+    if saved is not None and reshard.needs_conversion(saved, reshard.checkpoint_layout(engine)):
+        return reshard.load_resharded(engine, root, tag, saved)
     path, client_state = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                                 load_lr_scheduler_states=True)
     if path is None:

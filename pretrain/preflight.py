@@ -115,6 +115,7 @@ def resume_problems(cfg: Config, manifest: dict, root: Path, tag: str) -> list[s
             problems.append(f"data: the checkpoint {tag} was trained on data from another tokenizer than "
                             f"{cfg.data.dir}'s")
     problems += data_position_problems(cfg, manifest, root / tag)
+    problems += layout_problems(cfg, root, tag)
     if problems:
         problems.append(f"(settings that change results may not change on resume; start a new run with "
                         f"train.resume=none or another train.out_dir)")
@@ -136,3 +137,19 @@ def data_position_problems(cfg: Config, manifest: dict, folder: Path) -> list[st
     except DataError as exc:
         return [str(exc)]
     return []
+
+
+def layout_problems(cfg: Config, root: Path, tag: str) -> list[str]:
+    """Another world size, ZeRO stage or precision is converted on load; what cannot be is refused now."""
+    from pretrain import reshard
+
+    saved = reshard.read_layout(root / tag)
+    if saved is None:
+        return []
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision, _ = hardware.resolve_precision(cfg.impl.precision, device)
+    wanted = reshard.wanted_layout(cfg.world_size(), cfg.impl.zero_stage, precision, cfg.impl.offload_optimizer,
+                                   cfg.optim.name)
+    return [f"train.resume={tag}: {p}" for p in reshard.check_convertible(saved, wanted)]

@@ -1,0 +1,116 @@
+"""Checkpoints resumed at another world size, ZeRO stage and precision (``pretrain.reshard``).
+
+Each leg is ``tests/reshard_worker.py`` under DeepSpeed's own launcher (2 CPU ranks, gloo) or plain
+python (1 rank): the tiny model and engine built by the project's code, fixed random batches that
+do not depend on the layout, the project's checkpoint writer. The conversion is checked exactly
+(every fp32 parameter and Adam moment after loading equals what the saving run held) and by the
+losses of the steps after it against an uninterrupted run.
+
+Loss tolerance: relative 5e-5. After a conversion the weights and moments are bit-identical and the
+lr the same (asserted exactly), so the first loss after it is the same; the steps after differ only
+in the order of fp32 sums (4 accumulated micro-batches on one rank, or 2 per rank all-reduced, or
+reduce-scattered under ZeRO 3), about 1e-7 relative per gradient element, which Adam's
+m / sqrt(v) carries into the update and later steps grow: at most 4e-6 was seen 3 steps after a
+conversion. Zeroed moments moved the 2nd and 3rd losses after loading by 2e-4 and 5e-4, a
+schedule restarted from step 0 by 4e-4 at the 3rd.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, free_port
+from pretrain import reshard
+
+PY = sys.executable
+DEEPSPEED = str(Path(PY).with_name("deepspeed"))
+WORKER = "tests/reshard_worker.py"
+STEPS = 3
+LOSS_RTOL = 5e-5
+
+
+def leg(out_dir: Path, dump: Path, ranks: int, stage: int, *extra: str, precision: str = "fp32",
+        steps: int = STEPS) -> tuple[dict, str]:
+    args = [WORKER, "--stage", str(stage), "--precision", precision, "--steps", str(steps),
+            "--out-dir", str(out_dir), "--dump", str(dump), *extra]
+    cmd = [PY, *args] if ranks == 1 else [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} -> {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return torch.load(dump, weights_only=False), proc.stdout + proc.stderr
+
+
+def assert_same_state(saved: dict, loaded: dict) -> None:
+    """Every parameter's fp32 value and both Adam moments, bit for bit."""
+    assert sorted(saved) == sorted(loaded)
+    assert len(saved) > 10
+    for name in saved:
+        assert sorted(saved[name]) == ["exp_avg", "exp_avg_sq", "fp32"], name
+        for key, want in saved[name].items():
+            got = loaded[name][key]
+            assert got.shape == want.shape and got.dtype == torch.float32, (name, key)
+            assert torch.equal(got, want), f"{name} {key}: max diff {(got - want).abs().max().item()}"
+        assert saved[name]["exp_avg_sq"].abs().sum() > 0, f"{name}: no optimiser state was saved"
+
+
+def test_zero2_world2_to_zero0_world1_to_zero3_world2(tmp_path):
+    run = tmp_path / "run"
+    a, _ = leg(run, tmp_path / "a.pt", 2, 2, "--save")
+    b, b_log = leg(run, tmp_path / "b.pt", 1, 0, "--save", "--load", "step00000003")
+    c, c_log = leg(run, tmp_path / "c.pt", 2, 3, "--load", "step00000006")
+    ref, _ = leg(tmp_path / "ref", tmp_path / "ref.pt", 2, 2, steps=3 * STEPS)
+
+    assert "checkpoint step00000003 was saved at world 2 / ZeRO 2 / fp32; converting to world 1 / ZeRO 0 / fp32" in b_log
+    assert "checkpoint step00000006 was saved at world 1 / ZeRO 0 / fp32; converting to world 2 / ZeRO 3 / fp32" in c_log
+    for folder in ("step00000003", "step00000006"):        # converted once, kept beside the original
+        assert (run / "checkpoints" / folder / reshard.UNIVERSAL_DIR / "conversion.json").is_file()
+    assert_same_state(a["after"], b["before"])
+    assert_same_state(b["after"], c["before"])
+    # Schedule, DeepSpeed's counters and the client state continue.
+    assert b["lr_before"] == a["lr_after"] and c["lr_before"] == b["lr_after"]
+    assert a["lr_after"] != b["lr_after"] != c["lr_after"]          # still warming up: the lr moves
+    assert (a["global_steps"], b["global_steps"], c["global_steps"]) == (3, 6, 9)
+    assert b["client_state"]["step"] == 3 and "world 2 / ZeRO 2" in b["client_state"]["client_note"]
+    assert c["client_state"]["step"] == 6 and "world 1 / ZeRO 0" in c["client_state"]["client_note"]
+
+    resumed = a["losses"] + b["losses"] + c["losses"]
+    assert len(ref["losses"]) == len(resumed) == 3 * STEPS
+    assert a["losses"] == ref["losses"][:STEPS]                     # same layout, same arithmetic
+    assert b["losses"][0] == pytest.approx(ref["losses"][STEPS], rel=1e-12)   # the very weights ref had
+    assert resumed == pytest.approx(ref["losses"], rel=LOSS_RTOL, abs=0)
+    assert ref["losses"][0] != pytest.approx(ref["losses"][-1], rel=100 * LOSS_RTOL)   # training moves the loss
+
+
+def test_bf16_lamb_zero1_world2_to_stage0_world1(tmp_path):
+    """bf16 stores its fp32 masters differently at each stage (ZeRO's flat partitions, and
+    FP16_UnfusedOptimizer's per-parameter copies at stage 0); both are converted. Our LAMB counts
+    steps as ints where torch's AdamW keeps tensors."""
+    run = tmp_path / "run"
+    a, _ = leg(run, tmp_path / "a.pt", 2, 1, "--save", "--optimizer", "lamb", precision="bf16")
+    b, log = leg(run, tmp_path / "b.pt", 1, 0, "--load", "step00000003", "--optimizer", "lamb", precision="bf16")
+    assert "saved at world 2 / ZeRO 1 / bf16; converting to world 1 / ZeRO 0 / bf16" in log
+    assert_same_state(a["after"], b["before"])
+    assert b["lr_before"] == a["lr_after"] and b["global_steps"] == 6
+
+
+def test_unconvertible_layouts_are_refused_before_start():
+    saved = {"world": 2, "zero_stage": 2, "precision": "fp32", "offload_optimizer": False, "optimizer": "AdamW",
+             "param_names_by_group": None}
+    same = reshard.wanted_layout(2, 2, "fp32", False, "adamw")
+    assert not reshard.needs_conversion(saved, same) and reshard.check_convertible(saved, same) == []
+    assert reshard.check_convertible(saved, reshard.wanted_layout(1, 3, "bf16", False, "adamw")) == []
+    assert reshard.check_convertible(saved, reshard.wanted_layout(4, 1, "fp32", True, "adamw")) == []
+
+    problems = reshard.check_convertible(saved, reshard.wanted_layout(1, 2, "fp32", False, "lamb"))
+    assert len(problems) == 1 and "AdamW was saved, lamb is configured" in problems[0]
+    problems = reshard.check_convertible(saved, reshard.wanted_layout(2, 2, "fp16", False, "adamw"))
+    assert len(problems) == 1 and "fp16" in problems[0]
+    stage0 = {**saved, "zero_stage": 0}
+    problems = reshard.check_convertible(stage0, reshard.wanted_layout(2, 3, "fp32", False, "adamw"))
+    assert len(problems) == 1 and "param_names_by_group" in problems[0]
