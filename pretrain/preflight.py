@@ -94,7 +94,8 @@ def resume_problems(cfg: Config, manifest: dict, root: Path, tag: str) -> list[s
     except (OSError, ValueError) as exc:
         return [f"{root / tag}: {checkpointing.CONFIG_FILE} unreadable ({exc}); cannot check the resume"]
     now = configlib.flatten(configlib.to_dict(cfg))
-    before = configlib.flatten(saved)
+    # A setting added since the checkpoint was written had its default then.
+    before = {**configlib.flatten(configlib.to_dict(Config())), **configlib.flatten(saved)}
     keys = [k for k in sorted(set(now) | set(before)) if k.split(".")[0] in RESULTS_GROUPS or k in RESULTS_KEYS]
     problems = [f"{k}: the checkpoint {tag} was trained with {before.get(k, '<unset>')!r}, now {now.get(k, '<unset>')!r}"
                 for k in keys if now.get(k) != before.get(k)]
