@@ -170,6 +170,10 @@ class OptimConfig:
     warmup_steps: int = 100
     schedule: Literal["linear", "cosine", "constant"] = "linear"
     min_lr_ratio: float = 0.0          # the lr decays to lr * min_lr_ratio at train.max_steps
+    # Continued pretraining: parameters model.init_from does not hold (an encoder saved without its
+    # MLM head gets a fresh one) learn this many times faster, so the new head catches up with the
+    # pretrained encoder instead of the encoder drifting to meet a random head.
+    fresh_params_lr_multiplier: float = 1.0
 
     def check(self) -> list[str]:
         p = []
@@ -181,6 +185,8 @@ class OptimConfig:
             p.append(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
             p.append(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if self.fresh_params_lr_multiplier <= 0:
+            p.append(f"fresh_params_lr_multiplier: must be positive, got {self.fresh_params_lr_multiplier}")
         if self.grad_clip < 0:
             p.append(f"grad_clip: must be >= 0 (0 disables), got {self.grad_clip}")
         return p

@@ -174,11 +174,14 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, im
         if found.vocab_size != vocab_size:
             raise ValueError(f"model.init_from: {folder!r} has vocab_size {found.vocab_size}, but the data's "
                              f"manifest says {vocab_size}: prepare the data with that model's tokenizer")
-        hf_model = MASKED_LM_CLASSES[model_cfg.arch].from_pretrained(
-            folder, attn_implementation=attention, dtype=torch.float32, local_files_only=True)
+        hf_model, loading = MASKED_LM_CLASSES[model_cfg.arch].from_pretrained(
+            folder, attn_implementation=attention, dtype=torch.float32, local_files_only=True,
+            output_loading_info=True)
+        fresh = set(loading["missing_keys"])
     else:
         config = CONFIG_BUILDERS[model_cfg.arch](model_cfg, vocab_size, special, attention)
         hf_model = MASKED_LM_CLASSES[model_cfg.arch](config)
+        fresh = set()
     max_pos = hf_model.config.max_position_embeddings
     if seq_len is not None and seq_len > max_pos:
         raise ValueError(f"sequence length {seq_len} exceeds the model's max_position_embeddings {max_pos}")
@@ -186,4 +189,10 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, im
     if hf_model.get_output_embeddings().weight is not hf_model.get_input_embeddings().weight:
         raise RuntimeError("the MLM decoder is not tied to the word embeddings (tie_word_embeddings=False?)")
     log.info("model: %s, attention %s", model_cfg.arch, attention)
-    return MLMModel(hf_model, sparse_head=impl.sparse_head)
+    model = MLMModel(hf_model, sparse_head=impl.sparse_head)
+    # What init_from did not provide (e.g. the MLM head of an encoder saved without one): the
+    # optimiser may give these a higher learning rate (optim.fresh_params_lr_multiplier).
+    tied = {id(hf_model.get_input_embeddings().weight)}
+    model.fresh_parameters = {name for name, p in model.named_parameters()
+                              if name.removeprefix("hf_model.") in fresh and id(p) not in tied}
+    return model

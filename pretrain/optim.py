@@ -51,14 +51,19 @@ class Lamb(torch.optim.Optimizer):
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
-    """Weight decay on matrices only (not biases, LayerNorm, embeddings' norms), as in BERT."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim < 2 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    """Weight decay on matrices only (not biases, LayerNorm, embeddings' norms), as in BERT. The
+    parameters ``model.init_from`` did not provide (``model.fresh_parameters``) learn at
+    ``optim.fresh_params_lr_multiplier`` times the rate."""
     o = cfg.optim
+    fresh_names = getattr(model, "fresh_parameters", set())
+    groups = []
+    for fresh in (False, True):
+        lr = o.lr * (o.fresh_params_lr_multiplier if fresh else 1.0)
+        members = [(n, p) for n, p in model.named_parameters() if p.requires_grad and (n in fresh_names) == fresh]
+        decay = [p for n, p in members if p.ndim >= 2]
+        no_decay = [p for n, p in members if p.ndim < 2]
+        groups += [g for g in ({"params": decay, "weight_decay": o.weight_decay, "lr": lr},
+                               {"params": no_decay, "weight_decay": 0.0, "lr": lr}) if g["params"]]
     fused = cfg.impl.fused_optimizer is True or cfg.impl.fused_optimizer == "auto"
     kw = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     if o.name == "adamw":
