@@ -11,6 +11,7 @@ after SIGUSR1/SIGTERM (requeue me), 4 too many non-finite losses.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -355,8 +356,11 @@ def main(argv=None) -> int:
         # checkpoint is waited for, before the checkpoint to resume from is chosen.
         run_lock = checkpointing.RunLock(cfg.train.out_dir) if first_rank else None   # noqa: F841 (held)
         manifest, resume_from = check_inputs(cfg)
-        tasks = prepare_tasks(cfg.eval.downstream, Path(cfg.data.dir) / manifest["tokenizer"]["path"],
-                              data_dir=cfg.data.dir, manifest=manifest)
+        # Probe examples no longer than the sequences the model is trained on (its positions may end there).
+        specs = [dataclasses.replace(t, max_length=min(t.max_length, manifest["seq_len"]))
+                 for t in cfg.eval.downstream]
+        tasks = prepare_tasks(specs, Path(cfg.data.dir) / manifest["tokenizer"]["path"], data_dir=cfg.data.dir,
+                              manifest=manifest)
     except (ConfigError, ShardError, TaskError) as exc:
         if first_rank:
             print(f"error: {exc}", file=sys.stderr)
