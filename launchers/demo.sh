@@ -43,12 +43,12 @@ rows = read_metrics(run / "metrics.jsonl")
 first = lambda key: next((r[key] for r in rows if r.get(key) is not None), None)
 last = lambda key: next((r[key] for r in reversed(rows) if r.get(key) is not None), None)
 fill = pipeline("fill-mask", model=str(run / "hf_final"))
-for text in ["The capital of France is [MASK].", "He was born in the [MASK] of London.",
-             "The river flows into the [MASK] sea."]:
+for text in ["The Nile is a river in [MASK].", "Paris is the capital and most populous city of [MASK].",
+             "The cat is a small domesticated [MASK].", "He was born in the [MASK] of London."]:
     print(f"fill-mask: {text!r} -> " + ", ".join(f"{a['token_str']} ({a['score']:.2f})" for a in fill(text, top_k=5)))
 unigram = unigram_accuracy(data, load_manifest(data))
-print(f"held-out masked-token accuracy (15% masking): {last('eval/accuracy'):.3f} at step {rows[-1]['step']}, "
-      f"{first('eval/accuracy'):.3f} before training; always guessing the most frequent token: {unigram:.3f}")
+print(f"held-out masked-token accuracy (15% masking): {last('eval/accuracy'):.3f} after {rows[-1]['step']} steps; "
+      f"always guessing the most frequent token: {unigram:.3f}")
 print(f"word-order probe accuracy: {last('downstream/word_order/accuracy'):.3f}; the same architecture with "
       f"random weights: {first('downstream/word_order/random_init_accuracy'):.3f}; chance: 0.5")
 PY
