@@ -78,6 +78,10 @@ def cpu_info() -> dict:
 
 
 def _cpu_native_bf16(flags: set[str]) -> bool:
+    # torch's own dispatch level too: ATEN_CPU_CAPABILITY=avx2 (or a build without AVX-512 kernels)
+    # emulates bf16 even on a CPU that has the instructions.
+    if not torch.backends.cpu.get_cpu_capability().upper().startswith(("AVX512", "AMX")):
+        return False
     probe_avx512 = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     probe_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     if probe_avx512 is not None and probe_amx is not None:

@@ -15,6 +15,7 @@ def cpu_bf16(monkeypatch):
     def set_native(native: bool):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     return set_native
 
 
@@ -25,6 +26,12 @@ def test_auto_is_fp32_where_bf16_is_emulated_and_bf16_where_native(cpu_bf16):
     cpu_bf16(True)
     precision, why = hardware.resolve_precision("auto", torch.device("cpu"))
     assert precision == "bf16" and "auto" in why
+
+
+def test_auto_is_fp32_where_torch_dispatches_avx2_kernels_only(cpu_bf16, monkeypatch):
+    cpu_bf16(True)                                    # the CPU has the instructions, torch does not use them
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert hardware.resolve_precision("auto", torch.device("cpu"))[0] == "fp32"
 
 
 def test_auto_on_cuda_follows_compute_capability(monkeypatch):
