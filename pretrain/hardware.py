@@ -102,7 +102,8 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
         if info["native_bf16"]:
             have = [f for f in info["flags"] if f in ("avx512_bf16", "amx_bf16", "amx_tile")]
             return True, f"{info['model']} has {', '.join(have) or 'native bf16'}"
-        return False, f"{info['model']} lacks AVX-512-BF16 and AMX: bf16 would be emulated"
+        return False, (f"{info['model']} (torch's {info['torch_capability']} kernels) has no native bf16 "
+                       "(AVX-512-BF16 or AMX): it would be emulated")
     return False, f"unknown device type {device.type!r}"
 
 
