@@ -296,9 +296,9 @@ def test_an_out_of_range_token_id_names_shard_and_block(tmp_path, shards):
     manifest = load_manifest(edited)
     manifest["tokenizer"]["vocab_size"] = 1000
     write_json_atomic(edited / "manifest.json", manifest)
-    with pytest.raises(TokenIdError, match=r"train-t0000\d-0000\d\.tar: block \d+ holds token id \d{4}"):
+    with pytest.raises(TokenIdError, match=r"train-[\w-]+\.tar: block \d+ holds token id \d{4}"):
         take(TrainStream(edited, manifest, "train", 0, 1, 8, 8, SEED), 1)
-    with pytest.raises(TokenIdError, match=r"validation-t0000\d-0000\d\.tar: block \d+ holds token id"):
+    with pytest.raises(TokenIdError, match=r"validation-[\w-]+\.tar: block \d+ holds token id"):
         list(eval_batches(edited, manifest, "validation", 0, 1, 8))
 
 

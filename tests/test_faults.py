@@ -168,10 +168,9 @@ def test_sigterm_to_the_launchers_process_group_checkpoints_and_exits_3(shards, 
                              "--module", "pretrain.train", *args], cwd=REPO, env=env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not any(
-                r.get("step", 0) >= 2 for r in strict_records(tmp_path / "metrics.jsonl")
-                if (tmp_path / "metrics.jsonl").exists()):
+        deadline, metrics = time.monotonic() + 300, tmp_path / "metrics.jsonl"
+        while time.monotonic() < deadline and not (
+                metrics.exists() and any(r.get("step", 0) >= 2 for r in strict_records(metrics))):
             assert proc.poll() is None, proc.stdout.read()[-3000:]
             time.sleep(0.5)
         from pretrain.checkpointing import RunLock

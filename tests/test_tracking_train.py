@@ -80,10 +80,11 @@ def only_run(client: MlflowClient, experiment: str):
 
 
 def checkpoint_run_id(out_dir, step: int) -> str | None:
+    """The run id inside the checkpoint's TrainState, as DeepSpeed saved it (not the JSON copy)."""
     import torch
 
     path = Path(out_dir) / "checkpoints" / f"step{step:08d}" / "mp_rank_00_model_states.pt"
-    return torch.load(path, map_location="cpu", weights_only=False)["run_id"]
+    return torch.load(path, map_location="cpu", weights_only=False)["train_state"]["run_id"]
 
 
 def test_two_ranks_and_a_resume_make_one_complete_run(shards, tmp_path, mlflow_server):
