@@ -70,7 +70,7 @@ def test_every_zero_stage_trains_and_agrees(reference_runs, shards, tmp_path):
             assert runs[stage][s] == pytest.approx(runs[0][s], rel=2e-3, abs=2e-3), (stage, s)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [3])      # ZeRO 0/2 resume: test_sigusr1_*, test_resume_anywhere
 def test_resume_is_exact(stage, reference_runs, shards, tmp_path):
     """N steps, stop, resume to 2N: the same losses as 2N uninterrupted steps (fp32, to 1e-6)."""
     half = STEPS // 2
@@ -97,32 +97,6 @@ def test_export_loads_and_fills_masks(reference_runs, tmp_path):
         assert len(answers) == 5 and all(0.0 <= a["score"] <= 1.0 for a in answers)
     # the end-of-run export the trainer itself writes
     assert (reference_runs[2] / "hf_final" / "model.safetensors").is_file()
-
-
-def test_beats_unigram_baseline(shards, tmp_path):
-    """A few hundred steps on real text: held-out masked-token accuracy above always guessing the
-    most frequent token."""
-    import numpy as np
-
-    from data_prep.shard_format import iter_blocks, load_manifest
-
-    train(shards, tmp_path, "train.max_steps=300", "train.log_every=50", "train.eval_every=0", "train.eval_batches=0",
-          "model.max_position_embeddings=64", "model.hidden_size=128", "model.intermediate_size=512",
-          "model.hidden_dropout=0", "model.attention_dropout=0", "train.global_batch_size=128",
-          "impl.micro_batch_size=64", "impl.zero_stage=0", "optim.lr=2e-3", "optim.warmup_steps=30", ranks=1)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    eval_acc = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r][-1]
-
-    manifest = load_manifest(shards)
-    special = set(manifest["tokenizer"]["special_ids"].values())
-    counts = np.zeros(manifest["tokenizer"]["vocab_size"], dtype=np.int64)
-    for entry in manifest["shards"]:
-        if entry["split"] == "validation":
-            for ids, _ in iter_blocks(shards / entry["name"], manifest["seq_len"]):
-                counts += np.bincount(ids.ravel(), minlength=len(counts))
-    counts[list(special)] = 0
-    unigram = counts.max() / counts.sum()
-    assert eval_acc > unigram + 0.03, (eval_acc, unigram)   # seen: 0.12 against 0.05
 
 
 def test_bad_input_fails_before_any_process_group(shards, tmp_path, bert_uncased_dir):
