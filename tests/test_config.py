@@ -104,3 +104,23 @@ def test_every_shipped_data_prep_yaml_loads(path):
     from data_prep.settings import load_settings_file
 
     assert load_settings_file(str(path))
+
+
+def test_problems_set_by_an_override_name_it_not_the_yaml():
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/tiny.yaml", ["optim.lr=-1", "impl.zero_stage=5"])
+    text = str(err.value)
+    assert "configs/tiny.yaml with overrides" in text
+    assert "optim.lr: must be positive, got -1.0 (from the override 'optim.lr=-1')" in text
+    assert "(from the override 'impl.zero_stage=5')" in text
+
+
+def test_an_optimiser_deepspeed_hides_is_an_error_not_a_silent_non_skip():
+    import types
+
+    from pretrain.engine import inner_optimizer
+
+    ours = types.SimpleNamespace(skip_next_step=False)
+    assert inner_optimizer(types.SimpleNamespace(optimizer=types.SimpleNamespace(optimizer=ours))) is ours
+    with pytest.raises(RuntimeError, match="non-finite steps could not be skipped"):
+        inner_optimizer(types.SimpleNamespace(optimizer=types.SimpleNamespace(optimizer=None)))
