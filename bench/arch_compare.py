@@ -43,7 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import format_table, load_average, thread_env  # noqa: E402
+from bench.common import ensure_sample_shards, format_table, load_average, thread_env  # noqa: E402
 
 CONFIG = REPO / "configs" / "mini.yaml"
 ARCHS: dict[str, list[str]] = {
@@ -53,23 +53,8 @@ ARCHS: dict[str, list[str]] = {
 
 
 def held_out_shards(folder: Path, seq_len: int) -> Path:
-    """The embedded Wikipedia sample as shards with a validation split (written once per seq_len)."""
-    from data_prep.sample_corpus import bert_uncased_dir, write_sample_corpus
-
-    shards = folder / f"shards-heldout-seq{seq_len}"
-    if (shards / "manifest.json").is_file():
-        return shards
-    corpus = folder / "corpus"
-    if not corpus.is_dir():
-        write_sample_corpus(corpus, "txt", num_files=4)
-    for argv in (["shard", "--input", str(corpus), "--tokenizer", str(bert_uncased_dir()), "--out", str(shards),
-                  "--seq-len", str(seq_len), "--validation-fraction", "0.05"],
-                 ["finalize", str(shards)]):
-        done = subprocess.run([sys.executable, "-m", "data_prep", *argv], cwd=REPO, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"python -m data_prep {' '.join(argv)} failed ({done.returncode}):\n"
-                               f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    return shards
+    """The embedded Wikipedia sample as shards with a validation split (bench.common)."""
+    return ensure_sample_shards(folder, seq_len, validation_fraction=0.05)
 
 
 def matmul_peak(precision: str, threads: int) -> float:

@@ -10,23 +10,26 @@ from typing import Sequence
 REPO = Path(__file__).resolve().parents[1]
 
 
-def ensure_sample_shards(folder: str | os.PathLike, seq_len: int = 128, num_files: int = 4) -> Path:
+def ensure_sample_shards(folder: str | os.PathLike, seq_len: int = 128, num_files: int = 4,
+                         validation_fraction: float = 0.0) -> Path:
     """Shards of the embedded Wikipedia sample (bert-base-uncased vocabulary) in ``folder``, written
     with the real ``data_prep`` CLI (``shard`` then ``finalize``) unless its manifest already exists
-    with this ``seq_len``. Returns the shard folder."""
+    with this ``seq_len``; ``validation_fraction`` of the documents held out for evaluations.
+    Returns the shard folder."""
     import json
 
     from data_prep.sample_corpus import bert_uncased_dir, write_sample_corpus
 
     folder = Path(folder)
-    shards = folder / f"shards-seq{seq_len}"
+    shards = folder / (f"shards-seq{seq_len}" + (f"-val{validation_fraction}" if validation_fraction else ""))
     manifest = shards / "manifest.json"
     if manifest.is_file() and json.loads(manifest.read_text()).get("seq_len") == seq_len:
         return shards
     corpus = folder / "corpus"
-    write_sample_corpus(corpus, "txt", num_files=num_files)
+    if not corpus.is_dir():
+        write_sample_corpus(corpus, "txt", num_files=num_files)
     for argv in (["shard", "--input", str(corpus), "--tokenizer", str(bert_uncased_dir()), "--out", str(shards),
-                  "--seq-len", str(seq_len)],
+                  "--seq-len", str(seq_len), "--validation-fraction", str(validation_fraction)],
                  ["finalize", str(shards)]):
         done = subprocess.run([sys.executable, "-m", "data_prep", *argv], cwd=REPO, capture_output=True, text=True)
         if done.returncode:

@@ -45,29 +45,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import format_table, load_average, thread_env  # noqa: E402
+from bench.common import ensure_sample_shards, format_table, load_average, thread_env  # noqa: E402
 
 CONFIG = REPO / "configs" / "mini.yaml"
 
 
 def sample_shards(folder: Path, seq_len: int = 128, validation_fraction: float = 0.03) -> Path:
-    """The embedded Wikipedia sample (bert-base-uncased vocabulary) sharded with the real data_prep
-    CLI, with a held-out split for the evaluations; reused when its manifest is there."""
-    from data_prep.sample_corpus import bert_uncased_dir, write_sample_corpus
-
-    shards = folder / f"shards-seq{seq_len}-val{validation_fraction}"
-    if (shards / "manifest.json").is_file():
-        return shards
-    corpus = folder / "corpus"
-    write_sample_corpus(corpus, "txt", num_files=4)
-    for argv in (["shard", "--input", str(corpus), "--tokenizer", str(bert_uncased_dir()), "--out", str(shards),
-                  "--seq-len", str(seq_len), "--validation-fraction", str(validation_fraction)],
-                 ["finalize", str(shards)]):
-        done = subprocess.run([sys.executable, "-m", "data_prep", *argv], cwd=REPO, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"python -m data_prep {' '.join(argv)} failed ({done.returncode}):\n"
-                               f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    return shards
+    """The embedded Wikipedia sample with a held-out split for the evaluations (bench.common)."""
+    return ensure_sample_shards(folder, seq_len, validation_fraction=validation_fraction)
 
 
 # ------------------------------------------------------------------------------------------ HF
