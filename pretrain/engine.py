@@ -182,3 +182,15 @@ def rank0_value(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def release_shared_memory() -> None:
+    """DeepSpeed's CPU shared-memory all-reduce creates one /dev/shm segment per rank and never
+    removes it (64 MiB each): on a machine that runs many jobs they fill /dev/shm, which is RAM.
+    Unlinking our own segment at exit is safe: peers mapped it at start, and mappings outlive names."""
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{os.environ.get('RANK', '0')}")
+    try:
+        os.unlink(name)
+    except OSError:
+        pass

@@ -375,6 +375,7 @@ def main(argv=None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        eng.release_shared_memory()
 
 
 if __name__ == "__main__":

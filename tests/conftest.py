@@ -23,6 +23,23 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("MLM_PRETRAIN_CACHE", tempfile.mkdtemp(prefix="mlm-pretrain-cache-"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left_behind():
+    """Ranks that a test kills cannot release DeepSpeed's /dev/shm segments (64 MiB each, RAM):
+    remove the ones this session created, so that a long suite does not fill the machine's memory."""
+    import glob
+    import time
+
+    start = time.time()
+    yield
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*"):
+        try:
+            if os.stat(path).st_mtime >= start:
+                os.unlink(path)
+        except OSError:
+            pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
