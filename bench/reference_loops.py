@@ -30,22 +30,24 @@ def _write_result(spec: dict, ends: list[float], cpu: list[float], loss: float) 
         {"step_end_unix": ends, "step_end_cpu": cpu, "final_loss": loss}))
 
 
-def hf_worker(spec: dict) -> None:
+def hf_mlm_trainer(shards: Path, cfg, batch_size: int, precision: str, threads: int, out_dir: str | Path,
+                   callbacks: list, **training_args):
+    """The Hugging Face recipe both benches compare with (``run_mlm.py``): ``Trainer`` +
+    ``DataCollatorForLanguageModeling(mlm_probability=masking.rate)`` over the shards' train
+    ``input_ids``, ``BertForMaskedLM`` from the same ``BertConfig`` as ours (SDPA), the optimiser
+    hyperparameters of ``cfg.optim``. ``training_args`` add to or replace ``TrainingArguments``."""
     import numpy as np
     import torch
     from transformers import (AutoTokenizer, BertForMaskedLM, DataCollatorForLanguageModeling, Trainer,
-                              TrainerCallback, TrainingArguments)
+                              TrainingArguments)
 
     from data_prep.shard_format import iter_blocks, load_manifest
-    from pretrain.config import load_config
     from pretrain.masking import SpecialIds
     from pretrain.model import bert_config
 
-    torch.set_num_threads(spec["threads"])
-    shards = Path(spec["shards"])
+    torch.set_num_threads(threads)
     manifest = load_manifest(shards)
     special = SpecialIds.from_manifest(manifest)
-    cfg = load_config(spec["config"], spec["overrides"])
     ids = np.concatenate([block for entry in sorted(manifest["shards"], key=lambda s: s["name"])
                           if entry["split"] == "train"
                           for block, _ in iter_blocks(shards / entry["name"], manifest["seq_len"])])
@@ -58,6 +60,29 @@ def hf_worker(spec: dict) -> None:
         def __getitem__(self, i):
             return {"input_ids": ids[i], "attention_mask": (ids[i] != special.pad).long()}
 
+    tokenizer = AutoTokenizer.from_pretrained(shards / manifest["tokenizer"]["path"])
+    if tokenizer.mask_token_id != special.mask or len(tokenizer) != manifest["tokenizer"]["vocab_size"]:
+        raise RuntimeError(f"{shards}: the shard folder's tokenizer disagrees with its manifest")
+    torch.manual_seed(cfg.train.seed)
+    model = BertForMaskedLM(bert_config(cfg.model, manifest["tokenizer"]["vocab_size"], special, "sdpa"))
+    o = cfg.optim
+    kwargs = dict(output_dir=str(out_dir), per_device_train_batch_size=batch_size, learning_rate=o.lr,
+                  weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_epsilon=o.eps,
+                  max_grad_norm=o.grad_clip, warmup_steps=o.warmup_steps, lr_scheduler_type=o.schedule,
+                  optim="adamw_torch", bf16=precision == "bf16", use_cpu=not torch.cuda.is_available(),
+                  seed=cfg.train.seed, dataloader_num_workers=0, save_strategy="no", report_to="none",
+                  disable_tqdm=True)
+    trainer = Trainer(model=model, args=TrainingArguments(**(kwargs | training_args)), train_dataset=Sequences(),
+                      data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=cfg.masking.rate),
+                      callbacks=callbacks)
+    return trainer, tokenizer
+
+
+def hf_worker(spec: dict) -> None:
+    from transformers import TrainerCallback
+
+    from pretrain.config import load_config
+
     class StepTimer(TrainerCallback):
         def __init__(self):
             self.ends: list[float] = []
@@ -67,24 +92,11 @@ def hf_worker(spec: dict) -> None:
             self.ends.append(time.time())
             self.cpu.append(time.process_time())
 
-    tokenizer = AutoTokenizer.from_pretrained(shards / manifest["tokenizer"]["path"])
-    if tokenizer.mask_token_id != special.mask or len(tokenizer) != manifest["tokenizer"]["vocab_size"]:
-        raise RuntimeError(f"{shards}: the shard folder's tokenizer disagrees with its manifest")
-    torch.manual_seed(cfg.train.seed)
-    model = BertForMaskedLM(bert_config(cfg.model, manifest["tokenizer"]["vocab_size"], special, "sdpa"))
-    o = cfg.optim
-    targs = TrainingArguments(
-        output_dir=spec["out_dir"], max_steps=spec["steps"], per_device_train_batch_size=spec["batch_size"],
-        gradient_accumulation_steps=spec["grad_accum"], learning_rate=o.lr, weight_decay=o.weight_decay,
-        adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_epsilon=o.eps, max_grad_norm=o.grad_clip,
-        warmup_steps=o.warmup_steps, lr_scheduler_type=o.schedule, optim=spec["optim"],
-        bf16=spec["precision"] == "bf16", use_cpu=True, seed=cfg.train.seed, dataloader_num_workers=0,
-        logging_strategy="steps", logging_steps=spec["warmup_steps"], save_strategy="no", report_to="none",
-        disable_tqdm=True)
     timer = StepTimer()
-    trainer = Trainer(model=model, args=targs, train_dataset=Sequences(),
-                      data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=cfg.masking.rate),
-                      callbacks=[timer])
+    trainer, _ = hf_mlm_trainer(Path(spec["shards"]), load_config(spec["config"], spec["overrides"]),
+                                spec["batch_size"], spec["precision"], spec["threads"], spec["out_dir"], [timer],
+                                max_steps=spec["steps"], gradient_accumulation_steps=spec["grad_accum"],
+                                optim=spec["optim"], logging_strategy="steps", logging_steps=spec["warmup_steps"])
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     _write_result(spec, timer.ends, timer.cpu, losses[-1] if losses else float("nan"))

@@ -89,7 +89,7 @@ def build(config: Path, overrides: list[str], shards: Path, *, bare: bool = Fals
         engine = None
     else:
         engine, scheduler, _, optimizer = eng.initialize(model, cfg, info, precision)
-        if cfg.compile_now(cfg.train.max_steps):
+        if cfg.compile_now(cfg.train.max_steps, info.device.type, precision):
             engine.compile()
     return Setup(cfg, special, info, precision, model, engine, optimizer, scheduler, batches, manifest["seq_len"])
 

@@ -4,13 +4,15 @@
     python bench/time_to_quality.py --minutes 0.5 --out /tmp/ttq             # smoke test
 
 One machine, one command, one run after the other, world size 1, the same shards (the embedded
-Wikipedia sample, bert-base-uncased vocabulary, seq len 128; or ``--data``), the same model
+Wikipedia sample, bert-base-uncased vocabulary, seq len 128; or ``--data``), the same model shape
 (``configs/mini.yaml``: 4 layers x 256), micro-batch, optimiser settings and precision:
 
 * ``hf``: ``transformers.Trainer`` + ``DataCollatorForLanguageModeling(mlm_probability=0.15)``,
-  ``BertForMaskedLM`` built from the same ``BertConfig``, ``optim="adamw_torch"``: what users
-  would otherwise run (``run_mlm.py``).
-* ``ours``: ``python -m pretrain.train --config configs/mini.yaml`` (ZeRO 0, no tracking).
+  ``BertForMaskedLM`` built from the same ``BertConfig`` with BERT's dropout 0.1 (``HF_RECIPE``),
+  ``optim="adamw_torch"``: what users would otherwise run (``run_mlm.py``).
+* ``ours``: ``python -m pretrain.train --config configs/mini.yaml`` (ZeRO 0, no tracking), our
+  recipe: no dropout. ``--ours-overrides model.hidden_dropout=0.1 model.attention_dropout=0.1``
+  compares at equal dropout; ``--reuse-hf`` takes the HF run of an earlier results.json.
 
 The learning rate is constant after warm-up in both (``constant_with_warmup`` / ``optim.schedule=
 constant``): with a wall-clock budget the step count is not known in advance, and a decay tied to a
@@ -48,6 +50,9 @@ sys.path.insert(0, str(REPO))
 from bench.common import ensure_sample_shards, format_table, load_average, thread_env  # noqa: E402
 
 CONFIG = REPO / "configs" / "mini.yaml"
+# The model users would otherwise train: mini's shape with BertConfig's own dropout, which
+# run_mlm.py keeps when it pretrains from scratch (mini.yaml has none: our recipe).
+HF_RECIPE = ("model.hidden_dropout=0.1", "model.attention_dropout=0.1")
 
 
 def sample_shards(folder: Path, seq_len: int = 128, validation_fraction: float = 0.03) -> Path:
@@ -60,35 +65,18 @@ def sample_shards(folder: Path, seq_len: int = 128, validation_fraction: float =
 
 def hf_worker(spec: dict) -> None:
     """The HF run, in a child process of its own (fresh thread pools), writing curve.json and hf/."""
-    import numpy as np
     import torch
-    from transformers import (AutoTokenizer, BertForMaskedLM, DataCollatorForLanguageModeling, Trainer,
-                              TrainerCallback, TrainingArguments)
+    from transformers import TrainerCallback
 
-    from data_prep.shard_format import iter_blocks, load_manifest
+    from bench.reference_loops import hf_mlm_trainer
+    from data_prep.shard_format import load_manifest
     from pretrain.config import load_config
     from pretrain.evaluate import mlm_eval_model
-    from pretrain.masking import SpecialIds
-    from pretrain.model import bert_config
 
-    torch.set_num_threads(spec["threads"])
     shards, out = Path(spec["shards"]), Path(spec["out_dir"])
     manifest = load_manifest(shards)
-    special = SpecialIds.from_manifest(manifest)
-    cfg = load_config(str(CONFIG), [f"data.dir={shards}"])
-    ids = np.concatenate([block for entry in sorted(manifest["shards"], key=lambda s: s["name"])
-                          if entry["split"] == "train"
-                          for block, _ in iter_blocks(shards / entry["name"], manifest["seq_len"])])
-    ids = torch.from_numpy(ids.astype(np.int64))
+    cfg = load_config(str(CONFIG), [f"data.dir={shards}", *HF_RECIPE])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-    class Sequences(torch.utils.data.Dataset):
-        def __len__(self):
-            return len(ids)
-
-        def __getitem__(self, i):
-            return {"input_ids": ids[i], "attention_mask": (ids[i] != special.pad).long()}
-
     tokens_per_step = spec["batch_size"] * manifest["seq_len"]
 
     class Budget(TrainerCallback):
@@ -117,25 +105,13 @@ def hf_worker(spec: dict) -> None:
                 control.should_training_stop = True
             self.mark = time.perf_counter()
 
-    tokenizer = AutoTokenizer.from_pretrained(shards / manifest["tokenizer"]["path"])
-    if tokenizer.mask_token_id != special.mask or len(tokenizer) != manifest["tokenizer"]["vocab_size"]:
-        raise RuntimeError(f"{shards}: the shard folder's tokenizer disagrees with its manifest")
-    torch.manual_seed(cfg.train.seed)
-    model = BertForMaskedLM(bert_config(cfg.model, manifest["tokenizer"]["vocab_size"], special, "sdpa"))
-    o = cfg.optim
-    targs = TrainingArguments(
-        output_dir=str(out / "trainer"), max_steps=10**7, per_device_train_batch_size=spec["batch_size"],
-        learning_rate=o.lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
-        adam_epsilon=o.eps, max_grad_norm=o.grad_clip, warmup_steps=o.warmup_steps,
-        lr_scheduler_type="constant_with_warmup", optim="adamw_torch", bf16=spec["precision"] == "bf16",
-        use_cpu=device.type == "cpu", seed=cfg.train.seed, dataloader_num_workers=0, logging_strategy="no",
-        save_strategy="no", report_to="none", disable_tqdm=True)
     budget = Budget()
-    trainer = Trainer(model=model, args=targs, train_dataset=Sequences(),
-                      data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15),
-                      callbacks=[budget])
+    # constant after warm-up: with a wall-clock budget the step count is not known in advance
+    trainer, tokenizer = hf_mlm_trainer(shards, cfg, spec["batch_size"], spec["precision"], spec["threads"],
+                                        out / "trainer", [budget], max_steps=10**7,
+                                        lr_scheduler_type="constant_with_warmup", logging_strategy="no")
     trainer.train()
-    model.float().save_pretrained(out / "hf")
+    trainer.model.float().save_pretrained(out / "hf")
     tokenizer.save_pretrained(out / "hf")
     (out / "curve.json").write_text(json.dumps(budget.curve))
 
@@ -314,6 +290,21 @@ def report(results: dict, out: Path) -> str:
     return text
 
 
+SAME_RUN_KEYS = ("data", "work_dir", "minutes", "batch_size", "precision", "threads", "eval_every", "eval_batches")
+
+
+def reused_hf_run(args, parser) -> dict:
+    prior = json.loads(Path(args.reuse_hf).read_text())
+    differ = [f"--{k.replace('_', '-')} {prior['args'].get(k)} there, {getattr(args, k)} here"
+              for k in SAME_RUN_KEYS if prior["args"].get(k) != getattr(args, k)]
+    if differ:
+        parser.error(f"--reuse-hf {args.reuse_hf}: not the same HF run: " + "; ".join(differ))
+    if not Path(prior["hf"]["hf_dir"], "config.json").exists():
+        parser.error(f"--reuse-hf {args.reuse_hf}: its HF model {prior['hf']['hf_dir']} is gone")
+    print(f"hf: reused from {args.reuse_hf} ({prior['setup']})", flush=True)
+    return {k: prior["hf"][k] for k in ("curve", "hf_dir", "wall_s", "load_after")} | {"reused_from": args.reuse_hf}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=10.0, help="training-time budget of each run (default 10)")
@@ -328,6 +319,9 @@ def main(argv=None) -> int:
     p.add_argument("--log-every", type=int, default=10, help="our trainer's logging window (divides --eval-every)")
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per periodic evaluation")
     p.add_argument("--ours-overrides", nargs="*", default=[], help="extra dotted overrides for our trainer")
+    p.add_argument("--reuse-hf", metavar="RESULTS_JSON",
+                   help="an earlier results.json from this machine: take its HF run (same data, budget, batch, "
+                        "precision, threads, evaluation) instead of training it again, to compare our settings")
     p.add_argument("--hf-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.hf_worker:
@@ -361,12 +355,17 @@ def main(argv=None) -> int:
     tasks = prepare_tasks([DownstreamTaskConfig(path="word_order", max_examples=1500, max_length=64),
                            DownstreamTaskConfig(path=str(articles), name="articles", max_length=64)],
                           shards / manifest["tokenizer"]["path"], data_dir=str(shards), manifest=manifest)
-    setup = (f"shards {shards} (seq {manifest['seq_len']}); configs/mini.yaml; batch {args.batch_size}; "
+    setup = (f"shards {shards} (seq {manifest['seq_len']}); configs/mini.yaml (HF: {' '.join(HF_RECIPE)}); "
+             f"batch {args.batch_size}; "
              f"{args.precision}; {args.threads} threads; budget {args.minutes} min of training time each; "
-             f"eval every {args.eval_every} steps on {args.eval_batches} batches; load {load_average()}")
+             f"eval every {args.eval_every} steps on {args.eval_batches} batches; load {load_average()}"
+             + (f"; ours with {' '.join(args.ours_overrides)}" if args.ours_overrides else ""))
     print(setup, flush=True)
     results = {"setup": setup, "args": vars(args)}
     for name, run in (("hf", run_hf), ("ours", run_ours)):
+        if name == "hf" and args.reuse_hf:
+            results["hf"] = reused_hf_run(args, p)
+            continue
         results[name] = run(args, shards)
         results[name]["load_after"] = load_average()
         c = results[name]["curve"][-1]

@@ -238,7 +238,8 @@ class ImplConfig:
     attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
     sparse_head: bool = True           # the MLM head only at masked positions
     # torch.compile the model. auto: only when this launch has at least COMPILE_AUTO_MIN_STEPS steps
-    # to run, where the start-up (20 s to minutes) pays for itself (~25% faster steps measured).
+    # to run, where the start-up (20 s to minutes) pays for itself, and not for fp32 on a CPU, where
+    # compiled steps are slower (Config.compile_now).
     compile: Union[Literal["auto"], bool] = "auto"
     # auto/true: the fused kernel the device has (DeepSpeed FusedAdam/FusedLamb on CUDA, torch's fused
     # AdamW on the CPU); false: torch's multi-tensor AdamW / our LAMB. YAML's on/off read as booleans.
@@ -356,8 +357,12 @@ class Config:
                             "runs Adam only; use optim.name=adamw or turn the offload off")
         return problems
 
-    def compile_now(self, steps_left: int) -> bool:
+    def compile_now(self, steps_left: int, device_type: str, precision: str) -> bool:
         if self.impl.compile == "auto":
+            # fp32 on a CPU: inductor's steps measured 5% slower than eager (bench/, BENCHMARKS.md);
+            # the matmuls it leaves to the same kernels dominate, and what it fuses is cheap there.
+            if device_type == "cpu" and precision == "fp32":
+                return False
             return steps_left >= COMPILE_AUTO_MIN_STEPS
         return bool(self.impl.compile)
 

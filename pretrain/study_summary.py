@@ -116,8 +116,9 @@ def plot_eval_loss(path: Path, curves: dict[str, tuple[list, list]], title: str)
 
 
 def plot_probe_accuracy(path: Path, table: list[dict], title: str) -> None:
-    """Final ``downstream/<task>/accuracy`` per variant, grouped by task; a task's logged baselines
-    (any ``downstream/<task>/...baseline...`` key with 'acc' in it) as dashed lines."""
+    """Final ``downstream/<task>/accuracy`` per variant, grouped by task, with the task's logged
+    baselines (``downstream/<task>/<name>_accuracy``: random init, majority class) as dashed lines.
+    The y axis starts just below the lowest bar or baseline, so differences of a point show."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,23 +126,29 @@ def plot_probe_accuracy(path: Path, table: list[dict], title: str) -> None:
 
     tasks = sorted({k.split("/")[1] for row in table for k in row
                     if k.startswith("downstream/") and k.endswith("/accuracy") and row[k] is not None})
-    fig, ax = plt.subplots(figsize=(max(6, 1.5 + len(table) * max(len(tasks), 1) * 0.5), 5))
+    fig, ax = plt.subplots(figsize=(max(6, 1.5 + len(table) * max(len(tasks), 1) * 0.5) + 3, 5))
     width = 0.8 / max(len(table), 1)
+    shown = []
     for t, task in enumerate(tasks):
         for i, row in enumerate(table):
             value = row.get(f"downstream/{task}/accuracy")
             if value is not None:
-                ax.bar(t + (i - (len(table) - 1) / 2) * width, value, width, color=f"C{i}",
-                       label=row["variant"] if t == 0 else None)
+                x = t + (i - (len(table) - 1) / 2) * width
+                ax.bar(x, value, width, color=f"C{i}", label=row["variant"] if t == 0 else None)
+                ax.text(x, value, f"{value:.3f}", fontsize=7, ha="center", va="bottom")
+                shown.append(value)
         for key in sorted({k for row in table for k in row if k.startswith(f"downstream/{task}/")
-                           and "baseline" in k and "acc" in k}):
+                           and k.endswith("_accuracy")}):
             base = next((row[key] for row in table if row.get(key) is not None), None)
             if base is not None:
                 ax.hlines(base, t - 0.45, t + 0.45, colors="k", linestyles="dashed")
-                ax.text(t + 0.45, base, key.split("/")[-1], fontsize=7, va="bottom", ha="right")
+                ax.text(t + 0.45, base, key.split("/")[-1].removesuffix("_accuracy"), fontsize=7, va="bottom",
+                        ha="right")
+                shown.append(base)
     if tasks:
         ax.set_xticks(range(len(tasks)), tasks)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        ax.set_ylim(max(0.0, min(shown) - 0.05), min(1.0, max(shown) + 0.05))
     else:
         ax.text(0.5, 0.5, "no downstream/<task>/accuracy metric in any variant", ha="center", va="center",
                 transform=ax.transAxes)

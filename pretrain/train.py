@@ -144,7 +144,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
     resume_from = eng.rank0_value(resume_from)     # the first rank chose it, holding the run lock
     if resume_from:
         state.load_state_dict(checkpointing.load(engine, cfg, resume_from)[STATE_KEY])
-    if cfg.compile_now(cfg.train.max_steps - state.step):
+    if cfg.compile_now(cfg.train.max_steps - state.step, device.type, precision):
         engine.compile()
     grad_accum = cfg.grad_accum_steps(world)
     stream = TrainStream(cfg.data.dir, manifest, cfg.data.train_split, rank, world, cfg.impl.micro_batch_size,

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 def test_demo_learns_and_beats_its_baselines(tmp_path):
     env = {**os.environ, "WORK": str(tmp_path / "data"), "RUN": str(tmp_path / "run"), "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(["bash", "launchers/demo.sh", "train.max_steps=20", "train.checkpoint_every=0"],
+    proc = subprocess.run(["bash", "launchers/demo.sh", "train.max_steps=20", "optim.warmup_steps=4", "train.checkpoint_every=0"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
