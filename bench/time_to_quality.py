@@ -313,7 +313,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="/tmp/bench_time_to_quality/results", help="results.json, results.md, plot")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step (configs/mini.yaml's micro-batch)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default=None,
-                   help="default: bf16 where the CPU has it natively (avx512_bf16) or on a GPU, else fp32")
+                   help="default: what the trainer's impl.precision=auto picks (bf16 where native, else fp32)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--eval-every", type=int, default=50, help="steps between periodic evaluations")
     p.add_argument("--log-every", type=int, default=10, help="our trainer's logging window (divides --eval-every)")
@@ -332,8 +332,9 @@ def main(argv=None) -> int:
     import torch
 
     if args.precision is None:
-        native = torch.cuda.is_available() or torch.cpu._is_avx512_bf16_supported()
-        args.precision = "bf16" if native else "fp32"
+        from pretrain.hardware import auto_precision
+
+        args.precision = auto_precision(torch.device("cuda" if torch.cuda.is_available() else "cpu"))[0]
     os.environ.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"

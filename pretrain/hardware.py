@@ -114,12 +114,17 @@ def bf16_slowdown(device: torch.device, size: int = 256, seconds: float = 0.1) -
     return fp32 / max(bf16, 1e-12)
 
 
+def auto_precision(device: torch.device) -> tuple[str, str]:
+    """What ``impl.precision=auto`` picks on ``device``, and why: bf16 where it is native, else fp32."""
+    native, why = native_bf16(device)
+    return ("bf16", f"auto: bf16, {why}") if native else ("fp32", f"auto: fp32, {why}")
+
+
 def resolve_precision(wanted: str, device: torch.device) -> tuple[str, str]:
     """(precision to use, the reason, for the log). ``fp16`` on a CPU is a config error, caught
     before any process group starts (``precision_problems``)."""
     if wanted == "auto":
-        native, why = native_bf16(device)
-        return ("bf16", f"auto: bf16, {why}") if native else ("fp32", f"auto: fp32, {why}")
+        return auto_precision(device)
     if wanted == "bf16" and device.type == "cpu":
         native, why = native_bf16(device)
         if not native:

@@ -151,9 +151,7 @@ def layout_problems(cfg: Config, root: Path, tag: str) -> list[str]:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # What auto will pick, without resolve_precision's timed check and warning (fit() does those once).
-    precision = cfg.impl.precision
-    if precision == "auto":
-        precision = "bf16" if hardware.native_bf16(device)[0] else "fp32"
+    precision = hardware.auto_precision(device)[0] if cfg.impl.precision == "auto" else cfg.impl.precision
     wanted = reshard.wanted_layout(cfg.world_size(), cfg.impl.zero_stage, precision, cfg.impl.offload_optimizer,
                                    cfg.optim.name)
     return [f"train.resume={tag}: {p}" for p in reshard.check_convertible(saved, wanted)]
