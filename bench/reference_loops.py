@@ -92,6 +92,9 @@ def hf_worker(spec: dict) -> None:
             self.ends.append(time.time())
             self.cpu.append(time.process_time())
 
+    if spec.get("keep_freed_memory"):          # what our trainer does on a CPU, for comparison
+        from pretrain.hardware import keep_freed_cpu_memory
+        keep_freed_cpu_memory()
     timer = StepTimer()
     trainer, _ = hf_mlm_trainer(Path(spec["shards"]), load_config(spec["config"], spec["overrides"]),
                                 spec["batch_size"], spec["precision"], spec["threads"], spec["out_dir"], [timer],

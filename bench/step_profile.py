@@ -100,6 +100,7 @@ PHASES = ["data", "mask", "all_reduce", "forward", "backward", "step"]
 def timed_step(s: Setup, step: int) -> list[float]:
     """One optimiser step of one micro-batch, the calls of ``pretrain.train.train_step`` in the same
     order, each timed; returns the phases' seconds."""
+    from pretrain import engine as eng
     from pretrain.masking import mask_batch
     from pretrain.seeds import derive_seed
 
@@ -118,7 +119,8 @@ def timed_step(s: Setup, step: int) -> list[float]:
     t.append(_clock())
     torch.manual_seed(derive_seed("dropout", s.cfg.train.seed, step, 0, 0))
     if s.engine is not None:
-        loss_sum, _, _ = s.engine(m.input_ids, attention_mask, m.positions, m.labels)
+        with eng.eager_forward(s.engine, eager=attention_mask is not None):
+            loss_sum, _, _ = s.engine(m.input_ids, attention_mask, m.positions, m.labels)
         t.append(_clock())
         s.engine.backward(loss_sum * scale)
         t.append(_clock())

@@ -80,6 +80,8 @@ VARIANTS: dict[str, Variant] = {
                   options=(("optim", "adamw_torch"),)),
     "hf-fused": Variant("HF Trainer, optim=adamw_torch_fused (HF's default)", "hf", dense_head=True,
                         options=(("optim", "adamw_torch_fused"),)),
+    "hf-keepmem": Variant("HF Trainer, with our keep_freed_cpu_memory() (not HF's default)", "hf", dense_head=True,
+                          options=(("optim", "adamw_torch"), ("keep_freed_memory", True))),
     "ours": Variant("ours, eager, sparse head", "ours"),
     "ours-dense": Variant("ours, eager, dense head", "ours", ("impl.sparse_head=false",), dense_head=True),
     "ours-compile": Variant("ours, torch.compile, sparse head", "ours", ("impl.compile=true",)),
@@ -147,7 +149,7 @@ def base_overrides(args, plan: Plan, shards: Path, out_dir: Path) -> list[str]:
             f"train.global_batch_size={plan.batch_size * args.grad_accum}",
             f"impl.micro_batch_size={plan.batch_size}", "impl.zero_stage=0", "impl.num_workers=0",
             f"impl.precision={args.precision}", "impl.compile=false", "tracking.backend=none",
-            *SHAPES[plan.shape][1]]
+            *SHAPES[plan.shape][1], *args.set]
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -319,6 +321,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1,
                    help="runs per variant, round-robin; the fastest counts (a shared machine only slows runs down)")
     p.add_argument("--peak-seconds", type=float, default=2.0, help="matmul peak measurement length")
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="config overrides for every row, HF's model included (e.g. model.hidden_dropout=0.1)")
     p.add_argument("--keep", action="store_true", help="keep checkpoints and exports of our runs")
     p.add_argument("--json", help="also write the machine record and raw measurements here")
     mode = p.add_mutually_exclusive_group()
@@ -357,7 +361,8 @@ def main(argv=None) -> int:
     results: dict[str, list[Row]] = {}
     for plan in plans(args):
         print(f"\n{plan.shape} ({plan.config.name}): batch {plan.batch_size} x accum {args.grad_accum} x seq {seq_len}, "
-              f"{args.precision}, {args.threads} threads, {plan.steps} steps ({plan.warmup_steps} warm-up)", flush=True)
+              f"{args.precision}, {args.threads} threads, {plan.steps} steps ({plan.warmup_steps} warm-up)"
+              + (f", with {' '.join(args.set)}" if args.set else ""), flush=True)
         rows = {v: Row(v, plan.shape) for v in args.variants}
         for rep in range(args.repeats):
             for v in args.variants:

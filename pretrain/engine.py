@@ -139,6 +139,19 @@ def inner_optimizer(engine) -> torch.optim.Optimizer:
     return opt
 
 
+def eager_forward(engine, eager: bool):
+    """Run a compiled engine's forward (and so its backward) eagerly when ``eager``.
+
+    A compiled model is traced once, for full rows (``attention_mask`` None) in training mode. The
+    rare padded batch (a data-prep task's last row) and evaluation (no grad, eval mode, a few
+    batches) would each make torch.compile build and keep another graph, tens of seconds of
+    compilation inside the run for a handful of batches; eagerly they cost no compilation at all.
+    Eager and compiled compute the same maths, so resume stays exact either way."""
+    if not eager or not getattr(engine, "is_compiled", False) or not hasattr(torch.compiler, "set_stance"):
+        return contextlib.nullcontext()     # torch < 2.6 has no stance: it recompiles, as before
+    return torch.compiler.set_stance("force_eager")
+
+
 def num_parameters(module: torch.nn.Module) -> int:
     """Whole-model count also at ZeRO-3, where each rank holds only a partition."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())

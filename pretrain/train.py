@@ -90,7 +90,8 @@ def train_step(engine, optimizer, micro_batches: list[dict], step: int, cfg: Con
     grad_norm = None
     for i, (m, attention_mask, tokens) in enumerate(masked):
         torch.manual_seed(derive_seed("dropout", cfg.train.seed, step, rank, i))   # resume-exact dropout
-        loss_sum, correct, count = engine(m.input_ids, attention_mask, m.positions, m.labels)
+        with eng.eager_forward(engine, eager=attention_mask is not None):
+            loss_sum, correct, count = engine(m.input_ids, attention_mask, m.positions, m.labels)
         flags[0] = torch.maximum(flags[0], (~torch.isfinite(loss_sum.detach())).float())
         sums[:3] += torch.stack([loss_sum.detach().double(), correct.double(), count.double()])
         sums[3] += tokens
@@ -136,6 +137,8 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
         stop: StopSignal) -> int:
     rank, world, device = info.rank, info.world, info.device
     precision, why = hardware.resolve_precision(cfg.impl.precision, device)
+    if device.type == "cpu":
+        hardware.keep_freed_cpu_memory()        # no page faults on every step's large tensors
     special, seq_len = SpecialIds.from_manifest(manifest), manifest["seq_len"]
     torch.manual_seed(cfg.train.seed)                       # identical initial weights on every rank
     model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl, seq_len=seq_len)
@@ -312,7 +315,8 @@ def evaluate(engine, cfg: Config, manifest: dict, special: SpecialIds, info: eng
         ids = batch["input_ids"].to(info.device)
         m = mask_batch(ids, batch["word_starts"].to(info.device), special, mcfg,
                        sample_ids=batch["sample_ids"].to(info.device), step=0)
-        loss_sum, correct, count = engine(m.input_ids, ids != special.pad, m.positions, m.labels)
+        with eng.eager_forward(engine, eager=True):
+            loss_sum, correct, count = engine(m.input_ids, ids != special.pad, m.positions, m.labels)
         sums += torch.stack([loss_sum.double(), correct.double(), count.double()])
     dist.all_reduce(sums)
     engine.train()

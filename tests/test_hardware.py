@@ -107,3 +107,35 @@ def test_an_mfu_above_one_is_reported_naming_the_peak(caplog):
         check(1.7)
         check(1.8)
     assert len(caplog.records) == 1 and "0.010 TFLOP/s" in caplog.records[0].message
+
+
+def test_freed_cpu_memory_is_reused_without_page_faults():
+    """Steps allocate the same large tensors again and again (75 MB of logits on mini). glibc's
+    default unmaps them on free, so each step faults them back in; after keep_freed_cpu_memory
+    (called at start-up, as the trainer does) the memory is reused."""
+    import subprocess
+    import sys
+
+    probe = r"""
+import resource, sys, torch
+from pretrain import hardware
+kept = hardware.keep_freed_cpu_memory() if sys.argv[1] == "keep" else False
+def faults_per_allocation():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(4):
+        torch.empty(20_000_000).fill_(1.0)            # 80 MB, freed at once
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4
+print(kept, [faults_per_allocation() for _ in range(8)][-1])     # settled after a few
+"""
+
+    def steady_faults(mode: str) -> tuple[bool, float]:
+        out = subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True,
+                             check=True).stdout.split()
+        return out[0] == "True", float(out[1])
+
+    kept, after = steady_faults("keep")
+    if not kept:
+        pytest.skip("the C library is not glibc")
+    _, default = steady_faults("default")
+    assert default > 15_000                              # 80 MB in 4 KiB pages, faulted in each time
+    assert after < 0.05 * default

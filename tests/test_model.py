@@ -1,6 +1,7 @@
 """The model with a sparse MLM head, its Hugging Face export, and the FLOP counter."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -188,3 +189,53 @@ def test_measured_matmul_peak_cpu():
     torch.manual_seed(0)
     peak = measure_matmul_peak_tflops("cpu", torch.float32, seconds=0.2, size=256)
     assert 1e-4 < peak < 20, peak
+
+
+def test_compiled_model_keeps_one_graph_for_padded_and_eval_batches(rows):
+    """A compiled run traces full rows in training mode once; the padded batch and evaluation run
+    eagerly (``engine.eager_forward``) instead of compiling more graphs, with the same losses."""
+    from torch._dynamo.utils import counters
+
+    from pretrain.engine import eager_forward
+
+    ids, m = masked(rows)
+    full = slice(0, len(ids) - 1)                             # rows packed full: no mask
+    n = (len(ids) - 1) * ids.shape[1]
+    full_pos, full_labels = m.positions[m.positions < n], m.labels[m.positions < n]
+    torch.manual_seed(0)                                      # no dropout: equal losses to compare
+    model = build_model(dataclasses.replace(TINY, hidden_dropout=0.0, attention_dropout=0.0), VOCAB, SPECIAL,
+                        ImplConfig())
+    reference = [model(m.input_ids[full], None, full_pos, full_labels)[0].detach(),
+                 model(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)[0].detach()]
+
+    class CompiledEngine(torch.nn.Module):                   # what DeepSpeed's engine.compile() leaves
+        is_compiled = True
+
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+            self.module.compile(backend="aot_eager")         # graph capture without inductor's codegen
+
+        def forward(self, *args):
+            return self.module(*args)
+
+    torch._dynamo.reset()
+    counters.clear()
+    engine = CompiledEngine(model)
+    for _ in range(2):
+        loss, _, _ = engine(m.input_ids[full], None, full_pos, full_labels)
+        loss.backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    with eager_forward(engine, eager=True):                   # the padded batch
+        padded, _, _ = engine(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)
+    padded.backward()
+    engine.eval()
+    with torch.no_grad(), eager_forward(engine, eager=True):  # evaluation
+        engine(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert torch.allclose(loss.detach(), reference[0], rtol=1e-5)
+    assert torch.allclose(padded.detach(), reference[1], rtol=1e-5)
+    with eager_forward(engine, eager=False):                  # without the stance: a second graph
+        engine(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)
+    assert counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()
