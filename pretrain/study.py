@@ -69,7 +69,7 @@ class ParentRun:
         self.enabled = base.tracking.backend == "mlflow"
         self.uri = ""
         if self.enabled:
-            from pretrain.tracking.mlflow_tracker import default_local_store
+            from pretrain.tracking.mlflow_requests import default_local_store
 
             self.uri = base.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
             self.artifact_root = None

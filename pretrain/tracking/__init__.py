@@ -1,5 +1,6 @@
 """Experiment tracking, on rank 0 only: the interface and a no-op (``base``), the ``metrics.jsonl``
-writer (``jsonl``), and MLflow (``mlflow_tracker``, imported only when used)."""
+writer (``jsonl``), and MLflow (``mlflow_tracker``, with the requests it may send in
+``mlflow_requests``; imported only when used)."""
 from __future__ import annotations
 
 import sys

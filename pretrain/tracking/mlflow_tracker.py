@@ -22,16 +22,9 @@ import json
 import logging
 import math
 import os
-import re
-import shlex
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional
 
@@ -42,16 +35,12 @@ from mlflow.tracking import MlflowClient
 from data_prep.atomic import write_atomic
 from pretrain.configlib import flatten
 from pretrain.tracking.base import Tracker
+from pretrain.tracking.mlflow_requests import (MAX_BATCH_BYTES, MAX_ENTITIES_PER_BATCH, MAX_METRICS_PER_BATCH,
+                                               MAX_PARAMS_TAGS_PER_BATCH, MAX_TAG_VAL_LENGTH, METRIC_NAME,
+                                               environment_tags, limit_http_retries, longer_http_timeout,
+                                               param_value, resolve_tracking_uri, retriable, short_reason)
 
 log = logging.getLogger(__name__)
-
-# MLflow's own limits (mlflow.utils.validation); a request over them is rejected as a whole.
-MAX_METRICS_PER_BATCH = 1000
-MAX_PARAMS_TAGS_PER_BATCH = 100
-MAX_ENTITIES_PER_BATCH = 1000
-MAX_BATCH_BYTES = 500_000          # the server refuses log-batch bodies over 1 MB; stay well under
-MAX_PARAM_VAL_LENGTH = 6000
-MAX_TAG_VAL_LENGTH = 8000
 
 FLUSH_INTERVAL_S = 1.0             # how often the buffer is sent while the server is up
 MAX_BACKOFF_S = 30.0               # an outage is retried at least this often
@@ -59,110 +48,9 @@ MAX_BUFFERED = 2_000_000           # ~200 MB of points; beyond it new points are
 UPLOAD_TIMEOUT_S = 60              # per-socket-operation timeout while uploading a model folder
 UPLOAD_ATTEMPTS = 3
 
-_METRIC_NAME = re.compile(r"^[A-Za-z0-9_\-. :/]{1,250}$")   # what the server accepts
-_HTTP_ENV_SET_BY_US: dict[str, str] = {}
-
-
-def default_local_store(out_dir: str) -> tuple[str, str]:
-    """(tracking URI, artifact root) of the store used when no server is configured.
-
-    A SQLite database, not the ``./mlruns`` file store: MLflow 3 keeps the file store in
-    maintenance mode and made SQLite its default. ``mlflow ui --backend-store-uri <uri>`` shows it.
-    """
-    root = Path(out_dir).resolve() / "mlruns"
-    return f"sqlite:///{root / 'mlflow.db'}", (root / "artifacts").as_uri()
-
-
-def resolve_tracking_uri(cfg) -> tuple[str, Optional[str]]:
-    """(URI, artifact root for experiments this tracker creates, or None: the server decides)."""
-    uri = cfg.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
-    if uri:
-        return uri, None
-    return default_local_store(cfg.train.out_dir)
-
-
-def _limit_http_retries(request_timeout_s: float) -> None:
-    """MLflow's HTTP client by default retries a refused request for minutes with a 120 s timeout;
-    the flusher does its own retrying, so each request should fail fast. These are process-wide
-    environment variables (MLflow reads them per request); values a user exported are kept."""
-    wanted = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
-              "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(request_timeout_s)))}
-    for name, value in wanted.items():
-        current = os.environ.get(name)
-        if current is None or _HTTP_ENV_SET_BY_US.get(name) == current:
-            os.environ[name] = value
-            _HTTP_ENV_SET_BY_US[name] = value
-
-
-@contextmanager
-def _longer_http_timeout(seconds: int):
-    name = "MLFLOW_HTTP_REQUEST_TIMEOUT"
-    before = os.environ.get(name)
-    if before is not None and _HTTP_ENV_SET_BY_US.get(name) != before:
-        yield                                   # the user chose a timeout: keep it
-        return
-    os.environ[name] = str(seconds)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
-def _retriable(exc: BaseException) -> bool:
-    """Server down, overloaded or timing out: keep the data and retry. A request the server
-    rejects (4xx) would fail again; a programming error too."""
-    if isinstance(exc, MlflowException):
-        status = exc.get_http_status_code()
-        return status >= 500 or status == 429
-    return not isinstance(exc, (TypeError, ValueError, KeyError, AttributeError, NameError))
-
 
 class _Unreachable(Exception):
     pass
-
-
-def _short_reason(exc: BaseException) -> str:
-    text = str(exc)
-    for needle, reason in (("Connection refused", "connection refused"), ("timed out", "timed out"),
-                           ("Name or service not known", "unknown host"), ("RemoteDisconnected", "disconnected")):
-        if needle in text:
-            return reason
-    return text.splitlines()[0][:200] if text else type(exc).__name__
-
-
-def _param_value(v: Any) -> str:
-    text = json.dumps(v) if isinstance(v, (list, tuple, dict)) else str(v)
-    if len(text) > MAX_PARAM_VAL_LENGTH:
-        suffix = "...[truncated]"
-        text = text[: MAX_PARAM_VAL_LENGTH - len(suffix)] + suffix
-    return text
-
-
-def environment_tags(world_size: int) -> dict[str, str]:
-    """What produced the run: package versions, git commit, launch command, world size."""
-    tags = {"env.python": sys.version.split()[0], "env.hostname": socket.gethostname(),
-            "env.world_size": str(world_size), "env.launch_command": shlex.join(sys.argv)[:MAX_TAG_VAL_LENGTH],
-            "mlflow.source.name": sys.argv[0] if sys.argv and sys.argv[0] else "python"}
-    for pkg in ("torch", "deepspeed", "transformers", "mlflow", "datasets", "tokenizers"):
-        try:
-            tags[f"env.{pkg}"] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            tags[f"env.{pkg}"] = "not installed"
-    repo = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
-                                text=True, timeout=10)
-        if commit.returncode == 0:
-            tags["mlflow.source.git.commit"] = commit.stdout.strip()
-            dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=10)
-            tags["env.git_dirty"] = str(bool(dirty.stdout.strip())).lower()
-    except (OSError, subprocess.SubprocessError):
-        pass                                    # no git here: the commit is simply not recorded
-    return tags
 
 
 class MlflowTracker(Tracker):
@@ -178,7 +66,7 @@ class MlflowTracker(Tracker):
         self.tracking_uri, self._artifact_root = resolve_tracking_uri(cfg)
         self.retry_seconds = max(0.1, float(cfg.tracking.retry_seconds))
         self.final_flush_seconds = final_flush_seconds
-        _limit_http_retries(self.retry_seconds)
+        limit_http_retries(self.retry_seconds)
         self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
         self.run_id: Optional[str] = None
 
@@ -220,7 +108,7 @@ class MlflowTracker(Tracker):
         now = int(time.time() * 1000)
         points = []
         for key, value in metrics.items():
-            if key not in self._bad_keys and not _METRIC_NAME.match(key):
+            if key not in self._bad_keys and not METRIC_NAME.match(key):
                 self._bad_keys.add(key)
                 log.warning("MLflow: metric name %r has characters MLflow rejects; it is not logged", key)
             if key in self._bad_keys:
@@ -383,8 +271,8 @@ class MlflowTracker(Tracker):
         try:
             return fn(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001
-            if _retriable(exc):
-                raise _Unreachable(_short_reason(exc)) from exc
+            if retriable(exc):
+                raise _Unreachable(short_reason(exc)) from exc
             raise
 
     def _drain(self) -> bool:
@@ -472,7 +360,7 @@ class MlflowTracker(Tracker):
             parent = self.cfg.tracking.parent_run_id
             run = self._call(self.client.create_run, exp_id, run_name=self.cfg.tracking.run_name or None,
                              tags={"mlflow.parentRunId": parent} if parent else None)
-            init += [("param", k[:250], _param_value(v)) for k, v in flatten(params).items()]
+            init += [("param", k[:250], param_value(v)) for k, v in flatten(params).items()]
             init += [("text", name, content) for name, content in artifacts.items()]
             log.info("MLflow: run %s (%s) in experiment %r at %s", run.info.run_id, run.info.run_name,
                      self.cfg.tracking.experiment, self.tracking_uri)
@@ -531,7 +419,7 @@ class MlflowTracker(Tracker):
     def _upload(self, local_dir: str, artifact_path: str) -> None:
         if not os.path.isdir(local_dir):
             raise FileNotFoundError(f"{local_dir} no longer exists; nothing to upload as {artifact_path}")
-        with _longer_http_timeout(UPLOAD_TIMEOUT_S):
+        with longer_http_timeout(UPLOAD_TIMEOUT_S):
             self._call(self.client.log_artifacts, self.run_id, local_dir, artifact_path)
         log.info("MLflow: uploaded %s as %s", local_dir, artifact_path)
 
