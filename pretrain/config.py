@@ -238,7 +238,8 @@ class ImplConfig:
     attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
     sparse_head: bool = True           # the MLM head only at masked positions
     # torch.compile the model. auto: only when this launch has at least COMPILE_AUTO_MIN_STEPS steps
-    # to run, where the start-up (20 s to minutes) pays for itself (Config.compile_now).
+    # to run, where the start-up (20 s to minutes) pays for itself, and not for fp32 on a CPU, where
+    # compiled steps measured no faster (Config.compile_now).
     compile: Union[Literal["auto"], bool] = "auto"
     # auto/true: the fused kernel the device has (DeepSpeed FusedAdam/FusedLamb on CUDA, torch's fused
     # AdamW on the CPU); false: torch's multi-tensor AdamW / our LAMB. YAML's on/off read as booleans.
@@ -358,9 +359,11 @@ class Config:
 
     def compile_now(self, steps_left: int, device_type: str, precision: str) -> bool:
         if self.impl.compile == "auto":
-            # Measured on mini on the CPU (bench/, BENCHMARKS.md): compiled steps are 5-10% faster than
-            # eager in bf16 and in fp32 without dropout, and as fast in fp32 with dropout 0.1. The
-            # arguments stay for the day a kind of device measures otherwise.
+            # fp32 on a CPU (what auto picks where bf16 is emulated): compiled mini steps measured 7-9%
+            # slower than eager with AVX2 kernels, and only 4% faster with AVX-512 (bench/,
+            # BENCHMARKS.md). In bf16 and on GPUs compiled steps are faster.
+            if device_type == "cpu" and precision == "fp32":
+                return False
             return steps_left >= COMPILE_AUTO_MIN_STEPS
         return bool(self.impl.compile)
 

@@ -127,13 +127,13 @@ def test_an_optimiser_deepspeed_hides_is_an_error_not_a_silent_non_skip():
 
 
 def test_compile_auto_pays_only_where_measured_to():
-    """auto compiles launches long enough to pay the start-up back, on every device and precision;
-    true and false are obeyed everywhere."""
+    """auto compiles launches long enough to pay the start-up back, except fp32 on a CPU (measured
+    no faster than eager); true and false are obeyed everywhere."""
     cfg = Config()
     assert cfg.impl.compile == "auto"
     assert cfg.compile_now(10_000, "cuda", "fp32") and cfg.compile_now(10_000, "cpu", "bf16")
-    assert cfg.compile_now(10_000, "cpu", "fp32")
-    assert not cfg.compile_now(499, "cpu", "fp32") and not cfg.compile_now(499, "cuda", "bf16")
+    assert not cfg.compile_now(10_000, "cpu", "fp32")
+    assert not cfg.compile_now(499, "cpu", "bf16") and not cfg.compile_now(499, "cuda", "bf16")
     assert cfg.compile_now(500, "cuda", "bf16")
     cfg.impl.compile = True
     assert cfg.compile_now(1, "cpu", "fp32")
