@@ -137,7 +137,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
         stop: StopSignal) -> int:
     rank, world, device = info.rank, info.world, info.device
     precision, why = hardware.resolve_precision(cfg.impl.precision, device)
-    if device.type == "cpu":
+    if device.type == "cpu" and cfg.impl.keep_freed_cpu_memory:
         hardware.keep_freed_cpu_memory()        # no page faults on every step's large tensors
     special, seq_len = SpecialIds.from_manifest(manifest), manifest["seq_len"]
     torch.manual_seed(cfg.train.seed)                       # identical initial weights on every rank
