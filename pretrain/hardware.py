@@ -216,10 +216,10 @@ def keep_freed_cpu_memory() -> bool:
     By default glibc serves every block over 32 MB with its own mmap and unmaps it on free, so the
     next step page-faults it in again, zeroed by the kernel: the logits at the masked positions
     (614 x 30,522 fp32, 75 MB on mini), their log-softmax and gradients, every step. Measured on
-    mini in fp32 (2 cores): 88,000 page faults/s, about 10% of the step; with freed memory kept,
-    5,000/s and 10% more tokens/s. What a GPU's caching allocator does, for the CPU. The process
-    then holds its peak working set between steps, as it would on a GPU. Returns False where the C
-    library is not glibc (nothing changed)."""
+    mini in fp32 (2 cores): 88,000 page faults/s; with freed memory kept, 1,900/s and 10-20% more
+    tokens/s. The price: freed blocks of varying size fragment the heap, so memory grows past the
+    working set (1.6 -> 2.9 GB over 160 mini steps, then flat); ``impl.keep_freed_cpu_memory=false``
+    skips this call. Returns False where the C library is not glibc (nothing changed)."""
     import ctypes
     import platform
 
