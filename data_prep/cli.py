@@ -109,7 +109,9 @@ def _run(args) -> int:
         return 0
     if args.command == "shard":
         from .shard import run_shard
+        from .stale_shm import remove_stale
 
+        remove_stale(["sem.mp-*"])         # a killed earlier run's worker semaphores
         result = run_shard(_shard_settings(args))
         if not result.skipped:
             logging.getLogger("data_prep").info(

@@ -4,13 +4,19 @@ the files beside DeepSpeed's own that make a checkpoint export and resume on its
 A checkpoint counts only when complete: every rank writes its shards (``engine.save_shards``), all
 meet at a barrier, then rank 0 writes the side files, the COMPLETE marker and, last, the ``latest``
 pointer. A kill anywhere before that leaves the previous checkpoint the one ``resume=auto`` finds.
+Before COMPLETE, rank 0 lists every file's size and sha256 (``FILE_LIST``): a checkpoint damaged
+since (a truncated file, a full disk, a bad copy) is named at resume and the previous complete one
+taken instead.
 Which checkpoint a run resumes from is decided here *before* any process group starts
 (``resume_tag``), so a bad ``train.resume`` is an input error (exit 2), not a traceback on every rank.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -19,6 +25,7 @@ import torch.distributed as dist
 import yaml
 
 from data_prep.atomic import write_atomic
+from data_prep.shard_format import sha256_file
 from pretrain import reshard
 from pretrain.config import Config
 from pretrain.configlib import ConfigError
@@ -27,6 +34,7 @@ LATEST = "latest"              # DeepSpeed's own pointer file name; we write it 
 COMPLETE = "COMPLETE"          # marker inside a tag folder: every rank's files are on disk
 CONFIG_FILE = "config.yaml"    # the resolved config of the run that wrote the checkpoint
 STATE_FILE = "train_state.json"  # the TrainState without RNG, readable without DeepSpeed
+FILE_LIST = "file_list.json"   # every other file of the tag folder with its size and sha256, written before COMPLETE
 
 
 def checkpoint_root(cfg: Config) -> Path:
@@ -55,17 +63,90 @@ def latest_complete_tag(root: Path) -> Optional[str]:
 
 
 def resume_tag(cfg: Config) -> Optional[str]:
-    """``train.resume``: auto (latest complete, if any), none, or a tag that must be complete."""
+    """``train.resume``: auto (the latest complete and undamaged one, if any), none, or a tag that
+    must be complete and undamaged. Only the first rank reads every byte for the checksums: its
+    choice is the one every rank loads (the others check sizes, which costs nothing)."""
     root = checkpoint_root(cfg)
+    checksums = os.environ.get("RANK", "0") == "0"
     if cfg.train.resume == "none":
         return None
     if cfg.train.resume == "auto":
-        return latest_complete_tag(root)
+        return usable_latest_tag(root, checksums)
     tag = cfg.train.resume
     if not (root / tag / COMPLETE).is_file():
         raise ConfigError([f"train.resume={tag!r}: {root / tag} is not a complete checkpoint (complete ones: "
                            f"{', '.join(complete_tags(root)) or 'none'})"])
+    problem = damage(root / tag, checksums)
+    if problem:
+        raise ConfigError([f"train.resume={tag!r}: the checkpoint {root / tag} is damaged: {problem}"])
     return tag
+
+
+def usable_latest_tag(root: Path, checksums: bool = True) -> Optional[str]:
+    """The latest complete checkpoint whose files are as written; a damaged one is named and the
+    previous complete one taken instead. None without any; ConfigError if all are damaged."""
+    latest = latest_complete_tag(root)
+    if latest is None:
+        return None
+    damaged = []
+    for tag in [latest] + [t for t in reversed(complete_tags(root)) if t < latest]:
+        problem = damage(root / tag, checksums)
+        if problem is None:
+            if damaged:
+                _say(f"falling back to the previous complete checkpoint {root / tag}")
+            return tag
+        damaged.append(f"{root / tag}: {problem}")
+        _say(f"checkpoint {root / tag} is damaged: {problem}")
+    raise ConfigError(damaged + [f"no usable checkpoint in {root}: restore the damaged files, or start afresh "
+                                 f"with train.resume=none or another train.out_dir"])
+
+
+def _say(message: str) -> None:
+    """Before logging is set up on every rank: the first rank tells the user, once."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"resume: {message}", file=sys.stderr, flush=True)
+
+
+def write_file_list(folder: Path) -> None:
+    """Size and sha256 of every file in ``folder`` (but the list and COMPLETE), so that damage
+    (a truncated or rewritten shard) is found before loading, not as a traceback on every rank."""
+    paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != COMPLETE
+                   and p.relative_to(folder).as_posix() != FILE_LIST)
+    with ThreadPoolExecutor(max_workers=4) as pool:      # hashlib releases the GIL on large reads
+        digests = list(pool.map(sha256_file, paths))
+    files = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": d}
+             for p, d in zip(paths, digests)}
+    write_atomic(folder / FILE_LIST, json.dumps({"files": files}, indent=1) + "\n")
+
+
+_unlisted_said = False
+
+
+def damage(folder: Path, checksums: bool = True) -> Optional[str]:
+    """None if every listed file has its size (and, with ``checksums``, its sha256); else what differs.
+    A checkpoint of an older version has no list: it is taken as it is (said once)."""
+    global _unlisted_said
+    try:
+        listed = json.loads((folder / FILE_LIST).read_text())["files"]
+    except FileNotFoundError:
+        if not _unlisted_said:
+            _say(f"{folder} has no {FILE_LIST} (written by an older version): its files are not checked")
+            _unlisted_said = True
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{FILE_LIST} unreadable ({exc})"
+    problems = []
+    for name, want in listed.items():
+        try:
+            size = (folder / name).stat().st_size
+        except OSError:
+            problems.append(f"{name} is missing")
+            continue
+        if size != want["size"]:
+            problems.append(f"{name} has {size} bytes, {want['size']} were written")
+        elif checksums and sha256_file(folder / name) != want["sha256"]:
+            problems.append(f"{name} has another sha256 than was written")
+    return "; ".join(problems[:3]) + (f" and {len(problems) - 3} more" if len(problems) > 3 else "") or None
 
 
 def saved_config(root: Path, tag: str) -> dict:
@@ -92,6 +173,7 @@ def save(engine, cfg: Config, step: int, client_state: dict, side_files: dict[st
             write_atomic(folder / name, text)
         for name, src in copy_dirs.items():
             shutil.copytree(src, folder / name, dirs_exist_ok=True)
+        write_file_list(folder)
         write_atomic(folder / COMPLETE, json.dumps({"step": step}) + "\n")
         write_atomic(root / LATEST, tag)
         keep = cfg.train.keep_checkpoints

@@ -65,6 +65,8 @@ def read_labelled(path: str | Path, text_column: str = "text",
     if fmt is None:
         raise TaskError(f"{path}: unknown task format {path.suffix!r} (expected .csv, .tsv, .jsonl or a folder "
                         "with one subfolder of .txt files per label)")
+    if not _has_rows(path, **fmt[1]):
+        raise TaskError(f"{path}: no rows")        # datasets would say "Instruction 'train' corresponds to no data!"
     import datasets
 
     builder, options = fmt
@@ -85,6 +87,21 @@ def read_labelled(path: str | Path, text_column: str = "text",
         if y is None or (isinstance(y, str) and not y.strip()):
             raise TaskError(f"{path}: column {label_column!r}, row {i + 1}: missing label")
     return list(texts), [str(y) for y in labels]
+
+
+def _has_rows(path: Path, delimiter: str = ",") -> bool:
+    """A data row besides a CSV/TSV header, or a non-blank JSONL line (an unreadable file is left to datasets)."""
+    import csv
+
+    try:
+        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+            if path.suffix.lower() in (".jsonl", ".json"):
+                return any(line.strip() for line in f)
+            rows = csv.reader(f, delimiter=delimiter)
+            next(rows, None)
+            return any(any(cell.strip() for cell in row) for row in rows)
+    except (OSError, csv.Error):
+        return True
 
 
 def _read_label_folders(folder: Path) -> tuple[list[str], list[str]]:

@@ -119,10 +119,19 @@ def unigram_accuracy(data_dir, manifest: dict, batch_size: int = 32, max_batches
 # ------------------------------------------------------------------------------ models
 
 
+# A model folder holds at least one of these when AutoTokenizer can load its real vocabulary.
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                   "vocab.json")
+
+
 def resolve_model(path: str | Path, stack: ExitStack) -> Path:
     """An HF folder as is; a trainer checkpoint exported into a temporary folder (kept open by ``stack``)."""
     path = Path(path)
     if (path / "config.json").is_file():
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            # AutoTokenizer would quietly build a 5-token tokenizer from the config: chance-level scores.
+            raise TaskError(f"{path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); copy the "
+                            f"tokenizer the model was trained with beside it (pretrain.export writes them)")
         return path
     from pretrain.export import export_checkpoint, resolve_checkpoint
 

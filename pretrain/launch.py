@@ -24,6 +24,8 @@ import sys
 
 import psutil
 
+from pretrain import lifeline, ports
+
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
@@ -51,7 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     if deepspeed is None:
         print("pretrain.launch: no `deepspeed` launcher in this environment", file=sys.stderr)
         return 2
-    launcher = subprocess.Popen([deepspeed, *argv], start_new_session=True)
+    problem = ports.launch_port_problem(argv)
+    if problem:
+        print(f"pretrain.launch: {problem}", file=sys.stderr)
+        return 2
+    # Its ranks die with this process, killed however (pretrain.lifeline).
+    launcher = subprocess.Popen([deepspeed, *argv], start_new_session=True,
+                                env=lifeline.launcher_env(dict(os.environ)))
 
     interrupts = 0
 

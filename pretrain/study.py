@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from pretrain import configlib
+from pretrain import configlib, lifeline
 from pretrain.configlib import ConfigError
 from data_prep.atomic import write_atomic
 from pretrain.study_plan import Study, Variant, describe, load_study, with_tracking
@@ -194,7 +194,7 @@ def run_variant(study: Study, variant: Variant, parent: ParentRun, interrupt: In
           f"({' '.join(cmd)}; log {variant.out_dir / 'train.log'})", flush=True)
     start = time.monotonic()
     with open(variant.out_dir / "train.log", "ab") as log_file:
-        child = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+        child = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=lifeline.launcher_env(env),
                                  start_new_session=True, preexec_fn=_ignore_usr1)
         interrupt.child = child
         if interrupt.requested:            # the signal came while the launch was being set up

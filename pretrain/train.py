@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from data_prep import stale_shm
 from data_prep.shard_format import ShardError
-from pretrain import checkpointing, configlib, engine as eng, hardware
+from pretrain import bad_input, checkpointing, configlib, engine as eng, hardware, lifeline
 from pretrain.config import Config, ConfigError, load_config
 from pretrain.data import TrainStream, eval_batches
 from pretrain.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
@@ -65,6 +66,7 @@ class StepResult:
     nonfinite: bool           # some rank's loss was not finite: the update was skipped everywhere
     stop: bool                # some rank was asked to stop
     grad_norm: float | None   # ZeRO 0 only, when asked (DeepSpeed keeps none there)
+    bad_input: bool = False   # some rank could not read its batch (pretrain.bad_input): stop, exit 2
 
 
 def train_step(engine, optimizer, micro_batches: list[dict], step: int, cfg: Config, special: SpecialIds,
@@ -85,7 +87,8 @@ def train_step(engine, optimizer, micro_batches: list[dict], step: int, cfg: Con
     predicted = torch.stack([m.num_masked for m, _, _ in masked]).sum().double().reshape(1)
     dist.all_reduce(predicted)
     scale = world * len(masked) / predicted.clamp(min=1.0)
-    flags = torch.zeros(2, device=device)                     # [non-finite loss, stop requested]
+    flags = torch.zeros(3, device=device)                     # [non-finite loss, stop requested, bad input]
+    flags[2] = float(bad_input.read_failed(micro_batches))
     sums = torch.zeros(4, dtype=torch.float64, device=device)
     grad_norm = None
     for i, (m, attention_mask, tokens) in enumerate(masked):
@@ -99,12 +102,12 @@ def train_step(engine, optimizer, micro_batches: list[dict], step: int, cfg: Con
         if i == len(masked) - 1:
             flags[1] = float(stop.requested)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)      # every rank skips or stops together
-            optimizer.skip_next_step = bool(flags[0])
+            optimizer.skip_next_step = bool(flags[0]) or bool(flags[2])
             if want_grad_norm and cfg.impl.zero_stage == 0:
                 grad_norm = eng.local_grad_norm(engine)
         engine.step()
     optimizer.skip_next_step = False
-    return StepResult(sums, bool(flags[0]), bool(flags[1]), grad_norm)
+    return StepResult(sums, bool(flags[0]), bool(flags[1]), grad_norm, bool(flags[2]))
 
 
 class ThroughputWindow:
@@ -188,10 +191,13 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
         while state.step < cfg.train.max_steps:
             engine.train()
             t_start = time.perf_counter()
-            micro = [next(batches) for _ in range(grad_accum)]
+            micro = bad_input.next_micro_batches(batches, grad_accum, special, cfg.impl.micro_batch_size, seq_len)
             t_data = time.perf_counter()
             will_log = (state.step + 1) % cfg.train.log_every == 0 or state.step + 1 == cfg.train.max_steps
             result = train_step(engine, optimizer, micro, state.step, cfg, special, info, stop, will_log)
+            if result.bad_input:
+                bad_input.report(micro, rank)
+                return EXIT_BAD_INPUT
             state.step += 1
             state.samples_consumed = stream.samples_consumed
             state.tokens_seen += cfg.train.global_batch_size * seq_len
@@ -349,6 +355,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     eng.prepare_env()
+    lifeline.watch_launcher()    # die with pretrain.launch / pretrain.study, however they die
     first_rank = os.environ.get("RANK", "0") == "0"
     logging.basicConfig(level=logging.INFO if first_rank else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
@@ -370,6 +377,8 @@ def main(argv=None) -> int:
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     stop = StopSignal()          # from here on, SIGUSR1/SIGTERM mean "checkpoint after the current step"
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        stale_shm.remove_stale()     # /dev/shm segments of killed runs (no live process maps them)
     info = eng.init_distributed(cfg)
     try:
         return fit(cfg, manifest, tasks, resume_from, info, stop)

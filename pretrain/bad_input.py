@@ -1,0 +1,48 @@
+"""Bad input read mid-run by some ranks (a corrupt shard block, a token id beyond the vocabulary):
+every rank stops with exit 2 and the named error, not one rank with the error and the others with a
+collective's traceback.
+
+The rank that failed to read its micro-batches trains the step on placeholder rows (special tokens
+only: nothing is masked, nothing is learnt) so that it makes the same collectives as the others; its
+"bad input" flag rides on the step's existing flag all-reduce, the update is skipped everywhere, and
+then, on this path only, every rank gathers the messages and prints them.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from data_prep.shard_format import ShardError
+from pretrain.masking import SpecialIds
+
+BAD_INPUT_KEY = "bad_input"     # in a placeholder micro-batch: what this rank failed to read
+
+
+def next_micro_batches(batches, count: int, special: SpecialIds, micro_batch: int, seq_len: int) -> list[dict]:
+    """The step's ``count`` micro-batches, or placeholders carrying the reading error's message."""
+    try:
+        return [next(batches) for _ in range(count)]
+    except ShardError as exc:
+        placeholder = {"input_ids": torch.full((micro_batch, seq_len), special.cls, dtype=torch.long),
+                       "word_starts": torch.zeros(micro_batch, seq_len, dtype=torch.bool),
+                       "sample_ids": torch.zeros(micro_batch, dtype=torch.long), "has_padding": False,
+                       BAD_INPUT_KEY: str(exc)}
+        return [placeholder] * count
+
+
+def read_failed(micro_batches: list[dict]) -> bool:
+    return any(BAD_INPUT_KEY in b for b in micro_batches)
+
+
+def report(micro_batches: list[dict], rank: int) -> None:
+    """Every rank prints every failing rank's error (a collective: call on all ranks)."""
+    mine = next((b[BAD_INPUT_KEY] for b in micro_batches if BAD_INPUT_KEY in b), None)
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, mine)
+    for source, message in enumerate(messages):
+        if message is not None:
+            print(f"error: [read by rank {source}] {message}", file=sys.stderr, flush=True)
+    print(f"[rank {rank}] stopping on bad input (exit 2); the last complete checkpoint is untouched",
+          file=sys.stderr, flush=True)

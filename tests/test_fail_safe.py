@@ -1,0 +1,262 @@
+"""Fail safe, round 3 (issue 18): a damaged checkpoint is named and the previous complete one taken,
+bad input read mid-run by one rank stops every rank with exit 2 and its name, a port in use is an
+input error, ranks die with the launcher that started them, and stale shared memory is removed."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO, free_port
+
+PY = sys.executable
+BASE = ["train.log_every=2", "train.eval_every=0", "train.eval_batches=2", "model.max_position_embeddings=64",
+        "optim.warmup_steps=2", "impl.compile=false"]
+
+
+def env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def train(data_dir, out_dir, *overrides, ranks=1):
+    args = ["--config", "configs/tiny.yaml", f"data.dir={data_dir}", f"train.out_dir={out_dir}", *BASE, *overrides]
+    cmd = ([PY, "-m", "pretrain.train", *args] if ranks == 1 else
+           [PY, "-m", "pretrain.launch", "--num_gpus", str(ranks), "--master_port", str(free_port()),
+            "--module", "pretrain.train", *args])
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env(), check=False)
+
+
+def explain(proc) -> str:
+    return f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+
+
+# ------------------------------------------------------------------- item 7: damaged checkpoints
+
+@pytest.mark.slow
+def test_a_damaged_latest_checkpoint_is_named_and_the_previous_one_resumed(shards, tmp_path):
+    run = tmp_path / "run"
+    # A killed run's all-reduce buffer (item 5): removed at start-up, as nothing maps it.
+    stale = Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_h2stale{os.getpid()}_0")
+    stale.write_bytes(b"\0" * 4096)
+    os.utime(stale, (stale.stat().st_atime, stale.stat().st_mtime - 3600))
+    first = train(shards, run, "train.max_steps=4", "train.checkpoint_every=2")
+    assert first.returncode == 0, explain(first)
+    assert not stale.exists() and "stale shared-memory file(s) left by killed processes" in first.stdout
+    root = run / "checkpoints"
+    listed = json.loads((root / "step00000004" / "file_list.json").read_text())["files"]
+    optim = "step00000004/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    assert listed[optim.split("/", 1)[1]]["size"] == (root / optim).stat().st_size > 10000
+    assert "config.yaml" in listed and "tokenizer/tokenizer.json" in listed and "COMPLETE" not in listed
+    data = (root / optim).read_bytes()
+    (root / optim).write_bytes(data[:10000])                     # head -c 10000, as the issue does
+
+    resumed = train(shards, run, "train.max_steps=6", "train.checkpoint_every=2")
+    assert resumed.returncode == 0, explain(resumed)
+    assert f"checkpoint {root / 'step00000004'} is damaged: zero_pp_rank_0_mp_rank_00_optim_states.pt has " \
+           f"10000 bytes, {len(data)} were written" in resumed.stderr
+    assert f"falling back to the previous complete checkpoint {root / 'step00000002'}" in resumed.stderr
+    assert "start: step 2 (resumed from step00000002)" in resumed.stdout, explain(resumed)
+
+    for tag in ("step00000004", "step00000006"):                   # rewritten at step 4, then 6: damage all
+        (root / tag / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (root / "step00000002" / "config.yaml").write_text("flipped")
+    refused = train(shards, run, "train.max_steps=8")
+    assert refused.returncode == 2, explain(refused)
+    assert "no usable checkpoint in" in refused.stderr and "step00000002: config.yaml" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+def test_checksums_find_a_rewritten_file_and_old_checkpoints_are_taken_as_they_are(tmp_path, capsys):
+    from pretrain import checkpointing
+
+    folder = tmp_path / "step00000002"
+    (folder / "tokenizer").mkdir(parents=True)
+    (folder / "weights.pt").write_bytes(bytes(range(256)) * 40)
+    (folder / "tokenizer" / "vocab.txt").write_text("[PAD]\n[UNK]\n")
+    assert checkpointing.damage(folder) is None                        # no list: an older version's
+    assert "has no file_list.json (written by an older version)" in capsys.readouterr().err
+    checkpointing.write_file_list(folder)
+    assert checkpointing.damage(folder) is None
+    raw = bytearray((folder / "weights.pt").read_bytes())
+    raw[5000] ^= 1                                                     # same size, one bit flipped
+    (folder / "weights.pt").write_bytes(bytes(raw))
+    assert checkpointing.damage(folder, checksums=False) is None      # other ranks check sizes only
+    assert checkpointing.damage(folder) == "weights.pt has another sha256 than was written"
+    (folder / "tokenizer" / "vocab.txt").unlink()
+    assert checkpointing.damage(folder) == ("tokenizer/vocab.txt is missing; "
+                                            "weights.pt has another sha256 than was written")
+
+
+# ------------------------------------------------- item 6: a bad token id read by one rank mid-run
+
+def _block_only_rank1_reads(data_dir: Path) -> tuple[str, int, int]:
+    """(shard path, block index, step) of a block that rank 1 of 2 reads first at that (0-based) step,
+    the first after step 0 where one exists, and rank 0 not up to it (tiny: 16 = 2 x 8 per step)."""
+    from data_prep.shard_format import load_manifest
+    from pretrain.data import TrainStream, _PlanCursor, _RankSlice
+
+    stream = TrainStream(data_dir, load_manifest(data_dir), "train", 0, 2, 8, 16, 1234)
+    cursor, layout = _PlanCursor(stream._plan), stream._plan.layout
+    seen = {0: set(), 1: set()}
+    for step in range(40):
+        now = {r: set(_RankSlice(r, 2, 8).take(cursor.step(step), 0)[0].tolist()) for r in (0, 1)}
+        only_rank1 = now[1] - now[0] - seen[0] - seen[1]
+        if step > 0 and only_rank1:
+            block = min(only_rank1)
+            return layout.paths[int(layout.block_shard[block])], int(layout.block_index[block]), step
+        seen[0] |= now[0]
+        seen[1] |= now[1]
+    raise AssertionError("no block read by rank 1 alone in 40 steps")
+
+
+@pytest.mark.slow
+def test_a_token_id_out_of_range_read_by_one_rank_stops_every_rank_with_exit_2(shards, tmp_path):
+    from data_prep.shard_format import index_shard, sha256_file
+
+    data = tmp_path / "data"
+    shutil.copytree(shards, data)
+    path, index, step = _block_only_rank1_reads(data)
+    ref = index_shard(path)[index]
+    with open(path, "r+b") as f:                                       # the block's last id (uint16)
+        f.seek(ref.ids_offset + ref.ids_size - 2)
+        f.write(struct.pack("<H", 30600))
+    manifest = json.loads((data / "manifest.json").read_text())
+    for entry in manifest["shards"]:
+        if entry["name"] == Path(path).name:
+            entry["sha256"] = sha256_file(path)
+    (data / "manifest.json").write_text(json.dumps(manifest))
+
+    proc = train(data, tmp_path / "run", "train.max_steps=40", "train.log_every=1", ranks=2)
+    assert proc.returncode == 2, explain(proc)
+    named = f"{path}: block {index} holds token id 30600"
+    assert proc.stderr.count(f"error: [read by rank 1] {named}") == 2, explain(proc)   # printed by both ranks
+    assert "[rank 0] stopping on bad input" in proc.stderr and "[rank 1] stopping on bad input" in proc.stderr
+    assert "Traceback" not in proc.stderr and f"step {step + 1} " not in proc.stdout
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in rows] == list(range(1, step + 1))     # the steps before it, logged
+    assert np.isfinite(json.loads(rows[-1])["train/loss"])
+
+
+# ------------------------------------------------------------------- item 8: a port in use
+
+def test_a_master_port_in_use_is_refused_by_name_before_any_rank_starts(capsys):
+    import socket
+
+    from pretrain import launch
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        rc = launch.main(["--num_gpus", "2", "--master_port", str(port), "--module", "pretrain.train",
+                          "--config", "configs/tiny.yaml"])
+    assert rc == 2
+    assert f"pretrain.launch: --master_port {port} is already in use on this machine" in capsys.readouterr().err
+    from pretrain.ports import launch_port_problem
+    assert launch_port_problem(["--node_rank", "1", "--master_port", str(port)]) is None   # not the master's node
+    assert "not a port number" in launch_port_problem(["--master_port", "70000"])
+
+
+# ------------------------------------------------------------------- item 5: stale shared memory
+
+def test_stale_shared_memory_is_removed_and_what_a_live_process_maps_is_kept():
+    import time
+    import uuid
+
+    from data_prep import stale_shm
+
+    tag = f"h2test{uuid.uuid4().hex[:8]}"
+    stale, live = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{tag}_{r}" for r in (0, 1))
+    sem = f"/dev/shm/sem.mp-{tag}"
+    for path in (stale, live, sem):
+        with open(path, "wb") as f:
+            f.truncate(1 << 16)
+    holds = ("import mmap, sys; f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0); "
+             "print('mapped', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([PY, "-c", holds, live],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        patterns = [f"*{tag}*"]                      # never another job's files, whatever their state
+        assert stale_shm.remove_stale(patterns) == []                 # all younger than a minute
+        hour_ago = time.time() - 3600
+        for path in (stale, live, sem):
+            os.utime(path, (hour_ago, hour_ago))
+        assert stale_shm.remove_stale(patterns) == sorted([stale, sem])
+        assert os.path.exists(live) and not os.path.exists(stale) and not os.path.exists(sem)
+    finally:
+        holder.kill()
+        holder.wait()
+        for path in (stale, live, sem):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+# ------------------------------------------------------- item 4: ranks die with their launcher
+
+@pytest.mark.slow
+def test_ranks_die_with_a_launcher_killed_with_sigkill(shards, tmp_path):
+    import signal
+    import time
+
+    import psutil
+
+    args = ["--config", "configs/tiny.yaml", f"data.dir={shards}", f"train.out_dir={tmp_path}", *BASE,
+            "train.max_steps=100000", "train.log_every=1", "train.checkpoint_every=0"]
+    proc = subprocess.Popen([PY, "-m", "pretrain.launch", "--num_gpus", "2", "--master_port", str(free_port()),
+                             "--module", "pretrain.train", *args], cwd=REPO, env=env(), text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    metrics, descendants = tmp_path / "metrics.jsonl", []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            assert proc.poll() is None, "the launch ended early"
+            time.sleep(0.5)
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+        assert sum("pretrain.train" in " ".join(p.cmdline()) for p in descendants) >= 2   # both ranks
+        os.killpg(proc.pid, signal.SIGKILL)       # `kill -9 -- -PGID`: the launcher's group, not the ranks'
+        proc.wait()
+
+        def alive(p):
+            try:
+                return p.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(alive(p) for p in descendants):
+            time.sleep(0.5)
+        assert not [p.cmdline() for p in descendants if alive(p)]
+    finally:
+        for p in descendants:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+# ------------------------------------------------- items 9, 10: pretrain.evaluate refusals
+
+def test_evaluate_refuses_a_model_without_tokenizer_files_and_a_header_only_csv(tmp_path, capsys, bert_uncased_dir):
+    from pretrain.eval_tasks import DownstreamTaskConfig, TaskError, labelled_task
+    from pretrain.evaluate import main
+
+    header_only = tmp_path / "header.csv"
+    header_only.write_text("text,label\n")
+    with pytest.raises(TaskError, match=r"header\.csv: no rows$"):
+        labelled_task(DownstreamTaskConfig(path=str(header_only)))
+    assert main([str(bert_uncased_dir), "--task", str(header_only)]) == 2
+    assert f"error: {header_only}: no rows" in capsys.readouterr().err
+
+    task = tmp_path / "task.csv"
+    task.write_text("text,label\n" + "".join(f"sentence number {i},{'ab'[i % 2]}\n" for i in range(8)))
+    model = tmp_path / "export"
+    model.mkdir()
+    shutil.copy(Path(bert_uncased_dir) / "config.json", model)          # weights aside: refused before loading
+    assert main([str(model), "--task", str(task)]) == 2
+    assert f"{model}: no tokenizer files (none of tokenizer.json, vocab.txt" in capsys.readouterr().err
