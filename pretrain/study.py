@@ -34,6 +34,7 @@ from pretrain import configlib, lifeline
 from pretrain.configlib import ConfigError
 from data_prep.atomic import write_atomic
 from pretrain.study_plan import Study, Variant, describe, load_study, with_tracking
+from pretrain.study_summary import variant_state
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 3
 PARENT_ID_FILE = "mlflow_parent_run_id"
@@ -201,10 +202,12 @@ def run_variant(study: Study, variant: Variant, parent: ParentRun, interrupt: In
             os.killpg(child.pid, signal.SIGUSR1)
         rc = child.wait()
         interrupt.child = None
+    # A signal to the study (scancel, a preemption) stops the variant: whatever DeepSpeed's launcher
+    # then exits with (1 after its own SIGTERM handler), the variant resumes from its last checkpoint.
     status = {"launches": status["launches"] + 1, "wall_s": status["wall_s"] + time.monotonic() - start,
-              "last_exit": rc}
+              "last_exit": rc, "stopped_by_signal": interrupt.requested}
     _write_atomic(variant.out_dir / STATUS_FILE, json.dumps(status) + "\n")
-    state = "finished" if rc == 0 and is_finished(variant) else "interrupted" if rc in (0, 3) else "failed"
+    state = "finished" if rc == 0 and is_finished(variant) else variant_state(status)
     print(f"study: {variant.name}: {state} (exit {rc}, {status['wall_s']:.0f}s in {status['launches']} "
           f"launch(es))", flush=True)
     return state

@@ -37,12 +37,24 @@ def _last(rows: list[dict], key: str):
     return values[-1] if values else None
 
 
+def variant_state(status: dict) -> str:
+    """An unfinished variant's state from its ``study_status.json``: interrupted (a signal stopped it, or it
+    checkpointed and exited 0/3: the next run resumes it), failed (its training exited with an error),
+    or not started."""
+    code = status.get("last_exit")
+    if not status.get("launches"):
+        return "not started"
+    # A signal's death: -N from Popen, 128 + N from a shell.
+    if code in (0, 3) or status.get("stopped_by_signal") or (code is not None and (code < 0 or code > 128)):
+        return "interrupted"
+    return "failed"
+
+
 def variant_row(variant, rows: list[dict], status: dict, finished: bool) -> dict:
     steps = max((r["step"] for r in rows), default=0)
     tokens_per_s = [r["perf/tokens_per_s"] for r in rows if "perf/tokens_per_s" in r]
     row = {"variant": variant.name, **{k: v for k, v in variant.values.items()},
-           "status": "finished" if finished else ("not started" if not status.get("launches") else
-                                                  "failed" if status.get("last_exit") not in (0, 3) else "incomplete"),
+           "status": "finished" if finished else variant_state(status),
            "steps": steps, "tokens_seen": _last(rows, "train/tokens_seen")}
     for key in sorted({k for r in rows for k in r if k.startswith(("eval/", "downstream/"))}):
         row[key] = _last(rows, key)

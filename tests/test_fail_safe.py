@@ -260,3 +260,22 @@ def test_evaluate_refuses_a_model_without_tokenizer_files_and_a_header_only_csv(
     shutil.copy(Path(bert_uncased_dir) / "config.json", model)          # weights aside: refused before loading
     assert main([str(model), "--task", str(task)]) == 2
     assert f"{model}: no tokenizer files (none of tokenizer.json, vocab.txt" in capsys.readouterr().err
+
+
+# ------------------------------------------------- item 14: a cancelled variant is interrupted
+
+@pytest.mark.parametrize("status, state", [
+    ({"launches": 1, "wall_s": 9.0, "last_exit": 1, "stopped_by_signal": True}, "interrupted"),   # scancel
+    ({"launches": 1, "wall_s": 9.0, "last_exit": -15}, "interrupted"),       # its launcher killed by SIGTERM
+    ({"launches": 2, "wall_s": 9.0, "last_exit": 137}, "interrupted"),       # SIGKILL, through a shell
+    ({"launches": 1, "wall_s": 9.0, "last_exit": 3}, "interrupted"),         # checkpointed and exited 3
+    ({"launches": 1, "wall_s": 9.0, "last_exit": 2}, "failed"),              # bad input
+    ({"launches": 1, "wall_s": 9.0, "last_exit": 1}, "failed"),              # a crash
+    ({"launches": 0, "wall_s": 0.0}, "not started")])
+def test_study_summary_calls_a_variant_stopped_by_a_signal_interrupted(status, state):
+    from types import SimpleNamespace
+
+    from pretrain.study_summary import variant_row
+
+    variant = SimpleNamespace(name="rate=0.4", values={"masking.rate": 0.4})
+    assert variant_row(variant, [{"step": 5, "train/loss": 7.0}], status, finished=False)["status"] == state

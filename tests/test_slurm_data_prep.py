@@ -63,8 +63,7 @@ def read_log(path: Path) -> str:
 def test_array_job_matches_local_run_and_resubmits_a_missing_task(slurm_cluster, shard_args, local_reference,
                                                                   tmp_path):
     cluster = slurm_cluster
-    out, logs = tmp_path / "shards", tmp_path / "logs"
-    logs.mkdir()
+    out, logs = tmp_path / "shards", tmp_path / "logs"          # not made here: the helper makes it
     reference = shard_hashes(local_reference)
     assert len(reference) > 2 * TASKS, "want several shards per task"
 

@@ -190,13 +190,13 @@ def test_summary_picks_up_downstream_metrics_and_marks_the_missing(shards, tmp_p
     assert list(table[0]) == ["variant", "masking.rate", "status", "steps", "tokens_seen", "eval/loss", "eval/accuracy",
                               "downstream/word_order/accuracy", "downstream/word_order/baseline_accuracy",
                               "downstream/word_order/macro_f1", "tokens_per_s", "wall_s"]
-    assert table[0] == {"variant": "rate=0.15", "masking.rate": "0.15", "status": "incomplete", "steps": "10",
+    assert table[0] == {"variant": "rate=0.15", "masking.rate": "0.15", "status": "interrupted", "steps": "10",
                              "tokens_seen": "10240", "eval/loss": "6.1", "eval/accuracy": "0.15",
                              "downstream/word_order/accuracy": "0.71", "downstream/word_order/baseline_accuracy": "0.5",
                              "downstream/word_order/macro_f1": "0.7", "tokens_per_s": "1000.0", "wall_s": "12.5"}
     assert [table[1][k] for k in ("eval/loss", "downstream/word_order/accuracy", "downstream/word_order/macro_f1")] \
         == ["7.2", "-", "-"]
-    assert "| rate=0.4 | 0.4 | incomplete | 5 | 5120 | 7.2 | 0.09 | - | - | - | 1000 | 12.5 |" in \
+    assert "| rate=0.4 | 0.4 | interrupted | 5 | 5120 | 7.2 | 0.09 | - | - | - | 1000 | 12.5 |" in \
         (tmp_path / "summary.md").read_text()
     image = matplotlib.image.imread(tmp_path / "probe_accuracy.png")[..., :3]
     first_colour = (0x1F / 255, 0x77 / 255, 0xB4 / 255)                # matplotlib's C0: the first variant's bar
@@ -211,13 +211,17 @@ def test_slurm_array_job_one_variant_per_task_then_the_summary(shards, slurm_clu
 
     out = tmp_path / "study"
     env = slurm_cluster.client_env(MLFLOW_TRACKING_URI=mlflow_server.uri)
-    proc = slurm_cluster.run("bash", "launchers/slurm/submit_study.sh", f"--output={tmp_path}/%x-%A_%a.out",
+    log_dir = tmp_path / "logs"                 # not made here: the helper makes it (Slurm would fail the jobs)
+    proc = slurm_cluster.run("bash", "launchers/slurm/submit_study.sh", f"--output={log_dir}/%x-%A_%a.out",
                              "--time=00:10:00", "--", "configs/tiny.yaml", f"data.dir={shards}",
                              f"study.out_dir={out}", "study.name=slurm", *COMMON, "masking.rate=0.15,0.4",
                              env=env, timeout=180)
     array_job, summary_job = map(int, proc.stdout.split())
     (summary,) = slurm_cluster.wait(summary_job, timeout=480)
-    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(tmp_path.glob("*.out")))
+    log_files = sorted(log_dir.glob("*.out"))
+    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in log_files)
+    # The summary job is no array: its log is named by its job id alone (not ..._4294967294.out).
+    assert f"mlm-study-summary-{summary_job}.out" in [p.name for p in log_files], log_files
     tasks = slurm_cluster.jobs(array_job)
     assert sorted(t.array_task_id for t in tasks) == [0, 1] and all(t.ok for t in tasks), (tasks, logs)
     assert summary.ok, (summary, logs)

@@ -96,6 +96,15 @@ elif [ -n "$output" ]; then
     finalize_opts+=("--output=$log_dir/%x-%j.out")
 fi
 
+# Slurm fails a job whose --output/--error folder is missing (exit 0:53): make them.
+for opt in "${array_opts[@]}" "${finalize_opts[@]}"; do
+    case $opt in
+        --output=*|--error=*)
+            log_dir=$(dirname -- "${opt#*=}")
+            [[ $log_dir == *%* ]] || mkdir -p -- "$log_dir" || die "cannot create the log folder '$log_dir'" ;;
+    esac
+done
+
 array_job=$(sbatch --parsable --array="$array" "${sbatch_opts[@]}" "${array_opts[@]}" \
     "$here/data_prep.sbatch" --num-tasks "$tasks" "${shard_args[@]}")
 array_job=${array_job%%;*}

@@ -34,6 +34,22 @@ case $1 in
 esac
 [ -f "$config" ] || die "study config '$config' not found (run from the repository root?)"
 
+# Slurm fails a job whose --output/--error folder is missing (exit 0:53): make it. The summary job
+# is no array: the array's pattern (%A_%a) would name its log ..._4294967294.out.
+summary_output="--output=slurm-%x-%j.out"
+for ((i = 0; i < ${#sbatch_opts[@]}; i++)); do
+    opt=${sbatch_opts[i]} value=""
+    case $opt in
+        --output=*|--error=*) value=${opt#*=} ;;
+        -o|--output|-e|--error) value=${sbatch_opts[i + 1]:-} ;;
+        -o?*|-e?*) value=${opt:2} ;;
+    esac
+    [ -n "$value" ] || continue
+    log_dir=$(dirname -- "$value")
+    [[ $log_dir == *%* ]] || mkdir -p -- "$log_dir" || die "cannot create the log folder '$log_dir'"
+    case $opt in -o*|--output*) summary_output="--output=$log_dir/%x-%j.out" ;; esac
+done
+
 variants=$(python -m pretrain.study --prepare --config "$config" "$@") || exit 2
 [[ $variants =~ ^[1-9][0-9]*$ ]] || die "pretrain.study --prepare printed '$variants', not a variant count"
 
@@ -41,7 +57,7 @@ array_job=$(sbatch --parsable --array="0-$((variants - 1))" "${sbatch_opts[@]}" 
     "$here/study.sbatch" --config "$config" "$@")
 array_job=${array_job%%;*}
 summary_job=$(sbatch --parsable --dependency="afterany:$array_job" --job-name=mlm-study-summary \
-    "${sbatch_opts[@]}" "$here/study.sbatch" --summarize --config "$config" "$@")
+    "${sbatch_opts[@]}" "$summary_output" "$here/study.sbatch" --summarize --config "$config" "$@")
 summary_job=${summary_job%%;*}
 echo "array job $array_job ($variants variants), summary job $summary_job" >&2
 echo "$array_job $summary_job"
