@@ -5,8 +5,8 @@
 
 ``fit`` decides when to log, evaluate and checkpoint; ``train_step`` shows the mechanics of one
 optimiser step: mask on the device, forward, backward, step. Everything resumable is one
-``TrainState``. Exit codes: 0 done, 2 bad input (before any process group starts), 3 checkpointed
-after SIGUSR1/SIGTERM (requeue me), 4 too many non-finite losses.
+``TrainState``. Exit codes: 0 done, 2 bad input (before any process group starts, or read mid-run:
+then on every rank), 3 checkpointed after SIGUSR1/SIGTERM (requeue me), 4 too many non-finite losses.
 """
 from __future__ import annotations
 
