@@ -12,7 +12,9 @@ Here the launcher and its ranks run in a session of their own, so a signal to th
 reaches only this process. SIGTERM and SIGUSR1 are forwarded to the ranks alone, SIGINT as SIGUSR1
 (the trainer's handlers checkpoint after the current step and exit 3); the launcher is left to see them
 exit, and this process exits with the launcher's code, which is the ranks'. A second SIGINT
-kills them (the last complete checkpoint stays usable).
+kills them (the last complete checkpoint stays usable). Killed itself (``kill -9``), this process
+takes the ranks with it (``pretrain.lifeline``). A ``--master_port`` in use here is refused (exit 2)
+before any rank starts.
 """
 from __future__ import annotations
 

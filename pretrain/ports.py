@@ -35,6 +35,8 @@ def port_problem(port: int) -> str | None:
 
 def launch_port_problem(argv: list[str]) -> str | None:
     """The port problem of a ``deepspeed`` command line, when this machine hosts the master (node 0)."""
+    if "-h" in argv or "--help" in argv:
+        return None
     addr, node_rank = _option(argv, "--master_addr"), _option(argv, "--node_rank")
     if node_rank not in (None, "0") or (addr is not None and addr not in _LOCAL | {socket.gethostname()}):
         return None

@@ -93,6 +93,33 @@ def test_checksums_find_a_rewritten_file_and_old_checkpoints_are_taken_as_they_a
                                             "weights.pt has another sha256 than was written")
 
 
+def test_resume_takes_the_newest_undamaged_checkpoint_and_refuses_a_damaged_named_one(tmp_path, monkeypatch):
+    from pretrain import checkpointing
+    from pretrain.config import Config
+    from pretrain.configlib import ConfigError
+
+    cfg = Config()
+    cfg.train.out_dir = str(tmp_path)
+    root = checkpointing.checkpoint_root(cfg)
+    for step in (2, 4, 6):
+        folder = root / checkpointing.tag_for_step(step)
+        folder.mkdir(parents=True)
+        (folder / "weights.pt").write_bytes(bytes([step]) * 1000)
+        checkpointing.write_file_list(folder)
+        (folder / checkpointing.COMPLETE).write_text("{}")
+    (root / checkpointing.LATEST).write_text("step00000006")
+    (root / "step00000006" / "weights.pt").write_bytes(b"\0" * 1000)     # same size, other bytes
+    (root / "step00000004" / "weights.pt").write_bytes(b"\0" * 10)
+    assert checkpointing.resume_tag(cfg) == "step00000002"
+    monkeypatch.setenv("RANK", "1")                        # another rank: sizes only, the first rank decides
+    assert checkpointing.resume_tag(cfg) == "step00000006"
+    monkeypatch.setenv("RANK", "0")
+    cfg.train.resume = "step00000006"
+    with pytest.raises(ConfigError, match="train.resume='step00000006': the checkpoint .* is damaged: weights.pt "
+                                          "has another sha256"):
+        checkpointing.resume_tag(cfg)
+
+
 # ------------------------------------------------- item 6: a bad token id read by one rank mid-run
 
 def _block_only_rank1_reads(data_dir: Path) -> tuple[str, int, int]:
