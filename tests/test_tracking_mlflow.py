@@ -13,8 +13,8 @@ import mlflow  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from mlflow_server import mlflow_server  # noqa: E402,F401  (a fixture)
-from pretrain import configlib  # noqa: E402
-from pretrain.config import Config  # noqa: E402
+from pretrain.config import loader as configlib  # noqa: E402
+from pretrain.config.schema import Config  # noqa: E402
 from pretrain.tracking import NullTracker, make_tracker, share_run_id  # noqa: E402
 from pretrain.tracking.mlflow_requests import default_local_store  # noqa: E402
 from pretrain.tracking.mlflow_tracker import MlflowTracker  # noqa: E402

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from pretrain import configlib
+from pretrain.config import loader as configlib
 from pretrain.tracking.base import NullTracker, Tracker, TrackerGroup
 from pretrain.tracking.jsonl import JsonlTracker
 

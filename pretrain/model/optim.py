@@ -13,7 +13,7 @@ import types
 
 import torch
 
-from pretrain.config import Config
+from pretrain.config.schema import Config
 
 
 class Lamb(torch.optim.Optimizer):
