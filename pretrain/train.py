@@ -40,7 +40,7 @@ from pretrain.model.mlm import build_model
 from pretrain.preflight import check_inputs
 from pretrain.seeds import derive_seed
 from pretrain.checkpoint.state import STATE_KEY, TrainState
-from pretrain.tracking import make_tracker, run_params, share_run_id
+from pretrain.tracking import make_tracker, run_params
 
 log = logging.getLogger("pretrain")
 EXIT_BAD_INPUT, EXIT_REQUEUE, EXIT_NONFINITE = 2, 3, 4
@@ -162,7 +162,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
         (Path(cfg.train.out_dir) / "mlflow_run_id").unlink(missing_ok=True)
     tracker = make_tracker(cfg, rank, resume_step=state.step)
     resolved_yaml = configlib.dump_yaml(cfg)
-    state.run_id = share_run_id(tracker.start(state.run_id, run_params(cfg, world, precision, manifest),
+    state.run_id = eng.rank0_value(tracker.start(state.run_id, run_params(cfg, world, precision, manifest),
                                               {"config.yaml": resolved_yaml, "deepspeed.json": json.dumps(ds_config, indent=2)}))
     flops_per_seq = mlm_flops_per_sequence(model.hf_model.config, seq_len, cfg.masking.rate * seq_len,
                                            cfg.impl.sparse_head)

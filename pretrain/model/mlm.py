@@ -40,6 +40,9 @@ class MLMModel(torch.nn.Module):
         self.hf_model = hf_model
         self.arch = arch
         self.sparse_head = sparse_head
+        # Names of parameters that model.init_from did not provide; the optimiser may give them a
+        # higher learning rate (optim.fresh_params_lr_multiplier). Empty for a model built fresh.
+        self.fresh_parameters: set[str] = set()
 
     @property
     def config(self):

@@ -169,7 +169,10 @@ def full_weights(engine):
 
 
 def rank0_value(value):
-    """The first rank's ``value`` on every rank (a collective)."""
+    """The first rank's ``value`` on every rank (e.g. the tracking run id, so that all ranks write
+    the same one into a checkpoint). A collective; without a process group, ``value`` unchanged."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
