@@ -61,9 +61,9 @@ def matmul_peak(precision: str, threads: int) -> float:
     import torch
 
     try:                                                   # where the lead's hardware module has it
-        from pretrain.hardware import measure_matmul_peak_tflops
+        from pretrain.runtime.hardware import measure_matmul_peak_tflops
     except ImportError:
-        from pretrain.flops import measure_matmul_peak_tflops
+        from pretrain.model.flops import measure_matmul_peak_tflops
     torch.set_num_threads(threads)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     return max(measure_matmul_peak_tflops("cpu", dtype, seconds=1.0) for _ in range(2))
@@ -131,7 +131,7 @@ def held_out_mlm(hf_dir: Path, shards: Path, batch_size: int, max_batches: int, 
     from transformers import AutoModelForMaskedLM
 
     from data_prep.shard_format import load_manifest
-    from pretrain.evaluate import mlm_eval_model
+    from pretrain.eval.cli import mlm_eval_model
 
     torch.set_num_threads(threads)
     model = AutoModelForMaskedLM.from_pretrained(str(hf_dir), dtype=torch.float32)
@@ -146,8 +146,8 @@ def word_order_probe(hf_dir: Path, shards: Path, max_examples: int, threads: int
     architecture with random weights."""
     import torch
 
-    from pretrain.config import DownstreamTaskConfig
-    from pretrain.evaluate import evaluate_model
+    from pretrain.config.schema import DownstreamTaskConfig
+    from pretrain.eval.cli import evaluate_model
 
     torch.set_num_threads(threads)
     spec = DownstreamTaskConfig(name="word_order", path="word_order", max_examples=max_examples)

@@ -65,7 +65,7 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str
 
 def cpu_record() -> dict:
     """Model name, the flags that decide matmul speed, whether bf16 is native (pretrain.hardware)."""
-    from pretrain.hardware import cpu_info
+    from pretrain.runtime.hardware import cpu_info
 
     return cpu_info()
 
@@ -74,7 +74,7 @@ def auto_precision() -> tuple[str, str]:
     """What ``impl.precision=auto`` picks on this CPU, and why."""
     import torch
 
-    from pretrain.hardware import resolve_precision
+    from pretrain.runtime.hardware import resolve_precision
 
     return resolve_precision("auto", torch.device("cpu"))
 
@@ -83,7 +83,7 @@ def matmul_peak(precision: str, threads: int, seconds: float) -> tuple[float, st
     """Dense-matmul TFLOP/s in ``precision`` with ``threads`` threads, measured now, and its source."""
     import torch
 
-    from pretrain.flops import measure_matmul_peak_tflops
+    from pretrain.model.flops import measure_matmul_peak_tflops
 
     torch.set_num_threads(threads)
     value = measure_matmul_peak_tflops("cpu", torch.bfloat16 if precision == "bf16" else torch.float32,
@@ -97,7 +97,7 @@ def matmul_peak_cpu_time(precision: str, threads: int, seconds: float, n: int = 
     MFU computed from tokens per CPU-second."""
     import torch
 
-    from pretrain.flops import measure_matmul_peak_tflops
+    from pretrain.model.flops import measure_matmul_peak_tflops
 
     torch.set_num_threads(threads)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -105,7 +105,7 @@ def matmul_peak_cpu_time(precision: str, threads: int, seconds: float, n: int = 
 
 
 def trainer_peak(precision: str, threads: int, scratch: str | os.PathLike) -> tuple[float, str]:
-    """The peak our trainer divides by (``pretrain.hardware.peak_tflops``: measured once per machine
+    """The peak our trainer divides by (``pretrain.runtime.hardware.peak_tflops``: measured once per machine
     and thread count, then cached), and its source. Asked against a copy of the trainer's cache in
     ``scratch``, so that a measurement taken here, on a machine that may be busy, never becomes
     the trainer's cached value."""
@@ -113,7 +113,7 @@ def trainer_peak(precision: str, threads: int, scratch: str | os.PathLike) -> tu
 
     import torch
 
-    from pretrain.hardware import default_cache_path, peak_tflops
+    from pretrain.runtime.hardware import default_cache_path, peak_tflops
 
     torch.set_num_threads(threads)
     copy = Path(scratch) / "peak_tflops.json"

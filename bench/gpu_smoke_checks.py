@@ -20,7 +20,7 @@ from bench.common import format_table  # noqa: E402
 def peak() -> str:
     import torch
 
-    from pretrain.hardware import peak_tflops
+    from pretrain.runtime.hardware import peak_tflops
 
     device = torch.device("cuda", 0)
     value, source = peak_tflops(device, "bf16")      # the vendor table; measured for unknown GPUs
@@ -35,11 +35,11 @@ def paths(config: str, shards: str) -> str:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from data_prep.shard_format import load_manifest
-    from pretrain.config import load_config
-    from pretrain.data import TrainStream
-    from pretrain.optim import build_optimizer
-    from pretrain.masking import SpecialIds, mask_batch
-    from pretrain.model import build_model
+    from pretrain.config.schema import load_config
+    from pretrain.data.stream import TrainStream
+    from pretrain.model.optim import build_optimizer
+    from pretrain.model.masking import SpecialIds, mask_batch
+    from pretrain.model.mlm import build_model
 
     device = torch.device("cuda", 0)
     manifest = load_manifest(shards)

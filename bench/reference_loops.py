@@ -42,8 +42,8 @@ def hf_mlm_trainer(shards: Path, cfg, batch_size: int, precision: str, threads: 
                               TrainingArguments)
 
     from data_prep.shard_format import iter_blocks, load_manifest
-    from pretrain.masking import SpecialIds
-    from pretrain.model import bert_config
+    from pretrain.model.masking import SpecialIds
+    from pretrain.model.mlm import bert_config
 
     torch.set_num_threads(threads)
     manifest = load_manifest(shards)
@@ -81,7 +81,7 @@ def hf_mlm_trainer(shards: Path, cfg, batch_size: int, precision: str, threads: 
 def hf_worker(spec: dict) -> None:
     from transformers import TrainerCallback
 
-    from pretrain.config import load_config
+    from pretrain.config.schema import load_config
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -93,7 +93,7 @@ def hf_worker(spec: dict) -> None:
             self.cpu.append(time.process_time())
 
     if spec.get("keep_freed_memory"):          # what our trainer does on a CPU, for comparison
-        from pretrain.hardware import keep_freed_cpu_memory
+        from pretrain.runtime.hardware import keep_freed_cpu_memory
         keep_freed_cpu_memory()
     timer = StepTimer()
     trainer, _ = hf_mlm_trainer(Path(spec["shards"]), load_config(spec["config"], spec["overrides"]),
@@ -109,11 +109,11 @@ def bare_worker(spec: dict) -> None:
     import torch
 
     from data_prep.shard_format import load_manifest
-    from pretrain.config import load_config
-    from pretrain.data import TrainStream
-    from pretrain.masking import SpecialIds, mask_batch
-    from pretrain.model import build_model
-    from pretrain.optim import lr_schedule
+    from pretrain.config.schema import load_config
+    from pretrain.data.stream import TrainStream
+    from pretrain.model.masking import SpecialIds, mask_batch
+    from pretrain.model.mlm import build_model
+    from pretrain.model.optim import lr_schedule
 
     torch.set_num_threads(spec["threads"])
     shards = Path(spec["shards"])

@@ -1,8 +1,8 @@
 """Where one training step of ours goes, and what each known lead for a faster step is worth.
 
 Called by ``bench/train_throughput.py --breakdown | --profile | --leads``. Everything runs in one
-process at world size 1 on the real components (``pretrain.model.build_model``, the DeepSpeed engine
-from ``pretrain.engine.initialize``, ``TrainStream``, ``mask_batch``), built once per setting:
+process at world size 1 on the real components (``pretrain.model.mlm.build_model``, the DeepSpeed engine
+from ``pretrain.runtime.engine.initialize``, ``TrainStream``, ``mask_batch``), built once per setting:
 
 * ``breakdown``: the calls of ``pretrain.train.fit``'s step in the same order, each timed (on the
   CPU every op is synchronous, so a phase's time is its own).
@@ -52,8 +52,8 @@ class Setup:
 
 
 def _load(config: Path, overrides: list[str]):
-    from pretrain import engine as eng
-    from pretrain.config import load_config
+    from pretrain.runtime import engine as eng
+    from pretrain.config.schema import load_config
 
     if not dist.is_initialized():       # once per process: DeepSpeed caches the world group
         eng.prepare_env()
@@ -65,12 +65,12 @@ def build(config: Path, overrides: list[str], shards: Path, *, bare: bool = Fals
     """Ours (DeepSpeed engine) or the bare loop's pieces (model + torch AdamW + LambdaLR).
     ``impl.fused_optimizer`` picks the bare loop's AdamW kernel too (false: foreach, else fused)."""
     from data_prep.shard_format import load_manifest
-    from pretrain import engine as eng
-    from pretrain import hardware
-    from pretrain.data import TrainStream
-    from pretrain.masking import SpecialIds
-    from pretrain.model import build_model
-    from pretrain.optim import lr_schedule
+    from pretrain.runtime import engine as eng
+    from pretrain.runtime import hardware
+    from pretrain.data.stream import TrainStream
+    from pretrain.model.masking import SpecialIds
+    from pretrain.model.mlm import build_model
+    from pretrain.model.optim import lr_schedule
 
     cfg, info = _load(config, overrides)
     manifest = load_manifest(shards)
@@ -100,8 +100,8 @@ PHASES = ["data", "mask", "all_reduce", "forward", "backward", "step"]
 def timed_step(s: Setup, step: int) -> list[float]:
     """One optimiser step of one micro-batch, the calls of ``pretrain.train.train_step`` in the same
     order, each timed; returns the phases' seconds."""
-    from pretrain import engine as eng
-    from pretrain.masking import mask_batch
+    from pretrain.runtime import engine as eng
+    from pretrain.model.masking import mask_batch
     from pretrain.seeds import derive_seed
 
     t = [_clock()]
@@ -200,7 +200,7 @@ def _ab_median_ms(fns: list[Callable[[], object]], repeats: int, warmup: int = 2
 
 
 def _sample_masked(s: Setup):
-    from pretrain.masking import mask_batch
+    from pretrain.model.masking import mask_batch
 
     batch = next(s.batches)
     return batch, mask_batch(batch["input_ids"], batch["word_starts"], s.special, s.cfg.masking,
@@ -281,7 +281,7 @@ def encoder_lead(config, overrides, shards, repeats, compiled: bool = False) -> 
 
 def small_costs(s: Setup, repeats: int) -> list[list]:
     """Per-micro-step costs outside the model: seeding, masking, the two collectives, data."""
-    from pretrain.masking import mask_batch, mask_generator
+    from pretrain.model.masking import mask_batch, mask_generator
     from pretrain.seeds import derive_seed
 
     batch = next(s.batches)

@@ -70,8 +70,8 @@ def hf_worker(spec: dict) -> None:
 
     from bench.reference_loops import hf_mlm_trainer
     from data_prep.shard_format import load_manifest
-    from pretrain.config import load_config
-    from pretrain.evaluate import mlm_eval_model
+    from pretrain.config.schema import load_config
+    from pretrain.eval.cli import mlm_eval_model
 
     shards, out = Path(spec["shards"]), Path(spec["out_dir"])
     manifest = load_manifest(shards)
@@ -161,8 +161,8 @@ def run_ours(args, shards: Path) -> dict:
     if proc.returncode not in (0, 3):
         raise RuntimeError(f"ours: pretrain.train exited {proc.returncode}; command:\n  {' '.join(cmd)}\n"
                            f"{(out / 'stdout.log').read_text()[-3000:]}")
-    from pretrain.evaluate import mlm_eval
-    from pretrain.export import export_checkpoint, resolve_checkpoint
+    from pretrain.eval.cli import mlm_eval
+    from pretrain.checkpoint.export import export_checkpoint, resolve_checkpoint
 
     _, tag = resolve_checkpoint(out / "checkpoints")
     export_checkpoint(out / "checkpoints", tag, out / "hf")
@@ -227,8 +227,8 @@ def crossing(curve: list[dict], target: float, key: str) -> float:
 def score(hf_dir: str, shards: Path, tasks, batch_size: int, device: str) -> dict:
     from transformers import AutoModel
 
-    from pretrain.downstream import probe_metrics
-    from pretrain.evaluate import mlm_eval
+    from pretrain.eval.downstream import probe_metrics
+    from pretrain.eval.cli import mlm_eval
 
     mlm = mlm_eval(hf_dir, shards, batch_size=batch_size, device=device)
     encoder = AutoModel.from_pretrained(hf_dir, add_pooling_layer=False).to(device)
@@ -332,7 +332,7 @@ def main(argv=None) -> int:
     import torch
 
     if args.precision is None:
-        from pretrain.hardware import auto_precision
+        from pretrain.runtime.hardware import auto_precision
 
         args.precision = auto_precision(torch.device("cuda" if torch.cuda.is_available() else "cpu"))[0]
     os.environ.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
@@ -347,9 +347,9 @@ def main(argv=None) -> int:
 
     transformers.utils.logging.set_verbosity_error()
 
-    from pretrain.config import DownstreamTaskConfig
-    from pretrain.downstream import baseline_metrics, prepare_tasks
-    from pretrain.eval_tasks import sample_article_task
+    from pretrain.config.schema import DownstreamTaskConfig
+    from pretrain.eval.downstream import baseline_metrics, prepare_tasks
+    from pretrain.eval.tasks import sample_article_task
 
     manifest = json.loads((shards / "manifest.json").read_text())
     articles = sample_article_task(Path(args.work_dir) / "articles.csv", num_articles=10)

@@ -25,7 +25,7 @@ whose logging window is the warm-up length), over sequences x seq_len tokens. Ou
 ``perf/tokens_per_s`` (``metrics.jsonl``, first window dropped) is printed beside it as a cross-check.
 MFU: ``pretrain.flops.mlm_flops_per_sequence`` (the dense-head count for rows whose head runs on every
 token) against a matmul peak in the precision used with the same threads: the highest of a
-measurement before the runs, one after, and the trainer's own (``pretrain.hardware.peak_tflops``). The CPU model, its flags and what
+measurement before the runs, one after, and the trainer's own (``pretrain.runtime.hardware.peak_tflops``). The CPU model, its flags and what
 ``impl.precision=auto`` picks are printed first and go into ``--json``.
 
 The machine may be shared: each row also shows its *CPU share* (CPU seconds the process got in the
@@ -236,9 +236,9 @@ def run_reference(variant: str, args, plan: Plan, shards: Path) -> Measurement:
 
 
 def table(rows: list[Row], args, plan: Plan, peak: float, cpu_peak: float, manifest: dict) -> str:
-    from pretrain.config import MaskingConfig, ModelConfig
-    from pretrain.configlib import load_yaml
-    from pretrain.flops import mlm_flops_per_sequence
+    from pretrain.config.schema import MaskingConfig, ModelConfig
+    from pretrain.config.loader import load_yaml
+    from pretrain.model.flops import mlm_flops_per_sequence
 
     raw = load_yaml(plan.config)
     model, rate = ModelConfig(**raw["model"]), MaskingConfig(**raw.get("masking", {})).rate

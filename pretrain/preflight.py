@@ -12,11 +12,14 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from data_prep.shard_format import load_manifest
-from pretrain import checkpointing, configlib, hardware
-from pretrain.config import Config
-from pretrain.configlib import ConfigError
-from pretrain.data import check_manifest
+from data_prep.shard_format import MANIFEST, load_manifest
+from pretrain.checkpoint import files
+from pretrain.checkpoint import store as checkpointing
+from pretrain.config import loader as configlib
+from pretrain.runtime import hardware
+from pretrain.config.schema import Config
+from pretrain.config.loader import ConfigError
+from pretrain.data.stream import check_manifest
 
 # Groups and keys whose change would make the resumed run a different experiment.
 RESULTS_GROUPS = ("model", "masking", "optim")
@@ -43,7 +46,7 @@ def check_inputs(cfg: Config) -> tuple[dict, Optional[str]]:
     if tag is not None:
         problems += resume_problems(cfg, manifest, checkpointing.checkpoint_root(cfg), tag)
     if problems:
-        raise ConfigError(problems, f"{cfg.data.dir}/manifest.json" if not tag else f"{cfg.train.out_dir}")
+        raise ConfigError(problems, f"{cfg.data.dir}/{MANIFEST}" if not tag else f"{cfg.train.out_dir}")
     return manifest, tag
 
 
@@ -92,7 +95,7 @@ def resume_problems(cfg: Config, manifest: dict, root: Path, tag: str) -> list[s
     try:
         saved = checkpointing.saved_config(root, tag)
     except (OSError, ValueError) as exc:
-        return [f"{root / tag}: {checkpointing.CONFIG_FILE} unreadable ({exc}); cannot check the resume"]
+        return [f"{root / tag}: {files.CONFIG_FILE} unreadable ({exc}); cannot check the resume"]
     now = configlib.flatten(configlib.to_dict(cfg))
     # A setting added since the checkpoint was written had its default then.
     before = {**configlib.flatten(configlib.to_dict(Config())), **configlib.flatten(saved)}
@@ -104,7 +107,7 @@ def resume_problems(cfg: Config, manifest: dict, root: Path, tag: str) -> list[s
         problems.append(f"train.max_steps: may only grow on resume (the checkpoint {tag} has "
                         f"{saved_steps}, now {cfg.train.max_steps})")
     try:
-        saved_manifest = json.loads((root / tag / "manifest.json").read_text())
+        saved_manifest = json.loads((root / tag / files.MANIFEST_FILE).read_text())
     except (OSError, ValueError):
         saved_manifest = None
     if saved_manifest:
@@ -125,12 +128,12 @@ def resume_problems(cfg: Config, manifest: dict, root: Path, tag: str) -> list[s
 
 def data_position_problems(cfg: Config, manifest: dict, folder: Path) -> list[str]:
     """The checkpoint's data position must apply to this data at this world size and micro-batch."""
-    from pretrain.data import DataError, TrainStream
+    from pretrain.data.stream import DataError, TrainStream
 
     try:
-        saved = json.loads((folder / checkpointing.STATE_FILE).read_text())
+        saved = json.loads((folder / files.STATE_FILE).read_text())
     except (OSError, ValueError) as exc:
-        return [f"{folder}: {checkpointing.STATE_FILE} unreadable ({exc}): not a checkpoint of this version"]
+        return [f"{folder}: {files.STATE_FILE} unreadable ({exc}): not a checkpoint of this version"]
     try:
         stream = TrainStream(cfg.data.dir, manifest, cfg.data.train_split, 0, cfg.world_size(),
                              cfg.impl.micro_batch_size, cfg.train.global_batch_size, cfg.data.seed)
@@ -142,7 +145,7 @@ def data_position_problems(cfg: Config, manifest: dict, folder: Path) -> list[st
 
 def layout_problems(cfg: Config, root: Path, tag: str) -> list[str]:
     """Another world size, ZeRO stage or precision is converted on load; what cannot be is refused now."""
-    from pretrain import reshard
+    from pretrain.checkpoint import reshard
 
     saved = reshard.read_layout(root / tag)
     if saved is None:

@@ -26,18 +26,23 @@ import torch.distributed as dist
 
 from data_prep import stale_shm
 from data_prep.shard_format import ShardError
-from pretrain import bad_input, checkpointing, configlib, engine as eng, hardware, lifeline
-from pretrain.config import Config, ConfigError, load_config
-from pretrain.data import TrainStream, eval_batches
-from pretrain.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
-from pretrain.eval_tasks import TaskError
-from pretrain.flops import mlm_flops_per_sequence
-from pretrain.masking import SpecialIds, eval_masking_config, mask_batch
-from pretrain.model import build_model
+from pretrain.checkpoint import files
+from pretrain.checkpoint import store as checkpointing
+from pretrain.config import loader as configlib
+from pretrain.runtime import bad_input, lifeline
+from pretrain.runtime import engine as eng
+from pretrain.runtime import hardware
+from pretrain.config.schema import Config, ConfigError, load_config
+from pretrain.data.stream import TrainStream, eval_batches
+from pretrain.eval.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
+from pretrain.eval.tasks import TaskError
+from pretrain.model.flops import mlm_flops_per_sequence
+from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
+from pretrain.model.mlm import build_model
 from pretrain.preflight import check_inputs
 from pretrain.seeds import derive_seed
-from pretrain.state import STATE_KEY, TrainState
-from pretrain.tracking import make_tracker, run_params, share_run_id
+from pretrain.checkpoint.state import STATE_KEY, TrainState
+from pretrain.tracking import make_tracker, run_params
 
 log = logging.getLogger("pretrain")
 EXIT_BAD_INPUT, EXIT_REQUEUE, EXIT_NONFINITE = 2, 3, 4
@@ -66,7 +71,7 @@ class StepResult:
     nonfinite: bool           # some rank's loss was not finite: the update was skipped everywhere
     stop: bool                # some rank was asked to stop
     grad_norm: float | None   # ZeRO 0 only, when asked (DeepSpeed keeps none there)
-    bad_input: bool = False   # some rank could not read its batch (pretrain.bad_input): stop, exit 2
+    bad_input: bool = False   # some rank could not read its batch (runtime.bad_input): stop, exit 2
 
 
 def train_step(engine, optimizer, micro_batches: list[dict], step: int, cfg: Config, special: SpecialIds,
@@ -161,7 +166,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
         (Path(cfg.train.out_dir) / "mlflow_run_id").unlink(missing_ok=True)
     tracker = make_tracker(cfg, rank, resume_step=state.step)
     resolved_yaml = configlib.dump_yaml(cfg)
-    state.run_id = share_run_id(tracker.start(state.run_id, run_params(cfg, world, precision, manifest),
+    state.run_id = eng.rank0_value(tracker.start(state.run_id, run_params(cfg, world, precision, manifest),
                                               {"config.yaml": resolved_yaml, "deepspeed.json": json.dumps(ds_config, indent=2)}))
     flops_per_seq = mlm_flops_per_sequence(model.hf_model.config, seq_len, cfg.masking.rate * seq_len,
                                            cfg.impl.sparse_head)
@@ -264,9 +269,9 @@ def checkpoint(engine, cfg: Config, model, manifest: dict, tracker, state: Train
     snapshot = state.state_dict()
     readable = {k: v for k, v in snapshot.items() if k != "rng"}      # for checks before any process group
     tag = checkpointing.save(engine, cfg, state.step, {STATE_KEY: snapshot},
-                             {"config.yaml": resolved_yaml, "hf_config.json": model.hf_model.config.to_json_string(),
-                              "manifest.json": json.dumps(manifest), checkpointing.STATE_FILE: json.dumps(readable)},
-                             {"tokenizer": Path(cfg.data.dir) / manifest["tokenizer"]["path"]})
+                             {files.CONFIG_FILE: resolved_yaml, files.HF_CONFIG_FILE: model.hf_model.config.to_json_string(),
+                              files.MANIFEST_FILE: json.dumps(manifest), files.STATE_FILE: json.dumps(readable)},
+                             {files.TOKENIZER_DIR: Path(cfg.data.dir) / manifest["tokenizer"]["path"]})
     tracker.log_checkpoint(tag, state.step, str(checkpointing.checkpoint_root(cfg) / tag))
     if export:
         if final:
@@ -284,7 +289,7 @@ def export_to(cfg: Config, tag: str, out: Path) -> None:
     """Export checkpoint ``tag`` to ``out`` atomically: a kill leaves the old folder or none."""
     import shutil
 
-    from pretrain.export import export_checkpoint
+    from pretrain.checkpoint.export import export_checkpoint
 
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -9,7 +9,7 @@ Not part of the test suite (it takes minutes); run by hand, one world size per p
 
 ``save`` trains each layout of this world size for a few steps, saves it, trains two steps more
 and records the full state and those two losses. ``load`` loads every saved checkpoint into every
-layout of this world size through ``pretrain.reshard`` and prints one line per pair: the largest
+layout of this world size through ``pretrain.checkpoint.reshard`` and prints one line per pair: the largest
 difference of the loaded fp32 parameters and moments from the saved ones, and of the next two
 losses from the ones the saving layout had.
 
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pretrain.checkpoint import files  # noqa: E402
 from reshard_worker import (build_engine, eng, full_state, load_any, make_config, reshard,  # noqa: E402
                             save_checkpoint, train_steps)
 
@@ -62,7 +63,7 @@ def main() -> int:
             cfg = make_config(stage, precision, opt, 4, f"{args.dir}/{name}")
             engine = build_engine(cfg, info)
             train_steps(engine, cfg, info, 0, STEPS)
-            save_checkpoint(engine, cfg, STEPS, {"step": STEPS}, {reshard.LAYOUT_FILE: json.dumps(
+            save_checkpoint(engine, cfg, STEPS, {"step": STEPS}, {files.LAYOUT_FILE: json.dumps(
                 reshard.checkpoint_layout(engine))})
             state = full_state(engine)
             losses = train_steps(engine, cfg, info, STEPS, 2)

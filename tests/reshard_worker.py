@@ -1,7 +1,7 @@
 """One leg of a resharding test, run under ``deepspeed --num_gpus W`` (or plain python for W = 1).
 
 Builds the tiny model and engine through the project's own code at the given ZeRO stage and
-precision, optionally loads a checkpoint saved at another layout through ``pretrain.reshard``,
+precision, optionally loads a checkpoint saved at another layout through ``pretrain.checkpoint.reshard``,
 trains a few steps on fixed random batches that do not depend on the layout (the global batch is
 the same rows whatever the world size and accumulation), optionally saves a checkpoint, and has
 rank 0 dump the losses and the full fp32 parameters and optimiser moments before and after.
@@ -22,10 +22,16 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pretrain import checkpointing, configlib, engine as eng, reshard  # noqa: E402
-from pretrain.config import Config  # noqa: E402
-from pretrain.masking import SpecialIds  # noqa: E402
-from pretrain.model import build_model  # noqa: E402
+from pretrain.checkpoint import store as checkpointing  # noqa: E402
+
+from pretrain.config import loader as configlib
+
+from pretrain.runtime import engine as eng
+
+from pretrain.checkpoint import reshard
+from pretrain.config.schema import Config  # noqa: E402
+from pretrain.model.masking import SpecialIds  # noqa: E402
+from pretrain.model.mlm import build_model  # noqa: E402
 
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from pretrain.config import load_config
+from pretrain.config.schema import load_config
 
 SMOKE = REPO / "bench" / "gpu_smoke.sh"
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pretrain import configlib
-from pretrain.config import Config, ConfigError, load_config
-from pretrain.engine import deepspeed_config
+from pretrain.config import loader as configlib
+from pretrain.config.schema import Config, ConfigError, load_config
+from pretrain.runtime.engine import deepspeed_config
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 # configs/data/ holds data-prep settings (data_prep.settings); study.yaml is a training config plus a
@@ -118,7 +118,7 @@ def test_problems_set_by_an_override_name_it_not_the_yaml():
 def test_an_optimiser_deepspeed_hides_is_an_error_not_a_silent_non_skip():
     import types
 
-    from pretrain.engine import inner_optimizer
+    from pretrain.runtime.engine import inner_optimizer
 
     ours = types.SimpleNamespace(skip_next_step=False)
     assert inner_optimizer(types.SimpleNamespace(optimizer=types.SimpleNamespace(optimizer=ours))) is ours

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-import pretrain.shard_reader as shard_reader
+import pretrain.data.shard_reader as shard_reader
 from data_prep.atomic import write_json_atomic
 from data_prep.shard_format import (
     FORMAT_VERSION, ShardError, ShardWriter, ids_dtype, index_shard, load_manifest, shard_name,
 )
-from pretrain.data import (
+from pretrain.data.stream import (
     DataError, TokenIdError, TrainStream, check_manifest, eval_batch_count, eval_batches, index_all_shards,
 )
 

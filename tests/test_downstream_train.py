@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.eval_tasks import sample_article_task
+from pretrain.eval.tasks import sample_article_task
 from test_faults import ok, train
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import PY, REPO, _run
-from pretrain.config import DownstreamTaskConfig, load_config
-from pretrain.eval_tasks import (TaskError, labelled_task, load_task, read_texts, sample_article_task,
+from pretrain.config.schema import DownstreamTaskConfig, load_config
+from pretrain.eval.tasks import (TaskError, labelled_task, load_task, read_texts, sample_article_task,
                                  split_sentences, word_order_task)
 
 
@@ -79,8 +79,8 @@ def test_probe_api_on_the_trainers_held_out_shards(shards, tmp_path):
     from transformers import BertConfig, BertModel
 
     from data_prep.shard_format import load_manifest
-    from pretrain.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
-    from pretrain.eval_tasks import held_out_sentences
+    from pretrain.eval.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
+    from pretrain.eval.tasks import held_out_sentences
 
     manifest = load_manifest(shards)
     spec = DownstreamTaskConfig(path="word_order", max_examples=150, max_length=32)
@@ -131,7 +131,7 @@ def test_mlm_eval_of_a_random_export_sits_at_uniform_loss(shards, tmp_path):
     from transformers import BertConfig, BertForMaskedLM
 
     from data_prep.shard_format import load_manifest
-    from pretrain.evaluate import mlm_eval
+    from pretrain.eval.cli import mlm_eval
 
     manifest = load_manifest(shards)
     vocab = manifest["tokenizer"]["vocab_size"]
@@ -147,7 +147,7 @@ def test_mlm_eval_of_a_random_export_sits_at_uniform_loss(shards, tmp_path):
 def test_finetune_protocol_reports_both_baselines(bert_uncased_dir, tmp_path):
     """Three articles apart after a short fine-tune (short inputs keep it to seconds); both
     baselines come from the same call."""
-    from pretrain.downstream import FinetuneSettings, finetune_metrics, prepare_tasks
+    from pretrain.eval.downstream import FinetuneSettings, finetune_metrics, prepare_tasks
 
     small = sample_article_task(tmp_path / "small.csv", num_articles=3)
     tasks = prepare_tasks([DownstreamTaskConfig(path=str(small), max_length=24, test_fraction=0.3)], bert_uncased_dir)
@@ -163,7 +163,7 @@ def test_finetune_protocol_reports_both_baselines(bert_uncased_dir, tmp_path):
 
 
 def test_bad_task_files_get_named_errors(tmp_path, capsys, bert_uncased_dir):
-    from pretrain.evaluate import main
+    from pretrain.eval.cli import main
 
     no_label = tmp_path / "no_label.csv"
     no_label.write_text("text,category\nhello there,a\nbye now,b\n")
@@ -219,7 +219,7 @@ def test_cli_logs_to_an_mlflow_run(tmp_path, articles_csv, bert_uncased_dir, cap
     """Metrics land in the given run (a local sqlite store); an unknown run is refused before any work."""
     from mlflow import MlflowClient
 
-    from pretrain.evaluate import log_to_mlflow, main
+    from pretrain.eval.cli import log_to_mlflow, main
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)

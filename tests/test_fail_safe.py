@@ -73,7 +73,7 @@ def test_a_damaged_latest_checkpoint_is_named_and_the_previous_one_resumed(shard
 
 
 def test_checksums_find_a_rewritten_file_and_old_checkpoints_are_taken_as_they_are(tmp_path, capsys):
-    from pretrain import checkpointing
+    from pretrain.checkpoint import store as checkpointing
 
     folder = tmp_path / "step00000002"
     (folder / "tokenizer").mkdir(parents=True)
@@ -94,9 +94,9 @@ def test_checksums_find_a_rewritten_file_and_old_checkpoints_are_taken_as_they_a
 
 
 def test_resume_takes_the_newest_undamaged_checkpoint_and_refuses_a_damaged_named_one(tmp_path, monkeypatch):
-    from pretrain import checkpointing
-    from pretrain.config import Config
-    from pretrain.configlib import ConfigError
+    from pretrain.checkpoint import store as checkpointing
+    from pretrain.config.loader import ConfigError
+    from pretrain.config.schema import Config
 
     cfg = Config()
     cfg.train.out_dir = str(tmp_path)
@@ -126,7 +126,7 @@ def _block_only_rank1_reads(data_dir: Path) -> tuple[str, int, int]:
     """(shard path, block index, step) of a block that rank 1 of 2 reads first at that (0-based) step,
     the first after step 0 where one exists, and rank 0 not up to it (tiny: 16 = 2 x 8 per step)."""
     from data_prep.shard_format import load_manifest
-    from pretrain.data import TrainStream, _PlanCursor, _RankSlice
+    from pretrain.data.stream import TrainStream, _PlanCursor, _RankSlice
 
     stream = TrainStream(data_dir, load_manifest(data_dir), "train", 0, 2, 8, 16, 1234)
     cursor, layout = _PlanCursor(stream._plan), stream._plan.layout
@@ -175,7 +175,7 @@ def test_a_token_id_out_of_range_read_by_one_rank_stops_every_rank_with_exit_2(s
 def test_a_master_port_in_use_is_refused_by_name_before_any_rank_starts(capsys):
     import socket
 
-    from pretrain import launch
+    from pretrain.runtime import launch
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -185,7 +185,7 @@ def test_a_master_port_in_use_is_refused_by_name_before_any_rank_starts(capsys):
                           "--config", "configs/tiny.yaml"])
     assert rc == 2
     assert f"pretrain.launch: --master_port {port} is already in use on this machine" in capsys.readouterr().err
-    from pretrain.ports import launch_port_problem
+    from pretrain.runtime.ports import launch_port_problem
     assert launch_port_problem(["--node_rank", "1", "--master_port", str(port)]) is None   # not the master's node
     assert "not a port number" in launch_port_problem(["--master_port", "70000"])
 
@@ -270,8 +270,8 @@ def test_ranks_die_with_a_launcher_killed_with_sigkill(shards, tmp_path):
 # ------------------------------------------------- items 9, 10: pretrain.evaluate refusals
 
 def test_evaluate_refuses_a_model_without_tokenizer_files_and_a_header_only_csv(tmp_path, capsys, bert_uncased_dir):
-    from pretrain.eval_tasks import DownstreamTaskConfig, TaskError, labelled_task
-    from pretrain.evaluate import main
+    from pretrain.eval.cli import main
+    from pretrain.eval.tasks import DownstreamTaskConfig, TaskError, labelled_task
 
     header_only = tmp_path / "header.csv"
     header_only.write_text("text,label\n")
@@ -302,7 +302,7 @@ def test_evaluate_refuses_a_model_without_tokenizer_files_and_a_header_only_csv(
 def test_study_summary_calls_a_variant_stopped_by_a_signal_interrupted(status, state):
     from types import SimpleNamespace
 
-    from pretrain.study_summary import variant_row
+    from pretrain.study.summary import variant_row
 
     variant = SimpleNamespace(name="rate=0.4", values={"masking.rate": 0.4})
     assert variant_row(variant, [{"step": 5, "train/loss": 7.0}], status, finished=False)["status"] == state

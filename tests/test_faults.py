@@ -173,8 +173,8 @@ def test_sigterm_to_the_launchers_process_group_checkpoints_and_exits_3(shards, 
                 metrics.exists() and any(r.get("step", 0) >= 2 for r in strict_records(metrics))):
             assert proc.poll() is None, proc.stdout.read()[-3000:]
             time.sleep(0.5)
-        from pretrain.checkpointing import RunLock
-        from pretrain.configlib import ConfigError
+        from pretrain.checkpoint.store import RunLock
+        from pretrain.config.loader import ConfigError
         with pytest.raises(ConfigError, match="another job"):
             RunLock(str(tmp_path), wait_s=0.5)
         os.killpg(proc.pid, signal.SIGTERM)

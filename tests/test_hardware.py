@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from pretrain import hardware
+from pretrain.runtime import hardware
 
 
 @pytest.fixture
@@ -118,7 +118,7 @@ def test_freed_cpu_memory_is_reused_without_page_faults():
 
     probe = r"""
 import resource, sys, torch
-from pretrain import hardware
+from pretrain.runtime import hardware
 kept = hardware.keep_freed_cpu_memory() if sys.argv[1] == "keep" else False
 def faults_per_allocation():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

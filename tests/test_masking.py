@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain.config import MaskingConfig
-from pretrain.masking import (IGNORE_INDEX, SpecialIds, eval_masking_config, mask_batch, mask_generator,
+from pretrain.config.schema import MaskingConfig
+from pretrain.model.masking import (IGNORE_INDEX, SpecialIds, eval_masking_config, mask_batch, mask_generator,
                               mask_seed, random_non_special, span_segments)
 
 SEQ_LEN = 128
@@ -386,8 +386,8 @@ def test_static_mask_is_the_same_in_a_fresh_process(rows):
     ids, starts = rows[0][:8], rows[1][:8]
     cfg = MaskingConfig(strategy="span", rate=0.3, dynamic=False, seed=9)
     here = static(ids, starts, cfg, torch.arange(8) * 3).input_ids
-    code = ("import sys, torch; from pretrain.config import MaskingConfig; "
-            "from pretrain.masking import SpecialIds, mask_batch; "
+    code = ("import sys, torch; from pretrain.config.schema import MaskingConfig; "
+            "from pretrain.model.masking import SpecialIds, mask_batch; "
             "ids, starts = torch.tensor(eval(sys.argv[1])), torch.tensor(eval(sys.argv[2])); "
             f"sp = SpecialIds(pad=0, unk=100, cls=101, sep=102, mask=103, vocab_size=30522); torch.manual_seed(5); "
             "cfg = MaskingConfig(strategy='span', rate=0.3, dynamic=False, seed=9); "

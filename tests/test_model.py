@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForMaskedLM, BertConfig, BertForMaskedLM
 
-from pretrain.config import ImplConfig, MaskingConfig, ModelConfig
-from pretrain.flops import measure_matmul_peak_tflops, mlm_flops_per_sequence
-from pretrain.masking import IGNORE_INDEX, mask_batch, mask_generator
-from pretrain.model import MLMModel, build_model
+from pretrain.config.schema import ImplConfig, MaskingConfig, ModelConfig
+from pretrain.model.flops import measure_matmul_peak_tflops, mlm_flops_per_sequence
+from pretrain.model.masking import IGNORE_INDEX, mask_batch, mask_generator
+from pretrain.model.mlm import MLMModel, build_model
 from tests.test_masking import SPECIAL, pack_rows
 
 TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, max_position_embeddings=128)
@@ -196,7 +196,7 @@ def test_compiled_model_keeps_one_graph_for_padded_and_eval_batches(rows):
     eagerly (``engine.eager_forward``) instead of compiling more graphs, with the same losses."""
     from torch._dynamo.utils import counters
 
-    from pretrain.engine import eager_forward
+    from pretrain.runtime.engine import eager_forward
 
     ids, m = masked(rows)
     full = slice(0, len(ids) - 1)                             # rows packed full: no mask

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from conftest import REPO, free_port
-from pretrain.config import ConfigError, ImplConfig, MaskingConfig, ModelConfig, load_config
-from pretrain.flops import attended_pairs, mlm_flops_per_sequence
-from pretrain.masking import IGNORE_INDEX, SpecialIds, eval_masking_config, mask_batch, mask_generator
-from pretrain.model import attention_implementation, build_model
+from pretrain.config.schema import ConfigError, ImplConfig, MaskingConfig, ModelConfig, load_config
+from pretrain.model.flops import attended_pairs, mlm_flops_per_sequence
+from pretrain.model.masking import IGNORE_INDEX, SpecialIds, eval_masking_config, mask_batch, mask_generator
+from pretrain.model.mlm import attention_implementation, build_model
 from tests.test_masking import SPECIAL, pack_rows
 
 PY = sys.executable
@@ -305,7 +305,7 @@ def test_export_has_the_trained_models_logits_and_fills_masks(runs, exported, sh
     from transformers import AutoModelForMaskedLM, AutoTokenizer, ModernBertForMaskedLM, pipeline
 
     from data_prep.shard_format import load_manifest
-    from pretrain.data import eval_batches
+    from pretrain.data.stream import eval_batches
 
     model = AutoModelForMaskedLM.from_pretrained(exported).eval()
     assert isinstance(model, ModernBertForMaskedLM)

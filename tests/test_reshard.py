@@ -1,4 +1,4 @@
-"""Checkpoints resumed at another world size, ZeRO stage and precision (``pretrain.reshard``).
+"""Checkpoints resumed at another world size, ZeRO stage and precision (``pretrain.checkpoint.reshard``).
 
 Each leg is ``tests/reshard_worker.py`` under DeepSpeed's own launcher (2 CPU ranks, gloo) or plain
 python (1 rank): the tiny model and engine built by the project's code, fixed random batches that
@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from conftest import REPO, free_port
-from pretrain import reshard
+from pretrain.checkpoint import reshard
+from pretrain.checkpoint import files
 
 PY = sys.executable
 DEEPSPEED = str(Path(PY).with_name("deepspeed"))
@@ -69,7 +70,7 @@ def test_zero2_world2_to_zero0_world1_to_zero3_world2(tmp_path):
     assert "checkpoint step00000003 was saved at world 2 / ZeRO 2 / fp32; converting to world 1 / ZeRO 0 / fp32" in b_log
     assert "checkpoint step00000006 was saved at world 1 / ZeRO 0 / fp32; converting to world 2 / ZeRO 3 / fp32" in c_log
     for folder in ("step00000003", "step00000006"):        # converted once, kept beside the original
-        assert (run / "checkpoints" / folder / reshard.UNIVERSAL_DIR / "conversion.json").is_file()
+        assert (run / "checkpoints" / folder / files.UNIVERSAL_DIR / "conversion.json").is_file()
     assert_same_state(a["after"], b["before"])
     assert_same_state(b["after"], c["before"])
     # Schedule, DeepSpeed's counters and the client state continue.

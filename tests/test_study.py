@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from pretrain.configlib import ConfigError
+from pretrain.config.loader import ConfigError
 from mlflow_server import mlflow_server  # noqa: F401  (a fixture)
 from tests.slurm.cluster import slurm_cluster  # noqa: F401  (a fixture)
 
@@ -135,7 +135,7 @@ def test_every_problem_of_every_variant_before_anything_starts(shards, tmp_path)
 
 
 def test_shipped_study_config_and_command_line_grid(shards, bert_uncased_dir):
-    from pretrain.study_plan import load_study, split_args
+    from pretrain.study.plan import load_study, split_args
 
     # The README runs it with the bundled encoder as init_from; checked against the data before
     # anything starts (these shards have a 4,096-token vocabulary, the encoder 30,522).
@@ -164,9 +164,9 @@ def test_summary_picks_up_downstream_metrics_and_marks_the_missing(shards, tmp_p
     without; the table shows '-' where a metric is absent, the probe plot draws the bars."""
     import matplotlib.image
 
-    from pretrain.study import is_finished, read_status
-    from pretrain.study_plan import load_study
-    from pretrain.study_summary import write_summary
+    from pretrain.study.runner import is_finished, read_status
+    from pretrain.study.plan import load_study
+    from pretrain.study.summary import write_summary
 
     study = load_study("configs/tiny.yaml", [f"data.dir={shards}", f"study.out_dir={tmp_path}", "masking.rate=0.15,0.4",
                                              "model.max_position_embeddings=64"])

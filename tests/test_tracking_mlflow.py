@@ -13,9 +13,10 @@ import mlflow  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from mlflow_server import mlflow_server  # noqa: E402,F401  (a fixture)
-from pretrain import configlib  # noqa: E402
-from pretrain.config import Config  # noqa: E402
-from pretrain.tracking import NullTracker, make_tracker, share_run_id  # noqa: E402
+from pretrain.config import loader as configlib  # noqa: E402
+from pretrain.config.schema import Config  # noqa: E402
+from pretrain.runtime.engine import rank0_value  # noqa: E402
+from pretrain.tracking import NullTracker, make_tracker  # noqa: E402
 from pretrain.tracking.mlflow_requests import default_local_store  # noqa: E402
 from pretrain.tracking.mlflow_tracker import MlflowTracker  # noqa: E402
 
@@ -64,7 +65,7 @@ def test_new_run_gets_params_artifacts_and_complete_histories(tmp_path, mlflow_s
     assert isinstance(make_tracker(cfg, rank=1), NullTracker)
     run_id = tracker.start(None, params, {"config.yaml": configlib.dump_yaml(cfg), "deepspeed.json": '{"a": 1}'})
     assert run_id and tracker.run_id == run_id
-    assert share_run_id(run_id) == run_id            # no process group: unchanged
+    assert rank0_value(run_id) == run_id            # no process group: unchanged
     steps = range(1, 1201)                            # 2,400 points: several 1,000-metric batches
     for s in steps:
         tracker.log_metrics({"train/loss": loss(s), "train/lr": s * 1e-6}, s)

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
-from pretrain import configlib
+from pretrain.config import loader as configlib
 from pretrain.tracking.base import NullTracker, Tracker, TrackerGroup
 from pretrain.tracking.jsonl import JsonlTracker
 
-__all__ = ["Tracker", "NullTracker", "TrackerGroup", "JsonlTracker", "make_tracker", "share_run_id", "run_params"]
+__all__ = ["Tracker", "NullTracker", "TrackerGroup", "JsonlTracker", "make_tracker", "run_params"]
 
 
 def make_tracker(cfg, rank: int, resume_step: int = 0, jsonl: bool = True) -> Tracker:
@@ -25,19 +24,6 @@ def make_tracker(cfg, rank: int, resume_step: int = 0, jsonl: bool = True) -> Tr
 
         trackers.append(MlflowTracker(cfg))
     return TrackerGroup(trackers) if len(trackers) != 1 else trackers[0]
-
-
-def share_run_id(run_id: Optional[str]) -> Optional[str]:
-    """Rank 0's run id on every rank (e.g. so all ranks write the same id into a checkpoint's
-    client state). A collective: every rank must call it. Without a process group it returns
-    ``run_id`` unchanged."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return run_id
-    box = [run_id]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def run_params(cfg, world: int, precision: str, manifest: dict) -> dict:

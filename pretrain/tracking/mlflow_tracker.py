@@ -33,7 +33,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from data_prep.atomic import write_atomic
-from pretrain.configlib import flatten
+from pretrain.config.loader import flatten
 from pretrain.tracking.base import Tracker
 from pretrain.tracking.mlflow_requests import (MAX_BATCH_BYTES, MAX_ENTITIES_PER_BATCH, MAX_METRICS_PER_BATCH,
                                                MAX_PARAMS_TAGS_PER_BATCH, MAX_TAG_VAL_LENGTH, METRIC_NAME,

@@ -1,7 +1,7 @@
 """The model: a Hugging Face ``BertForMaskedLM`` or ``ModernBertForMaskedLM`` (``model.arch``) whose
 MLM head runs only where tokens are predicted.
 
-Single-device code; ZeRO and distribution live in ``pretrain.engine``. The wrapped HF model stays an
+Single-device code; ZeRO and distribution live in ``pretrain.runtime.engine``. The wrapped HF model stays an
 ordinary ``*ForMaskedLM`` (``MLMModel.hf_model``) so that ``save_pretrained`` gives a folder that
 ``AutoModelForMaskedLM.from_pretrained`` and ``pipeline("fill-mask")`` load, with the decoder tied to
 the word embeddings. The trainer calls both architectures the same way: token ids plus a padding
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from transformers import (AutoConfig, BertConfig, BertForMaskedLM, ModernBertConfig, ModernBertForMaskedLM,
                           PreTrainedModel)
 
-from pretrain.config import ImplConfig, ModelConfig
-from pretrain.masking import IGNORE_INDEX, SpecialIds
+from pretrain.config.schema import ImplConfig, ModelConfig
+from pretrain.model.masking import IGNORE_INDEX, SpecialIds
 
 log = logging.getLogger("pretrain")
 MASKED_LM_CLASSES = {"bert": BertForMaskedLM, "modernbert": ModernBertForMaskedLM}
@@ -40,6 +40,9 @@ class MLMModel(torch.nn.Module):
         self.hf_model = hf_model
         self.arch = arch
         self.sparse_head = sparse_head
+        # Names of parameters that model.init_from did not provide; the optimiser may give them a
+        # higher learning rate (optim.fresh_params_lr_multiplier). Empty for a model built fresh.
+        self.fresh_parameters: set[str] = set()
 
     @property
     def config(self):
@@ -104,35 +107,29 @@ def attention_implementation(impl: ImplConfig) -> str:
     return "sdpa"
 
 
+def _shared_sizes(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, attention: str) -> dict:
+    """The Hugging Face config keys that both architectures name alike."""
+    return dict(vocab_size=vocab_size, hidden_size=model_cfg.hidden_size, num_hidden_layers=model_cfg.num_layers,
+                num_attention_heads=model_cfg.num_heads, intermediate_size=model_cfg.intermediate_size,
+                max_position_embeddings=model_cfg.max_position_embeddings,
+                initializer_range=model_cfg.initializer_range, pad_token_id=special.pad,
+                tie_word_embeddings=True, attn_implementation=attention)
+
+
 def bert_config(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, attention: str) -> BertConfig:
     return BertConfig(
-        vocab_size=vocab_size,
-        hidden_size=model_cfg.hidden_size,
-        num_hidden_layers=model_cfg.num_layers,
-        num_attention_heads=model_cfg.num_heads,
-        intermediate_size=model_cfg.intermediate_size,
-        max_position_embeddings=model_cfg.max_position_embeddings,
+        **_shared_sizes(model_cfg, vocab_size, special, attention),
         hidden_dropout_prob=model_cfg.hidden_dropout,
         attention_probs_dropout_prob=model_cfg.attention_dropout,
-        initializer_range=model_cfg.initializer_range,
         layer_norm_eps=model_cfg.layer_norm_eps,
         type_vocab_size=2,
-        pad_token_id=special.pad,
-        tie_word_embeddings=True,
-        attn_implementation=attention,
     )
 
 
 def modernbert_config(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds,
                       attention: str) -> ModernBertConfig:
     return ModernBertConfig(
-        vocab_size=vocab_size,
-        hidden_size=model_cfg.hidden_size,
-        num_hidden_layers=model_cfg.num_layers,
-        num_attention_heads=model_cfg.num_heads,
-        intermediate_size=model_cfg.intermediate_size,
-        max_position_embeddings=model_cfg.max_position_embeddings,
-        initializer_range=model_cfg.initializer_range,
+        **_shared_sizes(model_cfg, vocab_size, special, attention),
         norm_eps=model_cfg.layer_norm_eps,
         attention_dropout=model_cfg.attention_dropout,
         embedding_dropout=model_cfg.embedding_dropout,
@@ -141,13 +138,10 @@ def modernbert_config(model_cfg: ModelConfig, vocab_size: int, special: SpecialI
         local_attention=model_cfg.local_attention,
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": model_cfg.rope_theta},
                          "sliding_attention": {"rope_type": "default", "rope_theta": model_cfg.local_rope_theta}},
-        pad_token_id=special.pad,
         bos_token_id=special.cls,
         cls_token_id=special.cls,
         eos_token_id=special.sep,
         sep_token_id=special.sep,
-        tie_word_embeddings=True,
-        attn_implementation=attention,
     )
 
 

@@ -1,7 +1,7 @@
 """Checkpoints as this project defines them: tags, the COMPLETE marker, ``latest``, RNG state, and
 the files beside DeepSpeed's own that make a checkpoint export and resume on its own.
 
-A checkpoint counts only when complete: every rank writes its shards (``engine.save_shards``), all
+A checkpoint counts only when complete: every rank writes its shards (DeepSpeed's ``save_checkpoint``), all
 meet at a barrier, then rank 0 writes the side files, the COMPLETE marker and, last, the ``latest``
 pointer. A kill anywhere before that leaves the previous checkpoint the one ``resume=auto`` finds.
 Before COMPLETE, rank 0 lists every file's size and sha256 (``FILE_LIST``): a checkpoint damaged
@@ -26,15 +26,11 @@ import yaml
 
 from data_prep.atomic import write_atomic
 from data_prep.shard_format import sha256_file
-from pretrain import reshard
-from pretrain.config import Config
-from pretrain.configlib import ConfigError
+from pretrain.checkpoint import reshard
+from pretrain.checkpoint.files import COMPLETE, CONFIG_FILE, FILE_LIST, LATEST, LAYOUT_FILE, LOCK_FILE
+from pretrain.config.schema import Config
+from pretrain.config.loader import ConfigError
 
-LATEST = "latest"              # DeepSpeed's own pointer file name; we write it ourselves, last
-COMPLETE = "COMPLETE"          # marker inside a tag folder: every rank's files are on disk
-CONFIG_FILE = "config.yaml"    # the resolved config of the run that wrote the checkpoint
-STATE_FILE = "train_state.json"  # the TrainState without RNG, readable without DeepSpeed
-FILE_LIST = "file_list.json"   # every other file of the tag folder with its size and sha256, written before COMPLETE
 
 
 def checkpoint_root(cfg: Config) -> Path:
@@ -156,20 +152,18 @@ def saved_config(root: Path, tag: str) -> dict:
 def save(engine, cfg: Config, step: int, client_state: dict, side_files: dict[str, str],
          copy_dirs: dict[str, Path]) -> str:
     """Write checkpoint ``step`` on every rank; returns its tag once it is complete."""
-    from pretrain import engine as eng
-
     root = checkpoint_root(cfg)
     tag = tag_for_step(step)
     if dist.get_rank() == 0:
         # Re-saving a tag (after train.resume=<older tag>): it is incomplete until rewritten.
         (root / tag / COMPLETE).unlink(missing_ok=True)
     dist.barrier()
-    eng.save_shards(engine, root, tag, client_state)
+    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     dist.barrier()
     layout = reshard.checkpoint_layout(engine)      # lets another world size or ZeRO stage load it
     if dist.get_rank() == 0:
         folder = root / tag
-        for name, text in {**side_files, reshard.LAYOUT_FILE: json.dumps(layout)}.items():
+        for name, text in {**side_files, LAYOUT_FILE: json.dumps(layout)}.items():
             write_atomic(folder / name, text)
         for name, src in copy_dirs.items():
             shutil.copytree(src, folder / name, dirs_exist_ok=True)
@@ -185,10 +179,17 @@ def save(engine, cfg: Config, step: int, client_state: dict, side_files: dict[st
 
 
 def load(engine, cfg: Config, tag: str) -> dict:
-    """Load ``tag`` (converting its ZeRO layout if it was saved with another one); its client state."""
-    from pretrain import engine as eng
-
-    return eng.load_shards(engine, checkpoint_root(cfg), tag)
+    """Load ``tag`` into ``engine``; a checkpoint of another world size, ZeRO stage or precision is
+    converted (``reshard``, once, cached beside it) and the log says so. Returns its client state."""
+    root = checkpoint_root(cfg)
+    saved = reshard.read_layout(root / tag)
+    if saved is not None and reshard.needs_conversion(saved, reshard.checkpoint_layout(engine)):
+        return reshard.load_resharded(engine, root, tag, saved)
+    path, client_state = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {root / tag}")
+    return client_state or {}
 
 
 def rng_state() -> dict:
@@ -203,9 +204,6 @@ def set_rng_state(state: dict) -> None:
         torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-LOCK_FILE = ".lock"
 
 
 class RunLock:

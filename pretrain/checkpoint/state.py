@@ -1,7 +1,7 @@
 """Everything a resumed run needs besides the model and optimiser, in one object.
 
 ``TrainState`` is saved in every checkpoint (DeepSpeed's client state, key ``train_state``) and
-loaded back in one place (``pretrain.train.restore``). The data position is one global count of
+loaded back in one place (``pretrain.train``'s resume). The data position is one global count of
 samples consumed, so a run resumes at any world size or micro-batch on the same samples.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from pretrain.checkpointing import rng_state, set_rng_state
+from pretrain.checkpoint.store import rng_state, set_rng_state
 
 STATE_KEY = "train_state"
 

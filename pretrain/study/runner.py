@@ -30,11 +30,12 @@ import sys
 import time
 from pathlib import Path
 
-from pretrain import configlib, lifeline
-from pretrain.configlib import ConfigError
+from pretrain.config import loader as configlib
+from pretrain.config.loader import ConfigError
 from data_prep.atomic import write_atomic
-from pretrain.study_plan import Study, Variant, describe, load_study, with_tracking
-from pretrain.study_summary import variant_state
+from pretrain.runtime import lifeline
+from pretrain.study.plan import Study, Variant, describe, load_study, with_tracking
+from pretrain.study.summary import variant_state
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 3
 PARENT_ID_FILE = "mlflow_parent_run_id"
@@ -44,7 +45,8 @@ _SET_FOR_STUDY_ONLY: list[str] = []        # environment variables the variants 
 
 
 def is_finished(variant: Variant) -> bool:
-    from pretrain.checkpointing import COMPLETE, checkpoint_root, tag_for_step
+    from pretrain.checkpoint.files import COMPLETE
+    from pretrain.checkpoint.store import checkpoint_root, tag_for_step
 
     final = checkpoint_root(variant.cfg) / tag_for_step(variant.cfg.train.max_steps) / COMPLETE
     return final.is_file() and (variant.out_dir / "hf_final" / "config.json").is_file()
@@ -188,7 +190,7 @@ def run_variant(study: Study, variant: Variant, parent: ParentRun, interrupt: In
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // ranks)))
     status = read_status(variant)
     cmd = launch_command(config_file, ranks)
-    from pretrain.checkpointing import checkpoint_root, latest_complete_tag
+    from pretrain.checkpoint.store import checkpoint_root, latest_complete_tag
 
     tag = latest_complete_tag(checkpoint_root(cfg))
     print(f"study: {variant.name}: {f'resuming from {tag}' if tag else 'starting'} "
@@ -214,7 +216,7 @@ def run_variant(study: Study, variant: Variant, parent: ParentRun, interrupt: In
 
 
 def summarize(study: Study, parent: ParentRun) -> list[Path]:
-    from pretrain.study_summary import write_summary
+    from pretrain.study.summary import write_summary
 
     files = write_summary(study, read_status, is_finished)
     parent.log_summary(files)

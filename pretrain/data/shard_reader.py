@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from data_prep.shard_format import BlockRef, ShardError, block_sizes, ids_dtype, index_shard, read_block
+from data_prep.shard_format import MANIFEST, BlockRef, ShardError, block_sizes, ids_dtype, index_shard, read_block
 
 __all__ = ["DataError", "ShardError", "TokenIdError", "check_manifest", "index_all_shards", "SplitLayout",
            "BlockReader"]
@@ -95,7 +95,7 @@ def check_manifest(manifest: dict, data_dir: str | os.PathLike, *, splits: Seque
     and with ``index_tars`` the tar headers of the shards of ``splits`` (all shards if none are named)
     are read too (``index_all_shards``).
     """
-    where = Path(data_dir) / "manifest.json"
+    where = Path(data_dir) / MANIFEST
     seq_len_max = seq_len_max if seq_len_max is not None else max_positions
     problems: list[str] = []
     missing_keys = [k for k in ("seq_len", "block_size", "tokenizer", "shards") if k not in manifest]
@@ -158,7 +158,7 @@ class SplitLayout:
                          key=lambda s: s["name"])
         tok = manifest["tokenizer"]
         if "pad" not in tok.get("special_ids", {}):
-            raise DataError(f"{Path(data_dir) / 'manifest.json'}: tokenizer.special_ids has no 'pad'")
+            raise DataError(f"{Path(data_dir) / MANIFEST}: tokenizer.special_ids has no 'pad'")
         self.split = split
         self.seq_len = int(manifest["seq_len"])
         self.block_size = int(manifest["block_size"])

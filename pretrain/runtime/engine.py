@@ -1,8 +1,8 @@
 """DeepSpeed, and only DeepSpeed: process group, the derived DeepSpeed JSON, the ZeRO engine, its
 shards on disk, whole weights at ZeRO-3.
 
-The model (``pretrain.model``) is single-device code; the optimisers are in ``pretrain.optim``, and
-what makes a checkpoint complete and resumable is in ``pretrain.checkpointing``.
+The model (``pretrain.model.mlm``) is single-device code; the optimisers are in ``pretrain.model.optim``, and
+what makes a checkpoint complete and resumable is in ``pretrain.checkpoint.store``.
 """
 from __future__ import annotations
 
@@ -11,16 +11,15 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pretrain.config import Config, batch_size_problems
-from pretrain import configlib
-from pretrain.configlib import ConfigError
-from pretrain.optim import build_optimizer, lr_schedule
+from pretrain.config.schema import Config, batch_size_problems
+from pretrain.config import loader as configlib
+from pretrain.config.loader import ConfigError
+from pretrain.model.optim import build_optimizer, lr_schedule
 
 log = logging.getLogger("pretrain")
 
@@ -169,29 +168,11 @@ def full_weights(engine):
         yield engine.module
 
 
-def save_shards(engine, root: Path, tag: str, client_state: dict) -> None:
-    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
-
-
-def load_shards(engine, root: Path, tag: str) -> dict:
-    """Load ``tag`` into ``engine``; a checkpoint of another world size, ZeRO stage or precision is
-    converted (``pretrain.reshard``, once, cached beside it) and the log says so."""
-    from pretrain import reshard
-
-    saved = reshard.read_layout(root / tag)
-    if saved is not None and reshard.needs_conversion(saved, reshard.checkpoint_layout(engine)):
-        return reshard.load_resharded(engine, root, tag, saved)
-    path, client_state = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
-    if path is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {root / tag}")
-    return client_state or {}
-
-
-
-
 def rank0_value(value):
-    """The first rank's ``value`` on every rank (a collective)."""
+    """The first rank's ``value`` on every rank (e.g. the tracking run id, so that all ranks write
+    the same one into a checkpoint). A collective; without a process group, ``value`` unchanged."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -2,7 +2,7 @@
 
 Settings that change *results* (model, data, masking, optim, train) are kept apart from those that
 change only *speed* (``impl``: ZeRO stage, precision, micro-batch, workers, compile), as Cramming
-does. The DeepSpeed JSON is derived from this (``pretrain.engine.deepspeed_config``), never kept
+does. The DeepSpeed JSON is derived from this (``pretrain.runtime.engine.deepspeed_config``), never kept
 beside it.
 """
 from __future__ import annotations
@@ -12,8 +12,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from pretrain import configlib
-from pretrain.configlib import ConfigError  # noqa: F401  (re-exported)
+from pretrain.config import loader as configlib
+from pretrain.config.loader import ConfigError  # noqa: F401  (re-exported)
+from data_prep.shard_format import MANIFEST
 
 COMPILE_AUTO_MIN_STEPS = 500     # compile's start-up paid back after 50-150 steps on mini (bench/)
 
@@ -117,8 +118,8 @@ class DataConfig:
         p = []
         if not self.dir:
             p.append("dir: required (a folder written by data_prep)")
-        elif not os.path.isfile(os.path.join(self.dir, "manifest.json")):
-            p.append(f"dir: {self.dir!r} has no manifest.json (run `data_prep finalize` on it)")
+        elif not os.path.isfile(os.path.join(self.dir, MANIFEST)):
+            p.append(f"dir: {self.dir!r} has no {MANIFEST} (run `data_prep finalize` on it)")
         return p
 
 
@@ -230,7 +231,7 @@ class ImplConfig:
     micro_batch_size: int = 32         # per rank; accumulation = global / (micro * world)
     zero_stage: Literal[0, 1, 2, 3] = 2
     # auto: bf16 where the device computes it natively (CUDA sm80+, CPUs with AVX-512-BF16 or AMX),
-    # else fp32. An emulated bf16 (AVX2 CPUs) runs ~50x slower than fp32. See pretrain/hardware.py.
+    # else fp32. An emulated bf16 (AVX2 CPUs) runs ~50x slower than fp32. See pretrain/runtime/hardware.py.
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     # auto: flash_attention_2 (unpadded, varlen kernels) on a CUDA GPU of compute capability 8+ with the
     # flash-attn package and bf16/fp16, else sdpa. flash_attention_2 asked for where it cannot run
@@ -253,7 +254,7 @@ class ImplConfig:
     prefetch_factor: int = 4
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
     # MFU's denominator per process. 0: the GPU table, else a matmul measured once per machine
-    # and cached (pretrain/hardware.py).
+    # and cached (pretrain/runtime/hardware.py).
     peak_tflops: float = 0.0
     deepspeed: dict = field(default_factory=dict)   # extra keys merged into the derived DeepSpeed JSON
 
@@ -282,7 +283,7 @@ class TrackingConfig:
 
 @dataclass
 class DownstreamTaskConfig:
-    """One downstream task (``pretrain.eval_tasks``): a labelled CSV/TSV/JSONL file or label-folder,
+    """One downstream task (``pretrain.eval.tasks``): a labelled CSV/TSV/JSONL file or label-folder,
     or ``path: word_order``, the built-in task made from held-out text."""
     name: str = ""                     # metric key downstream/<name>/...; default: the file's stem
     path: str = ""                     # a labelled file or folder, or "word_order"

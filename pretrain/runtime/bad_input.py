@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from data_prep.shard_format import ShardError
-from pretrain.masking import SpecialIds
+from pretrain.model.masking import SpecialIds
 
 BAD_INPUT_KEY = "bad_input"     # in a placeholder micro-batch: what this rank failed to read
 

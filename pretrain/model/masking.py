@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pretrain.seeds import derive_seed
-from pretrain.config import MaskingConfig
+from pretrain.config.schema import MaskingConfig
 
 IGNORE_INDEX = -100                      # label of an unused fixed_count slot (torch's CE default)
 EVAL_MASK_SEED = 20_250_101              # evaluation masks never depend on the training config

@@ -5,7 +5,7 @@ gradient accumulation) store each rank's slice of one flat fp32 buffer per param
 stores each parameter cut in ``world`` padded pieces, and stage 0 stores the client optimiser's
 state dict by position (in bf16, beside FP16_UnfusedOptimizer's per-parameter fp32 masters).
 Loading at another world size or stage fails deep inside DeepSpeed. Here every layout is
-consolidated once, by rank 0, into DeepSpeed's "universal" folder format
+consolidated once, by rank 0, into DeepSpeed's universal folder format
 (``zero/<param name>/{fp32,exp_avg,exp_avg_sq,step}.pt`` plus ``zero/optimizer_state.pt``), cached
 inside the checkpoint's tag folder, and loaded into the running engine: through the ZeRO / BF16
 optimiser's own universal loader where there is one (its ``load_state_dict(checkpoint_folder=)``),
@@ -23,7 +23,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -31,10 +30,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from pretrain.checkpoint.files import LAYOUT_FILE, MODEL_STATES_FILE, UNIVERSAL_DIR, rank_files
+
 log = logging.getLogger("pretrain")
 
-LAYOUT_FILE = "layout.json"
-UNIVERSAL_DIR = "universal"            # inside the tag folder, so deleting the tag deletes it too
+
 _DONE = "conversion.json"              # written last into the universal folder
 MOMENTS = ("exp_avg", "exp_avg_sq")    # AdamW's and our LAMB's state besides "step"
 # Keys of a DeepSpeed model-states file that are DeepSpeed's, not the client's (as engine.load_checkpoint).
@@ -141,13 +141,6 @@ def _load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _rank_files(folder: Path, suffix: str) -> list[Path]:
-    """``[bf16_]zero_pp_rank_<r>_mp_rank_00_<suffix>`` in rank order."""
-    pattern = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_" + suffix + "$")
-    found = {int(m.group(1)): folder / f for f in os.listdir(folder) if (m := pattern.match(f))}
-    return [found[r] for r in sorted(found)]
-
-
 def _group_state(base: Any, group: int) -> tuple[dict, dict]:
     """(state, hyperparameters) of flat group ``group`` in a saved base-optimiser state."""
     if isinstance(base, dict):                       # torch state_dict: state keyed by group index
@@ -180,7 +173,7 @@ def _consolidate_flat_partitions(optim_files: list[Path], shapes: dict) -> tuple
 def _consolidate_zero3(folder: Path) -> tuple[dict, Any, list[dict]]:
     """ZeRO 3: each parameter is cut into ``world`` pieces of ceil(numel / world), the last padded;
     a rank's flat group is its pieces of the group's parameters, one after another."""
-    optim_files, model_files = _rank_files(folder, "optim_states.pt"), _rank_files(folder, "model_states.pt")
+    optim_files, model_files = rank_files(folder, "optim_states.pt"), rank_files(folder, "model_states.pt")
     world = len(optim_files)
     pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
     step, hyper, shapes = None, [], {}
@@ -229,16 +222,16 @@ def consolidate(folder: Path, layout: dict) -> tuple[dict, Any, list[dict], dict
     per-group hyperparameters and rank 0's model-states dict (schedule, counters, client state)."""
     folder = Path(folder)
     if layout["zero_stage"] == 3:
-        model_states = _load(_rank_files(folder, "model_states.pt")[0])
+        model_states = _load(rank_files(folder, "model_states.pt")[0])
         params, step, hyper = _consolidate_zero3(folder)
     else:
-        model_states = _load(folder / "mp_rank_00_model_states.pt")
-        optim_files = _rank_files(folder, "optim_states.pt")
+        model_states = _load(folder / MODEL_STATES_FILE)
+        optim_files = rank_files(folder, "optim_states.pt")
         if optim_files:
             params, step, hyper = _consolidate_flat_partitions(optim_files, layout["param_shapes"])
         else:
             params, step, hyper = _consolidate_unpartitioned(model_states, layout)
-    shards = len(_rank_files(folder, "optim_states.pt"))
+    shards = len(rank_files(folder, "optim_states.pt"))
     if shards and shards != layout["world"]:
         raise ReshardError(f"{folder}: {LAYOUT_FILE} says world {layout['world']}, but {shards} optimiser "
                            "shard files are there")

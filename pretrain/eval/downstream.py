@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from pretrain.config import DownstreamTaskConfig
-from pretrain.eval_tasks import TaskSplits, load_task
+from pretrain.config.schema import DownstreamTaskConfig
+from pretrain.eval.tasks import TaskSplits, load_task
 
 _BASELINE_SEED = 1234
 

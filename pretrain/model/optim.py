@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import math
 import types
+from typing import TYPE_CHECKING
 
 import torch
 
-from pretrain.config import Config
+from pretrain.config.schema import Config
+
+if TYPE_CHECKING:                      # the model module imports transformers: not needed here at run time
+    from pretrain.model.mlm import MLMModel
 
 
 class Lamb(torch.optim.Optimizer):
@@ -50,12 +54,12 @@ class Lamb(torch.optim.Optimizer):
         return None
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: MLMModel, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
     """Weight decay on matrices only (not biases, LayerNorm, embeddings' norms), as in BERT. The
     parameters ``model.init_from`` did not provide (``model.fresh_parameters``) learn at
     ``optim.fresh_params_lr_multiplier`` times the rate."""
     o = cfg.optim
-    fresh_names = getattr(model, "fresh_parameters", set())
+    fresh_names = model.fresh_parameters
     groups = []
     for fresh in (False, True):
         lr = o.lr * (o.fresh_params_lr_multiplier if fresh else 1.0)

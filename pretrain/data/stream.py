@@ -63,7 +63,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_prep.shard_format import load_manifest
-from pretrain.shard_reader import (
+from pretrain.data.shard_reader import (
     BlockReader, DataError, ShardError, SplitLayout, TokenIdError, check_manifest, index_all_shards,
 )
 

@@ -23,7 +23,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from pretrain.config import DownstreamTaskConfig
+from pretrain.config.schema import DownstreamTaskConfig
 
 WORD_ORDER = "word_order"
 WORD_ORDER_LABELS = ("original", "shuffled")
@@ -249,8 +249,8 @@ def held_out_sentences(data_dir: str | Path, manifest: Optional[dict] = None, sp
     from transformers import AutoTokenizer
 
     from data_prep.shard_format import load_manifest
-    from pretrain.data import eval_batches
-    from pretrain.masking import SpecialIds
+    from pretrain.data.stream import eval_batches
+    from pretrain.model.masking import SpecialIds
 
     manifest = load_manifest(data_dir) if manifest is None else manifest
     special = SpecialIds.from_manifest(manifest)

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from data_prep.atomic import write_atomic
-from pretrain.flops import measure_matmul_peak_tflops
+from pretrain.model.flops import measure_matmul_peak_tflops
 
 log = logging.getLogger("pretrain")
 

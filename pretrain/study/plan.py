@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretrain import configlib
-from pretrain.config import Config
-from pretrain.configlib import ConfigError
+from pretrain.config import loader as configlib
+from pretrain.config.schema import Config
+from pretrain.config.loader import ConfigError
 
 # Keys the study sets per variant; a grid or a shared override on them would break the bookkeeping.
 RESERVED_KEYS = ("train.out_dir", "train.resume", "tracking.run_name", "tracking.parent_run_id")
@@ -183,7 +183,7 @@ def load_study(config_path: str, args: list[str] = ()) -> Study:
 def _data_problems(variants: list[Variant]) -> list[str]:
     """The trainer's own input checks, once per distinct data folder and model, before any launch."""
     from data_prep.shard_format import ShardError, load_manifest
-    from pretrain.data import check_manifest
+    from pretrain.data.stream import check_manifest
 
     problems, seen = [], set()
     for v in variants:

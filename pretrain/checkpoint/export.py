@@ -1,0 +1,126 @@
+"""Export a training checkpoint (any ZeRO stage) to a Hugging Face folder.
+
+    python -m pretrain.export runs/tiny/checkpoints OUT_DIR            # latest complete checkpoint
+    python -m pretrain.export runs/tiny/checkpoints/step00000200 OUT_DIR
+
+The result loads with ``AutoModelForMaskedLM.from_pretrained(OUT_DIR)`` and works in
+``pipeline("fill-mask", model=OUT_DIR)``: safetensors weights (fp32), config, and the tokenizer the
+shards were made with (copied into every checkpoint). Both architectures export: the model class
+comes from ``model_type`` in the checkpoint's ``hf_config.json`` (``BertForMaskedLM`` or
+``ModernBertForMaskedLM``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+from pretrain.checkpoint.files import COMPLETE, CONFIG_FILE, HF_CONFIG_FILE, MODEL_STATES_FILE, TOKENIZER_DIR
+from pretrain.checkpoint.store import latest_complete_tag
+
+log = logging.getLogger("pretrain")
+PREFIXES = ("module.", "_orig_mod.", "hf_model.")
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
+    """(checkpoint root, tag) from a root folder, a run folder or a tag folder."""
+    path = Path(path)
+    if (path / COMPLETE).is_file():
+        return path.parent, path.name
+    for root in (path, path / "checkpoints"):
+        tag = latest_complete_tag(root)
+        if tag:
+            return root, tag
+    raise FileNotFoundError(f"{path}: no complete checkpoint here (expected a tag folder with {COMPLETE}, "
+                            f"or a folder holding such tags)")
+
+
+def fp32_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
+    """Full fp32 weights: gathered from ZeRO partitions (stages 1-3) or the model file (stage 0)."""
+    folder = root / tag
+    zero_stage = yaml.safe_load((folder / CONFIG_FILE).read_text())["impl"]["zero_stage"]
+    if zero_stage >= 1:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    else:
+        state = torch.load(folder / MODEL_STATES_FILE, map_location="cpu", weights_only=False)["module"]
+    out = {}
+    for key, value in state.items():
+        while key.startswith(PREFIXES):
+            key = next(key[len(p):] for p in PREFIXES if key.startswith(p))
+        out[key] = value.float() if value.is_floating_point() else value
+    return out
+
+
+def hf_masked_lm(hf_config_json: str | Path):
+    """An untrained ``*ForMaskedLM`` (BERT or ModernBERT, from ``model_type``) for a saved config."""
+    from transformers import AutoConfig, AutoModelForMaskedLM
+
+    fields = json.loads(Path(hf_config_json).read_text())
+    model_type = fields.pop("model_type", None)
+    if model_type not in ("bert", "modernbert"):
+        raise RuntimeError(f"{hf_config_json}: model_type {model_type!r} is not one this trainer makes "
+                           "('bert' or 'modernbert')")
+    # SDPA runs everywhere; a run trained with flash attention exports the same weights.
+    config = AutoConfig.for_model(model_type, **fields)
+    return AutoModelForMaskedLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def tied_parameter_names(model: torch.nn.Module) -> set[str]:
+    """Second names of shared parameters (the decoder tied to the word embeddings, BERT's decoder
+    bias to its head bias): ZeRO checkpoints may hold them under one name only."""
+    every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return every - {name for name, _ in model.named_parameters()}
+
+
+def export_checkpoint(root: str | Path, tag: str | None, out_dir: str | Path) -> Path:
+    from transformers import AutoTokenizer
+
+    root = Path(root)
+    if tag is None:
+        root, tag = resolve_checkpoint(root)
+    folder = root / tag
+    model = hf_masked_lm(folder / HF_CONFIG_FILE)
+    state = fp32_state_dict(root, tag)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in tied_parameter_names(model)]
+    if missing or unexpected:
+        raise RuntimeError(f"{folder}: weights do not match the model config: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    model.tie_weights()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder / TOKENIZER_DIR)
+    if model.config.model_type == "modernbert":
+        # ModernBERT has no segment embeddings: a BERT tokenizer's token_type_ids would be refused.
+        tokenizer.model_input_names = ["input_ids", "attention_mask"]
+    tokenizer.save_pretrained(out)
+    log.info("exported %s (%s) -> %s", folder, model.config.model_type, out)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pretrain.export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="checkpoint root, run folder, or one tag folder")
+    p.add_argument("out_dir")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        out = export_checkpoint(args.checkpoint, None, args.out_dir)
+    except (FileNotFoundError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Evaluation: held-out MLM loss/accuracy, downstream probes and fine-tuning, task files; ``python -m pretrain.evaluate``."""

@@ -1,0 +1,1 @@
+"""Single-device model code: the MLM model, masking, optimisers and schedules, FLOPs."""

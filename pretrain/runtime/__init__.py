@@ -1,0 +1,1 @@
+"""Distribution and hardware: the DeepSpeed engine, precision and peaks, the launcher wrapper."""

@@ -1,0 +1,1 @@
+"""Studies: the plan of variants, running them, and the summary."""

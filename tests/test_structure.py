@@ -1,0 +1,87 @@
+"""The layout the README's Layout table describes: imports between packages point one way, and each
+on-disk format has one owner module that spells its file names."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PRETRAIN = REPO / "pretrain"
+# Lower tiers never import higher ones: train -> eval, checkpoint, tracking -> model, data, runtime -> config.
+TIERS = {"config": 0, "seeds": 0, "model": 1, "data": 1, "runtime": 1,
+         "checkpoint": 2, "eval": 2, "tracking": 2, "preflight": 3, "study": 4, "train": 4}
+# The commands' old names (``python -m pretrain.export``...) only run their package's module.
+COMMAND_ALIASES = {"export", "evaluate", "launch"}
+
+
+def unit_of(path: Path) -> str:
+    rel = path.relative_to(PRETRAIN)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def imported_units(path: Path) -> set[str]:
+    units = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pretrain"):
+            parts = node.module.split(".")
+            if len(parts) > 1:
+                units.add(parts[1])
+            else:                                   # from pretrain import x
+                units.update(a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            units.update(a.name.split(".")[1] for a in node.names if a.name.startswith("pretrain."))
+    return units
+
+
+def package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in PRETRAIN.rglob("*.py"):
+        unit = unit_of(path)
+        if unit in COMMAND_ALIASES or unit == "__init__":
+            continue
+        graph.setdefault(unit, set()).update(u for u in imported_units(path) if u != unit)
+    return graph
+
+
+def test_every_unit_has_a_tier():
+    assert set(package_graph()) <= set(TIERS), set(package_graph()) - set(TIERS)
+
+
+def test_imports_point_down_and_have_no_cycles():
+    graph = package_graph()
+    upward = [f"{a} -> {b}" for a, deps in graph.items() for b in deps if TIERS.get(b, 99) > TIERS[a]]
+    assert not upward, f"imports that point up: {upward}"
+    seen, stack = set(), []
+
+    def visit(node):
+        assert node not in stack, f"import cycle: {' -> '.join(stack + [node])}"
+        if node in seen:
+            return
+        stack.append(node)
+        for dep in graph.get(node, ()):
+            visit(dep)
+        stack.pop()
+        seen.add(node)
+
+    for unit in graph:
+        visit(unit)
+
+
+CHECKPOINT_NAMES = ["mp_rank_00_model_states.pt", "train_state.json", "hf_config.json", "layout.json",
+                    '"COMPLETE"', '"latest"', '"universal"']
+
+
+def test_checkpoint_and_shard_file_names_have_one_owner():
+    owners = {"manifest.json": {"data_prep/shard_format.py"}}
+    owners.update({name: {"pretrain/checkpoint/files.py"} for name in CHECKPOINT_NAMES})
+    found: dict[str, set[str]] = {name: set() for name in owners}
+    for path in [*PRETRAIN.rglob("*.py"), *(REPO / "data_prep").rglob("*.py")]:
+        code = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+        # Docstrings and messages may name a file; an owner is whoever spells it as a string literal.
+        for name in owners:
+            literal = name if name.startswith('"') else f'"{name}"'
+            if re.search(re.escape(literal), code) or re.search(re.escape(literal.replace('"', "'")), code):
+                found[name].add(str(path.relative_to(REPO)))
+    strays = {name: sorted(where - owners[name]) for name, where in found.items() if where - owners[name]}
+    assert not strays, f"file names spelled outside their owner module: {strays}"
