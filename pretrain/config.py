@@ -106,15 +106,47 @@ class ModelConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One corpus of a mixture (``pretrain.mixture``): a data_prep folder and its share of every step."""
+    name: str = ""                     # metric keys data/<name>/tokens, eval/<name>/loss
+    dir: str = ""
+    weight: float = 1.0                # relative; normalised over the sources
+
+    def check(self) -> list[str]:
+        p = []
+        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
+            p.append(f"name: required, letters, digits, '-', '_' or '.' (a metric key part), got {self.name!r}")
+        if not self.dir:
+            p.append("dir: required (a folder written by data_prep)")
+        elif not os.path.isfile(os.path.join(self.dir, "manifest.json")):
+            p.append(f"dir: {self.dir!r} has no manifest.json (run `data_prep finalize` on it)")
+        if not self.weight > 0:
+            p.append(f"weight: must be positive, got {self.weight}")
+        return p
+
+
+@dataclass
 class DataConfig:
     # A folder written by `data_prep shard` + `data_prep finalize`; only its manifest.json is trusted.
+    # With `sources`, the first source's folder (filled in when left empty): its tokenizer is the run's.
     dir: str = ""
     train_split: str = "train"
     eval_split: str = "validation"
     seed: int = 1234           # shard/block order per epoch comes from (seed, epoch)
+    # A mixture of corpora sharing one tokenizer and sequence length (pretrain.mixture); empty: `dir`
+    # alone (one source named "main").
+    sources: list[SourceConfig] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.sources and not self.dir and isinstance(self.sources[0], SourceConfig):
+            self.dir = self.sources[0].dir
 
     def check(self) -> list[str]:
-        p = []
+        from pretrain.mixture import sources_problems
+
+        p = sources_problems(self)
+        if self.sources:
+            return p
         if not self.dir:
             p.append("dir: required (a folder written by data_prep)")
         elif not os.path.isfile(os.path.join(self.dir, "manifest.json")):

@@ -380,3 +380,11 @@ def eval_batches(data_dir: str | os.PathLike, manifest: Optional[dict], split: s
                    "has_padding": has_padding, "position": b}
     finally:
         reader.close()
+
+
+if __name__ == "__main__":     # python -m pretrain.data plan --config CONFIG [overrides]
+    import sys
+
+    from pretrain.mixture_checks import main
+
+    sys.exit(main())
