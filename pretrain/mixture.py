@@ -174,25 +174,26 @@ class _MixtureDataset(IterableDataset):
         self.plan, self.rank, self.world, self.micro_batch = plan, rank, world, micro_batch
         self.grad_accum, self.start = grad_accum, start
 
-    def _batch(self, readers, step, i: int) -> dict:
+    def _batch(self, readers, offsets: np.ndarray, step, i: int) -> dict:
         source, blocks, rows = step
         lo = self.rank * (len(blocks) // self.world) + i * self.micro_batch
         sel = slice(lo, lo + self.micro_batch)
         source, blocks, rows = source[sel], blocks[sel], rows[sel]
-        ids = torch.empty((len(blocks), readers[0].layout.seq_len), dtype=torch.int64)
-        starts = torch.empty(ids.shape, dtype=torch.bool)
-        sample_ids, padded = torch.empty(len(blocks), dtype=torch.int64), False
-        offset = 0
-        for s, reader in enumerate(readers):
-            here = np.flatnonzero(source == s)
-            if len(here):
-                t = torch.from_numpy(here)
-                ids[t], starts[t], pad = reader.gather(blocks[here], rows[here])
-                sample_ids[t] = torch.from_numpy(offset + reader.layout.block_first[blocks[here]] + rows[here])
-                padded = padded or pad
-            offset += reader.layout.sequences
-        return {"input_ids": ids, "word_starts": starts, "sample_ids": sample_ids, "has_padding": padded,
-                "source": torch.from_numpy(source)}
+        # A step holds the sources one after another, so a micro-batch is one or a few contiguous runs.
+        parts, padded = [], False
+        edges = np.searchsorted(source, np.arange(len(readers) + 1))
+        for s in np.flatnonzero(np.diff(edges)):
+            a, b = edges[s], edges[s + 1]
+            ids, starts, pad = readers[s].gather(blocks[a:b], rows[a:b])
+            parts.append((ids, starts, offsets[s] + readers[s].layout.block_first[blocks[a:b]] + rows[a:b]))
+            padded = padded or pad
+        if len(parts) == 1:
+            ids, starts, sample_ids = parts[0]
+        else:
+            ids, starts = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            sample_ids = np.concatenate([p[2] for p in parts])
+        return {"input_ids": ids, "word_starts": starts, "sample_ids": torch.from_numpy(sample_ids),
+                "has_padding": padded, "source": torch.from_numpy(source)}
 
     def __iter__(self):
         info = get_worker_info()
@@ -200,6 +201,7 @@ class _MixtureDataset(IterableDataset):
         cursors = self.plan.cursors()
         g = self.plan.global_batch
         readers = [BlockReader(p.layout, 2 * max(p.window, g) + 2 * p.layout.block_size) for p in self.plan.plans]
+        offsets = np.cumsum([0] + [r.layout.sequences for r in readers])
         cached: tuple[int, tuple] | None = None
         try:
             j = self.start + w
@@ -207,7 +209,7 @@ class _MixtureDataset(IterableDataset):
                 k, i = divmod(j, self.grad_accum)
                 if cached is None or cached[0] != k:
                     cached = (k, self.plan.step(cursors, k))
-                yield {**self._batch(readers, cached[1], i), "global_step": k, "micro_step": i}
+                yield {**self._batch(readers, offsets, cached[1], i), "global_step": k, "micro_step": i}
                 j += num
         except Exception as exc:       # as pretrain.data: re-raised by the main process with the bare message
             if info is None or not isinstance(exc, ShardError):

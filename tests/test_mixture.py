@@ -6,7 +6,7 @@ and one 2-rank DeepSpeed run whose per-source metrics reach metrics.jsonl and a 
 """
 from __future__ import annotations
 
-import json
+import os
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import REPO, _run, free_port
+from mlflow_server import mlflow_server  # noqa: F401  (a fixture)
+
 from data_prep.shard_format import load_manifest
 from pretrain.data import DataError
 from pretrain.mixture import MixtureStream, Source, apportion
@@ -143,10 +144,58 @@ def test_another_tokenizer_or_sequence_length_is_refused_by_name(two_sources, od
     extra = (f", {{name: othertok, dir: {odd_sources / 'othertok'}, weight: 0.2}}"
              f", {{name: short, dir: {odd_sources / 'short'}, weight: 0.2}}")
     proc = subprocess.run([PY, "-m", "pretrain.train", "--config", "configs/tiny.yaml", sources_override(two_sources, extra),
-                           f"train.out_dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           f"train.out_dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, check=False, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     err = proc.stderr
     assert "data.sources[othertok]: tokenizer sha256" in err and "data.sources[othertok]: vocab_size 2048" in err
     assert "data.sources[short]: seq_len 32 differs from the first source 'big' (64)" in err
     assert "data.sources[big]" not in err and "data.sources[small]" not in err
     assert "process group" not in proc.stdout + err and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_mixture_trains_with_per_source_metrics_in_jsonl_and_mlflow(two_sources, tmp_path, mlflow_server):  # noqa: F811
+    """One 2-rank DeepSpeed launch; then a resume with another weight is refused by source name."""
+    from mlflow.tracking import MlflowClient
+
+    from pretrain.tracking.jsonl import read_metrics
+
+    out = tmp_path / "run"
+    args = ["--config", "configs/tiny.yaml", sources_override(two_sources), f"train.out_dir={out}",
+            "train.max_steps=6", "train.log_every=2", "train.eval_every=3", "train.eval_batches=2",
+            "train.checkpoint_every=0", "model.max_position_embeddings=64", "tracking.backend=mlflow",
+            f"tracking.tracking_uri={mlflow_server.uri}", "tracking.experiment=mixture"]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO)}
+    cmd = [str(Path(PY).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(free_port()),
+           "--module", "pretrain.train", *args]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    small = sum(s["sequences"] for s in load_manifest(two_sources["small"])["shards"] if s["split"] == "train")
+    assert f"small: {small} sequences, share of the steps 0.200 (19 sequences by step 6)" in proc.stdout
+
+    rows = defaultdict(dict)                 # the training and the evaluation rows of a step together
+    for row in read_metrics(out / "metrics.jsonl"):
+        rows[row["step"]].update(row)
+    last = rows[6]
+    # 6 steps of 16: 76.8 / 19.2 sequences -> 77 and 19 (largest remainder), of 64 tokens each
+    assert last["data/big/tokens"] == 77 * 64 and last["data/small/tokens"] == 19 * 64
+    assert last["data/small/epochs_at_max_steps"] == pytest.approx(19 / small)
+    assert rows[2]["data/big/tokens"] + rows[2]["data/small/tokens"] == rows[2]["train/tokens_seen"]
+    for step in (3, 6):
+        for name in ("big", "small"):
+            assert 0 <= rows[step][f"eval/{name}/accuracy"] < 1 and 4 < rows[step][f"eval/{name}/loss"] < 12
+        assert min(rows[step]["eval/big/loss"], rows[step]["eval/small/loss"]) <= rows[step]["eval/loss"] \
+            <= max(rows[step]["eval/big/loss"], rows[step]["eval/small/loss"])
+
+    client = MlflowClient(mlflow_server.uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("mixture").experiment_id])
+    for key in ("eval/big/loss", "eval/small/accuracy", "data/small/tokens", "data/big/epochs_at_max_steps"):
+        logged = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+        assert logged == sorted((s, pytest.approx(r[key])) for s, r in rows.items() if key in r), key
+
+    heavier = sources_override(two_sources).replace("weight: 0.2", "weight: 0.4")
+    again = subprocess.run([PY, "-m", "pretrain.train", *args, heavier, "train.max_steps=8", "tracking.backend=none"],
+                           cwd=REPO, capture_output=True, text=True, check=False, timeout=300, env=env)
+    assert again.returncode == 2, again.stdout[-2000:] + again.stderr[-3000:]
+    assert "data.sources[small]: weight share 0.2 in checkpoint" in again.stderr
+    assert "data.sources[big]: weight share 0.8 in checkpoint" in again.stderr
