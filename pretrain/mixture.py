@@ -124,24 +124,27 @@ class _SourceCursor:
             for w in range(lo // p.window, (hi - 1) // p.window + 1):
                 perm = self._cached(self._windows, (epoch, w), lambda w=w: p.window_order(epoch, w), self.keep_windows)
                 pieces.append(perm[max(lo - w * p.window, 0):hi - w * p.window])
-            offsets = np.concatenate(pieces)
+            offsets = np.sort(np.concatenate(pieces))     # the epoch's block order, as pretrain.data
         else:
             offsets = np.arange(lo, hi)
         order = self._cached(self._orders, epoch, lambda: p.block_order(epoch), 2)
         return p.locate(order, offsets)
 
     def take(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """(blocks, rows) of positions ``[a, b)``, sorted into block order."""
+        """(blocks, rows) of positions ``[a, b)``, in the epoch's block order."""
         n = self.plan.layout.sequences
-        blocks, rows = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
+        pieces = []
         while a < b:
             epoch, lo = divmod(a, n)
             hi = min(n, lo + b - a)
-            bl, rw = self._epoch_piece(epoch, lo, hi)
-            blocks.append(bl)
-            rows.append(rw)
+            pieces.append(self._epoch_piece(epoch, lo, hi))
             a += hi - lo
-        blocks, rows = np.concatenate(blocks), np.concatenate(rows)
+        if len(pieces) == 1:
+            return pieces[0]
+        if not pieces:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        # A step across the source's epoch boundary: the two pieces merged into block id order.
+        blocks, rows = np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces])
         order = np.lexsort((rows, blocks))
         return blocks[order], rows[order]
 
@@ -174,26 +177,33 @@ class _MixtureDataset(IterableDataset):
         self.plan, self.rank, self.world, self.micro_batch = plan, rank, world, micro_batch
         self.grad_accum, self.start = grad_accum, start
 
-    def _batch(self, readers, offsets: np.ndarray, step, i: int) -> dict:
-        source, blocks, rows = step
+    def _batch(self, readers, step, i: int) -> dict:
+        source, blocks, rows, sample_ids, edges = step
         lo = self.rank * (len(blocks) // self.world) + i * self.micro_batch
-        sel = slice(lo, lo + self.micro_batch)
-        source, blocks, rows = source[sel], blocks[sel], rows[sel]
+        hi = lo + self.micro_batch
         # A step holds the sources one after another, so a micro-batch is one or a few contiguous runs.
         parts, padded = [], False
-        edges = np.searchsorted(source, np.arange(len(readers) + 1))
-        for s in np.flatnonzero(np.diff(edges)):
-            a, b = edges[s], edges[s + 1]
-            ids, starts, pad = readers[s].gather(blocks[a:b], rows[a:b])
-            parts.append((ids, starts, offsets[s] + readers[s].layout.block_first[blocks[a:b]] + rows[a:b]))
-            padded = padded or pad
+        for s, reader in enumerate(readers):
+            a, b = max(lo, edges[s]), min(hi, edges[s + 1])
+            if a < b:
+                ids, starts, pad = reader.gather(blocks[a:b], rows[a:b])
+                parts.append((ids, starts))
+                padded = padded or pad
         if len(parts) == 1:
-            ids, starts, sample_ids = parts[0]
+            ids, starts = parts[0]
         else:
             ids, starts = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-            sample_ids = np.concatenate([p[2] for p in parts])
-        return {"input_ids": ids, "word_starts": starts, "sample_ids": torch.from_numpy(sample_ids),
-                "has_padding": padded, "source": torch.from_numpy(source)}
+        return {"input_ids": ids, "word_starts": starts, "sample_ids": torch.from_numpy(sample_ids[lo:hi]),
+                "has_padding": padded, "source": torch.from_numpy(source[lo:hi])}
+
+    def _step(self, cursors, offsets: np.ndarray, k: int) -> tuple:
+        """Step ``k`` with what every micro-batch of it needs: sample ids and where each source's run starts."""
+        source, blocks, rows = self.plan.step(cursors, k)
+        firsts = np.concatenate([p.layout.block_first for p in self.plan.plans])
+        block_base = np.cumsum([0] + [p.layout.num_blocks for p in self.plan.plans])
+        sample_ids = offsets[source] + firsts[block_base[source] + blocks] + rows
+        edges = np.searchsorted(source, np.arange(len(offsets))).tolist()
+        return source, blocks, rows, sample_ids, edges
 
     def __iter__(self):
         info = get_worker_info()
@@ -208,8 +218,8 @@ class _MixtureDataset(IterableDataset):
             while True:
                 k, i = divmod(j, self.grad_accum)
                 if cached is None or cached[0] != k:
-                    cached = (k, self.plan.step(cursors, k))
-                yield {**self._batch(readers, offsets, cached[1], i), "global_step": k, "micro_step": i}
+                    cached = (k, self._step(cursors, offsets, k))
+                yield {**self._batch(readers, cached[1], i), "global_step": k, "micro_step": i}
                 j += num
         except Exception as exc:       # as pretrain.data: re-raised by the main process with the bare message
             if info is None or not isinstance(exc, ShardError):
@@ -236,9 +246,11 @@ class MixtureStream:
         plans = []
         for i, (src, manifest) in enumerate(zip(sources, manifests)):
             _, layout = _open_split(src.dir, manifest, split)
-            # Seeded per source by its place in the list: two sources never share an order.
-            plans.append(_Plan(layout, 1, derive_seed("mixture-source", seed, i),
-                               shuffle_window_blocks * layout.block_size))
+            # Seeded per source by its place in the list: two sources never share an order. The
+            # shuffle window shrinks with the share, so that a step's sequences of a source span as
+            # few of its blocks as one source's do (twice the block lookups per micro-batch otherwise).
+            blocks = max(1, round(shuffle_window_blocks * src.share)) if shuffle_window_blocks else 0
+            plans.append(_Plan(layout, 1, derive_seed("mixture-source", seed, i), blocks * layout.block_size))
         self.sources = sources
         self._plan = _MixPlan(tuple(plans), np.asarray([s.share for s in sources]), global_batch)
         self.split, self.rank, self.world, self.micro_batch, self.seed = split, rank, world, micro_batch, seed
@@ -267,11 +279,9 @@ class MixtureStream:
         return [float(c) / n for c, n in zip(self.consumed(step), self.source_sequences())]
 
     def step_sample_ids(self, k: int) -> np.ndarray:
-        """Sample ids of all ``G`` sequences of global step ``k`` (all ranks), as the micro-batches hold them."""
-        source, blocks, rows = self._plan.step(self._plan.cursors(), k)
-        offsets = np.cumsum([0] + self.source_sequences())
-        firsts = [p.layout.block_first for p in self._plan.plans]
-        return np.asarray([offsets[s] + firsts[s][b] + r for s, b, r in zip(source, blocks, rows)], dtype=np.int64)
+        """Sample ids of all ``G`` sequences of global step ``k`` (all ranks), in the order ranks cut them."""
+        whole = _MixtureDataset(self._plan, 0, 1, self.global_batch, 1, 0)
+        return whole._step(self._plan.cursors(), np.cumsum([0] + self.source_sequences()), k)[3]
 
     def source_of_sample(self, sample_id: int) -> str:
         offsets = np.cumsum(self.source_sequences())
