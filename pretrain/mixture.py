@@ -14,7 +14,10 @@ continues exactly.
   less than one sequence per step is refused).
 * **Each source has its own epochs.** Source ``s``'s ``c``-th sequence is position ``c mod N_s`` of
   its epoch ``c // N_s`` (``N_s`` its training sequences): the block permutation and shuffle windows
-  of ``pretrain.data``, seeded per source. A small source repeats; no tail is dropped.
+  of ``pretrain.data``, seeded per source. A small source repeats; no tail is dropped. A source's
+  shuffle window is ``shuffle_window_blocks x share`` blocks (at least one): a step takes only its
+  share of the source's sequences, so with full windows they would spread over 1/share times as many
+  blocks, and the readers would look up that many more blocks per micro-batch.
 * **Sample ids** are unique over the mixture: source ``s``'s ids follow those of the sources before
   it, so masking (keyed by sample id) never gives two sources' sequences the same draw.
 
