@@ -19,6 +19,7 @@ from pretrain.config import loader as configlib
 from pretrain.runtime import hardware
 from pretrain.config.schema import Config
 from pretrain.config.loader import ConfigError
+from pretrain.data import mixture_checks
 from pretrain.data.stream import check_manifest
 
 # Groups and keys whose change would make the resumed run a different experiment.
@@ -36,6 +37,7 @@ def check_inputs(cfg: Config) -> tuple[dict, Optional[str]]:
     # a crash hours into the run.
     problems = check_manifest(manifest, cfg.data.dir, max_positions=cfg.model.max_position_embeddings,
                               splits=splits)
+    problems += mixture_checks.mixture_problems(cfg, manifest)     # every other source of data.sources, by name
     problems += init_from_problems(cfg, manifest)
     problems += hardware.precision_problems(cfg.impl.precision)
     tag = None
@@ -102,6 +104,7 @@ def resume_problems(cfg: Config, manifest: dict, root: Path, tag: str) -> list[s
     keys = [k for k in sorted(set(now) | set(before)) if k.split(".")[0] in RESULTS_GROUPS or k in RESULTS_KEYS]
     problems = [f"{k}: the checkpoint {tag} was trained with {before.get(k, '<unset>')!r}, now {now.get(k, '<unset>')!r}"
                 for k in keys if now.get(k) != before.get(k)]
+    problems += mixture_checks.resume_problems(before, now, tag)
     saved_steps = before.get("train.max_steps", 0)
     if cfg.train.max_steps < saved_steps:
         problems.append(f"train.max_steps: may only grow on resume (the checkpoint {tag} has "
@@ -128,15 +131,15 @@ def resume_problems(cfg: Config, manifest: dict, root: Path, tag: str) -> list[s
 
 def data_position_problems(cfg: Config, manifest: dict, folder: Path) -> list[str]:
     """The checkpoint's data position must apply to this data at this world size and micro-batch."""
-    from pretrain.data.stream import DataError, TrainStream
+    from pretrain.data.stream import DataError
+    from pretrain.data.mixture import make_train_stream
 
     try:
         saved = json.loads((folder / files.STATE_FILE).read_text())
     except (OSError, ValueError) as exc:
         return [f"{folder}: {files.STATE_FILE} unreadable ({exc}): not a checkpoint of this version"]
     try:
-        stream = TrainStream(cfg.data.dir, manifest, cfg.data.train_split, 0, cfg.world_size(),
-                             cfg.impl.micro_batch_size, cfg.train.global_batch_size, cfg.data.seed)
+        stream = make_train_stream(cfg, manifest, 0, cfg.world_size())
         stream.load_state_dict(saved.get("data", {}))
     except DataError as exc:
         return [str(exc)]

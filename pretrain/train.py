@@ -39,6 +39,8 @@ from pretrain.eval.tasks import TaskError
 from pretrain.model.flops import mlm_flops_per_sequence
 from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.model.mlm import build_model
+from pretrain.data import mixture
+from pretrain.eval.mixture import evaluate_mixture
 from pretrain.preflight import check_inputs
 from pretrain.seeds import derive_seed
 from pretrain.checkpoint.state import STATE_KEY, TrainState
@@ -158,8 +160,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
     if cfg.compile_now(cfg.train.max_steps - state.step, device.type, precision):
         engine.compile()
     grad_accum = cfg.grad_accum_steps(world)
-    stream = TrainStream(cfg.data.dir, manifest, cfg.data.train_split, rank, world, cfg.impl.micro_batch_size,
-                         cfg.train.global_batch_size, cfg.data.seed, cfg.impl.num_workers, cfg.impl.prefetch_factor)
+    stream = mixture.make_train_stream(cfg, manifest, rank, world, cfg.impl.num_workers, cfg.impl.prefetch_factor)
     if resume_from:
         stream.load_state_dict(state.data)       # another world size or micro-batch continues the same order
     if rank == 0 and cfg.train.resume == "none":      # a fresh start is a new tracking run too
@@ -175,6 +176,8 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
     log.info("start: step %d%s, world %d, grad_accum %d, precision %s (%s), ZeRO %d, %d params, "
              "peak %.3f TFLOP/s per process (%s)", state.step, f" (resumed from {resume_from})" if resume_from else "",
              world, grad_accum, precision, why, cfg.impl.zero_stage, eng.num_parameters(model), peak, peak_source)
+    if mixture.is_mixture(cfg):
+        log.info("data mixture:\n  %s", "\n  ".join(mixture.plan_lines(stream, cfg.train.max_steps)))
 
     def emit(metrics: dict, step: int) -> None:
         if metrics:
@@ -229,7 +232,8 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
                 emit({**metrics, "train/lr": scheduler.get_last_lr()[0],
                       "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                       "perf/memory_gb": _memory_gb(device), "train/tokens_seen": state.tokens_seen,
-                      "train/nonfinite_skipped": state.nonfinite_total}, step)
+                      "train/nonfinite_skipped": state.nonfinite_total,
+                      **mixture.data_metrics(stream, step, cfg.train.max_steps)}, step)
             if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
                 emit(evaluate(engine, cfg, manifest, special, info), step)
             if tasks and probe_due(step, cfg.eval.downstream_every, cfg.train.eval_every, last):
@@ -316,6 +320,8 @@ def export_final(cfg: Config, tracker, step: int) -> None:
 @torch.no_grad()
 def evaluate(engine, cfg: Config, manifest: dict, special: SpecialIds, info: eng.DistInfo) -> dict:
     """Validation loss and accuracy at 15% token masking with a fixed seed, whatever training uses."""
+    if mixture.is_mixture(cfg):
+        return evaluate_mixture(engine, cfg, special, info)
     if not any(s["split"] == cfg.data.eval_split for s in manifest["shards"]):
         return {}
     engine.eval()

@@ -98,3 +98,18 @@ def shards(tmp_path_factory, wiki_txt_dir):
     return root / "shards"
 
 
+
+
+@pytest.fixture(scope="session")
+def two_sources(shards, wiki_txt_dir) -> dict[str, Path]:
+    """A data mixture's two sources: two different slices of the real corpus (wiki-00..02, wiki-03),
+    sharded with the ``shards`` fixture's tokenizer at its sequence length. ``small`` repeats soon."""
+    root = shards.parent
+    out = {}
+    for name, files, shard_size in (("big", "wiki-0[012].txt", "400"), ("small", "wiki-03.txt", "200")):
+        _run([PY, "-m", "data_prep", "shard", "--input", f"{wiki_txt_dir}/{files}", "--tokenizer", str(root / "tok"),
+             "--out", str(root / name), "--seq-len", "64", "--shard-size", shard_size, "--block-size", "64",
+             "--validation-fraction", "0.05"])
+        _run([PY, "-m", "data_prep", "finalize", str(root / name)])
+        out[name] = root / name
+    return out

@@ -12,7 +12,6 @@ rank 0 dump the losses and the full fp32 parameters and optimiser moments before
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path

@@ -32,7 +32,10 @@ def test_configs_are_shipped():
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1])))
 def test_every_shipped_yaml_loads(path, data_dir, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
-    cfg = load_config(str(path), [f"data.dir={data_dir}"])
+    overrides = [f"data.dir={data_dir}"]
+    if "sources:" in path.read_text():           # a mixture: every source in the test's folder
+        overrides.append(f"data.sources=[{{name: a, dir: {data_dir}, weight: 3}}, {{name: b, dir: {data_dir}}}]")
+    cfg = load_config(str(path), overrides)
     assert isinstance(cfg, Config)
     ds = deepspeed_config(cfg, world=1, precision="bf16")
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]

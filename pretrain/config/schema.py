@@ -107,19 +107,58 @@ class ModelConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One corpus of a mixture (``pretrain.data.mixture``): a data_prep folder and its share of every step."""
+    name: str = ""                     # metric keys data/<name>/tokens, eval/<name>/loss
+    dir: str = ""
+    weight: float = 1.0                # relative; normalised over the sources
+
+    def check(self) -> list[str]:
+        p = []
+        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
+            p.append(f"name: required, letters, digits, '-', '_' or '.' (a metric key part), got {self.name!r}")
+        if not self.dir:
+            p.append("dir: required (a folder written by data_prep)")
+        elif not os.path.isfile(os.path.join(self.dir, MANIFEST)):
+            p.append(f"dir: {self.dir!r} has no {MANIFEST} (run `data_prep finalize` on it)")
+        if not self.weight > 0:
+            p.append(f"weight: must be positive, got {self.weight}")
+        return p
+
+
+@dataclass
 class DataConfig:
     # A folder written by `data_prep shard` + `data_prep finalize`; only its manifest.json is trusted.
+    # With `sources`, the first source's folder (filled in when left empty): its tokenizer is the run's.
     dir: str = ""
     train_split: str = "train"
     eval_split: str = "validation"
     seed: int = 1234           # shard/block order per epoch comes from (seed, epoch)
+    # A mixture of corpora sharing one tokenizer and sequence length (pretrain.data.mixture); empty: `dir`
+    # alone (one source named "main").
+    sources: list[SourceConfig] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.sources and not self.dir and isinstance(self.sources[0], SourceConfig):
+            self.dir = self.sources[0].dir
 
     def check(self) -> list[str]:
+        if self.sources:
+            return self._sources_problems()
         p = []
         if not self.dir:
             p.append("dir: required (a folder written by data_prep)")
         elif not os.path.isfile(os.path.join(self.dir, MANIFEST)):
             p.append(f"dir: {self.dir!r} has no {MANIFEST} (run `data_prep finalize` on it)")
+        return p
+
+    def _sources_problems(self) -> list[str]:
+        """Problems of the list as a whole (each source's own fields are checked by its check())."""
+        names = [s.name for s in self.sources]
+        p = [f"sources: name {n!r} used twice" for n in sorted({n for n in names if names.count(n) > 1})]
+        if self.dir and self.dir != self.sources[0].dir:
+            p.append(f"dir: {self.dir!r} with sources: the run's tokenizer comes from the first source "
+                     f"({self.sources[0].dir!r}); leave dir empty or give a one-source run without sources")
         return p
 
 

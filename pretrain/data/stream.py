@@ -380,3 +380,4 @@ def eval_batches(data_dir: str | os.PathLike, manifest: Optional[dict], split: s
                    "has_padding": has_padding, "position": b}
     finally:
         reader.close()
+
