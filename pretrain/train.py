@@ -34,6 +34,7 @@ from pretrain.flops import mlm_flops_per_sequence
 from pretrain.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.model import build_model
 from pretrain.preflight import check_inputs
+from pretrain.report import report_at_end
 from pretrain.seeds import derive_seed
 from pretrain.state import STATE_KEY, TrainState
 from pretrain.tracking import make_tracker, run_params, share_run_id
@@ -244,6 +245,8 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
             if tasks:
                 probe(state.step)
             export_final(cfg, tracker, state.step)
+        if rank == 0:
+            report_at_end(cfg, manifest, tracker)      # never raises; logged as the run's report/ artifact
         status = "FINISHED"
         return 0
     finally:

@@ -158,6 +158,10 @@ class MlflowTracker(Tracker):
                     "folder until then)", self.tracking_uri, hf_dir, artifact_path)
         self._enqueue(ops)
 
+    def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
+        # Sent by the background thread like everything else, so finish() bounds the wait for it.
+        self._enqueue([("dir", str(local_dir), artifact_path)])
+
     def finish(self, status: str = "FINISHED") -> None:
         if self._finished:
             return
