@@ -52,11 +52,8 @@ def run_facts(run_dir: Path, config: dict | None = None, manifest: dict | None =
 
 
 def _png_bytes(fig) -> bytes:
-    import matplotlib.pyplot as plt
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
     return buf.getvalue()
 
 
@@ -165,10 +162,11 @@ def report_at_end(cfg, manifest: dict, tracker) -> None:
     try:
         from pretrain import configlib
 
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = write_report(Path(cfg.train.out_dir), configlib.to_dict(cfg), manifest)
         tracker.log_artifacts(str(out), REPORT_DIR)
-        log.info("report: %s (%.1fs)", out / "report.html", time.perf_counter() - start)
+        log.info("report: %s (%.1fs, %.1fs CPU)", out / "report.html", time.perf_counter() - start,
+                 time.process_time() - cpu)
     except Exception as exc:  # noqa: BLE001 - see the docstring
         log.warning("report: could not be written (%s: %s); training is unaffected", type(exc).__name__, exc)
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 import math
 import re
 
-import matplotlib
-
-matplotlib.use("Agg")   # no display on a compute node; must precede pyplot
-import matplotlib.pyplot as plt
+# Figures without pyplot: no backend or display to choose, and a third of the import time, which the
+# trainer pays at the end of every run.
 from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
 
 FIG_SIZE = (9, 4.2)
 HEALTH_KEY = re.compile(r"^health/([^/]+)/grad_norm$")
@@ -76,7 +75,8 @@ def loss_figure(rows: list[dict], tok_per_step: float | None):
     if not steps and not e_steps:
         return None
     scale = tok_per_step or 1.0
-    fig, ax = plt.subplots(figsize=FIG_SIZE)
+    fig = Figure(figsize=FIG_SIZE)
+    ax = fig.subplots()
     if steps:
         ax.plot([s * scale for s in steps], loss, color="C0", lw=1.2, label="train loss")
     if e_steps:
@@ -101,23 +101,24 @@ def loss_figure(rows: list[dict], tok_per_step: float | None):
 
 
 def throughput_figure(rows: list[dict]):
+    """Tokens/s and MFU side by side: on one machine MFU is tokens/s times a constant, so drawn on
+    one axis the two curves hide each other."""
     steps, tps = series(rows, "perf/tokens_per_s")
     m_steps, mfu = series(rows, "perf/mfu")
     if not steps and not m_steps:
         return None
-    fig, ax = plt.subplots(figsize=FIG_SIZE)
-    ax.plot(steps, tps, color="C0", lw=1.2, label="tokens/s (all ranks)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("tokens/s")
-    handles, labels = ax.get_legend_handles_labels()
-    if m_steps:
-        ax2 = ax.twinx()
-        ax2.plot(m_steps, [100 * v for v in mfu], color="C1", lw=1.2, label="MFU %")
-        ax2.set_ylabel("MFU (% of measured peak)")
-        h2, l2 = ax2.get_legend_handles_labels()
-        handles, labels = handles + h2, labels + l2
-    ax.legend(handles, labels, fontsize=8, loc="lower right")
-    return _finish(fig, ax, "Throughput and MFU")
+    fig = Figure(figsize=FIG_SIZE)
+    left, right = fig.subplots(1, 2)
+    left.plot(steps, tps, color="C0", lw=1.2)
+    left.set_ylabel("tokens/s (all ranks)")
+    right.plot(m_steps, [100 * v for v in mfu], color="C1", lw=1.2)
+    right.set_ylabel("MFU (% of measured peak)")
+    for ax, title in ((left, "Throughput"), (right, "MFU")):
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
 
 
 def source_eval_figure(rows: list[dict], tok_per_step: float | None):
@@ -126,7 +127,8 @@ def source_eval_figure(rows: list[dict], tok_per_step: float | None):
     if len(sources) < 2:
         return None
     scale = tok_per_step or 1.0
-    fig, ax = plt.subplots(figsize=FIG_SIZE)
+    fig = Figure(figsize=FIG_SIZE)
+    ax = fig.subplots()
     for i, name in enumerate(sources):
         steps, loss = series(rows, f"eval/{name}/loss")
         ax.plot([s * scale for s in steps], loss, "o-", ms=3, color=f"C{i}", label=name)
@@ -157,7 +159,8 @@ def grad_norm_heatmap(rows: list[dict]):
     finite = [v for line in grid for v in line if not math.isnan(v)]
     if not finite:
         return None
-    fig, ax = plt.subplots(figsize=(FIG_SIZE[0], max(2.5, 0.3 * len(layers) + 1.5)))
+    fig = Figure(figsize=(FIG_SIZE[0], max(2.5, 0.3 * len(layers) + 1.5)))
+    ax = fig.subplots()
     image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
                       norm=LogNorm(vmin=min(finite), vmax=max(max(finite), min(finite) * 1.0001)))
     ax.set_yticks(range(len(layers)), layers, fontsize=7)
@@ -181,7 +184,8 @@ def probe_figure(rows: list[dict]):
     tasks = sorted({m.group(1) for r in rows for k in r if (m := PROBE_KEY.match(k))})
     if not tasks:
         return None
-    fig, ax = plt.subplots(figsize=FIG_SIZE)
+    fig = Figure(figsize=FIG_SIZE)
+    ax = fig.subplots()
     for i, task in enumerate(tasks):
         steps, acc = series(rows, f"downstream/{task}/accuracy")
         ax.plot(steps, acc, "o-", ms=4, color=f"C{i}", label=f"{task}: probe")
