@@ -42,6 +42,7 @@ from pretrain.model.mlm import build_model
 from pretrain.data import mixture
 from pretrain.eval.mixture import evaluate_mixture
 from pretrain.preflight import check_inputs
+from pretrain.report.page import report_at_end
 from pretrain.seeds import derive_seed
 from pretrain.checkpoint.state import STATE_KEY, TrainState
 from pretrain.tracking import make_tracker, run_params
@@ -259,6 +260,8 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
             if tasks:
                 probe(state.step)
             export_final(cfg, tracker, state.step)
+        if rank == 0:
+            report_at_end(cfg, manifest, tracker)      # never raises; logged as the run's report/ artifact
         status = "FINISHED"
         return 0
     finally:

@@ -83,8 +83,13 @@ def test_grid_runs_resumes_summarizes_and_skips_when_done(shards, tmp_path):
         assert run.data.params["masking.rate"] == rate.split("=")[1]
         assert run.data.params["masking.strategy"] == strategy.split("=")[1]
         assert run.data.params["train.max_steps"] == str(STEPS) and run.data.params["masking.mask_prob"] == "0.8"
-        assert run.info.status == "FINISHED" and "eval/loss" in run.data.metrics
-    assert [m.step for m in client.get_metric_history(by_name[NAMES[0]].info.run_id, "eval/loss")] == [3, 6]
+        assert run.info.status == "FINISHED" and "3 eval/loss" in run.data.metrics    # see tracking/mlflow_ui.py
+    assert [m.step for m in client.get_metric_history(by_name[NAMES[0]].info.run_id, "3 eval/loss")] == [3, 6]
+    # The parent's chart page compares the variants: a chart per variant in a section per measure.
+    finals = {n: [json.loads(line) for line in (out / n / "metrics.jsonl").read_text().splitlines()] for n in NAMES}
+    assert client.get_run(parent.info.run_id).data.metrics == {
+        f"eval_{m}/{n.replace('=', ':')}": [r for r in finals[n] if f"eval/{m}" in r][-1][f"eval/{m}"]
+        for n in NAMES for m in ("loss", "accuracy")}
 
     # The summary: four rows with the grid values and real numbers; the plots are PNG images.
     with open(out / "summary.csv") as f:
@@ -112,6 +117,8 @@ def test_grid_runs_resumes_summarizes_and_skips_when_done(shards, tmp_path):
                       for n in NAMES}
     runs = client.search_runs([exp.experiment_id])
     assert len(runs) == 5 and client.get_run(parent.info.run_id).info.status == "FINISHED"
+    assert len(client.get_metric_history(parent.info.run_id, f"eval_loss/{NAMES[0].replace('=', ':')}")) == 1
+    assert "workflowType=machine_learning" in proc.stdout and "View run" not in proc.stdout, proc.stdout
 
 
 def test_every_problem_of_every_variant_before_anything_starts(shards, tmp_path):

@@ -19,6 +19,7 @@ from pretrain.runtime.engine import rank0_value  # noqa: E402
 from pretrain.tracking import NullTracker, make_tracker  # noqa: E402
 from pretrain.tracking.mlflow_requests import default_local_store  # noqa: E402
 from pretrain.tracking.mlflow_tracker import MlflowTracker  # noqa: E402
+from pretrain.tracking.mlflow_ui import mlflow_metric_name
 
 
 def make_cfg(tmp_path, uri: str = "", **tracking) -> Config:
@@ -35,7 +36,8 @@ def make_cfg(tmp_path, uri: str = "", **tracking) -> Config:
 
 
 def history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
-    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+    """``key`` as the trainer names it; MLflow holds it under the name that orders its chart page."""
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, mlflow_metric_name(key)))
 
 
 def loss(step: int) -> float:
@@ -148,9 +150,9 @@ def test_server_outage_loses_nothing_and_never_blocks(tmp_path, mlflow_server, t
     for s in range(1, 11):
         tracker.log_metrics({"train/loss": loss(s)}, s)
     deadline = time.monotonic() + 15
-    while len(client.get_metric_history(run_id, "train/loss")) < 10 and time.monotonic() < deadline:
+    while len(history(client, run_id, "train/loss")) < 10 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert len(client.get_metric_history(run_id, "train/loss")) == 10
+    assert len(history(client, run_id, "train/loss")) == 10
 
     mlflow_server.stop()
     try:
@@ -267,5 +269,5 @@ def test_same_out_dir_continues_its_run_even_without_a_checkpointed_id(mlflow_se
     second.log_metrics({"train/loss": 0.5}, 2)
     second.finish()
     client = MlflowClient(mlflow_server.uri)
-    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [1, 2]
+    assert [step for step, _ in history(client, run_id, "train/loss")] == [1, 2]
     assert len(client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])) == 1

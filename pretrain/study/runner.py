@@ -36,6 +36,7 @@ from data_prep.atomic import write_atomic
 from pretrain.runtime import lifeline
 from pretrain.study.plan import Study, Variant, describe, load_study, with_tracking
 from pretrain.study.summary import variant_state
+from pretrain.tracking.mlflow_ui import quiet_mlflow_links
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 3
 PARENT_ID_FILE = "mlflow_parent_run_id"
@@ -94,6 +95,7 @@ class ParentRun:
                 os.environ[name] = value
                 _SET_FOR_STUDY_ONLY.append(name)
         self.client = MlflowClient(tracking_uri=self.uri)
+        quiet_mlflow_links()
         id_file = self.study.dir / PARENT_ID_FILE
         if id_file.is_file():
             try:
@@ -129,11 +131,23 @@ class ParentRun:
         _write_atomic(id_file, self.run_id + "\n")
         return self.run_id
 
-    def log_summary(self, files: list[Path]) -> None:
+    def log_summary(self, files: list[Path], comparison: dict[str, float]) -> None:
         if self.client is None:
             return
         for path in files:
             self.client.log_artifact(self.run_id, str(path), "summary")
+        from mlflow.entities import Metric
+
+        # A fixed timestamp and step: a re-run's summary re-sends identical points, which the store drops.
+        metrics = [Metric(k, v, 0, 0) for k, v in comparison.items()]
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+        print(f"study: compare the variants at {self.url()}", flush=True)
+
+    def url(self) -> str:
+        from pretrain.tracking.mlflow_ui import run_url
+
+        return run_url(self.uri, self.client.get_run(self.run_id).info.experiment_id, self.run_id)
 
     def close(self, status: str) -> None:
         if self.client is not None:
@@ -216,10 +230,10 @@ def run_variant(study: Study, variant: Variant, parent: ParentRun, interrupt: In
 
 
 def summarize(study: Study, parent: ParentRun) -> list[Path]:
-    from pretrain.study.summary import write_summary
+    from pretrain.study.summary import comparison_metrics, summary_table, write_summary
 
     files = write_summary(study, read_status, is_finished)
-    parent.log_summary(files)
+    parent.log_summary(files, comparison_metrics(summary_table(study, read_status, is_finished)[0]))
     print(f"study: summary in {study.dir / 'summary.md'}", flush=True)
     print((study.dir / "summary.md").read_text(), flush=True)
     return files

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import statistics
 from pathlib import Path
 from typing import Callable
@@ -172,13 +173,39 @@ def plot_probe_accuracy(path: Path, table: list[dict], title: str) -> None:
     plt.close(fig)
 
 
-def write_summary(study, read_status: Callable, is_finished: Callable) -> list[Path]:
-    """summary.md, summary.csv, eval_loss.png and probe_accuracy.png in the study folder."""
+def comparison_metrics(table: list[dict]) -> dict[str, float]:
+    """The parent run's metrics, so that its MLflow chart page compares the variants: one section
+    per measure (``eval_loss``, ``eval_accuracy``, ``probe_<task>_accuracy``) with a chart per
+    variant (``eval_loss/rate:0.15-strategy:token``), and the probes' baselines beside them."""
+    out = {}
+    for row in table:
+        variant = re.sub(r"[^A-Za-z0-9_\-. :]", "_", row["variant"].replace("=", ":"))
+        for key, value in row.items():
+            if value is None or not isinstance(value, (int, float)):
+                continue
+            probe = re.match(r"^downstream/([^/]+)/(accuracy|(random_init|majority)_accuracy)$", key)
+            if key in FIRST_EVAL:
+                out[f"{key.replace('/', '_')}/{variant}"] = float(value)
+            elif probe and probe.group(3):          # a baseline: the same for every variant
+                out[f"probe_{probe.group(1)}_accuracy/baseline {probe.group(3)}"] = float(value)
+            elif probe:
+                out[f"probe_{probe.group(1)}_accuracy/{variant}"] = float(value)
+    return out
+
+
+def summary_table(study, read_status: Callable, is_finished: Callable) -> tuple[list[dict], dict]:
+    """One row per variant, and each variant's eval curve."""
     table, curves = [], {}
     for variant in study.variants:
         rows = read_metrics(variant.out_dir)
         table.append(variant_row(variant, rows, read_status(variant), is_finished(variant)))
         curves[variant.name] = eval_curve(rows)
+    return table, curves
+
+
+def write_summary(study, read_status: Callable, is_finished: Callable) -> list[Path]:
+    """summary.md, summary.csv, eval_loss.png and probe_accuracy.png in the study folder."""
+    table, curves = summary_table(study, read_status, is_finished)
     cols = columns(table, study.grid_keys)
     out = study.dir
     md = out / "summary.md"

@@ -24,6 +24,9 @@ class Tracker:
     def log_model(self, hf_dir: str, step: int, final: bool) -> None:
         """A Hugging Face export folder to store as an artifact (and register when configured)."""
 
+    def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
+        """A folder of files (e.g. the run report) to store under ``artifact_path``; may upload later."""
+
     def finish(self, status: str = "FINISHED") -> None:
         """Flush everything buffered and close the run (status: FINISHED, FAILED or KILLED)."""
 
@@ -57,6 +60,10 @@ class TrackerGroup(Tracker):
     def log_model(self, hf_dir, step, final):
         for t in self.trackers:
             t.log_model(hf_dir, step, final)
+
+    def log_artifacts(self, local_dir, artifact_path):
+        for t in self.trackers:
+            t.log_artifacts(local_dir, artifact_path)
 
     def finish(self, status="FINISHED"):
         for t in self.trackers:

@@ -35,6 +35,7 @@ from mlflow.tracking import MlflowClient
 from data_prep.atomic import write_atomic
 from pretrain.config.loader import flatten
 from pretrain.tracking.base import Tracker
+from pretrain.tracking.mlflow_ui import mlflow_metric_name, quiet_mlflow_links, run_url
 from pretrain.tracking.mlflow_requests import (MAX_BATCH_BYTES, MAX_ENTITIES_PER_BATCH, MAX_METRICS_PER_BATCH,
                                                MAX_PARAMS_TAGS_PER_BATCH, MAX_TAG_VAL_LENGTH, METRIC_NAME,
                                                environment_tags, limit_http_retries, longer_http_timeout,
@@ -67,6 +68,7 @@ class MlflowTracker(Tracker):
         self.retry_seconds = max(0.1, float(cfg.tracking.retry_seconds))
         self.final_flush_seconds = final_flush_seconds
         limit_http_retries(self.retry_seconds)
+        quiet_mlflow_links()
         self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
         self.run_id: Optional[str] = None
 
@@ -107,7 +109,7 @@ class MlflowTracker(Tracker):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
         points = []
-        for key, value in metrics.items():
+        for key, value in ((mlflow_metric_name(k), v) for k, v in metrics.items()):
             if key not in self._bad_keys and not METRIC_NAME.match(key):
                 self._bad_keys.add(key)
                 log.warning("MLflow: metric name %r has characters MLflow rejects; it is not logged", key)
@@ -124,8 +126,8 @@ class MlflowTracker(Tracker):
 
     def log_checkpoint(self, tag: str, step: int, path: str) -> None:
         record = {"tag": tag, "step": int(step), "path": str(path), "time": time.time()}
+        # No metric: a "checkpoint" chart section would sort first on MLflow's chart page.
         self._enqueue([
-            ("metric", "checkpoint/step", float(step), int(time.time() * 1000), int(step)),
             ("tag", "checkpoint/latest", str(tag)),
             ("tag", "checkpoint/latest_step", str(int(step))),
             ("tag", "checkpoint/latest_path", str(path)[:MAX_TAG_VAL_LENGTH]),
@@ -157,6 +159,10 @@ class MlflowTracker(Tracker):
         log.warning("MLflow: %s not reachable; uploading %s as %s is left to the background (keep the "
                     "folder until then)", self.tracking_uri, hf_dir, artifact_path)
         self._enqueue(ops)
+
+    def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
+        # Sent by the background thread like everything else, so finish() bounds the wait for it.
+        self._enqueue([("dir", str(local_dir), artifact_path)])
 
     def finish(self, status: str = "FINISHED") -> None:
         if self._finished:
@@ -364,6 +370,7 @@ class MlflowTracker(Tracker):
             init += [("text", name, content) for name, content in artifacts.items()]
             log.info("MLflow: run %s (%s) in experiment %r at %s", run.info.run_id, run.info.run_name,
                      self.cfg.tracking.experiment, self.tracking_uri)
+        log.info("MLflow: watch the run at %s", run_url(self.tracking_uri, run.info.experiment_id, run.info.run_id))
         init += [("tag", k, v) for k, v in environment_tags(self.cfg.world_size()).items()]
         with self._cond:
             self._queue.extendleft(reversed(init))
