@@ -201,7 +201,10 @@ class TrainConfig:
     resume: str = "auto"               # auto (latest complete checkpoint if any) | none | a checkpoint tag
     log_every: int = 10
     eval_every: int = 200              # 0 disables periodic evaluation (one still runs at the end)
-    eval_batches: int = 20             # micro-batches per rank per evaluation; 0 = the whole split
+    # Held-out sequences per evaluation, the same at any world size and micro-batch (the first N of
+    # the split; 0 or more than it holds = the whole split). See pretrain/eval_set.py.
+    eval_sequences: int = 1024
+    eval_batches: Optional[int] = None  # deprecated: micro-batches per rank; converted to eval_sequences
     checkpoint_every: int = 500        # 0: only at the end
     keep_checkpoints: int = 3          # older complete checkpoints are deleted; 0 keeps all
     max_nonfinite_in_a_row: int = 5    # that many skipped non-finite steps in a row stop the run
@@ -215,12 +218,14 @@ class TrainConfig:
         for name in ("global_batch_size", "max_steps", "log_every"):
             if getattr(self, name) <= 0:
                 p.append(f"{name}: must be positive, got {getattr(self, name)}")
-        for name in ("eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "export_every",
+        for name in ("eval_every", "eval_sequences", "checkpoint_every", "keep_checkpoints", "export_every",
                      "halt_at_step"):
             if getattr(self, name) < 0:
                 p.append(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.max_nonfinite_in_a_row < 1:
             p.append(f"max_nonfinite_in_a_row: must be >= 1, got {self.max_nonfinite_in_a_row}")
+        if self.eval_batches is not None and self.eval_batches < 0:
+            p.append(f"eval_batches: must be >= 0, got {self.eval_batches}")
         return p
 
 
@@ -383,4 +388,8 @@ def batch_size_problems(global_batch: int, micro_batch: int, world: int) -> list
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
-    return configlib.load(Config, path, overrides)
+    from pretrain.eval_set import convert_eval_batches
+
+    cfg = configlib.load(Config, path, overrides)
+    convert_eval_batches(cfg)       # the deprecated train.eval_batches, once, with this layout
+    return cfg

@@ -25,16 +25,16 @@ import torch
 import torch.distributed as dist
 
 from data_prep.shard_format import ShardError
-from pretrain import checkpointing, configlib, engine as eng, hardware
+from pretrain import checkpointing, configlib, engine as eng, hardware, keyed_dropout
 from pretrain.config import Config, ConfigError, load_config
-from pretrain.data import TrainStream, eval_batches
+from pretrain.data import TrainStream
 from pretrain.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
+from pretrain.eval_set import evaluate      # a fixed set of held-out sequences, at any layout
 from pretrain.eval_tasks import TaskError
 from pretrain.flops import mlm_flops_per_sequence
-from pretrain.masking import SpecialIds, eval_masking_config, mask_batch
+from pretrain.masking import SpecialIds, mask_batch
 from pretrain.model import build_model
 from pretrain.preflight import check_inputs
-from pretrain.seeds import derive_seed
 from pretrain.state import STATE_KEY, TrainState
 from pretrain.tracking import make_tracker, run_params, share_run_id
 
@@ -69,7 +69,7 @@ class StepResult:
 
 def train_step(engine, optimizer, micro_batches: list[dict], step: int, cfg: Config, special: SpecialIds,
                info: eng.DistInfo, stop: StopSignal, want_grad_norm: bool) -> StepResult:
-    device, rank, world = info.device, info.rank, info.world
+    device, world = info.device, info.world
     masked = []
     for i, batch in enumerate(micro_batches):
         ids = batch["input_ids"].to(device, non_blocking=True)
@@ -79,17 +79,19 @@ def train_step(engine, optimizer, micro_batches: list[dict], step: int, cfg: Con
                        sample_ids=batch["sample_ids"].to(device, non_blocking=True), step=step)
         # Rows packed full have no padding: no mask lets SDPA take its fast path.
         attention_mask = (ids != special.pad) if batch.get("has_padding", True) else None
-        masked.append((m, attention_mask, ids.numel() if attention_mask is None else attention_mask.sum()))
+        masked.append((m, attention_mask, ids.numel() if attention_mask is None else attention_mask.sum(),
+                       batch["sample_ids"].to(device, non_blocking=True)))
     # The loss is normalised by the masked-token count of the whole step, all ranks together:
     # DeepSpeed then divides by grad_accum and averages over ranks, which this undoes.
-    predicted = torch.stack([m.num_masked for m, _, _ in masked]).sum().double().reshape(1)
+    predicted = torch.stack([m.num_masked for m, *_ in masked]).sum().double().reshape(1)
     dist.all_reduce(predicted)
     scale = world * len(masked) / predicted.clamp(min=1.0)
     flags = torch.zeros(2, device=device)                     # [non-finite loss, stop requested]
     sums = torch.zeros(4, dtype=torch.float64, device=device)
     grad_norm = None
-    for i, (m, attention_mask, tokens) in enumerate(masked):
-        torch.manual_seed(derive_seed("dropout", cfg.train.seed, step, rank, i))   # resume-exact dropout
+    for i, (m, attention_mask, tokens, sample_ids) in enumerate(masked):
+        # Dropout keyed like the masks, by each row's sample id and the step (pretrain/keyed_dropout.py).
+        engine.module.dropout_key.set(sample_ids, step)
         with eng.eager_forward(engine, eager=attention_mask is not None):
             loss_sum, correct, count = engine(m.input_ids, attention_mask, m.positions, m.labels)
         flags[0] = torch.maximum(flags[0], (~torch.isfinite(loss_sum.detach())).float())
@@ -142,6 +144,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
     special, seq_len = SpecialIds.from_manifest(manifest), manifest["seq_len"]
     torch.manual_seed(cfg.train.seed)                       # identical initial weights on every rank
     model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl, seq_len=seq_len)
+    model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)   # the same at any layout
     engine, scheduler, ds_config, optimizer = eng.initialize(model, cfg, info, precision)
     state = TrainState(config=configlib.to_dict(cfg))
     resume_from = eng.rank0_value(resume_from)     # the first rank chose it, holding the run lock
@@ -300,28 +303,6 @@ def export_final(cfg: Config, tracker, step: int) -> None:
         export_to(cfg, checkpointing.tag_for_step(step), out)
         tracker.log_model(str(out), step, final=True)
     dist.barrier()
-
-
-@torch.no_grad()
-def evaluate(engine, cfg: Config, manifest: dict, special: SpecialIds, info: eng.DistInfo) -> dict:
-    """Validation loss and accuracy at 15% token masking with a fixed seed, whatever training uses."""
-    if not any(s["split"] == cfg.data.eval_split for s in manifest["shards"]):
-        return {}
-    engine.eval()
-    mcfg = eval_masking_config(cfg.masking)
-    sums = torch.zeros(3, dtype=torch.float64, device=info.device)
-    for batch in eval_batches(cfg.data.dir, manifest, cfg.data.eval_split, info.rank, info.world,
-                              cfg.impl.micro_batch_size, cfg.train.eval_batches):
-        ids = batch["input_ids"].to(info.device)
-        m = mask_batch(ids, batch["word_starts"].to(info.device), special, mcfg,
-                       sample_ids=batch["sample_ids"].to(info.device), step=0)
-        with eng.eager_forward(engine, eager=True):
-            loss_sum, correct, count = engine(m.input_ids, ids != special.pad, m.positions, m.labels)
-        sums += torch.stack([loss_sum.double(), correct.double(), count.double()])
-    dist.all_reduce(sums)
-    engine.train()
-    loss_sum, correct, count = sums.tolist()
-    return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count} if count else {}
 
 
 def _memory_gb(device: torch.device) -> float:
