@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from data_prep.shard_format import ShardError
-from pretrain import checkpointing, configlib, engine as eng, hardware, keyed_dropout
+from pretrain import checkpointing, configlib, engine as eng, hardware, keyed_dropout, resume_log
 from pretrain.config import Config, ConfigError, load_config
 from pretrain.data import TrainStream
 from pretrain.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
@@ -163,6 +163,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
     resolved_yaml = configlib.dump_yaml(cfg)
     state.run_id = share_run_id(tracker.start(state.run_id, run_params(cfg, world, precision, manifest),
                                               {"config.yaml": resolved_yaml, "deepspeed.json": json.dumps(ds_config, indent=2)}))
+    resume_log.relog(tracker, state)      # a kill may have cut the checkpoint step's line short
     flops_per_seq = mlm_flops_per_sequence(model.hf_model.config, seq_len, cfg.masking.rate * seq_len,
                                            cfg.impl.sparse_head)
     peak, peak_source = hardware.peak_tflops(device, precision, cfg.impl.peak_tflops)
@@ -175,6 +176,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
         if metrics:
             log.info("step %d %s", step, " ".join(f"{k.split('/', 1)[-1]}={_fmt(v)}" for k, v in metrics.items()))
             tracker.log_metrics(metrics, step)
+            resume_log.remember(state, metrics, step)
 
     def probe(step: int) -> None:
         """The downstream probe on the trainer's own weights (whole at ZeRO-3: every rank calls)."""
@@ -188,6 +190,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
         if tasks and state.step == 0:          # what the probe scores mean: random weights, majority class
             emit(baseline_metrics(model.hf_model.config, tasks, device, cfg.eval.downstream_batch_size), 0)
         batches, window, nonfinite_in_a_row = iter(stream), ThroughputWindow(device), 0
+        resume_log.restore_window(window, state.log_window, rank)   # the first log averages the whole window
         while state.step < cfg.train.max_steps:
             engine.train()
             t_start = time.perf_counter()
@@ -229,6 +232,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
             halting = step == cfg.train.halt_at_step
             periodic = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and not result.nonfinite
             if result.stop or halting or last or periodic:
+                state.log_window = resume_log.window_state(window)
                 export = last or bool(cfg.train.export_every and step % cfg.train.export_every == 0)
                 checkpoint(engine, cfg, model, manifest, tracker, state, stream, resolved_yaml, export, final=last)
             if result.stop:
