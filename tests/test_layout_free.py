@@ -59,6 +59,22 @@ def test_dropout_of_a_row_is_the_same_in_any_batch(arch, dropouts):
     assert (model.encode(ids, attention) - whole).abs().max() > 0.1      # and for every sequence
 
 
+@pytest.mark.parametrize("arch,others", [("bert", dict(hidden_dropout=0.0)),
+                                          ("modernbert", dict(mlp_dropout=0.0, embedding_dropout=0.0,
+                                                              local_attention=8))])
+def test_keyed_eager_attention_computes_what_sdpa_does(arch, others):
+    """With (almost) nothing dropped, the eager path that training takes for attention-probability
+    dropout gives SDPA's numbers: padding and ModernBERT's sliding window masked alike."""
+    model = tiny(arch, attention_dropout=1e-9, **others)
+    ids = torch.randint(5, SPECIAL.vocab_size, (3, 32), generator=torch.Generator().manual_seed(2))
+    attention = torch.ones_like(ids, dtype=torch.bool)
+    attention[2, 20:] = False
+    sdpa = model.eval().encode(ids, attention)
+    keyed_dropout.install(model.hf_model, seed=1).set(torch.arange(3), step=0)
+    eager = model.train().encode(ids, attention)
+    assert torch.allclose(eager[attention], sdpa[attention], atol=1e-5)
+
+
 def test_keyed_dropout_keeps_one_minus_p_and_rescales():
     key = keyed_dropout.DropoutKey(seed=3)
     drop = keyed_dropout.KeyedDropout(0.25, "probe", key).train()
@@ -129,6 +145,7 @@ def test_eval_set_is_the_first_sequences_split_across_ranks(shards):
 
 def test_deprecated_eval_batches_becomes_a_sequence_count_once(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
+    (tmp_path / "manifest.json").write_text("{}")          # load_config checks only that there is one
     with pytest.warns(FutureWarning, match="eval_sequences=48"):
         cfg = load_config("configs/tiny.yaml", [f"data.dir={tmp_path}", "train.eval_batches=3"])
     assert (cfg.train.eval_sequences, cfg.train.eval_batches) == (48, None)
