@@ -73,14 +73,14 @@ def train_step(engine, optimizer, micro_batches: list[dict], step: int, cfg: Con
     masked = []
     for i, batch in enumerate(micro_batches):
         ids = batch["input_ids"].to(device, non_blocking=True)
+        sample_ids = batch["sample_ids"].to(device, non_blocking=True)
         # Keyed by each sequence's identity (and the step, unless static): the same masks at any
         # world size or micro-batch.
         m = mask_batch(ids, batch["word_starts"].to(device, non_blocking=True), special, cfg.masking,
-                       sample_ids=batch["sample_ids"].to(device, non_blocking=True), step=step)
+                       sample_ids=sample_ids, step=step)
         # Rows packed full have no padding: no mask lets SDPA take its fast path.
         attention_mask = (ids != special.pad) if batch.get("has_padding", True) else None
-        masked.append((m, attention_mask, ids.numel() if attention_mask is None else attention_mask.sum(),
-                       batch["sample_ids"].to(device, non_blocking=True)))
+        masked.append((m, attention_mask, ids.numel() if attention_mask is None else attention_mask.sum(), sample_ids))
     # The loss is normalised by the masked-token count of the whole step, all ranks together:
     # DeepSpeed then divides by grad_accum and averages over ranks, which this undoes.
     predicted = torch.stack([m.num_masked for m, *_ in masked]).sum().double().reshape(1)
