@@ -62,15 +62,22 @@ class KeyedDropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
+        if self.p >= 1.0:
+            return x * 0.0
         ids = self.key.sample_ids
         if ids is None or ids.numel() != x.shape[0]:
             raise RuntimeError(f"dropout site {self.site}: the batch's sample ids were not set for this input "
                                f"of {x.shape[0]} rows (DropoutKey.set before the forward)")
-        per_row = x[0].numel()
+        rows, per_row = x.shape[0], x[0].numel()
         draws = _HashDraws(derive_seed("dropout", self.key.seed, self.key.step, self.site_id),
                            ids.to(x.device, torch.long), per_row)
-        keep = draws.tokens(0, (x.shape[0], per_row)).reshape(x.shape) >= self.p
-        return x * keep.to(x.dtype) * (1.0 / (1.0 - self.p))
+        # Each 32-bit hash gives two 16-bit draws: half the hashing, and p to within 2**-16.
+        h = draws._hash(0, torch.arange(rows, device=x.device)[:, None],
+                        torch.arange((per_row + 1) // 2, device=x.device)[None, :])
+        bits = torch.stack([h & 0xFFFF, h >> 16], dim=-1).reshape(rows, -1)[:, :per_row]
+        dropped = round(self.p * 65536)
+        keep = bits.reshape(x.shape) >= dropped
+        return x * keep.to(x.dtype) * (65536.0 / (65536 - dropped))     # unbiased for the p drawn
 
 
 def keyed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
