@@ -19,7 +19,7 @@ built, engine ready) to SIGTERM, after which the trainer finishes its step, chec
 (code 3); "seconds trained" includes that last step. That checkpoint is exported with
 ``python -m pretrain.export``, and the export is evaluated here on the held-out split: masked-token
 loss and accuracy at the trainer's own evaluation masking (15%, 80/10/10, fixed seed, masks keyed by
-sequence id; ``pretrain.evaluate.mlm_eval_model``), and the downstream probe of ``pretrain.evaluate``
+sequence id; ``pretrain.eval.cli.mlm_eval_model``), and the downstream probe of ``pretrain.evaluate``
 (logistic regression on frozen mean-pooled features, on the word-order task built from the held-out
 split, with the random-init baseline beside it). tokens/s and MFU are the trainer's own ``perf/*``
 figures (``metrics.jsonl``, the first logging window dropped as warm-up), MFU against one matmul peak
@@ -126,7 +126,7 @@ def _sigterm_after(proc: subprocess.Popen, seconds: float):
 
 def held_out_mlm(hf_dir: Path, shards: Path, batch_size: int, max_batches: int, threads: int) -> dict:
     """Masked-token loss and accuracy of an exported model on the validation split at the trainer's
-    evaluation masking (``pretrain.evaluate.mlm_eval_model``)."""
+    evaluation masking (``pretrain.eval.cli.mlm_eval_model``)."""
     import torch
     from transformers import AutoModelForMaskedLM
 

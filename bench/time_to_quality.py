@@ -20,7 +20,7 @@ guessed step count would favour whichever run guessed better.
 
 Time is *training* time: the sum of step times (data, masking, forward, backward, optimiser),
 without start-up and without the periodic evaluations, which both runs make every ``--eval-every``
-steps on the same held-out batches with the same masks (``pretrain.evaluate.mlm_eval_model``: the
+steps on the same held-out batches with the same masks (``pretrain.eval.cli.mlm_eval_model``: the
 trainer's fixed 15% evaluation masking). HF stops itself when its training time reaches the budget;
 ours gets SIGTERM from this script when its logged step times reach it (it checkpoints and exits),
 and its checkpoint is exported to Hugging Face format.

@@ -28,24 +28,23 @@ from data_prep import stale_shm
 from data_prep.shard_format import ShardError
 from pretrain.checkpoint import files
 from pretrain.checkpoint import store as checkpointing
+from pretrain.checkpoint.state import STATE_KEY, TrainState
 from pretrain.config import loader as configlib
-from pretrain.runtime import bad_input, lifeline
-from pretrain.runtime import engine as eng
-from pretrain.runtime import hardware
 from pretrain.config.schema import Config, ConfigError, load_config
-from pretrain.data.stream import TrainStream, eval_batches
-from pretrain.eval.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
-from pretrain.eval.tasks import TaskError
-from pretrain.model.flops import mlm_flops_per_sequence
-from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
-from pretrain.model.mlm import build_model
 from pretrain.data import mixture
-from pretrain.eval.mixture import evaluate_mixture
+from pretrain.data.stream import TrainStream
+from pretrain.eval.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
+from pretrain.eval.mlm import evaluate      # a fixed set of held-out sequences, at any layout
+from pretrain.eval.tasks import TaskError
+from pretrain.model import keyed_dropout
+from pretrain.model.flops import mlm_flops_per_sequence
+from pretrain.model.masking import SpecialIds, mask_batch
+from pretrain.model.mlm import build_model
 from pretrain.preflight import check_inputs
 from pretrain.report.page import report_at_end
-from pretrain.seeds import derive_seed
-from pretrain.checkpoint.state import STATE_KEY, TrainState
-from pretrain.tracking import make_tracker, run_params
+from pretrain.runtime import bad_input, hardware, lifeline
+from pretrain.runtime import engine as eng
+from pretrain.tracking import make_tracker, resume_log, run_params
 
 log = logging.getLogger("pretrain")
 EXIT_BAD_INPUT, EXIT_REQUEUE, EXIT_NONFINITE = 2, 3, 4
@@ -79,28 +78,30 @@ class StepResult:
 
 def train_step(engine, optimizer, micro_batches: list[dict], step: int, cfg: Config, special: SpecialIds,
                info: eng.DistInfo, stop: StopSignal, want_grad_norm: bool) -> StepResult:
-    device, rank, world = info.device, info.rank, info.world
+    device, world = info.device, info.world
     masked = []
     for i, batch in enumerate(micro_batches):
         ids = batch["input_ids"].to(device, non_blocking=True)
+        sample_ids = batch["sample_ids"].to(device, non_blocking=True)
         # Keyed by each sequence's identity (and the step, unless static): the same masks at any
         # world size or micro-batch.
         m = mask_batch(ids, batch["word_starts"].to(device, non_blocking=True), special, cfg.masking,
-                       sample_ids=batch["sample_ids"].to(device, non_blocking=True), step=step)
+                       sample_ids=sample_ids, step=step)
         # Rows packed full have no padding: no mask lets SDPA take its fast path.
         attention_mask = (ids != special.pad) if batch.get("has_padding", True) else None
-        masked.append((m, attention_mask, ids.numel() if attention_mask is None else attention_mask.sum()))
+        masked.append((m, attention_mask, ids.numel() if attention_mask is None else attention_mask.sum(), sample_ids))
     # The loss is normalised by the masked-token count of the whole step, all ranks together:
     # DeepSpeed then divides by grad_accum and averages over ranks, which this undoes.
-    predicted = torch.stack([m.num_masked for m, _, _ in masked]).sum().double().reshape(1)
+    predicted = torch.stack([m.num_masked for m, *_ in masked]).sum().double().reshape(1)
     dist.all_reduce(predicted)
     scale = world * len(masked) / predicted.clamp(min=1.0)
     flags = torch.zeros(3, device=device)                     # [non-finite loss, stop requested, bad input]
     flags[2] = float(bad_input.read_failed(micro_batches))
     sums = torch.zeros(4, dtype=torch.float64, device=device)
     grad_norm = None
-    for i, (m, attention_mask, tokens) in enumerate(masked):
-        torch.manual_seed(derive_seed("dropout", cfg.train.seed, step, rank, i))   # resume-exact dropout
+    for i, (m, attention_mask, tokens, sample_ids) in enumerate(masked):
+        # Dropout keyed like the masks, by each row's sample id and the step (pretrain/model/keyed_dropout.py).
+        engine.module.dropout_key.set(sample_ids, step)
         with eng.eager_forward(engine, eager=attention_mask is not None):
             loss_sum, correct, count = engine(m.input_ids, attention_mask, m.positions, m.labels)
         flags[0] = torch.maximum(flags[0], (~torch.isfinite(loss_sum.detach())).float())
@@ -153,6 +154,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
     special, seq_len = SpecialIds.from_manifest(manifest), manifest["seq_len"]
     torch.manual_seed(cfg.train.seed)                       # identical initial weights on every rank
     model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl, seq_len=seq_len)
+    model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)   # the same at any layout
     engine, scheduler, ds_config, optimizer = eng.initialize(model, cfg, info, precision)
     state = TrainState(config=configlib.to_dict(cfg))
     resume_from = eng.rank0_value(resume_from)     # the first rank chose it, holding the run lock
@@ -170,6 +172,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
     resolved_yaml = configlib.dump_yaml(cfg)
     state.run_id = eng.rank0_value(tracker.start(state.run_id, run_params(cfg, world, precision, manifest),
                                               {"config.yaml": resolved_yaml, "deepspeed.json": json.dumps(ds_config, indent=2)}))
+    resume_log.relog(tracker, state)      # a kill may have cut the checkpoint step's line short
     flops_per_seq = mlm_flops_per_sequence(model.hf_model.config, seq_len, cfg.masking.rate * seq_len,
                                            cfg.impl.sparse_head)
     peak, peak_source = hardware.peak_tflops(device, precision, cfg.impl.peak_tflops)
@@ -184,6 +187,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
         if metrics:
             log.info("step %d %s", step, " ".join(f"{k.split('/', 1)[-1]}={_fmt(v)}" for k, v in metrics.items()))
             tracker.log_metrics(metrics, step)
+            resume_log.remember(state, metrics, step)
 
     def probe(step: int) -> None:
         """The downstream probe on the trainer's own weights (whole at ZeRO-3: every rank calls)."""
@@ -197,6 +201,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
         if tasks and state.step == 0:          # what the probe scores mean: random weights, majority class
             emit(baseline_metrics(model.hf_model.config, tasks, device, cfg.eval.downstream_batch_size), 0)
         batches, window, nonfinite_in_a_row = iter(stream), ThroughputWindow(device), 0
+        resume_log.restore_window(window, state.log_window, rank)   # the first log averages the whole window
         while state.step < cfg.train.max_steps:
             engine.train()
             t_start = time.perf_counter()
@@ -236,12 +241,13 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
                       "train/nonfinite_skipped": state.nonfinite_total,
                       **mixture.data_metrics(stream, step, cfg.train.max_steps)}, step)
             if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
-                emit(evaluate(engine, cfg, manifest, special, info), step)
+                emit(evaluate(engine, cfg, special, info), step)
             if tasks and probe_due(step, cfg.eval.downstream_every, cfg.train.eval_every, last):
                 probe(step)
             halting = step == cfg.train.halt_at_step
             periodic = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and not result.nonfinite
             if result.stop or halting or last or periodic:
+                state.log_window = resume_log.window_state(window)
                 export = last or bool(cfg.train.export_every and step % cfg.train.export_every == 0)
                 checkpoint(engine, cfg, model, manifest, tracker, state, stream, resolved_yaml, export, final=last)
             if result.stop:
@@ -256,7 +262,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
         if not final_export_done(cfg):
             # Killed after the final checkpoint and before its export: finish what that run would have.
             log.info("the final checkpoint at step %d has no export yet: evaluating and exporting it", state.step)
-            emit(evaluate(engine, cfg, manifest, special, info), state.step)
+            emit(evaluate(engine, cfg, special, info), state.step)
             if tasks:
                 probe(state.step)
             export_final(cfg, tracker, state.step)
@@ -318,30 +324,6 @@ def export_final(cfg: Config, tracker, step: int) -> None:
         export_to(cfg, checkpointing.tag_for_step(step), out)
         tracker.log_model(str(out), step, final=True)
     dist.barrier()
-
-
-@torch.no_grad()
-def evaluate(engine, cfg: Config, manifest: dict, special: SpecialIds, info: eng.DistInfo) -> dict:
-    """Validation loss and accuracy at 15% token masking with a fixed seed, whatever training uses."""
-    if mixture.is_mixture(cfg):
-        return evaluate_mixture(engine, cfg, special, info)
-    if not any(s["split"] == cfg.data.eval_split for s in manifest["shards"]):
-        return {}
-    engine.eval()
-    mcfg = eval_masking_config(cfg.masking)
-    sums = torch.zeros(3, dtype=torch.float64, device=info.device)
-    for batch in eval_batches(cfg.data.dir, manifest, cfg.data.eval_split, info.rank, info.world,
-                              cfg.impl.micro_batch_size, cfg.train.eval_batches):
-        ids = batch["input_ids"].to(info.device)
-        m = mask_batch(ids, batch["word_starts"].to(info.device), special, mcfg,
-                       sample_ids=batch["sample_ids"].to(info.device), step=0)
-        with eng.eager_forward(engine, eager=True):
-            loss_sum, correct, count = engine(m.input_ids, ids != special.pad, m.positions, m.labels)
-        sums += torch.stack([loss_sum.double(), correct.double(), count.double()])
-    dist.all_reduce(sums)
-    engine.train()
-    loss_sum, correct, count = sums.tolist()
-    return {"eval/loss": loss_sum / count, "eval/accuracy": correct / count} if count else {}
 
 
 def _memory_gb(device: torch.device) -> float:

@@ -305,7 +305,7 @@ def test_export_has_the_trained_models_logits_and_fills_masks(runs, exported, sh
     from transformers import AutoModelForMaskedLM, AutoTokenizer, ModernBertForMaskedLM, pipeline
 
     from data_prep.shard_format import load_manifest
-    from pretrain.data.stream import eval_batches
+    from pretrain.eval.mlm import eval_set_batches
 
     model = AutoModelForMaskedLM.from_pretrained(exported).eval()
     assert isinstance(model, ModernBertForMaskedLM)
@@ -313,15 +313,15 @@ def test_export_has_the_trained_models_logits_and_fills_masks(runs, exported, sh
     final = load_file(runs[3] / "hf_final" / "model.safetensors")     # the trainer's own end-of-run export
     assert all(torch.equal(final[k], v) for k, v in load_file(exported / "model.safetensors").items())
 
-    # The trainer evaluated its ZeRO-3 engine at the last step (2 ranks x 2 batches, 15% masks keyed
-    # by sequence id);
-    # the exported model on the same batches gives the same loss.
+    # The trainer evaluated its ZeRO-3 engine at the last step (train.eval_batches=2: the first
+    # 2 x 8 x 2 = 32 sequences, 15% masks keyed by sequence id);
+    # the exported model on the same sequences gives the same loss.
     manifest = load_manifest(shards)
     special = SpecialIds.from_manifest(manifest)
     mcfg = eval_masking_config()
     loss_sum, count = 0.0, 0
-    for rank in range(2):
-        for i, batch in enumerate(eval_batches(shards, manifest, "validation", rank, 2, 8, 2)):
+    for rank in range(1):
+        for i, batch in enumerate(eval_set_batches(shards, manifest, "validation", rank, 1, 8, 32)):
             ids = batch["input_ids"]
             mb = mask_batch(ids, batch["word_starts"], special, mcfg, sample_ids=batch["sample_ids"], step=0)
             with torch.no_grad():

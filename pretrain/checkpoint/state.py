@@ -24,6 +24,8 @@ class TrainState:
     config: dict = field(default_factory=dict)   # the resolved config that wrote the checkpoint
     data: dict = field(default_factory=dict)     # the data stream's state_dict
     rng: dict = field(default_factory=dict)      # this rank's torch RNG states, taken when saved
+    log_window: dict = field(default_factory=dict)   # the log window in progress (pretrain/tracking/resume_log.py)
+    logged: dict = field(default_factory=dict)       # the metrics of the last step that logged, re-logged on resume
 
     def state_dict(self) -> dict:
         """A snapshot, with the RNG states of this moment."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -241,7 +242,10 @@ class TrainConfig:
     resume: str = "auto"               # auto (latest complete checkpoint if any) | none | a checkpoint tag
     log_every: int = 10
     eval_every: int = 200              # 0 disables periodic evaluation (one still runs at the end)
-    eval_batches: int = 20             # micro-batches per rank per evaluation; 0 = the whole split
+    # Held-out sequences per evaluation, the same at any world size and micro-batch (the first N of
+    # the split; 0 or more than it holds = the whole split). See pretrain/eval/mlm.py.
+    eval_sequences: int = 1024
+    eval_batches: Optional[int] = None  # deprecated: micro-batches per rank; converted to eval_sequences
     checkpoint_every: int = 500        # 0: only at the end
     keep_checkpoints: int = 3          # older complete checkpoints are deleted; 0 keeps all
     max_nonfinite_in_a_row: int = 5    # that many skipped non-finite steps in a row stop the run
@@ -255,12 +259,14 @@ class TrainConfig:
         for name in ("global_batch_size", "max_steps", "log_every"):
             if getattr(self, name) <= 0:
                 p.append(f"{name}: must be positive, got {getattr(self, name)}")
-        for name in ("eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints", "export_every",
+        for name in ("eval_every", "eval_sequences", "checkpoint_every", "keep_checkpoints", "export_every",
                      "halt_at_step"):
             if getattr(self, name) < 0:
                 p.append(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.max_nonfinite_in_a_row < 1:
             p.append(f"max_nonfinite_in_a_row: must be >= 1, got {self.max_nonfinite_in_a_row}")
+        if self.eval_batches is not None and self.eval_batches < 0:
+            p.append(f"eval_batches: must be >= 0, got {self.eval_batches}")
         return p
 
 
@@ -423,4 +429,20 @@ def batch_size_problems(global_batch: int, micro_batch: int, world: int) -> list
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
-    return configlib.load(Config, path, overrides)
+
+    cfg = configlib.load(Config, path, overrides)
+    convert_eval_batches(cfg)       # the deprecated train.eval_batches, once, with this layout
+    return cfg
+
+
+def convert_eval_batches(cfg) -> None:
+    """``train.eval_batches`` (deprecated: micro-batches per rank) becomes ``train.eval_sequences``,
+    once, at load: the resolved config then holds only the sequence count, which later layouts keep."""
+    if cfg.train.eval_batches is None:
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sequences = cfg.train.eval_batches * cfg.impl.micro_batch_size * world
+    warnings.warn(f"train.eval_batches is deprecated: use train.eval_sequences (the sequences evaluated, "
+                  f"at any layout). {cfg.train.eval_batches} micro-batches x {cfg.impl.micro_batch_size} x "
+                  f"world {world} = train.eval_sequences={sequences}", FutureWarning, stacklevel=2)
+    cfg.train.eval_sequences, cfg.train.eval_batches = sequences, None

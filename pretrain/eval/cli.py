@@ -23,6 +23,7 @@ import sys
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Optional
 
 import numpy as np
@@ -30,6 +31,8 @@ import torch
 
 from data_prep.shard_format import MANIFEST, load_manifest
 from pretrain.config.schema import DownstreamTaskConfig
+from pretrain.eval.mlm import eval_set_batches, figures, score
+from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.eval.tasks import WORD_ORDER, TaskError
 
 log = logging.getLogger("pretrain")
@@ -42,7 +45,6 @@ EXIT_BAD_INPUT = 2
 def unigram_token(data_dir: str | Path, manifest: dict, split: str = "train", max_sequences: int = 20_000) -> int:
     """The most frequent non-special token of (the first ``max_sequences`` sequences of) a split."""
     from pretrain.data.stream import eval_batches
-    from pretrain.model.masking import SpecialIds
 
     special = SpecialIds.from_manifest(manifest)
     counts = np.zeros(special.vocab_size, dtype=np.int64)
@@ -71,47 +73,42 @@ def mlm_eval(hf_dir: str | Path, data_dir: str | Path, batch_size: int = 32, max
     return out
 
 
-def _eval_masks(data_dir, manifest: dict, batch_size: int, max_batches: int, split: str, device):
-    """(batch ids, masked batch) pairs exactly as the trainer's ``evaluate`` makes them on one rank."""
-    from pretrain.data.stream import eval_batches
-    from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
-
-    special = SpecialIds.from_manifest(manifest)
-    mcfg = eval_masking_config()
-    for batch in eval_batches(data_dir, manifest, split, 0, 1, batch_size, max_batches):
-        ids = batch["input_ids"].to(device)
-        yield ids, mask_batch(ids, batch["word_starts"].to(device), special, mcfg,
-                              sample_ids=batch["sample_ids"].to(device), step=0)
+def _eval_set(data_dir, manifest: dict, batch_size: int, max_batches: int, split: str) -> Iterator[dict]:
+    """The first ``max_batches x batch_size`` sequences of ``split`` (all when 0): the trainer's
+    evaluation set with ``train.eval_sequences`` of that size, on one process."""
+    return eval_set_batches(data_dir, manifest, split, 0, 1, batch_size, max_batches * batch_size)
 
 
 @torch.no_grad()
 def mlm_eval_model(hf_model, data_dir: str | Path, manifest: dict, batch_size: int = 32, max_batches: int = 0,
                    split: str = "validation", device: str | torch.device = "cpu") -> dict[str, float]:
-    """{"loss", "accuracy"} of a ``BertForMaskedLM`` in memory, masked as the trainer's own evaluation
-    masks (``eval_masking_config``, keyed by each sequence's id): the same positions for every model,
-    batch size and world size, so losses compare across runs and trainers."""
-    from pretrain.model.masking import SpecialIds
+    """{"loss", "accuracy"} of a Hugging Face masked LM in memory, scored by the trainer's own
+    evaluation loop (``pretrain.eval.mlm.score``: its masks keyed by each sequence's id, its
+    fixed-point sums), so losses compare across runs, trainers, batch sizes and world sizes."""
     from pretrain.model.mlm import MLMModel
 
     special = SpecialIds.from_manifest(manifest)
     was_training = hf_model.training
     model = MLMModel(hf_model.eval(), sparse_head=True)
-    loss_sum, correct, count = 0.0, 0, 0
-    for ids, m in _eval_masks(data_dir, manifest, batch_size, max_batches, split, device):
-        ls, c, n = model(m.input_ids, ids != special.pad, m.positions, m.labels)
-        loss_sum, correct, count = loss_sum + float(ls), correct + int(c), count + int(n)
+    sums = score(model, _eval_set(data_dir, manifest, batch_size, max_batches, split), special,
+                 eval_masking_config(), torch.device(device)).tolist()
     hf_model.train(was_training)
-    if count == 0:
+    out = figures("mlm", sums)
+    if not out:
         raise TaskError(f"{data_dir}: split {split!r} gave no masked tokens")
-    return {"loss": loss_sum / count, "accuracy": correct / count}
+    return {"loss": out["mlm/loss"], "accuracy": out["mlm/accuracy"]}
 
 
 def unigram_accuracy(data_dir, manifest: dict, batch_size: int = 32, max_batches: int = 0,
                      split: str = "validation", device: str | torch.device = "cpu") -> float:
     """Accuracy of always guessing the training split's most frequent token at the evaluation masks."""
     top = unigram_token(data_dir, manifest)
+    special, masking = SpecialIds.from_manifest(manifest), eval_masking_config()
     hits = count = 0
-    for _, m in _eval_masks(data_dir, manifest, batch_size, max_batches, split, device):
+    for batch in _eval_set(data_dir, manifest, batch_size, max_batches, split):
+        if batch["filler"]:
+            continue
+        m = mask_batch(batch["input_ids"], batch["word_starts"], special, masking, sample_ids=batch["sample_ids"], step=0)
         hits, count = hits + int((m.labels == top).sum()), count + m.labels.numel()
     return hits / max(count, 1)
 

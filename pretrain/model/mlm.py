@@ -59,7 +59,7 @@ class MLMModel(torch.nn.Module):
         return self.hf_model.decoder(self.hf_model.head(hidden))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                positions: torch.Tensor, labels: torch.Tensor):
+                positions: torch.Tensor, labels: torch.Tensor, per_token: bool = False):
         """``attention_mask``: [B, L], False at padding; None means the batch has no padding, and no
         mask is built (SDPA then runs its unmasked fast path on the global layers).
         ``positions``: [N] flat indices into B*L; ``labels``: [N] ids (IGNORE_INDEX: not counted).
@@ -67,6 +67,8 @@ class MLMModel(torch.nn.Module):
         Returns (loss_sum, num_correct, num_predicted): the cross-entropy summed over the predicted
         tokens in fp32 (the caller divides by the masked count of the whole step, all ranks and
         micro-steps together), and two int64 counts. Nothing here waits for the device.
+        ``per_token``: the same three per position ([N] fp32 losses, [N] bools), for sums that must
+        not depend on how rows are batched (evaluation, ``pretrain.eval.mlm``).
         """
         hidden = self.encode(input_ids, attention_mask)
         if self.sparse_head:
@@ -74,8 +76,11 @@ class MLMModel(torch.nn.Module):
         else:
             logits = self.head(hidden).reshape(-1, self.config.vocab_size).index_select(0, positions)
         logits = logits.float()            # one fp32 copy serves the loss and the accuracy
-        loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
         counted = labels != IGNORE_INDEX
+        if per_token:
+            token_loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+            return token_loss, (logits.argmax(dim=-1) == labels) & counted, counted
+        loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
         num_correct = ((logits.argmax(dim=-1) == labels) & counted).sum()
         return loss_sum, num_correct, counted.sum()
 

@@ -45,9 +45,18 @@ class JsonlTracker(Tracker):
         self.path = out_dir / "metrics.jsonl"
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
         write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        self._held = {}         # per metric: the last step the file holds
+        for r in kept:
+            self._held.update(dict.fromkeys((k for k in r if k != "step"), r.get("step", 0)))
         self._file = open(self.path, "a")
 
     def log_metrics(self, metrics: dict, step: int) -> None:
+        # Each metric once per step, as MLflow keeps it: a relaunch re-logs the checkpoint step's
+        # metrics, and evaluates a final checkpoint killed before its export again.
+        metrics = {k: v for k, v in metrics.items() if step > self._held.get(k, -1)}
+        if not metrics:
+            return
+        self._held.update(dict.fromkeys(metrics, step))
         record = {"step": step, **{k: strict_json_value(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()

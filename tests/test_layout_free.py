@@ -1,0 +1,154 @@
+"""Results that do not depend on the layout (issue 18, items 1 and 2): dropout keyed by each
+sequence's identity, and an evaluation set that is a fixed count of held-out sequences, whose
+eval/loss is bit-identical at any world size and micro-batch given identical weights."""
+from __future__ import annotations
+
+import json
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import free_port
+
+from pretrain.model import keyed_dropout
+from pretrain.config.schema import ImplConfig, ModelConfig, load_config
+from pretrain.eval.mlm import eval_set_batches, evaluate
+from pretrain.model.masking import SpecialIds
+from pretrain.model.mlm import build_model
+
+SPECIAL = SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=4, vocab_size=200)
+
+
+def tiny(arch: str, **dropouts):
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch=arch, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                      max_position_embeddings=64, **dropouts)
+    return build_model(cfg, SPECIAL.vocab_size, SPECIAL, ImplConfig(attention="sdpa", precision="fp32"))
+
+
+@pytest.mark.parametrize("arch,dropouts", [
+    ("bert", {"hidden_dropout": 0.1, "attention_dropout": 0.1}),
+    ("modernbert", {"embedding_dropout": 0.1, "mlp_dropout": 0.1, "attention_dropout": 0.1}),
+])
+def test_dropout_of_a_row_is_the_same_in_any_batch(arch, dropouts):
+    model = tiny(arch, **dropouts).eval()
+    ids = torch.randint(5, SPECIAL.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
+    attention = torch.ones_like(ids, dtype=torch.bool)
+    attention[3, 12:] = False                                 # one padded row
+    before = model.encode(ids, attention)
+    key = keyed_dropout.install(model.hf_model, seed=42)
+    sites = [m for m in model.modules() if isinstance(m, keyed_dropout.KeyedDropout)]
+    assert len(sites) >= 7 and not any(m.training for m in model.modules())     # eval mode kept
+    assert model.hf_model.config._attn_implementation == keyed_dropout.KEYED_ATTENTION
+    assert torch.equal(model.encode(ids, attention), before)  # evaluation: no dropout, SDPA's numbers
+
+    model.train()
+    sample_ids = torch.tensor([70, 71, 72, 73])
+    key.set(sample_ids, step=5)
+    whole = model.encode(ids, attention)
+    key.set(sample_ids[[3, 0]], step=5)                       # the same rows, another batch and order
+    part = model.encode(ids[[3, 0]], attention[[3, 0]])
+    assert torch.equal(part, whole[[3, 0]])
+    assert (whole - before).abs().max() > 0.1                 # dropout did act
+    key.set(sample_ids, step=6)
+    assert (model.encode(ids, attention) - whole).abs().max() > 0.1      # a new mask every step
+    key.set(sample_ids + 100, step=5)
+    assert (model.encode(ids, attention) - whole).abs().max() > 0.1      # and for every sequence
+
+
+@pytest.mark.parametrize("arch,others", [("bert", {"hidden_dropout": 0.0}),
+                                          ("modernbert", {"mlp_dropout": 0.0, "embedding_dropout": 0.0,
+                                                              "local_attention": 8})])
+def test_keyed_eager_attention_computes_what_sdpa_does(arch, others):
+    """With (almost) nothing dropped, the eager path that training takes for attention-probability
+    dropout gives SDPA's numbers: padding and ModernBERT's sliding window masked alike."""
+    model = tiny(arch, attention_dropout=1e-9, **others)
+    ids = torch.randint(5, SPECIAL.vocab_size, (3, 32), generator=torch.Generator().manual_seed(2))
+    attention = torch.ones_like(ids, dtype=torch.bool)
+    attention[2, 20:] = False
+    sdpa = model.eval().encode(ids, attention)
+    keyed_dropout.install(model.hf_model, seed=1).set(torch.arange(3), step=0)
+    eager = model.train().encode(ids, attention)
+    assert torch.allclose(eager[attention], sdpa[attention], atol=1e-5)
+
+
+def test_keyed_dropout_keeps_one_minus_p_and_rescales():
+    key = keyed_dropout.DropoutKey(seed=3)
+    drop = keyed_dropout.KeyedDropout(0.25, "probe", key).train()
+    key.set(torch.arange(64), step=0)
+    out = drop(torch.ones(64, 32, 32))
+    kept = (out > 0).double().mean().item()
+    # 65,536 Bernoulli(0.75) draws: standard error 0.0017, so 0.01 is ~6 sigma
+    assert abs(kept - 0.75) < 0.01
+    assert torch.allclose(out[out > 0], torch.tensor(1 / 0.75))          # 0.25 is exact in 16 bits
+    with pytest.raises(RuntimeError, match="sample ids were not set"):
+        drop(torch.ones(3, 4))                                # 3 rows but 64 ids set
+
+
+def _eval_worker(rank, world, port, shards, layouts, out):
+    """Evaluates the same initial weights with each (micro-batch, sequences) of ``layouts``."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        manifest = json.loads((shards / "manifest.json").read_text())
+        special = SpecialIds.from_manifest(manifest)
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                                        max_position_embeddings=64), manifest["tokenizer"]["vocab_size"], special,
+                            ImplConfig(attention="sdpa", precision="fp32"))
+        info = SimpleNamespace(rank=rank, world=world, device=torch.device("cpu"))
+        results = []
+        for micro, sequences in layouts:
+            cfg = load_config("configs/tiny.yaml", [f"data.dir={shards}", f"impl.micro_batch_size={micro}",
+                                                     f"train.eval_sequences={sequences}",
+                                                     f"train.global_batch_size={micro}"])
+            results.append(evaluate(model, cfg, manifest, special, info))
+        if rank == 0:
+            out.write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def eval_at(shards, tmp_path, world, layouts) -> list[dict]:
+    out = tmp_path / f"eval_{world}.json"
+    if world == 1:              # in this process: a spawn costs its imports
+        _eval_worker(0, 1, free_port(), shards, layouts, out)
+    else:
+        mp.spawn(_eval_worker, args=(world, free_port(), shards, layouts, out), nprocs=world)
+    return json.loads(out.read_text())
+
+
+def test_eval_loss_is_bit_identical_at_any_world_size_and_micro_batch(shards, tmp_path):
+    """13 sequences: uneven parts per rank, partial last batches and a filler batch on one rank."""
+    one = eval_at(shards, tmp_path, 1, [(3, 13), (4, 12)])
+    two = eval_at(shards, tmp_path, 2, [(4, 13), (5, 13), (13, 13)])
+    assert one[0]["eval/loss"] > 1.0
+    assert all(r == one[0] for r in two), (one, two)
+    assert one[1] != one[0]                                   # another set, another loss
+
+
+def test_eval_set_is_the_first_sequences_split_across_ranks(shards):
+    manifest = json.loads((shards / "manifest.json").read_text())
+    for world, micro in [(1, 4), (2, 4), (3, 2)]:
+        seen, counts = [], set()
+        for rank in range(world):
+            batches = list(eval_set_batches(shards, manifest, "validation", rank, world, micro, 13))
+            counts.add(len(batches))
+            seen += [i for b in batches if not b["filler"] for i in b["sample_ids"].tolist()]
+        assert sorted(seen) == list(range(13)) and len(counts) == 1, (world, micro)
+    whole = sum(s["sequences"] for s in manifest["shards"] if s["split"] == "validation")
+    everything = list(eval_set_batches(shards, manifest, "validation", 0, 1, 1000, 0))
+    assert sum(len(b["sample_ids"]) for b in everything) == whole
+
+
+def test_deprecated_eval_batches_becomes_a_sequence_count_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    (tmp_path / "manifest.json").write_text("{}")          # load_config checks only that there is one
+    with pytest.warns(FutureWarning, match="eval_sequences=48"):
+        cfg = load_config("configs/tiny.yaml", [f"data.dir={tmp_path}", "train.eval_batches=3"])
+    assert (cfg.train.eval_sequences, cfg.train.eval_batches) == (48, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config("configs/tiny.yaml", [f"data.dir={tmp_path}"]).train.eval_sequences == 64
