@@ -17,10 +17,11 @@ from pretrain import checkpointing, configlib, hardware
 from pretrain.config import Config
 from pretrain.configlib import ConfigError
 from pretrain.data import check_manifest
+from pretrain.phases import init_checkpoint_problems
 
 # Groups and keys whose change would make the resumed run a different experiment.
 RESULTS_GROUPS = ("model", "masking", "optim")
-RESULTS_KEYS = ("train.global_batch_size", "train.seed", "data.seed", "data.train_split")
+RESULTS_KEYS = ("train.global_batch_size", "train.seed", "data.seed", "data.train_split", "train.init_from_checkpoint")
 MANIFEST_KEYS = ("seq_len", "block_size")
 
 
@@ -42,6 +43,8 @@ def check_inputs(cfg: Config) -> tuple[dict, Optional[str]]:
         problems += exc.problems
     if tag is not None:
         problems += resume_problems(cfg, manifest, checkpointing.checkpoint_root(cfg), tag)
+    else:                       # a new phase of an earlier run (a resumed one has its own checkpoint)
+        problems += init_checkpoint_problems(cfg, manifest)
     if problems:
         raise ConfigError(problems, f"{cfg.data.dir}/manifest.json" if not tag else f"{cfg.train.out_dir}")
     return manifest, tag

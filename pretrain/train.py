@@ -25,15 +25,16 @@ import torch
 import torch.distributed as dist
 
 from data_prep.shard_format import ShardError
-from pretrain import checkpointing, configlib, engine as eng, hardware
+from pretrain import checkpointing, configlib, engine as eng, hardware, phases
 from pretrain.config import Config, ConfigError, load_config
 from pretrain.data import TrainStream, eval_batches
 from pretrain.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
 from pretrain.eval_tasks import TaskError
 from pretrain.flops import mlm_flops_per_sequence
-from pretrain.masking import SpecialIds, eval_masking_config, mask_batch
+from pretrain.masking import SpecialIds, eval_masking_config, mask_batch, rate_at_step
 from pretrain.model import build_model
 from pretrain.preflight import check_inputs
+from pretrain.schedule import continue_schedule
 from pretrain.seeds import derive_seed
 from pretrain.state import STATE_KEY, TrainState
 from pretrain.tracking import make_tracker, run_params, share_run_id
@@ -76,7 +77,8 @@ def train_step(engine, optimizer, micro_batches: list[dict], step: int, cfg: Con
         # Keyed by each sequence's identity (and the step, unless static): the same masks at any
         # world size or micro-batch.
         m = mask_batch(ids, batch["word_starts"].to(device, non_blocking=True), special, cfg.masking,
-                       sample_ids=batch["sample_ids"].to(device, non_blocking=True), step=step)
+                       sample_ids=batch["sample_ids"].to(device, non_blocking=True), step=step,
+                       rate=rate_at_step(cfg.masking, step, cfg.train.max_steps))
         # Rows packed full have no padding: no mask lets SDPA take its fast path.
         attention_mask = (ids != special.pad) if batch.get("has_padding", True) else None
         masked.append((m, attention_mask, ids.numel() if attention_mask is None else attention_mask.sum()))
@@ -147,6 +149,8 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
     resume_from = eng.rank0_value(resume_from)     # the first rank chose it, holding the run lock
     if resume_from:
         state.load_state_dict(checkpointing.load(engine, cfg, resume_from)[STATE_KEY])
+    origin = phases.start_from(engine, cfg) if cfg.train.init_from_checkpoint and not resume_from else {}
+    log.info(continue_schedule(scheduler, cfg))       # the config's schedule, whatever a checkpoint held
     if cfg.compile_now(cfg.train.max_steps - state.step, device.type, precision):
         engine.compile()
     grad_accum = cfg.grad_accum_steps(world)
@@ -156,9 +160,9 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
         stream.load_state_dict(state.data)       # another world size or micro-batch continues the same order
     if rank == 0 and cfg.train.resume == "none":      # a fresh start is a new tracking run too
         (Path(cfg.train.out_dir) / "mlflow_run_id").unlink(missing_ok=True)
-    tracker = make_tracker(cfg, rank, resume_step=state.step)
+    tracker = make_tracker(phases.tracked_under(cfg, origin), rank, resume_step=state.step)
     resolved_yaml = configlib.dump_yaml(cfg)
-    state.run_id = share_run_id(tracker.start(state.run_id, run_params(cfg, world, precision, manifest),
+    state.run_id = share_run_id(tracker.start(state.run_id, {**run_params(cfg, world, precision, manifest), **origin},
                                               {"config.yaml": resolved_yaml, "deepspeed.json": json.dumps(ds_config, indent=2)}))
     flops_per_seq = mlm_flops_per_sequence(model.hf_model.config, seq_len, cfg.masking.rate * seq_len,
                                            cfg.impl.sparse_head)
@@ -218,7 +222,9 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
                 emit({**metrics, "train/lr": scheduler.get_last_lr()[0],
                       "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                       "perf/memory_gb": _memory_gb(device), "train/tokens_seen": state.tokens_seen,
-                      "train/nonfinite_skipped": state.nonfinite_total}, step)
+                      "train/nonfinite_skipped": state.nonfinite_total,
+                      **({"train/mask_rate": rate_at_step(cfg.masking, step - 1, cfg.train.max_steps)}
+                         if cfg.masking.rate_end is not None else {})}, step)
             if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
                 emit(evaluate(engine, cfg, manifest, special, info), step)
             if tasks and probe_due(step, cfg.eval.downstream_every, cfg.train.eval_every, last):

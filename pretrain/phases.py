@@ -1,0 +1,163 @@
+"""A run that starts as a new phase of an earlier one (``train.init_from_checkpoint``), as BERT's and
+NVIDIA's phase 2 at 512 tokens continues phase 1 at 128.
+
+What comes from the earlier checkpoint: the model weights, the optimiser moments and its step count
+(Adam's bias correction belongs to the moments; a count reset to 0 under full moments would
+multiply the first updates by up to 1 / (1 - beta1)). Everything else is this run's own: data (another
+sequence length or mixture), global batch, schedule (from its step 0), masking, optimiser
+hyperparameters, step counter, samples and tokens seen, the tracking run.
+
+The checkpoint may have been written at another world size, ZeRO stage or precision: it is
+consolidated with ``pretrain.reshard`` into this run's ``out_dir`` (not the earlier run's folder,
+which may be read-only or still in use), loaded, and the consolidated copy removed.
+
+Refused before any process group starts (``init_checkpoint_problems``): no complete checkpoint there,
+a model whose parameter-shaping settings differ from the checkpoint's, learned position embeddings
+shorter than the new data's sequence length, another tokenizer, an optimiser whose moments do not
+carry over, and the run's own checkpoints folder.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pretrain import checkpointing, configlib
+
+log = logging.getLogger("pretrain")
+
+KEY = "train.init_from_checkpoint"
+CONVERTED_DIR = "init_from_checkpoint"      # inside this run's out_dir, removed after loading
+# Model settings that do not shape any parameter: a new phase may change them (regularisation, and
+# for ModernBERT's rotary positions, the context-extension knobs ModernBERT itself changed).
+FREE_MODEL_KEYS = {"init_from", "initializer_range", "hidden_dropout", "attention_dropout", "embedding_dropout",
+                   "mlp_dropout"}
+FREE_ROTARY_KEYS = {"max_position_embeddings", "rope_theta", "local_rope_theta", "local_attention",
+                    "global_attn_every_n_layers"}
+
+
+def phase_config_problems(cfg) -> list[str]:
+    if cfg.train.init_from_checkpoint and cfg.model.init_from:
+        return [f"{KEY} and model.init_from both give initial weights; keep one"]
+    return []
+
+
+def resolve(path: str) -> tuple[Path, str]:
+    """(checkpoints folder, tag) of ``path``: a tag folder, or a folder whose latest complete
+    checkpoint is taken. Raises ConfigError naming what is there instead."""
+    folder = Path(path)
+    if (folder / checkpointing.COMPLETE).is_file():
+        return folder.parent, folder.name
+    tag = checkpointing.latest_complete_tag(folder)
+    if tag is None:
+        what = "does not exist" if not folder.exists() else "holds no complete checkpoint"
+        hint = " (give the run's checkpoints folder, e.g. runs/phase1/checkpoints)" if (folder / "checkpoints").is_dir() else ""
+        raise configlib.ConfigError([f"{KEY}={path!r}: {what}{hint}"])
+    return folder, tag
+
+
+def _saved(root: Path, tag: str, name: str) -> dict | None:
+    try:
+        text = (root / tag / name).read_text()
+    except OSError:
+        return None
+    return yaml.safe_load(text) if name.endswith(".yaml") else json.loads(text)
+
+
+def init_checkpoint_problems(cfg, manifest: dict) -> list[str]:
+    """Everything that makes the checkpoint unusable as this run's start, by name."""
+    if not cfg.train.init_from_checkpoint:
+        return []
+    try:
+        root, tag = resolve(cfg.train.init_from_checkpoint)
+    except configlib.ConfigError as exc:
+        return exc.problems
+    where = f"{KEY}: {root / tag}"
+    if root.resolve() == checkpointing.checkpoint_root(cfg).resolve():
+        return [f"{where} is this run's own checkpoints folder: a new phase needs another train.out_dir"]
+    saved_cfg = _saved(root, tag, checkpointing.CONFIG_FILE)
+    if saved_cfg is None:
+        return [f"{where} has no readable {checkpointing.CONFIG_FILE}: not a checkpoint of this trainer"]
+    problems = _model_problems(cfg, configlib.flatten({"model": saved_cfg.get("model", {})}), where)
+    saved_model = saved_cfg.get("model", {})
+    if saved_model.get("arch", "bert") == "bert" and saved_model.get("max_position_embeddings", 512) < manifest["seq_len"]:
+        problems.append(f"{where}: its model has max_position_embeddings {saved_model.get('max_position_embeddings')}, "
+                        f"too short for the data's seq_len {manifest['seq_len']} (BERT's learned positions are "
+                        f"parameters of that size: train phase 1 with max_position_embeddings >= {manifest['seq_len']})")
+    saved_manifest = _saved(root, tag, "manifest.json") or {}
+    if saved_manifest.get("tokenizer", {}).get("sha256") != manifest["tokenizer"].get("sha256"):
+        problems.append(f"{where} was trained on data of another tokenizer than {cfg.data.dir}'s: prepare this "
+                        f"phase's data with the tokenizer of the checkpoint (its folder's tokenizer/)")
+    problems += _layout_problems(cfg, root / tag, where)
+    return problems
+
+
+def _model_problems(cfg, saved: dict, where: str) -> list[str]:
+    now = configlib.flatten({"model": configlib.to_dict(cfg.model)})
+    free = FREE_MODEL_KEYS | (FREE_ROTARY_KEYS if cfg.model.arch == "modernbert" else set())
+    return [f"{k}: the checkpoint ({where}) has {saved.get(k)!r}, now {now.get(k)!r}; the weights need the same "
+            f"shapes" for k in sorted(now) if k.split(".", 1)[1] not in free and k in saved and saved[k] != now[k]]
+
+
+def _layout_problems(cfg, folder: Path, where: str) -> list[str]:
+    from pretrain import hardware, reshard
+
+    saved = reshard.read_layout(folder)
+    if saved is None:
+        return [f"{where} has no {reshard.LAYOUT_FILE}: written by an older version, its moments cannot be read"]
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision = hardware.auto_precision(device)[0] if cfg.impl.precision == "auto" else cfg.impl.precision
+    wanted = reshard.wanted_layout(cfg.world_size(), cfg.impl.zero_stage, precision, cfg.impl.offload_optimizer,
+                                   cfg.optim.name)
+    # Always converted (into this run's folder), so only what cannot be converted matters.
+    wanted_other = {**wanted, "world": -1}
+    return [f"{where}: {p}" for p in reshard.check_convertible(saved, wanted_other)]
+
+
+def start_from(engine, cfg) -> dict[str, Any]:
+    """Load the weights and optimiser moments of ``train.init_from_checkpoint`` into ``engine`` (every
+    rank calls); this run's optimiser hyperparameters stay. Returns what the tracker records."""
+    import torch.distributed as dist
+
+    from pretrain import engine as eng
+    from pretrain import reshard
+
+    root, tag = eng.rank0_value(resolve(cfg.train.init_from_checkpoint) if dist.get_rank() == 0 else None)
+    saved = reshard.read_layout(root / tag)
+    running = reshard.checkpoint_layout(engine)
+    if saved["param_shapes"] != running["param_shapes"]:
+        names = set(saved["param_shapes"]) | set(running["param_shapes"])
+        differ = sorted(n for n in names if saved["param_shapes"].get(n) != running["param_shapes"].get(n))[:3]
+        raise reshard.ReshardError(f"{KEY}: {root / tag} holds other parameters than the model, e.g. {differ}")
+    optimizer = eng.inner_optimizer(engine)
+    own = [{k: v for k, v in g.items() if k not in ("params", "step")} for g in optimizer.param_groups]
+    out = Path(cfg.train.out_dir) / CONVERTED_DIR / tag
+    if dist.get_rank() == 0:
+        log.info("%s: weights and optimiser moments from %s (saved at %s)", KEY, root / tag, reshard.describe(saved))
+        out.parent.mkdir(parents=True, exist_ok=True)
+    reshard.load_weights_and_moments(engine, reshard.ensure_universal(root / tag, saved, out=out))
+    for group, values in zip(optimizer.param_groups, own):
+        group.update(values)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(out.parent, ignore_errors=True)
+    state = _saved(root, tag, checkpointing.STATE_FILE) or {}
+    return {"phase.init_from_checkpoint": str((root / tag).resolve()), "phase.init_from_tag": tag,
+            "phase.init_from_step": state.get("step"), "phase.init_from_run_id": state.get("run_id") or ""}
+
+
+def tracked_under(cfg, origin: dict):
+    """The config the tracker gets: a new phase's MLflow run is a child of the earlier phase's run
+    (unless something else, e.g. a study, set the parent), so the UI shows the phases together."""
+    import dataclasses
+
+    parent = origin.get("phase.init_from_run_id")
+    if not parent or cfg.tracking.parent_run_id:
+        return cfg
+    return dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, parent_run_id=parent))
