@@ -45,11 +45,16 @@ def documented_multiplier(schedule: str, step: int, total: int) -> float:
 
 @pytest.mark.parametrize("schedule,stage_after", [("linear", 0), ("cosine", 0), ("wsd", 2)])
 def test_a_longer_max_steps_on_resume_trains_at_the_documented_rate(schedule, stage_after, shards, tmp_path):
-    train(shards, tmp_path, "train.max_steps=4", f"optim.schedule={schedule}", "impl.zero_stage=0")
+    # cosine also schedules the masking rate (0.15 -> 0.3), which follows the same rule
+    results = [f"optim.schedule={schedule}"] + (["masking.rate_end=0.3"] if schedule == "cosine" else [])
+    train(shards, tmp_path, "train.max_steps=4", *results, "impl.zero_stage=0")
     # wsd also resumes at another ZeRO stage: the checkpoint is converted (pretrain.reshard), whose
     # loader restores the scheduler too.
-    log = train(shards, tmp_path, "train.max_steps=8", f"optim.schedule={schedule}", f"impl.zero_stage={stage_after}")
+    log = train(shards, tmp_path, "train.max_steps=8", *results, f"impl.zero_stage={stage_after}")
     rows = [json.loads(line) for line in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
+    if schedule == "cosine":     # train/mask_rate at step n: the rate step n-1 masked at, over the new total
+        rates = {r["step"]: r["train/mask_rate"] for r in rows if "train/mask_rate" in r}
+        assert [rates[n] for n in range(5, 9)] == pytest.approx([0.15 + 0.15 * (n - 1) / 7 for n in range(5, 9)])
     lr = {r["step"]: r["train/lr"] for r in rows if "train/lr" in r}
     evals = {r["step"]: r["eval/loss"] for r in rows if "eval/loss" in r}
     start_lr = LR * documented_multiplier(schedule, 4, 8)
