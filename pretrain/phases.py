@@ -11,10 +11,11 @@ The checkpoint may have been written at another world size, ZeRO stage or precis
 consolidated with ``pretrain.reshard`` into this run's ``out_dir`` (not the earlier run's folder,
 which may be read-only or still in use), loaded, and the consolidated copy removed.
 
-Refused before any process group starts (``init_checkpoint_problems``): no complete checkpoint there,
-a model whose parameter-shaping settings differ from the checkpoint's, learned position embeddings
-shorter than the new data's sequence length, another tokenizer, an optimiser whose moments do not
-carry over, and the run's own checkpoints folder.
+The model is the checkpoint's (its ``hf_config.json``: shape, dropout, positions), as with
+``model.init_from``; ``model.*`` numbers other than ``arch`` do not apply. Refused before any process
+group starts (``init_checkpoint_problems``): no complete checkpoint there, another architecture,
+learned position embeddings shorter than the new data's sequence length, another tokenizer, an
+optimiser whose moments do not carry over, and the run's own checkpoints folder.
 """
 from __future__ import annotations
 
@@ -31,13 +32,8 @@ from pretrain import checkpointing, configlib
 log = logging.getLogger("pretrain")
 
 KEY = "train.init_from_checkpoint"
+HF_CONFIG = "hf_config.json"                # beside every checkpoint: the model's shape
 CONVERTED_DIR = "init_from_checkpoint"      # inside this run's out_dir, removed after loading
-# Model settings that do not shape any parameter: a new phase may change them (regularisation, and
-# for ModernBERT's rotary positions, the context-extension knobs ModernBERT itself changed).
-FREE_MODEL_KEYS = {"init_from", "initializer_range", "hidden_dropout", "attention_dropout", "embedding_dropout",
-                   "mlp_dropout"}
-FREE_ROTARY_KEYS = {"max_position_embeddings", "rope_theta", "local_rope_theta", "local_attention",
-                    "global_attn_every_n_layers"}
 
 
 def phase_config_problems(cfg) -> list[str]:
@@ -79,15 +75,17 @@ def init_checkpoint_problems(cfg, manifest: dict) -> list[str]:
     where = f"{KEY}: {root / tag}"
     if root.resolve() == checkpointing.checkpoint_root(cfg).resolve():
         return [f"{where} is this run's own checkpoints folder: a new phase needs another train.out_dir"]
-    saved_cfg = _saved(root, tag, checkpointing.CONFIG_FILE)
-    if saved_cfg is None:
-        return [f"{where} has no readable {checkpointing.CONFIG_FILE}: not a checkpoint of this trainer"]
-    problems = _model_problems(cfg, configlib.flatten({"model": saved_cfg.get("model", {})}), where)
-    saved_model = saved_cfg.get("model", {})
-    if saved_model.get("arch", "bert") == "bert" and saved_model.get("max_position_embeddings", 512) < manifest["seq_len"]:
-        problems.append(f"{where}: its model has max_position_embeddings {saved_model.get('max_position_embeddings')}, "
-                        f"too short for the data's seq_len {manifest['seq_len']} (BERT's learned positions are "
-                        f"parameters of that size: train phase 1 with max_position_embeddings >= {manifest['seq_len']})")
+    model = _saved(root, tag, HF_CONFIG)
+    if model is None:
+        return [f"{where} has no readable {HF_CONFIG}: not a checkpoint of this trainer"]
+    problems = []
+    if model.get("model_type") != cfg.model.arch:
+        problems.append(f"{where} holds a {model.get('model_type')!r} model, but model.arch is {cfg.model.arch!r}")
+    positions = model.get("max_position_embeddings", 0)
+    if model.get("model_type") == "bert" and positions < manifest["seq_len"]:
+        problems.append(f"{where}: its model has max_position_embeddings {positions}, too short for the data's "
+                        f"seq_len {manifest['seq_len']} (BERT's learned positions are parameters of that size: "
+                        f"train phase 1 with model.max_position_embeddings >= {manifest['seq_len']})")
     saved_manifest = _saved(root, tag, "manifest.json") or {}
     if saved_manifest.get("tokenizer", {}).get("sha256") != manifest["tokenizer"].get("sha256"):
         problems.append(f"{where} was trained on data of another tokenizer than {cfg.data.dir}'s: prepare this "
@@ -96,11 +94,14 @@ def init_checkpoint_problems(cfg, manifest: dict) -> list[str]:
     return problems
 
 
-def _model_problems(cfg, saved: dict, where: str) -> list[str]:
-    now = configlib.flatten({"model": configlib.to_dict(cfg.model)})
-    free = FREE_MODEL_KEYS | (FREE_ROTARY_KEYS if cfg.model.arch == "modernbert" else set())
-    return [f"{k}: the checkpoint ({where}) has {saved.get(k)!r}, now {now.get(k)!r}; the weights need the same "
-            f"shapes" for k in sorted(now) if k.split(".", 1)[1] not in free and k in saved and saved[k] != now[k]]
+def model_shape_file(cfg, resume_from: str | None) -> str | None:
+    """The Hugging Face config the model is built from: the checkpoint's, whose shape wins over
+    ``model.*`` (as with model.init_from); a resumed new phase reads its own checkpoint's copy."""
+    if not cfg.train.init_from_checkpoint:
+        return None
+    root, tag = (checkpointing.checkpoint_root(cfg), resume_from) if resume_from else \
+        resolve(cfg.train.init_from_checkpoint)
+    return str(root / tag / HF_CONFIG)
 
 
 def _layout_problems(cfg, folder: Path, where: str) -> list[str]:

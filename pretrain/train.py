@@ -143,7 +143,8 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
         hardware.keep_freed_cpu_memory()        # no page faults on every step's large tensors
     special, seq_len = SpecialIds.from_manifest(manifest), manifest["seq_len"]
     torch.manual_seed(cfg.train.seed)                       # identical initial weights on every rank
-    model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl, seq_len=seq_len)
+    model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl, seq_len=seq_len,
+                        shape_from=phases.model_shape_file(cfg, resume_from))
     engine, scheduler, ds_config, optimizer = eng.initialize(model, cfg, info, precision)
     state = TrainState(config=configlib.to_dict(cfg))
     resume_from = eng.rank0_value(resume_from)     # the first rank chose it, holding the run lock
