@@ -113,7 +113,7 @@ def bare_worker(spec: dict) -> None:
     from pretrain.data.stream import TrainStream
     from pretrain.model.masking import SpecialIds, mask_batch
     from pretrain.model.mlm import build_model
-    from pretrain.model.optim import lr_schedule
+    from pretrain.model.schedule import lr_schedule
 
     torch.set_num_threads(spec["threads"])
     shards = Path(spec["shards"])

@@ -70,7 +70,7 @@ def build(config: Path, overrides: list[str], shards: Path, *, bare: bool = Fals
     from pretrain.data.stream import TrainStream
     from pretrain.model.masking import SpecialIds
     from pretrain.model.mlm import build_model
-    from pretrain.model.optim import lr_schedule
+    from pretrain.model.schedule import lr_schedule
 
     cfg, info = _load(config, overrides)
     manifest = load_manifest(shards)

@@ -21,10 +21,11 @@ from pretrain.config.schema import Config
 from pretrain.config.loader import ConfigError
 from pretrain.data import mixture_checks
 from pretrain.data.stream import check_manifest
+from pretrain.checkpoint.phases import init_checkpoint_problems
 
 # Groups and keys whose change would make the resumed run a different experiment.
 RESULTS_GROUPS = ("model", "masking", "optim")
-RESULTS_KEYS = ("train.global_batch_size", "train.seed", "data.seed", "data.train_split")
+RESULTS_KEYS = ("train.global_batch_size", "train.seed", "data.seed", "data.train_split", "train.init_from_checkpoint")
 MANIFEST_KEYS = ("seq_len", "block_size")
 
 
@@ -47,6 +48,8 @@ def check_inputs(cfg: Config) -> tuple[dict, Optional[str]]:
         problems += exc.problems
     if tag is not None:
         problems += resume_problems(cfg, manifest, checkpointing.checkpoint_root(cfg), tag)
+    else:                       # a new phase of an earlier run (a resumed one has its own checkpoint)
+        problems += init_checkpoint_problems(cfg, manifest)
     if problems:
         raise ConfigError(problems, f"{cfg.data.dir}/{MANIFEST}" if not tag else f"{cfg.train.out_dir}")
     return manifest, tag

@@ -45,6 +45,9 @@ from pretrain.report.page import report_at_end
 from pretrain.runtime import bad_input, hardware, lifeline
 from pretrain.runtime import engine as eng
 from pretrain.tracking import make_tracker, resume_log, run_params
+from pretrain.checkpoint import phases
+from pretrain.model.masking import rate_at_step
+from pretrain.model.schedule import continue_schedule
 
 log = logging.getLogger("pretrain")
 EXIT_BAD_INPUT, EXIT_REQUEUE, EXIT_NONFINITE = 2, 3, 4
@@ -86,7 +89,7 @@ def train_step(engine, optimizer, micro_batches: list[dict], step: int, cfg: Con
         # Keyed by each sequence's identity (and the step, unless static): the same masks at any
         # world size or micro-batch.
         m = mask_batch(ids, batch["word_starts"].to(device, non_blocking=True), special, cfg.masking,
-                       sample_ids=sample_ids, step=step)
+                       sample_ids=sample_ids, step=step, rate=rate_at_step(cfg.masking, step, cfg.train.max_steps))
         # Rows packed full have no padding: no mask lets SDPA take its fast path.
         attention_mask = (ids != special.pad) if batch.get("has_padding", True) else None
         masked.append((m, attention_mask, ids.numel() if attention_mask is None else attention_mask.sum(), sample_ids))
@@ -153,13 +156,16 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
         hardware.keep_freed_cpu_memory()        # no page faults on every step's large tensors
     special, seq_len = SpecialIds.from_manifest(manifest), manifest["seq_len"]
     torch.manual_seed(cfg.train.seed)                       # identical initial weights on every rank
-    model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl, seq_len=seq_len)
+    model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl, seq_len=seq_len,
+                        shape_from=phases.model_shape_file(cfg, resume_from))
     model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)   # the same at any layout
     engine, scheduler, ds_config, optimizer = eng.initialize(model, cfg, info, precision)
     state = TrainState(config=configlib.to_dict(cfg))
     resume_from = eng.rank0_value(resume_from)     # the first rank chose it, holding the run lock
     if resume_from:
         state.load_state_dict(checkpointing.load(engine, cfg, resume_from)[STATE_KEY])
+    origin = phases.start_from(engine, cfg) if cfg.train.init_from_checkpoint and not resume_from else {}
+    log.info(continue_schedule(scheduler, cfg))       # the config's schedule, whatever a checkpoint held
     if cfg.compile_now(cfg.train.max_steps - state.step, device.type, precision):
         engine.compile()
     grad_accum = cfg.grad_accum_steps(world)
@@ -168,9 +174,9 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
         stream.load_state_dict(state.data)       # another world size or micro-batch continues the same order
     if rank == 0 and cfg.train.resume == "none":      # a fresh start is a new tracking run too
         (Path(cfg.train.out_dir) / "mlflow_run_id").unlink(missing_ok=True)
-    tracker = make_tracker(cfg, rank, resume_step=state.step)
+    tracker = make_tracker(phases.tracked_under(cfg, origin), rank, resume_step=state.step)
     resolved_yaml = configlib.dump_yaml(cfg)
-    state.run_id = eng.rank0_value(tracker.start(state.run_id, run_params(cfg, world, precision, manifest),
+    state.run_id = eng.rank0_value(tracker.start(state.run_id, {**run_params(cfg, world, precision, manifest), **origin},
                                               {"config.yaml": resolved_yaml, "deepspeed.json": json.dumps(ds_config, indent=2)}))
     resume_log.relog(tracker, state)      # a kill may have cut the checkpoint step's line short
     flops_per_seq = mlm_flops_per_sequence(model.hf_model.config, seq_len, cfg.masking.rate * seq_len,
@@ -239,7 +245,9 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
                       "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                       "perf/memory_gb": _memory_gb(device), "train/tokens_seen": state.tokens_seen,
                       "train/nonfinite_skipped": state.nonfinite_total,
-                      **mixture.data_metrics(stream, step, cfg.train.max_steps)}, step)
+                      **mixture.data_metrics(stream, step, cfg.train.max_steps),
+                      **({"train/mask_rate": rate_at_step(cfg.masking, step - 1, cfg.train.max_steps)}
+                         if cfg.masking.rate_end is not None else {})}, step)
             if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
                 emit(evaluate(engine, cfg, special, info), step)
             if tasks and probe_due(step, cfg.eval.downstream_every, cfg.train.eval_every, last):

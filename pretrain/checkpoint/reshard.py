@@ -264,17 +264,18 @@ def _write_universal(out: Path, params: dict, step: Any, hyper: list[dict], mode
                out / "model_states.pt")
 
 
-def ensure_universal(tag_folder: Path, saved: dict) -> Path:
-    """The consolidated folder, written once by rank 0 (atomically) while the others wait; a
-    failure there is raised on every rank instead of leaving them at a barrier."""
+def ensure_universal(tag_folder: Path, saved: dict, out: Optional[Path] = None) -> Path:
+    """The consolidated folder (``out``, by default cached inside the tag folder), written once by
+    rank 0 (atomically) while the others wait; a failure there is raised on every rank instead of
+    leaving them at a barrier."""
     tag_folder = Path(tag_folder)
-    out = tag_folder / UNIVERSAL_DIR
+    out = Path(out) if out is not None else tag_folder / UNIVERSAL_DIR
     failure = [None]
     if dist.get_rank() == 0 and not (out / _DONE).is_file():
         try:
-            for stale in tag_folder.glob(f"{UNIVERSAL_DIR}.tmp*"):     # from a conversion that crashed
+            for stale in out.parent.glob(f"{out.name}.tmp*"):     # from a conversion that crashed
                 shutil.rmtree(stale, ignore_errors=True)
-            tmp = tag_folder / f"{UNIVERSAL_DIR}.tmp{os.getpid()}"
+            tmp = out.parent / f"{out.name}.tmp{os.getpid()}"
             tmp.mkdir()
             params, step, hyper, model_states = consolidate(tag_folder, saved)
             _write_universal(tmp, params, step, hyper, model_states)
@@ -354,6 +355,15 @@ def _load_partitioned(engine, universal: Path) -> None:
     # ZeRO 3's universal loader gives every group the hyperparameters of the first (its weight decay too)
     _restore_hyperparameters(opt.optimizer.param_groups, _load(universal / "zero" / "optimizer_state.pt")["param_groups"])
     _set_step(opt.optimizer, universal)
+
+
+def load_weights_and_moments(engine, universal: Path) -> None:
+    """The fp32 weights, moments, step count and per-group hyperparameters of a consolidated folder,
+    into the running engine whatever its layout; nothing else (schedule, counters, client state)."""
+    if is_partitioned(engine):
+        _load_partitioned(engine, universal)
+    else:
+        _load_unpartitioned(engine, universal)
 
 
 def load_resharded(engine, root: Path, tag: str, saved: dict) -> dict:

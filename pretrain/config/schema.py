@@ -170,6 +170,9 @@ class MaskingConfig:
     # token and the rest stay visible, so rate x (mask_prob + random_prob) of the tokens are
     # corrupted. BERT's 80/10/10 is mask_prob 0.8, random_prob 0.1; 100/0/0 is mask_prob 1, random_prob 0.
     rate: float = 0.15                 # fraction of non-special tokens selected for prediction
+    # A masking-rate schedule (Yang et al. 2023): linear from `rate` at step 0 to `rate_end` at the last
+    # step of train.max_steps (pretrain.masking.rate_at_step); null keeps `rate` throughout.
+    rate_end: Optional[float] = None
     mask_prob: float = 0.8             # of the selected: replaced by [MASK]
     random_prob: float = 0.1           # of the selected: replaced by a random non-special token; rest unchanged
     strategy: Literal["token", "whole_word", "span"] = "token"
@@ -189,6 +192,8 @@ class MaskingConfig:
         p = []
         if not 0.0 < self.rate < 1.0:
             p.append(f"rate: must be in (0, 1), got {self.rate}")
+        if self.rate_end is not None and not 0.0 < self.rate_end < 1.0:
+            p.append(f"rate_end: must be in (0, 1) or null, got {self.rate_end}")
         if self.mask_prob < 0 or self.random_prob < 0 or self.mask_prob + self.random_prob > 1.0 + 1e-9:
             p.append(f"mask_prob + random_prob must be within [0, 1], got {self.mask_prob} + {self.random_prob}")
         if not 0.0 < self.span_geometric_p <= 1.0:
@@ -209,8 +214,12 @@ class OptimConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     warmup_steps: int = 100
-    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    schedule: Literal["linear", "cosine", "constant", "wsd"] = "linear"
     min_lr_ratio: float = 0.0          # the lr decays to lr * min_lr_ratio at train.max_steps
+    # wsd (warmup-stable-decay): the decay takes the last decay_steps steps, or decay_fraction of
+    # train.max_steps when decay_steps is 0 (pretrain/schedule.py; a longer run decays at its new end).
+    decay_steps: int = 0
+    decay_fraction: float = 0.1
     # Continued pretraining: parameters model.init_from does not hold (an encoder saved without its
     # MLM head gets a fresh one) learn this many times faster, so the new head catches up with the
     # pretrained encoder instead of the encoder drifting to meet a random head.
@@ -226,6 +235,9 @@ class OptimConfig:
             p.append(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
             p.append(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if self.decay_steps < 0 or not 0 < self.decay_fraction <= 1:
+            p.append(f"decay_steps must be >= 0 and decay_fraction in (0, 1], got {self.decay_steps}, "
+                     f"{self.decay_fraction}")
         if self.fresh_params_lr_multiplier <= 0:
             p.append(f"fresh_params_lr_multiplier: must be positive, got {self.fresh_params_lr_multiplier}")
         if self.grad_clip < 0:
@@ -250,6 +262,10 @@ class TrainConfig:
     keep_checkpoints: int = 3          # older complete checkpoints are deleted; 0 keeps all
     max_nonfinite_in_a_row: int = 5    # that many skipped non-finite steps in a row stop the run
     export_every: int = 0              # Hugging Face export every N steps (0: only at the end)
+    # A new phase of an earlier run (BERT's 512-token phase 2): a checkpoints folder (its latest complete
+    # checkpoint) or one tag folder in it. Model weights and optimiser moments come from there; data,
+    # batch, schedule, masking and the step counter (from 0) are this run's (pretrain/phases.py).
+    init_from_checkpoint: str = ""
     # Checkpoint and exit (code 0) at this step without touching the schedule, which max_steps
     # defines: splits a run into jobs of fixed length. 0: run to max_steps.
     halt_at_step: int = 0
@@ -399,6 +415,9 @@ class Config:
 
     def check(self) -> list[str]:
         problems = batch_size_problems(self.train.global_batch_size, self.impl.micro_batch_size, self.world_size())
+        problems += schedule_problems(self)
+        if self.train.init_from_checkpoint and self.model.init_from:
+            problems.append("train.init_from_checkpoint and model.init_from both give initial weights; keep one")
         if self.optim.name == "lamb" and self.impl.zero_stage > 0:
             problems.append("optim.name=lamb needs impl.zero_stage=0: ZeRO hands the optimiser flat partitions, "
                             "so LAMB's per-tensor trust ratio would be computed per partition (other results)")
@@ -446,3 +465,23 @@ def convert_eval_batches(cfg) -> None:
                   f"at any layout). {cfg.train.eval_batches} micro-batches x {cfg.impl.micro_batch_size} x "
                   f"world {world} = train.eval_sequences={sequences}", FutureWarning, stacklevel=2)
     cfg.train.eval_sequences, cfg.train.eval_batches = sequences, None
+
+
+def wsd_decay_steps(optim, max_steps: int) -> int:
+    """``optim.decay_steps``, or ``optim.decay_fraction`` of the run when that is 0."""
+    return optim.decay_steps or round(optim.decay_fraction * max_steps)
+
+
+def schedule_problems(cfg) -> list[str]:
+    """A wsd schedule must fit its warm-up and its decay into the run."""
+    o = cfg.optim
+    if o.schedule != "wsd":
+        return []
+    decay = wsd_decay_steps(o, cfg.train.max_steps)
+    if decay < 1:
+        return [(f"optim.decay_steps: wsd needs a decay of at least 1 step (decay_steps {o.decay_steps}, "
+                 f"decay_fraction {o.decay_fraction} of train.max_steps {cfg.train.max_steps})")]
+    if o.warmup_steps + decay > cfg.train.max_steps:
+        return [(f"optim.schedule=wsd: warmup_steps ({o.warmup_steps}) + decay ({decay} steps) exceed "
+                 f"train.max_steps ({cfg.train.max_steps})")]
+    return []

@@ -63,6 +63,7 @@ waits. Everything else is device tensors and the given generator.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -218,6 +219,17 @@ def mask_generator(seed: int, step: int, rank: int, micro_step: int,
     return gen
 
 
+def rate_at_step(cfg: MaskingConfig, step: int, max_steps: int) -> float:
+    """The masking rate of optimiser step ``step`` (0-based): ``rate`` throughout, or with
+    ``rate_end`` set, linear from ``rate`` at step 0 to ``rate_end`` at the last step, max_steps - 1.
+    A function of (step, max_steps) alone, so a resume masks as the uninterrupted run; a resume with a
+    longer max_steps recomputes it for the new end, as the learning-rate schedule does."""
+    if cfg.rate_end is None:
+        return cfg.rate
+    progress = min(1.0, step / max(1, max_steps - 1))
+    return cfg.rate + (cfg.rate_end - cfg.rate) * progress
+
+
 def eval_masking_config(cfg: MaskingConfig | None = None) -> MaskingConfig:
     """Evaluation always masks 15% of tokens, 80/10/10, dynamically with a fixed seed, whatever
     training uses, so eval losses compare across runs with different masking settings.
@@ -244,7 +256,8 @@ def random_non_special(n: int, special: SpecialIds, generator: torch.Generator,
 
 def mask_batch(input_ids: torch.Tensor, word_starts: torch.Tensor, special: SpecialIds,
                cfg: MaskingConfig, generator: torch.Generator | None = None,
-               sample_ids: torch.Tensor | None = None, step: int | None = None) -> MaskedBatch:
+               sample_ids: torch.Tensor | None = None, step: int | None = None,
+               rate: float | None = None) -> MaskedBatch:
     """Choose ``cfg.rate`` of the tokens per ``cfg.strategy`` (the prediction targets), then replace
     mask_prob of them by [MASK], random_prob by a random non-special id, and keep the rest visible.
     ``input_ids`` is not modified.
@@ -254,13 +267,18 @@ def mask_batch(input_ids: torch.Tensor, word_starts: torch.Tensor, special: Spec
     alone, dynamic masking by the sequence and ``step``. A row's mask then depends on nothing else,
     neither the rank nor the micro-batch it lands in, so a run resumed at another world size or
     micro-batch masks exactly as the uninterrupted one (the trainer always masks this way).
-    Without ``sample_ids``, dynamic masking draws from ``generator`` (on the inputs' device)."""
+    Without ``sample_ids``, dynamic masking draws from ``generator`` (on the inputs' device).
+    ``rate`` replaces ``cfg.rate`` (a scheduled rate, ``rate_at_step``); fixed_count then keeps the
+    slots of the highest rate of the schedule, so shapes stay static over the run."""
     if input_ids.dim() != 2 or word_starts.shape != input_ids.shape:
         raise ValueError(f"mask_batch: expected input_ids and word_starts of one shape [B, L], got "
                          f"{tuple(input_ids.shape)} and {tuple(word_starts.shape)}")
     if cfg.fixed_count and cfg.strategy != "token":
         raise ValueError(f"masking.fixed_count works with strategy 'token' only (got {cfg.strategy!r}): "
                          "whole words and spans cannot fill an exact token count without bias")
+    slot_rate = max(cfg.rate, cfg.rate_end or 0.0, rate or 0.0)
+    if rate is not None:
+        cfg = dataclasses.replace(cfg, rate=rate)
     ids = input_ids.long()
     if sample_ids is not None and sample_ids.shape != (ids.shape[0],):
         raise ValueError(f"mask_batch: sample_ids must have shape [{ids.shape[0]}] (one stable id per row), "
@@ -278,7 +296,7 @@ def mask_batch(input_ids: torch.Tensor, word_starts: torch.Tensor, special: Spec
     flat_ids = ids.reshape(-1)
 
     if cfg.fixed_count:
-        positions, labels = _choose_fixed(special_tok, flat_ids, cfg.rate, draws)
+        positions, labels = _choose_fixed(special_tok, flat_ids, cfg.rate, draws, slot_rate)
         valid = labels != IGNORE_INDEX
         num_masked = valid.sum()
     else:
@@ -361,9 +379,9 @@ def _choose_spans(special_tok, word_starts, cfg, draws):
     return (chosen_seg & ~special_tok.reshape(-1)).view_as(special_tok)
 
 
-def _choose_fixed(special_tok, flat_ids, rate, draws):
+def _choose_fixed(special_tok, flat_ids, rate, draws, slot_rate):
     b, length = special_tok.shape
-    slots = min(length, max(1, math.ceil(rate * length - 1e-9)))
+    slots = min(length, max(1, math.ceil(slot_rate * length - 1e-9)))
     choosable = (~special_tok).sum(1)
     dither = draws.rows(_FIXED_DITHER, b)
     fill = torch.floor(choosable.double() * rate + dither).long().clamp(max=slots)   # [B]

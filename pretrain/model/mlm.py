@@ -154,12 +154,13 @@ CONFIG_BUILDERS = {"bert": bert_config, "modernbert": modernbert_config}
 
 
 def build_model(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, impl: ImplConfig,
-                seq_len: int | None = None) -> MLMModel:
+                seq_len: int | None = None, shape_from: str | None = None) -> MLMModel:
     """A fresh encoder of ``model_cfg.arch`` from ``model_cfg`` (seed torch first for a deterministic
     init), or, with ``model_cfg.init_from``, a local HF checkpoint of that architecture whose own
     shape wins (a checkpoint without an MLM head, such as a plain ``BertModel``, gets a freshly
-    initialised head; the decoder is tied to its word embeddings). Always fp32: the engine casts for
-    mixed precision."""
+    initialised head; the decoder is tied to its word embeddings). ``shape_from``: a Hugging Face
+    config.json whose shape wins over ``model_cfg`` (a new phase of an earlier run, whose weights
+    are loaded afterwards). Always fp32: the engine casts for mixed precision."""
     attention = attention_implementation(impl)
     if model_cfg.init_from:
         folder = model_cfg.init_from
@@ -178,7 +179,13 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, im
             output_loading_info=True)
         fresh = set(loading["missing_keys"])
     else:
-        config = CONFIG_BUILDERS[model_cfg.arch](model_cfg, vocab_size, special, attention)
+        if shape_from:
+            config = MASKED_LM_CLASSES[model_cfg.arch].config_class.from_json_file(shape_from)
+            config._attn_implementation = attention
+            if model_cfg.arch == "modernbert":      # rotary positions: no parameter, a longer context may follow
+                config.max_position_embeddings = max(config.max_position_embeddings, model_cfg.max_position_embeddings)
+        else:
+            config = CONFIG_BUILDERS[model_cfg.arch](model_cfg, vocab_size, special, attention)
         hf_model = MASKED_LM_CLASSES[model_cfg.arch](config)
         fresh = set()
     max_pos = hf_model.config.max_position_embeddings

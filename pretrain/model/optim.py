@@ -4,11 +4,10 @@
   device has (DeepSpeed's fused Adam/LAMB on CUDA, torch's fused AdamW on the CPU, DeepSpeed's CPU
   Adam under optimiser offload).
 * ``make_skippable``: lets the loop veto one update (a non-finite loss on some rank).
-* ``WarmupDecay``: linear warm-up, then linear, cosine or constant.
+* ``WarmupDecay``, ``lr_schedule``: from ``pretrain.schedule``.
 """
 from __future__ import annotations
 
-import math
 import types
 from typing import TYPE_CHECKING
 
@@ -105,23 +104,3 @@ def make_skippable(opt: torch.optim.Optimizer) -> None:
     # a bound method: torch's LR schedulers wrap ``optimizer.step`` and expect one
     opt.step = types.MethodType(step, opt)
 
-
-class WarmupDecay:
-    """lr multiplier: linear warmup, then linear or cosine decay to ``min_ratio`` at ``total``.
-    A class (not a closure) so LambdaLR can put it in its state dict."""
-
-    def __init__(self, warmup: int, total: int, schedule: str, min_ratio: float):
-        self.warmup, self.total, self.schedule, self.min_ratio = warmup, total, schedule, min_ratio
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        if self.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
-        shape = 1.0 - progress if self.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.min_ratio + (1.0 - self.min_ratio) * shape
-
-
-def lr_schedule(cfg: Config) -> WarmupDecay:
-    return WarmupDecay(cfg.optim.warmup_steps, cfg.train.max_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio)

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from pretrain.config.schema import Config, batch_size_problems
 from pretrain.config import loader as configlib
 from pretrain.config.loader import ConfigError
-from pretrain.model.optim import build_optimizer, lr_schedule
+from pretrain.model.optim import build_optimizer
+from pretrain.model.schedule import lr_schedule
 
 log = logging.getLogger("pretrain")
 
