@@ -104,7 +104,7 @@ def _eval_worker(rank, world, port, shards, layouts, out):
             cfg = load_config("configs/tiny.yaml", [f"data.dir={shards}", f"impl.micro_batch_size={micro}",
                                                      f"train.eval_sequences={sequences}",
                                                      f"train.global_batch_size={micro}"])
-            results.append(evaluate(model, cfg, manifest, special, info))
+            results.append(evaluate(model, cfg, special, info))
         if rank == 0:
             out.write_text(json.dumps(results))
     finally:
