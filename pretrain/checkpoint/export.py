@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,6 +27,34 @@ from pretrain.checkpoint.store import latest_complete_tag
 
 log = logging.getLogger("pretrain")
 PREFIXES = ("module.", "_orig_mod.", "hf_model.")
+# The trainer's exports inside its out_dir: hf_final (the end of the run) and hf_step<N> (export_every).
+FINAL_EXPORT = "hf_final"
+EXPORT_SOURCE = "EXPORTED_FROM"     # inside an export: the checkpoint tag it was made from
+
+
+def final_export_dir(out_dir: str | Path) -> Path:
+    return Path(out_dir) / FINAL_EXPORT
+
+
+def step_export_dir(out_dir: str | Path, step: int) -> Path:
+    return Path(out_dir) / f"hf_step{step:08d}"
+
+
+def exported_from(export_dir: str | Path) -> str | None:
+    """The checkpoint tag an export was made from; None when it is missing or unfinished."""
+    source = Path(export_dir) / EXPORT_SOURCE
+    return source.read_text().strip() if source.is_file() else None
+
+
+def export_to(root: Path, tag: str, out: Path) -> None:
+    """Export checkpoint ``tag`` to ``out`` atomically: a kill leaves the old folder or none."""
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    export_checkpoint(root, tag, tmp)
+    (tmp / EXPORT_SOURCE).write_text(tag + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:

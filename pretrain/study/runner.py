@@ -41,16 +41,17 @@ from pretrain.tracking.mlflow_ui import quiet_mlflow_links
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 3
 PARENT_ID_FILE = "mlflow_parent_run_id"
 STATUS_FILE = "study_status.json"          # per variant: launches, wall time, last exit code
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _SET_FOR_STUDY_ONLY: list[str] = []        # environment variables the variants must not inherit
 
 
 def is_finished(variant: Variant) -> bool:
+    from pretrain.checkpoint.export import final_export_dir
     from pretrain.checkpoint.files import COMPLETE
     from pretrain.checkpoint.store import checkpoint_root, tag_for_step
 
     final = checkpoint_root(variant.cfg) / tag_for_step(variant.cfg.train.max_steps) / COMPLETE
-    return final.is_file() and (variant.out_dir / "hf_final" / "config.json").is_file()
+    return final.is_file() and (final_export_dir(variant.out_dir) / "config.json").is_file()
 
 
 def read_status(variant: Variant) -> dict:

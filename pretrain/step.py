@@ -1,0 +1,124 @@
+"""One optimiser step and what ``fit`` keeps between steps: ``train_step`` (mask on the device,
+forward, backward, step), the throughput window that the loss and speed metrics average, and the stop
+signal that SIGUSR1/SIGTERM raise."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from pretrain.model.masking import mask_batch, rate_at_step
+from pretrain.runtime import bad_input
+from pretrain.runtime import engine as eng
+
+
+class StopSignal:
+    """SIGUSR1 (Slurm's warning before the time limit or preemption) and SIGTERM ask the loop to
+    finish the current step, checkpoint and exit. Further signals during the save change nothing."""
+
+    def __init__(self, signums=(signal.SIGUSR1, signal.SIGTERM)):
+        self.requested, self.name = False, ""
+        for s in signums:
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame):
+        if not self.requested:
+            self.name = signal.Signals(signum).name
+            print(f"[rank {os.environ.get('RANK', '?')}] received {self.name}: will checkpoint after this step",
+                  file=sys.stderr, flush=True)
+        self.requested = True
+
+
+@dataclass
+class StepResult:
+    sums: torch.Tensor        # float64 [loss_sum, correct, predicted, tokens] on the device
+    nonfinite: bool           # some rank's loss was not finite: the update was skipped everywhere
+    stop: bool                # some rank was asked to stop
+    grad_norm: float | None   # ZeRO 0 only, when asked (DeepSpeed keeps none there)
+    bad_input: bool = False   # some rank could not read its batch (runtime.bad_input): stop, exit 2
+
+
+def mask_micro_batches(run, micro_batches: list[dict]) -> list[tuple]:
+    """(masked batch, attention mask, tokens, sample ids) per micro-batch, on the device."""
+    cfg, device, step = run.cfg, run.info.device, run.state.step
+    rate = rate_at_step(cfg.masking, step, cfg.train.max_steps)
+    masked = []
+    for batch in micro_batches:
+        ids = batch["input_ids"].to(device, non_blocking=True)
+        sample_ids = batch["sample_ids"].to(device, non_blocking=True)
+        # Keyed by each sequence's identity (and the step, unless static): the same masks at any
+        # world size or micro-batch.
+        m = mask_batch(ids, batch["word_starts"].to(device, non_blocking=True), run.special, cfg.masking,
+                       sample_ids=sample_ids, step=step, rate=rate)
+        # Rows packed full have no padding: no mask lets SDPA take its fast path.
+        attention_mask = (ids != run.special.pad) if batch.get("has_padding", True) else None
+        masked.append((m, attention_mask, ids.numel() if attention_mask is None else attention_mask.sum(), sample_ids))
+    return masked
+
+
+def train_step(run, micro_batches: list[dict], want_grad_norm: bool,
+               before_step: Optional[Callable[[], None]] = None) -> StepResult:
+    """Forward and backward over the step's micro-batches, then one optimiser step. ``before_step``
+    runs where the gradients are whole and the weights not yet updated (per-layer health)."""
+    engine, device, world = run.engine, run.info.device, run.info.world
+    masked = mask_micro_batches(run, micro_batches)
+    # The loss is normalised by the masked-token count of the whole step, all ranks together:
+    # DeepSpeed then divides by grad_accum and averages over ranks, which this undoes.
+    predicted = torch.stack([m.num_masked for m, *_ in masked]).sum().double().reshape(1)
+    dist.all_reduce(predicted)
+    scale = world * len(masked) / predicted.clamp(min=1.0)
+    flags = torch.zeros(3, device=device)                     # [non-finite loss, stop requested, bad input]
+    flags[2] = float(bad_input.read_failed(micro_batches))
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    grad_norm = None
+    for i, (m, attention_mask, tokens, sample_ids) in enumerate(masked):
+        # Dropout keyed like the masks, by each row's sample id and the step (model/keyed_dropout.py).
+        engine.module.dropout_key.set(sample_ids, run.state.step)
+        with eng.eager_forward(engine, eager=attention_mask is not None):
+            loss_sum, correct, count = engine(m.input_ids, attention_mask, m.positions, m.labels)
+        flags[0] = torch.maximum(flags[0], (~torch.isfinite(loss_sum.detach())).float())
+        sums[:3] += torch.stack([loss_sum.detach().double(), correct.double(), count.double()])
+        sums[3] += tokens
+        engine.backward(loss_sum * scale)
+        if i == len(masked) - 1:
+            flags[1] = float(run.stop.requested)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)      # every rank skips or stops together
+            run.optimizer.skip_next_step = bool(flags[0]) or bool(flags[2])
+            if want_grad_norm and run.cfg.impl.zero_stage == 0:
+                grad_norm = eng.local_grad_norm(engine)
+            if before_step:
+                before_step()
+        engine.step()
+    run.optimizer.skip_next_step = False
+    return StepResult(sums, bool(flags[0]), bool(flags[1]), grad_norm, bool(flags[2]))
+
+
+class ThroughputWindow:
+    """Sums over the steps since the last log line: what the loss and speed metrics average."""
+
+    def __init__(self, device: torch.device):
+        self.sums = torch.zeros(4, dtype=torch.float64, device=device)
+        self.seconds = self.data_wait = 0.0
+        self.steps = 0
+
+    def add(self, result: StepResult, seconds: float, data_wait: float) -> None:
+        self.seconds, self.data_wait, self.steps = self.seconds + seconds, self.data_wait + data_wait, self.steps + 1
+        if not result.nonfinite:                              # skipped steps are not averaged in
+            self.sums += result.sums
+
+    def metrics(self, global_batch: int, world: int, flops_per_seq: float, peak: float) -> dict:
+        dist.all_reduce(self.sums)
+        loss_sum, correct, count, tokens = self.sums.tolist()
+        seqs_per_s = global_batch * self.steps / self.seconds
+        out = {"train/loss": loss_sum / count if count else float("nan"),
+               "train/accuracy": correct / count if count else float("nan"),
+               "perf/tokens_per_s": tokens / self.seconds, "perf/samples_per_s": seqs_per_s,
+               "perf/mfu": flops_per_seq * seqs_per_s / world / (peak * 1e12),
+               "perf/step_time_s": self.seconds / self.steps, "perf/data_wait_s": self.data_wait / self.steps}
+        self.__init__(self.sums.device)
+        return out
