@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from data_prep.shard_format import load_manifest
-from pretrain.data.stream import DataError, ShardError, TrainStream, _open_split, _Plan
+from pretrain.data.stream import DataError, ShardError, TrainStream, _open_split, _Plan, checked_position, ordered_batches
 from pretrain.seeds import derive_seed
 from pretrain.data.shard_reader import BlockReader
 
@@ -313,30 +313,12 @@ class MixtureStream:
             raise DataError("the mixture's checkpointed position does not apply to this run (" + "; ".join(changed)
                             + "): the same sequences in the same order need the same sources, weights, "
                             "global batch and data seed")
-        consumed = state.get("samples_consumed")
-        if not isinstance(consumed, int) or consumed < 0 or consumed % self.global_batch:
-            raise DataError(f"the data stream's samples_consumed {consumed!r} is not a multiple of the global "
-                            f"batch {self.global_batch}")
-        self.samples_consumed = consumed
+        self.samples_consumed = checked_position(state, self.global_batch)
 
     def __iter__(self) -> Iterator[dict]:
         start = self.global_step * self.grad_accum
         dataset = _MixtureDataset(self._plan, self.rank, self.world, self.micro_batch, self.grad_accum, start)
-        workers = self.num_workers
-        loader = DataLoader(dataset, batch_size=None, num_workers=workers,
-                            prefetch_factor=self.prefetch_factor if workers else None,
-                            pin_memory=torch.cuda.is_available())
-        expected = start
-        for batch in loader:
-            if "failure" in batch:
-                raise batch["failure"](batch["message"])
-            j = batch["global_step"] * self.grad_accum + batch["micro_step"]
-            if j != expected:
-                raise RuntimeError(f"data stream out of order: got micro-batch {j}, expected {expected}")
-            expected += 1
-            if batch["micro_step"] == self.grad_accum - 1:
-                self.samples_consumed = (batch["global_step"] + 1) * self.global_batch
-            yield batch
+        yield from ordered_batches(self, dataset, start)
 
 
 # ------------------------------------------------------------------------------------ the trainer's view

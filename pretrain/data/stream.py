@@ -314,31 +314,41 @@ class TrainStream:
             raise DataError("the data stream's checkpointed position does not apply to this run ("
                             + "; ".join(changed) + "): the same sequences in the same order need the same "
                             "global batch, data seed, split and shards")
-        consumed = state.get("samples_consumed")
-        if not isinstance(consumed, int) or consumed < 0 or consumed % self.global_batch:
-            raise DataError(f"the data stream's samples_consumed {consumed!r} is not a multiple of the global "
-                            f"batch {self.global_batch}")
-        self.samples_consumed = consumed
+        self.samples_consumed = checked_position(state, self.global_batch)
 
     # -- iteration
     def __iter__(self) -> Iterator[dict]:
         start = self.global_step * self.grad_accum
         dataset = _TrainDataset(self._plan, self._part, self.grad_accum, start, self._cache_sequences)
-        workers = self.num_workers
-        loader = DataLoader(dataset, batch_size=None, num_workers=workers,
-                            prefetch_factor=self.prefetch_factor if workers else None,
-                            pin_memory=torch.cuda.is_available())
-        expected = start
-        for batch in loader:
-            if "failure" in batch:
-                raise batch["failure"](batch["message"])
-            j = batch["global_step"] * self.grad_accum + batch["micro_step"]
-            if j != expected:  # the worker round-robin is what makes resume exact
-                raise RuntimeError(f"data stream out of order: got micro-batch {j}, expected {expected}")
-            expected += 1
-            if batch["micro_step"] == self.grad_accum - 1:
-                self.samples_consumed = (batch["global_step"] + 1) * self.global_batch
-            yield batch
+        yield from ordered_batches(self, dataset, start)
+
+
+def checked_position(state: dict, global_batch: int) -> int:
+    consumed = state.get("samples_consumed")
+    if not isinstance(consumed, int) or consumed < 0 or consumed % global_batch:
+        raise DataError(f"the data stream's samples_consumed {consumed!r} is not a multiple of the global "
+                        f"batch {global_batch}")
+    return consumed
+
+
+def ordered_batches(stream, dataset, start: int) -> Iterator[dict]:
+    """``dataset``'s micro-batches from ``stream.num_workers`` workers, checked to come in order (the
+    worker round-robin is what makes resume exact); keeps ``stream.samples_consumed`` up to date."""
+    workers = stream.num_workers
+    loader = DataLoader(dataset, batch_size=None, num_workers=workers,
+                        prefetch_factor=stream.prefetch_factor if workers else None,
+                        pin_memory=torch.cuda.is_available())
+    expected = start
+    for batch in loader:
+        if "failure" in batch:
+            raise batch["failure"](batch["message"])
+        j = batch["global_step"] * stream.grad_accum + batch["micro_step"]
+        if j != expected:
+            raise RuntimeError(f"data stream out of order: got micro-batch {j}, expected {expected}")
+        expected += 1
+        if batch["micro_step"] == stream.grad_accum - 1:
+            stream.samples_consumed = (batch["global_step"] + 1) * stream.global_batch
+        yield batch
 
 
 # ------------------------------------------------------------------------------------ evaluation
