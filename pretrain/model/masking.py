@@ -254,6 +254,33 @@ def random_non_special(n: int, special: SpecialIds, generator: torch.Generator,
     return _to_non_special(r, special)
 
 
+def _check_inputs(input_ids: torch.Tensor, word_starts: torch.Tensor, cfg: MaskingConfig,
+                  sample_ids: torch.Tensor | None) -> None:
+    if input_ids.dim() != 2 or word_starts.shape != input_ids.shape:
+        raise ValueError(f"mask_batch: expected input_ids and word_starts of one shape [B, L], got "
+                         f"{tuple(input_ids.shape)} and {tuple(word_starts.shape)}")
+    if cfg.fixed_count and cfg.strategy != "token":
+        raise ValueError(f"masking.fixed_count works with strategy 'token' only (got {cfg.strategy!r}): "
+                         "whole words and spans cannot fill an exact token count without bias")
+    if sample_ids is not None and sample_ids.shape != (input_ids.shape[0],):
+        raise ValueError(f"mask_batch: sample_ids must have shape [{input_ids.shape[0]}] (one stable id per row), "
+                         f"got {tuple(sample_ids.shape)}")
+
+
+def _draws(ids: torch.Tensor, cfg: MaskingConfig, generator: torch.Generator | None,
+           sample_ids: torch.Tensor | None, step: int | None):
+    """Keyed draws (a hash of seed, sample id, position: the same for a row wherever it lands), or a
+    generator's for callers without sample ids."""
+    if not cfg.dynamic or (sample_ids is not None and step is not None):
+        if sample_ids is None:
+            raise ValueError("mask_batch: masking.dynamic=false needs sample_ids (one stable id per row)")
+        key = derive_seed("mask", cfg.seed, step) if cfg.dynamic else cfg.seed
+        return _HashDraws(key, sample_ids.to(ids.device, torch.long), ids.shape[1])
+    if generator is None:
+        raise ValueError("mask_batch: dynamic masking needs sample_ids and step, or a generator")
+    return _GeneratorDraws(generator, ids.device)
+
+
 def mask_batch(input_ids: torch.Tensor, word_starts: torch.Tensor, special: SpecialIds,
                cfg: MaskingConfig, generator: torch.Generator | None = None,
                sample_ids: torch.Tensor | None = None, step: int | None = None,
@@ -270,28 +297,12 @@ def mask_batch(input_ids: torch.Tensor, word_starts: torch.Tensor, special: Spec
     Without ``sample_ids``, dynamic masking draws from ``generator`` (on the inputs' device).
     ``rate`` replaces ``cfg.rate`` (a scheduled rate, ``rate_at_step``); fixed_count then keeps the
     slots of the highest rate of the schedule, so shapes stay static over the run."""
-    if input_ids.dim() != 2 or word_starts.shape != input_ids.shape:
-        raise ValueError(f"mask_batch: expected input_ids and word_starts of one shape [B, L], got "
-                         f"{tuple(input_ids.shape)} and {tuple(word_starts.shape)}")
-    if cfg.fixed_count and cfg.strategy != "token":
-        raise ValueError(f"masking.fixed_count works with strategy 'token' only (got {cfg.strategy!r}): "
-                         "whole words and spans cannot fill an exact token count without bias")
+    _check_inputs(input_ids, word_starts, cfg, sample_ids)
     slot_rate = max(cfg.rate, cfg.rate_end or 0.0, rate or 0.0)
     if rate is not None:
         cfg = dataclasses.replace(cfg, rate=rate)
     ids = input_ids.long()
-    if sample_ids is not None and sample_ids.shape != (ids.shape[0],):
-        raise ValueError(f"mask_batch: sample_ids must have shape [{ids.shape[0]}] (one stable id per row), "
-                         f"got {tuple(sample_ids.shape)}")
-    if not cfg.dynamic or (sample_ids is not None and step is not None):
-        if sample_ids is None:
-            raise ValueError("mask_batch: masking.dynamic=false needs sample_ids (one stable id per row)")
-        key = derive_seed("mask", cfg.seed, step) if cfg.dynamic else cfg.seed
-        draws = _HashDraws(key, sample_ids.to(ids.device, torch.long), ids.shape[1])
-    elif generator is None:
-        raise ValueError("mask_batch: dynamic masking needs sample_ids and step, or a generator")
-    else:
-        draws = _GeneratorDraws(generator, ids.device)
+    draws = _draws(ids, cfg, generator, sample_ids, step)
     special_tok = special.is_special(ids)
     flat_ids = ids.reshape(-1)
 
