@@ -77,34 +77,31 @@ def _coerce(value: Any, tp: Any, path: str, problems: list[str]) -> Any:
         if not isinstance(value, dict):
             problems.append(f"{path}: expected a mapping, got {value!r}")
         return dict(value) if isinstance(value, dict) else value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        problems.append(f"{path}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        problems.append(f"{path}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads "1e-4" as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        problems.append(f"{path}: expected a number, got {value!r}")
-        return value
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        problems.append(f"{path}: expected a string, got {value!r}")
-        return value
+    if tp in _SCALARS:
+        return _coerce_scalar(value, tp, path, problems)
     return value
+
+
+def _coerce_scalar(value: Any, tp: type, path: str, problems: list[str]) -> Any:
+    """bool, int (an integral float too), float (a number, or a string YAML left as one, e.g. "1e-4"), str."""
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp is int and isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer():
+        return int(value)
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp is str and isinstance(value, str):
+        return value
+    problems.append(f"{path}: expected {_SCALARS[tp]}, got {value!r}")
+    return value
+
+
+_SCALARS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
 def _dataclass_list(value: Any) -> bool:
