@@ -82,6 +82,36 @@ def index_all_shards(data_dir: str | os.PathLike, manifest: dict, splits: Sequen
         raise ShardError("\n".join(problems))
 
 
+def _shard_file_problems(manifest: dict, data_dir: str | os.PathLike, splits: Sequence[str]) -> tuple[list[str], list[dict]]:
+    """Missing, wrong-size or inconsistent shard files; and the sound entries of ``splits`` (all if none)."""
+    problems: list[str] = []
+    missing, wrong_size, inconsistent, sound = [], [], [], []
+    for entry in manifest["shards"]:
+        path = Path(data_dir) / entry["name"]
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            missing.append(entry["name"])
+            continue
+        if "bytes" in entry and size != entry["bytes"]:
+            wrong_size.append(f"{entry['name']} ({size} bytes, manifest says {entry['bytes']})")
+            continue
+        try:
+            block_sizes(entry, manifest["block_size"])
+        except (ShardError, KeyError) as exc:
+            inconsistent.append(str(exc))
+            continue
+        if not splits or entry.get("split") in splits:
+            sound.append(entry)
+    for label, items, hint in (
+            ("shard files missing", missing, "restore them or re-run data_prep"),
+            ("shard files of the wrong size", wrong_size, "truncated or rewritten; run data_prep verify"),
+            ("shard entries inconsistent", inconsistent, "")):
+        if items:
+            problems.append(_named(label, items, Path(data_dir), hint))
+    return problems, sound
+
+
 def check_manifest(manifest: dict, data_dir: str | os.PathLike, *, splits: Sequence[str] = (),
                    vocab_size: Optional[int] = None, tokenizer_sha256: Optional[str] = None,
                    seq_len_max: Optional[int] = None, max_positions: Optional[int] = None,
@@ -117,30 +147,8 @@ def check_manifest(manifest: dict, data_dir: str | os.PathLike, *, splits: Seque
     for split in splits:
         if not any(s.get("split") == split and s.get("sequences", 0) > 0 for s in manifest["shards"]):
             problems.append(f"{where}: split {split!r} has no shards with sequences (splits present: {present})")
-    missing, wrong_size, inconsistent, sound = [], [], [], []
-    for entry in manifest["shards"]:
-        path = Path(data_dir) / entry["name"]
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            missing.append(entry["name"])
-            continue
-        if "bytes" in entry and size != entry["bytes"]:
-            wrong_size.append(f"{entry['name']} ({size} bytes, manifest says {entry['bytes']})")
-            continue
-        try:
-            block_sizes(entry, manifest["block_size"])
-        except (ShardError, KeyError) as exc:
-            inconsistent.append(str(exc))
-            continue
-        if not splits or entry.get("split") in splits:
-            sound.append(entry)
-    for label, items, hint in (
-            ("shard files missing", missing, "restore them or re-run data_prep"),
-            ("shard files of the wrong size", wrong_size, "truncated or rewritten; run data_prep verify"),
-            ("shard entries inconsistent", inconsistent, "")):
-        if items:
-            problems.append(_named(label, items, Path(data_dir), hint))
+    shard_problems, sound = _shard_file_problems(manifest, data_dir, splits)
+    problems += shard_problems
     if index_tars:
         problems += _index_problems(data_dir, sound)
     return problems
