@@ -165,12 +165,10 @@ class _MixPlan:
     def cursors(self) -> list[_SourceCursor]:
         return [_SourceCursor(p, self.global_batch // max(p.window, 1) + 2) for p in self.plans]
 
-    def step(self, cursors: list[_SourceCursor], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(source, block, row) of step ``k``'s ``G`` sequences: sources in order, each in block order."""
-        c0, c1 = self.counts(k), self.counts(k + 1)
-        parts = [cur.take(int(a), int(b)) for cur, a, b in zip(cursors, c0, c1)]
-        source = np.repeat(np.arange(len(parts)), [len(b) for b, _ in parts])
-        return source, np.concatenate([b for b, _ in parts]), np.concatenate([r for _, r in parts])
+    def step(self, cursors: list[_SourceCursor], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(blocks, rows) of each source's part of step ``k`` (the step is the parts one after another)."""
+        c0, c1 = self.counts(k).tolist(), self.counts(k + 1).tolist()
+        return [cur.take(a, b) for cur, a, b in zip(cursors, c0, c1)]
 
 
 class _MixtureDataset(IterableDataset):
@@ -199,13 +197,15 @@ class _MixtureDataset(IterableDataset):
         return {"input_ids": ids, "word_starts": starts, "sample_ids": torch.from_numpy(sample_ids[lo:hi]),
                 "has_padding": padded, "source": torch.from_numpy(source[lo:hi])}
 
-    def _step(self, cursors, offsets: np.ndarray, k: int) -> tuple:
+    def _step(self, cursors, offsets: list[int], k: int) -> tuple:
         """Step ``k`` with what every micro-batch of it needs: sample ids and where each source's run starts."""
-        source, blocks, rows = self.plan.step(cursors, k)
-        firsts = np.concatenate([p.layout.block_first for p in self.plan.plans])
-        block_base = np.cumsum([0] + [p.layout.num_blocks for p in self.plan.plans])
-        sample_ids = offsets[source] + firsts[block_base[source] + blocks] + rows
-        edges = np.searchsorted(source, np.arange(len(offsets))).tolist()
+        parts = self.plan.step(cursors, k)
+        lengths = [len(b) for b, _ in parts]
+        source = np.repeat(np.arange(len(parts)), lengths)
+        blocks, rows = np.concatenate([b for b, _ in parts]), np.concatenate([r for _, r in parts])
+        sample_ids = np.concatenate([off + p.layout.block_first[b] + r
+                                     for off, p, (b, r) in zip(offsets, self.plan.plans, parts)])
+        edges = np.cumsum([0] + lengths).tolist()
         return source, blocks, rows, sample_ids, edges
 
     def __iter__(self):
@@ -214,7 +214,7 @@ class _MixtureDataset(IterableDataset):
         cursors = self.plan.cursors()
         g = self.plan.global_batch
         readers = [BlockReader(p.layout, 2 * max(p.window, g) + 2 * p.layout.block_size) for p in self.plan.plans]
-        offsets = np.cumsum([0] + [r.layout.sequences for r in readers])
+        offsets = np.cumsum([0] + [r.layout.sequences for r in readers]).tolist()
         cached: tuple[int, tuple] | None = None
         try:
             j = self.start + w
@@ -284,7 +284,7 @@ class MixtureStream:
     def step_sample_ids(self, k: int) -> np.ndarray:
         """Sample ids of all ``G`` sequences of global step ``k`` (all ranks), in the order ranks cut them."""
         whole = _MixtureDataset(self._plan, 0, 1, self.global_batch, 1, 0)
-        return whole._step(self._plan.cursors(), np.cumsum([0] + self.source_sequences()), k)[3]
+        return whole._step(self._plan.cursors(), np.cumsum([0] + self.source_sequences()).tolist(), k)[3]
 
     def source_of_sample(self, sample_id: int) -> str:
         offsets = np.cumsum(self.source_sequences())
