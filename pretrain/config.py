@@ -142,10 +142,13 @@ class DataConfig:
             self.dir = self.sources[0].dir
 
     def check(self) -> list[str]:
-        from pretrain.mixture import sources_problems
-
-        p = sources_problems(self)
+        p = []
         if self.sources:
+            names = [s.name for s in self.sources]
+            p += [f"sources: name {n!r} used twice" for n in sorted({n for n in names if names.count(n) > 1})]
+            if self.dir != self.sources[0].dir:
+                p.append(f"dir: {self.dir!r} with sources: the run's tokenizer comes from the first source "
+                         f"({self.sources[0].dir!r}); leave dir empty, or give one source as dir without sources")
             return p
         if not self.dir:
             p.append("dir: required (a folder written by data_prep)")

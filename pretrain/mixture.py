@@ -64,19 +64,6 @@ def is_mixture(cfg) -> bool:
     return len(cfg.data.sources) > 1
 
 
-def sources_problems(data_cfg) -> list[str]:
-    """Config-level problems of ``data.sources`` (each source's own fields are checked by its check())."""
-    if not data_cfg.sources:
-        return []
-    p = []
-    names = [s.name for s in data_cfg.sources]
-    p += [f"sources: name {n!r} used twice" for n in sorted({n for n in names if names.count(n) > 1})]
-    if data_cfg.dir and data_cfg.dir != data_cfg.sources[0].dir:
-        p.append(f"dir: {data_cfg.dir!r} with sources: the run's tokenizer comes from the first source "
-                 f"({data_cfg.sources[0].dir!r}); leave dir empty or give a one-source run without sources")
-    return p
-
-
 # ------------------------------------------------------------------------------------ apportionment
 
 
