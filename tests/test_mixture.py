@@ -41,9 +41,9 @@ def test_apportionment_is_within_one_sequence_and_never_steps_back():
     for _ in range(20):
         shares = rng.dirichlet(np.ones(rng.integers(2, 6)))
         g = int(np.ceil(1 / shares.min()))                # every source >= 1 sequence a step
-        previous = apportion(shares, 0)
+        previous = np.asarray(apportion(shares, 0))
         for step in range(1, 300):
-            counts = apportion(shares, step * g)
+            counts = np.asarray(apportion(shares, step * g))
             assert counts.sum() == step * g
             assert np.all(np.abs(counts - shares * step * g) < 1)
             assert np.all(counts >= previous)
@@ -214,5 +214,5 @@ def test_config_problems_of_sources_are_all_reported_by_name(two_sources, monkey
     assert "data.dir: '/elsewhere' with sources" in text
     cfg = load_config("configs/tiny.yaml", [sources_override(two_sources).replace("weight: 0.2", "weight: 0.05")])
     assert cfg.data.dir == str(two_sources["big"])              # the first source's folder: the run's tokenizer
-    assert min_share_problems(cfg) == ["data.sources[small]: weight share 0.05882 x train.global_batch_size 16 < 1 "
-                                       "sequence per step; raise its weight or the global batch"]
+    assert min_share_problems(cfg) == [("data.sources[small]: weight share 0.05882 x train.global_batch_size 16 < 1 "
+                                       "sequence per step; raise its weight or the global batch")]
