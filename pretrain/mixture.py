@@ -21,7 +21,8 @@ continues exactly.
 * **Sample ids** are unique over the mixture: source ``s``'s ids follow those of the sources before
   it, so masking (keyed by sample id) never gives two sources' sequences the same draw.
 
-Within a step the sources' sequences are concatenated in source order, each in block order; rank
+Micro-batches carry the keys of ``pretrain.data``'s (less ``epoch``: each source has its own) plus
+``source`` (int64 [mb], each row's source index). Within a step the sources' sequences are concatenated in source order, each in block order; rank
 ``r`` takes the ``r``-th contiguous part, as in ``pretrain.data``. One source is not a mixture: it
 runs ``pretrain.data.TrainStream`` unchanged (its checkpoints stay valid).
 """
@@ -292,10 +293,6 @@ class MixtureStream:
         """Sample ids of all ``G`` sequences of global step ``k`` (all ranks), in the order ranks cut them."""
         whole = _MixtureDataset(self._plan, 0, 1, self.global_batch, 1, 0)
         return whole._step(self._plan.cursors(), _sample_id_firsts(self._plan), k)[2]
-
-    def source_of_sample(self, sample_id: int) -> str:
-        offsets = np.cumsum(self.source_sequences())
-        return self.sources[int(np.searchsorted(offsets, sample_id, side="right"))].name
 
     def describe(self) -> str:
         return "; ".join(f"{s.name}: {n} sequences, share {s.share:.3f}" for s, n in
