@@ -42,9 +42,9 @@ def test_apportionment_is_within_one_sequence_and_never_steps_back():
     for _ in range(20):
         shares = rng.dirichlet(np.ones(rng.integers(2, 6)))
         g = int(np.ceil(1 / shares.min()))                # every source >= 1 sequence a step
-        previous = apportion(shares, 0)
+        previous = np.asarray(apportion(shares, 0))
         for step in range(1, 300):
-            counts = apportion(shares, step * g)
+            counts = np.asarray(apportion(shares, step * g))
             assert counts.sum() == step * g
             assert np.all(np.abs(counts - shares * step * g) < 1)
             assert np.all(counts >= previous)
@@ -200,3 +200,20 @@ def test_a_mixture_trains_with_per_source_metrics_in_jsonl_and_mlflow(two_source
     assert again.returncode == 2, again.stdout[-2000:] + again.stderr[-3000:]
     assert "data.sources[small]: weight share 0.2 in checkpoint" in again.stderr
     assert "data.sources[big]: weight share 0.8 in checkpoint" in again.stderr
+
+
+def test_config_problems_of_sources_are_all_reported_by_name(two_sources, monkeypatch):
+    from pretrain.config.schema import ConfigError, load_config
+    from pretrain.data.mixture import min_share_problems
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    twice = sources_override(two_sources).replace("name: small", "name: big").replace("weight: 0.2", "weight: 0")
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/tiny.yaml", [twice, "data.dir=/elsewhere"])
+    text = str(err.value)
+    assert "data.sources: name 'big' used twice" in text and "data.sources[1].weight: must be positive" in text
+    assert "data.dir: '/elsewhere' with sources" in text
+    cfg = load_config("configs/tiny.yaml", [sources_override(two_sources).replace("weight: 0.2", "weight: 0.05")])
+    assert cfg.data.dir == str(two_sources["big"])              # the first source's folder: the run's tokenizer
+    assert min_share_problems(cfg) == [("data.sources[small]: weight share 0.05882 x train.global_batch_size 16 < 1 "
+                                       "sequence per step; raise its weight or the global batch")]

@@ -21,14 +21,17 @@ continues exactly.
 * **Sample ids** are unique over the mixture: source ``s``'s ids follow those of the sources before
   it, so masking (keyed by sample id) never gives two sources' sequences the same draw.
 
-Within a step the sources' sequences are concatenated in source order, each in block order; rank
+Micro-batches carry the keys of ``pretrain.data.stream``'s (less ``epoch``: each source has its own) plus
+``source`` (int64 [mb], each row's source index). Within a step the sources' sequences are concatenated in source order, each in block order; rank
 ``r`` takes the ``r``-th contiguous part, as in ``pretrain.data.stream``. One source is not a mixture: it
 runs ``pretrain.data.stream.TrainStream`` unchanged (its checkpoints stay valid).
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -67,15 +70,16 @@ def is_mixture(cfg) -> bool:
 # ------------------------------------------------------------------------------------ apportionment
 
 
-def apportion(shares: np.ndarray, position: int) -> np.ndarray:
+def apportion(shares, position: int) -> list[int]:
     """Sequences of each source among the first ``position`` of the run (largest remainder; ties to
-    the earlier source). Sums to ``position``; within 1 of ``share * position`` for every source."""
-    quota = shares * position
-    counts = np.floor(quota).astype(np.int64)
-    left = int(position - counts.sum())
+    the earlier source). Sums to ``position``; within 1 of ``share * position`` for every source.
+    Plain Python: a handful of sources, evaluated twice a step."""
+    quota = [float(s) * position for s in shares]
+    counts = [math.floor(q) for q in quota]
+    left = position - sum(counts)
     if left > 0:
-        order = np.lexsort((np.arange(len(shares)), -(quota - counts)))
-        counts[order[:left]] += 1
+        for i in sorted(range(len(quota)), key=lambda i: (counts[i] - quota[i], i))[:left]:
+            counts[i] += 1
     return counts
 
 
@@ -107,18 +111,30 @@ class _SourceCursor:
                 cache.popitem(last=False)
         return value
 
+    def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The epoch's block permutation, the end and the start of each permuted block in its order."""
+        order = self._orders.get(epoch)
+        if order is None:
+            perm, ends = self.plan.block_order(epoch)
+            order = self._orders[epoch] = (perm, ends, ends - self.plan.layout.block_len[perm])
+            while len(self._orders) > 2:
+                self._orders.popitem(last=False)
+        return order
+
     def _epoch_piece(self, epoch: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         p = self.plan
         if p.window:
+            first, last = lo // p.window, (hi - 1) // p.window
             pieces = []
-            for w in range(lo // p.window, (hi - 1) // p.window + 1):
+            for w in range(first, last + 1):
                 perm = self._cached(self._windows, (epoch, w), lambda w=w: p.window_order(epoch, w), self.keep_windows)
                 pieces.append(perm[max(lo - w * p.window, 0):hi - w * p.window])
-            offsets = np.sort(np.concatenate(pieces))     # the epoch's block order, as pretrain.data
+            offsets = np.sort(pieces[0] if first == last else np.concatenate(pieces))   # block order, as pretrain.data
         else:
             offsets = np.arange(lo, hi)
-        order = self._cached(self._orders, epoch, lambda: p.block_order(epoch), 2)
-        return p.locate(order, offsets)
+        perm, ends, starts = self._order(epoch)
+        j = ends.searchsorted(offsets, side="right")
+        return perm[j], offsets - starts[j]
 
     def take(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(blocks, rows) of positions ``[a, b)``, in the epoch's block order."""
@@ -146,18 +162,22 @@ class _MixPlan:
     shares: np.ndarray
     global_batch: int
 
-    def counts(self, step: int) -> np.ndarray:
+    def counts(self, step: int) -> list[int]:
         return apportion(self.shares, step * self.global_batch)
 
     def cursors(self) -> list[_SourceCursor]:
         return [_SourceCursor(p, self.global_batch // max(p.window, 1) + 2) for p in self.plans]
 
-    def step(self, cursors: list[_SourceCursor], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(source, block, row) of step ``k``'s ``G`` sequences: sources in order, each in block order."""
+    def step(self, cursors: list[_SourceCursor], k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(blocks, rows) of each source's part of step ``k`` (the step is the parts one after another)."""
         c0, c1 = self.counts(k), self.counts(k + 1)
-        parts = [cur.take(int(a), int(b)) for cur, a, b in zip(cursors, c0, c1)]
-        source = np.repeat(np.arange(len(parts)), [len(b) for b, _ in parts])
-        return source, np.concatenate([b for b, _ in parts]), np.concatenate([r for _, r in parts])
+        return [cur.take(a, b) for cur, a, b in zip(cursors, c0, c1)]
+
+
+def _sample_id_firsts(plan: _MixPlan) -> list[np.ndarray]:
+    """Per source, the mixture's sample id of each block's first row: ids follow the sources before."""
+    offsets = np.cumsum([0] + [p.layout.sequences for p in plan.plans])
+    return [int(off) + p.layout.block_first for off, p in zip(offsets, plan.plans)]
 
 
 class _MixtureDataset(IterableDataset):
@@ -168,32 +188,33 @@ class _MixtureDataset(IterableDataset):
         self.grad_accum, self.start = grad_accum, start
 
     def _batch(self, readers, step, i: int) -> dict:
-        source, blocks, rows, sample_ids, edges = step
-        lo = self.rank * (len(blocks) // self.world) + i * self.micro_batch
+        source, parts, sample_ids, edges = step
+        lo = self.rank * (edges[-1] // self.world) + i * self.micro_batch
         hi = lo + self.micro_batch
         # A step holds the sources one after another, so a micro-batch is one or a few contiguous runs.
-        parts, padded = [], False
+        pieces, padded = [], False
         for s, reader in enumerate(readers):
-            a, b = max(lo, edges[s]), min(hi, edges[s + 1])
+            a, b = max(lo, edges[s]) - edges[s], min(hi, edges[s + 1]) - edges[s]
             if a < b:
+                blocks, rows = parts[s]
                 ids, starts, pad = reader.gather(blocks[a:b], rows[a:b])
-                parts.append((ids, starts))
+                pieces.append((ids, starts))
                 padded = padded or pad
-        if len(parts) == 1:
-            ids, starts = parts[0]
+        if len(pieces) == 1:
+            ids, starts = pieces[0]
         else:
-            ids, starts = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            ids, starts = torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
         return {"input_ids": ids, "word_starts": starts, "sample_ids": torch.from_numpy(sample_ids[lo:hi]),
                 "has_padding": padded, "source": torch.from_numpy(source[lo:hi])}
 
-    def _step(self, cursors, offsets: np.ndarray, k: int) -> tuple:
-        """Step ``k`` with what every micro-batch of it needs: sample ids and where each source's run starts."""
-        source, blocks, rows = self.plan.step(cursors, k)
-        firsts = np.concatenate([p.layout.block_first for p in self.plan.plans])
-        block_base = np.cumsum([0] + [p.layout.num_blocks for p in self.plan.plans])
-        sample_ids = offsets[source] + firsts[block_base[source] + blocks] + rows
-        edges = np.searchsorted(source, np.arange(len(offsets))).tolist()
-        return source, blocks, rows, sample_ids, edges
+    def _step(self, cursors, firsts: list[np.ndarray], k: int) -> tuple:
+        """Step ``k`` with what every micro-batch of it needs: each source's part, the sample ids and
+        where each part starts in the step (``firsts[s]``: sample id of each block's first row)."""
+        parts = self.plan.step(cursors, k)
+        lengths = [len(b) for b, _ in parts]
+        source = np.repeat(np.arange(len(parts)), lengths)
+        sample_ids = np.concatenate([first[b] + r for first, (b, r) in zip(firsts, parts)])
+        return source, parts, sample_ids, [0, *itertools.accumulate(lengths)]
 
     def __iter__(self):
         info = get_worker_info()
@@ -201,14 +222,14 @@ class _MixtureDataset(IterableDataset):
         cursors = self.plan.cursors()
         g = self.plan.global_batch
         readers = [BlockReader(p.layout, 2 * max(p.window, g) + 2 * p.layout.block_size) for p in self.plan.plans]
-        offsets = np.cumsum([0] + [r.layout.sequences for r in readers])
+        firsts = _sample_id_firsts(self.plan)
         cached: tuple[int, tuple] | None = None
         try:
             j = self.start + w
             while True:
                 k, i = divmod(j, self.grad_accum)
                 if cached is None or cached[0] != k:
-                    cached = (k, self._step(cursors, offsets, k))
+                    cached = (k, self._step(cursors, firsts, k))
                 yield {**self._batch(readers, cached[1], i), "global_step": k, "micro_step": i}
                 j += num
         except Exception as exc:       # as pretrain.data: re-raised by the main process with the bare message
@@ -260,7 +281,7 @@ class MixtureStream:
     def source_sequences(self) -> list[int]:
         return [p.layout.sequences for p in self._plan.plans]
 
-    def consumed(self, step: int) -> np.ndarray:
+    def consumed(self, step: int) -> list[int]:
         """Sequences of each source taken by the first ``step`` steps."""
         return self._plan.counts(step)
 
@@ -271,11 +292,7 @@ class MixtureStream:
     def step_sample_ids(self, k: int) -> np.ndarray:
         """Sample ids of all ``G`` sequences of global step ``k`` (all ranks), in the order ranks cut them."""
         whole = _MixtureDataset(self._plan, 0, 1, self.global_batch, 1, 0)
-        return whole._step(self._plan.cursors(), np.cumsum([0] + self.source_sequences()), k)[3]
-
-    def source_of_sample(self, sample_id: int) -> str:
-        offsets = np.cumsum(self.source_sequences())
-        return self.sources[int(np.searchsorted(offsets, sample_id, side="right"))].name
+        return whole._step(self._plan.cursors(), _sample_id_firsts(self._plan), k)[2]
 
     def describe(self) -> str:
         return "; ".join(f"{s.name}: {n} sequences, share {s.share:.3f}" for s, n in
