@@ -226,11 +226,12 @@ def run_variant(study: Study, variant: Variant, parent: ParentRun, interrupt: In
 
 
 def summarize(study: Study, parent: ParentRun) -> list[Path]:
-    from pretrain.study_summary import comparison_metrics, comparison_note, summary_table, write_summary
+    from pretrain import study_summary as summary
 
-    files = write_summary(study, read_status, is_finished)
-    table = summary_table(study, read_status, is_finished)[0]
-    parent.log_summary(files, comparison_metrics(table), comparison_note(table, (study.dir / "summary.md").read_text()))
+    files = summary.write_summary(study, read_status, is_finished)
+    table = summary.summary_table(study, read_status, is_finished)[0]
+    parent.log_summary(files, summary.comparison_metrics(table),
+                       summary.comparison_note(table, (study.dir / "summary.md").read_text()))
     print(f"study: summary in {study.dir / 'summary.md'}", flush=True)
     print((study.dir / "summary.md").read_text(), flush=True)
     return files
