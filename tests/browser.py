@@ -70,3 +70,13 @@ def decoded_images(html_file: Path) -> list[dict]:
     found = re.search(r'<pre id="image-probe">(.*?)</pre>', proc.stdout, re.DOTALL)
     assert found, f"the page did not finish loading in Chromium: {proc.stderr[-2000:]}"
     return json.loads(found.group(1).replace("&quot;", '"').replace("&amp;", "&"))
+
+
+def page_text(url: str, size: str = "1600,1000", budget_ms: int = 15000) -> list[str]:
+    """The visible text of a page after its scripts ran, one entry per text node, in page order."""
+    import html
+
+    proc = _run([f"--window-size={size}", "--dump-dom", url], budget_ms)
+    body = re.sub(r"<script.*?</script>|<style.*?</style>", "", proc.stdout, flags=re.DOTALL)
+    text = html.unescape(re.sub(r"<[^>]+>", "\n", body))
+    return [line.strip() for line in text.splitlines() if line.strip()]

@@ -57,6 +57,8 @@ def test_end_of_run_report_renders_and_is_an_mlflow_artifact(finished_run, mlflo
     assert "step00000006" in html and str((out / "hf_final").resolve()) in html     # where things are
     assert "hidden_size: 64" in html and "vocab size</th><td>4096" in html           # config, manifest
     assert "report: " in proc.stdout, proc.stdout[-3000:]                            # its cost is logged
+    run_id = (out / "mlflow_run_id").read_text().strip()
+    assert f"/runs/{run_id}/model-metrics?workflowType=machine_learning</a>" in html  # the MLflow run's page
 
     client = MlflowClient(mlflow_server.uri)
     run_id = only_run(client, experiment).info.run_id

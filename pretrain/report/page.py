@@ -74,6 +74,10 @@ def _summary_rows(rows: list[dict], facts: dict) -> list[tuple[str, str]]:
     return out
 
 
+def _link(url: str | None) -> str:
+    return f'<p>Watch the run in MLflow: <a href="{html.escape(url)}">{html.escape(url)}</a></p>' if url else ""
+
+
 def _num(v) -> str:
     if v is None:
         return "-"
@@ -117,7 +121,7 @@ pre{background:#f6f6f6;padding:1em;font-size:.8em;overflow:auto;max-height:40em}
 
 
 def render_html(title: str, figures: list[tuple[str, str, bytes]], rows: list[dict], run_dir: Path,
-                facts: dict) -> str:
+                facts: dict, mlflow_url: str | None = None) -> str:
     figs = "".join(f'<figure id="{stem}"><img alt="{html.escape(caption)}" src="data:image/png;base64,'
                    f'{base64.b64encode(png).decode()}"><figcaption>{html.escape(caption)}</figcaption></figure>'
                    for stem, caption, png in figures) or "<p>No metrics to draw yet.</p>"
@@ -125,13 +129,14 @@ def render_html(title: str, figures: list[tuple[str, str, bytes]], rows: list[di
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
             f"<p>Made {time.strftime('%Y-%m-%d %H:%M:%S %Z')} from {html.escape(str(run_dir / 'metrics.jsonl'))}."
-            f"</p>{_table(_summary_rows(rows, facts))}<h2>Figures</h2>{figs}"
+            f"</p>{_table(_summary_rows(rows, facts))}{_link(mlflow_url)}<h2>Figures</h2>{figs}"
             f"<h2>Where things are</h2>{_table(_place_rows(run_dir, facts))}"
             f"<h2>Data</h2>{_table(_manifest_rows(facts['manifest']))}"
             f"<h2>Resolved config</h2><pre>{html.escape(config)}</pre></body></html>")
 
 
-def write_report(run_dir: Path, config: dict | None = None, manifest: dict | None = None) -> Path:
+def write_report(run_dir: Path, config: dict | None = None, manifest: dict | None = None,
+                 mlflow_url: str | None = None) -> Path:
     """Write ``run_dir/report/`` (report.html and one PNG per figure); returns the folder."""
     from pretrain.report.figures import all_figures, tokens_per_step
 
@@ -152,7 +157,7 @@ def write_report(run_dir: Path, config: dict | None = None, manifest: dict | Non
         pngs.append((stem, caption, png))
     name = (facts["config"] or {}).get("tracking", {}).get("run_name") or run_dir.resolve().name
     tmp = out / "report.html.tmp"
-    tmp.write_text(render_html(f"Run report: {name}", pngs, rows, run_dir, facts))
+    tmp.write_text(render_html(f"Run report: {name}", pngs, rows, run_dir, facts, mlflow_url))
     tmp.replace(out / "report.html")
     return out
 
@@ -164,7 +169,7 @@ def report_at_end(cfg, manifest: dict, tracker) -> None:
         from pretrain.config import loader as configlib
 
         start, cpu = time.perf_counter(), time.process_time()
-        out = write_report(Path(cfg.train.out_dir), configlib.to_dict(cfg), manifest)
+        out = write_report(Path(cfg.train.out_dir), configlib.to_dict(cfg), manifest, tracker.run_url)
         tracker.log_artifacts(str(out), REPORT_DIR)
         log.info("report: %s (%.1fs, %.1fs CPU)", out / "report.html", time.perf_counter() - start,
                  time.process_time() - cpu)

@@ -132,17 +132,18 @@ class ParentRun:
         _write_atomic(id_file, self.run_id + "\n")
         return self.run_id
 
-    def log_summary(self, files: list[Path], comparison: dict[str, float]) -> None:
+    def log_summary(self, files: list[Path], comparison: list[tuple[str, float, int]], note: str) -> None:
         if self.client is None:
             return
         for path in files:
             self.client.log_artifact(self.run_id, str(path), "summary")
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric, RunTag
 
-        # A fixed timestamp and step: a re-run's summary re-sends identical points, which the store drops.
-        metrics = [Metric(k, v, 0, 0) for k, v in comparison.items()]
+        # A fixed timestamp: a re-run's summary re-sends identical points, which the store drops.
+        metrics = [Metric(k, v, 0, step) for k, v, step in comparison]
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+        self.client.log_batch(self.run_id, tags=[RunTag("mlflow.note.content", note[:5000])])
         print(f"study: compare the variants at {self.url()}", flush=True)
 
     def url(self) -> str:
@@ -231,10 +232,12 @@ def run_variant(study: Study, variant: Variant, parent: ParentRun, interrupt: In
 
 
 def summarize(study: Study, parent: ParentRun) -> list[Path]:
-    from pretrain.study.summary import comparison_metrics, summary_table, write_summary
+    from pretrain.study import summary
 
-    files = write_summary(study, read_status, is_finished)
-    parent.log_summary(files, comparison_metrics(summary_table(study, read_status, is_finished)[0]))
+    files = summary.write_summary(study, read_status, is_finished)
+    table = summary.summary_table(study, read_status, is_finished)[0]
+    parent.log_summary(files, summary.comparison_metrics(table),
+                       summary.comparison_note(table, (study.dir / "summary.md").read_text()))
     print(f"study: summary in {study.dir / 'summary.md'}", flush=True)
     print((study.dir / "summary.md").read_text(), flush=True)
     return files

@@ -173,24 +173,40 @@ def plot_probe_accuracy(path: Path, table: list[dict], title: str) -> None:
     plt.close(fig)
 
 
-def comparison_metrics(table: list[dict]) -> dict[str, float]:
-    """The parent run's metrics, so that its MLflow chart page compares the variants: one section
-    per measure (``eval_loss``, ``eval_accuracy``, ``probe_<task>_accuracy``) with a chart per
-    variant (``eval_loss/rate:0.15-strategy:token``), and the probes' baselines beside them."""
-    out = {}
-    for row in table:
+COMPARE = "1 compare"        # sorts first on MLflow's chart page (see pretrain/tracking/mlflow_ui.py)
+
+
+def comparison_metrics(table: list[dict]) -> list[tuple[str, float, int]]:
+    """The parent run's metrics ``(name, value, step)``, so that its MLflow chart page compares the
+    variants. First, one chart per measure with every variant in it: ``1 compare/eval_loss`` at
+    step = the variant's row in the table (MLflow draws a chart per metric name, its x axis is the
+    step). Then a section per measure (``eval_loss``, ``eval_accuracy``, ``probe_<task>_accuracy``
+    with the probes' baselines) with a chart per variant named after it
+    (``eval_loss/rate:0.15-strategy:token``: ``=`` is not allowed in a metric name)."""
+    out = []
+    for step, row in enumerate(table):
         variant = re.sub(r"[^A-Za-z0-9_\-. :]", "_", row["variant"].replace("=", ":"))
         for key, value in row.items():
             if value is None or not isinstance(value, (int, float)):
                 continue
             probe = re.match(r"^downstream/([^/]+)/(accuracy|(random_init|majority)_accuracy)$", key)
-            if key in FIRST_EVAL:
-                out[f"{key.replace('/', '_')}/{variant}"] = float(value)
-            elif probe and probe.group(3):          # a baseline: the same for every variant
-                out[f"probe_{probe.group(1)}_accuracy/baseline {probe.group(3)}"] = float(value)
-            elif probe:
-                out[f"probe_{probe.group(1)}_accuracy/{variant}"] = float(value)
+            measure = key.replace("/", "_") if key in FIRST_EVAL else f"probe_{probe.group(1)}_accuracy" \
+                if probe else None
+            if measure is None:
+                continue
+            if probe and probe.group(3):          # a baseline: the same for every variant
+                if step == 0:
+                    out.append((f"{measure}/baseline {probe.group(3)}", float(value), 0))
+                continue
+            out.append((f"{COMPARE}/{measure}", float(value), step))
+            out.append((f"{measure}/{variant}", float(value), 0))
     return out
+
+
+def comparison_note(table: list[dict], markdown: str) -> str:
+    """The parent run's description (its Overview page): which step is which variant, and the table."""
+    steps = "\n".join(f"- step {i}: `{row['variant']}`" for i, row in enumerate(table))
+    return f"In the `{COMPARE}` charts the x axis (step) is the variant:\n\n{steps}\n\n{markdown}"
 
 
 def summary_table(study, read_status: Callable, is_finished: Callable) -> tuple[list[dict], dict]:

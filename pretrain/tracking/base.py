@@ -9,6 +9,7 @@ class Tracker:
     raise because a server is unreachable: implementations buffer and retry."""
 
     run_id: Optional[str] = None
+    run_url: str | None = None        # where a person watches the run (MLflow's classic run page)
 
     def start(self, run_id: Optional[str], params: dict[str, Any], artifacts: dict[str, str]) -> Optional[str]:
         """Open (run_id given: continue) the job's run; log ``params`` (flat) and text ``artifacts``
@@ -44,6 +45,10 @@ class TrackerGroup(Tracker):
     @property
     def run_id(self) -> Optional[str]:
         return next((t.run_id for t in self.trackers if t.run_id), None)
+
+    @property
+    def run_url(self) -> str | None:
+        return next((t.run_url for t in self.trackers if t.run_url), None)
 
     def start(self, run_id, params, artifacts):
         ids = [t.start(run_id, params, artifacts) for t in self.trackers]

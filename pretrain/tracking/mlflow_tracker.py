@@ -35,7 +35,8 @@ from mlflow.tracking import MlflowClient
 from data_prep.atomic import write_atomic
 from pretrain.config.loader import flatten
 from pretrain.tracking.base import Tracker
-from pretrain.tracking.mlflow_ui import mlflow_metric_name, quiet_mlflow_links, run_url
+from pretrain.tracking.mlflow_ui import mlflow_metric_name, quiet_mlflow_links
+from pretrain.tracking.mlflow_ui import run_url as classic_run_url
 from pretrain.tracking.mlflow_requests import (MAX_BATCH_BYTES, MAX_ENTITIES_PER_BATCH, MAX_METRICS_PER_BATCH,
                                                MAX_PARAMS_TAGS_PER_BATCH, MAX_TAG_VAL_LENGTH, METRIC_NAME,
                                                environment_tags, limit_http_retries, longer_http_timeout,
@@ -370,7 +371,8 @@ class MlflowTracker(Tracker):
             init += [("text", name, content) for name, content in artifacts.items()]
             log.info("MLflow: run %s (%s) in experiment %r at %s", run.info.run_id, run.info.run_name,
                      self.cfg.tracking.experiment, self.tracking_uri)
-        log.info("MLflow: watch the run at %s", run_url(self.tracking_uri, run.info.experiment_id, run.info.run_id))
+        self.run_url = classic_run_url(self.tracking_uri, run.info.experiment_id, run.info.run_id)
+        log.info("MLflow: watch the run at %s", self.run_url)
         init += [("tag", k, v) for k, v in environment_tags(self.cfg.world_size()).items()]
         with self._cond:
             self._queue.extendleft(reversed(init))
