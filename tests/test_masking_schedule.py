@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-
 from conftest import REPO
+from test_masking import SPECIAL, pack_rows
+
 from pretrain.config import MaskingConfig
 from pretrain.masking import IGNORE_INDEX, mask_batch, rate_at_step
-from test_masking import SPECIAL, pack_rows
 
 MAX_STEPS = 1000
 
