@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import PY, REPO, _run, free_port
 
 pytestmark = pytest.mark.slow
@@ -26,7 +25,7 @@ def train(data_dir, out_dir, *overrides, ranks=1):
     args = ["--config", "configs/tiny.yaml", f"data.dir={data_dir}", f"train.out_dir={out_dir}", *COMMON, *overrides]
     cmd = ([PY, "-m", "pretrain.train", *args] if ranks == 1 else
            [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()), "--module", "pretrain.train", *args])
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
 
 
@@ -68,7 +67,7 @@ def phases(shards, wiki_txt_dir, tmp_path_factory):
 
 
 def test_phase_two_continues_phase_one_at_a_longer_sequence_length(phases):
-    root, uri, log = phases
+    root, _, log = phases
     assert "train.init_from_checkpoint: weights and optimiser moments from" in log
     assert "schedule: linear, lr 1.5e-03 at step 0 -> 0 at step 1" in log     # its own schedule, from step 0
     p1, p2 = train_losses(root / "p1"), train_losses(root / "p2")
