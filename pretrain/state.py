@@ -24,6 +24,10 @@ class TrainState:
     config: dict = field(default_factory=dict)   # the resolved config that wrote the checkpoint
     data: dict = field(default_factory=dict)     # the data stream's state_dict
     rng: dict = field(default_factory=dict)      # this rank's torch RNG states, taken when saved
+    # Loss-spike recoveries (pretrain.spike_guard): each skipped window of global samples, and the
+    # detector's recent losses, so that a resume sees and skips exactly what the first run did.
+    skipped_windows: list = field(default_factory=list)
+    spike_detector: dict = field(default_factory=dict)
 
     def state_dict(self) -> dict:
         """A snapshot, with the RNG states of this moment."""

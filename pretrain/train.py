@@ -6,7 +6,9 @@
 ``fit`` decides when to log, evaluate and checkpoint; ``train_step`` shows the mechanics of one
 optimiser step: mask on the device, forward, backward, step. Everything resumable is one
 ``TrainState``. Exit codes: 0 done, 2 bad input (before any process group starts), 3 checkpointed
-after SIGUSR1/SIGTERM (requeue me), 4 too many non-finite losses.
+after SIGUSR1/SIGTERM (requeue me) or after a hang (``train.hang_timeout_s``: no checkpoint, the last one
+resumes), 4 too many non-finite losses, 5 a loss spike past ``train.spike_guard.max_recoveries`` (or
+with no checkpoint before it).
 """
 from __future__ import annotations
 
@@ -35,11 +37,13 @@ from pretrain.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.model import build_model
 from pretrain.preflight import check_inputs
 from pretrain.seeds import derive_seed
+from pretrain.spike_guard import SpikeGuard, SpikesExhausted, inject_test_noise
 from pretrain.state import STATE_KEY, TrainState
 from pretrain.tracking import make_tracker, run_params, share_run_id
+from pretrain.watchdog import HangWatchdog, hang_for_test
 
 log = logging.getLogger("pretrain")
-EXIT_BAD_INPUT, EXIT_REQUEUE, EXIT_NONFINITE = 2, 3, 4
+EXIT_BAD_INPUT, EXIT_REQUEUE, EXIT_NONFINITE, EXIT_SPIKES = 2, 3, 4, 5
 
 
 class StopSignal:
@@ -180,22 +184,29 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
             emit(probe_metrics(module.hf_model.base_model, tasks, device, cfg.eval.downstream_batch_size), step)
         engine.train()
 
-    status = "FAILED"
+    status, watchdog = "FAILED", HangWatchdog(cfg.train.hang_timeout_s, cfg.train.out_dir, rank, tracker)
     try:
         if tasks and state.step == 0:          # what the probe scores mean: random weights, majority class
             emit(baseline_metrics(model.hf_model.config, tasks, device, cfg.eval.downstream_batch_size), 0)
         batches, window, nonfinite_in_a_row = iter(stream), ThroughputWindow(device), 0
+        guard = SpikeGuard(cfg.train.spike_guard, cfg.train.global_batch_size, checkpointing.checkpoint_root(cfg),
+                           tracker) if cfg.train.spike_guard.enabled else None
         while state.step < cfg.train.max_steps:
             engine.train()
+            watchdog.step_started()
             t_start = time.perf_counter()
             micro = [next(batches) for _ in range(grad_accum)]
+            inject_test_noise(micro, special)                 # test-only (PRETRAIN_TEST_NOISE_STEPS)
             t_data = time.perf_counter()
+            hang_for_test(rank, state.step + 1)               # test-only (PRETRAIN_TEST_HANG)
             will_log = (state.step + 1) % cfg.train.log_every == 0 or state.step + 1 == cfg.train.max_steps
             result = train_step(engine, optimizer, micro, state.step, cfg, special, info, stop, will_log)
             state.step += 1
             state.samples_consumed = stream.samples_consumed
             state.tokens_seen += cfg.train.global_batch_size * seq_len
             window.add(result, time.perf_counter() - t_start, t_data - t_start)
+            watchdog.step_done(state.step, time.perf_counter() - t_start)
+            watchdog.allow()         # logging, evaluation, checkpoints, a recovery: not a step's timeout
             step, last = state.step, state.step == cfg.train.max_steps
 
             if result.nonfinite:
@@ -210,6 +221,15 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
                     return EXIT_NONFINITE
             else:
                 nonfinite_in_a_row = 0
+            spike = guard.check(result.sums, state) if guard else None
+            if spike:                  # back to the checkpoint before it, past its samples
+                try:
+                    batches = guard.recover(engine, cfg, state, stream, batches, spike)
+                except SpikesExhausted as exc:
+                    log.error("stopping: %s", exc)
+                    return EXIT_SPIKES
+                window = ThroughputWindow(device)
+                continue
 
             if will_log:
                 metrics = window.metrics(cfg.train.global_batch_size, world, flops_per_seq, peak)
@@ -247,6 +267,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
         status = "FINISHED"
         return 0
     finally:
+        watchdog.stop()
         tracker.finish(status)        # flushes what it buffered and marks the run
 
 

@@ -24,6 +24,9 @@ class Tracker:
     def log_model(self, hf_dir: str, step: int, final: bool) -> None:
         """A Hugging Face export folder to store as an artifact (and register when configured)."""
 
+    def log_event(self, name: str, text: str, step: int) -> None:
+        """Something a person should find on the run: a spike recovery, a hang (a tag ``event/<name>``)."""
+
     def finish(self, status: str = "FINISHED") -> None:
         """Flush everything buffered and close the run (status: FINISHED, FAILED or KILLED)."""
 
@@ -57,6 +60,10 @@ class TrackerGroup(Tracker):
     def log_model(self, hf_dir, step, final):
         for t in self.trackers:
             t.log_model(hf_dir, step, final)
+
+    def log_event(self, name, text, step):
+        for t in self.trackers:
+            t.log_event(name, text, step)
 
     def finish(self, status="FINISHED"):
         for t in self.trackers:
