@@ -33,6 +33,7 @@ from pretrain.data import TrainStream, eval_batches
 from pretrain.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
 from pretrain.eval_tasks import TaskError
 from pretrain.flops import mlm_flops_per_sequence
+from pretrain.health import LayerHealth
 from pretrain.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.model import build_model
 from pretrain.preflight import check_inputs
@@ -72,7 +73,7 @@ class StepResult:
 
 
 def train_step(engine, optimizer, micro_batches: list[dict], step: int, cfg: Config, special: SpecialIds,
-               info: eng.DistInfo, stop: StopSignal, want_grad_norm: bool) -> StepResult:
+               info: eng.DistInfo, stop: StopSignal, want_grad_norm: bool, before_step=None) -> StepResult:
     device, rank, world = info.device, info.rank, info.world
     masked = []
     for i, batch in enumerate(micro_batches):
@@ -106,6 +107,8 @@ def train_step(engine, optimizer, micro_batches: list[dict], step: int, cfg: Con
             optimizer.skip_next_step = bool(flags[0])
             if want_grad_norm and cfg.impl.zero_stage == 0:
                 grad_norm = eng.local_grad_norm(engine)
+            if before_step:
+                before_step()                                 # per-layer health: gradients are whole here
         engine.step()
     optimizer.skip_next_step = False
     return StepResult(sums, bool(flags[0]), bool(flags[1]), grad_norm)
@@ -189,6 +192,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
         if tasks and state.step == 0:          # what the probe scores mean: random weights, majority class
             emit(baseline_metrics(model.hf_model.config, tasks, device, cfg.eval.downstream_batch_size), 0)
         batches, window, nonfinite_in_a_row = iter(stream), ThroughputWindow(device), 0
+        health = LayerHealth(engine, cfg.train.health_every, cfg.impl.zero_stage)
         guard = SpikeGuard(cfg.train.spike_guard, cfg.train.global_batch_size, checkpointing.checkpoint_root(cfg),
                            tracker) if cfg.train.spike_guard.enabled else None
         while state.step < cfg.train.max_steps:
@@ -200,7 +204,11 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
             t_data = time.perf_counter()
             hang_for_test(rank, state.step + 1)               # test-only (PRETRAIN_TEST_HANG)
             will_log = (state.step + 1) % cfg.train.log_every == 0 or state.step + 1 == cfg.train.max_steps
-            result = train_step(engine, optimizer, micro, state.step, cfg, special, info, stop, will_log)
+            check_health = health.due(state.step + 1)
+            result = train_step(engine, optimizer, micro, state.step, cfg, special, info, stop, will_log,
+                                health.before_step if check_health else None)
+            if check_health:
+                tracker.log_metrics(health.after_step(state.step + 1), state.step + 1)
             state.step += 1
             state.samples_consumed = stream.samples_consumed
             state.tokens_seen += cfg.train.global_batch_size * seq_len
