@@ -53,7 +53,7 @@ class SpikeDetector:
     mean + ``sigmas`` x std make a spike. Steps above the line wait in ``pending``: if the run of
     them ends short of ``consecutive``, they were ordinary steps and join the window."""
 
-    def __init__(self, cfg: SpikeGuardConfig, state: Optional[dict] = None):
+    def __init__(self, cfg: SpikeGuardConfig, state: dict | None = None):
         self.cfg = cfg
         self.history: list[float] = list((state or {}).get("history", []))
         self.pending: list[list] = [list(p) for p in (state or {}).get("pending", [])]
@@ -61,7 +61,7 @@ class SpikeDetector:
     def state_dict(self) -> dict:
         return {"history": list(self.history), "pending": [list(p) for p in self.pending]}
 
-    def threshold(self) -> Optional[float]:
+    def threshold(self) -> float | None:
         if len(self.history) < self.cfg.min_window:
             return None
         n = len(self.history)
@@ -70,7 +70,7 @@ class SpikeDetector:
         # A flat stretch would otherwise call the smallest wobble a spike.
         return mean + self.cfg.sigmas * max(std, 1e-3 * abs(mean), 1e-6)
 
-    def observe(self, step: int, loss: float) -> Optional[tuple[int, int]]:
+    def observe(self, step: int, loss: float) -> tuple[int, int] | None:
         """Feed step ``step``'s loss; returns (first, last) spiking step once a spike is confirmed."""
         if not math.isfinite(loss):
             return None                      # the non-finite skip handles these
@@ -100,13 +100,13 @@ class SpikeGuard:
     def __init__(self, cfg: SpikeGuardConfig, global_batch: int, root, tracker):
         self.cfg, self.global_batch, self.root, self.tracker = cfg, global_batch, root, tracker
 
-    def check(self, sums: torch.Tensor, state: TrainState) -> Optional[tuple[int, int]]:
+    def check(self, sums: torch.Tensor, state: TrainState) -> tuple[int, int] | None:
         detector = SpikeDetector(self.cfg, state.spike_detector)
         spike = detector.observe(state.step, step_loss(sums))
         state.spike_detector = detector.state_dict()
         return spike
 
-    def checkpoint_before(self, first: int) -> Optional[str]:
+    def checkpoint_before(self, first: int) -> str | None:
         tags = [t for t in checkpointing.complete_tags(self.root) if t.startswith("step") and int(t[4:]) < first]
         return tags[-1] if tags else None
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from data_prep.shard_format import ShardError
-from pretrain import checkpointing, configlib, engine as eng, hardware
+from pretrain import checkpointing, configlib, console, engine as eng, hardware
 from pretrain.config import Config, ConfigError, load_config
 from pretrain.data import TrainStream, eval_batches
 from pretrain.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
@@ -175,10 +175,14 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
              "peak %.3f TFLOP/s per process (%s)", state.step, f" (resumed from {resume_from})" if resume_from else "",
              world, grad_accum, precision, why, cfg.impl.zero_stage, eng.num_parameters(model), peak, peak_source)
 
-    def emit(metrics: dict, step: int) -> None:
+    latest, t_fit = {}, time.perf_counter()      # for the end-of-run summary
+
+    def emit(metrics: dict, step: int, suffix: str = "") -> None:
         if metrics:
-            log.info("step %d %s", step, " ".join(f"{k.split('/', 1)[-1]}={_fmt(v)}" for k, v in metrics.items()))
+            log.info("step %d %s%s", step, " ".join(f"{k.split('/', 1)[-1]}={_fmt(v)}" for k, v in metrics.items()),
+                     suffix)
             tracker.log_metrics(metrics, step)
+            latest.update(metrics)
 
     def probe(step: int) -> None:
         """The downstream probe on the trainer's own weights (whole at ZeRO-3: every rank calls)."""
@@ -246,7 +250,8 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
                 emit({**metrics, "train/lr": scheduler.get_last_lr()[0],
                       "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                       "perf/memory_gb": _memory_gb(device), "train/tokens_seen": state.tokens_seen,
-                      "train/nonfinite_skipped": state.nonfinite_total}, step)
+                      "train/nonfinite_skipped": state.nonfinite_total}, step,
+                     f" left={console.time_left(cfg.train.max_steps - step, metrics['perf/step_time_s'])}")
             if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
                 emit(evaluate(engine, cfg, manifest, special, info), step)
             if tasks and probe_due(step, cfg.eval.downstream_every, cfg.train.eval_every, last):
@@ -272,6 +277,7 @@ def fit(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info:
             if tasks:
                 probe(state.step)
             export_final(cfg, tracker, state.step)
+        log.info("%s", console.summary(state, cfg, time.perf_counter() - t_fit, latest, tracker))
         status = "FINISHED"
         return 0
     finally:
@@ -311,7 +317,8 @@ def export_to(cfg: Config, tag: str, out: Path) -> None:
 
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    export_checkpoint(checkpointing.checkpoint_root(cfg), tag, tmp)
+    with console.chatter_to_file():
+        export_checkpoint(checkpointing.checkpoint_root(cfg), tag, tmp)
     (tmp / EXPORT_SOURCE).write_text(tag + "\n")
     if out.exists():
         shutil.rmtree(out)
@@ -385,6 +392,7 @@ def main(argv=None) -> int:
     # rank finds the same problems, the first one reports them.
     try:
         cfg = load_config(args.config, args.overrides)
+        console.quiet_third_party(cfg.train.out_dir, int(os.environ.get("RANK", "0")))
         # The first rank holds the run folder from here on; a previous job still writing its
         # checkpoint is waited for, before the checkpoint to resume from is chosen.
         run_lock = checkpointing.RunLock(cfg.train.out_dir) if first_rank else None   # noqa: F841 (held)

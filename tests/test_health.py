@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
-
 from test_train import COMMON, train
 
 pytestmark = pytest.mark.slow
@@ -38,6 +38,16 @@ def test_every_layer_has_health_metrics_every_n_steps(health_runs):
             assert 1e-4 < row[f"health/{g}/update_ratio"] < 0.1, (step, g, row)
     # The head holds the 4096-token output bias and the embeddings the 4096 x 64 table.
     assert metrics[4]["health/embeddings/param_norm"] > metrics[4]["health/layer_00/param_norm"] / 10
+
+
+def test_the_console_shows_our_lines_with_the_time_left_and_a_summary(health_runs):
+    _, proc = health_runs[0]
+    console = proc.stdout + proc.stderr
+    for noise in ("FutureWarning", "LOAD REPORT", "corrupted", "Reconstructed fp32 state dict", "gcc "):
+        assert noise not in console, noise
+    assert re.search(r" INFO step 4 loss=\S+ .*tokens_per_s=\S+ .* left=0m\d\ds\n", proc.stdout), proc.stdout[-3000:]
+    assert re.search(r" INFO done: 8 steps, 8,192 tokens in \dm\d\ds; train/loss \d\.\d+, eval/loss \d\.\d+\n"
+                     r"  checkpoints: .*\n  export: .*hf_final", proc.stdout), proc.stdout[-3000:]
 
 
 @pytest.mark.parametrize("stage", [2, 3])

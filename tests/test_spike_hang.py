@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
+from test_train import COMMON, DEEPSPEED, PY, losses, run
 
 from pretrain.config import SpikeGuardConfig
 from pretrain.spike_guard import SpikeDetector
-from conftest import free_port
-from test_train import COMMON, DEEPSPEED, PY, losses, run
 
 # Data steps 10 and 11 (0-based) are noise: optimiser steps 11 and 12 spike. A checkpoint every 4
 # steps leaves step 8 as the one before the spike.
