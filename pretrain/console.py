@@ -13,7 +13,7 @@ import logging
 import warnings
 from pathlib import Path
 
-OURS = "pretrain"
+OURS = ("pretrain", "data_prep")
 CHATTY = ("DeepSpeed", "transformers", "torch", "accelerate", "py.warnings")   # to the console: errors only
 QUIET_CATEGORIES = (FutureWarning, DeprecationWarning, PendingDeprecationWarning)
 _LOG_FILE: Path | None = None
@@ -24,7 +24,7 @@ class _ConsoleFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         name = record.name
-        if name == OURS or name.startswith(OURS + "."):
+        if any(name == o or name.startswith(o + ".") for o in OURS):
             return True
         if any(name == c or name.startswith(c + ".") for c in CHATTY):
             return record.levelno >= logging.ERROR
@@ -43,7 +43,7 @@ def quiet_third_party(out_dir: str, rank: int) -> Path:
         handler.addFilter(_ConsoleFilter())
     root.addHandler(to_file)
     root.setLevel(logging.INFO)              # third-party INFO reaches the file, not the console
-    logging.getLogger(OURS).setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logging.getLogger("pretrain").setLevel(logging.INFO if rank == 0 else logging.WARNING)
     for name in ("DeepSpeed", "transformers"):     # both keep console handlers of their own
         lib = logging.getLogger(name)
         lib.handlers, lib.propagate = [], True

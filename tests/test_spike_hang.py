@@ -91,3 +91,16 @@ def test_a_spike_past_the_cap_stops_with_exit_5(shards, tmp_path):
     assert proc.returncode == 5, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "stopping: loss spike from step 11 to 12 after 0 recoveries" in proc.stdout
     assert not (Path(tmp_path) / "checkpoints" / "step00000012").exists()
+
+
+def test_bad_guard_settings_are_all_reported_before_anything_starts(shards):
+    from pretrain.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/tiny.yaml", [f"data.dir={shards}", "train.spike_guard.window=4",
+                                          "train.spike_guard.min_window=8", "train.spike_guard.sigmas=0",
+                                          "train.hang_timeout_s=-5", "train.health_every=-1"])
+    text = str(err.value)
+    for problem in ("train.spike_guard.min_window (8) must be <= window (4)", "train.spike_guard.sigmas: must be positive",
+                    "train.hang_timeout_s: must be >= 0", "train.health_every: must be >= 0"):
+        assert problem in text, text
