@@ -101,6 +101,6 @@ def test_bad_guard_settings_are_all_reported_before_anything_starts(shards):
                                           "train.spike_guard.min_window=8", "train.spike_guard.sigmas=0",
                                           "train.hang_timeout_s=-5", "train.health_every=-1"])
     text = str(err.value)
-    for problem in ("train.spike_guard.min_window (8) must be <= window (4)", "train.spike_guard.sigmas: must be positive",
-                    "train.hang_timeout_s: must be >= 0", "train.health_every: must be >= 0"):
+    for problem in ("train.spike_guard.min_window (8) must be <= window (4)",
+                    "train.spike_guard.sigmas: must be positive", "train.hang_timeout_s: must be >= 0", "train.health_every: must be >= 0"):
         assert problem in text, text
