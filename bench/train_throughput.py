@@ -95,6 +95,10 @@ VARIANTS: dict[str, Variant] = {
     "ours-unfusedopt": Variant("ours, eager, impl.fused_optimizer=false (torch foreach AdamW)", "ours",
                                ("impl.fused_optimizer=false",)),
     "ours-nodrop": Variant("ours, eager, no dropout", "ours", NO_DROPOUT),
+    # What per-layer health (pretrain/health.py) costs: compare with ours / ours-zero1.
+    "ours-health10": Variant("ours, eager, train.health_every=10", "ours", ("train.health_every=10",)),
+    "ours-zero1-health10": Variant("ours, eager, ZeRO 1, train.health_every=10", "ours",
+                                   ("impl.zero_stage=1", "train.health_every=10")),
     "bare": Variant("bare PyTorch loop, our model + sparse head, AdamW (foreach)", "bare",
                     options=(("fused", False), ("compile", False))),
     "bare-fused": Variant("bare loop, fused AdamW", "bare", options=(("fused", True), ("compile", False))),

@@ -6,7 +6,9 @@
 ``fit`` decides when to log, evaluate and checkpoint; ``train_step`` shows the mechanics of one
 optimiser step: mask on the device, forward, backward, step. Everything resumable is one
 ``TrainState``. Exit codes: 0 done, 2 bad input (before any process group starts, or read mid-run:
-then on every rank), 3 checkpointed after SIGUSR1/SIGTERM (requeue me), 4 too many non-finite losses.
+then on every rank), 3 checkpointed after SIGUSR1/SIGTERM (requeue me) or after a hang
+(``train.hang_timeout_s``: no checkpoint, the last one resumes), 4 too many non-finite losses, 5 a loss
+spike past ``train.spike_guard.max_recoveries`` (or with no checkpoint before it).
 """
 from __future__ import annotations
 
@@ -17,16 +19,17 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from data_prep import stale_shm
 from data_prep.shard_format import ShardError
-from pretrain.checkpoint import files
+from pretrain import console
+from pretrain.checkpoint import files, phases
 from pretrain.checkpoint import store as checkpointing
 from pretrain.checkpoint.export import export_to, exported_from, final_export_dir, step_export_dir
 from pretrain.checkpoint.state import STATE_KEY, TrainState
@@ -38,20 +41,21 @@ from pretrain.eval.mlm import evaluate      # a fixed set of held-out sequences,
 from pretrain.eval.tasks import TaskError
 from pretrain.model import keyed_dropout
 from pretrain.model.flops import mlm_flops_per_sequence
-from pretrain.model.masking import SpecialIds
+from pretrain.model.masking import SpecialIds, rate_at_step
 from pretrain.model.mlm import MLMModel, build_model
+from pretrain.model.schedule import continue_schedule
 from pretrain.preflight import check_inputs
 from pretrain.report.page import report_at_end
-from pretrain.step import StepResult, StopSignal, ThroughputWindow, train_step
 from pretrain.runtime import bad_input, hardware, lifeline
 from pretrain.runtime import engine as eng
+from pretrain.runtime.health import LayerHealth
+from pretrain.runtime.watchdog import HangWatchdog, hang_for_test
+from pretrain.spike_guard import SpikeGuard, SpikesExhausted, inject_test_noise
+from pretrain.step import StepResult, StopSignal, ThroughputWindow, train_step
 from pretrain.tracking import make_tracker, resume_log, run_params
-from pretrain.checkpoint import phases
-from pretrain.model.masking import rate_at_step
-from pretrain.model.schedule import continue_schedule
 
 log = logging.getLogger("pretrain")
-EXIT_BAD_INPUT, EXIT_REQUEUE, EXIT_NONFINITE = 2, 3, 4
+EXIT_BAD_INPUT, EXIT_REQUEUE, EXIT_NONFINITE, EXIT_SPIKES = 2, 3, 4, 5
 
 
 @dataclass
@@ -76,12 +80,16 @@ class Run:
     mfu_check: Any = None
     exit_code: int = 0
     status: str = "FAILED"         # what the tracker marks the run with when fit returns
+    latest: dict = field(default_factory=dict)          # the last value of every metric, for the summary
+    started: float = field(default_factory=time.perf_counter)
 
-    def emit(self, metrics: dict, step: int) -> None:
+    def emit(self, metrics: dict, step: int, suffix: str = "") -> None:
         if metrics:
-            log.info("step %d %s", step, " ".join(f"{k.split('/', 1)[-1]}={_fmt(v)}" for k, v in metrics.items()))
+            log.info("step %d %s%s", step, " ".join(f"{k.split('/', 1)[-1]}={_fmt(v)}" for k, v in metrics.items()),
+                     suffix)
             self.tracker.log_metrics(metrics, step)
             resume_log.remember(self.state, metrics, step)
+            self.latest.update(metrics)
 
     def probe(self, step: int) -> None:
         """The downstream probe on the trainer's own weights (whole at ZeRO-3: every rank calls)."""
@@ -167,6 +175,10 @@ def fit(run: Run) -> int:
     """The loop: one optimiser step, then what is due after it (log, evaluate, probe, checkpoint)."""
     cfg, state, info = run.cfg, run.state, run.info
     grad_accum, seq_len = cfg.grad_accum_steps(info.world), run.manifest["seq_len"]
+    watchdog = HangWatchdog(cfg.train.hang_timeout_s, cfg.train.out_dir, info.rank, run.tracker)
+    health = LayerHealth(run.engine, cfg.train.health_every, cfg.impl.zero_stage)
+    guard = SpikeGuard(cfg.train.spike_guard, cfg.train.global_batch_size, checkpointing.checkpoint_root(cfg),
+                       run.tracker) if cfg.train.spike_guard.enabled else None
     try:
         if run.tasks and state.step == 0:      # what the probe scores mean: random weights, majority class
             run.emit(baseline_metrics(run.model.hf_model.config, run.tasks, info.device,
@@ -174,20 +186,28 @@ def fit(run: Run) -> int:
         batches, window, nonfinite_in_a_row = iter(run.stream), ThroughputWindow(info.device), 0
         resume_log.restore_window(window, state.log_window, info.rank)   # the first log averages the whole window
         while state.step < cfg.train.max_steps:
-            # one step: read, mask, forward, backward, update
+            # one step: read, mask, forward, backward, update (per-layer health when due)
             run.engine.train()
+            watchdog.step_started()
             t_start = time.perf_counter()
             micro = bad_input.next_micro_batches(batches, grad_accum, run.special, cfg.impl.micro_batch_size, seq_len)
+            inject_test_noise(micro, run.special)             # test-only (PRETRAIN_TEST_NOISE_STEPS)
             t_data = time.perf_counter()
+            hang_for_test(info.rank, state.step + 1)          # test-only (PRETRAIN_TEST_HANG)
             will_log = (state.step + 1) % cfg.train.log_every == 0 or state.step + 1 == cfg.train.max_steps
-            result = train_step(run, micro, will_log)
+            check_health = health.due(state.step + 1)
+            result = train_step(run, micro, will_log, health.before_step if check_health else None)
             if result.bad_input:
                 bad_input.report(micro, info.rank)
                 return EXIT_BAD_INPUT
+            if check_health:
+                run.tracker.log_metrics(health.after_step(state.step + 1), state.step + 1)
             state.step += 1
             state.samples_consumed = run.stream.samples_consumed
             state.tokens_seen += cfg.train.global_batch_size * seq_len
             window.add(result, time.perf_counter() - t_start, t_data - t_start)
+            watchdog.step_done(state.step, time.perf_counter() - t_start)
+            watchdog.allow()         # logging, evaluation, checkpoints, a recovery: not a step's timeout
             step, last = state.step, state.step == cfg.train.max_steps
 
             # a non-finite loss skipped the update everywhere; too many in a row stop the run
@@ -195,9 +215,20 @@ def fit(run: Run) -> int:
             if result.nonfinite and too_many_nonfinite(run, nonfinite_in_a_row):
                 return EXIT_NONFINITE
 
+            # a loss spike: back to the checkpoint before it, past its samples
+            if guard and (spike := guard.check(result.sums, state)):
+                try:
+                    batches = guard.recover(run.engine, cfg, state, run.stream, batches, spike)
+                except SpikesExhausted as exc:
+                    log.error("stopping: %s", exc)
+                    return EXIT_SPIKES
+                window = ThroughputWindow(info.device)
+                continue
+
             # log, evaluate, probe
             if will_log:
-                run.emit(train_metrics(run, window, result), step)
+                metrics = train_metrics(run, window, result)
+                run.emit(metrics, step, f" left={console.time_left(cfg.train.max_steps - step, metrics['perf/step_time_s'])}")
             if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
                 run.emit(evaluate(run.engine, cfg, run.special, info), step)
             if run.tasks and probe_due(step, cfg.eval.downstream_every, cfg.train.eval_every, last):
@@ -209,6 +240,7 @@ def fit(run: Run) -> int:
         finish(run)
         return 0
     finally:
+        watchdog.stop()
         run.tracker.finish(run.status)        # flushes what it buffered and marks the run
 
 
@@ -272,6 +304,7 @@ def finish(run: Run) -> None:
         export_final(run)
     if run.info.rank == 0:
         report_at_end(cfg, run.manifest, run.tracker)      # never raises; logged as the run's report/ artifact
+    log.info("%s", console.summary(run.state, cfg, time.perf_counter() - run.started, run.latest, run.tracker))
     run.status = "FINISHED"
 
 
@@ -292,7 +325,8 @@ def checkpoint(run: Run, export: bool, final: bool) -> None:
             export_final(run)
         elif dist.get_rank() == 0:
             out = step_export_dir(cfg.train.out_dir, state.step)
-            export_to(checkpointing.checkpoint_root(cfg), tag, out)
+            with console.chatter_to_file():
+                export_to(checkpointing.checkpoint_root(cfg), tag, out)
             run.tracker.log_model(str(out), state.step, final=False)
     dist.barrier()
 
@@ -300,7 +334,8 @@ def checkpoint(run: Run, export: bool, final: bool) -> None:
 def export_final(run: Run) -> None:
     if dist.get_rank() == 0:
         out = final_export_dir(run.cfg.train.out_dir)
-        export_to(checkpointing.checkpoint_root(run.cfg), checkpointing.tag_for_step(run.state.step), out)
+        with console.chatter_to_file():
+            export_to(checkpointing.checkpoint_root(run.cfg), checkpointing.tag_for_step(run.state.step), out)
         run.tracker.log_model(str(out), run.state.step, final=True)
     dist.barrier()
 
@@ -338,6 +373,7 @@ def main(argv=None) -> int:
     # rank finds the same problems, the first one reports them.
     try:
         cfg = load_config(args.config, args.overrides)
+        console.quiet_third_party(cfg.train.out_dir, int(os.environ.get("RANK", "0")))
         # The first rank holds the run folder from here on; a previous job still writing its
         # checkpoint is waited for, before the checkpoint to resume from is chosen.
         run_lock = checkpointing.RunLock(cfg.train.out_dir) if first_rank else None   # noqa: F841 (held)

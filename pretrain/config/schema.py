@@ -246,6 +246,32 @@ class OptimConfig:
 
 
 @dataclass
+class SpikeGuardConfig:
+    """A loss spike: a step whose loss (all ranks) is more than ``sigmas`` standard deviations above
+    the mean of the last ``window`` steps, ``consecutive`` steps in a row. The run goes back to the
+    last complete checkpoint from before the spike and skips the samples from there to past it
+    (at least ``skip_steps`` global batches). See pretrain/spike_guard.py."""
+    enabled: bool = False
+    window: int = 100                  # recent steps the mean and spread are taken over
+    min_window: int = 20               # no verdict before this many steps are in the window
+    sigmas: float = 6.0
+    consecutive: int = 2
+    skip_steps: int = 200              # global batches skipped from the reloaded position, at least
+    max_recoveries: int = 5            # another spike after this many recoveries stops the run (exit 5)
+
+    def check(self) -> list[str]:
+        p = [f"{n}: must be >= 1, got {getattr(self, n)}"
+             for n in ("window", "min_window", "consecutive", "skip_steps") if getattr(self, n) < 1]
+        if self.min_window > self.window:
+            p.append(f"min_window ({self.min_window}) must be <= window ({self.window})")
+        if self.sigmas <= 0:
+            p.append(f"sigmas: must be positive, got {self.sigmas}")
+        if self.max_recoveries < 0:
+            p.append(f"max_recoveries: must be >= 0, got {self.max_recoveries}")
+        return p
+
+
+@dataclass
 class TrainConfig:
     global_batch_size: int = 256       # sequences per optimiser step, all ranks and micro-steps together
     max_steps: int = 1000
@@ -269,14 +295,21 @@ class TrainConfig:
     # Checkpoint and exit (code 0) at this step without touching the schedule, which max_steps
     # defines: splits a run into jobs of fixed length. 0: run to max_steps.
     halt_at_step: int = 0
+    spike_guard: SpikeGuardConfig = field(default_factory=SpikeGuardConfig)
+    # No step finished for this long: every rank writes its stacks to the run folder and the job
+    # exits 3 (requeue). 0: automatic, max(300 s, 20 x the median step time); -1: off.
+    hang_timeout_s: float = 0.0
+    health_every: int = 0              # per-layer grad/param/update norms every N steps; 0 = off
 
     def check(self) -> list[str]:
         p = []
+        if self.hang_timeout_s < 0 and self.hang_timeout_s != -1:
+            p.append(f"hang_timeout_s: must be >= 0 (0 = automatic) or -1 (off), got {self.hang_timeout_s}")
         for name in ("global_batch_size", "max_steps", "log_every"):
             if getattr(self, name) <= 0:
                 p.append(f"{name}: must be positive, got {getattr(self, name)}")
         for name in ("eval_every", "eval_sequences", "checkpoint_every", "keep_checkpoints", "export_every",
-                     "halt_at_step"):
+                     "halt_at_step", "health_every"):
             if getattr(self, name) < 0:
                 p.append(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.max_nonfinite_in_a_row < 1:

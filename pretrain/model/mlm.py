@@ -178,6 +178,9 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, im
             folder, attn_implementation=attention, dtype=torch.float32, local_files_only=True,
             output_loading_info=True)
         fresh = set(loading["missing_keys"])
+        if fresh:     # one line instead of transformers' load report
+            log.info("model.init_from: %d weight tensors are not in %s and start fresh (%s)", len(fresh), folder,
+                     ", ".join(sorted({k.rsplit(".", 1)[0] for k in fresh})[:4]) + (", ..." if len(fresh) > 4 else ""))
     else:
         if shape_from:
             config = MASKED_LM_CLASSES[model_cfg.arch].config_class.from_json_file(shape_from)

@@ -28,6 +28,9 @@ class Tracker:
     def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
         """A folder of files (e.g. the run report) to store under ``artifact_path``; may upload later."""
 
+    def log_event(self, name: str, text: str, step: int) -> None:
+        """Something a person should find on the run: a spike recovery, a hang (a tag ``event/<name>``)."""
+
     def finish(self, status: str = "FINISHED") -> None:
         """Flush everything buffered and close the run (status: FINISHED, FAILED or KILLED)."""
 
@@ -69,6 +72,10 @@ class TrackerGroup(Tracker):
     def log_artifacts(self, local_dir, artifact_path):
         for t in self.trackers:
             t.log_artifacts(local_dir, artifact_path)
+
+    def log_event(self, name, text, step):
+        for t in self.trackers:
+            t.log_event(name, text, step)
 
     def finish(self, status="FINISHED"):
         for t in self.trackers:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from pathlib import Path
 
 from data_prep.atomic import write_atomic
@@ -60,6 +61,11 @@ class JsonlTracker(Tracker):
         record = {"step": step, **{k: strict_json_value(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
+
+    def log_event(self, name: str, text: str, step: int) -> None:
+        """Events go to ``events.jsonl`` beside the metrics (the report marks them on the curves)."""
+        with open(self.path.with_name("events.jsonl"), "a") as f:
+            f.write(json.dumps({"step": int(step), "event": name, "text": text, "time": time.time()}) + "\n")
 
     def finish(self, status: str = "FINISHED") -> None:
         if not self._file.closed:

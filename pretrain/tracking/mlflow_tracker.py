@@ -137,6 +137,11 @@ class MlflowTracker(Tracker):
             ("text", f"checkpoints/{tag}.json", json.dumps(record, indent=1)),
         ])
 
+    def log_event(self, name: str, text: str, step: int) -> None:
+        # A tag per kind (the latest) and a text file per event (all of them, in order).
+        self._enqueue([("tag", f"event/{name}", f"step {int(step)}: {text}"[:MAX_TAG_VAL_LENGTH]),
+                       ("text", f"events/{int(time.time() * 1000)}-{name}.txt", f"step {int(step)}: {text}\n")])
+
     def log_model(self, hf_dir: str, step: int, final: bool) -> None:
         """Uploads now (bounded retries; one try during a known outage). What fails is queued and
         retried in the background, so ``hf_dir`` should stay in place; it is named in the warning."""

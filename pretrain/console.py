@@ -1,0 +1,110 @@
+"""A console a person can read: our own lines on rank 0; third-party chatter in a file.
+
+Left alone, a run's console mixes our lines with DeepSpeed's INFO lines and op builds, torch's
+``FutureWarning``s (``all_gather_into_tensor`` on every save) and transformers' load reports. Those
+go to ``<out_dir>/third_party-rank<N>.log`` instead; their errors still reach the console, and so do
+warnings from anything that is not known chatter. Also here: the time left in the progress line and
+the summary at the end of a run.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from pathlib import Path
+
+OURS = ("pretrain", "data_prep")
+CHATTY = ("DeepSpeed", "transformers", "torch", "accelerate", "py.warnings")   # to the console: errors only
+QUIET_CATEGORIES = (FutureWarning, DeprecationWarning, PendingDeprecationWarning)
+_LOG_FILE: Path | None = None
+
+
+class _ConsoleFilter(logging.Filter):
+    """Ours from INFO; known chatter from ERROR; anything else from WARNING."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        name = record.name
+        if any(name == o or name.startswith(o + ".") for o in OURS):
+            return True
+        if any(name == c or name.startswith(c + ".") for c in CHATTY):
+            return record.levelno >= logging.ERROR
+        return record.levelno >= logging.WARNING
+
+
+def quiet_third_party(out_dir: str, rank: int) -> Path:
+    """Route third-party logging and deprecation warnings of this process to a file in the run folder."""
+    global _LOG_FILE
+    path = _LOG_FILE = Path(out_dir) / f"third_party-rank{rank}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(path)
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    for handler in root.handlers:
+        handler.addFilter(_ConsoleFilter())
+    root.addHandler(to_file)
+    root.setLevel(logging.INFO)              # third-party INFO reaches the file, not the console
+    logging.getLogger("pretrain").setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    for name in ("DeepSpeed", "transformers"):     # both keep console handlers of their own
+        lib = logging.getLogger(name)
+        lib.handlers, lib.propagate = [], True
+        lib.setLevel(logging.INFO)
+    _warnings_to(logging.getLogger("py.warnings"))
+    silence_transformers_load_report()
+    return path
+
+
+def _warnings_to(logger: logging.Logger) -> None:
+    shown = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, QUIET_CATEGORIES):
+            logger.info("%s:%s: %s: %s", filename, lineno, category.__name__, message)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+
+
+def silence_transformers_load_report() -> None:
+    """transformers prints its load report (missing MLM head weights etc.) through its own logger;
+    ``pretrain.model`` says in one line which weights start fresh instead."""
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_default_handler()
+        hf_logging.enable_propagation()
+    except ImportError:           # pragma: no cover - transformers is a dependency
+        pass
+
+
+@contextlib.contextmanager
+def chatter_to_file():
+    """Prints and progress bars of a library call (DeepSpeed's checkpoint conversion on export) go to
+    the third-party log, not the console."""
+    if _LOG_FILE is None:
+        yield
+        return
+    with open(_LOG_FILE, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        yield
+
+
+def time_left(steps_left: int, seconds_per_step: float) -> str:
+    seconds = max(0, round(steps_left * seconds_per_step))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def summary(state, cfg, wall_s: float, last_metrics: dict, tracker) -> str:
+    """The end-of-run summary: what was done, where it is."""
+    out = Path(cfg.train.out_dir)
+    losses = ", ".join(f"{k} {v:.4f}" for k, v in last_metrics.items() if k in ("train/loss", "eval/loss"))
+    lines = [f"done: {state.step} steps, {state.tokens_seen:,} tokens in {time_left(1, wall_s)}"
+             + (f"; {losses}" if losses else ""),
+             f"  checkpoints: {out / 'checkpoints'}"]
+    if (out / "hf_final").is_dir():
+        lines.append(f"  export: {out / 'hf_final'}")
+    if state.skipped_windows:
+        lines.append(f"  loss spikes recovered: {len(state.skipped_windows)}")
+    run_id = getattr(tracker, "run_id", None)
+    if run_id:
+        lines.append(f"  tracking run: {run_id} ({cfg.tracking.backend})")
+    return "\n".join(lines)
