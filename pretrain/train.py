@@ -181,8 +181,7 @@ def fit(run: Run) -> int:
                        run.tracker) if cfg.train.spike_guard.enabled else None
     try:
         if run.tasks and state.step == 0:      # what the probe scores mean: random weights, majority class
-            run.emit(baseline_metrics(run.model.hf_model.config, run.tasks, info.device,
-                                      cfg.eval.downstream_batch_size), 0)
+            run.emit(baseline_metrics(run.model.hf_model.config, run.tasks, info.device, cfg.eval.downstream_batch_size), 0)
         batches, window, nonfinite_in_a_row = iter(run.stream), ThroughputWindow(info.device), 0
         resume_log.restore_window(window, state.log_window, info.rank)   # the first log averages the whole window
         while state.step < cfg.train.max_steps:
@@ -207,8 +206,6 @@ def fit(run: Run) -> int:
             state.tokens_seen += cfg.train.global_batch_size * seq_len
             window.add(result, time.perf_counter() - t_start, t_data - t_start)
             watchdog.step_done(state.step, time.perf_counter() - t_start)
-            watchdog.allow()         # logging, evaluation, checkpoints, a recovery: not a step's timeout
-            step, last = state.step, state.step == cfg.train.max_steps
 
             # a non-finite loss skipped the update everywhere; too many in a row stop the run
             nonfinite_in_a_row = nonfinite_in_a_row + 1 if result.nonfinite else 0
@@ -217,22 +214,14 @@ def fit(run: Run) -> int:
 
             # a loss spike: back to the checkpoint before it, past its samples
             if guard and (spike := guard.check(result.sums, state)):
-                try:
-                    batches = guard.recover(run.engine, cfg, state, run.stream, batches, spike)
-                except SpikesExhausted as exc:
-                    log.error("stopping: %s", exc)
+                batches = recover_from_spike(run, guard, spike, batches)
+                if batches is None:
                     return EXIT_SPIKES
                 window = ThroughputWindow(info.device)
                 continue
 
             # log, evaluate, probe
-            if will_log:
-                metrics = train_metrics(run, window, result)
-                run.emit(metrics, step, f" left={console.time_left(cfg.train.max_steps - step, metrics['perf/step_time_s'])}")
-            if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
-                run.emit(evaluate(run.engine, cfg, run.special, info), step)
-            if run.tasks and probe_due(step, cfg.eval.downstream_every, cfg.train.eval_every, last):
-                run.probe(step)
+            log_evaluate_probe(run, window, result, will_log)
 
             # checkpoint, and stop when asked to
             if checkpoint_and_decide_exit(run, result, window):
@@ -242,6 +231,27 @@ def fit(run: Run) -> int:
     finally:
         watchdog.stop()
         run.tracker.finish(run.status)        # flushes what it buffered and marks the run
+
+
+def recover_from_spike(run: Run, guard: SpikeGuard, spike, batches):
+    """The data iterator that continues after the recovery, or None past the cap (the run stops)."""
+    try:
+        return guard.recover(run.engine, run.cfg, run.state, run.stream, batches, spike)
+    except SpikesExhausted as exc:
+        log.error("stopping: %s", exc)
+        return None
+
+
+def log_evaluate_probe(run: Run, window: ThroughputWindow, result: StepResult, will_log: bool) -> None:
+    cfg, step = run.cfg, run.state.step
+    last = step == cfg.train.max_steps
+    if will_log:
+        metrics = train_metrics(run, window, result)
+        run.emit(metrics, step, f" left={console.time_left(cfg.train.max_steps - step, metrics['perf/step_time_s'])}")
+    if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
+        run.emit(evaluate(run.engine, cfg, run.special, run.info), step)
+    if run.tasks and probe_due(step, cfg.eval.downstream_every, cfg.train.eval_every, last):
+        run.probe(step)
 
 
 def too_many_nonfinite(run: Run, in_a_row: int) -> bool:

@@ -66,9 +66,12 @@ class HangWatchdog:
         self._deadline = time.monotonic() + limit
 
     def step_done(self, step: int, seconds: float) -> None:
+        """A step finished: what follows until the next one (logging, evaluation, checkpoints, a
+        recovery) is not a step, and gets the larger allowance."""
         self.step, self.steps_seen = step, self.steps_seen + 1
         if self.steps_seen > 1:            # the first step holds start-up work
             self.step_times.append(seconds)
+        self.allow()
 
     def allow(self) -> None:
         """Until the next step starts: logging, evaluation, probes and checkpoints get the larger allowance."""
