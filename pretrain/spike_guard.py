@@ -137,6 +137,7 @@ class SpikeGuard:
             log.warning("%s (recovery %d of at most %d)", message, len(state.skipped_windows),
                         self.cfg.max_recoveries)
         self.tracker.log_event("spike_recovery", message, last)
+        self.tracker.rewind(state.step)
         # A cumulative count: a chart in MLflow, and the report marks the step where it grows.
         self.tracker.log_metrics({"train/spike_recoveries": len(state.skipped_windows)}, last)
         return iter(stream)

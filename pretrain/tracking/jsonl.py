@@ -62,6 +62,9 @@ class JsonlTracker(Tracker):
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
 
+    def rewind(self, step: int) -> None:
+        self._held = {k: min(s, step) for k, s in self._held.items()}
+
     def log_event(self, name: str, text: str, step: int) -> None:
         """Events go to ``events.jsonl`` beside the metrics (the report marks them on the curves)."""
         with open(self.path.with_name("events.jsonl"), "a") as f:
