@@ -79,6 +79,38 @@ def _run(cmd, timeout=600):
 
 
 PY = sys.executable
+DEEPSPEED = str(Path(PY).with_name("deepspeed"))
+
+
+def trainer_env(**extra: str) -> dict:
+    """The environment of a launched job: one thread per process, this checkout importable, and none of
+    the developer's MLFLOW_* settings steering a test run to another server or run."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
+
+
+def train_cmd(data_dir, out_dir, *overrides, ranks: int = 1, config: str = "configs/tiny.yaml",
+              launcher: list[str] | None = None) -> list[str]:
+    """One rank: plain python. More: DeepSpeed's launcher (or ``launcher``, e.g. pretrain.launch) on a free port."""
+    args = ["--config", config, f"data.dir={data_dir}", f"train.out_dir={out_dir}", *overrides]
+    if ranks == 1:
+        return [PY, "-m", "pretrain.train", *args]
+    return [*(launcher or [DEEPSPEED]), "--num_gpus", str(ranks), "--master_port", str(free_port()),
+            "--module", "pretrain.train", *args]
+
+
+def explain(proc) -> str:
+    return f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+
+
+def train(data_dir, out_dir, *overrides, ranks: int = 1, config: str = "configs/tiny.yaml", check: bool = False,
+          env: dict | None = None, launcher: list[str] | None = None, timeout: float = 600):
+    """The one way tests launch a training job; ``check`` raises with its output when it fails."""
+    proc = subprocess.run(train_cmd(data_dir, out_dir, *overrides, ranks=ranks, config=config, launcher=launcher),
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout, env=trainer_env(**(env or {})))
+    if check and proc.returncode != 0:
+        raise AssertionError(explain(proc))
+    return proc
 
 
 @pytest.fixture(scope="session")

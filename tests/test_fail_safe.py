@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO, free_port
+from conftest import train as launch
 
 PY = sys.executable
 BASE = ["train.log_every=2", "train.eval_every=0", "train.eval_batches=2", "model.max_position_embeddings=64",
@@ -25,11 +26,7 @@ def env():
 
 
 def train(data_dir, out_dir, *overrides, ranks=1):
-    args = ["--config", "configs/tiny.yaml", f"data.dir={data_dir}", f"train.out_dir={out_dir}", *BASE, *overrides]
-    cmd = ([PY, "-m", "pretrain.train", *args] if ranks == 1 else
-           [PY, "-m", "pretrain.launch", "--num_gpus", str(ranks), "--master_port", str(free_port()),
-            "--module", "pretrain.train", *args])
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env(), check=False)
+    return launch(data_dir, out_dir, *BASE, *overrides, ranks=ranks, launcher=[PY, "-m", "pretrain.launch"])
 
 
 def explain(proc) -> str:

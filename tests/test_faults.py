@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, free_port
+from conftest import train as launch
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
-DEEPSPEED = str(Path(PY).with_name("deepspeed"))
 BASE = ["train.log_every=2", "train.eval_every=0", "train.eval_batches=2", "train.checkpoint_every=0",
         "model.max_position_embeddings=64", "optim.warmup_steps=2"]
 
@@ -30,13 +30,7 @@ def env():
 
 
 def train(data_dir, out_dir, *overrides, ranks=1, launcher=None):
-    args = ["--config", "configs/tiny.yaml", f"data.dir={data_dir}", f"train.out_dir={out_dir}", *BASE, *overrides]
-    if ranks == 1:
-        cmd = [PY, "-m", "pretrain.train", *args]
-    else:
-        cmd = [*(launcher or [DEEPSPEED]), "--num_gpus", str(ranks), "--master_port", str(free_port()),
-               "--module", "pretrain.train", *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env())
+    return launch(data_dir, out_dir, *BASE, *overrides, ranks=ranks, launcher=launcher)
 
 
 def ok(proc):

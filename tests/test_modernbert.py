@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, free_port
+from conftest import REPO
+from conftest import train as launch
 from pretrain.config.schema import ConfigError, ImplConfig, MaskingConfig, ModelConfig, load_config
 from pretrain.model.flops import attended_pairs, mlm_flops_per_sequence
 from pretrain.model.masking import IGNORE_INDEX, SpecialIds, eval_masking_config, mask_batch, mask_generator
@@ -22,7 +23,6 @@ from pretrain.model.mlm import attention_implementation, build_model
 from tests.test_masking import SPECIAL, pack_rows
 
 PY = sys.executable
-DEEPSPEED = str(Path(PY).with_name("deepspeed"))
 CONFIG = "configs/modernbert-tiny.yaml"
 VOCAB = SPECIAL.vocab_size
 DROPOUTS = dict(embedding_dropout=0.1, mlp_dropout=0.1, attention_dropout=0.1)
@@ -243,11 +243,7 @@ def run(cmd, check=True):
 
 
 def train(data_dir, out_dir, *overrides, ranks=2, check=True):
-    args = ["--config", CONFIG, f"data.dir={data_dir}", f"train.out_dir={out_dir}", *overrides]
-    if ranks == 1:
-        return run([PY, "-m", "pretrain.train", *args], check=check)
-    return run([DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()),
-                "--module", "pretrain.train", *args], check=check)
+    return launch(data_dir, out_dir, *overrides, ranks=ranks, config=CONFIG, check=check)
 
 
 def metrics(out_dir) -> list[dict]:

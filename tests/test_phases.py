@@ -5,14 +5,13 @@ phase 1's child, and a model too short for the new data or another tokenizer is 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import PY, REPO, _run, free_port
+from conftest import PY, _run
+from conftest import train as launch
 
 pytestmark = pytest.mark.slow
 DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
@@ -22,11 +21,7 @@ COMMON = ["train.log_every=1", "train.eval_every=0", "train.eval_batches=2", "tr
 
 
 def train(data_dir, out_dir, *overrides, ranks=1):
-    args = ["--config", "configs/tiny.yaml", f"data.dir={data_dir}", f"train.out_dir={out_dir}", *COMMON, *overrides]
-    cmd = ([PY, "-m", "pretrain.train", *args] if ranks == 1 else
-           [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()), "--module", "pretrain.train", *args])
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    return launch(data_dir, out_dir, *COMMON, *overrides, ranks=ranks)
 
 
 def ok(proc):

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import train as launch
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
@@ -22,11 +20,7 @@ BASE = ["train.log_every=1", "train.eval_every=0", "train.eval_batches=2", "trai
 
 
 def train(data_dir, out_dir, *overrides):
-    cmd = [PY, "-m", "pretrain.train", "--config", "configs/tiny.yaml", f"data.dir={data_dir}",
-           f"train.out_dir={out_dir}", *BASE, *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+    proc = launch(data_dir, out_dir, *BASE, *overrides, check=True)
     return proc.stdout + proc.stderr
 
 

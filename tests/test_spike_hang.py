@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
-from test_train import COMMON, DEEPSPEED, PY, losses, run
+from conftest import train as launch
+from test_train import COMMON, losses
 
 from pretrain.config.schema import SpikeGuardConfig
 from pretrain.spike_guard import SpikeDetector
@@ -23,11 +23,7 @@ RECOVERY = "loss spike from step 11 to 12: back to step00000008, samples 128 to 
 
 
 def train(data_dir, out_dir, *overrides, ranks=2, check=True, env=None):
-    args = ["--config", "configs/tiny.yaml", f"data.dir={data_dir}", f"train.out_dir={out_dir}", *overrides]
-    if ranks == 1:
-        return run([PY, "-m", "pretrain.train", *args], check=check, env=env)
-    return run([DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()),
-                "--module", "pretrain.train", *args], check=check, env=env)
+    return launch(data_dir, out_dir, *overrides, ranks=ranks, check=check, env=env)
 
 
 def test_detector_needs_consecutive_steps_above_the_line():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -22,7 +21,8 @@ pytest.importorskip("mlflow")
 
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from conftest import REPO, free_port  # noqa: E402
+from conftest import REPO, trainer_env  # noqa: E402
+from conftest import train_cmd as launch_cmd  # noqa: E402
 from mlflow_server import mlflow_server  # noqa: E402,F401  (a fixture)
 from pretrain.tracking.mlflow_ui import mlflow_metric_name
 
@@ -33,18 +33,9 @@ BASE = ["train.log_every=1", "train.eval_every=0", "train.eval_batches=2", "mode
         "optim.warmup_steps=4", "tracking.backend=mlflow"]
 
 
-def trainer_env(**extra: str) -> dict:
-    # Whatever the developer's shell exports must not steer these runs to another server or run.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
-
-
 def train_cmd(data_dir, out_dir, uri: str, experiment: str, *overrides, ranks: int) -> list[str]:
-    args = ["--config", "configs/tiny.yaml", f"data.dir={data_dir}", f"train.out_dir={out_dir}", *BASE,
-            f"tracking.tracking_uri={uri}", f"tracking.experiment={experiment}", *overrides]
-    if ranks == 1:
-        return [PY, "-m", "pretrain.train", *args]
-    return [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()), "--module", "pretrain.train", *args]
+    return launch_cmd(data_dir, out_dir, *BASE, f"tracking.tracking_uri={uri}", f"tracking.experiment={experiment}",
+                      *overrides, ranks=ranks)
 
 
 def train(*args, ranks: int = 2, env: dict | None = None) -> subprocess.CompletedProcess:

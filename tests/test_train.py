@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port
+from conftest import DEEPSPEED, REPO, free_port
+from conftest import train as launch
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
-DEEPSPEED = str(Path(PY).with_name("deepspeed"))
 STEPS = 16
 
 
@@ -28,12 +28,7 @@ def run(cmd, timeout=600, check=True, env=None):
 
 
 def train(data_dir, out_dir, *overrides, ranks=2, check=True):
-    """One training job under DeepSpeed's own launcher (or plain python for a single rank)."""
-    args = ["--config", "configs/tiny.yaml", f"data.dir={data_dir}", f"train.out_dir={out_dir}", *overrides]
-    if ranks == 1:
-        return run([PY, "-m", "pretrain.train", *args], check=check)
-    return run([DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()),
-                "--module", "pretrain.train", *args], check=check)
+    return launch(data_dir, out_dir, *overrides, ranks=ranks, check=check)
 
 
 def losses(out_dir) -> dict[int, float]:
