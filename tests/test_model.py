@@ -12,6 +12,7 @@ from pretrain.config.schema import ImplConfig, MaskingConfig, ModelConfig
 from pretrain.model.flops import measure_matmul_peak_tflops, mlm_flops_per_sequence
 from pretrain.model.masking import IGNORE_INDEX, mask_batch, mask_generator
 from pretrain.model.mlm import MLMModel, build_model
+from tests.model_checks import assert_sparse_head_equals_dense, dense_labels, sparse_mean_loss
 from tests.test_masking import SPECIAL, pack_rows
 
 TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, max_position_embeddings=128)
@@ -38,28 +39,12 @@ def masked(rows, **cfg):
 
 def test_sparse_head_equals_dense_head_and_hf_loss(rows):
     ids, m = masked(rows)
-    sparse, dense = tiny(sparse_head=True), tiny(sparse_head=False)
-    attn = ids != SPECIAL.pad
-    results = []
-    for model in (sparse, dense):
-        model.train()
-        torch.manual_seed(5)                                  # same dropout in both
-        loss, correct, count = model(m.input_ids, attn, m.positions, m.labels)
-        loss.backward()
-        results.append((loss.detach(), correct, count, {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (l1, c1, n1, g1), (l2, c2, n2, g2) = results
-    assert l1.dtype == torch.float32 and int(n1) == m.positions.numel() == int(n2)
-    assert torch.allclose(l1, l2, rtol=1e-5) and int(c1) == int(c2)
-    for name in g1:                                           # summation order differs: compare norms
-        assert (g1[name] - g2[name]).norm() <= 1e-5 * g2[name].norm() + 1e-8, name
-    # Hugging Face's own (dense, mean) loss on the same masked batch
-    labels = torch.full_like(ids, IGNORE_INDEX).reshape(-1)
-    labels[m.positions] = m.labels
-    sparse.eval()
-    with torch.no_grad():
-        mine, _, count = sparse(m.input_ids, attn, m.positions, m.labels)
-        hf = sparse.hf_model(input_ids=m.input_ids, attention_mask=attn, labels=labels.view_as(ids)).loss
-    assert torch.allclose(mine / count, hf, rtol=1e-5)
+    sparse = tiny(sparse_head=True)
+    assert_sparse_head_equals_dense(sparse, tiny(sparse_head=False), ids, m, SPECIAL.pad)
+    mine = sparse_mean_loss(sparse, ids, m, SPECIAL.pad)
+    with torch.no_grad():                                     # Hugging Face's own (dense, mean) loss
+        hf = sparse.hf_model(input_ids=m.input_ids, attention_mask=ids != SPECIAL.pad, labels=dense_labels(ids, m)).loss
+    assert torch.allclose(mine, hf, rtol=1e-5)
     assert 0.8 * math.log(VOCAB) < float(hf) < 1.2 * math.log(VOCAB)   # untrained: about ln(V)
 
 

@@ -18,8 +18,9 @@ from conftest import REPO
 from conftest import train as launch
 from pretrain.config.schema import ConfigError, ImplConfig, MaskingConfig, ModelConfig, load_config
 from pretrain.model.flops import attended_pairs, mlm_flops_per_sequence
-from pretrain.model.masking import IGNORE_INDEX, SpecialIds, eval_masking_config, mask_batch, mask_generator
+from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch, mask_generator
 from pretrain.model.mlm import attention_implementation, build_model
+from tests.model_checks import assert_sparse_head_equals_dense, dense_labels, sparse_mean_loss
 from tests.test_masking import SPECIAL, pack_rows
 
 PY = sys.executable
@@ -61,30 +62,14 @@ def test_sparse_head_equals_dense_head_and_hf_loss(rows):
     assert hf.decoder.weight is hf.model.embeddings.tok_embeddings.weight
     assert hf.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
     assert (hf.config.embedding_dropout, hf.config.mlp_dropout, hf.config.attention_dropout) == (0.1, 0.1, 0.1)
-    attn = ids != SPECIAL.pad
-    results = []
-    for model in (sparse, dense):
-        model.train()
-        torch.manual_seed(5)                                  # same dropout in both
-        loss, correct, count = model(m.input_ids, attn, m.positions, m.labels)
-        loss.backward()
-        results.append((loss.detach(), correct, count, {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (l1, c1, n1, g1), (l2, c2, n2, g2) = results
-    assert l1.dtype == torch.float32 and int(n1) == m.positions.numel() == int(n2)
-    assert torch.allclose(l1, l2, rtol=1e-5) and int(c1) == int(c2)
-    for name in g1:
-        assert (g1[name] - g2[name]).norm() <= 1e-5 * g2[name].norm() + 1e-8, name
-    # Hugging Face's own loss on the same masked batch: dense, then its sparse_prediction option
-    labels = torch.full_like(ids, IGNORE_INDEX).reshape(-1)
-    labels[m.positions] = m.labels
-    sparse.eval()
-    with torch.no_grad():
-        mine, _, count = sparse(m.input_ids, attn, m.positions, m.labels)
-        hf_dense = hf(input_ids=m.input_ids, attention_mask=attn, labels=labels.view_as(ids)).loss
+    assert_sparse_head_equals_dense(sparse, dense, ids, m, SPECIAL.pad)
+    mine, attn, labels = sparse_mean_loss(sparse, ids, m, SPECIAL.pad), ids != SPECIAL.pad, dense_labels(ids, m)
+    with torch.no_grad():              # Hugging Face's own loss: dense, then its sparse_prediction option
+        hf_dense = hf(input_ids=m.input_ids, attention_mask=attn, labels=labels).loss
         hf.sparse_prediction = True
-        hf_sparse = hf(input_ids=m.input_ids, attention_mask=attn, labels=labels.view_as(ids)).loss
+        hf_sparse = hf(input_ids=m.input_ids, attention_mask=attn, labels=labels).loss
         hf.sparse_prediction = False
-    assert torch.allclose(mine / count, hf_dense, rtol=1e-5) and torch.allclose(hf_sparse, hf_dense, rtol=1e-5)
+    assert torch.allclose(mine, hf_dense, rtol=1e-5) and torch.allclose(hf_sparse, hf_dense, rtol=1e-5)
     assert 0.8 * math.log(VOCAB) < float(hf_dense) < 1.2 * math.log(VOCAB)   # untrained: about ln(V)
 
 
