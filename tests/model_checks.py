@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from pretrain.model.masking import IGNORE_INDEX
+from pretrain.config.schema import MaskingConfig
+from pretrain.model.masking import IGNORE_INDEX, mask_batch, mask_generator
+from tests.test_masking import SPECIAL
 
 
 def assert_sparse_head_equals_dense(sparse, dense, ids, m, pad: int) -> None:
@@ -35,3 +37,10 @@ def sparse_mean_loss(sparse, ids, m, pad: int) -> torch.Tensor:
     sparse.eval()
     loss_sum, _, count = sparse(m.input_ids, ids != pad, m.positions, m.labels)
     return loss_sum / count
+
+
+def masked(rows, **cfg):
+    """The rows masked by a fixed generator: (ids, MaskedBatch)."""
+    ids, starts = rows
+    cfg = MaskingConfig(**cfg)
+    return ids, mask_batch(ids, starts, SPECIAL, cfg, mask_generator(cfg.seed, 0, 0, 0))

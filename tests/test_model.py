@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForMaskedLM, BertConfig, BertForMaskedLM
 
-from pretrain.config.schema import ImplConfig, MaskingConfig, ModelConfig
+from pretrain.config.schema import ImplConfig, ModelConfig
 from pretrain.model.flops import measure_matmul_peak_tflops, mlm_flops_per_sequence
-from pretrain.model.masking import IGNORE_INDEX, mask_batch, mask_generator
+from pretrain.model.masking import IGNORE_INDEX
 from pretrain.model.mlm import MLMModel, build_model
-from tests.model_checks import assert_sparse_head_equals_dense, dense_labels, sparse_mean_loss
+from tests.model_checks import assert_sparse_head_equals_dense, dense_labels, masked, sparse_mean_loss
 from tests.test_masking import SPECIAL, pack_rows
 
 TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, max_position_embeddings=128)
@@ -29,12 +29,6 @@ def rows(wiki_articles, bert_uncased_dir):
 def tiny(seed=0, **impl) -> MLMModel:
     torch.manual_seed(seed)
     return build_model(TINY, VOCAB, SPECIAL, ImplConfig(**impl))
-
-
-def masked(rows, **cfg):
-    ids, starts = rows
-    cfg = MaskingConfig(**cfg)
-    return ids, mask_batch(ids, starts, SPECIAL, cfg, mask_generator(cfg.seed, 0, 0, 0))
 
 
 def test_sparse_head_equals_dense_head_and_hf_loss(rows):

@@ -16,11 +16,11 @@ import torch
 
 from conftest import REPO
 from conftest import train as launch
-from pretrain.config.schema import ConfigError, ImplConfig, MaskingConfig, ModelConfig, load_config
+from pretrain.config.schema import ConfigError, ImplConfig, ModelConfig, load_config
 from pretrain.model.flops import attended_pairs, mlm_flops_per_sequence
-from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch, mask_generator
+from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.model.mlm import attention_implementation, build_model
-from tests.model_checks import assert_sparse_head_equals_dense, dense_labels, sparse_mean_loss
+from tests.model_checks import assert_sparse_head_equals_dense, dense_labels, masked, sparse_mean_loss
 from tests.test_masking import SPECIAL, pack_rows
 
 PY = sys.executable
@@ -41,12 +41,6 @@ def rows(wiki_articles, bert_uncased_dir):
 def tiny(seed=0, impl=None, **model) -> "MLMModel":  # noqa: F821
     torch.manual_seed(seed)
     return build_model(ModelConfig(**{**TINY, **model}), VOCAB, SPECIAL, impl or ImplConfig())
-
-
-def masked(rows, **cfg):
-    ids, starts = rows
-    cfg = MaskingConfig(**cfg)
-    return ids, mask_batch(ids, starts, SPECIAL, cfg, mask_generator(cfg.seed, 0, 0, 0))
 
 
 # ----------------------------------------------------------------------------------- the model

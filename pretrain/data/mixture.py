@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from data_prep.shard_format import load_manifest
-from pretrain.data.stream import DataError, ShardError, TrainStream, _open_split, _Plan, checked_position, ordered_batches
+from pretrain.data.stream import DataError, ShardError, TrainStream, _open_split, _Plan, cached, checked_position, ordered_batches
 from pretrain.seeds import derive_seed
 from pretrain.data.shard_reader import BlockReader
 
@@ -103,14 +103,6 @@ class _SourceCursor:
         self._orders: OrderedDict = OrderedDict()
         self._windows: OrderedDict = OrderedDict()
 
-    def _cached(self, cache: OrderedDict, key, make, keep: int):
-        value = cache.get(key)
-        if value is None:
-            value = cache[key] = make()
-            while len(cache) > keep:
-                cache.popitem(last=False)
-        return value
-
     def _order(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The epoch's block permutation, the end and the start of each permuted block in its order."""
         order = self._orders.get(epoch)
@@ -127,7 +119,7 @@ class _SourceCursor:
             first, last = lo // p.window, (hi - 1) // p.window
             pieces = []
             for w in range(first, last + 1):
-                perm = self._cached(self._windows, (epoch, w), lambda w=w: p.window_order(epoch, w), self.keep_windows)
+                perm = cached(self._windows, (epoch, w), lambda w=w: p.window_order(epoch, w), self.keep_windows)
                 pieces.append(perm[max(lo - w * p.window, 0):hi - w * p.window])
             offsets = np.sort(pieces[0] if first == last else np.concatenate(pieces))   # block order, as pretrain.data
         else:

@@ -88,6 +88,16 @@ def _open_split(data_dir, manifest, split) -> tuple[dict, SplitLayout]:
 # ------------------------------------------------------------------------------------ training
 
 
+def cached(cache: OrderedDict, key, make, keep: int):
+    """``cache[key]``, made by ``make()`` when missing; the oldest entries go beyond ``keep``."""
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = make()
+        while len(cache) > keep:
+            cache.popitem(last=False)
+    return value
+
+
 @dataclass(frozen=True)
 class _Plan:
     """Which sequences each global step holds; a pure function of its fields (no rank, world or micro-batch)."""
@@ -129,26 +139,18 @@ class _PlanCursor:
         self._keep_windows = (plan.global_batch // plan.window + 2) if plan.window else 0
         self._step: tuple[int, tuple[np.ndarray, np.ndarray]] | None = None
 
-    def _cached(self, cache: OrderedDict, key, make, keep: int):
-        value = cache.get(key)
-        if value is None:
-            value = cache[key] = make()
-            while len(cache) > keep:
-                cache.popitem(last=False)
-        return value
-
     def step(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(block ids, rows) of global step ``k``'s ``G`` sequences, sorted into block order."""
         if self._step is not None and self._step[0] == k:
             return self._step[1]
         p = self.plan
         epoch, s = divmod(k, p.steps_per_epoch)
-        order = self._cached(self._orders, epoch, lambda: p.block_order(epoch), 2)
+        order = cached(self._orders, epoch, lambda: p.block_order(epoch), 2)
         p0, p1 = s * p.global_batch, (s + 1) * p.global_batch
         if p.window:
             pieces = []
             for w in range(p0 // p.window, (p1 - 1) // p.window + 1):
-                perm = self._cached(self._windows, (epoch, w), lambda: p.window_order(epoch, w), self._keep_windows)
+                perm = cached(self._windows, (epoch, w), lambda: p.window_order(epoch, w), self._keep_windows)
                 pieces.append(perm[max(p0 - w * p.window, 0):p1 - w * p.window])
             offsets = np.sort(np.concatenate(pieces))
         else:
