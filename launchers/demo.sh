@@ -35,7 +35,7 @@ import json, sys
 from pathlib import Path
 from transformers import pipeline
 from data_prep.shard_format import load_manifest
-from pretrain.evaluate import unigram_accuracy
+from pretrain.eval.cli import unigram_accuracy
 from pretrain.tracking.jsonl import read_metrics
 
 run, data = Path(sys.argv[1]), sys.argv[2]
