@@ -51,18 +51,16 @@ def moments(tag_folder: Path):
 
 @pytest.fixture(scope="module")
 def phases(shards, wiki_txt_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("phases")
-    uri = f"sqlite:///{root}/mlflow.db"
+    root = tmp_path_factory.mktemp("phases")      # each phase keeps its MLflow store in its out_dir
     data128 = shard(shards.parent / "tok", root / "shards128", 128, wiki_txt_dir)
-    ok(train(shards, root / "p1", "train.max_steps=12", "impl.zero_stage=0", f"tracking.tracking_uri={uri}"))
+    ok(train(shards, root / "p1", "train.max_steps=12", "impl.zero_stage=0"))
     log = ok(train(data128, root / "p2", "train.max_steps=1", "train.global_batch_size=32", "impl.zero_stage=2",
-                   f"train.init_from_checkpoint={root / 'p1' / 'checkpoints'}", f"tracking.tracking_uri={uri}",
-                   ranks=2))
-    return root, uri, log
+                   f"train.init_from_checkpoint={root / 'p1' / 'checkpoints'}", ranks=2))
+    return root, log
 
 
 def test_phase_two_continues_phase_one_at_a_longer_sequence_length(phases):
-    root, _, log = phases
+    root, log = phases
     assert "train.init_from_checkpoint: weights and optimiser moments from" in log
     assert "schedule: linear, lr 1.5e-03 at step 0 -> 0 at step 1" in log     # its own schedule, from step 0
     p1, p2 = train_losses(root / "p1"), train_losses(root / "p2")
@@ -77,7 +75,7 @@ def test_phase_two_starts_from_phase_one_moments(phases):
     v2 = b2 v1 + (1 - b2) g^2, so ((m2 - b1 m1) / (1 - b1))^2 = (v2 - b2 v1) / (1 - b2) element by
     element; moments started from zero would break it. Phase 1 ran at world 1 / ZeRO 0, phase 2 at
     world 2 / ZeRO 2."""
-    root, _, _ = phases
+    root, _ = phases
     (m1, step1), (m2, step2) = (moments(root / p / "checkpoints" / tag) for p, tag in
                                 (("p1", "step00000012"), ("p2", "step00000001")))
     assert (step1, step2) == (12, 13)               # the step count (bias correction) goes on too
@@ -93,11 +91,14 @@ def test_phase_two_starts_from_phase_one_moments(phases):
 def test_mlflow_shows_phase_two_under_phase_one(phases):
     from mlflow.tracking import MlflowClient
 
-    root, uri, _ = phases
-    client = MlflowClient(uri)
-    runs = {r.data.params.get("train.out_dir"): r for r in client.search_runs(
-        [e.experiment_id for e in client.search_experiments()])}
-    first, second = runs[str(root / "p1")], runs[str(root / "p2")]
+    root, _ = phases
+
+    def only_run(out_dir):
+        client = MlflowClient(f"sqlite:///{out_dir / 'mlruns' / 'mlflow.db'}")
+        (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        return run
+
+    first, second = only_run(root / "p1"), only_run(root / "p2")
     assert second.data.tags["mlflow.parentRunId"] == first.info.run_id
     assert second.data.params["phase.init_from_tag"] == "step00000012"
     assert second.data.params["phase.init_from_run_id"] == first.info.run_id
@@ -105,7 +106,7 @@ def test_mlflow_shows_phase_two_under_phase_one(phases):
 
 
 def test_too_short_a_model_and_another_tokenizer_are_refused_by_name(phases, bert_uncased_dir, wiki_txt_dir):
-    root, _, _ = phases
+    root, _ = phases
     data = shard(bert_uncased_dir, root / "shards256-bert", 256, wiki_txt_dir)
     proc = train(data, root / "p2-refused", "train.max_steps=1", "model.max_position_embeddings=128",
                  f"train.init_from_checkpoint={root / 'p1' / 'checkpoints' / 'step00000012'}", "tracking.backend=none")
