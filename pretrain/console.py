@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import warnings
 from pathlib import Path
 
 OURS = ("pretrain", "data_prep")
-CHATTY = ("DeepSpeed", "transformers", "torch", "accelerate", "py.warnings")   # to the console: errors only
+# Known chatter: to the console, errors only.
+CHATTY = ("DeepSpeed", "transformers", "torch", "accelerate", "mlflow", "alembic", "py.warnings")
 QUIET_CATEGORIES = (FutureWarning, DeprecationWarning, PendingDeprecationWarning)
 _LOG_FILE: Path | None = None
 
@@ -44,12 +46,14 @@ def quiet_third_party(out_dir: str, rank: int) -> Path:
     root.addHandler(to_file)
     root.setLevel(logging.INFO)              # third-party INFO reaches the file, not the console
     logging.getLogger("pretrain").setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    for name in ("DeepSpeed", "transformers"):     # both keep console handlers of their own
+    for name in ("DeepSpeed", "transformers", "mlflow"):     # each keeps a console handler of its own
         lib = logging.getLogger(name)
         lib.handlers, lib.propagate = [], True
         lib.setLevel(logging.INFO)
     _warnings_to(logging.getLogger("py.warnings"))
     silence_transformers_load_report()
+    # MLflow, imported later, would give its logger a console handler of its own.
+    os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
     return path
 
 
@@ -72,6 +76,7 @@ def silence_transformers_load_report() -> None:
         from transformers.utils import logging as hf_logging
         hf_logging.disable_default_handler()
         hf_logging.enable_propagation()
+        hf_logging.disable_progress_bar()          # "Loading weights" bars on every rank
     except ImportError:           # pragma: no cover - transformers is a dependency
         pass
 

@@ -400,7 +400,8 @@ def main(argv=None) -> int:
     stop = StopSignal()          # from here on, SIGUSR1/SIGTERM mean "checkpoint after the current step"
     if os.environ.get("LOCAL_RANK", "0") == "0":
         stale_shm.remove_stale()     # /dev/shm segments of killed runs (no live process maps them)
-    info = eng.init_distributed(cfg)
+    with console.chatter_to_file():         # DeepSpeed's op builds print on every rank
+        info = eng.init_distributed(cfg)
     try:
         return fit(build_run(cfg, manifest, tasks, resume_from, info, stop))
     except ShardError as exc:    # found while reading: name the shard, no traceback on every rank
