@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -88,8 +89,23 @@ def chatter_to_file():
     if _LOG_FILE is None:
         yield
         return
-    with open(_LOG_FILE, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-        yield
+    # File descriptors too: DeepSpeed's op checks run the compiler in subprocesses, whose errors
+    # ("cannot find -laio") go straight to fd 2.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(_LOG_FILE, "a") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+                yield
+        finally:
+            f.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
 
 
 def time_left(steps_left: int, seconds_per_step: float) -> str:

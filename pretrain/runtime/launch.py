@@ -48,6 +48,22 @@ def ranks_of(launcher_pid: int) -> list[psutil.Process]:
     return ranks
 
 
+def quiet_by_default(argv: list[str]) -> list[str]:
+    """DeepSpeed's runner logs every spawn at INFO (a dozen lines before the first of ours); errors
+    only, unless the command line says otherwise."""
+    if any(a == "--log_level" or a.startswith("--log_level=") for a in argv):
+        return argv
+    return ["--log_level=error", *argv]
+
+
+def accelerator_env(env: dict) -> dict:
+    """Without a GPU, say so: DeepSpeed otherwise probes for one and warns in every process."""
+    gpu_nodes = ("/dev/nvidiactl", "/dev/kfd", "/dev/accel", "/dev/dri")
+    if "DS_ACCELERATOR" not in env and not any(os.path.exists(n) for n in gpu_nodes):
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     beside = os.path.join(os.path.dirname(sys.executable), "deepspeed")     # this environment's own
@@ -60,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pretrain.launch: {problem}", file=sys.stderr)
         return 2
     # Its ranks die with this process, killed however (pretrain.runtime.lifeline).
-    launcher = subprocess.Popen([deepspeed, *argv], start_new_session=True,
-                                env=lifeline.launcher_env(dict(os.environ)))
+    launcher = subprocess.Popen([deepspeed, *quiet_by_default(argv)], start_new_session=True,
+                                env=lifeline.launcher_env(accelerator_env(dict(os.environ))))
 
     interrupts = 0
 
