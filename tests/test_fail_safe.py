@@ -17,7 +17,7 @@ from conftest import REPO, free_port
 from conftest import train as launch
 
 PY = sys.executable
-BASE = ["train.log_every=2", "train.eval_every=0", "train.eval_batches=2", "model.max_position_embeddings=64",
+BASE = ["train.log_every=2", "train.eval_every=0", "train.eval_sequences=32", "model.max_position_embeddings=64",
         "optim.warmup_steps=2", "impl.compile=false"]
 
 

@@ -21,7 +21,7 @@ from conftest import train as launch
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
-BASE = ["train.log_every=2", "train.eval_every=0", "train.eval_batches=2", "train.checkpoint_every=0",
+BASE = ["train.log_every=2", "train.eval_every=0", "train.eval_sequences=32", "train.checkpoint_every=0",
         "model.max_position_embeddings=64", "optim.warmup_steps=2"]
 
 

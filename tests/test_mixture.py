@@ -162,7 +162,7 @@ def test_a_mixture_trains_with_per_source_metrics_in_jsonl_and_mlflow(two_source
 
     out = tmp_path / "run"
     args = ["--config", "configs/tiny.yaml", sources_override(two_sources), f"train.out_dir={out}",
-            "train.max_steps=6", "train.log_every=2", "train.eval_every=3", "train.eval_batches=2",
+            "train.max_steps=6", "train.log_every=2", "train.eval_every=3", "train.eval_sequences=32",
             "train.checkpoint_every=0", "model.max_position_embeddings=64", "tracking.backend=mlflow",
             f"tracking.tracking_uri={mlflow_server.uri}", "tracking.experiment=mixture"]
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, "OMP_NUM_THREADS": "1",

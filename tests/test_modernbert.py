@@ -207,7 +207,7 @@ def test_settings_of_the_other_arch_are_refused_by_name(tmp_path):
 # ------------------------------------------------------------------- the trainer, end to end
 
 STEPS = 12
-COMMON = [f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
+COMMON = [f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_sequences=32",
           "train.checkpoint_every=0", "optim.warmup_steps=3", "optim.lr=3e-3",
           *(f"model.{k}={v}" for k, v in DROPOUTS.items())]
 
@@ -288,8 +288,8 @@ def test_export_has_the_trained_models_logits_and_fills_masks(runs, exported, sh
     final = load_file(runs[3] / "hf_final" / "model.safetensors")     # the trainer's own end-of-run export
     assert all(torch.equal(final[k], v) for k, v in load_file(exported / "model.safetensors").items())
 
-    # The trainer evaluated its ZeRO-3 engine at the last step (train.eval_batches=2: the first
-    # 2 x 8 x 2 = 32 sequences, 15% masks keyed by sequence id);
+    # The trainer evaluated its ZeRO-3 engine at the last step (train.eval_sequences=32: the first
+    # 32 sequences, 15% masks keyed by sequence id);
     # the exported model on the same sequences gives the same loss.
     manifest = load_manifest(shards)
     special = SpecialIds.from_manifest(manifest)

@@ -14,7 +14,7 @@ from conftest import train as launch
 pytestmark = pytest.mark.slow
 PY = sys.executable
 LR, WARMUP = 3e-3, 2
-BASE = ["train.log_every=1", "train.eval_every=0", "train.eval_batches=2", "train.checkpoint_every=0",
+BASE = ["train.log_every=1", "train.eval_every=0", "train.eval_sequences=32", "train.checkpoint_every=0",
         "model.max_position_embeddings=64", f"optim.warmup_steps={WARMUP}", f"optim.lr={LR}",
         "optim.decay_fraction=0.25"]
 

@@ -36,7 +36,7 @@ def shards(tmp_path_factory, bert_uncased_dir, slurm_cluster) -> Path:
 def overrides(shards: Path, out_dir: Path) -> list[str]:
     # checkpoint_every=0: the only mid-run checkpoint is the one the signal asks for.
     return [f"data.dir={shards}", f"train.out_dir={out_dir}", f"train.max_steps={STEPS}", "train.log_every=1",
-            "train.eval_every=0", "train.eval_batches=2", "train.checkpoint_every=0", "train.keep_checkpoints=0",
+            "train.eval_every=0", "train.eval_sequences=32", "train.checkpoint_every=0", "train.keep_checkpoints=0",
             "impl.micro_batch_size=4", "train.global_batch_size=8", "optim.warmup_steps=4",
             f"model.max_position_embeddings={SEQ_LEN}", "tracking.backend=none"]
 

@@ -20,7 +20,7 @@ from tests.slurm.cluster import slurm_cluster  # noqa: F401  (a fixture)
 pytestmark = pytest.mark.slow
 PY = sys.executable
 STEPS = 6
-COMMON = [f"train.max_steps={STEPS}", "train.log_every=2", "train.eval_every=3", "train.eval_batches=2",
+COMMON = [f"train.max_steps={STEPS}", "train.log_every=2", "train.eval_every=3", "train.eval_sequences=32",
           "train.checkpoint_every=0", "model.max_position_embeddings=64", "optim.warmup_steps=2",
           "tracking.backend=mlflow", "tracking.system_metrics=false", "tracking.experiment=study-test"]
 GRID = ["masking.rate=0.15,0.4", "masking.strategy=token,span"]

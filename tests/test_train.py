@@ -36,7 +36,7 @@ def losses(out_dir) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
-COMMON = [f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
+COMMON = [f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_sequences=32",
           "train.checkpoint_every=0", "model.max_position_embeddings=64", "optim.warmup_steps=4",
           "optim.lr=3e-3"]
 
