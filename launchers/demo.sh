@@ -34,6 +34,7 @@ $PY - "$RUN" "$WORK/shards" <<'PY'
 import json, sys
 from pathlib import Path
 from transformers import pipeline
+from transformers.utils import logging as hf_logging
 from data_prep.shard_format import load_manifest
 from pretrain.eval.cli import unigram_accuracy
 from pretrain.tracking.jsonl import read_metrics
@@ -42,6 +43,7 @@ run, data = Path(sys.argv[1]), sys.argv[2]
 rows = read_metrics(run / "metrics.jsonl")
 first = lambda key: next((r[key] for r in rows if r.get(key) is not None), None)
 last = lambda key: next((r[key] for r in reversed(rows) if r.get(key) is not None), None)
+hf_logging.disable_progress_bar()            # its weight-loading bar
 fill = pipeline("fill-mask", model=str(run / "hf_final"))
 for text in ["The Nile is a river in [MASK].", "Paris is the capital and most populous city of [MASK].",
              "The cat is a small domesticated [MASK].", "He was born in the [MASK] of London."]:

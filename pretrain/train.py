@@ -85,8 +85,7 @@ class Run:
 
     def emit(self, metrics: dict, step: int, suffix: str = "") -> None:
         if metrics:
-            log.info("step %d %s%s", step, " ".join(f"{k.split('/', 1)[-1]}={_fmt(v)}" for k, v in metrics.items()),
-                     suffix)
+            log.info("step %d %s%s", step, " ".join(f"{_short(k)}={_fmt(v)}" for k, v in metrics.items()), suffix)
             self.tracker.log_metrics(metrics, step)
             resume_log.remember(self.state, metrics, step)
             self.latest.update(metrics)
@@ -355,6 +354,12 @@ def _memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux
+
+
+def _short(key: str) -> str:
+    """train/ and perf/ go without saying on the console; eval/ and the rest keep their group."""
+    group, _, name = key.partition("/")
+    return name if group in ("train", "perf") and name else key
 
 
 def _fmt(v) -> str:
