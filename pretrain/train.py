@@ -407,8 +407,7 @@ def main(argv=None) -> int:
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     stop = StopSignal()          # from here on, SIGUSR1/SIGTERM mean "checkpoint after the current step"
-    with console.chatter_to_file():         # DeepSpeed's op builds print on every rank
-        info = eng.init_distributed(cfg)
+    info = eng.init_distributed(cfg)
     try:
         return fit(cfg, manifest, tasks, resume_from, info, stop)
     except ShardError as exc:    # found while reading: name the shard, no traceback on every rank
