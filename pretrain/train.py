@@ -405,7 +405,7 @@ def main(argv=None) -> int:
     stop = StopSignal()          # from here on, SIGUSR1/SIGTERM mean "checkpoint after the current step"
     if os.environ.get("LOCAL_RANK", "0") == "0":
         stale_shm.remove_stale()     # /dev/shm segments of killed runs (no live process maps them)
-    with console.chatter_to_file():         # DeepSpeed's op builds print on every rank
+    with console.chatter_to_file():         # DeepSpeed's op builds and checks print on every rank
         info = eng.init_distributed(cfg)
     try:
         return fit(build_run(cfg, manifest, tasks, resume_from, info, stop))
