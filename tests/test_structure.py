@@ -85,3 +85,12 @@ def test_checkpoint_and_shard_file_names_have_one_owner():
                 found[name].add(str(path.relative_to(REPO)))
     strays = {name: sorted(where - owners[name]) for name, where in found.items() if where - owners[name]}
     assert not strays, f"file names spelled outside their owner module: {strays}"
+
+
+def test_no_function_in_pretrain_is_over_60_lines():
+    long = []
+    for path in PRETRAIN.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long
