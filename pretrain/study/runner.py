@@ -36,13 +36,11 @@ from data_prep.atomic import write_atomic
 from pretrain.runtime import lifeline
 from pretrain.study.plan import Study, Variant, describe, load_study, with_tracking
 from pretrain.study.summary import variant_state
-from pretrain.tracking.mlflow_ui import quiet_mlflow_links
+from pretrain.tracking.mlflow_parent import SET_FOR_THIS_PROCESS_ONLY, ParentRun
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 3
-PARENT_ID_FILE = "mlflow_parent_run_id"
 STATUS_FILE = "study_status.json"          # per variant: launches, wall time, last exit code
 REPO = Path(__file__).resolve().parents[2]
-_SET_FOR_STUDY_ONLY: list[str] = []        # environment variables the variants must not inherit
 
 
 def is_finished(variant: Variant) -> bool:
@@ -62,98 +60,6 @@ def read_status(variant: Variant) -> dict:
 def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, text)
-
-
-# ---------------------------------------------------------------- MLflow parent run
-class ParentRun:
-    """The study's MLflow run; variants log into its store as its children. ``None`` id without MLflow."""
-
-    def __init__(self, study: Study):
-        self.study, self.client, self.run_id = study, None, ""
-        base = study.variants[0].cfg
-        self.enabled = base.tracking.backend == "mlflow"
-        self.uri = ""
-        if self.enabled:
-            from pretrain.tracking.mlflow_requests import default_local_store
-
-            self.uri = base.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
-            self.artifact_root = None
-            if not self.uri:            # one local store for the whole study, not one per variant
-                self.uri, self.artifact_root = default_local_store(str(study.dir))
-            self.experiment = base.tracking.experiment
-
-    def open(self) -> str:
-        """Continue the study's run (its id is kept in the study folder) or create it."""
-        if not self.enabled:
-            return ""
-        from mlflow.exceptions import MlflowException
-        from mlflow.tracking import MlflowClient
-
-        # Fail in seconds, not after MLflow's minutes of HTTP retries, when the server is down. Only
-        # this process: the variants' trackers choose their own retry settings.
-        for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1"), ("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")):
-            if name not in os.environ:
-                os.environ[name] = value
-                _SET_FOR_STUDY_ONLY.append(name)
-        self.client = MlflowClient(tracking_uri=self.uri)
-        quiet_mlflow_links()
-        id_file = self.study.dir / PARENT_ID_FILE
-        if id_file.is_file():
-            try:
-                run = self.client.get_run(id_file.read_text().strip())
-                if run.info.lifecycle_stage == "active":
-                    self.run_id = run.info.run_id
-                    if run.info.status != "RUNNING":
-                        self.client.update_run(self.run_id, status="RUNNING")
-                    return self.run_id
-            except MlflowException:
-                pass                    # deleted, or another store: start a new parent run
-        exp = self.client.get_experiment_by_name(self.experiment)
-        if exp is None:
-            try:
-                exp_id = self.client.create_experiment(self.experiment, artifact_location=self.artifact_root)
-            except MlflowException:     # created meanwhile by another process
-                exp_id = self.client.get_experiment_by_name(self.experiment).experiment_id
-        else:
-            exp_id = exp.experiment_id
-        # MLflow 3's UI shows an experiment without this tag in its GenAI layout.
-        self.client.set_experiment_tag(exp_id, "mlflow.experimentKind", "custom_model_development")
-        plan = describe(self.study)
-        run = self.client.create_run(exp_id, run_name=f"study-{self.study.section.name}",
-                                     tags={"study.name": self.study.section.name, "study.kind": "parent"})
-        self.run_id = run.info.run_id
-        params = {"study.name": plan["name"], "study.ranks": plan["ranks"], "study.variants": len(plan["variants"]),
-                  "study.config": plan["config"], **{f"study.grid.{k}": json.dumps(v) for k, v in plan["grid"].items()},
-                  **{f"study.shared.{k}": json.dumps(v) for k, v in plan["shared"].items()}}
-        from mlflow.entities import Param
-
-        self.client.log_batch(self.run_id, params=[Param(k[:250], str(v)[:6000]) for k, v in params.items()])
-        self.client.log_text(self.run_id, json.dumps(plan, indent=1, default=str), "study.json")
-        _write_atomic(id_file, self.run_id + "\n")
-        return self.run_id
-
-    def log_summary(self, files: list[Path], comparison: list[tuple[str, float, int]], note: str) -> None:
-        if self.client is None:
-            return
-        for path in files:
-            self.client.log_artifact(self.run_id, str(path), "summary")
-        from mlflow.entities import Metric, RunTag
-
-        # A fixed timestamp: a re-run's summary re-sends identical points, which the store drops.
-        metrics = [Metric(k, v, 0, step) for k, v, step in comparison]
-        for i in range(0, len(metrics), 1000):
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
-        self.client.log_batch(self.run_id, tags=[RunTag("mlflow.note.content", note[:5000])])
-        print(f"study: compare the variants at {self.url()}", flush=True)
-
-    def url(self) -> str:
-        from pretrain.tracking.mlflow_ui import run_url
-
-        return run_url(self.uri, self.client.get_run(self.run_id).info.experiment_id, self.run_id)
-
-    def close(self, status: str) -> None:
-        if self.client is not None:
-            self.client.set_terminated(self.run_id, status)
 
 
 # ---------------------------------------------------------------- running variants
@@ -200,7 +106,7 @@ def run_variant(study: Study, variant: Variant, parent: ParentRun, interrupt: In
     _write_atomic(config_file, configlib.dump_yaml(cfg))
     ranks = study.section.ranks
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    for name in _SET_FOR_STUDY_ONLY:
+    for name in SET_FOR_THIS_PROCESS_ONLY:
         env.pop(name, None)
     # The deepspeed launcher sets no thread count; oversubscribed CPU ranks ran 9x slower.
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // ranks)))
@@ -267,9 +173,9 @@ def main(argv=None) -> int:
         return EXIT_BAD_INPUT
     study.dir.mkdir(parents=True, exist_ok=True)
     _write_atomic(study.dir / "study.json", json.dumps(describe(study), indent=1, default=str) + "\n")
-    parent = ParentRun(study)
+    parent = ParentRun(study.variants[0].cfg, study.dir, study.section.name)
     try:
-        parent.open()
+        parent.open(describe(study))
     except Exception as exc:  # noqa: BLE001 - server down, refused, bad URI: nothing has started yet
         print(f"error: MLflow at {parent.uri}: cannot open the study's run ({str(exc).splitlines()[0][:300]}); "
               "start the server, fix tracking.tracking_uri, or set tracking.backend=none", file=sys.stderr)
