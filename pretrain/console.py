@@ -108,6 +108,21 @@ def chatter_to_file():
             os.close(saved[1])
 
 
+def metrics_line(metrics: dict) -> str:
+    """``key=value`` pairs for a log line; train/ and perf/ go without saying, eval/ and the rest keep
+    their group."""
+    def short(key: str) -> str:
+        group, _, name = key.partition("/")
+        return name if group in ("train", "perf") and name else key
+
+    def fmt(v) -> str:
+        if isinstance(v, int):
+            return str(v)
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
+
+    return " ".join(f"{short(k)}={fmt(v)}" for k, v in metrics.items())
+
+
 def time_left(steps_left: int, seconds_per_step: float) -> str:
     seconds = max(0, round(steps_left * seconds_per_step))
     hours, rest = divmod(seconds, 3600)

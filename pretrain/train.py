@@ -85,7 +85,7 @@ class Run:
 
     def emit(self, metrics: dict, step: int, suffix: str = "") -> None:
         if metrics:
-            log.info("step %d %s%s", step, " ".join(f"{_short(k)}={_fmt(v)}" for k, v in metrics.items()), suffix)
+            log.info("step %d %s%s", step, console.metrics_line(metrics), suffix)
             self.tracker.log_metrics(metrics, step)
             resume_log.remember(self.state, metrics, step)
             self.latest.update(metrics)
@@ -272,7 +272,7 @@ def train_metrics(run: Run, window: ThroughputWindow, result: StepResult) -> dic
     grad_norm = run.engine.get_global_grad_norm() if cfg.impl.zero_stage else result.grad_norm
     return {**metrics, "train/lr": run.scheduler.get_last_lr()[0],
             "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "perf/memory_gb": _memory_gb(run.info.device), "train/tokens_seen": state.tokens_seen,
+            "perf/memory_gb": hardware.peak_memory_gb(run.info.device), "train/tokens_seen": state.tokens_seen,
             "train/nonfinite_skipped": state.nonfinite_total,
             **mixture.data_metrics(run.stream, step, cfg.train.max_steps),
             **({"train/mask_rate": rate_at_step(cfg.masking, step - 1, cfg.train.max_steps)}
@@ -347,25 +347,6 @@ def export_final(run: Run) -> None:
             export_to(checkpointing.checkpoint_root(run.cfg), checkpointing.tag_for_step(run.state.step), out)
         run.tracker.log_model(str(out), run.state.step, final=True)
     dist.barrier()
-
-
-def _memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux
-
-
-def _short(key: str) -> str:
-    """train/ and perf/ go without saying on the console; eval/ and the rest keep their group."""
-    group, _, name = key.partition("/")
-    return name if group in ("train", "perf") and name else key
-
-
-def _fmt(v) -> str:
-    if isinstance(v, int):
-        return str(v)
-    return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
 
 
 def parse_args(argv=None):
