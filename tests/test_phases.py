@@ -62,7 +62,8 @@ def phases(shards, wiki_txt_dir, tmp_path_factory):
 def test_phase_two_continues_phase_one_at_a_longer_sequence_length(phases):
     root, log = phases
     assert "train.init_from_checkpoint: weights and optimiser moments from" in log
-    assert "schedule: linear, lr 1.5e-03 at step 0 -> 0 at step 1" in log     # its own schedule, from step 0
+    # its own schedule, from step 0 (one step, shorter than its warm-up)
+    assert "schedule: linear, lr 1.5e-03 at step 0 -> 3.0e-03 at step 1 (still warming up: optim.warmup_steps=2)" in log
     p1, p2 = train_losses(root / "p1"), train_losses(root / "p2")
     assert list(p2) == [1]                                                    # its own step counter
     # From scratch the loss starts at ln(4096) = 8.3 (phase 1's first); phase 2 starts near phase 1's end,

@@ -68,9 +68,11 @@ def continue_schedule(scheduler, cfg) -> str:
         group["lr"] = lr
     scheduler._last_lr = list(lrs)
     o = cfg.optim
-    end = o.lr * (1.0 if o.schedule == "constant" else o.min_lr_ratio)
+    end = o.lr * current(cfg.train.max_steps)       # the rate where the run ends (warm-up may outlast a short run)
     line = (f"schedule: {o.schedule}, lr {_lr(o.lr * current(step))} at step {step} -> {_lr(end)} at step "
             f"{cfg.train.max_steps}")
+    if o.warmup_steps > cfg.train.max_steps:
+        line += f" (still warming up: optim.warmup_steps={o.warmup_steps})"
     if o.schedule == "wsd":
         line += f" (stable until step {max(o.warmup_steps, cfg.train.max_steps - current.decay_steps)})"
     if step and before is not None and before != cfg.train.max_steps:
