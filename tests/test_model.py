@@ -124,7 +124,7 @@ def test_init_from_pretrained_encoder(rows, bert_uncased_dir, tmp_path):
         build_model(cfg, 32000, SPECIAL, ImplConfig())
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 512"):
         build_model(cfg, VOCAB, SPECIAL, ImplConfig(), seq_len=1024)
-    with pytest.raises(FileNotFoundError, match="has no config.json"):
+    with pytest.raises(ValueError, match="config.json unreadable"):
         build_model(ModelConfig(init_from=str(tmp_path)), VOCAB, SPECIAL, ImplConfig())
 
 

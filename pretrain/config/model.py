@@ -77,10 +77,11 @@ class ModelConfig:
             if value is not None and not 0.0 <= value < 1.0:
                 p.append(f"{name}: must be in [0, 1), got {value}")
         if self.init_from:
-            p.extend(self._init_from_problems())
+            p.extend(self.init_from_problems())
         return p
 
-    def _init_from_problems(self) -> list[str]:
+    def init_from_problems(self) -> list[str]:
+        """``init_from`` is a local Hugging Face folder of this ``arch`` (the data's side is checked in preflight)."""
         if not os.path.isdir(self.init_from):
             return [f"init_from: {self.init_from!r} is not a local folder (nothing is downloaded at run time)"]
         try:

@@ -17,7 +17,6 @@ host wait for the device; the gather by ``positions`` does not.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -164,13 +163,10 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, im
     attention = attention_implementation(impl)
     if model_cfg.init_from:
         folder = model_cfg.init_from
-        if not os.path.isfile(os.path.join(folder, "config.json")):
-            raise FileNotFoundError(f"model.init_from: {folder!r} has no config.json (a local Hugging Face "
-                                    "model folder is needed; nothing is downloaded at run time)")
+        problems = model_cfg.init_from_problems()
+        if problems:
+            raise ValueError("model." + "; model.".join(problems))
         found = AutoConfig.from_pretrained(folder, local_files_only=True)
-        if found.model_type != model_cfg.arch:
-            raise ValueError(f"model.init_from: {folder!r} holds a {found.model_type!r} model, but model.arch "
-                             f"is {model_cfg.arch!r}")
         if found.vocab_size != vocab_size:
             raise ValueError(f"model.init_from: {folder!r} has vocab_size {found.vocab_size}, but the data's "
                              f"manifest says {vocab_size}: prepare the data with that model's tokenizer")
