@@ -256,6 +256,7 @@ def main(argv=None) -> int:
     from pretrain.eval.downstream import FinetuneSettings
 
     transformers.utils.logging.set_verbosity_error()       # load reports would bury the table
+    transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
     try:
         specs = task_specs(args)
