@@ -92,7 +92,12 @@ def build_optimizer(model: MLMModel, cfg: Config, device: torch.device) -> torch
 def make_skippable(opt: torch.optim.Optimizer) -> None:
     """Let the training loop veto the next update (non-finite loss on some rank). ``overflow`` is
     the attribute DeepSpeed's engine reads after a step to count it as skipped and hold the lr
-    schedule; under ZeRO its own overflow check on the (non-finite) gradients also skips."""
+    schedule; under ZeRO its own overflow check on the (non-finite) gradients also skips.
+
+    Why the instance's ``step`` and not a subclass: DeepSpeed's ZeRO offload checks the optimiser's
+    exact type (``type(opt) == DeepSpeedCPUAdam`` in ``zero/stage_1_and_2.py`` and ``zero/stage3.py``),
+    and its ZeRO optimisers must run their own ``step()`` at every boundary (it zeroes their gradient
+    partitions), so neither a ``Skippable*`` subclass nor skipping ``engine.step()`` is open to us."""
     original = opt.step
     opt.skip_next_step = False
     opt.overflow = False
