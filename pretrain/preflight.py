@@ -127,8 +127,8 @@ def resume_problems(cfg: Config, manifest: dict, root: Path, tag: str) -> list[s
     problems += data_position_problems(cfg, manifest, root / tag)
     problems += layout_problems(cfg, root, tag)
     if problems:
-        problems.append(f"(settings that change results may not change on resume; start a new run with "
-                        f"train.resume=none or another train.out_dir)")
+        problems.append("(settings that change results may not change on resume; start a new run with "
+                        "train.resume=none or another train.out_dir)")
     return problems
 
 

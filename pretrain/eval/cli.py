@@ -24,7 +24,7 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 from collections.abc import Iterator
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -34,6 +34,9 @@ from pretrain.config.schema import DownstreamTaskConfig
 from pretrain.eval.mlm import eval_set_batches, figures, score
 from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.eval.tasks import WORD_ORDER, TaskError
+
+if TYPE_CHECKING:                      # imported at run time only by the commands that fine-tune
+    from pretrain.eval.downstream import FinetuneSettings
 
 log = logging.getLogger("pretrain")
 EXIT_BAD_INPUT = 2
@@ -143,7 +146,7 @@ def resolve_model(path: str | Path, stack: ExitStack) -> Path:
 
 def evaluate_model(model_dir: str | Path, specs: list[DownstreamTaskConfig], protocol: str = "probe",
                    data_dir: Optional[str] = None, device: str = "cpu", batch_size: int = 32,
-                   finetune: Optional["FinetuneSettings"] = None) -> dict[str, float]:
+                   finetune: Optional[FinetuneSettings] = None) -> dict[str, float]:
     """Every task's metrics with both baselines, keyed ``downstream/<task>/...``."""
     from transformers import AutoModel
 

@@ -5,6 +5,7 @@ record what produced a run. The buffering and the background sender are in ``mlf
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from mlflow.exceptions import MlflowException
+
+log = logging.getLogger(__name__)
 
 # MLflow's own limits (mlflow.utils.validation); a request over them is rejected as a whole.
 MAX_METRICS_PER_BATCH = 1000
@@ -127,3 +130,55 @@ def environment_tags(world_size: int) -> dict[str, str]:
     except (OSError, subprocess.SubprocessError):
         pass                                    # no git here: the commit is simply not recorded
     return tags
+
+
+def one_request(head: list) -> list:
+    """The longest run of queued items at the head of the tracker's queue that one request can
+    carry: metrics, params and tags batch together within MLflow's limits; anything else alone."""
+    if not head:
+        return []
+    if head[0][0] not in ("metric", "param", "tag"):
+        return head[:1]
+    batch, counts, size = [], {"metric": 0, "param": 0, "tag": 0}, 0
+    limits = {"metric": MAX_METRICS_PER_BATCH, "param": MAX_PARAMS_TAGS_PER_BATCH, "tag": MAX_PARAMS_TAGS_PER_BATCH}
+    for item in head:
+        kind = item[0]
+        if kind not in limits:
+            break
+        item_size = 80 + len(item[1]) + (len(item[2]) if kind != "metric" else 0)
+        if counts[kind] == limits[kind] or (batch and size + item_size > MAX_BATCH_BYTES):
+            break
+        counts[kind] += 1
+        size += item_size
+        batch.append(item)
+    return batch
+
+
+def experiment_id(call, client, name: str, artifact_root: Optional[str]) -> str:
+    """The id of experiment ``name``: created (or restored from deletion) when needed. ``call``
+    runs one client request (the tracker's retry and outage handling)."""
+    exp = call(client.get_experiment_by_name, name)
+    if exp is None:
+        try:
+            # Without this tag MLflow 3's UI opens the experiment in its GenAI layout.
+            return call(client.create_experiment, name, artifact_location=artifact_root,
+                        tags={"mlflow.experimentKind": "custom_model_development"})
+        except MlflowException as exc:   # created meanwhile by another job
+            exp = call(client.get_experiment_by_name, name)
+            if exp is None:
+                raise exc
+    if exp.lifecycle_stage != "active":
+        log.warning("MLflow: experiment %r was deleted; restoring it", name)
+        call(client.restore_experiment, exp.experiment_id)
+    return exp.experiment_id
+
+
+def last_logged_steps(call, client, run) -> dict[str, int]:
+    """Per metric, the largest step a continued run already holds."""
+    # run.data keeps, per metric, the point at the largest step; MLflow's own system-metrics
+    # resume reads it the same way. The fallback reads whole histories (slow on long runs).
+    objs = getattr(run.data, "_metric_objs", None)
+    if objs is not None:
+        return {m.key: int(m.step) for m in objs}
+    return {key: max(int(m.step) for m in call(client.get_metric_history, run.info.run_id, key))
+            for key in run.data.metrics}

@@ -37,10 +37,12 @@ from pretrain.config.loader import flatten
 from pretrain.tracking.base import Tracker
 from pretrain.tracking.mlflow_ui import mlflow_metric_name, quiet_mlflow_links
 from pretrain.tracking.mlflow_ui import run_url as classic_run_url
-from pretrain.tracking.mlflow_requests import (MAX_BATCH_BYTES, MAX_ENTITIES_PER_BATCH, MAX_METRICS_PER_BATCH,
-                                               MAX_PARAMS_TAGS_PER_BATCH, MAX_TAG_VAL_LENGTH, METRIC_NAME,
-                                               environment_tags, limit_http_retries, longer_http_timeout,
-                                               param_value, resolve_tracking_uri, retriable, short_reason)
+from pretrain.tracking.mlflow_requests import (MAX_ENTITIES_PER_BATCH, MAX_METRICS_PER_BATCH,
+                                               MAX_TAG_VAL_LENGTH, METRIC_NAME,
+                                               environment_tags, experiment_id, last_logged_steps,
+                                               limit_http_retries, longer_http_timeout, one_request, param_value,
+                                               resolve_tracking_uri, retriable, short_reason)
+from pretrain.tracking.mlflow_system import start_system_metrics
 
 log = logging.getLogger(__name__)
 
@@ -220,24 +222,7 @@ class MlflowTracker(Tracker):
         """The longest run of queued items at the head that one request can carry."""
         with self._cond:
             head = list(itertools.islice(self._queue, 0, MAX_ENTITIES_PER_BATCH))
-        if not head:
-            return []
-        if head[0][0] not in ("metric", "param", "tag"):
-            return head[:1]
-        batch, counts, size = [], {"metric": 0, "param": 0, "tag": 0}, 0
-        limits = {"metric": MAX_METRICS_PER_BATCH, "param": MAX_PARAMS_TAGS_PER_BATCH,
-                  "tag": MAX_PARAMS_TAGS_PER_BATCH}
-        for item in head:
-            kind = item[0]
-            if kind not in limits:
-                break
-            item_size = 80 + len(item[1]) + (len(item[2]) if kind != "metric" else 0)
-            if counts[kind] == limits[kind] or (batch and size + item_size > MAX_BATCH_BYTES):
-                break
-            counts[kind] += 1
-            size += item_size
-            batch.append(item)
-        return batch
+        return one_request(head)
 
     # ---------------------------------------------------------------- background thread
     def _flusher(self) -> None:
@@ -364,11 +349,11 @@ class MlflowTracker(Tracker):
         if run is not None:
             if run.info.status != "RUNNING":
                 self._call(self.client.update_run, run.info.run_id, status="RUNNING")
-            self._last_step = self._last_steps(run)
+            self._last_step = last_logged_steps(self._call, self.client, run)
             log.info("MLflow: continuing run %s (%d metrics already logged, up to step %s)", run.info.run_id,
                      len(self._last_step), max(self._last_step.values(), default=None))
         else:
-            exp_id = self._experiment_id()
+            exp_id = experiment_id(self._call, self.client, self.cfg.tracking.experiment, self._artifact_root)
             parent = self.cfg.tracking.parent_run_id
             run = self._call(self.client.create_run, exp_id, run_name=self.cfg.tracking.run_name or None,
                              tags={"mlflow.parentRunId": parent} if parent else None)
@@ -385,7 +370,10 @@ class MlflowTracker(Tracker):
         self._remember_run_id()
         if self._artifact_root:
             log.info("MLflow: local store; view it with `mlflow ui --backend-store-uri %s`", self.tracking_uri)
-        self._start_system_metrics()
+        if self.cfg.tracking.system_metrics:
+            steps = [s for k, s in self._last_step.items() if k.startswith("system/")]
+            start_system_metrics(self.run_id, self.tracking_uri, self._enqueue, self._stop_sampler,
+                                 first_step=max(steps) + 1 if steps else 0)
 
     # A checkpoint written while the server was unreachable holds no run id; this file, written as
     # soon as the run exists, lets the next launch of the same job continue that run.
@@ -404,32 +392,6 @@ class MlflowTracker(Tracker):
         except OSError as exc:
             log.warning("MLflow: could not write %s (%s)", path, exc)
 
-    def _experiment_id(self) -> str:
-        name = self.cfg.tracking.experiment
-        exp = self._call(self.client.get_experiment_by_name, name)
-        if exp is None:
-            try:
-                # Without this tag MLflow 3's UI opens the experiment in its GenAI layout.
-                return self._call(self.client.create_experiment, name, artifact_location=self._artifact_root,
-                                  tags={"mlflow.experimentKind": "custom_model_development"})
-            except MlflowException as exc:   # created meanwhile by another job
-                exp = self._call(self.client.get_experiment_by_name, name)
-                if exp is None:
-                    raise exc
-        if exp.lifecycle_stage != "active":
-            log.warning("MLflow: experiment %r was deleted; restoring it", name)
-            self._call(self.client.restore_experiment, exp.experiment_id)
-        return exp.experiment_id
-
-    def _last_steps(self, run) -> dict[str, int]:
-        # run.data keeps, per metric, the point at the largest step; MLflow's own system-metrics
-        # resume reads it the same way. The fallback reads whole histories (slow on long runs).
-        objs = getattr(run.data, "_metric_objs", None)
-        if objs is not None:
-            return {m.key: int(m.step) for m in objs}
-        return {key: max(int(m.step) for m in self._call(self.client.get_metric_history, run.info.run_id, key))
-                for key in run.data.metrics}
-
     def _upload(self, local_dir: str, artifact_path: str) -> None:
         if not os.path.isdir(local_dir):
             raise FileNotFoundError(f"{local_dir} no longer exists; nothing to upload as {artifact_path}")
@@ -446,42 +408,3 @@ class MlflowTracker(Tracker):
         source = f"{self._call(self.client.get_run, self.run_id).info.artifact_uri}/{artifact_path}"
         version = self._call(self.client.create_model_version, name, source, run_id=self.run_id)
         log.info("MLflow: registered %s as model %r version %s", source, name, version.version)
-
-    # ---------------------------------------------------------------- system metrics
-    def _start_system_metrics(self) -> None:
-        """CPU, memory, disk, network (and GPU with pynvml) under ``system/``, as MLflow's own
-        monitor names them. MLflow's monitor thread stops for good at the first failed request and
-        sends directly, so only its samplers are used; the samples go through this buffer."""
-        if not self.cfg.tracking.system_metrics:
-            return
-        try:
-            import psutil  # noqa: F401
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-            monitor = SystemMetricsMonitor(self.run_id, tracking_uri=self.tracking_uri)
-        except Exception as exc:  # noqa: BLE001 - optional; never worth failing a run over
-            log.info("MLflow: system metrics off (%s)", exc)
-            return
-        steps = [s for k, s in self._last_step.items() if k.startswith("system/")]
-        first_step = max(steps) + 1 if steps else 0
-        threading.Thread(target=self._sample_system, args=(monitor, first_step), name="mlflow-system-metrics",
-                         daemon=True).start()
-
-    def _sample_system(self, monitor, step: int) -> None:
-        interval = float(monitor.sampling_interval)
-        per_log = max(1, int(monitor.samples_before_logging))
-        taken = 0
-        try:
-            while not self._stop_sampler.wait(interval):
-                monitor.collect_metrics()
-                taken += 1
-                if taken % per_log:
-                    continue
-                values = monitor.aggregate_metrics()
-                for m in monitor.monitors:
-                    m.clear_metrics()
-                now = int(time.time() * 1000)
-                self._enqueue([("metric", f"system/{k}", float(v), now, step) for k, v in values.items()])
-                step += 1
-        except Exception as exc:  # noqa: BLE001
-            log.info("MLflow: system metrics stopped (%s)", exc)
