@@ -23,6 +23,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("MLM_PRETRAIN_CACHE", tempfile.mkdtemp(prefix="mlm-pretrain-cache-"))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n 2 --dist loadgroup``, the README's command) a test module runs on one
+    worker, so its module-scoped runs and servers are built once; every test that uses the real Slurm
+    runs on one worker too (one cluster, one apt-get)."""
+    with_slurm = {item.module.__name__ for item in items if "slurm_cluster" in item.fixturenames}
+    for item in items:
+        module = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("slurm" if module in with_slurm else module))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_shared_memory_left_behind():
     """Ranks that a test kills cannot release DeepSpeed's /dev/shm segments (64 MiB each, RAM):
