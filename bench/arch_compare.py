@@ -176,7 +176,9 @@ def main(argv=None) -> int:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     shards = Path(args.data) if args.data else held_out_shards(work, args.seq_len)
-    args.seq_len = json.loads((shards / "manifest.json").read_text())["seq_len"]
+    from data_prep.shard_format import load_manifest
+
+    args.seq_len = load_manifest(shards).seq_len
     peak = matmul_peak(args.precision, args.threads)
     print(f"shards {shards} (seq len {args.seq_len}); {args.precision} matmul peak {peak:.3f} TFLOP/s "
           f"on {args.threads} threads; budget {args.budget_s:.0f} s per architecture", flush=True)

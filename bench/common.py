@@ -16,14 +16,12 @@ def ensure_sample_shards(folder: str | os.PathLike, seq_len: int = 128, num_file
     with the real ``data_prep`` CLI (``shard`` then ``finalize``) unless its manifest already exists
     with this ``seq_len``; ``validation_fraction`` of the documents held out for evaluations.
     Returns the shard folder."""
-    import json
-
     from data_prep.sample_corpus import bert_uncased_dir, write_sample_corpus
+    from data_prep.shard_format import load_manifest
 
     folder = Path(folder)
     shards = folder / (f"shards-seq{seq_len}" + (f"-val{validation_fraction}" if validation_fraction else ""))
-    manifest = shards / "manifest.json"
-    if manifest.is_file() and json.loads(manifest.read_text()).get("seq_len") == seq_len:
+    if (shards / "manifest.json").is_file() and load_manifest(shards).seq_len == seq_len:
         return shards
     corpus = folder / "corpus"
     if not corpus.is_dir():

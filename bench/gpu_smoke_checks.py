@@ -48,7 +48,7 @@ def paths(config: str, shards: str) -> str:
     for overrides, expected in ((["optim.name=adamw", "impl.fused_optimizer=true"], "FusedAdam"),
                                 (["optim.name=lamb", "impl.fused_optimizer=true"], "FusedLamb")):
         cfg = load_config(config, [f"data.dir={shards}", "impl.attention=sdpa", *overrides])
-        model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl).to(device)
+        model = build_model(cfg.model, manifest.tokenizer.vocab_size, special, cfg.impl).to(device)
         opt = build_optimizer(model, cfg, device)
         if type(opt).__name__ != expected:
             raise SystemExit(f"{' '.join(overrides)}: build_optimizer gave {type(opt).__name__}, expected {expected}")
@@ -62,7 +62,7 @@ def paths(config: str, shards: str) -> str:
         lines.append(f"{expected}: built by build_optimizer for {' '.join(overrides)}; one step moved weights by up to {moved:.2e}")
 
     cfg = load_config(config, [f"data.dir={shards}", "impl.attention=sdpa"])
-    model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl).to(device, torch.bfloat16)
+    model = build_model(cfg.model, manifest.tokenizer.vocab_size, special, cfg.impl).to(device, torch.bfloat16)
     batch = next(iter(TrainStream(shards, manifest, "train", 0, 1, 8, 8, cfg.data.seed)))
     ids = batch["input_ids"].to(device)
     full = (ids != special.pad).all(dim=1)                # flash takes no padding mask: unpadded rows only

@@ -48,9 +48,8 @@ def hf_mlm_trainer(shards: Path, cfg, batch_size: int, precision: str, threads: 
     torch.set_num_threads(threads)
     manifest = load_manifest(shards)
     special = SpecialIds.from_manifest(manifest)
-    ids = np.concatenate([block for entry in sorted(manifest["shards"], key=lambda s: s["name"])
-                          if entry["split"] == "train"
-                          for block, _ in iter_blocks(shards / entry["name"], manifest["seq_len"])])
+    ids = np.concatenate([block for entry in sorted(manifest.shards_of("train"), key=lambda s: s.name)
+                          for block, _ in iter_blocks(shards / entry.name, manifest.seq_len)])
     ids = torch.from_numpy(ids.astype(np.int64))
 
     class Sequences(torch.utils.data.Dataset):
@@ -60,11 +59,11 @@ def hf_mlm_trainer(shards: Path, cfg, batch_size: int, precision: str, threads: 
         def __getitem__(self, i):
             return {"input_ids": ids[i], "attention_mask": (ids[i] != special.pad).long()}
 
-    tokenizer = AutoTokenizer.from_pretrained(shards / manifest["tokenizer"]["path"])
-    if tokenizer.mask_token_id != special.mask or len(tokenizer) != manifest["tokenizer"]["vocab_size"]:
+    tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_dir(shards))
+    if tokenizer.mask_token_id != special.mask or len(tokenizer) != manifest.tokenizer.vocab_size:
         raise RuntimeError(f"{shards}: the shard folder's tokenizer disagrees with its manifest")
     torch.manual_seed(cfg.train.seed)
-    model = BertForMaskedLM(bert_config(cfg.model, manifest["tokenizer"]["vocab_size"], special, "sdpa"))
+    model = BertForMaskedLM(bert_config(cfg.model, manifest.tokenizer.vocab_size, special, "sdpa"))
     o = cfg.optim
     kwargs = dict(output_dir=str(out_dir), per_device_train_batch_size=batch_size, learning_rate=o.lr,
                   weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_epsilon=o.eps,
@@ -121,7 +120,7 @@ def bare_worker(spec: dict) -> None:
     special = SpecialIds.from_manifest(manifest)
     cfg = load_config(spec["config"], spec["overrides"])
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl, seq_len=manifest["seq_len"])
+    model = build_model(cfg.model, manifest.tokenizer.vocab_size, special, cfg.impl, seq_len=manifest.seq_len)
     o = cfg.optim
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]

@@ -77,8 +77,7 @@ def build(config: Path, overrides: list[str], shards: Path, *, bare: bool = Fals
     precision, _ = hardware.resolve_precision(cfg.impl.precision, info.device)
     special = SpecialIds.from_manifest(manifest)
     torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl,
-                        seq_len=manifest["seq_len"])
+    model = build_model(cfg.model, manifest.tokenizer.vocab_size, special, cfg.impl, seq_len=manifest.seq_len)
     batches = iter(TrainStream(shards, manifest, "train", 0, 1, cfg.impl.micro_batch_size,
                                cfg.train.global_batch_size, cfg.data.seed))
     if bare:
@@ -91,7 +90,7 @@ def build(config: Path, overrides: list[str], shards: Path, *, bare: bool = Fals
         engine, scheduler, _, optimizer = eng.initialize(model, cfg, info, precision)
         if cfg.compile_now(cfg.train.max_steps, info.device.type, precision):
             engine.compile()
-    return Setup(cfg, special, info, precision, model, engine, optimizer, scheduler, batches, manifest["seq_len"])
+    return Setup(cfg, special, info, precision, model, engine, optimizer, scheduler, batches, manifest.seq_len)
 
 
 PHASES = ["data", "mask", "all_reduce", "forward", "backward", "step"]

@@ -77,7 +77,7 @@ def hf_worker(spec: dict) -> None:
     manifest = load_manifest(shards)
     cfg = load_config(str(CONFIG), [f"data.dir={shards}", *HF_RECIPE])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokens_per_step = spec["batch_size"] * manifest["seq_len"]
+    tokens_per_step = spec["batch_size"] * manifest.seq_len
 
     class Budget(TrainerCallback):
         """Sums step times (the evaluations between steps excluded), evaluates every eval_every
@@ -187,7 +187,9 @@ def run_ours(args, shards: Path) -> dict:
 
 
 def _seq_len(shards: Path) -> int:
-    return json.loads((shards / "manifest.json").read_text())["seq_len"]
+    from data_prep.shard_format import load_manifest
+
+    return load_manifest(shards).seq_len
 
 
 def _train_seconds(metrics: Path) -> list[tuple[int, float]]:
@@ -347,16 +349,17 @@ def main(argv=None) -> int:
 
     transformers.utils.logging.set_verbosity_error()
 
+    from data_prep.shard_format import load_manifest
     from pretrain.config.schema import DownstreamTaskConfig
     from pretrain.eval.downstream import baseline_metrics, prepare_tasks
     from pretrain.eval.tasks import sample_article_task
 
-    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest = load_manifest(shards)
     articles = sample_article_task(Path(args.work_dir) / "articles.csv", num_articles=10)
     tasks = prepare_tasks([DownstreamTaskConfig(path="word_order", max_examples=1500, max_length=64),
                            DownstreamTaskConfig(path=str(articles), name="articles", max_length=64)],
-                          shards / manifest["tokenizer"]["path"], data_dir=str(shards), manifest=manifest)
-    setup = (f"shards {shards} (seq {manifest['seq_len']}); configs/mini.yaml (HF: {' '.join(HF_RECIPE)}); "
+                          manifest.tokenizer_dir(shards), data_dir=str(shards), manifest=manifest)
+    setup = (f"shards {shards} (seq {manifest.seq_len}); configs/mini.yaml (HF: {' '.join(HF_RECIPE)}); "
              f"batch {args.batch_size}; "
              f"{args.precision}; {args.threads} threads; budget {args.minutes} min of training time each; "
              f"eval every {args.eval_every} steps on {args.eval_batches} batches; load {load_average()}"

@@ -51,12 +51,16 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import (auto_precision, cpu_record, ensure_sample_shards, format_table,  # noqa: E402
                           load_average, matmul_peak, matmul_peak_cpu_time, thread_env, trainer_peak)
+
+if TYPE_CHECKING:        # numpy and torch are imported once main() has set their thread counts
+    from data_prep.shard_format import Manifest
 
 # shape -> (YAML, overrides every row of ours and of the bare loop gets, default batch, steps, warm-up)
 SHAPES: dict[str, tuple[Path, list[str], int, int, int]] = {
@@ -239,14 +243,14 @@ def run_reference(variant: str, args, plan: Plan, shards: Path) -> Measurement:
 # ------------------------------------------------------------------------------------------ report
 
 
-def table(rows: list[Row], args, plan: Plan, peak: float, cpu_peak: float, manifest: dict) -> str:
+def table(rows: list[Row], args, plan: Plan, peak: float, cpu_peak: float, manifest: Manifest) -> str:
     from pretrain.config.schema import MaskingConfig, ModelConfig
     from pretrain.config.loader import load_yaml
     from pretrain.model.flops import mlm_flops_per_sequence
 
     raw = load_yaml(plan.config)
     model, rate = ModelConfig(**raw["model"]), MaskingConfig(**raw.get("masking", {})).rate
-    seq_len, vocab = manifest["seq_len"], manifest["tokenizer"]["vocab_size"]
+    seq_len, vocab = manifest.seq_len, manifest.tokenizer.vocab_size
 
     def tokens_per_s(m: Measurement) -> float:
         return m.sequences * seq_len / m.seconds
@@ -351,8 +355,10 @@ def main(argv=None) -> int:
           f"{machine.get('native_bf16')}; impl.precision=auto -> {auto} ({reason}); this run: {args.precision}",
           flush=True)
     shards = Path(args.data) if args.data else ensure_sample_shards(Path(args.work_dir), seq_len=128)
-    manifest = json.loads((shards / "manifest.json").read_text())
-    seq_len = manifest["seq_len"]
+    from data_prep.shard_format import load_manifest
+
+    manifest = load_manifest(shards)
+    seq_len = manifest.seq_len
     peak_before, source = matmul_peak(args.precision, args.threads, args.peak_seconds)
     print(f"matmul peak: {peak_before:.4f} TFLOP/s ({source}); load {load_average()}", flush=True)
     peak_trainer, trainer_source = trainer_peak(args.precision, args.threads, args.work_dir)

@@ -123,8 +123,8 @@ def _run(args) -> int:
         from .finalize import finalize
 
         m = finalize(args.dir)
-        print(f"{args.dir}/manifest.json: {len(m['shards'])} shards from {m['num_tasks']} task(s); "
-              + ", ".join(f"{s}: {t['sequences']:,} sequences, {t['tokens']:,} tokens" for s, t in m["totals"].items()))
+        print(f"{args.dir}/manifest.json: {len(m.shards)} shards from {m.num_tasks} task(s); "
+              + ", ".join(f"{s}: {t['sequences']:,} sequences, {t['tokens']:,} tokens" for s, t in m.totals.items()))
         return 0
     if args.command == "verify":
         from .verify import verify_report

@@ -11,7 +11,7 @@ from .errors import DataPrepError
 from .settings import SPLITS
 from .shard import TASK_MANIFEST_GLOB, shard_order, task_manifest_name
 from .atomic import write_json_atomic
-from .shard_format import FORMAT_VERSION, MANIFEST, tokenizer_sha256
+from .shard_format import FORMAT_VERSION, MANIFEST, Manifest, tokenizer_sha256
 
 _TOTAL_KEYS = ("shards", "sequences", "tokens", "padding", "documents")
 
@@ -42,7 +42,7 @@ def _setting_differences(a: dict, b: dict) -> str:
     return ", ".join("sources" if k == "sources" else f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in keys)
 
 
-def finalize(data_dir: str | os.PathLike) -> dict:
+def finalize(data_dir: str | os.PathLike) -> Manifest:
     """Write ``DIR/manifest.json`` from ``DIR/task-*.json`` and return it."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
@@ -104,8 +104,10 @@ def finalize(data_dir: str | os.PathLike) -> dict:
               for split in SPLITS}
     settings = {**first["settings"], "inputs": first["origin"]["inputs"],
                 "tokenizer_source": first["origin"]["tokenizer"]}
-    manifest = {"format_version": FORMAT_VERSION, "seq_len": first["seq_len"], "block_size": first["block_size"],
-                "dtype": first["dtype"], "tokenizer": tokenizer, "num_tasks": num_tasks, "shards": shards,
-                "totals": totals, "settings": settings}
-    write_json_atomic(data_dir / MANIFEST, manifest)
+    # Through the readers' own check: a task manifest that lost a key fails here, not in every trainer.
+    manifest = Manifest.from_dict({
+        "format_version": FORMAT_VERSION, "seq_len": first["seq_len"], "block_size": first["block_size"],
+        "dtype": first["dtype"], "tokenizer": tokenizer, "num_tasks": num_tasks, "shards": shards,
+        "totals": totals, "settings": settings}, where=f"{data_dir / MANIFEST} (from the task manifests)")
+    write_json_atomic(data_dir / MANIFEST, manifest.to_dict())
     return manifest

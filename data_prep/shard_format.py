@@ -38,18 +38,23 @@ each split of a group may end in ``[PAD]`` tokens.
       "settings": {...}                      # the resolved data-prep settings
     }
 
+Readers get it as a ``Manifest`` (``load_manifest``), checked once: a missing or mistyped key is a
+``ShardError`` naming the key, not a ``KeyError`` wherever it is first read.
+
 Within a shard every block holds ``block_size`` sequences except possibly the last, so a block's
 sequence count follows from the manifest alone (``block_sizes``).
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import json
 import os
 import tarfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -135,14 +140,14 @@ class ShardWriter:
             self.tmp.unlink(missing_ok=True)
 
 
-def block_sizes(shard_entry: dict, block_size: int) -> list[int]:
+def block_sizes(shard_entry: ShardEntry, block_size: int) -> list[int]:
     """Sequences in each block of a shard, from its manifest entry alone."""
-    n, blocks = shard_entry["sequences"], shard_entry["blocks"]
+    n, blocks = shard_entry.sequences, shard_entry.blocks
     if blocks == 0:
         return []
     sizes = [block_size] * (blocks - 1) + [n - block_size * (blocks - 1)]
     if sizes[-1] <= 0 or sizes[-1] > block_size:
-        raise ShardError(f"{shard_entry['name']}: {n} sequences do not fit {blocks} blocks of {block_size}")
+        raise ShardError(f"{shard_entry.name}: {n} sequences do not fit {blocks} blocks of {block_size}")
     return sizes
 
 
@@ -199,17 +204,168 @@ def iter_blocks(path: str | os.PathLike, seq_len: int):
             yield read_block(f, ref, seq_len)
 
 
-def load_manifest(data_dir: str | os.PathLike) -> dict:
+# ------------------------------------------------------------------------------------ manifest.json
+# Read once, checked once: every reader gets these types, never the raw dict.
+
+SPECIAL_ROLES = ("pad", "unk", "cls", "sep", "mask")    # the tokenizer's special ids, all in every manifest
+_PROBLEMS_SHOWN = 20
+_KIND_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "an object", list: "a list"}
+
+
+def _field(raw: dict, key: str, kind: type, where: str, problems: list[str], required: bool = True):
+    """``raw[key]`` when it is a ``kind``; else None and, unless an optional key is absent, a problem
+    naming ``where + key``. A bool is not an integer here (JSON true is not a count)."""
+    if key not in raw:
+        if required:
+            problems.append(f"{where}{key}: missing")
+        return None
+    value = raw[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        problems.append(f"{where}{key}: not {_KIND_NAMES[kind]} ({shown})")
+        return None
+    return copy.deepcopy(value) if kind is dict else value
+
+
+def _object(raw, where: str, problems: list[str]) -> dict | None:
+    if isinstance(raw, dict):
+        return raw
+    problems.append(f"{where.rstrip('.')}: not {_KIND_NAMES[dict]}")
+    return None
+
+
+class _AsJson:
+    def to_dict(self) -> dict:
+        """The JSON object, keys in the order data prep writes them; absent optional keys stay absent.
+        Nested dicts are copies: a caller that edits the result (tests, tools) leaves this object alone."""
+        def plain(value):
+            if isinstance(value, _AsJson):
+                return value.to_dict()
+            if isinstance(value, tuple):
+                return [plain(v) for v in value]
+            return copy.deepcopy(value) if isinstance(value, dict) else value
+
+        return {f.name: plain(v) for f in fields(self) if (v := getattr(self, f.name)) is not None}
+
+
+@dataclass(frozen=True)
+class ShardEntry(_AsJson):
+    """One element of the manifest's ``shards``."""
+    name: str
+    split: str
+    source: int | None     # input source and packing group (data_prep.groups); None in manifests written
+    group: int | None      # before packing groups, whose entries named the array task instead
+    index: int
+    sequences: int
+    blocks: int
+    tokens: int            # sequences x seq_len - padding
+    padding: int
+    bytes: int
+    sha256: str
+    _TEXT_KEYS: ClassVar[tuple[str, ...]] = ("name", "split", "sha256")      # the others are integers
+    _OPTIONAL_KEYS: ClassVar[tuple[str, ...]] = ("source", "group")
+
+    @classmethod
+    def read(cls, raw, where: str, problems: list[str]) -> ShardEntry | None:
+        if (raw := _object(raw, where, problems)) is None:
+            return None
+        before = len(problems)
+        values = {f.name: _field(raw, f.name, str if f.name in cls._TEXT_KEYS else int, where, problems,
+                                 required=f.name not in cls._OPTIONAL_KEYS) for f in fields(cls)}
+        return cls(**values) if len(problems) == before else None
+
+
+@dataclass(frozen=True)
+class TokenizerInfo(_AsJson):
+    """The manifest's ``tokenizer``: the copy beside the shards (``path``, relative to the data folder)."""
+    path: str
+    sha256: str                    # tokenizer_sha256 of that folder
+    vocab_size: int
+    lowercase: bool
+    special_ids: dict[str, int]    # an id for each of SPECIAL_ROLES
+    special_tokens: dict[str, str]
+
+    @classmethod
+    def read(cls, raw, where: str, problems: list[str]) -> TokenizerInfo | None:
+        if (raw := _object(raw, where, problems)) is None:
+            return None
+        before = len(problems)
+        kinds = {"path": str, "sha256": str, "vocab_size": int, "lowercase": bool, "special_ids": dict,
+                 "special_tokens": dict}
+        values = {key: _field(raw, key, kind, where, problems) for key, kind in kinds.items()}
+        ids = values["special_ids"]
+        if ids is not None and (lacking := [r for r in SPECIAL_ROLES if not isinstance(ids.get(r), int)]):
+            problems.append(f"{where}special_ids lacks {lacking} (has {sorted(ids)})")
+        return cls(**values) if len(problems) == before else None
+
+    @property
+    def pad_id(self) -> int:
+        return self.special_ids["pad"]
+
+
+@dataclass(frozen=True)
+class Manifest(_AsJson):
+    """``manifest.json`` (the module docstring), checked: ``from_dict`` refuses a missing or mistyped key."""
+    format_version: int
+    seq_len: int
+    block_size: int
+    dtype: str                               # of input_ids: ids_dtype(tokenizer.vocab_size)
+    tokenizer: TokenizerInfo
+    num_tasks: int
+    shards: tuple[ShardEntry, ...]           # by split (train first), then source, group, index
+    totals: dict[str, dict[str, int]]        # per split: shards, sequences, tokens, padding, documents
+    settings: dict                           # the resolved data-prep settings
+
+    @classmethod
+    def from_dict(cls, raw, where: str = MANIFEST) -> Manifest:
+        """Raises ``ShardError`` naming ``where`` and every key that is missing or of the wrong type."""
+        if not isinstance(raw, dict):
+            raise ShardError(f"{where}: not a data_prep manifest (a JSON {type(raw).__name__}, not an object)")
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise ShardError(f"{where}: format_version {raw.get('format_version')!r}, this code reads {FORMAT_VERSION}")
+        problems: list[str] = []
+        values = {key: _field(raw, key, kind, "", problems) for key, kind in (
+            ("format_version", int), ("seq_len", int), ("block_size", int), ("dtype", str), ("tokenizer", dict),
+            ("num_tasks", int), ("shards", list), ("totals", dict), ("settings", dict))}
+        if values["tokenizer"] is not None:
+            values["tokenizer"] = TokenizerInfo.read(values["tokenizer"], "tokenizer.", problems)
+        if values["shards"] is not None:
+            values["shards"] = tuple(ShardEntry.read(entry, f"shards[{i}].", problems)
+                                     for i, entry in enumerate(values["shards"]))
+        problems += [f"totals.{split}: not {_KIND_NAMES[dict]}" for split, t in (values["totals"] or {}).items()
+                     if not isinstance(t, dict)]
+        if problems:
+            shown = problems[:_PROBLEMS_SHOWN] + ([f"... and {len(problems) - _PROBLEMS_SHOWN} more"]
+                                                  if len(problems) > _PROBLEMS_SHOWN else [])
+            raise ShardError(f"{where}: not a data_prep manifest:\n  " + "\n  ".join(shown))
+        return cls(**values)
+
+    @classmethod
+    def load(cls, data_dir: str | os.PathLike) -> Manifest:
+        return load_manifest(data_dir)
+
+    def shards_of(self, split: str) -> list[ShardEntry]:
+        return [s for s in self.shards if s.split == split]
+
+    def has_split(self, split: str) -> bool:
+        """Whether any shard belongs to ``split`` (a data set may have no validation split)."""
+        return any(s.split == split for s in self.shards)
+
+    def tokenizer_dir(self, data_dir: str | os.PathLike) -> Path:
+        """The tokenizer copy beside the shards of ``data_dir``."""
+        return Path(data_dir) / self.tokenizer.path
+
+
+def load_manifest(data_dir: str | os.PathLike) -> Manifest:
+    """``DIR/manifest.json``, checked (``Manifest.from_dict``); raises ``ShardError`` naming what is wrong."""
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
         raise ShardError(f"{path}: missing (run `data_prep finalize {data_dir}`)")
     try:
-        manifest = json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ShardError(f"{path}: not valid JSON ({exc})") from exc
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ShardError(f"{path}: format_version {manifest.get('format_version')!r}, this code reads {FORMAT_VERSION}")
-    return manifest
+    return Manifest.from_dict(raw, where=str(path))
 
 
 def tokenizer_sha256(folder: str | os.PathLike, names: list[str] | None = None) -> str:

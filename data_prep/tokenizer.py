@@ -21,9 +21,8 @@ import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from .errors import DataPrepError
-from .shard_format import tokenizer_sha256
+from .shard_format import SPECIAL_ROLES, tokenizer_sha256
 
-SPECIAL_ROLES = ("pad", "unk", "cls", "sep", "mask")
 BERT_SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 # What is copied next to the shards (and hashed): the files a Hugging Face tokenizer loads from, never weights.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

@@ -11,27 +11,17 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DataPrepError
-from .shard_format import MANIFEST, ShardError, block_sizes, iter_blocks, load_manifest, sha256_file, tokenizer_sha256
+from .shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_sizes, iter_blocks, load_manifest,
+                           sha256_file, tokenizer_sha256)
 from .tokenizer import load_tokenizer
 
 
-_REQUIRED = {"seq_len": int, "block_size": int, "dtype": str, "tokenizer": dict, "shards": list}
-_REQUIRED_TOKENIZER = ("path", "sha256", "vocab_size", "special_ids")
-
-
-def _load(data_dir: Path) -> dict:
+def _load(data_dir: Path) -> Manifest:
+    """The manifest; one missing or mistyped key is bad input (exit 2) naming the key."""
     try:
-        manifest = load_manifest(data_dir)
+        return load_manifest(data_dir)
     except ShardError as exc:
         raise DataPrepError(str(exc)) from None
-    where = data_dir / MANIFEST
-    problems = [f"{key}: missing or not a {kind.__name__}" for key, kind in _REQUIRED.items()
-                if not isinstance(manifest.get(key), kind)]
-    if isinstance(manifest.get("tokenizer"), dict):
-        problems += [f"tokenizer.{key}: missing" for key in _REQUIRED_TOKENIZER if key not in manifest["tokenizer"]]
-    if problems:
-        raise DataPrepError(f"{where}: not a data_prep manifest:\n  " + "\n  ".join(problems))
-    return manifest
 
 
 @dataclass
@@ -48,22 +38,22 @@ class Report:
         return self.mismatched + self.damaged
 
 
-def check_shard(data_dir: Path, entry: dict, manifest: dict, vocab_size: int) -> tuple[str, str] | None:
+def check_shard(data_dir: Path, entry: ShardEntry, manifest: Manifest, vocab_size: int) -> tuple[str, str] | None:
     """None when the shard matches its manifest entry and every id is below ``vocab_size``; else
     ("damaged" or "mismatched", what is wrong, naming the shard)."""
-    name, path = entry["name"], data_dir / entry["name"]
+    name, path = entry.name, data_dir / entry.name
     if not path.is_file():
         return "damaged", f"{name}: missing"
     size = path.stat().st_size
-    if size != entry["bytes"]:
-        return "damaged", f"{name}: {size} bytes, manifest says {entry['bytes']} (truncated or rewritten?)"
-    if sha256_file(path) != entry["sha256"]:
+    if size != entry.bytes:
+        return "damaged", f"{name}: {size} bytes, manifest says {entry.bytes} (truncated or rewritten?)"
+    if sha256_file(path) != entry.sha256:
         return "damaged", f"{name}: sha256 differs from the manifest (corrupted)"
-    seq_len, dtype = manifest["seq_len"], np.dtype(manifest["dtype"])
-    pad_id = manifest["tokenizer"]["special_ids"]["pad"]
+    seq_len, dtype = manifest.seq_len, np.dtype(manifest.dtype)
+    pad_id = manifest.tokenizer.pad_id
     first_bad, bad_ids = None, 0
     try:
-        expected = block_sizes(entry, manifest["block_size"])
+        expected = block_sizes(entry, manifest.block_size)
         got, padding = [], 0
         for ids, starts in iter_blocks(path, seq_len):
             if ids.dtype != dtype or ids.ndim != 2 or ids.shape[1] != seq_len or starts.shape != ids.shape:
@@ -80,9 +70,9 @@ def check_shard(data_dir: Path, entry: dict, manifest: dict, vocab_size: int) ->
         return "damaged", f"{name}: does not decode ({exc})"
     if got != expected:
         return "damaged", (f"{name}: {len(got)} blocks of {sum(got)} sequences, "
-                           f"manifest says {entry['blocks']} of {entry['sequences']}")
-    if padding != entry["padding"] or sum(got) * seq_len - padding != entry["tokens"]:
-        return "damaged", f"{name}: {padding} padding tokens, manifest says {entry['padding']}"
+                           f"manifest says {entry.blocks} of {entry.sequences}")
+    if padding != entry.padding or sum(got) * seq_len - padding != entry.tokens:
+        return "damaged", f"{name}: {padding} padding tokens, manifest says {entry.padding}"
     if first_bad is not None:
         block, row, col, value = first_bad
         return "mismatched", (f"{name}: block {block}, sequence {row}, position {col}: token id {value} is outside "
@@ -90,16 +80,16 @@ def check_shard(data_dir: Path, entry: dict, manifest: dict, vocab_size: int) ->
     return None
 
 
-def _tokenizer_vocab(data_dir: Path, manifest: dict, report: Report) -> int:
+def _tokenizer_vocab(data_dir: Path, manifest: Manifest, report: Report) -> int:
     """The vocabulary size to check ids against: the tokenizer's beside the shards (the manifest's when
     that cannot be loaded); disagreements with the manifest go into ``report``."""
-    info = manifest["tokenizer"]
-    stated = info.get("vocab_size")
-    folder = data_dir / info["path"]
+    info = manifest.tokenizer
+    stated = info.vocab_size
+    folder = manifest.tokenizer_dir(data_dir)
     if not folder.is_dir():
         report.damaged.append(f"{folder}: tokenizer folder missing")
         return stated
-    if tokenizer_sha256(folder) != info["sha256"]:
+    if tokenizer_sha256(folder) != info.sha256:
         report.damaged.append(f"{folder}: tokenizer sha256 differs from the manifest")
     try:
         tok = load_tokenizer(folder)
@@ -109,8 +99,8 @@ def _tokenizer_vocab(data_dir: Path, manifest: dict, report: Report) -> int:
     if stated != tok.vocab_size:
         report.mismatched.append(f"{data_dir / MANIFEST}: vocab_size {stated!r}, but the tokenizer in {folder} has "
                                  f"{tok.vocab_size} tokens (manifest edited, or written for another tokenizer?)")
-    if info.get("special_ids") != tok.special_ids:
-        report.mismatched.append(f"{data_dir / MANIFEST}: special_ids {info.get('special_ids')} are not the "
+    if info.special_ids != tok.special_ids:
+        report.mismatched.append(f"{data_dir / MANIFEST}: special_ids {info.special_ids} are not the "
                                  f"tokenizer's {tok.special_ids} ({folder})")
     return tok.vocab_size
 
@@ -125,7 +115,7 @@ def verify_report(data_dir: str | os.PathLike, workers: int = 4) -> Report:
         report.mismatched.append(f"{data_dir / MANIFEST}: vocab_size {vocab_size!r} is not a positive integer")
         return report
     with ThreadPoolExecutor(max(1, workers)) as pool:  # hashing and file reads release the GIL
-        for result in pool.map(lambda e: check_shard(data_dir, e, manifest, vocab_size), manifest["shards"]):
+        for result in pool.map(lambda e: check_shard(data_dir, e, manifest, vocab_size), manifest.shards):
             if result:
                 getattr(report, result[0]).append(result[1])
     return report
@@ -143,23 +133,22 @@ def inspect(data_dir: str | os.PathLike, samples: int = 3, split: str = "train",
     out = file or sys.stdout
     data_dir = Path(data_dir)
     m = _load(data_dir)
-    tok_info = m["tokenizer"]
-    print(f"{data_dir}: seq_len {m['seq_len']}, {m['dtype']}, block_size {m['block_size']}, "
-          f"{m['num_tasks']} task(s), vocab {tok_info['vocab_size']} (lowercase {tok_info['lowercase']})", file=out)
-    for name, t in m["totals"].items():
-        size = sum(e["bytes"] for e in m["shards"] if e["split"] == name)
-        slots = t["sequences"] * m["seq_len"]
+    print(f"{data_dir}: seq_len {m.seq_len}, {m.dtype}, block_size {m.block_size}, {m.num_tasks} task(s), "
+          f"vocab {m.tokenizer.vocab_size} (lowercase {m.tokenizer.lowercase})", file=out)
+    for name, t in m.totals.items():
+        size = sum(e.bytes for e in m.shards_of(name))
+        slots = t["sequences"] * m.seq_len
         print(f"  {name:<10} {t['shards']:>5} shards {t['sequences']:>10,} sequences {t['tokens']:>13,} tokens "
               f"{t['documents']:>9,} documents  padding {t['padding'] / max(slots, 1):.4%}  "
               f"{size / max(slots, 1):.3f} bytes/token", file=out)
-    shard = next((e for e in m["shards"] if e["split"] == split), None)
+    shard = next(iter(m.shards_of(split)), None)
     if shard is None or samples <= 0:
         return
-    tok = tokenizers.Tokenizer.from_file(str(data_dir / tok_info["path"] / "tokenizer.json"))
-    ids, starts = next(iter_blocks(data_dir / shard["name"], m["seq_len"]))
+    tok = tokenizers.Tokenizer.from_file(str(m.tokenizer_dir(data_dir) / "tokenizer.json"))
+    ids, starts = next(iter_blocks(data_dir / shard.name, m.seq_len))
     for i in range(min(samples, len(ids))):
         row = ids[i].tolist()
-        print(f"\n--- {shard['name']} sequence {i} ---", file=out)
+        print(f"\n--- {shard.name} sequence {i} ---", file=out)
         print(tok.decode(row, skip_special_tokens=False), file=out)
         pieces = [("|" if s else "") + tok.id_to_token(t) for t, s in zip(row[:40], starts[i][:40], strict=True)]
         print("tokens (| = word start): " + " ".join(pieces) + (" ..." if len(row) > 40 else ""), file=out)

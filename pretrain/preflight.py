@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from data_prep.shard_format import MANIFEST, load_manifest
+from data_prep.shard_format import MANIFEST, Manifest, load_manifest
 from pretrain.checkpoint import files
 from pretrain.checkpoint import store as checkpointing
 from pretrain.config import loader as configlib
@@ -29,11 +29,10 @@ RESULTS_KEYS = ("train.global_batch_size", "train.seed", "data.seed", "data.trai
 MANIFEST_KEYS = ("seq_len", "block_size")
 
 
-def check_inputs(cfg: Config) -> tuple[dict, Optional[str]]:
+def check_inputs(cfg: Config) -> tuple[Manifest, Optional[str]]:
     """(manifest, checkpoint tag to resume from or None); raises ConfigError listing every problem."""
     manifest = load_manifest(cfg.data.dir)
-    has_eval = any(s["split"] == cfg.data.eval_split for s in manifest.get("shards", []))
-    splits = [cfg.data.train_split] + ([cfg.data.eval_split] if has_eval else [])
+    splits = [cfg.data.train_split] + ([cfg.data.eval_split] if manifest.has_split(cfg.data.eval_split) else [])
     # Also reads every shard's tar headers (cheap), so a damaged one is an input error now, not
     # a crash hours into the run.
     problems = check_manifest(manifest, cfg.data.dir, max_positions=cfg.model.max_position_embeddings,
@@ -67,7 +66,7 @@ def tokenizer_vocab(folder: Path) -> Optional[dict[str, int]]:
     return None
 
 
-def init_from_problems(cfg: Config, manifest: dict) -> list[str]:
+def init_from_problems(cfg: Config, manifest: Manifest) -> list[str]:
     """Continued pretraining: the checkpoint must fit the data, and speak the data's tokenizer."""
     if not cfg.model.init_from:
         return []
@@ -77,13 +76,13 @@ def init_from_problems(cfg: Config, manifest: dict) -> list[str]:
     except (OSError, ValueError) as exc:
         return [f"model.init_from: {folder}/config.json unreadable ({exc})"]
     problems = []
-    if model_cfg.get("vocab_size") != manifest["tokenizer"]["vocab_size"]:
+    if model_cfg.get("vocab_size") != manifest.tokenizer.vocab_size:
         problems.append(f"model.init_from: {folder} has vocab_size {model_cfg.get('vocab_size')}, the data's "
-                        f"tokenizer {manifest['tokenizer']['vocab_size']}: prepare the data with that model's tokenizer")
-    if model_cfg.get("max_position_embeddings", 512) < manifest["seq_len"]:
+                        f"tokenizer {manifest.tokenizer.vocab_size}: prepare the data with that model's tokenizer")
+    if model_cfg.get("max_position_embeddings", 512) < manifest.seq_len:
         problems.append(f"model.init_from: {folder} has max_position_embeddings "
-                        f"{model_cfg.get('max_position_embeddings')} < the data's seq_len {manifest['seq_len']}")
-    data_tok = Path(cfg.data.dir) / manifest["tokenizer"]["path"]
+                        f"{model_cfg.get('max_position_embeddings')} < the data's seq_len {manifest.seq_len}")
+    data_tok = manifest.tokenizer_dir(cfg.data.dir)
     model_vocab, data_vocab = tokenizer_vocab(folder), tokenizer_vocab(data_tok)
     if model_vocab is None:
         problems.append(f"model.init_from: {folder} has no tokenizer.json or vocab.txt, so it cannot be checked "
@@ -95,7 +94,7 @@ def init_from_problems(cfg: Config, manifest: dict) -> list[str]:
     return problems
 
 
-def resume_problems(cfg: Config, manifest: dict, root: Path, tag: str) -> list[str]:
+def resume_problems(cfg: Config, manifest: Manifest, root: Path, tag: str) -> list[str]:
     """Each setting that changes results and differs from the checkpoint's, by name."""
     try:
         saved = checkpointing.saved_config(root, tag)
@@ -112,16 +111,13 @@ def resume_problems(cfg: Config, manifest: dict, root: Path, tag: str) -> list[s
     if cfg.train.max_steps < saved_steps:
         problems.append(f"train.max_steps: may only grow on resume (the checkpoint {tag} has "
                         f"{saved_steps}, now {cfg.train.max_steps})")
-    try:
-        saved_manifest = json.loads((root / tag / files.MANIFEST_FILE).read_text())
-    except (OSError, ValueError):
-        saved_manifest = None
-    if saved_manifest:
+    saved_manifest = checkpointing.saved_manifest(root, tag)
+    if saved_manifest is not None:
         for key in MANIFEST_KEYS:
-            if saved_manifest.get(key) != manifest.get(key):
-                problems.append(f"data: {key} was {saved_manifest.get(key)} for checkpoint {tag}, the data in "
-                                f"{cfg.data.dir} has {manifest.get(key)}")
-        if saved_manifest["tokenizer"].get("sha256") != manifest["tokenizer"].get("sha256"):
+            if getattr(saved_manifest, key) != getattr(manifest, key):
+                problems.append(f"data: {key} was {getattr(saved_manifest, key)} for checkpoint {tag}, the data in "
+                                f"{cfg.data.dir} has {getattr(manifest, key)}")
+        if saved_manifest.tokenizer.sha256 != manifest.tokenizer.sha256:
             problems.append(f"data: the checkpoint {tag} was trained on data from another tokenizer than "
                             f"{cfg.data.dir}'s")
     problems += data_position_problems(cfg, manifest, root / tag)
@@ -132,7 +128,7 @@ def resume_problems(cfg: Config, manifest: dict, root: Path, tag: str) -> list[s
     return problems
 
 
-def data_position_problems(cfg: Config, manifest: dict, folder: Path) -> list[str]:
+def data_position_problems(cfg: Config, manifest: Manifest, folder: Path) -> list[str]:
     """The checkpoint's data position must apply to this data at this world size and micro-batch."""
     from pretrain.data.stream import DataError
     from pretrain.data.mixture import make_train_stream

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from data_prep import stale_shm
-from data_prep.shard_format import ShardError
+from data_prep.shard_format import Manifest, ShardError
 from pretrain import console
 from pretrain.checkpoint import files, phases
 from pretrain.checkpoint import store as checkpointing
@@ -63,7 +63,7 @@ class Run:
     """What ``fit``, ``train_step`` and ``checkpoint`` share: the run's parts, built once by ``build_run``."""
     cfg: Config
     info: eng.DistInfo
-    manifest: dict
+    manifest: Manifest
     tasks: list
     stop: StopSignal
     special: SpecialIds
@@ -99,12 +99,12 @@ class Run:
         self.engine.train()
 
 
-def build_engine(cfg: Config, manifest: dict, resume_from: str | None, info: eng.DistInfo, precision: str):
+def build_engine(cfg: Config, manifest: Manifest, resume_from: str | None, info: eng.DistInfo, precision: str):
     """The model (in a new phase's shape when it starts from another run) and DeepSpeed's engine."""
     special = SpecialIds.from_manifest(manifest)
     torch.manual_seed(cfg.train.seed)                       # identical initial weights on every rank
-    model = build_model(cfg.model, manifest["tokenizer"]["vocab_size"], special, cfg.impl,
-                        seq_len=manifest["seq_len"], shape_from=phases.model_shape_file(cfg, resume_from))
+    model = build_model(cfg.model, manifest.tokenizer.vocab_size, special, cfg.impl,
+                        seq_len=manifest.seq_len, shape_from=phases.model_shape_file(cfg, resume_from))
     model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)   # the same at any layout
     engine, scheduler, ds_config, optimizer = eng.initialize(model, cfg, info, precision)
     return special, model, engine, scheduler, ds_config, optimizer
@@ -140,7 +140,7 @@ def build_tracker(run: Run, origin: dict, precision: str, ds_config: dict):
     return tracker
 
 
-def build_run(cfg: Config, manifest: dict, tasks: list, resume_from: str | None, info: eng.DistInfo,
+def build_run(cfg: Config, manifest: Manifest, tasks: list, resume_from: str | None, info: eng.DistInfo,
               stop: StopSignal) -> Run:
     """Assemble the run: precision, model and engine, resume, data stream, tracker, FLOPs and peak."""
     precision, why = hardware.resolve_precision(cfg.impl.precision, info.device)
@@ -156,7 +156,7 @@ def build_run(cfg: Config, manifest: dict, tasks: list, resume_from: str | None,
     run.stream = build_stream(run, resume_from)
     run.tracker = build_tracker(run, origin, precision, ds_config)
     resume_log.relog(run.tracker, run.state)      # a kill may have cut the checkpoint step's line short
-    seq_len = manifest["seq_len"]
+    seq_len = manifest.seq_len
     run.flops_per_seq = mlm_flops_per_sequence(model.hf_model.config, seq_len, cfg.masking.rate * seq_len,
                                                cfg.impl.sparse_head)
     run.peak, peak_source = hardware.peak_tflops(info.device, precision, cfg.impl.peak_tflops)
@@ -173,7 +173,7 @@ def build_run(cfg: Config, manifest: dict, tasks: list, resume_from: str | None,
 def fit(run: Run) -> int:
     """The loop: one optimiser step, then what is due after it (log, evaluate, probe, checkpoint)."""
     cfg, state, info = run.cfg, run.state, run.info
-    grad_accum, seq_len = cfg.grad_accum_steps(info.world), run.manifest["seq_len"]
+    grad_accum, seq_len = cfg.grad_accum_steps(info.world), run.manifest.seq_len
     watchdog = HangWatchdog(cfg.train.hang_timeout_s, cfg.train.out_dir, info.rank, run.tracker)
     health = LayerHealth(run.engine, cfg.train.health_every, cfg.impl.zero_stage)
     guard = SpikeGuard(cfg.train.spike_guard, cfg.train.global_batch_size, checkpointing.checkpoint_root(cfg),
@@ -325,9 +325,9 @@ def checkpoint(run: Run, export: bool, final: bool) -> None:
     snapshot = state.state_dict()
     readable = {k: v for k, v in snapshot.items() if k != "rng"}      # for checks before any process group
     side_files = {files.CONFIG_FILE: run.resolved_yaml, files.HF_CONFIG_FILE: run.model.hf_model.config.to_json_string(),
-                  files.MANIFEST_FILE: json.dumps(manifest), files.STATE_FILE: json.dumps(readable)}
+                  files.MANIFEST_FILE: json.dumps(manifest.to_dict()), files.STATE_FILE: json.dumps(readable)}
     tag = checkpointing.save(run.engine, cfg, state.step, {STATE_KEY: snapshot}, side_files,
-                             {files.TOKENIZER_DIR: Path(cfg.data.dir) / manifest["tokenizer"]["path"]})
+                             {files.TOKENIZER_DIR: manifest.tokenizer_dir(cfg.data.dir)})
     run.tracker.log_checkpoint(tag, state.step, str(checkpointing.checkpoint_root(cfg) / tag))
     if export:
         if final:
@@ -375,10 +375,9 @@ def main(argv=None) -> int:
         run_lock = checkpointing.RunLock(cfg.train.out_dir) if first_rank else None   # noqa: F841 (held)
         manifest, resume_from = check_inputs(cfg)
         # Probe examples no longer than the sequences the model is trained on (its positions may end there).
-        specs = [dataclasses.replace(t, max_length=min(t.max_length, manifest["seq_len"]))
+        specs = [dataclasses.replace(t, max_length=min(t.max_length, manifest.seq_len))
                  for t in cfg.eval.downstream]
-        tasks = prepare_tasks(specs, Path(cfg.data.dir) / manifest["tokenizer"]["path"], data_dir=cfg.data.dir,
-                              manifest=manifest)
+        tasks = prepare_tasks(specs, manifest.tokenizer_dir(cfg.data.dir), data_dir=cfg.data.dir, manifest=manifest)
     except (ConfigError, ShardError, TaskError) as exc:
         if first_rank:
             print(f"error: {exc}", file=sys.stderr)

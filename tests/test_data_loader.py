@@ -1,7 +1,7 @@
 """pretrain.data over real shard tars: hand-made ones (ShardWriter, known bytes) and data_prep's (``shards``)."""
 from __future__ import annotations
 
-import json
+import dataclasses
 import shutil
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -51,7 +51,9 @@ def write_dataset(root: Path, splits: dict[str, list[int]], vocab: int = VOCAB, 
     manifest = {
         "format_version": FORMAT_VERSION, "seq_len": SEQ_LEN, "block_size": BLOCK, "dtype": ids_dtype(vocab).name,
         "tokenizer": {"path": "tokenizer", "sha256": TOKENIZER_SHA, "vocab_size": vocab, "lowercase": True,
-                      "special_ids": {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103}},
+                      "special_ids": {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103},
+                      "special_tokens": {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]",
+                                         "mask": "[MASK]"}},
         "num_tasks": 1, "shards": entries,
         "totals": {s: {"shards": len(v), "sequences": sum(v)} for s, v in splits.items()}, "settings": {},
     }
@@ -112,7 +114,7 @@ def test_batches_decode_to_exactly_the_written_sequences(uneven):
 def test_uint32_ids_for_a_large_vocabulary(tmp_path):
     reference = write_dataset(tmp_path, {"train": [70]}, vocab=70000, seed=3)
     manifest = load_manifest(tmp_path)
-    assert manifest["dtype"] == "uint32"
+    assert manifest.dtype == "uint32"
     batch = take(stream(tmp_path, manifest, micro_batch=4, global_batch=4), 1)[0]
     assert len(rows_of(batch, reference)) == 4
     assert int(max(np.frombuffer(k, dtype=np.int64).max() for k in reference)) > 65535
@@ -178,8 +180,8 @@ def test_a_changed_global_batch_seed_or_data_is_refused(uneven, tmp_path):
     assert "seed: 7 in the checkpoint, 8 now" in str(err.value)
     copy = tmp_path / "data"                          # the same shards less one: other data
     shutil.copytree(root, copy)
-    fewer = json.loads((copy / "manifest.json").read_text())
-    fewer["shards"] = [e for e in fewer["shards"] if e["name"] != shard_name("train", 0, 1)]
+    kept = tuple(e for e in manifest.shards if e.name != shard_name("train", 0, 1))
+    fewer = dataclasses.replace(manifest, shards=kept)
     with pytest.raises(DataError, match=r"sequences_in_split: 1317 in the checkpoint, 1300 now.*split_fingerprint"):
         stream(copy, fewer).load_state_dict(state)
     with pytest.raises(DataError, match="samples_consumed 40 is not a multiple of the global batch 32"):
@@ -268,7 +270,7 @@ def test_resume_seek_reads_only_the_blocks_of_the_first_batch(uneven, monkeypatc
 
 def test_has_padding_says_whether_a_batch_holds_pad_tokens(shards):
     manifest = load_manifest(shards)
-    pad = manifest["tokenizer"]["special_ids"]["pad"]
+    pad = manifest.tokenizer.pad_id
     s = TrainStream(shards, manifest, "train", 0, 1, 8, 8, SEED, shuffle_window_blocks=0)
     flags = []
     for batch in take(s, s.steps_per_epoch):
@@ -293,9 +295,10 @@ def test_an_out_of_range_token_id_names_shard_and_block(tmp_path, shards):
     # data_prep's shards under a manifest whose vocab_size was edited down: caught in training and evaluation.
     edited = tmp_path / "edited"
     shutil.copytree(shards, edited)
+    raw = load_manifest(edited).to_dict()
+    raw["tokenizer"]["vocab_size"] = 1000
+    write_json_atomic(edited / "manifest.json", raw)
     manifest = load_manifest(edited)
-    manifest["tokenizer"]["vocab_size"] = 1000
-    write_json_atomic(edited / "manifest.json", manifest)
     with pytest.raises(TokenIdError, match=r"train-[\w-]+\.tar: block \d+ holds token id \d{4}"):
         take(TrainStream(edited, manifest, "train", 0, 1, 8, 8, SEED), 1)
     with pytest.raises(TokenIdError, match=r"validation-[\w-]+\.tar: block \d+ holds token id"):
@@ -307,7 +310,7 @@ def test_a_damaged_tar_header_is_found_before_any_batch(shards, tmp_path):
     shutil.copytree(shards, copy)
     manifest = load_manifest(copy)
     index_all_shards(copy, manifest, ["train", "validation"])         # intact: no error
-    victim = copy / next(e["name"] for e in manifest["shards"] if e["split"] == "train" and e["blocks"] > 3)
+    victim = copy / next(e.name for e in manifest.shards_of("train") if e.blocks > 3)
     refs = index_shard(victim)
     with open(victim, "r+b") as f:                    # the header of block 2's first member; same size
         f.seek(refs[2].ids_offset - 512)

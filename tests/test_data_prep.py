@@ -297,12 +297,12 @@ def test_cli_end_to_end_with_finalize_verify_inspect(tmp_path, wiki_txt_dir, ber
     assert "tokens/s" in proc.stderr and "\r" not in proc.stderr  # plain log lines, not a bar, off a terminal
     assert "manifest.json" in cli("finalize", out).stdout
     m = load_manifest(out)
-    assert m["seq_len"] == 128 and m["dtype"] == "uint16" and m["num_tasks"] == 1
-    assert m["tokenizer"]["special_ids"] == {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103}
-    assert m["tokenizer"]["vocab_size"] == 30522 and m["tokenizer"]["lowercase"] is True
-    for split, t in m["totals"].items():
-        shards = [e for e in m["shards"] if e["split"] == split]
-        assert t["shards"] == len(shards) and t["sequences"] == sum(e["sequences"] for e in shards)
+    assert m.seq_len == 128 and m.dtype == "uint16" and m.num_tasks == 1
+    assert m.tokenizer.special_ids == {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103}
+    assert m.tokenizer.vocab_size == 30522 and m.tokenizer.lowercase is True
+    for split, t in m.totals.items():
+        shards = m.shards_of(split)
+        assert t["shards"] == len(shards) and t["sequences"] == sum(e.sequences for e in shards)
         assert t["tokens"] + t["padding"] == t["sequences"] * 128
     assert cli("verify", out).returncode == 0
     text = cli("inspect", out, "--samples", 2).stdout

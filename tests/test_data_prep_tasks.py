@@ -63,23 +63,22 @@ def test_any_number_of_tasks_writes_the_same_shards(tmp_path, single, wiki_txt_d
     out = run_tasks([wiki_txt_dir], bert_uncased_dir, tmp_path / "out", 3, shard_size=256,
                     validation_fraction=0.1, seed=7, partition=partition, group_chars=GROUP_CHARS)
     m, one = load_manifest(out), load_manifest(single)
-    assert m["num_tasks"] == 3 and one["num_tasks"] == 1
+    assert m.num_tasks == 3 and one.num_tasks == 1
     # byte for byte: the same shard files, listed in the same order with the same counts
     assert tar_digests(out) == tar_digests(single) and len(tar_digests(out)) >= 12
-    assert m["shards"] == one["shards"] and m["totals"] == one["totals"]
+    assert m.shards == one.shards and m.totals == one.totals
     # each task did a disjoint, non-empty part of the work: its own packing groups
     tasks = [json.loads((out / f"task-{i:05d}.json").read_text()) for i in range(3)]
     owned = [tuple(g) for t in tasks for g in t["groups"]]
     assert all(t["groups"] for t in tasks) and len(owned) == len(set(owned)) == len(
-        {(e["source"], e["group"]) for e in one["shards"]})
-    assert sorted(e["name"] for t in tasks for e in t["shards"]) == sorted(e["name"] for e in one["shards"])
+        {(e.source, e.group) for e in one.shards})
+    assert sorted(e["name"] for t in tasks for e in t["shards"]) == sorted(e.name for e in one.shards)
     sources = resolve_inputs([str(wiki_txt_dir)])
     assert resolve_partition(partition, len(sources), 3) == partition
     # each group pads at most its own last sequence per split
     for source, group in owned:
         for split in ("train", "validation"):
-            padded = [e["padding"] > 0 for e in m["shards"]
-                      if (e["source"], e["group"], e["split"]) == (source, group, split)]
+            padded = [e.padding > 0 for e in m.shards_of(split) if (e.source, e.group) == (source, group)]
             assert sum(padded) <= 1 and (not any(padded) or padded[-1])
 
 
@@ -96,7 +95,7 @@ def test_task_count_does_not_change_the_dataset_through_the_cli(tmp_path, bert_u
                          "--shard-size", "200", "--validation-fraction", "0.05", "--seq-len", "64"]) == 0
         assert main(["finalize", str(out)]) == 0
         digests[k] = tar_digests(out)
-        assert load_manifest(out)["shards"] == load_manifest(tmp_path / "k1")["shards"]
+        assert load_manifest(out).shards == load_manifest(tmp_path / "k1").shards
     assert len(digests[1]) >= 10 and digests[1] == digests[2] == digests[5]
 
 
@@ -216,7 +215,7 @@ def test_resume_from_sidecars_with_a_corrupt_shard_rewrites_from_there(tmp_path,
 def test_verify_names_every_bad_shard(tmp_path, wiki_txt_dir, bert_uncased_dir):
     out = run_tasks([wiki_txt_dir], bert_uncased_dir, tmp_path / "out", 1, shard_size=128)
     assert verify(out) == []
-    names = [e["name"] for e in load_manifest(out)["shards"]]
+    names = [e.name for e in load_manifest(out).shards]
     assert len(names) >= 4
     truncated, flipped, missing = names[0], names[1], names[2]
     data = (out / truncated).read_bytes()
@@ -242,7 +241,7 @@ def _rewrite_shard(out: Path, name: str, edit) -> None:
     from data_prep.atomic import write_json_atomic
     from data_prep.shard_format import ShardWriter
 
-    m = load_manifest(out)
+    m = load_manifest(out).to_dict()           # edited and written back as JSON
     blocks = list(iter_blocks(out / name, m["seq_len"]))
     writer = ShardWriter(out / name, m["tokenizer"]["vocab_size"])
     for b, (ids, starts) in enumerate(blocks):
@@ -257,7 +256,7 @@ def _rewrite_shard(out: Path, name: str, edit) -> None:
 def test_verify_checks_ids_and_vocab_size_against_the_tokenizer(tmp_path, wiki_txt_dir, bert_uncased_dir):
     out = run_tasks([wiki_txt_dir], bert_uncased_dir, tmp_path / "out", 1, shard_size=128, block_size=32, seq_len=64)
     assert verify(out) == []
-    names = [e["name"] for e in load_manifest(out)["shards"]]
+    names = [e.name for e in load_manifest(out).shards]
 
     def put_bad_id(block, ids):
         if block == 1:
@@ -275,7 +274,7 @@ def test_verify_checks_ids_and_vocab_size_against_the_tokenizer(tmp_path, wiki_t
     assert f"{names[2]}: block 1, sequence 3" in proc.stderr and names[3] not in proc.stderr
 
     # a manifest whose vocab_size was edited: named, with both numbers, exit 2
-    m = load_manifest(out)
+    m = load_manifest(out).to_dict()
     m["tokenizer"]["vocab_size"] = 30000
     (out / "manifest.json").write_text(json.dumps(m))
     proc = subprocess.run([sys.executable, "-m", "data_prep", "verify", str(out)], cwd=REPO, capture_output=True,

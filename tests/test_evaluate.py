@@ -84,14 +84,14 @@ def test_probe_api_on_the_trainers_held_out_shards(shards, tmp_path):
 
     manifest = load_manifest(shards)
     spec = DownstreamTaskConfig(path="word_order", max_examples=150, max_length=32)
-    tasks = prepare_tasks([spec], shards / manifest["tokenizer"]["path"], data_dir=str(shards), manifest=manifest)
+    tasks = prepare_tasks([spec], manifest.tokenizer_dir(shards), data_dir=str(shards), manifest=manifest)
     # 5% of 1,000 articles in rows of 64 tokens: about 75 whole sentences survive the cuts.
     sentences = held_out_sentences(shards, manifest)
     assert len(sentences) > 50 and all(s[-1] in ".!?" and len(s.split()) >= 3 for s in sentences)
     assert tasks[0].name == "word_order" and len(tasks[0].train_ids) >= 40 and len(tasks[0].test_ids) >= 12
     assert max(len(x) for x in tasks[0].train_ids) <= 32
     torch.manual_seed(0)
-    encoder = BertModel(BertConfig(vocab_size=manifest["tokenizer"]["vocab_size"], hidden_size=32,
+    encoder = BertModel(BertConfig(vocab_size=manifest.tokenizer.vocab_size, hidden_size=32,
                                    num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
                         add_pooling_layer=False)
     encoder.train()
@@ -134,7 +134,7 @@ def test_mlm_eval_of_a_random_export_sits_at_uniform_loss(shards, tmp_path):
     from pretrain.eval.cli import mlm_eval
 
     manifest = load_manifest(shards)
-    vocab = manifest["tokenizer"]["vocab_size"]
+    vocab = manifest.tokenizer.vocab_size
     torch.manual_seed(0)
     BertForMaskedLM(BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                intermediate_size=64, max_position_embeddings=128)).save_pretrained(tmp_path / "hf")

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import free_port
 
+from data_prep.shard_format import load_manifest
 from pretrain.model import keyed_dropout
 from pretrain.config.schema import ImplConfig, ModelConfig, load_config
 from pretrain.eval.mlm import eval_set_batches, evaluate
@@ -92,11 +93,11 @@ def _eval_worker(rank, world, port, shards, layouts, out):
     """Evaluates the same initial weights with each (micro-batch, sequences) of ``layouts``."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        manifest = json.loads((shards / "manifest.json").read_text())
+        manifest = load_manifest(shards)
         special = SpecialIds.from_manifest(manifest)
         torch.manual_seed(0)
         model = build_model(ModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                                        max_position_embeddings=64), manifest["tokenizer"]["vocab_size"], special,
+                                        max_position_embeddings=64), manifest.tokenizer.vocab_size, special,
                             ImplConfig(attention="sdpa", precision="fp32"))
         info = SimpleNamespace(rank=rank, world=world, device=torch.device("cpu"))
         results = []
@@ -130,7 +131,7 @@ def test_eval_loss_is_bit_identical_at_any_world_size_and_micro_batch(shards, tm
 
 
 def test_eval_set_is_the_first_sequences_split_across_ranks(shards):
-    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest = load_manifest(shards)
     for world, micro in [(1, 4), (2, 4), (3, 2)]:
         seen, counts = [], set()
         for rank in range(world):
@@ -138,7 +139,7 @@ def test_eval_set_is_the_first_sequences_split_across_ranks(shards):
             counts.add(len(batches))
             seen += [i for b in batches if not b["filler"] for i in b["sample_ids"].tolist()]
         assert sorted(seen) == list(range(13)) and len(counts) == 1, (world, micro)
-    whole = sum(s["sequences"] for s in manifest["shards"] if s["split"] == "validation")
+    whole = sum(s.sequences for s in manifest.shards_of("validation"))
     everything = list(eval_set_batches(shards, manifest, "validation", 0, 1, 1000, 0))
     assert sum(len(b["sample_ids"]) for b in everything) == whole
 

@@ -7,14 +7,13 @@ import numpy as np
 import pytest
 import torch
 
+from data_prep.shard_format import FORMAT_VERSION, Manifest, ShardError
 from pretrain.config.schema import MaskingConfig
 from pretrain.model.masking import (IGNORE_INDEX, SpecialIds, eval_masking_config, mask_batch, mask_generator,
                               mask_seed, random_non_special, span_segments)
 
 SEQ_LEN = 128
-MANIFEST = {"tokenizer": {"vocab_size": 30522,
-                          "special_ids": {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103}}}
-SPECIAL = SpecialIds.from_manifest(MANIFEST)
+SPECIAL = SpecialIds(pad=0, unk=100, cls=101, sep=102, mask=103, vocab_size=30522)     # bert-base-uncased's
 
 
 def pack_rows(articles, tok_dir, min_tokens: int, seq_len: int = SEQ_LEN):
@@ -284,9 +283,14 @@ def test_eval_config_ignores_training_settings():
 
 def test_special_ids_from_manifest_errors():
     assert SPECIAL.all_special == (0, 100, 101, 102, 103)
-    bad = {"tokenizer": {"vocab_size": 30522, "special_ids": {"pad": 0, "cls": 101, "sep": 102, "mask": 103}}}
-    with pytest.raises(ValueError, match=r"special_ids lacks \['unk'\]"):
-        SpecialIds.from_manifest(bad)
+    tokenizer = {"path": "tokenizer", "sha256": "ab" * 32, "vocab_size": 30522, "lowercase": True,
+                 "special_ids": {"pad": 0, "cls": 101, "sep": 102, "mask": 103}, "special_tokens": {}}
+    raw = {"format_version": FORMAT_VERSION, "seq_len": SEQ_LEN, "block_size": 256, "dtype": "uint16",
+           "tokenizer": tokenizer, "num_tasks": 1, "shards": [], "totals": {}, "settings": {}}
+    with pytest.raises(ShardError, match=r"tokenizer.special_ids lacks \['unk'\]"):
+        Manifest.from_dict(raw)
+    tokenizer["special_ids"]["unk"] = 100
+    assert SpecialIds.from_manifest(Manifest.from_dict(raw)) == SPECIAL
     with pytest.raises(ValueError, match="outside the vocabulary"):
         SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=50, vocab_size=50)
 

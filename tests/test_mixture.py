@@ -121,7 +121,7 @@ def sources_override(two_sources, extra: str = "") -> str:
 def test_plan_prints_each_sources_share_and_epochs(two_sources):
     out = _run([PY, "-m", "pretrain.data", "plan", "--config", "configs/mixture.yaml", "data.dir=",
                 sources_override(two_sources), "train.max_steps=400", "train.global_batch_size=32"]).stdout
-    small = sum(s["sequences"] for s in load_manifest(two_sources["small"])["shards"] if s["split"] == "train")
+    small = sum(s.sequences for s in load_manifest(two_sources["small"]).shards_of("train"))
     assert "400 steps of 32 sequences of 64 tokens" in out
     assert f"small: {small} sequences, share of the steps 0.200 (2560 sequences by step 400), " \
            f"epochs at step 400: {2560 / small:.3f}" in out, out
@@ -171,7 +171,7 @@ def test_a_mixture_trains_with_per_source_metrics_in_jsonl_and_mlflow(two_source
            "--module", "pretrain.train", *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    small = sum(s["sequences"] for s in load_manifest(two_sources["small"])["shards"] if s["split"] == "train")
+    small = sum(s.sequences for s in load_manifest(two_sources["small"]).shards_of("train"))
     assert f"small: {small} sequences, share of the steps 0.200 (19 sequences by step 6)" in proc.stdout
 
     rows = defaultdict(dict)                 # the training and the evaluation rows of a step together

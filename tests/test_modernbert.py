@@ -310,7 +310,7 @@ def test_export_has_the_trained_models_logits_and_fills_masks(runs, exported, sh
     assert loss_sum / count == pytest.approx(trained, rel=1e-5)
 
     # Continued pretraining loads the folder: our sparse head gives Hugging Face's dense logits.
-    ours = build_model(ModelConfig(arch="modernbert", init_from=str(exported)), manifest["tokenizer"]["vocab_size"],
+    ours = build_model(ModelConfig(arch="modernbert", init_from=str(exported)), manifest.tokenizer.vocab_size,
                        special, ImplConfig()).eval()
     mb, attn, hf_logits = probe
     with torch.no_grad():

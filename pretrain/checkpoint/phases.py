@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from data_prep.shard_format import Manifest
 from pretrain.checkpoint import files
 from pretrain.checkpoint import store as checkpointing
 
@@ -60,7 +61,7 @@ def _saved(root: Path, tag: str, name: str) -> dict | None:
     return yaml.safe_load(text) if name.endswith(".yaml") else json.loads(text)
 
 
-def init_checkpoint_problems(cfg, manifest: dict) -> list[str]:
+def init_checkpoint_problems(cfg, manifest: Manifest) -> list[str]:
     """Everything that makes the checkpoint unusable as this run's start, by name."""
     if not cfg.train.init_from_checkpoint:
         return []
@@ -78,12 +79,12 @@ def init_checkpoint_problems(cfg, manifest: dict) -> list[str]:
     if model.get("model_type") != cfg.model.arch:
         problems.append(f"{where} holds a {model.get('model_type')!r} model, but model.arch is {cfg.model.arch!r}")
     positions = model.get("max_position_embeddings", 0)
-    if model.get("model_type") == "bert" and positions < manifest["seq_len"]:
+    if model.get("model_type") == "bert" and positions < manifest.seq_len:
         problems.append(f"{where}: its model has max_position_embeddings {positions}, too short for the data's "
-                        f"seq_len {manifest['seq_len']} (BERT's learned positions are parameters of that size: "
-                        f"train phase 1 with model.max_position_embeddings >= {manifest['seq_len']})")
-    saved_manifest = _saved(root, tag, files.MANIFEST_FILE) or {}
-    if saved_manifest.get("tokenizer", {}).get("sha256") != manifest["tokenizer"].get("sha256"):
+                        f"seq_len {manifest.seq_len} (BERT's learned positions are parameters of that size: "
+                        f"train phase 1 with model.max_position_embeddings >= {manifest.seq_len})")
+    saved_manifest = checkpointing.saved_manifest(root, tag)
+    if saved_manifest is None or saved_manifest.tokenizer.sha256 != manifest.tokenizer.sha256:
         problems.append(f"{where} was trained on data of another tokenizer than {cfg.data.dir}'s: prepare this "
                         f"phase's data with the tokenizer of the checkpoint (its folder's tokenizer/)")
     problems += _layout_problems(cfg, root / tag, where)

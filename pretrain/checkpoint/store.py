@@ -25,7 +25,7 @@ import torch.distributed as dist
 import yaml
 
 from data_prep.atomic import write_atomic
-from data_prep.shard_format import sha256_file
+from data_prep.shard_format import Manifest, ShardError, load_manifest, sha256_file
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint.files import COMPLETE, CONFIG_FILE, FILE_LIST, LATEST, LAYOUT_FILE, LOCK_FILE
 from pretrain.config.schema import Config
@@ -147,6 +147,15 @@ def damage(folder: Path, checksums: bool = True) -> Optional[str]:
 
 def saved_config(root: Path, tag: str) -> dict:
     return yaml.safe_load((root / tag / CONFIG_FILE).read_text())
+
+
+def saved_manifest(root: Path, tag: str) -> Optional[Manifest]:
+    """The copy of the data's manifest that the checkpoint was trained on (``MANIFEST_FILE``, the data
+    folder's own name); None when it is missing or unreadable."""
+    try:
+        return load_manifest(root / tag)
+    except ShardError:
+        return None
 
 
 def save(engine, cfg: Config, step: int, client_state: dict, side_files: dict[str, str],

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from data_prep.shard_format import load_manifest
+from data_prep.shard_format import Manifest, load_manifest
 from pretrain.data.stream import DataError, ShardError, TrainStream, _open_split, _Plan, cached, checked_position, ordered_batches
 from pretrain.seeds import derive_seed
 from pretrain.data.shard_reader import BlockReader
@@ -240,7 +240,7 @@ class MixtureStream:
     """One rank's infinite, deterministic stream of micro-batches from several sources; the same
     interface and resume rules as ``pretrain.data.stream.TrainStream`` (``samples_consumed`` is the position)."""
 
-    def __init__(self, sources: list[Source], manifests: list[dict], split: str, rank: int, world: int,
+    def __init__(self, sources: list[Source], manifests: list[Manifest], split: str, rank: int, world: int,
                  micro_batch: int, global_batch: int, seed: int, num_workers: int = 0, prefetch_factor: int = 2,
                  *, shuffle_window_blocks: int = 8):
         if global_batch % (micro_batch * world) or not 0 <= rank < world:
@@ -333,12 +333,12 @@ class MixtureStream:
 # ------------------------------------------------------------------------------------ the trainer's view
 
 
-def source_manifests(cfg, first: dict | None = None) -> list[dict]:
+def source_manifests(cfg, first: Manifest | None = None) -> list[Manifest]:
     return [first if (first is not None and i == 0) else load_manifest(s.dir)
             for i, s in enumerate(resolve_sources(cfg.data))]
 
 
-def make_train_stream(cfg, manifest: dict, rank: int, world: int, num_workers: int = 0, prefetch_factor: int = 2):
+def make_train_stream(cfg, manifest: Manifest, rank: int, world: int, num_workers: int = 0, prefetch_factor: int = 2):
     """The run's training stream: ``TrainStream`` for one source, ``MixtureStream`` for several."""
     if not is_mixture(cfg):
         return TrainStream(cfg.data.dir, manifest, cfg.data.train_split, rank, world, cfg.impl.micro_batch_size,

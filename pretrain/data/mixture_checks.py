@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from data_prep.shard_format import ShardError, load_manifest
+from data_prep.shard_format import Manifest, ShardError, load_manifest
 from pretrain.config.schema import Config, ConfigError, load_config
 from pretrain.data.mixture import (
     is_mixture,
@@ -24,13 +24,13 @@ from pretrain.data.mixture import (
 )
 from pretrain.data.shard_reader import check_manifest
 
-_SHARED = (("seq_len", lambda m: m.get("seq_len")),
-           ("tokenizer sha256", lambda m: m.get("tokenizer", {}).get("sha256")),
-           ("vocab_size", lambda m: m.get("tokenizer", {}).get("vocab_size")),
-           ("special ids", lambda m: m.get("tokenizer", {}).get("special_ids")))
+_SHARED = (("seq_len", lambda m: m.seq_len),
+           ("tokenizer sha256", lambda m: m.tokenizer.sha256),
+           ("vocab_size", lambda m: m.tokenizer.vocab_size),
+           ("special ids", lambda m: m.tokenizer.special_ids))
 
 
-def mixture_problems(cfg: Config, first_manifest: dict) -> list[str]:
+def mixture_problems(cfg: Config, first_manifest: Manifest) -> list[str]:
     """Every source after the first (``preflight`` checks that one as ``data.dir``) against the model
     and the first source, by name; and every source's share of a step."""
     if not is_mixture(cfg):
@@ -45,8 +45,7 @@ def mixture_problems(cfg: Config, first_manifest: dict) -> list[str]:
         except (ShardError, OSError, ValueError) as exc:
             problems.append(f"{where}: {exc}")
             continue
-        has_eval = any(s.get("split") == cfg.data.eval_split for s in manifest.get("shards", []))
-        splits = [cfg.data.train_split] + ([cfg.data.eval_split] if has_eval else [])
+        splits = [cfg.data.train_split] + ([cfg.data.eval_split] if manifest.has_split(cfg.data.eval_split) else [])
         problems += [f"{where}: {p}" for p in check_manifest(
             manifest, src.dir, max_positions=cfg.model.max_position_embeddings, splits=splits)]
         for label, get in _SHARED:

@@ -22,7 +22,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from data_prep.shard_format import MANIFEST, BlockRef, ShardError, block_sizes, ids_dtype, index_shard, read_block
+from data_prep.shard_format import (MANIFEST, BlockRef, Manifest, ShardEntry, ShardError, block_sizes, ids_dtype,
+                                    index_shard, read_block)
 
 __all__ = ["DataError", "ShardError", "TokenIdError", "check_manifest", "index_all_shards", "SplitLayout",
            "BlockReader"]
@@ -60,10 +61,10 @@ def _shard_index(path: str, expected_blocks: int) -> np.ndarray:
                       dtype=np.int64).reshape(-1, 4)
 
 
-def _index_problems(data_dir, entries: Sequence[dict]) -> list[str]:
-    def problem(entry: dict) -> Optional[str]:
+def _index_problems(data_dir, entries: Sequence[ShardEntry]) -> list[str]:
+    def problem(entry: ShardEntry) -> Optional[str]:
         try:
-            _shard_index(str(Path(data_dir) / entry["name"]), int(entry.get("blocks", 0)))
+            _shard_index(str(Path(data_dir) / entry.name), entry.blocks)
         except ShardError as exc:
             return str(exc)
         return None
@@ -74,34 +75,35 @@ def _index_problems(data_dir, entries: Sequence[dict]) -> list[str]:
     return [_named("shards with unreadable tar headers", failed, Path(data_dir))] if failed else []
 
 
-def index_all_shards(data_dir: str | os.PathLike, manifest: dict, splits: Sequence[str]) -> None:
+def index_all_shards(data_dir: str | os.PathLike, manifest: Manifest, splits: Sequence[str]) -> None:
     """Read the tar headers (not the data) of every shard of ``splits``; raise one ``ShardError`` naming
     every shard that cannot be indexed or whose block count differs from the manifest's."""
-    problems = _index_problems(data_dir, [s for s in manifest["shards"] if s.get("split") in set(splits)])
+    problems = _index_problems(data_dir, [s for s in manifest.shards if s.split in set(splits)])
     if problems:
         raise ShardError("\n".join(problems))
 
 
-def _shard_file_problems(manifest: dict, data_dir: str | os.PathLike, splits: Sequence[str]) -> tuple[list[str], list[dict]]:
+def _shard_file_problems(manifest: Manifest, data_dir: str | os.PathLike,
+                         splits: Sequence[str]) -> tuple[list[str], list[ShardEntry]]:
     """Missing, wrong-size or inconsistent shard files; and the sound entries of ``splits`` (all if none)."""
     problems: list[str] = []
     missing, wrong_size, inconsistent, sound = [], [], [], []
-    for entry in manifest["shards"]:
-        path = Path(data_dir) / entry["name"]
+    for entry in manifest.shards:
+        path = Path(data_dir) / entry.name
         try:
             size = path.stat().st_size
         except FileNotFoundError:
-            missing.append(entry["name"])
+            missing.append(entry.name)
             continue
-        if "bytes" in entry and size != entry["bytes"]:
-            wrong_size.append(f"{entry['name']} ({size} bytes, manifest says {entry['bytes']})")
+        if size != entry.bytes:
+            wrong_size.append(f"{entry.name} ({size} bytes, manifest says {entry.bytes})")
             continue
         try:
-            block_sizes(entry, manifest["block_size"])
-        except (ShardError, KeyError) as exc:
+            block_sizes(entry, manifest.block_size)
+        except ShardError as exc:
             inconsistent.append(str(exc))
             continue
-        if not splits or entry.get("split") in splits:
+        if not splits or entry.split in splits:
             sound.append(entry)
     for label, items, hint in (
             ("shard files missing", missing, "restore them or re-run data_prep"),
@@ -112,7 +114,7 @@ def _shard_file_problems(manifest: dict, data_dir: str | os.PathLike, splits: Se
     return problems, sound
 
 
-def check_manifest(manifest: dict, data_dir: str | os.PathLike, *, splits: Sequence[str] = (),
+def check_manifest(manifest: Manifest, data_dir: str | os.PathLike, *, splits: Sequence[str] = (),
                    vocab_size: Optional[int] = None, tokenizer_sha256: Optional[str] = None,
                    seq_len_max: Optional[int] = None, max_positions: Optional[int] = None,
                    index_tars: bool = True) -> list[str]:
@@ -128,24 +130,19 @@ def check_manifest(manifest: dict, data_dir: str | os.PathLike, *, splits: Seque
     where = Path(data_dir) / MANIFEST
     seq_len_max = seq_len_max if seq_len_max is not None else max_positions
     problems: list[str] = []
-    missing_keys = [k for k in ("seq_len", "block_size", "tokenizer", "shards") if k not in manifest]
-    if missing_keys:
-        return [f"{where}: missing keys {missing_keys} (not written by data_prep finalize?)"]
-    tok = manifest["tokenizer"]
-    data_vocab = tok.get("vocab_size")
-    if tokenizer_sha256 is not None and tok.get("sha256") != tokenizer_sha256:
-        problems.append(f"{where}: the data was tokenized with tokenizer sha256 {str(tok.get('sha256'))[:12]}..., "
+    data_vocab, data_sha256, seq_len = manifest.tokenizer.vocab_size, manifest.tokenizer.sha256, manifest.seq_len
+    if tokenizer_sha256 is not None and data_sha256 != tokenizer_sha256:
+        problems.append(f"{where}: the data was tokenized with tokenizer sha256 {data_sha256[:12]}..., "
                         f"the model's tokenizer is {tokenizer_sha256[:12]}... (re-run data_prep with the model's tokenizer)")
     if vocab_size is not None and data_vocab != vocab_size:
         problems.append(f"{where}: tokenizer.vocab_size is {data_vocab}, the model's vocabulary is {vocab_size}")
-    seq_len = manifest["seq_len"]
     if seq_len_max is not None and seq_len > seq_len_max:
         problems.append(f"{where}: seq_len {seq_len} exceeds the model's max_position_embeddings {seq_len_max}")
-    if isinstance(data_vocab, int) and "dtype" in manifest and manifest["dtype"] != ids_dtype(data_vocab).name:
-        problems.append(f"{where}: dtype {manifest['dtype']!r} does not hold a vocabulary of {data_vocab}")
-    present = sorted({s.get("split") for s in manifest["shards"]} - {None})
+    if manifest.dtype != ids_dtype(data_vocab).name:
+        problems.append(f"{where}: dtype {manifest.dtype!r} does not hold a vocabulary of {data_vocab}")
+    present = sorted({s.split for s in manifest.shards})
     for split in splits:
-        if not any(s.get("split") == split and s.get("sequences", 0) > 0 for s in manifest["shards"]):
+        if not any(s.sequences > 0 for s in manifest.shards_of(split)):
             problems.append(f"{where}: split {split!r} has no shards with sequences (splits present: {present})")
     shard_problems, sound = _shard_file_problems(manifest, data_dir, splits)
     problems += shard_problems
@@ -161,21 +158,17 @@ class SplitLayout:
     """The blocks of one split, in a fixed order (shards by name, blocks in file order); picklable.
     A sequence's sample id is its index in this order: ``block_first[block] + row``."""
 
-    def __init__(self, data_dir: str | os.PathLike, manifest: dict, split: str):
-        entries = sorted((s for s in manifest["shards"] if s.get("split") == split and s.get("blocks", 0) > 0),
-                         key=lambda s: s["name"])
-        tok = manifest["tokenizer"]
-        if "pad" not in tok.get("special_ids", {}):
-            raise DataError(f"{Path(data_dir) / MANIFEST}: tokenizer.special_ids has no 'pad'")
+    def __init__(self, data_dir: str | os.PathLike, manifest: Manifest, split: str):
+        entries = sorted((s for s in manifest.shards_of(split) if s.blocks > 0), key=lambda s: s.name)
         self.split = split
-        self.seq_len = int(manifest["seq_len"])
-        self.block_size = int(manifest["block_size"])
-        self.vocab_size = int(tok["vocab_size"])
-        self.pad_id = int(tok["special_ids"]["pad"])
-        self.paths = [str(Path(data_dir) / s["name"]) for s in entries]
-        self.shard_blocks = [int(s["blocks"]) for s in entries]
+        self.seq_len = manifest.seq_len
+        self.block_size = manifest.block_size
+        self.vocab_size = manifest.tokenizer.vocab_size
+        self.pad_id = manifest.tokenizer.pad_id
+        self.paths = [str(Path(data_dir) / s.name) for s in entries]
+        self.shard_blocks = [s.blocks for s in entries]
         # What a resumed stream must find unchanged: names, counts and content hashes of the split's shards.
-        self.shards_signature = [[s["name"], int(s["sequences"]), s.get("sha256", s.get("bytes"))] for s in entries]
+        self.shards_signature = [[s.name, s.sequences, s.sha256] for s in entries]
         shard, index, size = [], [], []
         for i, entry in enumerate(entries):
             sizes = block_sizes(entry, self.block_size)

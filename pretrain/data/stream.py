@@ -62,7 +62,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data_prep.shard_format import load_manifest
+from data_prep.shard_format import Manifest, load_manifest
 from pretrain.data.shard_reader import (
     BlockReader, DataError, ShardError, SplitLayout, TokenIdError, check_manifest, index_all_shards,
 )
@@ -76,7 +76,7 @@ __all__ = [
 _BLOCK_ORDER, _WINDOW_ORDER = 0, 1
 
 
-def _open_split(data_dir, manifest, split) -> tuple[dict, SplitLayout]:
+def _open_split(data_dir, manifest: Optional[Manifest], split) -> tuple[Manifest, SplitLayout]:
     """The split's layout, after the cheap manifest checks (the tar headers were read before training)."""
     manifest = load_manifest(data_dir) if manifest is None else manifest
     problems = check_manifest(manifest, data_dir, splits=(split,), index_tars=False)
@@ -215,7 +215,7 @@ class TrainStream:
     infinite: one iterator serves a whole run, so DataLoader workers start once.
     """
 
-    def __init__(self, data_dir: str | os.PathLike, manifest: Optional[dict], split: str, rank: int, world: int,
+    def __init__(self, data_dir: str | os.PathLike, manifest: Optional[Manifest], split: str, rank: int, world: int,
                  micro_batch: int, global_batch: int, seed: int, num_workers: int = 0, prefetch_factor: int = 2,
                  *, start_samples: int = 0, shuffle_window_blocks: int = 8):
         bad = [f"{name} must be >= {low}, got {value}" for name, value, low in (
@@ -361,13 +361,13 @@ def _eval_layout(per_rank: int, micro_batch: int, max_batches: int) -> int:
     return min(batches, max_batches) if max_batches > 0 else batches
 
 
-def eval_batch_count(manifest: dict, split: str, world: int, micro_batch: int, max_batches: int = 0) -> int:
+def eval_batch_count(manifest: Manifest, split: str, world: int, micro_batch: int, max_batches: int = 0) -> int:
     """How many batches ``eval_batches`` yields on every rank."""
-    n = sum(s["sequences"] for s in manifest["shards"] if s.get("split") == split)
+    n = sum(s.sequences for s in manifest.shards_of(split))
     return _eval_layout(n // world, micro_batch, max_batches)
 
 
-def eval_batches(data_dir: str | os.PathLike, manifest: Optional[dict], split: str, rank: int, world: int,
+def eval_batches(data_dir: str | os.PathLike, manifest: Optional[Manifest], split: str, rank: int, world: int,
                  micro_batch: int, max_batches: int = 0) -> Iterator[dict]:
     """A fixed sequence of evaluation batches: the split in file order, rank ``r`` the ``r``-th of
     ``world`` equal contiguous parts, so every rank has the same number of batches (and the same

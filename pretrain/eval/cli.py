@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from data_prep.shard_format import MANIFEST, load_manifest
+from data_prep.shard_format import MANIFEST, Manifest, load_manifest
 from pretrain.config.schema import DownstreamTaskConfig
 from pretrain.eval.mlm import eval_set_batches, figures, score
 from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
@@ -45,7 +45,7 @@ EXIT_BAD_INPUT = 2
 # ------------------------------------------------------------------------------ MLM
 
 
-def unigram_token(data_dir: str | Path, manifest: dict, split: str = "train", max_sequences: int = 20_000) -> int:
+def unigram_token(data_dir: str | Path, manifest: Manifest, split: str = "train", max_sequences: int = 20_000) -> int:
     """The most frequent non-special token of (the first ``max_sequences`` sequences of) a split."""
     from pretrain.data.stream import eval_batches
 
@@ -76,14 +76,14 @@ def mlm_eval(hf_dir: str | Path, data_dir: str | Path, batch_size: int = 32, max
     return out
 
 
-def _eval_set(data_dir, manifest: dict, batch_size: int, max_batches: int, split: str) -> Iterator[dict]:
+def _eval_set(data_dir, manifest: Manifest, batch_size: int, max_batches: int, split: str) -> Iterator[dict]:
     """The first ``max_batches x batch_size`` sequences of ``split`` (all when 0): the trainer's
     evaluation set with ``train.eval_sequences`` of that size, on one process."""
     return eval_set_batches(data_dir, manifest, split, 0, 1, batch_size, max_batches * batch_size)
 
 
 @torch.no_grad()
-def mlm_eval_model(hf_model, data_dir: str | Path, manifest: dict, batch_size: int = 32, max_batches: int = 0,
+def mlm_eval_model(hf_model, data_dir: str | Path, manifest: Manifest, batch_size: int = 32, max_batches: int = 0,
                    split: str = "validation", device: str | torch.device = "cpu") -> dict[str, float]:
     """{"loss", "accuracy"} of a Hugging Face masked LM in memory, scored by the trainer's own
     evaluation loop (``pretrain.eval.mlm.score``: its masks keyed by each sequence's id, its
@@ -102,7 +102,7 @@ def mlm_eval_model(hf_model, data_dir: str | Path, manifest: dict, batch_size: i
     return {"loss": out["mlm/loss"], "accuracy": out["mlm/accuracy"]}
 
 
-def unigram_accuracy(data_dir, manifest: dict, batch_size: int = 32, max_batches: int = 0,
+def unigram_accuracy(data_dir, manifest: Manifest, batch_size: int = 32, max_batches: int = 0,
                      split: str = "validation", device: str | torch.device = "cpu") -> float:
     """Accuracy of always guessing the training split's most frequent token at the evaluation masks."""
     top = unigram_token(data_dir, manifest)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data_prep.shard_format import load_manifest
+from data_prep.shard_format import Manifest, load_manifest
 from pretrain.data.mixture import resolve_sources
 from pretrain.data.shard_reader import BlockReader
 from pretrain.data.stream import _open_split
@@ -42,7 +42,7 @@ def rank_part(total: int, rank: int, world: int) -> tuple[int, int]:
     return total * rank // world, total * (rank + 1) // world
 
 
-def eval_set_batches(data_dir: str | os.PathLike, manifest: dict | None, split: str, rank: int, world: int,
+def eval_set_batches(data_dir: str | os.PathLike, manifest: Manifest | None, split: str, rank: int, world: int,
                      micro_batch: int, sequences: int) -> Iterator[dict]:
     """This rank's batches of the evaluation set; the same count on every rank. A batch with
     ``"filler": True`` only keeps the rank in step with the others: its results must be dropped."""
@@ -109,7 +109,7 @@ def evaluate(engine, cfg, special: SpecialIds, info) -> dict:
     engine.eval()
     for source in resolve_sources(cfg.data):
         manifest = load_manifest(source.dir)
-        if not any(s["split"] == cfg.data.eval_split for s in manifest["shards"]):
+        if not manifest.has_split(cfg.data.eval_split):
             continue
         batches = eval_set_batches(source.dir, manifest, cfg.data.eval_split, info.rank, info.world,
                                    cfg.impl.micro_batch_size, cfg.train.eval_sequences)

@@ -23,6 +23,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from data_prep.shard_format import Manifest, load_manifest
 from pretrain.config.schema import DownstreamTaskConfig
 
 WORD_ORDER = "word_order"
@@ -241,20 +242,19 @@ def read_texts(path: str | Path) -> list[str]:
     return docs
 
 
-def held_out_sentences(data_dir: str | Path, manifest: Optional[dict] = None, split: str = "validation",
+def held_out_sentences(data_dir: str | Path, manifest: Optional[Manifest] = None, split: str = "validation",
                        max_sequences: int = 8192) -> list[str]:
     """Whole sentences decoded from a data_prep folder's held-out split. A row holds pieces of
     documents between special tokens; a piece that touches the row's [CLS] or final [SEP] may be cut
     mid-sentence by packing, so its sentence on that side is dropped."""
     from transformers import AutoTokenizer
 
-    from data_prep.shard_format import load_manifest
     from pretrain.data.stream import eval_batches
     from pretrain.model.masking import SpecialIds
 
     manifest = load_manifest(data_dir) if manifest is None else manifest
     special = SpecialIds.from_manifest(manifest)
-    tokenizer = AutoTokenizer.from_pretrained(Path(data_dir) / manifest["tokenizer"]["path"])
+    tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_dir(data_dir))
     sentences: list[str] = []
     seen = 0
     for batch in eval_batches(data_dir, manifest, split, 0, 1, 256):
@@ -274,14 +274,15 @@ def held_out_sentences(data_dir: str | Path, manifest: Optional[dict] = None, sp
     return sentences
 
 
-def word_order_from_data(data_dir: str | Path, spec: DownstreamTaskConfig, manifest: Optional[dict] = None,
+def word_order_from_data(data_dir: str | Path, spec: DownstreamTaskConfig, manifest: Optional[Manifest] = None,
                          split: str = "validation") -> TaskSplits:
     return word_order_task(held_out_sentences(data_dir, manifest, split), name=spec.name or WORD_ORDER,
                            max_examples=spec.max_examples, test_fraction=spec.test_fraction,
                            shuffle_window=spec.shuffle_window, seed=spec.seed)
 
 
-def load_task(spec: DownstreamTaskConfig, data_dir: Optional[str] = None, manifest: Optional[dict] = None) -> TaskSplits:
+def load_task(spec: DownstreamTaskConfig, data_dir: Optional[str] = None,
+              manifest: Optional[Manifest] = None) -> TaskSplits:
     """A task from its config: ``path: word_order`` uses ``spec.text_path`` (raw text) or else the
     held-out split of ``data_dir``; any other path is a labelled file or folder."""
     if spec.path != WORD_ORDER:

@@ -69,12 +69,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from data_prep.shard_format import SPECIAL_ROLES, Manifest
 from pretrain.seeds import derive_seed
 from pretrain.config.schema import MaskingConfig
 
 IGNORE_INDEX = -100                      # label of an unused fixed_count slot (torch's CE default)
 EVAL_MASK_SEED = 20_250_101              # evaluation masks never depend on the training config
-_SPECIAL_NAMES = ("pad", "unk", "cls", "sep", "mask")
 
 
 @dataclass(frozen=True)
@@ -97,19 +97,10 @@ class SpecialIds:
         object.__setattr__(self, "all_special", ids)
 
     @classmethod
-    def from_manifest(cls, manifest: dict) -> "SpecialIds":
-        tok = manifest.get("tokenizer")
-        if not isinstance(tok, dict):
-            raise ValueError("manifest.json: missing the 'tokenizer' section")
-        ids = tok.get("special_ids")
-        if not isinstance(ids, dict):
-            raise ValueError("manifest.json: missing tokenizer.special_ids")
-        missing = [k for k in _SPECIAL_NAMES if not isinstance(ids.get(k), int)]
-        if missing:
-            raise ValueError(f"manifest.json: tokenizer.special_ids lacks {missing} (has {sorted(ids)})")
-        if not isinstance(tok.get("vocab_size"), int):
-            raise ValueError("manifest.json: missing tokenizer.vocab_size")
-        return cls(**{k: ids[k] for k in _SPECIAL_NAMES}, vocab_size=tok["vocab_size"])
+    def from_manifest(cls, manifest: Manifest) -> "SpecialIds":
+        """The data's special ids (``Manifest.from_dict`` saw that there is one for each role)."""
+        tok = manifest.tokenizer
+        return cls(**{k: tok.special_ids[k] for k in SPECIAL_ROLES}, vocab_size=tok.vocab_size)
 
     def is_special(self, ids: torch.Tensor) -> torch.Tensor:
         # Python-int comparisons: no small tensor copied to the device on every call.

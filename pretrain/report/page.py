@@ -15,7 +15,6 @@ import argparse
 import base64
 import html
 import io
-import json
 import logging
 import sys
 import time
@@ -23,8 +22,9 @@ from pathlib import Path
 
 import yaml
 
-from pretrain.checkpoint.files import CONFIG_FILE, MANIFEST_FILE
-from pretrain.checkpoint.store import complete_tags, latest_complete_tag
+from data_prep.shard_format import Manifest
+from pretrain.checkpoint.files import CONFIG_FILE
+from pretrain.checkpoint.store import complete_tags, latest_complete_tag, saved_manifest
 from pretrain.tracking.jsonl import read_metrics
 
 log = logging.getLogger("pretrain")
@@ -36,15 +36,15 @@ class NotARunFolder(Exception):
     pass
 
 
-def run_facts(run_dir: Path, config: dict | None = None, manifest: dict | None = None) -> dict:
+def run_facts(run_dir: Path, config: dict | None = None, manifest: Manifest | None = None) -> dict:
     """Everything the report shows besides the figures. ``config``/``manifest`` default to the
     copies saved with the latest complete checkpoint."""
     root = run_dir / "checkpoints"       # checkpointing.checkpoint_root: always out_dir/checkpoints
     tag = latest_complete_tag(root)
     if config is None and tag:
         config = yaml.safe_load((root / tag / CONFIG_FILE).read_text())
-    if manifest is None and tag and (root / tag / MANIFEST_FILE).is_file():
-        manifest = json.loads((root / tag / MANIFEST_FILE).read_text())
+    if manifest is None and tag:
+        manifest = saved_manifest(root, tag)
     run_id_file = run_dir / "mlflow_run_id"
     exports = sorted(p.name for p in run_dir.glob("hf_*") if p.is_dir() and (p / "config.json").is_file())
     return {"config": config, "manifest": manifest, "checkpoint_root": root, "checkpoints": complete_tags(root),
@@ -86,13 +86,12 @@ def _num(v) -> str:
     return f"{v:.4g}"
 
 
-def _manifest_rows(manifest: dict | None) -> list[tuple[str, str]]:
-    if not manifest:
+def _manifest_rows(manifest: Manifest | None) -> list[tuple[str, str]]:
+    if manifest is None:
         return [("manifest", "not found (no complete checkpoint yet)")]
-    tok = manifest.get("tokenizer", {})
-    out = [("sequence length", str(manifest.get("seq_len"))), ("vocab size", str(tok.get("vocab_size"))),
-           ("tokenizer sha256", str(tok.get("sha256", ""))[:16])]
-    for split, totals in sorted(manifest.get("totals", {}).items()):
+    out = [("sequence length", str(manifest.seq_len)), ("vocab size", str(manifest.tokenizer.vocab_size)),
+           ("tokenizer sha256", manifest.tokenizer.sha256[:16])]
+    for split, totals in sorted(manifest.totals.items()):
         out.append((f"{split} split", ", ".join(f"{_num(v)} {k}" for k, v in totals.items())))
     return out
 
@@ -135,7 +134,7 @@ def render_html(title: str, figures: list[tuple[str, str, bytes]], rows: list[di
             f"<h2>Resolved config</h2><pre>{html.escape(config)}</pre></body></html>")
 
 
-def write_report(run_dir: Path, config: dict | None = None, manifest: dict | None = None,
+def write_report(run_dir: Path, config: dict | None = None, manifest: Manifest | None = None,
                  mlflow_url: str | None = None) -> Path:
     """Write ``run_dir/report/`` (report.html and one PNG per figure); returns the folder."""
     from pretrain.report.figures import all_figures, tokens_per_step
@@ -146,8 +145,8 @@ def write_report(run_dir: Path, config: dict | None = None, manifest: dict | Non
     rows = read_metrics(run_dir / "metrics.jsonl")
     facts = run_facts(run_dir, config, manifest)
     fallback = None
-    if facts["config"] and facts["manifest"]:
-        fallback = facts["config"]["train"]["global_batch_size"] * facts["manifest"]["seq_len"]
+    if facts["config"] and facts["manifest"] is not None:
+        fallback = facts["config"]["train"]["global_batch_size"] * facts["manifest"].seq_len
     out = run_dir / REPORT_DIR
     out.mkdir(exist_ok=True)
     pngs = []
@@ -162,7 +161,7 @@ def write_report(run_dir: Path, config: dict | None = None, manifest: dict | Non
     return out
 
 
-def report_at_end(cfg, manifest: dict, tracker) -> None:
+def report_at_end(cfg, manifest: Manifest, tracker) -> None:
     """The trainer's call (rank 0, end of a run): write the report and hand it to the tracker. Never
     raises: a report is not worth failing a finished run over."""
     try:

@@ -198,7 +198,7 @@ def _data_problems(variants: list[Variant]) -> list[str]:
         except ShardError as exc:
             problems.append(f"data.dir: {exc}")
             continue
-        has_eval = any(s.get("split") == cfg.data.eval_split for s in manifest.get("shards", []))
+        has_eval = manifest.has_split(cfg.data.eval_split)
         problems += [f"{cfg.data.dir}/manifest.json: {p}" for p in check_manifest(
             manifest, cfg.data.dir, max_positions=cfg.model.max_position_embeddings,
             splits=[cfg.data.train_split] + ([cfg.data.eval_split] if has_eval else []))]

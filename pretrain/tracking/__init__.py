@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from data_prep.shard_format import Manifest
 from pretrain.config import loader as configlib
 from pretrain.tracking.base import NullTracker, Tracker, TrackerGroup
 from pretrain.tracking.jsonl import JsonlTracker
@@ -26,22 +27,22 @@ def make_tracker(cfg, rank: int, resume_step: int = 0, jsonl: bool = True) -> Tr
     return TrackerGroup(trackers) if len(trackers) != 1 else trackers[0]
 
 
-def run_params(cfg, world: int, precision: str, manifest: dict) -> dict:
+def run_params(cfg, world: int, precision: str, manifest: Manifest) -> dict:
     """Flat parameters for the tracker: the resolved config plus what the run derived from it."""
     import torch
 
-    totals = manifest.get("totals", {})
+    train_totals = manifest.totals.get("train", {})
     params = configlib.flatten(configlib.to_dict(cfg))
     params.update({
         "derived.world_size": world,
         "derived.grad_accum_steps": cfg.grad_accum_steps(world),
         "derived.precision": precision,
-        "data.seq_len": manifest["seq_len"],
-        "data.vocab_size": manifest["tokenizer"]["vocab_size"],
-        "data.tokenizer_sha256": manifest["tokenizer"]["sha256"],
-        "data.train_tokens": totals.get("train", {}).get("tokens"),
-        "data.train_sequences": totals.get("train", {}).get("sequences"),
-        "data.train_shards": totals.get("train", {}).get("shards"),
+        "data.seq_len": manifest.seq_len,
+        "data.vocab_size": manifest.tokenizer.vocab_size,
+        "data.tokenizer_sha256": manifest.tokenizer.sha256,
+        "data.train_tokens": train_totals.get("tokens"),
+        "data.train_sequences": train_totals.get("sequences"),
+        "data.train_shards": train_totals.get("shards"),
         "launch.command": " ".join(sys.argv),
         "launch.torch": torch.__version__,
     })
