@@ -219,12 +219,13 @@ def test_cli_logs_to_an_mlflow_run(tmp_path, articles_csv, bert_uncased_dir, cap
     """Metrics land in the given run (a local sqlite store); an unknown run is refused before any work."""
     from mlflow import MlflowClient
 
-    from pretrain.eval.cli import log_to_mlflow, main
+    from pretrain.eval.cli import main
+    from pretrain.tracking.mlflow_existing import log_metrics_to_run
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("eval", artifact_location=str(tmp_path / "art"))).info.run_id
-    log_to_mlflow({"downstream/a/accuracy": 0.75, "downstream/a/macro_f1": float("nan")}, run_id, uri, step=7)
+    log_metrics_to_run({"downstream/a/accuracy": 0.75, "downstream/a/macro_f1": float("nan")}, run_id, uri, step=7)
     history = client.get_metric_history(run_id, "downstream/a/accuracy")
     assert [(m.value, m.step) for m in history] == [(0.75, 7)]
     assert "downstream/a/macro_f1" not in client.get_run(run_id).data.metrics

@@ -34,6 +34,7 @@ from pretrain.config.schema import DownstreamTaskConfig
 from pretrain.eval.mlm import eval_set_batches, figures, score
 from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.eval.tasks import WORD_ORDER, TaskError
+from pretrain.tracking.mlflow_existing import log_metrics_to_run, run_problem
 
 if TYPE_CHECKING:                      # imported at run time only by the commands that fine-tune
     from pretrain.eval.downstream import FinetuneSettings
@@ -177,29 +178,6 @@ def format_results(metrics: dict[str, float], protocol: str) -> str:
     return "\n".join(lines)
 
 
-def mlflow_run_problem(run_id: str, tracking_uri: str = "") -> Optional[str]:
-    """Why metrics cannot go to this run (checked before any work), or None."""
-    from mlflow import MlflowClient
-
-    try:
-        MlflowClient(tracking_uri or None).get_run(run_id)
-    except Exception as exc:  # unreachable server, unknown run: MLflow raises several types
-        return f"--mlflow-run-id {run_id}: not usable at {tracking_uri or '$MLFLOW_TRACKING_URI'} ({exc})"
-    return None
-
-
-def log_to_mlflow(metrics: dict[str, float], run_id: str, tracking_uri: str = "", step: int = 0) -> None:
-    import time
-
-    from mlflow import MlflowClient
-    from mlflow.entities import Metric
-
-    client = MlflowClient(tracking_uri or None)
-    now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()
-                                      if np.isfinite(v)])
-
-
 # ------------------------------------------------------------------------------ CLI
 
 
@@ -265,7 +243,7 @@ def main(argv=None) -> int:
         specs = task_specs(args)
         if args.data and not Path(args.data).exists():
             raise TaskError(f"--data {args.data}: no such file or folder")
-        problem = mlflow_run_problem(args.mlflow_run_id, args.tracking_uri) if args.mlflow_run_id else None
+        problem = run_problem(args.mlflow_run_id, args.tracking_uri) if args.mlflow_run_id else None
         if problem:
             raise TaskError(problem)
         data_dir = args.data if args.data and (Path(args.data) / MANIFEST).is_file() else None
@@ -281,7 +259,7 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(metrics, indent=2))
     if args.mlflow_run_id:
-        log_to_mlflow(metrics, args.mlflow_run_id, args.tracking_uri, args.step)
+        log_metrics_to_run(metrics, args.mlflow_run_id, args.tracking_uri, args.step)
     return 0
 
 
