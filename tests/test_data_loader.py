@@ -16,8 +16,9 @@ from data_prep.shard_format import (
     FORMAT_VERSION, ShardError, ShardWriter, ids_dtype, index_shard, load_manifest, shard_name,
 )
 from pretrain.data.stream import (
-    DataError, TokenIdError, TrainStream, check_manifest, eval_batch_count, eval_batches, index_all_shards,
+    DataError, TokenIdError, TrainStream, check_manifest, index_all_shards,
 )
+from pretrain.eval.mlm import eval_set_batches
 
 SEQ_LEN, BLOCK, VOCAB = 16, 64, 30522
 UNEVEN = {"train": [1000, 17, 300], "validation": [50, 41]}
@@ -277,8 +278,6 @@ def test_has_padding_says_whether_a_batch_holds_pad_tokens(shards):
         assert batch["has_padding"] is bool((batch["input_ids"] == pad).any())
         flags.append(batch["has_padding"])
     assert 0 < sum(flags) < len(flags) / 4             # only a task's last sequence of a split is padded
-    evals = list(eval_batches(shards, manifest, "validation", 0, 1, 8))
-    assert [b["has_padding"] for b in evals] == [bool((b["input_ids"] == pad).any()) for b in evals]
 
 
 def test_an_out_of_range_token_id_names_shard_and_block(tmp_path, shards):
@@ -302,7 +301,7 @@ def test_an_out_of_range_token_id_names_shard_and_block(tmp_path, shards):
     with pytest.raises(TokenIdError, match=r"train-[\w-]+\.tar: block \d+ holds token id \d{4}"):
         take(TrainStream(edited, manifest, "train", 0, 1, 8, 8, SEED), 1)
     with pytest.raises(TokenIdError, match=r"validation-[\w-]+\.tar: block \d+ holds token id"):
-        list(eval_batches(edited, manifest, "validation", 0, 1, 8))
+        list(eval_set_batches(edited, manifest, "validation", 0, 1, 8, 0))
 
 
 def test_a_damaged_tar_header_is_found_before_any_batch(shards, tmp_path):
@@ -369,26 +368,25 @@ def test_too_small_split_is_a_clear_error_not_a_hang(tmp_path):
     manifest = load_manifest(tmp_path)
     with pytest.raises(DataError, match=r"23 sequences: too few for one global batch of 32"):
         stream(tmp_path, manifest, world=2, micro_batch=16)
-    with pytest.raises(DataError, match="2 sequences, fewer than the 4 ranks"):
-        list(eval_batches(tmp_path, manifest, "validation", rank=0, world=4, micro_batch=1))
     with pytest.raises(DataError, match="rank must be in"):
         stream(tmp_path, manifest, rank=2, world=2)
 
 
-def test_eval_batches_are_fixed_disjoint_and_equal_per_rank(uneven):
+def test_eval_set_batches_are_fixed_disjoint_and_in_step_per_rank(uneven):
+    """The evaluation set read across uneven shards and their block boundaries: every row as written."""
     root, manifest, reference = uneven
     world, micro = 2, 8
     per_rank = {}
     for rank in range(world):
-        batches = list(eval_batches(root, manifest, "validation", rank, world, micro))
-        assert len(batches) == eval_batch_count(manifest, "validation", world, micro) == 6   # 45 = 5 x 8 + 5
-        assert [len(b["input_ids"]) for b in batches] == [8] * 5 + [5]
+        batches = list(eval_set_batches(root, manifest, "validation", rank, world, micro, 0))
+        sizes = [len(b["input_ids"]) for b in batches]
+        assert sizes == ([8] * 5 + [5], [8] * 5 + [6])[rank]                  # 91 = 45 + 46, 6 batches each
         per_rank[rank] = [r for b in batches for r in rows_of(b, reference)]
         ids = torch.cat([b["sample_ids"] for b in batches]).tolist()
-        assert ids == list(range(rank * 45, rank * 45 + 45))                  # file order, rank's contiguous part
-        again = list(eval_batches(root, manifest, "validation", rank=rank, world=world, micro_batch=micro,
-                                  max_batches=2))
-        assert [r for b in again for r in rows_of(b, reference)] == per_rank[rank][:16]
+        assert ids == list(range(rank * 45, 45 + rank * 46))                 # file order, rank's contiguous part
     assert per_rank[0][0] == (shard_name("validation", 0, 0), 0)             # file order, no shuffle
     union = per_rank[0] + per_rank[1]
-    assert len(set(union)) == len(union) == 90                               # 91 sequences, 1 left over
+    assert len(set(union)) == len(union) == 91
+    first = [r for rank in range(world) for b in eval_set_batches(root, manifest, "validation", rank, world, micro, 32)
+             for r in rows_of(b, reference)]
+    assert first == union[:32]                                               # a smaller set: the first sequences

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -69,7 +68,6 @@ from pretrain.data.shard_reader import (
 
 __all__ = [
     "DataError", "ShardError", "TokenIdError", "check_manifest", "index_all_shards", "TrainStream",
-    "eval_batches", "eval_batch_count",
 ]
 
 # Seed domains, so that the block order of an epoch and the window shuffles never share a stream.
@@ -351,45 +349,3 @@ def ordered_batches(stream, dataset, start: int) -> Iterator[dict]:
         if batch["micro_step"] == stream.grad_accum - 1:
             stream.samples_consumed = (batch["global_step"] + 1) * stream.global_batch
         yield batch
-
-
-# ------------------------------------------------------------------------------------ evaluation
-
-
-def _eval_layout(per_rank: int, micro_batch: int, max_batches: int) -> int:
-    batches = math.ceil(per_rank / micro_batch)
-    return min(batches, max_batches) if max_batches > 0 else batches
-
-
-def eval_batch_count(manifest: Manifest, split: str, world: int, micro_batch: int, max_batches: int = 0) -> int:
-    """How many batches ``eval_batches`` yields on every rank."""
-    n = sum(s.sequences for s in manifest.shards_of(split))
-    return _eval_layout(n // world, micro_batch, max_batches)
-
-
-def eval_batches(data_dir: str | os.PathLike, manifest: Optional[Manifest], split: str, rank: int, world: int,
-                 micro_batch: int, max_batches: int = 0) -> Iterator[dict]:
-    """A fixed sequence of evaluation batches: the split in file order, rank ``r`` the ``r``-th of
-    ``world`` equal contiguous parts, so every rank has the same number of batches (and the same
-    shapes: the last batch may be shorter than ``micro_batch`` on every rank alike). Fewer than
-    ``world`` sequences of the split go unused. ``max_batches`` > 0 takes only the first ones.
-    Read in the calling process: evaluation reads each block once, in order. Batches carry the
-    same keys as training's, less the step counters (``position`` is the batch's index)."""
-    _, layout = _open_split(data_dir, manifest, split)
-    per_rank = layout.sequences // world
-    if per_rank == 0:
-        raise DataError(f"split {split!r} of {data_dir} has {layout.sequences} sequences, fewer than the "
-                        f"{world} ranks that evaluate it")
-    count = _eval_layout(per_rank, micro_batch, max_batches)
-    ends = np.cumsum(layout.block_len)
-    reader = BlockReader(layout, cache_sequences=2 * layout.block_size + micro_batch)
-    try:
-        for b in range(count):
-            pos = rank * per_rank + np.arange(b * micro_batch, min((b + 1) * micro_batch, per_rank))
-            j = np.searchsorted(ends, pos, side="right")
-            input_ids, word_starts, has_padding = reader.gather(j, pos - (ends[j] - layout.block_len[j]))
-            yield {"input_ids": input_ids, "word_starts": word_starts, "sample_ids": torch.from_numpy(pos),
-                   "has_padding": has_padding, "position": b}
-    finally:
-        reader.close()
-

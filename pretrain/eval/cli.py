@@ -48,11 +48,9 @@ EXIT_BAD_INPUT = 2
 
 def unigram_token(data_dir: str | Path, manifest: Manifest, split: str = "train", max_sequences: int = 20_000) -> int:
     """The most frequent non-special token of (the first ``max_sequences`` sequences of) a split."""
-    from pretrain.data.stream import eval_batches
-
     special = SpecialIds.from_manifest(manifest)
     counts = np.zeros(special.vocab_size, dtype=np.int64)
-    for batch in eval_batches(data_dir, manifest, split, 0, 1, 512, max_batches=max(1, max_sequences // 512)):
+    for batch in eval_set_batches(data_dir, manifest, split, 0, 1, 512, max(1, max_sequences // 512) * 512):
         counts += np.bincount(batch["input_ids"].numpy().ravel(), minlength=special.vocab_size)
     counts[list(special.all_special)] = 0
     return int(counts.argmax())

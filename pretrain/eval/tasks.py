@@ -249,7 +249,7 @@ def held_out_sentences(data_dir: str | Path, manifest: Optional[Manifest] = None
     mid-sentence by packing, so its sentence on that side is dropped."""
     from transformers import AutoTokenizer
 
-    from pretrain.data.stream import eval_batches
+    from pretrain.eval.mlm import eval_set_batches
     from pretrain.model.masking import SpecialIds
 
     manifest = load_manifest(data_dir) if manifest is None else manifest
@@ -257,7 +257,7 @@ def held_out_sentences(data_dir: str | Path, manifest: Optional[Manifest] = None
     tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_dir(data_dir))
     sentences: list[str] = []
     seen = 0
-    for batch in eval_batches(data_dir, manifest, split, 0, 1, 256):
+    for batch in eval_set_batches(data_dir, manifest, split, 0, 1, 256, 0):
         for row in batch["input_ids"].numpy():
             cut = np.flatnonzero(np.isin(row, special.all_special))
             row_end = cut[-1] if row[cut[-1]] == special.sep else len(row)
