@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from apt import apt_install, can_install
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -24,13 +25,8 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 
 def chromium() -> str:
     path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        install = subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], check=False, capture_output=True, text=True,
-                                 env=env, timeout=900)
-        if install.returncode != 0:      # a stale package index: update once and retry
-            subprocess.run(["apt-get", "update", "-q"], check=False, capture_output=True, env=env, timeout=600)
-            subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], check=False, capture_output=True, env=env, timeout=900)
+    if path is None and can_install():
+        apt_install("chromium")
         path = shutil.which("chromium")
     if path is None:
         why = "chromium is not installed (apt-get install chromium) and could not be installed here"

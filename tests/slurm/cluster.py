@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))      # also when run as a script (``python tests/slurm/cluster.py up``)
+from apt import apt_install, can_install  # noqa: E402
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "sinfo", "scancel",
             "munged", "mungekey", "unshare", "mount")
@@ -61,17 +63,13 @@ def ensure_installed() -> None:
     missing = [b for b in BINARIES if shutil.which(b) is None]
     if not missing:
         return
-    if os.geteuid() != 0:
-        raise ClusterUnavailable(f"Slurm binaries missing ({', '.join(missing)}) and not root, "
-                                 f"so cannot apt-get install {' '.join(PACKAGES)}")
-    if shutil.which("apt-get") is None:
-        raise ClusterUnavailable(f"Slurm binaries missing ({', '.join(missing)}) and no apt-get")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update", "-qq"],
-                ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]):
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        if r.returncode != 0:
-            raise ClusterUnavailable(f"`{' '.join(cmd)}` failed ({r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    if not can_install():
+        raise ClusterUnavailable(f"Slurm binaries missing ({', '.join(missing)}); installing "
+                                 f"{' '.join(PACKAGES)} needs root and apt-get")
+    done = apt_install(*PACKAGES)
+    if done.returncode != 0:
+        raise ClusterUnavailable(f"`apt-get install {' '.join(PACKAGES)}` failed ({done.returncode}):\n"
+                                 f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
     still = [b for b in BINARIES if shutil.which(b) is None]
     if still:
         raise ClusterUnavailable(f"after apt-get install, still missing: {', '.join(still)}")
