@@ -311,7 +311,7 @@ def finish(run: Run) -> None:
         if run.tasks:
             run.probe(step)
         export_final(run)
-    if run.info.rank == 0:
+    if run.info.rank == 0 and cfg.tracking.report:
         report_at_end(cfg, run.manifest, run.tracker)      # never raises; logged as the run's report/ artifact
     log.info("%s", console.summary(run.state, cfg, time.perf_counter() - run.started, run.latest, run.tracker))
     run.status = "FINISHED"

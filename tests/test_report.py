@@ -43,7 +43,7 @@ def finished_run(shards, tmp_path_factory, mlflow_server):  # noqa: F811  # noqa
     experiment, out = f"report-{uuid.uuid4().hex[:8]}", tmp / "run"
     proc = train(shards, out, mlflow_server.uri, experiment, "train.max_steps=6", "train.eval_every=3",
                  "train.checkpoint_every=3", "eval.downstream=[{path: word_order, max_examples: 100}]",
-                 "eval.downstream_every=3")
+                 "eval.downstream_every=3", "tracking.report=true")
     return out, experiment, proc
 
 

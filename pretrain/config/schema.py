@@ -202,6 +202,7 @@ class TrackingConfig:
     run_name: str = ""
     register_model: str = ""           # register the final export under this Model Registry name
     system_metrics: bool = True
+    report: bool = True                # write report/ (HTML + PNGs) at the end of a run and log it
     retry_seconds: float = 2.0         # at most this long per attempt when the server is unreachable
     parent_run_id: str = ""            # make the run a child of this one (pretrain.study sets it)
 

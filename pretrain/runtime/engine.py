@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,8 +57,22 @@ def prepare_env() -> None:
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
 
 
+def import_deepspeed():
+    """DeepSpeed, imported without the ``import mlflow`` its autotuner makes at import time: 2 s of
+    every rank's start-up, for a feature this trainer does not use. mlflow stays importable after."""
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        import deepspeed
+        return deepspeed
+    sys.modules["mlflow"] = None          # a None entry makes `import mlflow` fail, quietly, there
+    try:
+        import deepspeed
+    finally:
+        del sys.modules["mlflow"]
+    return deepspeed
+
+
 def init_distributed(cfg: Config) -> DistInfo:
-    import deepspeed
+    deepspeed = import_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     accel = get_accelerator()
