@@ -12,15 +12,18 @@ import json
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from data_prep.shard_format import MANIFEST, Manifest, load_manifest
-from pretrain.checkpoint import files
+from pretrain.checkpoint import files, reshard
 from pretrain.checkpoint import store as checkpointing
 from pretrain.config import loader as configlib
 from pretrain.runtime import hardware
 from pretrain.config.schema import Config
 from pretrain.config.loader import ConfigError
 from pretrain.data import mixture_checks
-from pretrain.data.stream import check_manifest
+from pretrain.data.mixture import make_train_stream
+from pretrain.data.stream import DataError, check_manifest
 from pretrain.checkpoint.phases import init_checkpoint_problems
 
 # Groups and keys whose change would make the resumed run a different experiment.
@@ -130,9 +133,6 @@ def resume_problems(cfg: Config, manifest: Manifest, root: Path, tag: str) -> li
 
 def data_position_problems(cfg: Config, manifest: Manifest, folder: Path) -> list[str]:
     """The checkpoint's data position must apply to this data at this world size and micro-batch."""
-    from pretrain.data.stream import DataError
-    from pretrain.data.mixture import make_train_stream
-
     try:
         saved = json.loads((folder / files.STATE_FILE).read_text())
     except (OSError, ValueError) as exc:
@@ -147,13 +147,9 @@ def data_position_problems(cfg: Config, manifest: Manifest, folder: Path) -> lis
 
 def layout_problems(cfg: Config, root: Path, tag: str) -> list[str]:
     """Another world size, ZeRO stage or precision is converted on load; what cannot be is refused now."""
-    from pretrain.checkpoint import reshard
-
     saved = reshard.read_layout(root / tag)
     if saved is None:
         return []
-    import torch
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # What auto will pick, without resolve_precision's timed check and warning (fit() does those once).
     precision = hardware.auto_precision(device)[0] if cfg.impl.precision == "auto" else cfg.impl.precision

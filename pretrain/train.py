@@ -31,7 +31,7 @@ from data_prep.shard_format import Manifest, ShardError
 from pretrain import console
 from pretrain.checkpoint import files, phases
 from pretrain.checkpoint import store as checkpointing
-from pretrain.checkpoint.export import export_to, exported_from, final_export_dir, step_export_dir
+from pretrain.checkpoint.export import export_and_log, exported_from, final_export_dir
 from pretrain.checkpoint.state import STATE_KEY, TrainState
 from pretrain.config import loader as configlib
 from pretrain.config.schema import Config, ConfigError, load_config
@@ -310,7 +310,7 @@ def finish(run: Run) -> None:
         run.emit(evaluate(run.engine, cfg, run.special, run.info), step)
         if run.tasks:
             run.probe(step)
-        export_final(run)
+        export_and_log(cfg, step, run.tracker, final=True)
     if run.info.rank == 0 and cfg.tracking.report:
         report_at_end(cfg, run.manifest, run.tracker)      # never raises; logged as the run's report/ artifact
     log.info("%s", console.summary(run.state, cfg, time.perf_counter() - run.started, run.latest, run.tracker))
@@ -330,22 +330,7 @@ def checkpoint(run: Run, export: bool, final: bool) -> None:
                              {files.TOKENIZER_DIR: manifest.tokenizer_dir(cfg.data.dir)})
     run.tracker.log_checkpoint(tag, state.step, str(checkpointing.checkpoint_root(cfg) / tag))
     if export:
-        if final:
-            export_final(run)
-        elif dist.get_rank() == 0:
-            out = step_export_dir(cfg.train.out_dir, state.step)
-            with console.chatter_to_file():
-                export_to(checkpointing.checkpoint_root(cfg), tag, out)
-            run.tracker.log_model(str(out), state.step, final=False)
-    dist.barrier()
-
-
-def export_final(run: Run) -> None:
-    if dist.get_rank() == 0:
-        out = final_export_dir(run.cfg.train.out_dir)
-        with console.chatter_to_file():
-            export_to(checkpointing.checkpoint_root(run.cfg), checkpointing.tag_for_step(run.state.step), out)
-        run.tracker.log_model(str(out), run.state.step, final=True)
+        export_and_log(cfg, state.step, run.tracker, final)
     dist.barrier()
 
 

@@ -94,3 +94,55 @@ def test_no_function_in_pretrain_is_over_60_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
                 long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert not long, long
+
+
+# Imported inside a function only to keep a light command (``python -m pretrain.data plan``, the
+# report, the config and preflight checks) from paying seconds at start-up for what it never uses.
+LAZY_THIRD_PARTY = {"transformers", "deepspeed", "mlflow", "matplotlib", "sklearn", "datasets", "tokenizers", "psutil"}
+LAZY_MARK = "# lazy:"
+
+
+def _says_why(lines: list[str], node: ast.stmt, import_starts: dict[int, int]) -> bool:
+    """A ``# lazy:`` comment on the import, or in the comment lines above it (or above the run of
+    imports it is part of); ``import_starts`` maps each import's last line to its first."""
+    if any(LAZY_MARK in line for line in lines[node.lineno - 1:node.end_lineno]):
+        return True
+    above = node.lineno - 1                  # 1-based number of the line above
+    while above in import_starts or (above >= 1 and lines[above - 1].strip().startswith("#")):
+        if above in import_starts:
+            above = import_starts[above] - 1
+        elif lines[above - 1].strip().startswith(LAZY_MARK):
+            return True
+        else:
+            above -= 1
+    return False
+
+
+def function_level_imports(path: Path) -> list[tuple[ast.stmt, set[str]]]:
+    """Every import statement inside a function, with the top-level packages it names."""
+    found = []
+    for func in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(func):
+            if isinstance(node, ast.Import):
+                found.append((node, {a.name.split(".")[0] for a in node.names}))
+            elif isinstance(node, ast.ImportFrom):
+                found.append((node, {(node.module or "").split(".")[0] if not node.level else "."}))
+    return list({id(node): (node, names) for node, names in found}.values())   # nested functions: once
+
+
+def test_imports_inside_functions_are_heavy_packages_or_say_why():
+    """A module's dependencies are read at its top; one inside a function is a heavy third-party
+    package kept off start-up, or says why it cannot be at the top (a cycle, start-up cost)."""
+    unexplained = []
+    for path in sorted(PRETRAIN.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        imports = function_level_imports(path)
+        import_starts = {node.end_lineno: node.lineno for node, _ in imports}
+        for node, packages in imports:
+            if packages <= LAZY_THIRD_PARTY or _says_why(lines, node, import_starts):
+                continue
+            unexplained.append(f"{path.relative_to(REPO)}:{node.lineno} {lines[node.lineno - 1].strip()}")
+    assert not unexplained, ("imports inside functions: move them to the top of the module, or say why not "
+                             f"with '{LAZY_MARK} ...' above them:\n  " + "\n  ".join(unexplained))

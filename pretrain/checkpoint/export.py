@@ -20,10 +20,12 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import yaml
 
+from pretrain import console
 from pretrain.checkpoint.files import COMPLETE, CONFIG_FILE, HF_CONFIG_FILE, MODEL_STATES_FILE, TOKENIZER_DIR
-from pretrain.checkpoint.store import latest_complete_tag
+from pretrain.checkpoint.store import checkpoint_root, latest_complete_tag, tag_for_step
 
 log = logging.getLogger("pretrain")
 PREFIXES = ("module.", "_orig_mod.", "hf_model.")
@@ -55,6 +57,17 @@ def export_to(root: Path, tag: str, out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
+
+
+def export_and_log(cfg, step: int, tracker, final: bool) -> None:
+    """The trainer's export of its checkpoint at ``step`` (to ``hf_final``, or ``hf_step<N>``) by the
+    first rank, handed to the tracker; every rank calls, and waits for it."""
+    if dist.get_rank() == 0:
+        out = final_export_dir(cfg.train.out_dir) if final else step_export_dir(cfg.train.out_dir, step)
+        with console.chatter_to_file():
+            export_to(checkpoint_root(cfg), tag_for_step(step), out)
+        tracker.log_model(str(out), step, final=final)
+    dist.barrier()
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:

@@ -19,19 +19,23 @@ optimiser whose moments do not carry over, and the run's own checkpoints folder.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import yaml
 
 from data_prep.shard_format import Manifest
-from pretrain.checkpoint import files
+from pretrain.checkpoint import files, reshard
 from pretrain.checkpoint import store as checkpointing
-
 from pretrain.config import loader as configlib
+from pretrain.runtime import engine as eng
+from pretrain.runtime import hardware
 
 log = logging.getLogger("pretrain")
 
@@ -102,14 +106,9 @@ def model_shape_file(cfg, resume_from: str | None) -> str | None:
 
 
 def _layout_problems(cfg, folder: Path, where: str) -> list[str]:
-    from pretrain.runtime import hardware
-    from pretrain.checkpoint import reshard
-
     saved = reshard.read_layout(folder)
     if saved is None:
         return [f"{where} has no {reshard.LAYOUT_FILE}: written by an older version, its moments cannot be read"]
-    import torch
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = hardware.auto_precision(device)[0] if cfg.impl.precision == "auto" else cfg.impl.precision
     wanted = reshard.wanted_layout(cfg.world_size(), cfg.impl.zero_stage, precision, cfg.impl.offload_optimizer,
@@ -122,11 +121,6 @@ def _layout_problems(cfg, folder: Path, where: str) -> list[str]:
 def start_from(engine, cfg) -> dict[str, Any]:
     """Load the weights and optimiser moments of ``train.init_from_checkpoint`` into ``engine`` (every
     rank calls); this run's optimiser hyperparameters stay. Returns what the tracker records."""
-    import torch.distributed as dist
-
-    from pretrain.runtime import engine as eng
-    from pretrain.checkpoint import reshard
-
     root, tag = eng.rank0_value(resolve(cfg.train.init_from_checkpoint) if dist.get_rank() == 0 else None)
     saved = reshard.read_layout(root / tag)
     running = reshard.checkpoint_layout(engine)
@@ -154,8 +148,6 @@ def start_from(engine, cfg) -> dict[str, Any]:
 def tracked_under(cfg, origin: dict):
     """The config the tracker gets: a new phase's MLflow run is a child of the earlier phase's run
     (unless something else, e.g. a study, set the parent), so the UI shows the phases together."""
-    import dataclasses
-
     parent = origin.get("phase.init_from_run_id")
     if not parent or cfg.tracking.parent_run_id:
         return cfg

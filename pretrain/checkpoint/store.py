@@ -12,10 +12,13 @@ Which checkpoint a run resumes from is decided here *before* any process group s
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import socket
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -222,11 +225,6 @@ class RunLock:
     ``wait_s``, then gives up with a message naming the holder."""
 
     def __init__(self, out_dir: str, wait_s: float = 300.0):
-        import fcntl
-        import os
-        import socket
-        import time
-
         path = Path(out_dir) / LOCK_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -24,20 +24,21 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
 from data_prep.shard_format import MANIFEST, Manifest, load_manifest
+from pretrain.checkpoint.export import export_checkpoint, resolve_checkpoint
 from pretrain.config.schema import DownstreamTaskConfig
+from pretrain.data.stream import check_manifest
+from pretrain.eval.downstream import (FinetuneSettings, baseline_metrics, finetune_metrics, prepare_tasks,
+                                      probe_metrics)
 from pretrain.eval.mlm import eval_set_batches, figures, score
 from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.eval.tasks import WORD_ORDER, TaskError
 from pretrain.tracking.mlflow_existing import log_metrics_to_run, run_problem
-
-if TYPE_CHECKING:                      # imported at run time only by the commands that fine-tune
-    from pretrain.eval.downstream import FinetuneSettings
 
 log = logging.getLogger("pretrain")
 EXIT_BAD_INPUT = 2
@@ -62,8 +63,6 @@ def mlm_eval(hf_dir: str | Path, data_dir: str | Path, batch_size: int = 32, max
     data_prep folder (see ``mlm_eval_model``)."""
     from transformers import AutoModelForMaskedLM
 
-    from pretrain.data.stream import check_manifest
-
     manifest = load_manifest(data_dir)
     hf_model = AutoModelForMaskedLM.from_pretrained(str(hf_dir), dtype=torch.float32).to(device)
     problems = check_manifest(manifest, data_dir, splits=(split,), vocab_size=hf_model.config.vocab_size,
@@ -87,6 +86,7 @@ def mlm_eval_model(hf_model, data_dir: str | Path, manifest: Manifest, batch_siz
     """{"loss", "accuracy"} of a Hugging Face masked LM in memory, scored by the trainer's own
     evaluation loop (``pretrain.eval.mlm.score``: its masks keyed by each sequence's id, its
     fixed-point sums), so losses compare across runs, trainers, batch sizes and world sizes."""
+    # lazy: pulls in transformers' model classes (~3 s), which only the MLM evaluation needs
     from pretrain.model.mlm import MLMModel
 
     special = SpecialIds.from_manifest(manifest)
@@ -132,8 +132,6 @@ def resolve_model(path: str | Path, stack: ExitStack) -> Path:
             raise TaskError(f"{path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); copy the "
                             f"tokenizer the model was trained with beside it (pretrain.export writes them)")
         return path
-    from pretrain.checkpoint.export import export_checkpoint, resolve_checkpoint
-
     try:
         root, tag = resolve_checkpoint(path)
     except FileNotFoundError as exc:
@@ -148,9 +146,6 @@ def evaluate_model(model_dir: str | Path, specs: list[DownstreamTaskConfig], pro
                    finetune: Optional[FinetuneSettings] = None) -> dict[str, float]:
     """Every task's metrics with both baselines, keyed ``downstream/<task>/...``."""
     from transformers import AutoModel
-
-    from pretrain.eval.downstream import (FinetuneSettings, baseline_metrics, finetune_metrics, prepare_tasks,
-                                     probe_metrics)
 
     tasks = prepare_tasks(specs, model_dir, data_dir)
     if protocol == "finetune":
@@ -231,8 +226,6 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     import datasets
     import transformers
-
-    from pretrain.eval.downstream import FinetuneSettings
 
     transformers.utils.logging.set_verbosity_error()       # load reports would bury the table
     transformers.utils.logging.disable_progress_bar()

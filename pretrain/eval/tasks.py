@@ -15,6 +15,7 @@ chance only by reading order.
 """
 from __future__ import annotations
 
+import csv
 import json
 import re
 from dataclasses import dataclass
@@ -23,8 +24,11 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from data_prep.sample_corpus import wiki_articles
 from data_prep.shard_format import Manifest, load_manifest
 from pretrain.config.schema import DownstreamTaskConfig
+from pretrain.eval.mlm import eval_set_batches
+from pretrain.model.masking import SpecialIds
 
 WORD_ORDER = "word_order"
 WORD_ORDER_LABELS = ("original", "shuffled")
@@ -92,8 +96,6 @@ def read_labelled(path: str | Path, text_column: str = "text",
 
 def _has_rows(path: Path, delimiter: str = ",") -> bool:
     """A data row besides a CSV/TSV header, or a non-blank JSONL line (an unreadable file is left to datasets)."""
-    import csv
-
     try:
         with open(path, newline="", encoding="utf-8", errors="replace") as f:
             if path.suffix.lower() in (".jsonl", ".json"):
@@ -249,9 +251,6 @@ def held_out_sentences(data_dir: str | Path, manifest: Optional[Manifest] = None
     mid-sentence by packing, so its sentence on that side is dropped."""
     from transformers import AutoTokenizer
 
-    from pretrain.eval.mlm import eval_set_batches
-    from pretrain.model.masking import SpecialIds
-
     manifest = load_manifest(data_dir) if manifest is None else manifest
     special = SpecialIds.from_manifest(manifest)
     tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_dir(data_dir))
@@ -300,10 +299,6 @@ def load_task(spec: DownstreamTaskConfig, data_dir: Optional[str] = None,
 def sample_article_task(out_path: str | Path, num_articles: int = 10) -> Path:
     """A labelled CSV from the embedded Wikipedia sample: the sentences of the ``num_articles``
     articles with the most sentences, each labelled by its article's title (for tests and benches)."""
-    import csv
-
-    from data_prep.sample_corpus import wiki_articles
-
     articles = [(title, split_sentences(text, min_words=5, max_words=60)) for title, text in wiki_articles()]
     articles = sorted(articles, key=lambda a: (-len(a[1]), a[0]))[:num_articles]
     out = Path(out_path)

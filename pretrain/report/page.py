@@ -25,6 +25,7 @@ import yaml
 from data_prep.shard_format import Manifest
 from pretrain.checkpoint.files import CONFIG_FILE
 from pretrain.checkpoint.store import complete_tags, latest_complete_tag, saved_manifest
+from pretrain.config import loader as configlib
 from pretrain.tracking.jsonl import read_metrics
 
 log = logging.getLogger("pretrain")
@@ -137,6 +138,7 @@ def render_html(title: str, figures: list[tuple[str, str, bytes]], rows: list[di
 def write_report(run_dir: Path, config: dict | None = None, manifest: Manifest | None = None,
                  mlflow_url: str | None = None) -> Path:
     """Write ``run_dir/report/`` (report.html and one PNG per figure); returns the folder."""
+    # lazy: pulls in matplotlib (~0.5 s); the trainer imports this module, but only its rank 0 draws, at the end
     from pretrain.report.figures import all_figures, tokens_per_step
 
     run_dir = Path(run_dir)
@@ -165,8 +167,6 @@ def report_at_end(cfg, manifest: Manifest, tracker) -> None:
     """The trainer's call (rank 0, end of a run): write the report and hand it to the tracker. Never
     raises: a report is not worth failing a finished run over."""
     try:
-        from pretrain.config import loader as configlib
-
         start, cpu = time.perf_counter(), time.process_time()
         out = write_report(Path(cfg.train.out_dir), configlib.to_dict(cfg), manifest, tracker.run_url)
         tracker.log_artifacts(str(out), REPORT_DIR)

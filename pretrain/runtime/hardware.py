@@ -17,9 +17,12 @@ overrides both.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import platform
+import resource
 import time
 from pathlib import Path
 from typing import Optional
@@ -220,9 +223,6 @@ def keep_freed_cpu_memory() -> bool:
     tokens/s. The price: freed blocks of varying size fragment the heap, so memory grows past the
     working set (1.6 -> 2.9 GB over 160 mini steps, then flat); ``impl.keep_freed_cpu_memory=false``
     skips this call. Returns False where the C library is not glibc (nothing changed)."""
-    import ctypes
-    import platform
-
     if platform.libc_ver()[0] != "glibc":
         return False
     try:
@@ -236,5 +236,4 @@ def peak_memory_gb(device) -> float:
     """The process's peak memory: allocated on a GPU, resident on a CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from data_prep.shard_format import ShardError, load_manifest
 from pretrain.config import loader as configlib
 from pretrain.config.schema import Config
 from pretrain.config.loader import ConfigError
@@ -182,7 +183,7 @@ def load_study(config_path: str, args: list[str] = ()) -> Study:
 
 def _data_problems(variants: list[Variant]) -> list[str]:
     """The trainer's own input checks, once per distinct data folder and model, before any launch."""
-    from data_prep.shard_format import ShardError, load_manifest
+    # lazy: pulls in torch (~1.5 s), kept off `python -m pretrain.study`'s start-up (usage errors answer at once)
     from pretrain.data.stream import check_manifest
 
     problems, seen = [], set()
@@ -203,7 +204,7 @@ def _data_problems(variants: list[Variant]) -> list[str]:
             manifest, cfg.data.dir, max_positions=cfg.model.max_position_embeddings,
             splits=[cfg.data.train_split] + ([cfg.data.eval_split] if has_eval else []))]
         if cfg.model.init_from:
-            from pretrain.preflight import init_from_problems
+            from pretrain.preflight import init_from_problems   # lazy: torch, as above
 
             problems += init_from_problems(cfg, manifest)
     return problems

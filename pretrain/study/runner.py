@@ -30,10 +30,12 @@ import sys
 import time
 from pathlib import Path
 
+from pretrain.checkpoint.files import COMPLETE
 from pretrain.config import loader as configlib
 from pretrain.config.loader import ConfigError
 from data_prep.atomic import write_atomic
 from pretrain.runtime import lifeline
+from pretrain.study import summary
 from pretrain.study.plan import Study, Variant, describe, load_study, with_tracking
 from pretrain.study.summary import variant_state
 from pretrain.tracking.mlflow_parent import SET_FOR_THIS_PROCESS_ONLY, ParentRun
@@ -44,8 +46,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def is_finished(variant: Variant) -> bool:
+    # lazy: pulls in torch (~1.5 s), kept off this command's start-up (as in plan._data_problems)
     from pretrain.checkpoint.export import final_export_dir
-    from pretrain.checkpoint.files import COMPLETE
     from pretrain.checkpoint.store import checkpoint_root, tag_for_step
 
     final = checkpoint_root(variant.cfg) / tag_for_step(variant.cfg.train.max_steps) / COMPLETE
@@ -112,7 +114,7 @@ def run_variant(study: Study, variant: Variant, parent: ParentRun, interrupt: In
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // ranks)))
     status = read_status(variant)
     cmd = launch_command(config_file, ranks)
-    from pretrain.checkpoint.store import checkpoint_root, latest_complete_tag
+    from pretrain.checkpoint.store import checkpoint_root, latest_complete_tag   # lazy: torch, as in is_finished
 
     tag = latest_complete_tag(checkpoint_root(cfg))
     print(f"study: {variant.name}: {f'resuming from {tag}' if tag else 'starting'} "
@@ -138,8 +140,6 @@ def run_variant(study: Study, variant: Variant, parent: ParentRun, interrupt: In
 
 
 def summarize(study: Study, parent: ParentRun) -> list[Path]:
-    from pretrain.study import summary
-
     files = summary.write_summary(study, read_status, is_finished)
     table = summary.summary_table(study, read_status, is_finished)[0]
     parent.log_summary(files, summary.comparison_metrics(table),

@@ -21,6 +21,7 @@ def make_tracker(cfg, rank: int, resume_step: int = 0, jsonl: bool = True) -> Tr
         return NullTracker()
     trackers: list[Tracker] = [JsonlTracker(Path(cfg.train.out_dir), resume_step)] if jsonl else []
     if cfg.tracking.backend == "mlflow":
+        # lazy: pulls in mlflow (~1.5 s), which a run with another backend never needs
         from pretrain.tracking.mlflow_tracker import MlflowTracker
 
         trackers.append(MlflowTracker(cfg))
@@ -29,7 +30,7 @@ def make_tracker(cfg, rank: int, resume_step: int = 0, jsonl: bool = True) -> Tr
 
 def run_params(cfg, world: int, precision: str, manifest: Manifest) -> dict:
     """Flat parameters for the tracker: the resolved config plus what the run derived from it."""
-    import torch
+    import torch  # lazy: the study runner imports this package (mlflow_parent) and starts without torch
 
     train_totals = manifest.totals.get("train", {})
     params = configlib.flatten(configlib.to_dict(cfg))

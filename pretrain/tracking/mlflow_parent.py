@@ -24,6 +24,7 @@ class ParentRun:
         self.enabled = base.tracking.backend == "mlflow"
         self.uri = ""
         if self.enabled:
+            # lazy: pulls in mlflow (~1.5 s), which a study with another tracking backend never needs
             from pretrain.tracking.mlflow_requests import default_local_store
 
             self.uri = base.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
