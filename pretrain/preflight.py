@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 from typing import Optional
 
-import torch
 
 from data_prep.shard_format import MANIFEST, Manifest, load_manifest
 from pretrain.checkpoint import files, reshard
@@ -150,9 +149,4 @@ def layout_problems(cfg: Config, root: Path, tag: str) -> list[str]:
     saved = reshard.read_layout(root / tag)
     if saved is None:
         return []
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # What auto will pick, without resolve_precision's timed check and warning (fit() does those once).
-    precision = hardware.auto_precision(device)[0] if cfg.impl.precision == "auto" else cfg.impl.precision
-    wanted = reshard.wanted_layout(cfg.world_size(), cfg.impl.zero_stage, precision, cfg.impl.offload_optimizer,
-                                   cfg.optim.name)
-    return [f"train.resume={tag}: {p}" for p in reshard.check_convertible(saved, wanted)]
+    return [f"train.resume={tag}: {p}" for p in reshard.check_convertible(saved, reshard.config_layout(cfg))]

@@ -26,7 +26,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import yaml
 
@@ -35,7 +34,6 @@ from pretrain.checkpoint import files, reshard
 from pretrain.checkpoint import store as checkpointing
 from pretrain.config import loader as configlib
 from pretrain.runtime import engine as eng
-from pretrain.runtime import hardware
 
 log = logging.getLogger("pretrain")
 
@@ -109,12 +107,8 @@ def _layout_problems(cfg, folder: Path, where: str) -> list[str]:
     saved = reshard.read_layout(folder)
     if saved is None:
         return [f"{where} has no {reshard.LAYOUT_FILE}: written by an older version, its moments cannot be read"]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    precision = hardware.auto_precision(device)[0] if cfg.impl.precision == "auto" else cfg.impl.precision
-    wanted = reshard.wanted_layout(cfg.world_size(), cfg.impl.zero_stage, precision, cfg.impl.offload_optimizer,
-                                   cfg.optim.name)
     # Always converted (into this run's folder), so only what cannot be converted matters.
-    wanted_other = {**wanted, "world": -1}
+    wanted_other = {**reshard.config_layout(cfg), "world": -1}
     return [f"{where}: {p}" for p in reshard.check_convertible(saved, wanted_other)]
 
 

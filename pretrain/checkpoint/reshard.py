@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.checkpoint.files import LAYOUT_FILE, MODEL_STATES_FILE, UNIVERSAL_DIR, rank_files
+from pretrain.runtime import hardware
 
 log = logging.getLogger("pretrain")
 
@@ -96,6 +97,14 @@ def wanted_layout(world: int, zero_stage: int, precision: str, offload_optimizer
     (``precision`` resolved: fp32 | bf16 | fp16; ``optimizer``: ``optim.name``)."""
     return {"world": world, "zero_stage": zero_stage, "precision": precision,
             "offload_optimizer": offload_optimizer, "optimizer": optimizer}
+
+
+def config_layout(cfg) -> dict:
+    """The layout a config will run at on this machine: ``impl.precision=auto`` as the device will
+    pick it, without the timed check and warning that the trainer makes once at start-up."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision = hardware.auto_precision(device)[0] if cfg.impl.precision == "auto" else cfg.impl.precision
+    return wanted_layout(cfg.world_size(), cfg.impl.zero_stage, precision, cfg.impl.offload_optimizer, cfg.optim.name)
 
 
 def read_layout(folder: Path) -> Optional[dict]:
