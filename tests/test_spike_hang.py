@@ -44,7 +44,7 @@ def test_detector_needs_consecutive_steps_above_the_line():
 @pytest.fixture(scope="module")
 def recovered_run(shards, tmp_path_factory):
     out = tmp_path_factory.mktemp("spike")
-    proc = train(shards, out, *COMMON, *GUARD, env=NOISE)
+    proc = train(shards, out, *COMMON, *GUARD, "train.export_every=8", env=NOISE)
     return out, proc
 
 
@@ -63,6 +63,16 @@ def test_spike_is_rolled_back_and_its_samples_skipped(recovered_run):
     assert [s for s, _ in order] == list(range(1, 12)) + list(range(9, 17))   # step 12 spiked: not logged
     spiked, after = order[10][1], [loss for _, loss in order[11:]]
     assert max(after) < spiked - 0.3, order                            # no noise after the rollback
+
+
+def test_a_step_export_is_a_loadable_model_of_its_checkpoint(recovered_run):
+    from transformers import AutoModelForMaskedLM
+
+    out, _ = recovered_run
+    assert sorted(p.name for p in out.glob("hf_*")) == ["hf_final", "hf_step00000008"]   # train.export_every=8
+    step8 = out / "hf_step00000008"
+    assert (step8 / "EXPORTED_FROM").read_text().strip() == "step00000008"
+    assert AutoModelForMaskedLM.from_pretrained(step8).config.hidden_size == 64
 
 
 def test_a_hang_writes_every_ranks_stacks_exits_3_and_the_relaunch_resumes_exactly(recovered_run, shards, tmp_path):
