@@ -24,21 +24,18 @@ os.environ.setdefault("MLM_PRETRAIN_CACHE", tempfile.mkdtemp(prefix="mlm-pretrai
 
 
 # The modules that took longest (seconds on a quiet 2-core machine, serial run of 2026-11-23): under
-# pytest-xdist they start first, so that no long module is left to run alone at the end.
+# pytest-xdist (``-n 2 --dist loadfile``, the README's command: a module runs whole on one worker, so
+# its module-scoped runs and servers are built once) they start first, so that no long module is left
+# to run alone at the end.
 LONGEST_FIRST = ["test_train", "test_study", "test_modernbert", "test_faults", "test_demo", "test_resume_anywhere",
                  "test_spike_hang", "test_slurm_pretrain", "test_reshard", "test_resume_layout", "test_tracking_train",
-                 "test_health", "test_downstream_train", "test_schedules", "test_fail_safe", "test_phases",
-                 "test_mixture", "test_report", "test_evaluate", "test_bench"]
+                 "test_downstream_train", "test_schedules", "test_fail_safe", "test_phases", "test_mixture",
+                 "test_report", "test_evaluate", "test_bench"]
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n 2 --dist loadgroup``, the README's command) a test module runs on one
-    worker, so that its module-scoped runs and servers are built once; the longest modules go first."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))     # stable: order within a module kept
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,10 +1,13 @@
 """The trainer, end to end through its real entry points: `deepspeed --module pretrain.train` with 2
-CPU ranks (gloo), every ZeRO stage, exact kill-free resume, export to Hugging Face, and learning."""
+CPU ranks (gloo), every ZeRO stage, exact kill-free resume, export to Hugging Face, and learning; and
+per-layer health metrics (``train.health_every``) at ZeRO 0, 2 and 3 on the same weights: every layer
+has them, they are plausible, and the stages agree (the partitioned sums add up to the whole)."""
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +20,7 @@ from conftest import train as launch
 pytestmark = pytest.mark.slow
 PY = sys.executable
 STEPS = 16
+HEALTH_EVERY = 4
 
 
 def run(cmd, timeout=600, check=True, env=None):
@@ -43,11 +47,14 @@ COMMON = [f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0",
 
 @pytest.fixture(scope="session")
 def reference_runs(shards, tmp_path_factory):
-    """Uninterrupted 2-rank runs at ZeRO 0, 2 and 3."""
+    """Uninterrupted 2-rank runs at ZeRO 0, 2 and 3, with per-layer health every 4 steps (the health tests
+    read them; the resumed runs of test_resume_is_exact have none, so health must not move a loss).
+    Each run's console is kept in its folder as console.txt."""
     out = {}
     for stage in (0, 2, 3):
         d = tmp_path_factory.mktemp(f"zero{stage}")
-        train(shards, d, *COMMON, f"impl.zero_stage={stage}")
+        proc = train(shards, d, *COMMON, f"impl.zero_stage={stage}", f"train.health_every={HEALTH_EVERY}")
+        (d / "console.txt").write_text(proc.stdout + proc.stderr)
         out[stage] = d
     return out
 
@@ -158,3 +165,52 @@ def test_sigusr1_checkpoints_and_resume_matches(reference_runs, shards, tmp_path
     train(shards, tmp_path, *COMMON, "impl.zero_stage=2")
     resumed, uninterrupted = losses(tmp_path), losses(reference_runs[2])
     assert resumed[STEPS] == pytest.approx(uninterrupted[STEPS], abs=1e-6)
+
+
+# ------------------------------------------------------------------------------ per-layer health
+STAGES = (0, 2, 3)
+GROUPS = ["embeddings", "layer_00", "layer_01", "head"]      # tiny.yaml: 2 encoder layers
+KINDS = ("grad_norm", "param_norm", "update_ratio")
+
+
+@pytest.fixture(scope="module")
+def health_runs(reference_runs):
+    out = {}
+    for stage in STAGES:
+        rows = [json.loads(line) for line in (reference_runs[stage] / "metrics.jsonl").read_text().splitlines()]
+        out[stage] = ({r["step"]: {k: v for k, v in r.items() if k.startswith("health/")}
+                       for r in rows if any(k.startswith("health/") for k in r)},
+                      (reference_runs[stage] / "console.txt").read_text())
+    return out
+
+
+def test_every_layer_has_health_metrics_every_n_steps(health_runs):
+    metrics, _ = health_runs[0]
+    assert sorted(metrics) == list(range(HEALTH_EVERY, STEPS + 1, HEALTH_EVERY))
+    for step, row in metrics.items():
+        assert sorted(row) == sorted(f"health/{g}/{k}" for g in GROUPS for k in KINDS), step
+        for g in GROUPS:
+            assert row[f"health/{g}/grad_norm"] > 0 and row[f"health/{g}/param_norm"] > 0
+            if step <= STEPS // 2:     # the lr decays linearly to 0 at the last step
+                # AdamW at lr ~3e-3 moves each weight by about lr: a ratio of 1e-4 to 1e-1, not 0 nor 1.
+                assert 1e-4 < row[f"health/{g}/update_ratio"] < 0.1, (step, g, row)
+    # The head holds the 4096-token output bias and the embeddings the 4096 x 64 table.
+    assert metrics[4]["health/embeddings/param_norm"] > metrics[4]["health/layer_00/param_norm"] / 10
+
+
+def test_the_console_shows_our_lines_with_the_time_left_and_a_summary(health_runs):
+    _, console = health_runs[0]
+    for noise in ("FutureWarning", "LOAD REPORT", "corrupted", "Reconstructed fp32 state dict", "gcc "):
+        assert noise not in console, noise
+    assert re.search(r" INFO step 4 loss=\S+ .*tokens_per_s=\S+ .* left=0m\d\ds\n", console), console[-3000:]
+    assert re.search(rf" INFO done: {STEPS} steps, {STEPS * 1024:,} tokens in \dm\d\ds; train/loss \d\.\d+, "
+                     r"eval/loss \d\.\d+\n  checkpoints: .*\n  export: .*hf_final", console), console[-3000:]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_partitioned_stages_agree_with_zero_0(health_runs, stage):
+    whole, parts = health_runs[0][0], health_runs[stage][0]
+    assert sorted(parts) == sorted(whole)
+    for step in whole:
+        for key, value in whole[step].items():
+            assert math.isclose(parts[step][key], value, rel_tol=2e-3), (stage, step, key, parts[step][key], value)
