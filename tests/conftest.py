@@ -24,9 +24,10 @@ os.environ.setdefault("MLM_PRETRAIN_CACHE", tempfile.mkdtemp(prefix="mlm-pretrai
 
 
 # The modules that took longest (seconds on a quiet 2-core machine, serial run of 2026-11-23): under
-# pytest-xdist (``-n 2 --dist loadfile``, the README's command: a module runs whole on one worker, so
-# its module-scoped runs and servers are built once) they start first, so that no long module is left
-# to run alone at the end.
+# pytest-xdist (``-n 2 --dist loadfile --no-loadscope-reorder``, the README's command: a module runs
+# whole on one worker, so its module-scoped runs and servers are built once; without the last flag
+# xdist orders modules by their number of tests) they start first, so that no long module is left to
+# run alone at the end.
 LONGEST_FIRST = ["test_train", "test_study", "test_modernbert", "test_faults", "test_demo", "test_resume_anywhere",
                  "test_spike_hang", "test_slurm_pretrain", "test_reshard", "test_resume_layout", "test_tracking_train",
                  "test_downstream_train", "test_schedules", "test_fail_safe", "test_phases", "test_mixture",
