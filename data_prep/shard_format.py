@@ -340,10 +340,6 @@ class Manifest(_AsJson):
             raise ShardError(f"{where}: not a data_prep manifest:\n  " + "\n  ".join(shown))
         return cls(**values)
 
-    @classmethod
-    def load(cls, data_dir: str | os.PathLike) -> Manifest:
-        return load_manifest(data_dir)
-
     def shards_of(self, split: str) -> list[ShardEntry]:
         return [s for s in self.shards if s.split == split]
 
