@@ -364,8 +364,7 @@ def main(argv=None) -> int:
                  for t in cfg.eval.downstream]
         tasks = prepare_tasks(specs, manifest.tokenizer_dir(cfg.data.dir), data_dir=cfg.data.dir, manifest=manifest)
     except (ConfigError, ShardError, TaskError) as exc:
-        if first_rank:
-            print(f"error: {exc}", file=sys.stderr)
+        bad_input.report_before_start(exc, first_rank)
         return EXIT_BAD_INPUT
     stop = StopSignal()          # from here on, SIGUSR1/SIGTERM mean "checkpoint after the current step"
     if os.environ.get("LOCAL_RANK", "0") == "0":

@@ -1,6 +1,7 @@
 """Shared fixtures. Area-specific fixtures live next to their tests."""
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
@@ -105,15 +106,28 @@ def trainer_env(**extra: str) -> dict:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
 
 
+def node_launcher(ranks: int) -> list[str]:
+    """DeepSpeed's per-node launcher for ``ranks`` local ranks on a free port, started as its runner
+    (the ``deepspeed`` command) starts it on one node; append ``--module MODULE ARGS``. The runner
+    would only add a process here, 3-4 s of CPU importing DeepSpeed (and mlflow) per launch; the tests
+    of what it adds launch through ``deepspeed`` or ``pretrain.launch`` (test_train's SIGUSR1,
+    test_faults' SIGTERM, test_fail_safe, the demo, the Slurm and study tests)."""
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(ranks))}).encode()).decode()
+    return [PY, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}", "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}", "--log_level=info"]
+
+
 def train_cmd(data_dir, out_dir, *overrides, ranks: int = 1, config: str = "configs/tiny.yaml",
               launcher: list[str] | None = None) -> list[str]:
-    """One rank: plain python. More: DeepSpeed's launcher (or ``launcher``, e.g. pretrain.launch) on a free port."""
+    """One rank: plain python. More: DeepSpeed's per-node launcher, or ``launcher`` (``deepspeed``,
+    ``pretrain.launch``) with ``--num_gpus`` on a free port."""
     # The end-of-run report costs 1-3 s of CPU per run; test_report asks for it.
     args = ["--config", config, f"data.dir={data_dir}", f"train.out_dir={out_dir}", "tracking.report=false", *overrides]
     if ranks == 1:
         return [PY, "-m", "pretrain.train", *args]
-    return [*(launcher or [DEEPSPEED]), "--num_gpus", str(ranks), "--master_port", str(free_port()),
-            "--module", "pretrain.train", *args]
+    if launcher is None:
+        return [*node_launcher(ranks), "--module", "pretrain.train", *args]
+    return [*launcher, "--num_gpus", str(ranks), "--master_port", str(free_port()), "--module", "pretrain.train", *args]
 
 
 def explain(proc) -> str:

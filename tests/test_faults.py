@@ -112,13 +112,14 @@ def test_incomplete_resume_tag_is_input_error(finished_run, shards, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["impl.precision=fp16"], "fp16 needs a GPU"),
-    (["optim.name=lamb", "impl.offload_optimizer=true", "impl.zero_stage=2"], "DeepSpeed's optimiser offload"),
-    (["optim.name=lamb", "impl.zero_stage=1"], "LAMB's per-tensor trust ratio"),
+# Once: the first rank reports (2 ranks); the settings' checks do not depend on the world size (1 rank).
+@pytest.mark.parametrize("overrides,needle,ranks", [
+    (["impl.precision=fp16"], "fp16 needs a GPU", 2),
+    (["optim.name=lamb", "impl.offload_optimizer=true", "impl.zero_stage=2"], "DeepSpeed's optimiser offload", 1),
+    (["optim.name=lamb", "impl.zero_stage=1"], "LAMB's per-tensor trust ratio", 1),
 ])
-def test_bad_settings_are_reported_once_before_any_process_group(shards, tmp_path, overrides, needle):
-    proc = train(shards, tmp_path, "train.max_steps=2", *overrides, ranks=2)
+def test_bad_settings_are_reported_once_before_any_process_group(shards, tmp_path, overrides, needle, ranks):
+    proc = train(shards, tmp_path, "train.max_steps=2", *overrides, ranks=ranks)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stderr.count("problem(s) in") == 1 and needle in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "checkpoints").exists()
@@ -185,3 +186,22 @@ def test_sigterm_to_the_launchers_process_group_checkpoints_and_exits_3(shards, 
     from transformers import BertForMaskedLM
     assert params == sum(p.numel() for p in BertForMaskedLM(config).parameters())
     RunLock(str(tmp_path), wait_s=0.5)                                 # released with the job
+
+
+def test_other_ranks_report_bad_input_only_when_the_first_rank_has_not(monkeypatch, capsys):
+    """DeepSpeed's launcher kills every rank once one exits non-zero: a rank other than the first that
+    exited at once could cut the first off before it printed (seen: exit 2 with an empty stderr). The
+    others wait; one that outlives the wait reports what it found, under its rank."""
+    from pretrain.config.loader import ConfigError
+    from pretrain.runtime import bad_input
+
+    monkeypatch.setattr(bad_input, "OTHER_RANKS_REPORT_AFTER_S", 0.3)
+    monkeypatch.setenv("RANK", "1")
+    start = time.monotonic()
+    bad_input.report_before_start(ConfigError(["data.dir: no manifest.json"], "x.yaml"), first_rank=False)
+    assert time.monotonic() - start >= 0.3
+    assert "error (rank 1): " in capsys.readouterr().err
+    start = time.monotonic()
+    bad_input.report_before_start(ConfigError(["data.dir: no manifest.json"], "x.yaml"), first_rank=True)
+    assert time.monotonic() - start < 0.2
+    assert capsys.readouterr().err.startswith("error: ")

@@ -5,7 +5,6 @@ phase 1's child, and a model too short for the new data or another tokenizer is 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from conftest import PY, _run
 from conftest import train as launch
 
 pytestmark = pytest.mark.slow
-DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
 BETAS = (0.9, 0.98)                      # tiny.yaml's (the default)
 COMMON = ["train.log_every=1", "train.eval_every=0", "train.eval_sequences=32", "train.checkpoint_every=0",
           "optim.warmup_steps=2", "optim.lr=3e-3", "tracking.backend=mlflow", "tracking.system_metrics=false"]

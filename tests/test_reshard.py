@@ -24,12 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, free_port
+from conftest import REPO, node_launcher
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint import files
 
 PY = sys.executable
-DEEPSPEED = str(Path(PY).with_name("deepspeed"))
 WORKER = "tests/reshard_worker.py"
 STEPS = 3
 LOSS_RTOL = 5e-5
@@ -39,7 +38,7 @@ def leg(out_dir: Path, dump: Path, ranks: int, stage: int, *extra: str, precisio
         steps: int = STEPS) -> tuple[dict, str]:
     args = [WORKER, "--stage", str(stage), "--precision", precision, "--steps", str(steps),
             "--out-dir", str(out_dir), "--dump", str(dump), *extra]
-    cmd = [PY, *args] if ranks == 1 else [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()), *args]
+    cmd = [PY, *args] if ranks == 1 else [*node_launcher(ranks), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     if proc.returncode != 0:

@@ -12,6 +12,7 @@ sample id too, and tests/test_resume_layout.py resumes a run with dropout on."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -42,10 +43,19 @@ def uninterrupted(shards, tmp_path_factory):
     return losses(out)
 
 
-def test_two_ranks_zero2_then_one_rank_zero0_then_two_ranks_zero3(uninterrupted, shards, tmp_path):
-    steps = f"train.max_steps={3 * LEG}"
-    first = ok(train(shards, tmp_path, *SAME, steps, "impl.zero_stage=2", f"train.halt_at_step={LEG}", ranks=2))
+@pytest.fixture(scope="module")
+def first_leg(shards, tmp_path_factory):
+    """The uninterrupted run's first LEG steps (2 ranks, ZeRO 2, micro-batch 8), halted with a checkpoint."""
+    out = tmp_path_factory.mktemp("first_leg")
+    first = ok(train(shards, out, *SAME, f"train.max_steps={3 * LEG}", "impl.zero_stage=2", "impl.micro_batch_size=8",
+                     f"train.halt_at_step={LEG}", ranks=2))
     assert "resumed" not in first.stdout
+    return out
+
+
+def test_two_ranks_zero2_then_one_rank_zero0_then_two_ranks_zero3(uninterrupted, first_leg, shards, tmp_path):
+    steps = f"train.max_steps={3 * LEG}"
+    shutil.copytree(first_leg, tmp_path, dirs_exist_ok=True)
     second = ok(train(shards, tmp_path, *SAME, steps, "impl.zero_stage=0", f"train.halt_at_step={2 * LEG}",
                       ranks=1))
     assert "converting" in (second.stdout + second.stderr).lower(), second.stdout[-3000:]
@@ -58,10 +68,9 @@ def test_two_ranks_zero2_then_one_rank_zero0_then_two_ranks_zero3(uninterrupted,
     assert [samples_consumed(tmp_path, s) for s in (3 * LEG,)] == [3 * LEG * 16]
 
 
-def test_micro_batch_8_to_4_continues_on_the_same_samples(uninterrupted, shards, tmp_path):
+def test_micro_batch_8_to_4_continues_on_the_same_samples(uninterrupted, first_leg, shards, tmp_path):
     steps = f"train.max_steps={3 * LEG}"
-    ok(train(shards, tmp_path, *SAME, steps, "impl.zero_stage=2", "impl.micro_batch_size=8",
-             f"train.halt_at_step={LEG}", ranks=2))
+    shutil.copytree(first_leg, tmp_path, dirs_exist_ok=True)
     resumed = ok(train(shards, tmp_path, *SAME, steps, "impl.zero_stage=2", "impl.micro_batch_size=4",
                        f"train.halt_at_step={2 * LEG}", ranks=2))
     assert "grad_accum 2" in resumed.stdout

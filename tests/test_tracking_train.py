@@ -28,7 +28,6 @@ from pretrain.tracking.mlflow_ui import mlflow_metric_name
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
-DEEPSPEED = str(Path(PY).with_name("deepspeed"))
 BASE = ["train.log_every=1", "train.eval_every=0", "train.eval_sequences=32", "model.max_position_embeddings=64",
         "optim.warmup_steps=4", "tracking.backend=mlflow"]
 

@@ -1,5 +1,10 @@
-"""Bad input read mid-run by some ranks (a corrupt shard block, a token id beyond the vocabulary):
-every rank stops with exit 2 and the named error, not one rank with the error and the others with a
+"""Bad input, reported once and never lost.
+
+Found before the start (``report_before_start``): the first rank reports it, the others only if the
+first did not (below).
+
+Read mid-run by some ranks (a corrupt shard block, a token id beyond the vocabulary): every rank
+stops with exit 2 and the named error, not one rank with the error and the others with a
 collective's traceback.
 
 The rank that failed to read its micro-batches trains the step on placeholder rows (special tokens
@@ -9,7 +14,9 @@ then, on this path only, every rank gathers the messages and prints them.
 """
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -18,6 +25,20 @@ from data_prep.shard_format import ShardError
 from pretrain.model.masking import SpecialIds
 
 BAD_INPUT_KEY = "bad_input"     # in a placeholder micro-batch: what this rank failed to read
+
+# How long a rank other than the first waits before it reports bad input itself (below).
+OTHER_RANKS_REPORT_AFTER_S = 10.0
+
+
+def report_before_start(exc: Exception, first_rank: bool) -> None:
+    """The first rank reports; the others wait first. DeepSpeed's launcher kills every rank as soon
+    as one exits non-zero: another rank exiting at once could cut the first one off before it prints,
+    and the user would see only an exit code. In that time the first rank reports and exits, and the
+    launcher ends the wait; a rank still here found a problem the first did not (its node's files)."""
+    if not first_rank:
+        time.sleep(OTHER_RANKS_REPORT_AFTER_S)
+    prefix = "error" if first_rank else f"error (rank {os.environ.get('RANK')})"
+    print(f"{prefix}: {exc}", file=sys.stderr, flush=True)
 
 
 def next_micro_batches(batches, count: int, special: SpecialIds, micro_batch: int, seq_len: int) -> list[dict]:
