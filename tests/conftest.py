@@ -25,7 +25,7 @@ os.environ.setdefault("MLM_PRETRAIN_CACHE", tempfile.mkdtemp(prefix="mlm-pretrai
 
 
 # The modules that took longest (seconds on a quiet 2-core machine, serial run of 2026-11-23): under
-# pytest-xdist (``-n 2 --dist loadfile --no-loadscope-reorder``, the README's command: a module runs
+# pytest-xdist (``-n 3 --dist loadfile --no-loadscope-reorder``, the README's command: a module runs
 # whole on one worker, so its module-scoped runs and servers are built once; without the last flag
 # xdist orders modules by their number of tests) they start first, so that no long module is left to
 # run alone at the end.
