@@ -12,6 +12,11 @@ spike past ``train.spike_guard.max_recoveries`` (or with no checkpoint before it
 """
 from __future__ import annotations
 
+import gc
+
+if __name__ == "__main__":
+    gc.disable()        # while torch, transformers and DeepSpeed load: see start_up_done
+
 import argparse
 import dataclasses
 import json
@@ -343,6 +348,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def start_up_done() -> None:
+    """The ~400k objects of the imports, model and engine live until exit: frozen, the cyclic collector
+    stops scanning them at every full collection (and at exit); it was off while they loaded. ~1 s
+    less CPU per rank (4.6 -> 3.4 s for the tiny model's 16 steps, 2-core EPYC)."""
+    gc.freeze()
+    gc.enable()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     eng.prepare_env()
@@ -372,7 +385,9 @@ def main(argv=None) -> int:
     with console.chatter_to_file():         # DeepSpeed's op builds and checks print on every rank
         info = eng.init_distributed(cfg)
     try:
-        return fit(build_run(cfg, manifest, tasks, resume_from, info, stop))
+        run = build_run(cfg, manifest, tasks, resume_from, info, stop)
+        start_up_done()
+        return fit(run)
     except ShardError as exc:    # found while reading: name the shard, no traceback on every rank
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

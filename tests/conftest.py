@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import gc
 import json
 import os
 import socket
@@ -38,6 +39,12 @@ LONGEST_FIRST = ["test_train", "test_study", "test_modernbert", "test_faults", "
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))     # stable: order within a module kept
+
+
+def pytest_collection_finish(session):
+    """The test modules have imported torch, transformers and the project: the cyclic collector need
+    not scan those objects again at every full collection of a long session (as pretrain.train does)."""
+    gc.freeze()
 
 
 @pytest.fixture(scope="session", autouse=True)

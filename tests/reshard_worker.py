@@ -11,13 +11,17 @@ rank 0 dump the losses and the full fp32 parameters and optimiser moments before
 """
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
-from pathlib import Path
+import gc
 
-import torch
-import torch.distributed as dist
+gc.disable()        # while torch, transformers and DeepSpeed load: frozen in main(), as pretrain.train does
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -124,6 +128,8 @@ def train_steps(engine, cfg: Config, info, first: int, count: int) -> list[float
 
 
 def main() -> int:
+    gc.freeze()
+    gc.enable()
     p = argparse.ArgumentParser()
     p.add_argument("--stage", type=int, required=True)
     p.add_argument("--precision", default="fp32")

@@ -5,8 +5,8 @@ variant, one MLflow parent run with a child run per variant, and a summary table
     python -m pretrain.study --config configs/tiny.yaml data.dir=shards/ \\
         masking.rate=0.15,0.3,0.4 masking.strategy=token,whole_word,span study.ranks=2
 
-Variants run one after another on this node, each with ``study.ranks`` ranks under DeepSpeed's
-launcher, in ``<study folder>/<variant name>/`` (``study.out_dir``, default ``runs/study-<name>``).
+Variants run one after another on this node, each with ``study.ranks`` ranks (more than one under
+DeepSpeed's launcher), in ``<study folder>/<variant name>/`` (``study.out_dir``, default ``runs/study-<name>``).
 A re-run skips finished variants (the trainer's final checkpoint and ``hf_final`` export exist) and
 resumes an interrupted one from its last checkpoint (``train.resume=auto``). SIGUSR1/SIGTERM/SIGINT:
 the running variant checkpoints and the study exits 3; run the same command again to continue.
@@ -77,7 +77,7 @@ class Interrupt:
         self.requested = True
         print(f"study: {signal.Signals(signum).name}: the running variant checkpoints and stops", flush=True)
         if self.child is not None and self.child.poll() is None:
-            # The launcher processes ignore USR1 (set before exec); the ranks checkpoint and exit 3.
+            # The launcher processes, if any, ignore USR1 (set before exec); the ranks checkpoint and exit 3.
             os.killpg(self.child.pid, signal.SIGUSR1)
 
 
@@ -92,6 +92,10 @@ def _ignore_usr1() -> None:
 
 
 def launch_command(config_file: Path, ranks: int) -> list[str]:
+    """One rank starts as a plain process (the trainer sets up its own rendezvous): DeepSpeed's runner
+    and per-node launcher would only add two processes, each importing DeepSpeed, per variant."""
+    if ranks == 1:
+        return [sys.executable, "-u", "-m", "pretrain.train", "--config", str(config_file)]
     deepspeed = Path(sys.executable).with_name("deepspeed")
     return [str(deepspeed) if deepspeed.is_file() else "deepspeed", "--num_gpus", str(ranks),
             "--master_port", os.environ.get("MASTER_PORT") or str(_free_port()),
