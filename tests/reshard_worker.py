@@ -165,7 +165,8 @@ def main() -> int:
     if info.rank == 0:
         torch.save({"losses": losses, "before": before, "after": after, "client_state": client_state,
                     "lr_before": lr_before,
-                    "lr_after": engine.lr_scheduler.get_last_lr(), "global_steps": engine.global_steps}, args.dump)
+                    "lr_after": engine.lr_scheduler.get_last_lr(), "global_steps": engine.global_steps,
+                    "inductor_loaded": "torch._inductor.compile_fx" in sys.modules}, args.dump)
     dist.barrier()
     dist.destroy_process_group()
     return 0

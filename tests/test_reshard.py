@@ -43,7 +43,11 @@ def leg(out_dir: Path, dump: Path, ranks: int, stage: int, *extra: str, precisio
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} -> {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return torch.load(dump, weights_only=False), proc.stdout + proc.stderr
+    state = torch.load(dump, weights_only=False)
+    # DeepSpeed's engine imports its Muon optimiser only for type checks, and that module's
+    # torch.compile loads the inductor (~1 s of every rank's start-up): our client optimiser skips it.
+    assert not state["inductor_loaded"], "the inductor's compiler was imported: DeepSpeed's Muon module again?"
+    return state, proc.stdout + proc.stderr
 
 
 def assert_same_state(saved: dict, loaded: dict) -> None:

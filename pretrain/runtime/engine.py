@@ -137,26 +137,35 @@ def initialize(model: torch.nn.Module, cfg: Config, info: DistInfo, precision: s
     return engine, scheduler, ds_config, inner_optimizer(engine)
 
 
-MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+# DeepSpeed's Muon optimiser: its engine and ZeRO wrappers import these for type checks and for Muon's
+# update inside the gradient partitioning (a path only Muon parameters take).
+MUON_MODULES = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.muon.original_muon")
 
 
 class _NotMuon:
-    """Stands for DeepSpeed's ``MuonWithAuxAdam`` in a run whose optimiser is ours: no object is one."""
+    """Stands for everything of DeepSpeed's Muon modules in a run whose optimiser is ours: no object
+    is an instance of it, and calling it (a Muon update) is an error."""
 
     def __init__(self, *args, **kwargs):
         raise RuntimeError("DeepSpeed's Muon optimiser is not available in a pretrain.train run: "
                            "the optimiser is the trainer's own (optim.name)")
 
 
+def _muon_attribute(name: str):
+    if name.startswith("__"):          # what the import machinery and introspection look for
+        raise AttributeError(name)
+    return _NotMuon                    # any name a DeepSpeed version imports from these modules
+
+
 def _skip_muon_import() -> None:
-    """DeepSpeed's engine and ZeRO wrappers import its Muon optimiser only to compare the client
-    optimiser's type with it, and that module calls ``torch.compile`` at import, which loads the
-    inductor: 0.7-1.3 s of CPU in every rank's start-up. Our optimiser is never Muon (the DeepSpeed
-    JSON names no optimiser), so those checks see a class that nothing is an instance of."""
-    if MUON_MODULE not in sys.modules:
-        stand_in = types.ModuleType(MUON_MODULE)
-        stand_in.MuonWithAuxAdam = _NotMuon
-        sys.modules[MUON_MODULE] = stand_in
+    """DeepSpeed's Muon module calls ``torch.compile`` at import, which loads the inductor's compiler:
+    0.7-1.3 s of CPU in every rank's start-up (or its first backward, at ZeRO 1-3), for a run whose
+    optimiser is never Muon (the DeepSpeed JSON names no optimiser; ours is the client's)."""
+    for name in MUON_MODULES:
+        if name not in sys.modules:
+            stand_in = types.ModuleType(name)
+            stand_in.__getattr__ = _muon_attribute
+            sys.modules[name] = stand_in
 
 
 def local_grad_norm(engine) -> float:
