@@ -350,8 +350,8 @@ def parse_args(argv=None):
 
 def start_up_done() -> None:
     """The ~400k objects of the imports, model and engine live until exit: frozen, the cyclic collector
-    stops scanning them at every full collection (and at exit); it was off while they loaded. ~1 s
-    less CPU per rank (4.6 -> 3.4 s for the tiny model's 16 steps, 2-core EPYC)."""
+    stops scanning them at every full collection (and at exit); it was off while they loaded. About
+    1 s less CPU per rank (BENCHMARKS.md, "A rank's start-up and exit")."""
     gc.freeze()
     gc.enable()
 
