@@ -20,7 +20,6 @@ from mlflow_server import mlflow_server  # noqa: F401  (a fixture)
 from data_prep.shard_format import load_manifest
 from pretrain.data.stream import DataError
 from pretrain.data.mixture import MixtureStream, Source, apportion
-from pretrain.tracking.mlflow_ui import mlflow_metric_name
 
 PY = sys.executable
 G, SEED = 32, 11
@@ -191,7 +190,7 @@ def test_a_mixture_trains_with_per_source_metrics_in_jsonl_and_mlflow(two_source
     client = MlflowClient(mlflow_server.uri)
     (run,) = client.search_runs([client.get_experiment_by_name("mixture").experiment_id])
     for key in ("eval/big/loss", "eval/small/accuracy", "data/small/tokens", "data/big/epochs_at_max_steps"):
-        logged = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, mlflow_metric_name(key)))
+        logged = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
         assert logged == sorted((s, pytest.approx(r[key])) for s, r in rows.items() if key in r), key
 
     heavier = sources_override(two_sources).replace("weight: 0.2", "weight: 0.4")

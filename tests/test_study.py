@@ -83,15 +83,15 @@ def test_grid_runs_resumes_summarizes_and_skips_when_done(shards, tmp_path):
         assert run.data.params["masking.rate"] == rate.split("=")[1]
         assert run.data.params["masking.strategy"] == strategy.split("=")[1]
         assert run.data.params["train.max_steps"] == str(STEPS) and run.data.params["masking.mask_prob"] == "0.8"
-        assert run.info.status == "FINISHED" and "3 eval/loss" in run.data.metrics    # see tracking/mlflow_ui.py
-    assert [m.step for m in client.get_metric_history(by_name[NAMES[0]].info.run_id, "3 eval/loss")] == [3, 6]
+        assert run.info.status == "FINISHED" and "eval/loss" in run.data.metrics
+    assert [m.step for m in client.get_metric_history(by_name[NAMES[0]].info.run_id, "eval/loss")] == [3, 6]
     # The parent's chart page compares the variants: a chart per variant in a section per measure.
     finals = {n: [json.loads(line) for line in (out / n / "metrics.jsonl").read_text().splitlines()] for n in NAMES}
     final = {(n, m): [r for r in finals[n] if f"eval/{m}" in r][-1][f"eval/{m}"] for n in NAMES for m in ("loss", "accuracy")}
-    assert {k: v for k, v in client.get_run(parent.info.run_id).data.metrics.items() if not k.startswith("1 ")} == {
+    assert {k: v for k, v in client.get_run(parent.info.run_id).data.metrics.items() if not k.startswith("compare/")} == {
         f"eval_{m}/{n.replace('=', ':')}": v for (n, m), v in final.items()}
     for m in ("loss", "accuracy"):     # and one chart per measure with every variant: x = the variant's row
-        assert sorted((p.step, p.value) for p in client.get_metric_history(parent.info.run_id, f"1 compare/eval_{m}")) \
+        assert sorted((p.step, p.value) for p in client.get_metric_history(parent.info.run_id, f"compare/eval_{m}")) \
             == [(i, final[(n, m)]) for i, n in enumerate(NAMES)]
     assert "- step 3: `rate=0.4-strategy=span`" in client.get_run(parent.info.run_id).data.tags["mlflow.note.content"]
 

@@ -19,7 +19,6 @@ from pretrain.runtime.engine import rank0_value  # noqa: E402
 from pretrain.tracking import NullTracker, make_tracker  # noqa: E402
 from pretrain.tracking.mlflow_requests import default_local_store  # noqa: E402
 from pretrain.tracking.mlflow_tracker import MlflowTracker  # noqa: E402
-from pretrain.tracking.mlflow_ui import mlflow_metric_name
 
 
 def make_cfg(tmp_path, uri: str = "", **tracking) -> Config:
@@ -36,8 +35,7 @@ def make_cfg(tmp_path, uri: str = "", **tracking) -> Config:
 
 
 def history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
-    """``key`` as the trainer names it; MLflow holds it under the name that orders its chart page."""
-    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, mlflow_metric_name(key)))
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
 def loss(step: int) -> float:

@@ -24,7 +24,6 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from conftest import REPO, trainer_env  # noqa: E402
 from conftest import train_cmd as launch_cmd  # noqa: E402
 from mlflow_server import mlflow_server  # noqa: E402,F401  (a fixture)
-from pretrain.tracking.mlflow_ui import mlflow_metric_name
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
@@ -59,8 +58,7 @@ def expected_points(rows: list[dict]) -> dict[str, dict[int, float]]:
 
 
 def logged_points(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
-    """``key`` as the trainer names it; MLflow holds it under the name that orders its chart page."""
-    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, mlflow_metric_name(key)))
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
 def only_run(client: MlflowClient, experiment: str):
@@ -108,9 +106,12 @@ def test_two_ranks_and_a_resume_make_one_complete_run(shards, tmp_path, mlflow_s
     # Steps up to 6 keep the values the first launch logged; later ones come from the second.
     expected = expected_points([r for r in first_rows if r["step"] <= 6] + [r for r in second_rows if r["step"] > 6])
     assert sorted(expected["train/loss"]) == list(range(1, 13))
-    names = {mlflow_metric_name(k) for k in expected}
-    assert set(run.data.metrics) >= names, names - set(run.data.metrics)
-    assert {"1 train/loss", "1 train/lr", "2 perf/tokens_per_s", "2 perf/mfu"} <= names
+    assert set(run.data.metrics) >= set(expected), set(expected) - set(run.data.metrics)
+    # A metric's name is its identity: MLflow holds the trainer's names, each step once.
+    assert not [k for k in run.data.metrics if k[0].isdigit()], sorted(run.data.metrics)
+    for key in ("train/loss", "train/lr", "eval/loss", "perf/mfu", "perf/tokens_per_s"):
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        assert steps and len(steps) == len(set(steps)), (key, steps)
     for key, points in expected.items():
         assert logged_points(client, run_id, key) == sorted(points.items()), key
     assert not [k for k in run.data.metrics if k.startswith("checkpoint")]   # tags and artifacts instead
@@ -190,7 +191,7 @@ def test_server_down_at_start_and_back_mid_run(shards, tmp_path, mlflow_server):
 
     # Each point carries the time the trainer logged it: a loop that waited on the dead server
     # (MLflow's own HTTP retries alone would take minutes) shows as a gap between steps.
-    stamps = sorted((m.step, m.timestamp) for m in client.get_metric_history(run_id, mlflow_metric_name("train/loss")))
+    stamps = sorted((m.step, m.timestamp) for m in client.get_metric_history(run_id, "train/loss"))
     gaps = [(b[0], (b[1] - a[1]) / 1000) for a, b in zip(stamps, stamps[1:])]
     worst = max(gaps, key=lambda g: g[1])
     assert worst[1] < 3.0, f"step {worst[0]} came {worst[1]:.1f}s after the one before"
@@ -203,7 +204,7 @@ def test_mlflow_run_id_env_continues_an_existing_run(shards, tmp_path, mlflow_se
     client = MlflowClient(mlflow_server.uri)
     home = f"train-env-home-{uuid.uuid4().hex[:8]}"
     existing = client.create_run(client.create_experiment(home)).info.run_id
-    client.log_metric(existing, mlflow_metric_name("train/loss"), 123.0, step=1)
+    client.log_metric(existing, "train/loss", 123.0, step=1)
     client.set_terminated(existing, "KILLED")
 
     configured = f"train-env-configured-{uuid.uuid4().hex[:8]}"

@@ -173,12 +173,12 @@ def plot_probe_accuracy(path: Path, table: list[dict], title: str) -> None:
     plt.close(fig)
 
 
-COMPARE = "1 compare"        # sorts first on MLflow's chart page (see pretrain/tracking/mlflow_ui.py)
+COMPARE = "compare"          # its section sorts before the measures' (eval_*, probe_*) on the chart page
 
 
 def comparison_metrics(table: list[dict]) -> list[tuple[str, float, int]]:
     """The parent run's metrics ``(name, value, step)``, so that its MLflow chart page compares the
-    variants. First, one chart per measure with every variant in it: ``1 compare/eval_loss`` at
+    variants. First, one chart per measure with every variant in it: ``compare/eval_loss`` at
     step = the variant's row in the table (MLflow draws a chart per metric name, its x axis is the
     step). Then a section per measure (``eval_loss``, ``eval_accuracy``, ``probe_<task>_accuracy``
     with the probes' baselines) with a chart per variant named after it

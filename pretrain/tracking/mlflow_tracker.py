@@ -35,7 +35,7 @@ from mlflow.tracking import MlflowClient
 from data_prep.atomic import write_atomic
 from pretrain.config.loader import flatten
 from pretrain.tracking.base import Tracker
-from pretrain.tracking.mlflow_ui import mlflow_metric_name, quiet_mlflow_links
+from pretrain.tracking.mlflow_ui import quiet_mlflow_links
 from pretrain.tracking.mlflow_ui import run_url as classic_run_url
 from pretrain.tracking.mlflow_requests import (MAX_ENTITIES_PER_BATCH, MAX_METRICS_PER_BATCH,
                                                MAX_TAG_VAL_LENGTH, METRIC_NAME,
@@ -112,7 +112,7 @@ class MlflowTracker(Tracker):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
         points = []
-        for key, value in ((mlflow_metric_name(k), v) for k, v in metrics.items()):
+        for key, value in metrics.items():
             if key not in self._bad_keys and not METRIC_NAME.match(key):
                 self._bad_keys.add(key)
                 log.warning("MLflow: metric name %r has characters MLflow rejects; it is not logged", key)

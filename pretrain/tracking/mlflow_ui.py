@@ -1,19 +1,11 @@
-"""What a person sees in MLflow's web UI: the metric names that order its chart page, and links that
-open the classic (model training) view.
+"""What a person sees in MLflow's web UI: links that open the classic (model training) view.
 
-Chart order. MLflow 3.17's run page ("Model metrics") has no ordering setting: it groups a
-metric into the section named by everything before the key's last ``/``, sorts sections by name
-(JavaScript's default sort: digits before capitals before lower case) with "Model metrics" and
-"System metrics" last, and sorts charts within a section by name. With our names, ``checkpoint/``
-came first and ``train/`` last. So the MLflow tracker, and only it, renames the headline metrics
-into numbered sections that sort first (``metrics.jsonl`` keeps the trainer's names):
-
-    train/loss, train/lr            -> "1 train/loss", "1 train/lr"
-    perf/tokens_per_s, perf/mfu     -> "2 perf/mfu", "2 perf/tokens_per_s"
-    eval/...                        -> "3 eval/..."  (per-source eval too: "3 eval/<source>/loss")
-
-Everything else keeps its name and follows (``downstream/``, ``health/``, ``perf/``, ``train/``),
-then MLflow's own system metrics. Checkpoints are recorded as tags and artifacts, not as a metric.
+Metric names. Every store gets the trainer's names (``train/loss``, ``perf/mfu``, ``eval/loss``):
+a metric's name is its identity, and clients read MLflow by name (``get_metric_history(run,
+"train/loss")``, ``search_runs(order_by=["metrics.`eval/loss` ASC"])``). MLflow 3's chart page sorts
+sections by the part of the name before the last ``/`` (``downstream``, ``eval``, ``health``, ``perf``,
+``train``, then MLflow's system metrics); its search box and pinned charts put the headline first
+(README, "Watching a run in MLflow"). Checkpoints are tags and artifacts, not a metric.
 
 Links. MLflow 3 opens an experiment in its GenAI layout whatever the experiment's tags say; the
 mode comes from the URL (``?workflowType=machine_learning`` after the hash route) or the browser's
@@ -24,20 +16,8 @@ from __future__ import annotations
 import os
 from urllib.parse import urlparse
 
-HEADLINE = {"train/loss": "1 train/loss", "train/lr": "1 train/lr",
-            "perf/tokens_per_s": "2 perf/tokens_per_s", "perf/mfu": "2 perf/mfu"}
-EVAL_SECTION = "3 "
 CLASSIC_VIEW = "workflowType=machine_learning"
 LOCAL_UI = "http://127.0.0.1:5000"      # where `mlflow ui` serves a local store by default
-
-
-def mlflow_metric_name(key: str) -> str:
-    """The name a ``metrics.jsonl`` key gets in MLflow (see the module docstring)."""
-    if key in HEADLINE:
-        return HEADLINE[key]
-    if key.startswith("eval/"):
-        return EVAL_SECTION + key
-    return key
 
 
 def ui_base(tracking_uri: str) -> str:
