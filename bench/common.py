@@ -68,13 +68,15 @@ def cpu_record() -> dict:
     return cpu_info()
 
 
-def auto_precision() -> tuple[str, str]:
-    """What ``impl.precision=auto`` picks on this CPU, and why."""
+def auto_precision(config: str | os.PathLike, seq_len: int = 128, micro_batch: int = 32) -> tuple[str, str]:
+    """What ``impl.precision=auto`` picks on this CPU for ``config``'s model, and why: the trainer's
+    own decision, its step timing read from (or written to) the trainer's cache."""
     import torch
 
+    from bench.precision_auto import build_probe
     from pretrain.runtime.hardware import resolve_precision
 
-    return resolve_precision("auto", torch.device("cpu"))
+    return resolve_precision("auto", torch.device("cpu"), build_probe(str(config), seq_len, micro_batch))
 
 
 def matmul_peak(precision: str, threads: int, seconds: float) -> tuple[float, str]:

@@ -47,6 +47,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import auto_precision as bench_auto_precision  # noqa: E402
 from bench.common import ensure_sample_shards, format_table, load_average, thread_env  # noqa: E402
 
 CONFIG = REPO / "configs" / "mini.yaml"
@@ -333,12 +334,13 @@ def main(argv=None) -> int:
         p.error(f"--log-every ({args.log_every}) must divide --eval-every ({args.eval_every})")
     import torch
 
-    if args.precision is None:
-        from pretrain.runtime.hardware import auto_precision
-
-        args.precision = auto_precision(torch.device("cuda" if torch.cuda.is_available() else "cpu"))[0]
     os.environ.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     torch.set_num_threads(args.threads)
+    if args.precision is None:          # the trainer's own choice for mini's step at these threads
+        from pretrain.runtime.hardware import auto_precision
+
+        args.precision = auto_precision(torch.device("cuda"))[0] if torch.cuda.is_available() \
+            else bench_auto_precision(CONFIG)[0]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

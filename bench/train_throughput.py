@@ -348,7 +348,8 @@ def main(argv=None) -> int:
     os.environ.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
 
     machine = cpu_record()
-    auto, reason = auto_precision()
+    config, _, batch, _, _ = SHAPES[args.shapes[0]]
+    auto, reason = auto_precision(config, 128, args.batch_size or batch)
     if args.precision == "auto":
         args.precision = auto
     print(f"CPU: {machine.get('model')}; flags {' '.join(machine.get('flags', []))}; native bf16 "

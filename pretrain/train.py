@@ -54,6 +54,7 @@ from pretrain.report.page import report_at_end
 from pretrain.runtime import bad_input, hardware, lifeline
 from pretrain.runtime import engine as eng
 from pretrain.runtime.health import LayerHealth
+from pretrain.runtime.step_speed import step_probe
 from pretrain.runtime.watchdog import HangWatchdog, hang_for_test
 from pretrain.spike_guard import SpikeGuard, SpikesExhausted, inject_test_noise
 from pretrain.step import StepResult, StopSignal, ThroughputWindow, train_step
@@ -104,15 +105,20 @@ class Run:
         self.engine.train()
 
 
-def build_engine(cfg: Config, manifest: Manifest, resume_from: str | None, info: eng.DistInfo, precision: str):
-    """The model (in a new phase's shape when it starts from another run) and DeepSpeed's engine."""
+def build_engine(cfg: Config, manifest: Manifest, resume_from: str | None, info: eng.DistInfo):
+    """The model (in a new phase's shape when it starts from another run), its precision (``auto``
+    times this model's step on a CPU), and DeepSpeed's engine."""
     special = SpecialIds.from_manifest(manifest)
     torch.manual_seed(cfg.train.seed)                       # identical initial weights on every rank
     model = build_model(cfg.model, manifest.tokenizer.vocab_size, special, cfg.impl,
                         seq_len=manifest.seq_len, shape_from=phases.model_shape_file(cfg, resume_from))
+    probe = step_probe(model, cfg.impl.micro_batch_size, manifest.seq_len, cfg.masking.rate)
+    with torch.random.fork_rng():                          # the timing leaves the run's RNG as it was
+        precision, why = hardware.resolve_precision(cfg.impl.precision, info.device, probe)
+    precision, why = eng.rank0_value((precision, why))     # every node takes the first rank's choice
     model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)   # the same at any layout
     engine, scheduler, ds_config, optimizer = eng.initialize(model, cfg, info, precision)
-    return special, model, engine, scheduler, ds_config, optimizer
+    return special, model, engine, scheduler, ds_config, optimizer, precision, why
 
 
 def restore(run: Run, resume_from: str | None) -> dict:
@@ -148,10 +154,10 @@ def build_tracker(run: Run, origin: dict, precision: str, ds_config: dict):
 def build_run(cfg: Config, manifest: Manifest, tasks: list, resume_from: str | None, info: eng.DistInfo,
               stop: StopSignal) -> Run:
     """Assemble the run: precision, model and engine, resume, data stream, tracker, FLOPs and peak."""
-    precision, why = hardware.resolve_precision(cfg.impl.precision, info.device)
     if info.device.type == "cpu" and cfg.impl.keep_freed_cpu_memory:
         hardware.keep_freed_cpu_memory()        # no page faults on every step's large tensors
-    special, model, engine, scheduler, ds_config, optimizer = build_engine(cfg, manifest, resume_from, info, precision)
+    special, model, engine, scheduler, ds_config, optimizer, precision, why = build_engine(cfg, manifest, resume_from,
+                                                                                          info)
     run = Run(cfg, info, manifest, tasks, stop, special, model, engine, optimizer, scheduler,
               TrainState(config=configlib.to_dict(cfg)), resolved_yaml=configlib.dump_yaml(cfg))
     resume_from = eng.rank0_value(resume_from)     # the first rank chose it, holding the run lock

@@ -84,9 +84,22 @@ def test_throughput_bench_runs_our_cli_and_the_bare_loop(shards, tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["cpu"]["model"] and isinstance(result["cpu"]["native_bf16"], bool)
-    assert result["auto_precision"][0] in ("bf16", "fp32")
+    auto, why = result["auto_precision"]
+    assert auto in ("bf16", "fp32") and ("model's step measured" in why or "no native bf16" in why), why
     runs = {r["variant"]: r for r in result["runs"]}
     assert sorted(runs) == ["bare-fused", "ours"]
     for r in runs.values():
         assert r["sequences"] == 2 * 4 and r["seconds"] > 0 and 0 < r["final_loss"] < 20
     assert "ours / bare-fused = " in done.stdout
+
+
+def test_precision_bench_times_each_configs_step_in_both_precisions():
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "precision_auto.py"), "--configs",
+                           str(REPO / "configs" / "tiny.yaml"), "--threads", "1", "--seq-len", "64", "--repeats", "1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (row,) = [line for line in done.stdout.splitlines() if line.startswith("| tiny ")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    fp32_s, bf16_s, speedup = float(cells[1]), float(cells[2]), float(cells[3].rstrip("x"))
+    assert fp32_s > 0 and bf16_s > 0 and speedup == pytest.approx(fp32_s / bf16_s, rel=0.05)
+    assert cells[5].startswith(("bf16", "fp32")), row

@@ -1,12 +1,18 @@
 """Precision from what the hardware really does, and the peak MFU is measured against."""
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from pretrain.runtime import hardware
+from pretrain.runtime import hardware, step_speed
+from pretrain.runtime.step_speed import BF16_MARGIN, StepTiming
 
 
 @pytest.fixture
@@ -19,13 +25,95 @@ def cpu_bf16(monkeypatch):
     return set_native
 
 
-def test_auto_is_fp32_where_bf16_is_emulated_and_bf16_where_native(cpu_bf16):
+class FakeProbe:
+    """A step whose two timings are given; counts how often it is measured."""
+    def __init__(self, fp32_s: float, bf16_s: float, shape: str = "bert L2 H64"):
+        self.timing, self.shape, self.batch, self.seq_len, self.n_masked, self.calls = \
+            StepTiming(fp32_s, bf16_s), shape, 4, 64, 38, 0
+
+    def measure(self, repeats: int = 3) -> StepTiming:
+        self.calls += 1
+        return self.timing
+
+
+@pytest.fixture
+def step_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLM_PRETRAIN_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "step_precision.json"
+
+
+def test_auto_is_fp32_where_bf16_is_emulated_without_timing_a_step(cpu_bf16, step_cache):
     cpu_bf16(False)
-    precision, why = hardware.resolve_precision("auto", torch.device("cpu"))
-    assert precision == "fp32" and "emulated" in why
+    probe = FakeProbe(1.0, 0.1)
+    precision, why = hardware.resolve_precision("auto", torch.device("cpu"), probe)
+    assert precision == "fp32" and "emulated" in why and probe.calls == 0
+
+
+@pytest.mark.parametrize("fp32_s, bf16_s, chosen", [
+    (0.60, 1.00, "fp32"),          # Xeon with AVX-512-BF16, no AMX: native, and 1.66x slower
+    (1.00, 0.95, "fp32"),          # faster, by less than the margin
+    (1.33, 1.00, "bf16"),          # Xeon with AMX: the mini step 1.33x faster
+])
+def test_auto_on_a_native_bf16_cpu_takes_the_faster_step_by_a_margin(cpu_bf16, step_cache, fp32_s, bf16_s, chosen):
+    cpu_bf16(True)
+    probe = FakeProbe(fp32_s, bf16_s)
+    precision, why = hardware.resolve_precision("auto", torch.device("cpu"), probe)
+    assert precision == chosen and probe.calls == 1
+    assert f"{fp32_s:.3f} s in fp32 and {bf16_s:.3f} s in bf16 ({fp32_s / bf16_s:.2f}x" in why, why
+    assert f"bf16 needs {BF16_MARGIN:.2f}x" in why and "measured now" in why
+
+
+def test_the_step_timing_is_cached_per_model_shape(cpu_bf16, step_cache):
+    cpu_bf16(True)
+    probe = FakeProbe(1.0, 0.5)
+    hardware.resolve_precision("auto", torch.device("cpu"), probe)
+    again = FakeProbe(9.9, 9.9)                     # the same shape: read from the cache, not measured
+    precision, why = hardware.resolve_precision("auto", torch.device("cpu"), again)
+    assert precision == "bf16" and again.calls == 0 and f"cached in {step_cache}" in why
+    (key,) = json.loads(step_cache.read_text())
+    assert hardware.cpu_info()["model"] in key and f"threads={torch.get_num_threads()}" in key and "L2 H64" in key
+    other = FakeProbe(0.5, 1.0, shape="bert L4 H256")
+    assert hardware.resolve_precision("auto", torch.device("cpu"), other)[0] == "fp32" and other.calls == 1
+
+
+def test_ranks_of_a_node_measure_once(cpu_bf16, step_cache):
+    """Two processes ask at once: one measures (holding the lock), the other reads its result."""
+    script = (
+        "import sys, torch; from pretrain.runtime import hardware; from test_hardware import FakeProbe\n"
+        "torch.cpu._is_avx512_bf16_supported = lambda: True; torch.backends.cpu.get_cpu_capability = lambda: 'AVX512'\n"
+        "class Slow(FakeProbe):\n"
+        "    def measure(self, repeats=3):\n"
+        "        import time; time.sleep(1.5); print('measured', flush=True); return super().measure()\n"
+        "print(hardware.resolve_precision('auto', torch.device('cpu'), Slow(1.0, 0.5))[0])\n")
+    env = {**os.environ, "PYTHONPATH": f"{Path(__file__).parent}:{Path(__file__).parents[1]}"}
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [o.split()[-1] for o in outs] == ["bf16", "bf16"], outs
+    assert sum(o.count("measured") for o in outs) == 1, outs
+
+
+def test_the_real_step_is_timed_in_both_precisions():
+    """The tiny model's own step, forward and backward, in fp32 and in a bf16 copy; the model is left
+    as it was (fp32, no gradients)."""
+    from pretrain.config.schema import ImplConfig, ModelConfig
+    from pretrain.model.masking import SpecialIds
+    from pretrain.model.mlm import build_model
+
+    special = SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=4, vocab_size=500)
+    model = build_model(ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+                                    max_position_embeddings=64), 500, special, ImplConfig(precision="fp32"))
+    probe = step_speed.step_probe(model, micro_batch=16, seq_len=64, masking_rate=0.15)
+    assert (probe.batch, probe.n_masked) == (step_speed.PROBE_BATCH, round(0.15 * 4 * 64))
+    timing = probe.measure(repeats=1)
+    assert timing.fp32_s > 0 and timing.bf16_s > 0
+    assert all(p.dtype == torch.float32 and p.grad is None for p in model.parameters())
+
+
+def test_auto_is_bf16_where_native_on_a_layout_guessed_before_the_model(cpu_bf16):
     cpu_bf16(True)
     precision, why = hardware.resolve_precision("auto", torch.device("cpu"))
-    assert precision == "bf16" and "auto" in why
+    assert precision == "bf16" and "not measured" in why
 
 
 def test_auto_is_fp32_where_torch_dispatches_avx2_kernels_only(cpu_bf16, monkeypatch):

@@ -100,8 +100,9 @@ def wanted_layout(world: int, zero_stage: int, precision: str, offload_optimizer
 
 
 def config_layout(cfg) -> dict:
-    """The layout a config will run at on this machine: ``impl.precision=auto`` as the device will
-    pick it, without the timed check and warning that the trainer makes once at start-up."""
+    """The layout a config will run at on this machine, known before any model exists: on a CPU with
+    native bf16, ``impl.precision=auto`` is guessed bf16 (the trainer times the step and may take
+    fp32). Only fp16 decides what can be converted, and ``auto`` never picks it."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = hardware.auto_precision(device)[0] if cfg.impl.precision == "auto" else cfg.impl.precision
     return wanted_layout(cfg.world_size(), cfg.impl.zero_stage, precision, cfg.impl.offload_optimizer, cfg.optim.name)

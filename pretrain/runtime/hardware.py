@@ -1,12 +1,17 @@
 """What the hardware really does: the precision ``impl.precision=auto`` picks, the peak that MFU
 is measured against, and how the CPU's memory allocator is told to keep what it freed.
 
-Precision. bf16 pays only where the device computes it natively. On CUDA that is compute capability
-8.0 and later (A100, H100, L4, ...). On x86 CPUs it needs AVX-512-BF16 or AMX: without them torch
-emulates bf16 matmuls, which ran about 50x *slower* than fp32 on this project's AVX2 machines (0.8
-against 38.7 GFLOP/s on one thread). DeepSpeed's ``is_bf16_supported()`` answers True on either kind
-of CPU, so it is not asked. An explicit ``bf16`` on an emulating CPU is honoured, with a warning
-that gives the measured slowdown.
+Precision. On CUDA, bf16 from compute capability 8.0 (A100, H100, L4, ...), fp32 before. On a CPU
+the flags tell what runs, not what is fast. Without AVX-512-BF16 or AMX torch emulates bf16 (about
+50x *slower* than fp32 on this project's AVX2 machines), so fp32. With them, bf16 may still lose
+(a Xeon with AVX-512-BF16 and no AMX: the mini step 1.66x slower in bf16) or win by less than its
+matmul suggests (a Xeon with AMX: matmul 7.7x, step 1.33x). So there ``auto`` times the model's own
+step in both (``pretrain.runtime.step_speed``) and takes bf16 only when it is at least
+``BF16_MARGIN`` faster. The timing is cached beside the peak (``step_precision.json``, keyed by CPU
+model, threads, torch version and the model's shape), so a later start reads it; the ranks of a node
+take turns on a file lock, so one measures and the others read. DeepSpeed's
+``is_bf16_supported()`` answers True on every CPU, so it is not asked. An explicit ``bf16`` on an
+emulating CPU is honoured, with a warning that gives the measured slowdown.
 
 Peak. MFU = model FLOPs per second / the peak of the precision actually used. On known GPUs the peak
 is the vendor's dense number (``GPU_PEAK_TFLOPS``). On CPUs (and unknown GPUs) it is a measured
@@ -18,6 +23,7 @@ overrides both.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import logging
 import os
@@ -31,6 +37,7 @@ import torch
 
 from data_prep.atomic import write_atomic
 from pretrain.model.flops import measure_matmul_peak_tflops
+from pretrain.runtime.step_speed import BF16_MARGIN, StepProbe, StepTiming
 
 log = logging.getLogger("pretrain")
 
@@ -117,17 +124,55 @@ def bf16_slowdown(device: torch.device, size: int = 256, seconds: float = 0.1) -
     return fp32 / max(bf16, 1e-12)
 
 
-def auto_precision(device: torch.device) -> tuple[str, str]:
-    """What ``impl.precision=auto`` picks on ``device``, and why: bf16 where it is native, else fp32."""
+def auto_precision(device: torch.device, probe: Optional[StepProbe] = None,
+                   cache_path: Optional[Path] = None) -> tuple[str, str]:
+    """What ``impl.precision=auto`` picks on ``device``, and why. On a CPU with native bf16 it times
+    ``probe`` (the run's model) in both precisions; without a probe (a layout guessed before any
+    model exists) it says bf16 there, unmeasured."""
     native, why = native_bf16(device)
-    return ("bf16", f"auto: bf16, {why}") if native else ("fp32", f"auto: fp32, {why}")
+    if not native:
+        return "fp32", f"auto: fp32, {why}"
+    if device.type != "cpu":
+        return "bf16", f"auto: bf16, {why}"
+    if probe is None:
+        return "bf16", f"auto: bf16, {why} (step not measured)"
+    timing, source = step_timing(probe, cache_path)
+    choice = timing.choice()
+    return choice, (f"auto: {choice}, {why}; the model's step measured {timing.fp32_s:.3f} s in fp32 and "
+                    f"{timing.bf16_s:.3f} s in bf16 ({timing.speedup:.2f}x; bf16 needs {BF16_MARGIN:.2f}x), {source}")
 
 
-def resolve_precision(wanted: str, device: torch.device) -> tuple[str, str]:
+def step_timing(probe: StepProbe, cache_path: Optional[Path] = None) -> tuple[StepTiming, str]:
+    """The probe's timing from the cache, or measured now and cached (one process at a time)."""
+    path = cache_path or default_cache_path().with_name("step_precision.json")
+    key = (f"cpu|{cpu_info()['model']}|threads={torch.get_num_threads()}|torch={torch.__version__}|{probe.shape}"
+           f"|batch={probe.batch}|seq={probe.seq_len}|masked={probe.n_masked}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix(".lock"), "a")
+    except OSError as exc:                            # a read-only home must not stop training
+        log.warning("could not cache the step timing in %s: %s", path, exc)
+        return probe.measure(), "measured now, not cached"
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)              # another rank of this node may be measuring it
+        found = _read_cache(path).get(key)
+        if found:
+            return StepTiming(found["fp32_s"], found["bf16_s"]), f"measured {found['when']}, cached in {path}"
+        start = time.perf_counter()
+        timing = probe.measure()
+        record = {"fp32_s": timing.fp32_s, "bf16_s": timing.bf16_s, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+        try:
+            write_atomic(path, json.dumps(_read_cache(path) | {key: record}, indent=1, sort_keys=True))
+        except OSError as exc:
+            log.warning("could not cache the step timing in %s: %s", path, exc)
+        return timing, f"measured now in {time.perf_counter() - start:.1f} s, cached in {path}"
+
+
+def resolve_precision(wanted: str, device: torch.device, probe: Optional[StepProbe] = None) -> tuple[str, str]:
     """(precision to use, the reason, for the log). ``fp16`` on a CPU is a config error, caught
     before any process group starts (``precision_problems``)."""
     if wanted == "auto":
-        return auto_precision(device)
+        return auto_precision(device, probe)
     if wanted == "bf16" and device.type == "cpu":
         native, why = native_bf16(device)
         if not native:
