@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -25,7 +27,15 @@ def ensure_sample_shards(folder: str | os.PathLike, seq_len: int = 128, num_file
         return shards
     corpus = folder / "corpus"
     if not corpus.is_dir():
-        write_sample_corpus(corpus, "txt", num_files=num_files)
+        # Written beside and renamed when complete: a failure (the sample package missing, a kill)
+        # leaves no half corpus for the next run to shard and fail on with another message.
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix="corpus.partial-", dir=folder))
+        try:
+            write_sample_corpus(partial, "txt", num_files=num_files)
+            partial.rename(corpus)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
     for argv in (["shard", "--input", str(corpus), "--tokenizer", str(bert_uncased_dir()), "--out", str(shards),
                   "--seq-len", str(seq_len), "--validation-fraction", str(validation_fraction)],
                  ["finalize", str(shards)]):

@@ -397,6 +397,8 @@ def main(argv=None) -> int:
     except ShardError as exc:    # found while reading: name the shard, no traceback on every rank
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except bad_input.BadInputStop:   # read mid-run (the evaluation split); every rank printed it
+        return EXIT_BAD_INPUT
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

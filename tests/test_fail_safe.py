@@ -171,6 +171,46 @@ def test_a_token_id_out_of_range_read_by_one_rank_stops_every_rank_with_exit_2(s
     assert np.isfinite(json.loads(rows[-1])["train/loss"])
 
 
+def _corrupt_last_id(data: Path, path: str, index: int, token: int) -> None:
+    """The block's last token id (uint16) becomes ``token``; the manifest's sha256 follows."""
+    from data_prep.shard_format import index_shard, sha256_file
+
+    ref = index_shard(path)[index]
+    with open(path, "r+b") as f:
+        f.seek(ref.ids_offset + ref.ids_size - 2)
+        f.write(struct.pack("<H", token))
+    manifest = json.loads((data / "manifest.json").read_text())
+    for entry in manifest["shards"]:
+        if entry["name"] == Path(path).name:
+            entry["sha256"] = sha256_file(path)
+    (data / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.slow
+def test_a_bad_block_in_the_evaluation_split_read_by_one_rank_stops_every_rank_with_exit_2(shards, tmp_path):
+    """Rank 1 of 2 scores sequences 64..127 of the evaluation set; a block holding only some of
+    those gets an id beyond the vocabulary. Both ranks stop with its name, exit 2 (issue 32)."""
+    from pretrain.data.stream import _open_split
+
+    data = tmp_path / "data"
+    shutil.copytree(shards, data)
+    _, layout = _open_split(data, None, "validation")
+    starts = np.concatenate([[0], np.cumsum(layout.block_len)[:-1]])
+    block = next(b for b in range(len(starts)) if starts[b] >= 64 and starts[b] + layout.block_len[b] <= 128)
+    path, index = layout.paths[int(layout.block_shard[block])], int(layout.block_index[block])
+    _corrupt_last_id(data, path, index, 30600)
+
+    proc = train(data, tmp_path / "run", "train.max_steps=4", "train.eval_every=2", "train.eval_sequences=128",
+                 ranks=2)
+    assert proc.returncode == 2, explain(proc)
+    named = f"{path}: block {index} holds token id 30600"
+    assert proc.stderr.count(f"error: [read by rank 1] {named}") == 2, explain(proc)   # printed by both ranks
+    assert "[rank 0] stopping on bad input" in proc.stderr and "[rank 1] stopping on bad input" in proc.stderr
+    assert "Traceback" not in proc.stderr and "eval/loss" not in proc.stdout, explain(proc)
+    rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [2]           # the step before it, logged
+
+
 # ------------------------------------------------------------------- item 8: a port in use
 
 def test_a_master_port_in_use_is_refused_by_name_before_any_rank_starts(capsys):

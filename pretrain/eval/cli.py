@@ -92,8 +92,9 @@ def mlm_eval_model(hf_model, data_dir: str | Path, manifest: Manifest, batch_siz
     special = SpecialIds.from_manifest(manifest)
     was_training = hf_model.training
     model = MLMModel(hf_model.eval(), sparse_head=True)
-    sums = score(model, _eval_set(data_dir, manifest, batch_size, max_batches, split), special,
-                 eval_masking_config(), torch.device(device)).tolist()
+    sums, _ = score(model, _eval_set(data_dir, manifest, batch_size, max_batches, split), special,
+                    eval_masking_config(), torch.device(device))      # a read error raises (one process)
+    sums = sums[:4].tolist()
     hf_model.train(was_training)
     out = figures("mlm", sums)
     if not out:

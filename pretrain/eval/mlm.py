@@ -27,12 +27,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data_prep.shard_format import Manifest, load_manifest
+from data_prep.shard_format import Manifest, ShardError, load_manifest
 from pretrain.data.mixture import resolve_sources
 from pretrain.data.shard_reader import BlockReader
 from pretrain.data.stream import _open_split
 from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
+from pretrain.runtime import bad_input
 from pretrain.runtime import engine as eng
+from pretrain.runtime.bad_input import BAD_INPUT_KEY
 
 LOSS_UNIT = 2.0 ** -24      # fixed-point resolution of a token's loss: far below what a log shows
 
@@ -43,9 +45,11 @@ def rank_part(total: int, rank: int, world: int) -> tuple[int, int]:
 
 
 def eval_set_batches(data_dir: str | os.PathLike, manifest: Manifest | None, split: str, rank: int, world: int,
-                     micro_batch: int, sequences: int) -> Iterator[dict]:
+                     micro_batch: int, sequences: int, keep_in_step: bool = False) -> Iterator[dict]:
     """This rank's batches of the evaluation set; the same count on every rank. A batch with
-    ``"filler": True`` only keeps the rank in step with the others: its results must be dropped."""
+    ``"filler": True`` only keeps the rank in step with the others: its results must be dropped.
+    A block that cannot be read raises ``ShardError``; with ``keep_in_step`` it becomes a filler
+    carrying the message (``BAD_INPUT_KEY``), so that the others hear of it after their collectives."""
     _, layout = _open_split(data_dir, manifest, split)
     total = min(sequences, layout.sequences) if sequences > 0 else layout.sequences
     start, end = rank_part(total, rank, world)
@@ -59,7 +63,15 @@ def eval_set_batches(data_dir: str | os.PathLike, manifest: Manifest | None, spl
             if filler:
                 pos = np.zeros(1, dtype=np.int64)       # any real sequence will do
             j = np.searchsorted(ends, pos, side="right")
-            input_ids, word_starts, _ = reader.gather(j, pos - (ends[j] - layout.block_len[j]))
+            try:
+                input_ids, word_starts, _ = reader.gather(j, pos - (ends[j] - layout.block_len[j]))
+            except ShardError as exc:
+                if not keep_in_step:
+                    raise
+                yield {"input_ids": torch.ones(1, layout.seq_len, dtype=torch.long),
+                       "word_starts": torch.zeros(1, layout.seq_len, dtype=torch.bool),
+                       "sample_ids": torch.zeros(1, dtype=torch.long), "filler": True, BAD_INPUT_KEY: str(exc)}
+                continue
             yield {"input_ids": input_ids, "word_starts": word_starts, "sample_ids": torch.from_numpy(pos),
                    "filler": filler}
     finally:
@@ -75,10 +87,14 @@ def token_sums(model_out, device) -> torch.Tensor:
     return torch.stack([units.sum(), correct.sum(), counted.sum()]).to(device, torch.int64)
 
 
-def score(engine, batches: Iterator[dict], special: SpecialIds, masking, device) -> torch.Tensor:
-    """int64 [loss units, correct, counted, batches with a non-finite loss] of this rank's batches."""
-    sums = torch.zeros(4, dtype=torch.int64, device=device)
+def score(engine, batches: Iterator[dict], special: SpecialIds, masking, device) -> tuple[torch.Tensor, str | None]:
+    """int64 [loss units, correct, counted, batches with a non-finite loss, batches unreadable] of
+    this rank's batches, and the first read error's message."""
+    sums, unreadable = torch.zeros(5, dtype=torch.int64, device=device), None
     for batch in batches:
+        if BAD_INPUT_KEY in batch:
+            sums[4] += 1
+            unreadable = unreadable or batch[BAD_INPUT_KEY]
         ids = batch["input_ids"].to(device)
         # Masks keyed by sample id: a sequence gets the same mask in any batch.
         m = mask_batch(ids, batch["word_starts"].to(device), special, masking,
@@ -88,7 +104,7 @@ def score(engine, batches: Iterator[dict], special: SpecialIds, masking, device)
         if not batch["filler"]:
             sums[:3] += token_sums(out, device)
             sums[3] += int((~torch.isfinite(out[0][out[2]])).any())
-    return sums
+    return sums, unreadable
 
 
 def figures(prefix: str, sums: list[int]) -> dict:
@@ -105,21 +121,27 @@ def evaluate(engine, cfg, special: SpecialIds, info) -> dict:
     on ``train.eval_sequences`` held-out sequences of each source (see the module docstring).
     Sources without an evaluation split are left out."""
     masking = eval_masking_config(cfg.masking)
-    names, rows = [], []
+    names, rows, unreadable = [], [], None
     engine.eval()
     for source in resolve_sources(cfg.data):
         manifest = load_manifest(source.dir)
         if not manifest.has_split(cfg.data.eval_split):
             continue
         batches = eval_set_batches(source.dir, manifest, cfg.data.eval_split, info.rank, info.world,
-                                   cfg.impl.micro_batch_size, cfg.train.eval_sequences)
+                                   cfg.impl.micro_batch_size, cfg.train.eval_sequences, keep_in_step=True)
         names.append(source.name)
-        rows.append(score(engine, batches, special, masking, info.device))
+        row, error = score(engine, batches, special, masking, info.device)
+        rows.append(row)
+        unreadable = unreadable or error
     engine.train()
     if not rows:
         return {}
     sums = torch.stack(rows)
     dist.all_reduce(sums)                   # integers: the same result in any order
+    if sums[:, 4].sum() > 0:
+        bad_input.report_messages(unreadable, info.rank)
+        raise bad_input.BadInputStop()
+    sums = sums[:, :4]
     out = figures("eval", sums.sum(0).tolist())
     if len(names) > 1:
         for name, row in zip(names, sums.tolist()):

@@ -3,9 +3,9 @@
 Found before the start (``report_before_start``): the first rank reports it, the others only if the
 first did not (below).
 
-Read mid-run by some ranks (a corrupt shard block, a token id beyond the vocabulary): every rank
-stops with exit 2 and the named error, not one rank with the error and the others with a
-collective's traceback.
+Read mid-run by some ranks (a corrupt shard block, a token id beyond the vocabulary), in the
+training or the evaluation split: every rank stops with exit 2 and the named error, not one rank
+with the error and the others with a collective's traceback.
 
 The rank that failed to read its micro-batches trains the step on placeholder rows (special tokens
 only: nothing is masked, nothing is learnt) so that it makes the same collectives as the others; its
@@ -59,7 +59,11 @@ def read_failed(micro_batches: list[dict]) -> bool:
 
 def report(micro_batches: list[dict], rank: int) -> None:
     """Every rank prints every failing rank's error (a collective: call on all ranks)."""
-    mine = next((b[BAD_INPUT_KEY] for b in micro_batches if BAD_INPUT_KEY in b), None)
+    report_messages(next((b[BAD_INPUT_KEY] for b in micro_batches if BAD_INPUT_KEY in b), None), rank)
+
+
+def report_messages(mine: str | None, rank: int) -> None:
+    """Every rank prints every rank's error (``mine``: this rank's, or None); a collective."""
     messages = [None] * dist.get_world_size()
     dist.all_gather_object(messages, mine)
     for source, message in enumerate(messages):
@@ -67,3 +71,7 @@ def report(micro_batches: list[dict], rank: int) -> None:
             print(f"error: [read by rank {source}] {message}", file=sys.stderr, flush=True)
     print(f"[rank {rank}] stopping on bad input (exit 2); the last complete checkpoint is untouched",
           file=sys.stderr, flush=True)
+
+
+class BadInputStop(Exception):
+    """Bad input was read mid-run and reported on every rank: every rank exits with code 2."""
