@@ -81,13 +81,17 @@ class Run:
     stream: Any = None
     tracker: Any = None
     resolved_yaml: str = ""
-    flops_per_seq: float = 0.0
     peak: float = 0.0
     mfu_check: Any = None
     exit_code: int = 0
     status: str = "FAILED"         # what the tracker marks the run with when fit returns
     latest: dict = field(default_factory=dict)          # the last value of every metric, for the summary
     started: float = field(default_factory=time.perf_counter)
+
+    def flops_per_seq(self, masking_rate: float) -> float:
+        seq_len = self.manifest.seq_len
+        return mlm_flops_per_sequence(self.model.hf_model.config, seq_len, masking_rate * seq_len,
+                                      self.cfg.impl.sparse_head)
 
     def emit(self, metrics: dict, step: int, suffix: str = "") -> None:
         if metrics:
@@ -167,9 +171,6 @@ def build_run(cfg: Config, manifest: Manifest, tasks: list, resume_from: str | N
     run.stream = build_stream(run, resume_from)
     run.tracker = build_tracker(run, origin, precision, ds_config)
     resume_log.relog(run.tracker, run.state)      # a kill may have cut the checkpoint step's line short
-    seq_len = manifest.seq_len
-    run.flops_per_seq = mlm_flops_per_sequence(model.hf_model.config, seq_len, cfg.masking.rate * seq_len,
-                                               cfg.impl.sparse_head)
     run.peak, peak_source = hardware.peak_tflops(info.device, precision, cfg.impl.peak_tflops)
     run.mfu_check = hardware.MfuCheck(run.peak, peak_source)
     log.info("start: step %d%s, world %d, grad_accum %d, precision %s (%s), ZeRO %d, %d params, "
@@ -278,7 +279,10 @@ def too_many_nonfinite(run: Run, in_a_row: int) -> bool:
 
 def train_metrics(run: Run, window: ThroughputWindow, result: StepResult) -> dict:
     cfg, state, step = run.cfg, run.state, run.state.step
-    metrics = window.metrics(cfg.train.global_batch_size, run.info.world, run.flops_per_seq, run.peak)
+    # The head's FLOPs follow the masking rate: the window's mean (masking.rate_end schedules it).
+    rates = [rate_at_step(cfg.masking, s, cfg.train.max_steps) for s in range(step - window.steps, step)]
+    flops_per_seq = run.flops_per_seq(sum(rates) / max(1, len(rates)))
+    metrics = window.metrics(cfg.train.global_batch_size, run.info.world, flops_per_seq, run.peak)
     run.mfu_check(metrics["perf/mfu"])
     grad_norm = run.engine.get_global_grad_norm() if cfg.impl.zero_stage else result.grad_norm
     return {**metrics, "train/lr": run.scheduler.get_last_lr()[0],

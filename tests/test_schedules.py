@@ -48,6 +48,15 @@ def test_a_longer_max_steps_on_resume_trains_at_the_documented_rate(schedule, st
     if schedule == "cosine":     # train/mask_rate at step n: the rate step n-1 masked at, over the new total
         rates = {r["step"]: r["train/mask_rate"] for r in rows if "train/mask_rate" in r}
         assert [rates[n] for n in range(5, 9)] == pytest.approx([0.15 + 0.15 * (n - 1) / 7 for n in range(5, 9)])
+        # MFU counts the head's FLOPs at the rate each step masked at (one step per log line here)
+        from transformers import AutoConfig
+
+        from pretrain.model.flops import mlm_flops_per_sequence
+        config = AutoConfig.from_pretrained(Path(tmp_path) / "hf_final")
+        per_seq = {r["step"]: r["perf/mfu"] / r["perf/samples_per_s"] for r in rows if "perf/mfu" in r}
+        flops = {n: mlm_flops_per_sequence(config, 64, rates[n] * 64) for n in range(5, 9)}
+        assert [per_seq[n] / per_seq[5] for n in range(6, 9)] == pytest.approx(
+            [flops[n] / flops[5] for n in range(6, 9)], rel=1e-6)
     lr = {r["step"]: r["train/lr"] for r in rows if "train/lr" in r}
     evals = {r["step"]: r["eval/loss"] for r in rows if "eval/loss" in r}
     start_lr = LR * documented_multiplier(schedule, 4, 8)
