@@ -193,6 +193,15 @@ def test_a_mixture_trains_with_per_source_metrics_in_jsonl_and_mlflow(two_source
         logged = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
         assert logged == sorted((s, pytest.approx(r[key])) for s, r in rows.items() if key in r), key
 
+    params = run.data.params         # each source's data, not the first one's alone
+    trains = {name: load_manifest(two_sources[name]).totals["train"] for name in ("big", "small")}
+    for name, train in trains.items():
+        assert params[f"data.sources.{name}.train_sequences"] == str(train["sequences"])
+        assert params[f"data.sources.{name}.train_tokens"] == str(train["tokens"])
+        assert params[f"data.sources.{name}.tokenizer_sha256"] == load_manifest(two_sources[name]).tokenizer.sha256
+    assert params["data.sources.small.share"] == "0.2"
+    assert params["data.train_tokens"] == str(sum(t["tokens"] for t in trains.values()))
+
     heavier = sources_override(two_sources).replace("weight: 0.2", "weight: 0.4")
     again = subprocess.run([PY, "-m", "pretrain.train", *args, heavier, "train.max_steps=8", "tracking.backend=none"],
                            cwd=REPO, capture_output=True, text=True, check=False, timeout=300, env=env)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from data_prep.shard_format import Manifest
+from data_prep.shard_format import Manifest, load_manifest
 from pretrain.config import loader as configlib
 from pretrain.tracking.base import NullTracker, Tracker, TrackerGroup
 from pretrain.tracking.jsonl import JsonlTracker
@@ -47,4 +47,24 @@ def run_params(cfg, world: int, precision: str, manifest: Manifest) -> dict:
         "launch.command": " ".join(sys.argv),
         "launch.torch": torch.__version__,
     })
+    params.update(source_params(cfg))
     return params
+
+
+def source_params(cfg) -> dict:
+    """A mixture's data, per source (``data.sources.<name>.train_tokens``, ...), and its totals; nothing
+    for one folder (the manifest's figures above are all of it)."""
+    from pretrain.data.mixture import is_mixture, resolve_sources
+
+    if not is_mixture(cfg):
+        return {}
+    out, totals = {}, {"tokens": 0, "sequences": 0, "shards": 0}
+    for source in resolve_sources(cfg.data):
+        manifest = load_manifest(source.dir)
+        train = manifest.totals.get("train", {})
+        out.update({f"data.sources.{source.name}.tokenizer_sha256": manifest.tokenizer.sha256,
+                    f"data.sources.{source.name}.train_sequences": train.get("sequences"),
+                    f"data.sources.{source.name}.train_tokens": train.get("tokens"),
+                    f"data.sources.{source.name}.share": round(source.share, 6)})
+        totals = {k: v + (train.get(k) or 0) for k, v in totals.items()}
+    return out | {f"data.train_{k}": v for k, v in totals.items()}
