@@ -229,6 +229,11 @@ def test_cli_logs_to_an_mlflow_run(tmp_path, articles_csv, bert_uncased_dir, cap
     history = client.get_metric_history(run_id, "downstream/a/accuracy")
     assert [(m.value, m.step) for m in history] == [(0.75, 7)]
     assert "downstream/a/macro_f1" not in client.get_run(run_id).data.metrics
+    # Without a step: the run's last one (a training run's final export is scored after its last step)
+    for step in (1, 12, 5):
+        client.log_metric(run_id, "train/loss", 5.0, step=step)
+    assert log_metrics_to_run({"downstream/b/accuracy": 0.5}, run_id, uri) == 12
+    assert [m.step for m in client.get_metric_history(run_id, "downstream/b/accuracy")] == [12]
     assert main([str(bert_uncased_dir), "--task", str(articles_csv), "--mlflow-run-id", "0123abcd",
                  "--tracking-uri", uri]) == 2
     assert "--mlflow-run-id 0123abcd: not usable" in capsys.readouterr().err

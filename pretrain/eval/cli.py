@@ -197,7 +197,8 @@ def parse_args(argv=None):
     p.add_argument("--json", help="also write the metrics to this file")
     p.add_argument("--mlflow-run-id", help="log the metrics to this MLflow run")
     p.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
-    p.add_argument("--step", type=int, default=0, help="MLflow step to log the metrics at")
+    p.add_argument("--step", type=int, default=None,
+                   help="MLflow step to log the metrics at (default: the run's last logged step)")
     return p.parse_args(argv)
 
 
@@ -251,7 +252,8 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(metrics, indent=2))
     if args.mlflow_run_id:
-        log_metrics_to_run(metrics, args.mlflow_run_id, args.tracking_uri, args.step)
+        step = log_metrics_to_run(metrics, args.mlflow_run_id, args.tracking_uri, args.step)
+        print(f"logged {len(metrics)} metrics to MLflow run {args.mlflow_run_id} at step {step}")
     return 0
 
 

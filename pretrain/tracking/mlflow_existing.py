@@ -19,11 +19,19 @@ def run_problem(run_id: str, tracking_uri: str = "") -> Optional[str]:
     return None
 
 
-def log_metrics_to_run(metrics: dict[str, float], run_id: str, tracking_uri: str = "", step: int = 0) -> None:
-    """The finite ``metrics`` at ``step``, in one request (MLflow refuses NaN)."""
+def log_metrics_to_run(metrics: dict[str, float], run_id: str, tracking_uri: str = "",
+                       step: Optional[int] = None) -> int:
+    """The finite ``metrics`` at ``step`` (default: the run's last step, where a training run's final
+    export was scored), in one request (MLflow refuses NaN). Returns the step used."""
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
+    from pretrain.tracking.mlflow_requests import last_logged_steps
+
+    client = MlflowClient(tracking_uri or None)
+    if step is None:
+        run = client.get_run(run_id)
+        step = max(last_logged_steps(lambda f, *a, **k: f(*a, **k), client, run).values(), default=0)
     now = int(time.time() * 1000)
-    MlflowClient(tracking_uri or None).log_batch(
-        run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items() if math.isfinite(v)])
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items() if math.isfinite(v)])
+    return step
