@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 
-from data_prep.shard_format import MANIFEST, Manifest, load_manifest
+from data_prep.shard_format import Manifest, load_manifest
 from pretrain.checkpoint import files, reshard
 from pretrain.checkpoint import store as checkpointing
 from pretrain.config import loader as configlib
@@ -31,8 +31,9 @@ RESULTS_KEYS = ("train.global_batch_size", "train.seed", "data.seed", "data.trai
 MANIFEST_KEYS = ("seq_len", "block_size")
 
 
-def check_inputs(cfg: Config) -> tuple[Manifest, Optional[str]]:
-    """(manifest, checkpoint tag to resume from or None); raises ConfigError listing every problem."""
+def check_inputs(cfg: Config, checked: str = "the run's inputs") -> tuple[Manifest, Optional[str]]:
+    """(manifest, checkpoint tag to resume from or None); raises ConfigError listing every problem
+    under ``checked`` (what was checked: the run, its config); each problem names its own file."""
     manifest = load_manifest(cfg.data.dir)
     splits = [cfg.data.train_split] + ([cfg.data.eval_split] if manifest.has_split(cfg.data.eval_split) else [])
     # Also reads every shard's tar headers (cheap), so a damaged one is an input error now, not
@@ -52,7 +53,7 @@ def check_inputs(cfg: Config) -> tuple[Manifest, Optional[str]]:
     else:                       # a new phase of an earlier run (a resumed one has its own checkpoint)
         problems += init_checkpoint_problems(cfg, manifest)
     if problems:
-        raise ConfigError(problems, f"{cfg.data.dir}/{MANIFEST}" if not tag else f"{cfg.train.out_dir}")
+        raise ConfigError(problems, checked)
     return manifest, tag
 
 

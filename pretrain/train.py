@@ -381,7 +381,8 @@ def main(argv=None) -> int:
         # The first rank holds the run folder from here on; a previous job still writing its
         # checkpoint is waited for, before the checkpoint to resume from is chosen.
         run_lock = checkpointing.RunLock(cfg.train.out_dir) if first_rank else None   # noqa: F841 (held)
-        manifest, resume_from = check_inputs(cfg)
+        manifest, resume_from = check_inputs(cfg, f"the run of {args.config}"
+                                                  f"{' with overrides' if args.overrides else ''}")
         # Probe examples no longer than the sequences the model is trained on (its positions may end there).
         specs = [dataclasses.replace(t, max_length=min(t.max_length, manifest.seq_len))
                  for t in cfg.eval.downstream]

@@ -110,6 +110,9 @@ def test_incomplete_resume_tag_is_input_error(finished_run, shards, tmp_path):
     proc = train(shards, work, "train.max_steps=9", "train.resume=step00000009")
     assert proc.returncode == 2 and "not a complete checkpoint" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+    # The header names what was checked, the run and its config, not the data's manifest.
+    (header,) = [line for line in proc.stderr.splitlines() if "problem(s) in" in line]
+    assert header.endswith("1 problem(s) in the run of configs/tiny.yaml with overrides:"), header
 
 
 # Once: the first rank reports (2 ranks); the settings' checks do not depend on the world size (1 rank).

@@ -54,6 +54,7 @@ def run_params(cfg, world: int, precision: str, manifest: Manifest) -> dict:
 def source_params(cfg) -> dict:
     """A mixture's data, per source (``data.sources.<name>.train_tokens``, ...), and its totals; nothing
     for one folder (the manifest's figures above are all of it)."""
+    # lazy: the data package imports torch, which the study runner (importing this package) starts without
     from pretrain.data.mixture import is_mixture, resolve_sources
 
     if not is_mixture(cfg):

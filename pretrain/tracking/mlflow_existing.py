@@ -26,6 +26,7 @@ def log_metrics_to_run(metrics: dict[str, float], run_id: str, tracking_uri: str
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
+    # lazy: imports mlflow (~1.5 s), as the two lines above, which the evaluate CLI needs only with a run id
     from pretrain.tracking.mlflow_requests import last_logged_steps
 
     client = MlflowClient(tracking_uri or None)
