@@ -9,6 +9,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -207,6 +208,11 @@ def test_a_bad_block_in_the_evaluation_split_read_by_one_rank_stops_every_rank_w
     assert proc.stderr.count(f"error: [read by rank 1] {named}") == 2, explain(proc)   # printed by both ranks
     assert "[rank 0] stopping on bad input" in proc.stderr and "[rank 1] stopping on bad input" in proc.stderr
     assert "Traceback" not in proc.stderr and "eval/loss" not in proc.stdout, explain(proc)
+    # The last word is ours (pretrain.launch); DeepSpeed's launcher line went to its log.
+    log = tmp_path / "run" / "third_party-launcher.log"
+    assert proc.stderr.rstrip().splitlines()[-1] == (f"pretrain.launch: exit 2: bad input or settings, named above; "
+                                                     f"nothing was lost (DeepSpeed's launcher log: {log})"), explain(proc)
+    assert "sigkill_handler" not in proc.stdout + proc.stderr and "sigkill_handler" in log.read_text()
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == [2]           # the step before it, logged
 
@@ -349,3 +355,18 @@ def test_study_summary_calls_a_variant_stopped_by_a_signal_interrupted(status, s
 
     variant = SimpleNamespace(name="rate=0.4", values={"masking.rate": 0.4})
     assert variant_row(variant, [{"step": 5, "train/loss": 7.0}], status, finished=False)["status"] == state
+
+
+def test_the_launchers_last_word_says_what_each_exit_code_means(tmp_path):
+    from pretrain.runtime.launch import last_word, launcher_log
+
+    config = tmp_path / "c.yaml"
+    config.write_text("train:\n  out_dir: " + str(tmp_path / "from-yaml") + "\n")
+    argv = ["--num_gpus", "2", "--module", "pretrain.train", "--config", str(config)]
+    assert launcher_log(argv) == tmp_path / "from-yaml" / "third_party-launcher.log"
+    assert launcher_log([*argv, f"train.out_dir={tmp_path / 'over'}"]) == tmp_path / "over" / "third_party-launcher.log"
+    assert launcher_log(["--config", str(tmp_path / "missing.yaml")]).parent == Path(tempfile.gettempdir())
+    log = tmp_path / "l.log"
+    assert last_word(3, log).startswith("pretrain.launch: exit 3: checkpointed on a signal; relaunch the same command")
+    assert "non-finite" in last_word(4, log) and "spike" in last_word(5, log)
+    assert last_word(1, log) == f"pretrain.launch: exit 1: a rank failed; its error is above (DeepSpeed's launcher log: {log})"

@@ -15,20 +15,39 @@ exit, and this process exits with the launcher's code, which is the ranks'. A se
 kills them (the last complete checkpoint stays usable). Killed itself (``kill -9``), this process
 takes the ranks with it (``pretrain.runtime.lifeline``). A ``--master_port`` in use here is refused (exit 2)
 before any rank starts.
+
+The last word is ours. When a rank exits non-zero, DeepSpeed's per-node launcher logs a line with
+that rank's whole command line (``[ERROR] [launch.py:...:sigkill_handler] [...] exits with return
+code = 2``, 300+ characters) after the trainer's own message. The ranks' output passes through here
+line by line; DeepSpeed's launcher lines go to ``<train.out_dir>/third_party-launcher.log``, and a
+non-zero exit ends with one line that says what the code means (``EXIT_MEANINGS``).
 """
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
+from pathlib import Path
 
 import psutil
 
+from pretrain.config import loader as configlib
+from pretrain.config.schema import TrainConfig
 from pretrain.runtime import lifeline, ports
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# The trainer's exit codes (pretrain.train); anything else is a crash, whose traceback is above.
+EXIT_MEANINGS = {2: "bad input or settings, named above; nothing was lost",
+                 3: "checkpointed on a signal; relaunch the same command to resume (a requeue)",
+                 4: "too many non-finite losses in a row; the last complete checkpoint is untouched",
+                 5: "loss spikes past train.spike_guard's limit; the last complete checkpoint is untouched"}
+# What DeepSpeed's runner and per-node launcher log themselves (their logger's format), not a rank.
+LAUNCHER_LINE = re.compile(rb"^\[\d{4}-\d\d-\d\d [\d:,]+\] \[[A-Z]+\] \[(launch|runner|constants)\.py:\d+:")
 
 
 def ranks_of(launcher_pid: int) -> list[psutil.Process]:
@@ -64,6 +83,38 @@ def accelerator_env(env: dict) -> dict:
     return env
 
 
+def launcher_log(argv: list[str]) -> Path:
+    """``<train.out_dir>/third_party-launcher.log`` of the run the command line starts (its
+    ``--config`` and ``train.out_dir=`` override), read without checking the config; a temporary
+    file when the command names no readable config."""
+    try:
+        config = argv[argv.index("--config") + 1]
+        raw = configlib.load_yaml(config).get("train", {})
+        out_dir = raw.get("out_dir") or TrainConfig.out_dir
+        for arg in argv:
+            if arg.startswith("train.out_dir="):
+                out_dir = arg.split("=", 1)[1]
+        folder = Path(out_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+    except (ValueError, IndexError, OSError, AttributeError, configlib.ConfigError):
+        folder = Path(tempfile.gettempdir())
+    return folder / "third_party-launcher.log"
+
+
+def pass_output(pipe, log_path: Path) -> None:
+    """The ranks' and DeepSpeed's stdout, line by line, to ours; DeepSpeed's own lines to the log."""
+    with open(log_path, "ab") as log:
+        for line in iter(pipe.readline, b""):
+            target = log if LAUNCHER_LINE.match(line) else sys.stdout.buffer
+            target.write(line)
+            target.flush()
+
+
+def last_word(code: int, log_path: Path) -> str:
+    meaning = EXIT_MEANINGS.get(code, "a rank failed; its error is above")
+    return f"pretrain.launch: exit {code}: {meaning} (DeepSpeed's launcher log: {log_path})"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     beside = os.path.join(os.path.dirname(sys.executable), "deepspeed")     # this environment's own
@@ -77,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Its ranks die with this process, killed however (pretrain.runtime.lifeline).
     launcher = subprocess.Popen([deepspeed, *quiet_by_default(argv)], start_new_session=True,
-                                env=lifeline.launcher_env(accelerator_env(dict(os.environ))))
+                                env=lifeline.launcher_env(accelerator_env(dict(os.environ))), stdout=subprocess.PIPE)
+    log_path = launcher_log(argv)
+    output = threading.Thread(target=pass_output, args=(launcher.stdout, log_path), daemon=True)
+    output.start()
 
     interrupts = 0
 
@@ -103,9 +157,14 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(s, forward)
     while True:
         try:
-            return launcher.wait()
+            code = launcher.wait()
+            break
         except InterruptedError:          # a signal arrived: keep waiting for the ranks' verdict
             continue
+    output.join(timeout=10)               # what the ranks printed last comes before our line
+    if code:
+        print(last_word(code, log_path), file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":
