@@ -370,3 +370,33 @@ def test_the_launchers_last_word_says_what_each_exit_code_means(tmp_path):
     assert last_word(3, log).startswith("pretrain.launch: exit 3: checkpointed on a signal; relaunch the same command")
     assert "non-finite" in last_word(4, log) and "spike" in last_word(5, log)
     assert last_word(1, log) == f"pretrain.launch: exit 1: a rank failed; its error is above (DeepSpeed's launcher log: {log})"
+
+
+def test_a_killed_jobs_buffer_goes_at_once_when_nobody_listens_on_its_port():
+    """A relaunch seconds after a kill -9: the dead job's buffers are young, unmapped, and name a
+    master port on this machine that nobody listens on: removed at once. A young buffer whose port
+    a live job listens on (it may not have mapped it yet) is kept."""
+    import socket
+    import uuid
+
+    from data_prep import stale_shm
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    live_port, dead_port = listener.getsockname()[1], free_port()
+    rank = 90000 + uuid.uuid4().int % 9000          # a rank no real job has: the name is this test's own
+    paths = {port: f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_{rank}"
+             for port in (live_port, dead_port)}
+    try:
+        for path in paths.values():
+            with open(path, "wb") as f:
+                f.truncate(1 << 16)
+        patterns = [os.path.basename(p) for p in paths.values()]
+        assert stale_shm.remove_stale(patterns) == [paths[dead_port]]
+        assert os.path.exists(paths[live_port])
+    finally:
+        listener.close()
+        for path in paths.values():
+            if os.path.exists(path):
+                os.unlink(path)
