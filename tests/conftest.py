@@ -24,6 +24,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Every launched process compiles this checkout's modules again where bytecode is not written (CI
 # machines set PYTHONDONTWRITEBYTECODE): ~0.1 s of CPU each, ~300 processes a suite.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+# The suite runs on the CPU (gloo, 2 ranks as 2 processes) on every machine: on a GPU machine it hides
+# the GPUs from torch and DeepSpeed, unless MLM_TESTS_ON_GPU=1 (then what needs a CPU-only machine
+# skips or fails, and the multi-rank tests need 2 GPUs).
+if os.environ.get("MLM_TESTS_ON_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ["DS_ACCELERATOR"] = "cpu"
 # The measured matmul peak is cached per machine; tests keep theirs apart from the user's cache.
 os.environ.setdefault("MLM_PRETRAIN_CACHE", tempfile.mkdtemp(prefix="mlm-pretrain-cache-"))
 

@@ -34,15 +34,27 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         cfg = load_config(str(REPO / args[1]), overrides)      # every key exists, every value parses
         name = cfg.train.out_dir.rsplit("/", 1)[-1]
         launches[name] = (int(cmd[cmd.index("--num_gpus") + 1]), cfg)
-    assert sorted(launches) == ["compile-fixed", "fused-adam", "fused-lamb", "nccl-2"]
+    assert sorted(launches) == ["adamw", "compile-fixed", "lamb", "nccl-2"]
     for gpus, cfg in launches.values():
         assert (cfg.impl.precision, cfg.impl.dist_backend, cfg.impl.attention) == ("bf16", "nccl", "sdpa")
-        assert cfg.impl.fused_optimizer is True and cfg.data.dir == str(shards)
-        assert cfg.train.global_batch_size == 16 * gpus
-    assert launches["fused-lamb"][1].optim.name == "lamb" and launches["fused-adam"][1].optim.name == "adamw"
+        assert cfg.data.dir == str(shards) and cfg.train.global_batch_size == 16 * gpus
+    assert launches["lamb"][1].optim.name == "lamb" and launches["adamw"][1].optim.name == "adamw"
+    assert launches["lamb"][1].impl.zero_stage == 0 and launches["adamw"][1].impl.fused_optimizer is True
     assert launches["compile-fixed"][1].impl.compile and launches["compile-fixed"][1].masking.fixed_count
     assert launches["nccl-2"][0] == 2 and launches["nccl-2"][1].impl.zero_stage == 2
-    assert any(cmd[1:3] == ["bench/gpu_smoke_checks.py", "paths"] for cmd in commands)
+    (checks,) = [cmd for cmd in commands if cmd[1:3] == ["bench/gpu_smoke_checks.py", "paths"]]
+    # The Python half's configs load too (LAMB with ZeRO 0), and build the optimiser each expects.
+    sys.path.insert(0, str(REPO))
+    from bench.gpu_smoke_checks import path_configs
+    from pretrain.model.masking import SpecialIds
+    from pretrain.model.mlm import build_model
+    from pretrain.model.optim import build_optimizer
+
+    special = SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=4, vocab_size=64)
+    for cfg, overrides, expected, fused in path_configs(str(REPO / checks[3]), checks[4]):
+        cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_heads, cfg.model.intermediate_size = 32, 1, 2, 64
+        opt = build_optimizer(build_model(cfg.model, 64, special, cfg.impl), cfg)
+        assert (type(opt).__name__, bool(opt.defaults.get("fused"))) == (expected, fused), overrides
 
 
 @pytest.mark.parametrize("args, message", [

@@ -209,3 +209,22 @@ def test_other_ranks_report_bad_input_only_when_the_first_rank_has_not(monkeypat
     bad_input.report_before_start(ConfigError(["data.dir: no manifest.json"], "x.yaml"), first_rank=True)
     assert time.monotonic() - start < 0.2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_a_filesystem_without_posix_locks_is_named_not_taken_for_another_job(tmp_path, monkeypatch):
+    """Some NFS and Lustre mounts answer lockf with ENOSYS or ENOLCK: that is not "held by another
+    job" (a 5-minute wait, then the wrong message), it is named at once (issue 33)."""
+    import errno
+    import fcntl
+
+    from pretrain.checkpoint.store import RunLock
+    from pretrain.config.loader import ConfigError
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="may not support POSIX locks") as err:
+        RunLock(str(tmp_path), wait_s=60)
+    assert time.monotonic() - start < 5 and "another job" not in str(err.value)

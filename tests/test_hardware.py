@@ -227,3 +227,34 @@ print(kept, [faults_per_allocation() for _ in range(8)][-1])     # settled after
     _, default = steady_faults("default")
     assert default > 15_000                              # 80 MB in 4 KiB pages, faulted in each time
     assert after < 0.05 * default
+
+
+def test_a_run_meant_for_gpus_that_sees_none_is_an_input_error(monkeypatch):
+    """impl.device=cuda (or NCCL) without a visible GPU: named, with Slurm's likely cause (issue 33)."""
+    from pretrain.config.schema import ImplConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    (problem,) = hardware.device_problems(ImplConfig(device="cuda"))
+    assert problem.startswith("impl.device=cuda, but torch sees no CUDA GPU here") and "--gpus-per-node" in problem
+    assert "nccl needs CUDA GPUs" in hardware.device_problems(ImplConfig(dist_backend="nccl"))[0]
+    assert hardware.device_problems(ImplConfig()) == [] and hardware.device_problems(ImplConfig(device="cpu")) == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert hardware.device_problems(ImplConfig(device="cuda", dist_backend="nccl")) == []
+
+
+def test_each_rank_takes_a_gpu_that_exists(monkeypatch):
+    """srun --gpus-per-task=1: every rank sees one GPU, index 0, whatever its local rank; the
+    launchers keep the scheduler's device list that DeepSpeed's launcher would replace (issue 33)."""
+    from pretrain.runtime import engine
+    from pretrain.runtime.launch import GIVEN_DEVICES, accelerator_env
+
+    assert engine.cuda_index(3, 1) == 0 and engine.cuda_index(3, 8) == 3
+    with pytest.raises(RuntimeError, match="local rank 4 but only 4 GPUs are visible"):
+        engine.cuda_index(4, 4)
+    env = accelerator_env({"CUDA_VISIBLE_DEVICES": "2,3", "DS_ACCELERATOR": "cuda"})
+    assert env[GIVEN_DEVICES] == "2,3"
+    monkeypatch.setenv(GIVEN_DEVICES, "2,3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")        # what DeepSpeed's launcher sets
+    engine._keep_given_devices()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"

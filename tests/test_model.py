@@ -218,3 +218,16 @@ def test_compiled_model_keeps_one_graph_for_padded_and_eval_batches(rows):
         engine(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)
     assert counters["stats"]["unique_graphs"] == 2
     torch._dynamo.reset()
+
+
+def test_the_zero0_grad_norm_is_the_global_l2_norm_without_torch_26_apis(monkeypatch):
+    """pyproject allows torch 2.4; torch.nn.utils.get_total_norm came in 2.6 (issue 33)."""
+    from types import SimpleNamespace
+
+    from pretrain.runtime.engine import local_grad_norm
+
+    monkeypatch.delattr(torch.nn.utils, "get_total_norm", raising=False)
+    module = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.Linear(20, 1, bias=False))
+    module(torch.randn(4, 30)).pow(2).sum().backward()
+    expected = torch.cat([p.grad.flatten() for p in module.parameters()]).norm().item()
+    assert local_grad_norm(SimpleNamespace(module=module)) == pytest.approx(expected, rel=1e-6)

@@ -118,3 +118,22 @@ def test_unconvertible_layouts_are_refused_before_start():
     stage0 = {**saved, "zero_stage": 0}
     problems = reshard.check_convertible(stage0, reshard.wanted_layout(2, 3, "fp32", False, "adamw"))
     assert len(problems) == 1 and "param_names_by_group" in problems[0]
+
+
+def test_a_zero0_bf16_export_takes_the_fp32_masters_not_the_bf16_copies(tmp_path):
+    """At ZeRO 0 in bf16 the module holds bf16 weights and FP16_UnfusedOptimizer the fp32 masters:
+    the export writes the masters (issue 33)."""
+    from pretrain.checkpoint.export import PREFIXES, fp32_state_dict
+
+    run = tmp_path / "run"
+    a, _ = leg(run, tmp_path / "a.pt", 1, 0, "--save", precision="bf16")
+    tag = "step00000003"
+    (run / "checkpoints" / tag / files.CONFIG_FILE).write_text("impl:\n  zero_stage: 0\n")
+    exported = fp32_state_dict(run / "checkpoints", tag)
+    masters = a["after"]
+    assert any(not torch.equal(m["fp32"], m["fp32"].bfloat16().float()) for m in masters.values())
+    for name, m in masters.items():
+        key = name
+        while key.startswith(PREFIXES):
+            key = next(key[len(p):] for p in PREFIXES if key.startswith(p))
+        assert exported[key].dtype == torch.float32 and torch.equal(exported[key], m["fp32"]), name

@@ -25,6 +25,7 @@ import yaml
 
 from pretrain import console
 from pretrain.checkpoint.files import COMPLETE, CONFIG_FILE, HF_CONFIG_FILE, MODEL_STATES_FILE, TOKENIZER_DIR
+from pretrain.checkpoint.reshard import read_layout
 from pretrain.checkpoint.store import checkpoint_root, latest_complete_tag, tag_for_step
 
 log = logging.getLogger("pretrain")
@@ -92,7 +93,13 @@ def fp32_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
     else:
-        state = torch.load(folder / MODEL_STATES_FILE, map_location="cpu", weights_only=False)["module"]
+        model_states = torch.load(folder / MODEL_STATES_FILE, map_location="cpu", weights_only=False)
+        state = dict(model_states["module"])
+        masters = (model_states.get("optimizer") or {}).get("fp32_groups")
+        if masters is not None:        # bf16: the module holds bf16 copies, FP16_UnfusedOptimizer the fp32 masters
+            names = read_layout(folder)["param_names_by_group"]
+            state.update({name: master for group_names, group in zip(names, masters)
+                          for name, master in zip(group_names, group)})
     out = {}
     for key, value in state.items():
         while key.startswith(PREFIXES):

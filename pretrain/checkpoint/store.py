@@ -12,6 +12,7 @@ Which checkpoint a run resumes from is decided here *before* any process group s
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -233,7 +234,12 @@ class RunLock:
             try:
                 fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except OSError:
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):   # not "held": no POSIX locks here
+                    os.close(self._fd)
+                    raise ConfigError([f"train.out_dir={out_dir}: cannot lock {path} ({exc}); this filesystem "
+                                       "may not support POSIX locks (some NFS and Lustre mounts): put "
+                                       "train.out_dir on one that does"]) from exc
                 holder = path.read_text().strip() or "another process"
                 if time.monotonic() >= deadline:
                     os.close(self._fd)

@@ -167,8 +167,8 @@ class ImplConfig:
     # to run, where the start-up (20 s to minutes) pays for itself, and not for fp32 on a CPU, where
     # compiled steps measured no faster (Config.compile_now).
     compile: Union[Literal["auto"], bool] = "auto"
-    # auto/true: the fused kernel the device has (DeepSpeed FusedAdam/FusedLamb on CUDA, torch's fused
-    # AdamW on the CPU); false: torch's multi-tensor AdamW / our LAMB. YAML's on/off read as booleans.
+    # AdamW's kernel. auto/true: torch's fused AdamW (CUDA and CPU, no build step); false: torch's
+    # multi-tensor AdamW. LAMB is always ours (pretrain.model.optim). YAML's on/off read as booleans.
     fused_optimizer: Union[Literal["auto"], bool] = "auto"
     # CPU runs: keep freed memory for the next step (pretrain.hardware.keep_freed_cpu_memory): 10-20%
     # faster steps on mini, but the process's memory grows past its working set (1.6 -> 2.9 GB in
@@ -178,6 +178,9 @@ class ImplConfig:
     num_workers: int = 2               # data loader worker processes per rank
     prefetch_factor: int = 4
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    # Where to train. auto: the GPUs if CUDA sees any, else the CPU. cuda: a run meant for GPUs; none
+    # visible (a Slurm job without --gpus-per-node, say) is an input error, never a silent CPU run.
+    device: Literal["auto", "cuda", "cpu"] = "auto"
     # MFU's denominator per process. 0: the GPU table, else a matmul measured once per machine
     # and cached (pretrain/runtime/hardware.py).
     peak_tflops: float = 0.0

@@ -1,8 +1,12 @@
 """Optimisers and the learning-rate schedule: what the engine is handed, not how ZeRO runs it.
 
-* ``build_optimizer``: AdamW or LAMB, weight decay on matrices only (as BERT), the fastest kernel the
-  device has (DeepSpeed's fused Adam/LAMB on CUDA, torch's fused AdamW on the CPU, DeepSpeed's CPU
-  Adam under optimiser offload).
+* ``build_optimizer``: AdamW or LAMB, weight decay on matrices only (as BERT). AdamW is torch's
+  fused kernel on CUDA and the CPU alike (no build step: DeepSpeed's ``FusedAdam`` JIT-builds with
+  nvcc, which pip's torch does not ship, and a build killed part-way leaves a lock that every later
+  run waits on), DeepSpeed's CPU Adam under optimiser offload. LAMB is ``Lamb`` below on every
+  device: DeepSpeed's ``FusedLamb`` clamps the trust ratio to [0.01, 10] and folds Adam's bias
+  correction into the step size (its first update is 0.32x ours), and ``impl`` settings must not
+  change results.
 * ``make_skippable``: lets the loop veto one update (a non-finite loss on some rank).
 * ``WarmupDecay``, ``lr_schedule``: from ``pretrain.schedule``.
 """
@@ -20,8 +24,8 @@ if TYPE_CHECKING:                      # the model module imports transformers: 
 
 
 class Lamb(torch.optim.Optimizer):
-    """LAMB (You et al., 2019) for devices without DeepSpeed's fused kernel: Adam moments, then a
-    per-tensor trust ratio ||w|| / ||update|| scales the step."""
+    """LAMB (You et al., 2019), the same maths on every device: bias-corrected Adam moments, then a
+    per-tensor trust ratio ||w|| / ||update|| (1 where either norm is 0, unclamped) scales the step."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -53,7 +57,7 @@ class Lamb(torch.optim.Optimizer):
         return None
 
 
-def build_optimizer(model: MLMModel, cfg: Config, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: MLMModel, cfg: Config) -> torch.optim.Optimizer:
     """Weight decay on matrices only (not biases, LayerNorm, embeddings' norms), as in BERT. The
     parameters ``model.init_from`` did not provide (``model.fresh_parameters``) learn at
     ``optim.fresh_params_lr_multiplier`` times the rate."""
@@ -71,20 +75,14 @@ def build_optimizer(model: MLMModel, cfg: Config, device: torch.device) -> torch
     kw = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     if o.name == "adamw":
         if cfg.impl.offload_optimizer:
+            # lazy: DeepSpeed's op loader, only under offload
             from deepspeed.ops.adam import DeepSpeedCPUAdam
             opt = DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
-        elif fused and device.type == "cuda":
-            from deepspeed.ops.adam import FusedAdam
-            opt = FusedAdam(groups, adam_w_mode=True, **kw)
         else:
-            # torch's fused CPU kernel updates all tensors in one pass (no per-parameter Python loop).
+            # torch's fused kernel (CUDA, CPU) updates all tensors in one pass, with no build step.
             opt = torch.optim.AdamW(groups, fused=fused or None, **kw)
     else:
-        if fused and device.type == "cuda":
-            from deepspeed.ops.lamb import FusedLamb
-            opt = FusedLamb(groups, **kw)
-        else:
-            opt = Lamb(groups, **kw)
+        opt = Lamb(groups, **kw)
     make_skippable(opt)
     return opt
 

@@ -23,6 +23,7 @@ from pretrain.config import loader as configlib
 from pretrain.config.loader import ConfigError
 from pretrain.model.optim import build_optimizer
 from pretrain.model.schedule import lr_schedule
+from pretrain.runtime.launch import GIVEN_DEVICES
 
 log = logging.getLogger("pretrain")
 
@@ -46,10 +47,28 @@ def _map_slurm_env() -> None:
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
 
 
+def _keep_given_devices() -> None:
+    given = os.environ.get(GIVEN_DEVICES, "")
+    if given and os.environ.get("CUDA_VISIBLE_DEVICES") != given:
+        os.environ["CUDA_VISIBLE_DEVICES"] = given       # before torch initialises CUDA (it is lazy)
+
+
+def cuda_index(local_rank: int, device_count: int) -> int:
+    """The GPU of a node's ``local_rank``-th rank. A rank that sees one GPU (``srun --gpus-per-task=1``,
+    each task its own) uses it whatever its local rank; more ranks than GPUs is an error."""
+    if device_count == 1:
+        return 0
+    if local_rank >= device_count:
+        raise RuntimeError(f"local rank {local_rank} but only {device_count} GPUs are visible "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+    return local_rank
+
+
 def prepare_env() -> None:
     """Before the config is validated: world size must be known (global batch check), and a
     single process run with plain ``python -m`` needs rendezvous variables of its own."""
     _map_slurm_env()
+    _keep_given_devices()
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -73,6 +92,8 @@ def import_deepspeed():
 
 
 def init_distributed(cfg: Config) -> DistInfo:
+    if cfg.impl.device == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"      # read at DeepSpeed's first get_accelerator()
     deepspeed = import_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
@@ -82,8 +103,8 @@ def init_distributed(cfg: Config) -> DistInfo:
         backend = accel.communication_backend_name() if accel.device_name() != "cpu" else "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if accel.device_name() == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
     else:
         device = torch.device(accel.device_name())
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
@@ -132,7 +153,7 @@ def initialize(model: torch.nn.Module, cfg: Config, info: DistInfo, precision: s
         _skip_muon_import()
     schedule = lr_schedule(cfg)
     engine, _, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=build_optimizer(model, cfg, info.device), config=ds_config,
+        model=model, optimizer=build_optimizer(model, cfg), config=ds_config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     return engine, scheduler, ds_config, inner_optimizer(engine)
 
@@ -172,7 +193,11 @@ def local_grad_norm(engine) -> float:
     """Global L2 norm of the (already all-reduced) gradients, for ZeRO stage 0 where every rank
     holds them all; call after the boundary backward and before ``engine.step()``."""
     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    if not grads:
+        return 0.0
+    # torch.nn.utils.get_total_norm would do, from torch 2.6; the project supports torch 2.4.
+    norms = torch._foreach_norm(grads)
+    return float(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])))
 
 
 def inner_optimizer(engine) -> torch.optim.Optimizer:

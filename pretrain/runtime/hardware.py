@@ -190,6 +190,24 @@ def precision_problems(wanted: str) -> list[str]:
     return []
 
 
+def device_problems(impl) -> list[str]:
+    """A run meant for GPUs (``impl.device=cuda``, or NCCL) that sees none: named now, before it
+    trains for days on the CPU; and ``impl.device=cpu`` keeps a GPU machine's run on the CPU."""
+    if torch.cuda.is_available():
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = (f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "no CUDA_VISIBLE_DEVICES") + \
+        (f", Slurm job {os.environ['SLURM_JOB_ID']}: was it submitted with --gpus-per-node?"
+         if "SLURM_JOB_ID" in os.environ else "")
+    out = []
+    if impl.device == "cuda":
+        out.append(f"impl.device=cuda, but torch sees no CUDA GPU here (torch {torch.__version__}, {where}); "
+                   "impl.device=cpu to train on the CPU")
+    if impl.dist_backend == "nccl":
+        out.append(f"impl.dist_backend=nccl needs CUDA GPUs, and torch sees none here ({where}); use auto or gloo")
+    return out
+
+
 def gpu_table_peak(name: str, precision: str) -> Optional[tuple[float, str]]:
     for key, peaks in GPU_PEAK_TFLOPS:
         if key.lower() in name.lower() and precision in peaks:

@@ -41,6 +41,10 @@ from pretrain.config.schema import TrainConfig
 from pretrain.runtime import lifeline, ports
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# The GPUs the scheduler gave the job, kept for the ranks (``engine.prepare_env``): DeepSpeed's
+# launcher replaces CUDA_VISIBLE_DEVICES with 0..N-1, on shared nodes without device cgroups other
+# jobs' GPUs.
+GIVEN_DEVICES = "MLM_PRETRAIN_VISIBLE_DEVICES"
 # The trainer's exit codes (pretrain.train); anything else is a crash, whose traceback is above.
 EXIT_MEANINGS = {2: "bad input or settings, named above; nothing was lost",
                  3: "checkpointed on a signal; relaunch the same command to resume (a requeue)",
@@ -76,10 +80,13 @@ def quiet_by_default(argv: list[str]) -> list[str]:
 
 
 def accelerator_env(env: dict) -> dict:
-    """Without a GPU, say so: DeepSpeed otherwise probes for one and warns in every process."""
+    """Without a GPU, say so: DeepSpeed otherwise probes for one and warns in every process. With a
+    device list from the scheduler, the ranks keep it (``engine.GIVEN_DEVICES``)."""
     gpu_nodes = ("/dev/nvidiactl", "/dev/kfd", "/dev/accel", "/dev/dri")
     if "DS_ACCELERATOR" not in env and not any(os.path.exists(n) for n in gpu_nodes):
         env["DS_ACCELERATOR"] = "cpu"
+    if env.get("CUDA_VISIBLE_DEVICES"):
+        env.setdefault(GIVEN_DEVICES, env["CUDA_VISIBLE_DEVICES"])
     return env
 
 
