@@ -231,3 +231,28 @@ def test_the_zero0_grad_norm_is_the_global_l2_norm_without_torch_26_apis(monkeyp
     module(torch.randn(4, 30)).pow(2).sum().backward()
     expected = torch.cat([p.grad.flatten() for p in module.parameters()]).norm().item()
     assert local_grad_norm(SimpleNamespace(module=module)) == pytest.approx(expected, rel=1e-6)
+
+
+def test_lamb_is_the_papers_update_unclamped_and_bias_corrected():
+    """Our LAMB, the one optimiser for LAMB on every device (issue 33): three steps against the update
+    written out from You et al. (2019) in float64, on a tensor whose trust ratio is far above 10
+    (DeepSpeed's FusedLamb clamps it to [0.01, 10] and leaves out the bias correction)."""
+    from pretrain.model.optim import Lamb
+
+    torch.manual_seed(0)
+    lr, (b1, b2), eps, wd = 1e-2, (0.9, 0.999), 1e-6, 0.01
+    w0 = torch.randn(8, 16) * 100                        # ||w|| / ||update|| ~ 100 / 1
+    grads = [torch.randn(8, 16) for _ in range(3)]
+    param = torch.nn.Parameter(w0.clone())
+    opt = Lamb([{"params": [param], "weight_decay": wd}], lr=lr, betas=(b1, b2), eps=eps)
+    w, m, v, ratios = w0.double(), torch.zeros(8, 16, dtype=torch.float64), torch.zeros(8, 16, dtype=torch.float64), []
+    for t, g in enumerate(grads, start=1):
+        param.grad = g.clone()
+        opt.step()
+        g = g.double()
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        update = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps) + wd * w
+        ratios.append((w.norm() / update.norm()).item())
+        w = w - lr * ratios[-1] * update
+        assert torch.allclose(param.detach().double(), w, rtol=1e-5, atol=1e-5), t
+    assert min(ratios) > 10
