@@ -40,6 +40,8 @@ def test_every_shipped_yaml_loads(path, data_dir, monkeypatch):
     ds = deepspeed_config(cfg, world=1, precision="bf16")
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
     assert ds["zero_optimization"]["stage"] == cfg.impl.zero_stage
+    assert ds["bf16"] == {"enabled": True} and ds["communication_data_type"] == "fp32"     # reduced in fp32
+    assert "communication_data_type" not in deepspeed_config(cfg, world=1, precision="fp32")
 
 
 def test_composition_and_overrides(data_dir, monkeypatch):
