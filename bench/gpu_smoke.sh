@@ -4,6 +4,8 @@
 #   lamb          our LAMB (the same maths as on the CPU), bf16, ZeRO 0 (its per-tensor trust ratio needs whole tensors)
 #   compile-fixed torch.compile + masking.fixed_count (static shapes), fused AdamW, bf16, ZeRO 1
 #   nccl-N        NCCL across all N visible GPUs of this node, ZeRO 2, bf16
+#   halted        adamw halted at mid-run, then resumed at ZeRO 2: the uninterrupted run's losses
+#   export        the lamb run's Hugging Face export (ZeRO 0 bf16: the fp32 masters) loads and fills masks
 # before them, bench/gpu_smoke_checks.py checks the optimisers and the flash SDPA kernel directly,
 # and after them prints tokens/s and MFU (against the peak printed first) from each run's metrics.jsonl.
 #
@@ -70,14 +72,15 @@ RUN_DIRS=()
 FAILED=()
 START=$SECONDS
 
-run() {  # run NAME NUM_GPUS OVERRIDES...
+run() {  # run NAME NUM_GPUS OVERRIDES...   (a fresh run folder; CONTINUE=1 keeps it, to resume)
   local name=$1 ngpu=$2; shift 2
   local out="$WORK/runs/$name"
   local cmd=("$DEEPSPEED" --num_gpus "$ngpu" --master_port $((29500 + RANDOM % 1000)) --module pretrain.train
              --config "$CONFIG" "${COMMON[@]}" train.out_dir="$out" train.global_batch_size=$((MICRO * ngpu)) "$@")
   echo "+ ${cmd[*]}"
   [ "$DRY_RUN" = 1 ] && return 0
-  rm -rf "$out" && mkdir -p "$out"
+  [ "${CONTINUE:-0}" = 1 ] || rm -rf "$out"
+  mkdir -p "$out"
   local t0=$SECONDS
   if timeout 300 "${cmd[@]}" >"$out/stdout.log" 2>&1; then
     echo "  $name: done in $((SECONDS - t0)) s"
@@ -86,7 +89,14 @@ run() {  # run NAME NUM_GPUS OVERRIDES...
     tail -n 15 "$out/stdout.log" | sed 's/^/    /'
     FAILED+=("$name")
   fi
-  RUN_DIRS+=("$out")
+  [ "${CONTINUE:-0}" = 1 ] || RUN_DIRS+=("$out")
+}
+
+check() {  # check NAME ARGS... : one of bench/gpu_smoke_checks.py's checks, its lines, FAILED on error
+  local name=$1; shift
+  echo "+ $PY bench/gpu_smoke_checks.py $*"
+  [ "$DRY_RUN" = 1 ] && return 0
+  "$PY" bench/gpu_smoke_checks.py "$@" || FAILED+=("$name")
 }
 
 if [ "$DRY_RUN" = 1 ]; then
@@ -98,6 +108,13 @@ run adamw 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=1
 run lamb 1 optim.name=lamb impl.zero_stage=0
 run compile-fixed 1 impl.compile=true masking.fixed_count=true impl.fused_optimizer=true impl.zero_stage=1
 run "nccl-$GPUS" "$GPUS" impl.zero_stage=2 impl.fused_optimizer=true
+# A halt at mid-run and a resume at another ZeRO stage (the checkpoint converted on load): the losses
+# of the uninterrupted adamw run above. And the lamb run's export (ZeRO 0, bf16: the fp32 masters).
+HALF=$((STEPS / 2 / 10 * 10)); HALF=$((HALF > 0 ? HALF : 10))
+run halted 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=1 train.halt_at_step=$HALF train.checkpoint_every=$HALF
+CONTINUE=1 run halted 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=2 train.resume=auto
+check resume resumed "$WORK/runs/adamw" "$WORK/runs/halted"
+check export export "$WORK/runs/lamb"
 
 [ "$DRY_RUN" = 1 ] && exit 0
 echo

