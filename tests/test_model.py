@@ -220,13 +220,11 @@ def test_compiled_model_keeps_one_graph_for_padded_and_eval_batches(rows):
     torch._dynamo.reset()
 
 
-def test_the_zero0_grad_norm_is_the_global_l2_norm_without_torch_26_apis(monkeypatch):
-    """pyproject allows torch 2.4; torch.nn.utils.get_total_norm came in 2.6 (issue 33)."""
+def test_the_zero0_grad_norm_is_the_global_l2_norm():
     from types import SimpleNamespace
 
     from pretrain.runtime.engine import local_grad_norm
 
-    monkeypatch.delattr(torch.nn.utils, "get_total_norm", raising=False)
     module = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.Linear(20, 1, bias=False))
     module(torch.randn(4, 30)).pow(2).sum().backward()
     expected = torch.cat([p.grad.flatten() for p in module.parameters()]).norm().item()
