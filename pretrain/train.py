@@ -377,6 +377,8 @@ def main(argv=None) -> int:
     # rank finds the same problems, the first one reports them.
     try:
         cfg = load_config(args.config, args.overrides)
+        if cfg.impl.device == "cpu":
+            eng.train_on_cpu()
         console.quiet_third_party(cfg.train.out_dir, int(os.environ.get("RANK", "0")))
         # The first rank holds the run folder from here on; a previous job still writing its
         # checkpoint is waited for, before the checkpoint to resume from is chosen.

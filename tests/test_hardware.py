@@ -258,3 +258,15 @@ def test_each_rank_takes_a_gpu_that_exists(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")        # what DeepSpeed's launcher sets
     engine._keep_given_devices()
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+
+
+def test_a_cpu_run_on_a_gpu_machine_hides_the_gpus_from_torch_too(monkeypatch):
+    """DeepSpeed's launcher sets CUDA_VISIBLE_DEVICES=0..N-1 even for its CPU accelerator; a rank told
+    to train on the CPU hides the GPUs again, before torch looks for them (issue 33)."""
+    from pretrain.runtime import engine
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setenv("RANK", "0")
+    engine.prepare_env()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""

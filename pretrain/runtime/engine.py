@@ -69,6 +69,16 @@ def prepare_env() -> None:
     single process run with plain ``python -m`` needs rendezvous variables of its own."""
     _map_slurm_env()
     _keep_given_devices()
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
+        train_on_cpu()
+
+
+def train_on_cpu() -> None:
+    """A CPU run on a machine with GPUs (``impl.device=cpu``, or DeepSpeed told ``cpu``): torch sees
+    no GPU either, so that nothing picks CUDA paths (pinned memory, flash attention, NCCL). Before
+    torch first asks CUDA for its devices."""
+    os.environ["DS_ACCELERATOR"] = "cpu"           # read at DeepSpeed's first get_accelerator()
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -92,8 +102,6 @@ def import_deepspeed():
 
 
 def init_distributed(cfg: Config) -> DistInfo:
-    if cfg.impl.device == "cpu":
-        os.environ["DS_ACCELERATOR"] = "cpu"      # read at DeepSpeed's first get_accelerator()
     deepspeed = import_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
