@@ -3,6 +3,7 @@
 #   adamw         torch's fused AdamW (the default; no build step), bf16, SDPA (flash where the batch has no padding), ZeRO 1
 #   lamb          our LAMB (the same maths as on the CPU), bf16, ZeRO 0 (its per-tensor trust ratio needs whole tensors)
 #   compile-fixed torch.compile + masking.fixed_count (static shapes), fused AdamW, bf16, ZeRO 1
+#   dropout       dropout 0.1: keyed dropout on the hidden states, attention run eagerly to key its dropout
 #   nccl-N        NCCL across all N visible GPUs of this node, ZeRO 2, bf16
 #   halted        adamw halted at mid-run, then resumed at ZeRO 2: the uninterrupted run's losses
 #   export        the lamb run's Hugging Face export (ZeRO 0 bf16: the fp32 masters) loads and fills masks
@@ -108,6 +109,7 @@ fi
 run adamw 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=1
 run lamb 1 optim.name=lamb impl.zero_stage=0
 run compile-fixed 1 impl.compile=true masking.fixed_count=true impl.fused_optimizer=true impl.zero_stage=1
+run dropout 1 model.hidden_dropout=0.1 model.attention_dropout=0.1 impl.zero_stage=1
 run "nccl-$GPUS" "$GPUS" impl.zero_stage=2 impl.fused_optimizer=true
 # A halt at mid-run and a resume at another ZeRO stage (the checkpoint converted on load): the losses
 # of the uninterrupted adamw run above. And the lamb run's export (ZeRO 0, bf16: the fp32 masters).

@@ -34,7 +34,8 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         cfg = load_config(str(REPO / args[1]), overrides)      # every key exists, every value parses
         name = cfg.train.out_dir.rsplit("/", 1)[-1]
         launches[name] = (int(cmd[cmd.index("--num_gpus") + 1]), cfg)
-    assert sorted(launches) == ["adamw", "bert-base", "compile-fixed", "halted", "lamb", "nccl-2"]
+    assert sorted(launches) == ["adamw", "bert-base", "compile-fixed", "dropout", "halted", "lamb", "nccl-2"]
+    assert launches["dropout"][1].model.attention_dropout == 0.1
     assert launches["bert-base"][1].model.hidden_size == 768 and launches["bert-base"][1].impl.device == "cuda"
     for gpus, cfg in launches.values():
         assert (cfg.impl.precision, cfg.impl.dist_backend, cfg.impl.attention) == ("bf16", "nccl", "sdpa")
