@@ -270,3 +270,18 @@ def test_a_cpu_run_on_a_gpu_machine_hides_the_gpus_from_torch_too(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     engine.prepare_env()
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_a_single_process_run_gets_rendezvous_variables_whatever_the_accelerator(monkeypatch):
+    """`python -m pretrain.train` without a launcher, DS_ACCELERATOR unset (a GPU machine) or cpu."""
+    from pretrain.runtime import engine
+
+    for accelerator in (None, "cpu"):
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
+                     "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES"):
+            monkeypatch.setenv(name, "x")          # recorded, so that what prepare_env sets is undone after
+            monkeypatch.delenv(name)
+        if accelerator:
+            monkeypatch.setenv("DS_ACCELERATOR", accelerator)
+        engine.prepare_env()
+        assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"]) == ("0", "1", "127.0.0.1")

@@ -71,6 +71,12 @@ def prepare_env() -> None:
     _keep_given_devices()
     if os.environ.get("DS_ACCELERATOR") == "cpu":
         train_on_cpu()
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
 
 
 def train_on_cpu() -> None:
@@ -79,12 +85,6 @@ def train_on_cpu() -> None:
     torch first asks CUDA for its devices."""
     os.environ["DS_ACCELERATOR"] = "cpu"           # read at DeepSpeed's first get_accelerator()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
 
 
 def import_deepspeed():
