@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from data_prep import stale_shm
 from data_prep.shard_format import Manifest, ShardError
-from pretrain import console
+from pretrain import console, exit_codes
 from pretrain.checkpoint import files, phases
 from pretrain.checkpoint import store as checkpointing
 from pretrain.checkpoint.export import export_and_log, exported_from, final_export_dir
@@ -61,7 +61,8 @@ from pretrain.step import StepResult, StopSignal, ThroughputWindow, train_step
 from pretrain.tracking import make_tracker, resume_log, run_params
 
 log = logging.getLogger("pretrain")
-EXIT_BAD_INPUT, EXIT_REQUEUE, EXIT_NONFINITE, EXIT_SPIKES = 2, 3, 4, 5
+EXIT_BAD_INPUT, EXIT_REQUEUE, EXIT_NONFINITE, EXIT_SPIKES = (exit_codes.BAD_INPUT, exit_codes.REQUEUE,
+                                                         exit_codes.NONFINITE, exit_codes.SPIKES)
 
 
 @dataclass

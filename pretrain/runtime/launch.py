@@ -20,7 +20,7 @@ The last word is ours. When a rank exits non-zero, DeepSpeed's per-node launcher
 that rank's whole command line (``[ERROR] [launch.py:...:sigkill_handler] [...] exits with return
 code = 2``, 300+ characters) after the trainer's own message. The ranks' output passes through here
 line by line; DeepSpeed's launcher lines go to ``<train.out_dir>/third_party-launcher.log``, and a
-non-zero exit ends with one line that says what the code means (``EXIT_MEANINGS``).
+non-zero exit ends with one line that says what the code means (``pretrain.exit_codes``).
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ import psutil
 
 from pretrain.config import loader as configlib
 from pretrain.config.schema import TrainConfig
+from pretrain import exit_codes
 from pretrain.runtime import lifeline, ports
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -45,11 +46,6 @@ FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # launcher replaces CUDA_VISIBLE_DEVICES with 0..N-1, on shared nodes without device cgroups other
 # jobs' GPUs.
 GIVEN_DEVICES = "MLM_PRETRAIN_VISIBLE_DEVICES"
-# The trainer's exit codes (pretrain.train); anything else is a crash, whose traceback is above.
-EXIT_MEANINGS = {2: "bad input or settings, named above; nothing was lost",
-                 3: "checkpointed on a signal; relaunch the same command to resume (a requeue)",
-                 4: "too many non-finite losses in a row; the last complete checkpoint is untouched",
-                 5: "loss spikes past train.spike_guard's limit; the last complete checkpoint is untouched"}
 # What DeepSpeed's runner and per-node launcher log themselves (their logger's format), not a rank.
 LAUNCHER_LINE = re.compile(rb"^\[\d{4}-\d\d-\d\d [\d:,]+\] \[[A-Z]+\] \[(launch|runner|constants)\.py:\d+:")
 
@@ -118,7 +114,7 @@ def pass_output(pipe, log_path: Path) -> None:
 
 
 def last_word(code: int, log_path: Path) -> str:
-    meaning = EXIT_MEANINGS.get(code, "a rank failed; its error is above")
+    meaning = exit_codes.MEANINGS.get(code, "a rank failed; its error is above")
     return f"pretrain.launch: exit {code}: {meaning} (DeepSpeed's launcher log: {log_path})"
 
 

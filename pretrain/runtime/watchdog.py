@@ -25,8 +25,10 @@ import time
 from collections import deque
 from pathlib import Path
 
+from pretrain import exit_codes
+
 log = logging.getLogger("pretrain")
-EXIT_REQUEUE = 3
+EXIT_REQUEUE = exit_codes.REQUEUE
 HANG_ENV = "PRETRAIN_TEST_HANG"
 FLOOR_S, FACTOR = 300.0, 20.0
 WARMUP_STEPS = 3                 # steps timed with the start-up allowance, not the step timeout
