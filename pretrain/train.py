@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from data_prep import stale_shm
 from data_prep.shard_format import Manifest, ShardError
-from pretrain import console, exit_codes
+from pretrain import console
 from pretrain.checkpoint import files, phases
 from pretrain.checkpoint import store as checkpointing
 from pretrain.checkpoint.export import export_and_log, exported_from, final_export_dir
@@ -44,6 +44,8 @@ from pretrain.data import mixture
 from pretrain.eval.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
 from pretrain.eval.mlm import evaluate      # a fixed set of held-out sequences, at any layout
 from pretrain.eval.tasks import TaskError
+from pretrain.exit_codes import BAD_INPUT as EXIT_BAD_INPUT, NONFINITE as EXIT_NONFINITE
+from pretrain.exit_codes import REQUEUE as EXIT_REQUEUE, SPIKES as EXIT_SPIKES
 from pretrain.model import keyed_dropout
 from pretrain.model.flops import mlm_flops_per_sequence
 from pretrain.model.masking import SpecialIds, rate_at_step
@@ -61,8 +63,6 @@ from pretrain.step import StepResult, StopSignal, ThroughputWindow, train_step
 from pretrain.tracking import make_tracker, resume_log, run_params
 
 log = logging.getLogger("pretrain")
-EXIT_BAD_INPUT, EXIT_REQUEUE, EXIT_NONFINITE, EXIT_SPIKES = (exit_codes.BAD_INPUT, exit_codes.REQUEUE,
-                                                         exit_codes.NONFINITE, exit_codes.SPIKES)
 
 
 @dataclass
