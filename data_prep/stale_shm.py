@@ -13,6 +13,7 @@ stale at once: a relaunch seconds after a ``kill -9``, as a Slurm requeue is, fi
 """
 from __future__ import annotations
 
+import functools
 import glob
 import logging
 import os
@@ -67,12 +68,19 @@ def local_buffer_port(path: str) -> int | None:
     found = BUFFER_NAME.match(os.path.basename(path))
     if not found:
         return None
+    address = _address(found.group(1))
+    local = address is not None and (address.startswith("127.") or address == _address(socket.gethostname()))
+    return int(found.group(2)) if local else None
+
+
+@functools.lru_cache(maxsize=None)
+def _address(host: str) -> str | None:
+    """One lookup per name and process: every rank's start-up runs this, and a slow resolver must not
+    be asked once per file."""
     try:
-        address = socket.gethostbyname(found.group(1))
-        local = address.startswith("127.") or address == socket.gethostbyname(socket.gethostname())
+        return socket.gethostbyname(host)
     except OSError:
         return None
-    return int(found.group(2)) if local else None
 
 
 def stale_files(patterns=PATTERNS, min_age_s: float = MIN_AGE_S) -> list[str]:
