@@ -164,7 +164,9 @@ def main() -> int:
     after = full_state(engine)
     if info.rank == 0:
         torch.save({"losses": losses, "before": before, "after": after, "client_state": client_state,
-                    "lr_before": lr_before,
+                    "lr_before": lr_before, "optimizer_wrapper": type(engine.optimizer).__name__,
+                    "grad_accum_dtype": str(getattr(engine.optimizer, "grad_acc_dtype", None)
+                                            or getattr(engine.optimizer, "gradient_accumulation_dtype", None)),
                     "lr_after": engine.lr_scheduler.get_last_lr(), "global_steps": engine.global_steps,
                     "inductor_loaded": "torch._inductor.compile_fx" in sys.modules}, args.dump)
     dist.barrier()

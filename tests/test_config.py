@@ -41,7 +41,10 @@ def test_every_shipped_yaml_loads(path, data_dir, monkeypatch):
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
     assert ds["zero_optimization"]["stage"] == cfg.impl.zero_stage
     assert ds["bf16"] == {"enabled": True} and ds["communication_data_type"] == "fp32"     # reduced in fp32
-    assert "communication_data_type" not in deepspeed_config(cfg, world=1, precision="fp32")
+    # summed over micro-steps in fp32 where DeepSpeed can (ZeRO 1-3); it refuses the mix at stage 0
+    assert ds.get("data_types") == ({"grad_accum_dtype": "fp32"} if cfg.impl.zero_stage else None)
+    fp32 = deepspeed_config(cfg, world=1, precision="fp32")
+    assert "communication_data_type" not in fp32 and "data_types" not in fp32
 
 
 def test_composition_and_overrides(data_dir, monkeypatch):

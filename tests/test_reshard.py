@@ -97,6 +97,8 @@ def test_bf16_lamb_zero1_world2_to_stage0_world1(tmp_path):
     steps as ints where torch's AdamW keeps tensors."""
     run = tmp_path / "run"
     a, _ = leg(run, tmp_path / "a.pt", 2, 1, "--save", "--optimizer", "lamb", precision="bf16")
+    # micro-step gradients summed in fp32: at ZeRO 1 DeepSpeed's BF16_Optimizer does it (issue 33)
+    assert (a["optimizer_wrapper"], a["grad_accum_dtype"]) == ("BF16_Optimizer", "torch.float32")
     b, log = leg(run, tmp_path / "b.pt", 1, 0, "--load", "step00000003", "--optimizer", "lamb", precision="bf16")
     assert "saved at world 2 / ZeRO 1 / bf16; converting to world 1 / ZeRO 0 / bf16" in log
     assert_same_state(a["after"], b["before"])
@@ -120,16 +122,16 @@ def test_unconvertible_layouts_are_refused_before_start():
     assert len(problems) == 1 and "param_names_by_group" in problems[0]
 
 
-def test_a_zero0_bf16_export_takes_the_fp32_masters_not_the_bf16_copies(tmp_path):
-    """At ZeRO 0 in bf16 the module holds bf16 weights and FP16_UnfusedOptimizer the fp32 masters:
+@pytest.mark.parametrize("ranks,stage", [(1, 0), (2, 1), (2, 2)], ids=["zero0", "zero1-world2", "zero2-world2"])
+def test_a_bf16_export_takes_the_fp32_masters_not_the_bf16_copies(tmp_path, ranks, stage):
+    """In bf16 the module holds bf16 weights and the optimiser's wrapper the fp32 masters
+    (FP16_UnfusedOptimizer at ZeRO 0, BF16_Optimizer's files at ZeRO 1, ZeRO's partitions at 2):
     the export writes the masters (issue 33)."""
     from pretrain.checkpoint.export import PREFIXES, fp32_state_dict
 
     run = tmp_path / "run"
-    a, _ = leg(run, tmp_path / "a.pt", 1, 0, "--save", precision="bf16")
-    tag = "step00000003"
-    (run / "checkpoints" / tag / files.CONFIG_FILE).write_text("impl:\n  zero_stage: 0\n")
-    exported = fp32_state_dict(run / "checkpoints", tag)
+    a, _ = leg(run, tmp_path / "a.pt", ranks, stage, "--save", precision="bf16")
+    exported = fp32_state_dict(run / "checkpoints", "step00000003")
     masters = a["after"]
     assert any(not torch.equal(m["fp32"], m["fp32"].bfloat16().float()) for m in masters.values())
     for name, m in masters.items():

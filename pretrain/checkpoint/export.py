@@ -21,11 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import yaml
 
 from pretrain import console
-from pretrain.checkpoint.files import COMPLETE, CONFIG_FILE, HF_CONFIG_FILE, MODEL_STATES_FILE, TOKENIZER_DIR
-from pretrain.checkpoint.reshard import read_layout
+from pretrain.checkpoint.files import COMPLETE, HF_CONFIG_FILE, TOKENIZER_DIR
+from pretrain.checkpoint.reshard import consolidate, read_layout
 from pretrain.checkpoint.store import checkpoint_root, latest_complete_tag, tag_for_step
 
 log = logging.getLogger("pretrain")
@@ -85,21 +84,20 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
 
 
 def fp32_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
-    """Full fp32 weights: gathered from ZeRO partitions (stages 1-3) or the model file (stage 0)."""
+    """Full fp32 weights and the module's buffers. The resharder's reader takes every layout the
+    trainer writes (ZeRO 1/2 partitions, BF16_Optimizer's, ZeRO 3's, stage 0's module or its fp32
+    masters); DeepSpeed's zero_to_fp32 reads neither BF16_Optimizer's files nor stage 0."""
     folder = root / tag
-    zero_stage = yaml.safe_load((folder / CONFIG_FILE).read_text())["impl"]["zero_stage"]
-    if zero_stage >= 1:
+    layout = read_layout(folder)
+    if layout is None:                 # written before layout.json: ZeRO's own files, stages 1-3
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
     else:
-        model_states = torch.load(folder / MODEL_STATES_FILE, map_location="cpu", weights_only=False)
-        state = dict(model_states["module"])
-        masters = (model_states.get("optimizer") or {}).get("fp32_groups")
-        if masters is not None:        # bf16: the module holds bf16 copies, FP16_UnfusedOptimizer the fp32 masters
-            names = read_layout(folder)["param_names_by_group"]
-            state.update({name: master for group_names, group in zip(names, masters)
-                          for name, master in zip(group_names, group)})
+        params, _, _, model_states = consolidate(folder, layout)
+        module = model_states.get("module") or {}
+        state = {name: module[name] for name in model_states.get("buffer_names") or [] if name in module}
+        state.update({name: held["fp32"] for name, held in params.items()})
     out = {}
     for key, value in state.items():
         while key.startswith(PREFIXES):

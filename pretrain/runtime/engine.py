@@ -145,12 +145,13 @@ def deepspeed_config(cfg: Config, world: int, precision: str) -> dict:
         "zero_allow_untested_optimizer": True,
     }
     if precision == "bf16":
-        # Gradients are reduced across ranks in fp32, as NVIDIA's BERT and Megatron do: a bf16 sum
-        # keeps 8 mantissa bits. (Micro-step accumulation stays in the gradient's dtype: DeepSpeed's
-        # fp32 grad_accum_dtype switches ZeRO 1 to BF16_Optimizer, whose checkpoints the export and
-        # the resharding do not read yet.)
+        # Gradients are summed over micro-steps and reduced across ranks in fp32, as NVIDIA's BERT and
+        # Megatron do: a bf16 sum keeps 8 mantissa bits. At ZeRO 1 DeepSpeed takes its BF16_Optimizer
+        # for this; ZeRO 0 has no fp32 accumulation (DeepSpeed refuses the mix).
         ds["bf16"] = {"enabled": True}
         ds["communication_data_type"] = "fp32"
+        if cfg.impl.zero_stage >= 1:
+            ds["data_types"] = {"grad_accum_dtype": "fp32"}
     elif precision == "fp16":
         ds["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     return configlib.merge(ds, cfg.impl.deepspeed)
