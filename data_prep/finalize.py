@@ -11,7 +11,7 @@ from .errors import DataPrepError
 from .settings import SPLITS
 from .shard import TASK_MANIFEST_GLOB, shard_order, task_manifest_name
 from .atomic import write_json_atomic
-from .shard_format import FORMAT_VERSION, MANIFEST, Manifest, tokenizer_sha256
+from .shard_format import FORMAT_VERSION, MANIFEST, Manifest, ShardError, index_shard, tokenizer_sha256
 
 _TOTAL_KEYS = ("shards", "sequences", "tokens", "padding", "documents")
 
@@ -99,6 +99,14 @@ def finalize(data_dir: str | os.PathLike) -> Manifest:
             problems.append(f"{e['name']}: {path.stat().st_size} bytes, task manifest says {e['bytes']}")
     if problems:
         raise DataPrepError(f"{data_dir}: shards do not match their task manifests:\n  " + "\n  ".join(problems))
+    for e in shards:
+        if "block_offsets" not in e:          # a task manifest from before data prep recorded them
+            try:
+                e["block_offsets"] = index_shard(data_dir / e["name"])
+            except ShardError as exc:
+                problems.append(str(exc))
+    if problems:
+        raise DataPrepError(f"{data_dir}: shards whose tar headers do not read:\n  " + "\n  ".join(problems))
 
     totals = {split: {k: sum(m["totals"][split][k] for m in tasks.values()) for k in _TOTAL_KEYS}
               for split in SPLITS}

@@ -156,7 +156,8 @@ class SplitWriter:
         padding = int(np.count_nonzero(ids == self.pad_id))
         entry = {"name": name, "split": self.split, "source": self.key.source, "group": self.key.group,
                  "index": index, "sequences": n, "blocks": writer.blocks, "tokens": n * self.s.seq_len - padding,
-                 "padding": padding, "bytes": (self.out / name).stat().st_size, "sha256": digest}
+                 "padding": padding, "bytes": (self.out / name).stat().st_size, "sha256": digest,
+                 "block_offsets": writer.block_offsets}
         write_json_atomic(self.progress_dir / f"{name}.json", {
             "settings_sha256": self.settings_hash, "entry": entry,
             "resume": {"doc": int(packed.end_doc[-1]), "offset": int(packed.end_offset[-1])}})

@@ -31,7 +31,8 @@ each split of a group may end in ``[PAD]`` tokens.
       "num_tasks": 4,                       # how many array tasks wrote it (does not change the shards)
       "shards": [                           # by split (train first), then source, group, index
         {"name": "train-s00000-g00000-00000.tar", "split": "train", "source": 0, "group": 0, "index": 0,
-         "sequences": 2048, "blocks": 8, "tokens": 262000, "padding": 144, "bytes": 575488, "sha256": "..."}
+         "sequences": 2048, "blocks": 8, "tokens": 262000, "padding": 144, "bytes": 575488, "sha256": "...",
+         "block_offsets": [0, 66560, ..., 574464]}
       ],
       "totals": {"train": {"shards": 8, "sequences": 16384, "tokens": ..., "padding": ..., "documents": ...},
                  "validation": {...}},
@@ -43,6 +44,12 @@ Readers get it as a ``Manifest`` (``load_manifest``), checked once: a missing or
 
 Within a shard every block holds ``block_size`` sequences except possibly the last, so a block's
 sequence count follows from the manifest alone (``block_sizes``).
+
+``block_offsets`` (``blocks + 1`` integers) are where each block's first tar header starts, then the
+end of the last block's data: block ``k`` is the bytes ``[block_offsets[k], block_offsets[k + 1])``,
+its two members with their headers, so one read (one ranged GET from a bucket) fetches it and no
+reader scans tar headers. Manifests written before this key was added have none; readers then scan
+the headers (``index_shard``), and ``verify`` checks the recorded offsets against that scan.
 """
 from __future__ import annotations
 
@@ -54,11 +61,12 @@ import os
 import tarfile
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Sequence
 
 import numpy as np
 
 FORMAT_VERSION = 1
+TAR_BLOCK = tarfile.BLOCKSIZE          # 512: a tar header, and the unit member data is padded to
 MANIFEST = "manifest.json"
 IDS_EXT = "input_ids.npy"
 WORD_STARTS_EXT = "word_starts.npy"
@@ -105,6 +113,7 @@ class ShardWriter:
         self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
         self.blocks = 0
         self.sequences = 0
+        self.block_offsets: list[int] = []      # the manifest's block_offsets, complete after close()
 
     def _add(self, name: str, payload: bytes) -> None:
         info = tarfile.TarInfo(name)
@@ -118,6 +127,7 @@ class ShardWriter:
         """``input_ids`` [n, L] ints, ``word_starts`` [n, L] bools."""
         assert input_ids.ndim == 2 and word_starts.shape == input_ids.shape
         key = f"{self.path.stem}.{self.blocks:06d}".replace(".", "_")
+        self.block_offsets.append(self._tar.offset)
         self._add(f"{key}.{IDS_EXT}", _npy_bytes(np.ascontiguousarray(input_ids, dtype=self.dtype)))
         self._add(f"{key}.{WORD_STARTS_EXT}", _npy_bytes(np.packbits(word_starts.astype(bool), axis=1)))
         self.blocks += 1
@@ -125,6 +135,7 @@ class ShardWriter:
 
     def close(self) -> str:
         """Finish, fsync, rename into place; returns the shard's sha256."""
+        self.block_offsets.append(self._tar.offset)     # the end of the last block, before tar's end marker
         self._tar.close()
         self._file.flush()
         os.fsync(self._file.fileno())
@@ -158,50 +169,65 @@ def decode_block(ids_bytes: bytes, starts_bytes: bytes, seq_len: int) -> tuple[n
     return ids, starts
 
 
-@dataclass
-class BlockRef:
-    """Where one block lives inside a shard tar, for direct seeks."""
-    ids_offset: int
-    ids_size: int
-    starts_offset: int
-    starts_size: int
-
-
-def index_shard(path: str | os.PathLike) -> list[BlockRef]:
-    """Scan a shard's tar headers (no data is read) and return its blocks in order."""
-    refs: list[BlockRef] = []
-    pending: dict[str, tarfile.TarInfo] = {}
+def index_shard(path: str | os.PathLike) -> list[int]:
+    """A shard's ``block_offsets`` from its tar headers (no data is read): for manifests that do not
+    record them, and for ``verify`` to check those that do."""
+    offsets: list[int] = []
     try:
         with tarfile.open(path, mode="r:") as tar:
-            for info in tar:
-                key, _, ext = info.name.partition(".")
-                pending.setdefault(key, {})[ext] = info  # type: ignore[index]
-                got = pending[key]
-                if IDS_EXT in got and WORD_STARTS_EXT in got:
-                    a, b = got[IDS_EXT], got[WORD_STARTS_EXT]
-                    refs.append(BlockRef(a.offset_data, a.size, b.offset_data, b.size))
-                    del pending[key]
+            members = tar.getmembers()
     except (tarfile.TarError, OSError) as exc:
         raise ShardError(f"{path}: not a readable shard tar ({exc})") from exc
-    if pending:
-        raise ShardError(f"{path}: incomplete samples {sorted(pending)[:3]} (truncated shard?)")
-    return refs
+    for k in range(0, len(members) - 1, 2):
+        ids, starts = members[k], members[k + 1]
+        key, _, ext = ids.name.partition(".")
+        if ext != IDS_EXT or starts.name != f"{key}.{WORD_STARTS_EXT}":
+            raise ShardError(f"{path}: members {ids.name!r} and {starts.name!r} are not one block's "
+                             f"{IDS_EXT} and {WORD_STARTS_EXT}")
+        offsets.append(ids.offset)
+    if len(members) % 2:
+        raise ShardError(f"{path}: incomplete block {members[-1].name!r} (truncated shard?)")
+    if members:
+        last = members[-1]
+        offsets.append(last.offset_data + -(-last.size // TAR_BLOCK) * TAR_BLOCK)
+    return offsets
 
 
-def read_block(f, ref: BlockRef, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    f.seek(ref.ids_offset)
-    ids_bytes = f.read(ref.ids_size)
-    f.seek(ref.starts_offset)
-    starts_bytes = f.read(ref.starts_size)
-    return decode_block(ids_bytes, starts_bytes, seq_len)
+def parse_block(span: bytes, seq_len: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, word_starts) of one block from its bytes, ``[block_offsets[k], block_offsets[k+1])``:
+    the two members' tar headers are checked (names, one key, sizes within the span)."""
+    payloads, keys, pos = [], [], 0
+    for ext in (IDS_EXT, WORD_STARTS_EXT):
+        try:
+            info = tarfile.TarInfo.frombuf(span[pos:pos + TAR_BLOCK], tarfile.ENCODING, "surrogateescape")
+        except tarfile.TarError as exc:
+            raise ShardError(f"{where}: no {ext} tar header at byte {pos} of the block ({exc})") from exc
+        key, _, got = info.name.partition(".")
+        data = span[pos + TAR_BLOCK:pos + TAR_BLOCK + info.size]
+        if got != ext:
+            raise ShardError(f"{where}: member {info.name!r} where the block's {ext} should be")
+        if len(data) != info.size:
+            raise ShardError(f"{where}: member {info.name!r} of {info.size} bytes runs past the block's "
+                             f"{len(span)} bytes (truncated read?)")
+        payloads.append(data)
+        keys.append(key)
+        pos += TAR_BLOCK + -(-info.size // TAR_BLOCK) * TAR_BLOCK
+    if keys[0] != keys[1] or pos != len(span):
+        raise ShardError(f"{where}: the block's members {keys} span {pos} bytes of {len(span)}")
+    return decode_block(payloads[0], payloads[1], seq_len)
 
 
-def iter_blocks(path: str | os.PathLike, seq_len: int):
-    """Every (input_ids, word_starts) block of a shard, in order."""
-    refs = index_shard(path)
+def read_block(f, start: int, end: int, seq_len: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    f.seek(start)
+    return parse_block(f.read(end - start), seq_len, where)
+
+
+def iter_blocks(path: str | os.PathLike, seq_len: int, offsets: Sequence[int] | None = None):
+    """Every (input_ids, word_starts) block of a shard, in order; ``offsets`` from the manifest, or scanned."""
+    offsets = index_shard(path) if offsets is None else offsets
     with open(path, "rb") as f:
-        for ref in refs:
-            yield read_block(f, ref, seq_len)
+        for k in range(len(offsets) - 1):
+            yield read_block(f, offsets[k], offsets[k + 1], seq_len, f"{path}: block {k}")
 
 
 # ------------------------------------------------------------------------------------ manifest.json
@@ -262,17 +288,34 @@ class ShardEntry(_AsJson):
     padding: int
     bytes: int
     sha256: str
-    _TEXT_KEYS: ClassVar[tuple[str, ...]] = ("name", "split", "sha256")      # the others are integers
-    _OPTIONAL_KEYS: ClassVar[tuple[str, ...]] = ("source", "group")
+    block_offsets: tuple[int, ...] | None = None     # blocks + 1 byte offsets; None in older manifests
+    _TEXT_KEYS: ClassVar[tuple[str, ...]] = ("name", "split", "sha256")
+    _LIST_KEYS: ClassVar[tuple[str, ...]] = ("block_offsets",)                # the others are integers
+    _OPTIONAL_KEYS: ClassVar[tuple[str, ...]] = ("source", "group", "block_offsets")
 
     @classmethod
     def read(cls, raw, where: str, problems: list[str]) -> ShardEntry | None:
         if (raw := _object(raw, where, problems)) is None:
             return None
         before = len(problems)
-        values = {f.name: _field(raw, f.name, str if f.name in cls._TEXT_KEYS else int, where, problems,
+        kind = {**{k: str for k in cls._TEXT_KEYS}, **{k: list for k in cls._LIST_KEYS}}
+        values = {f.name: _field(raw, f.name, kind.get(f.name, int), where, problems,
                                  required=f.name not in cls._OPTIONAL_KEYS) for f in fields(cls)}
+        if len(problems) == before and values["block_offsets"] is not None:
+            values["block_offsets"] = _block_offsets(values, where, problems)
         return cls(**values) if len(problems) == before else None
+
+
+def _block_offsets(values: dict, where: str, problems: list[str]) -> tuple[int, ...] | None:
+    """``blocks + 1`` increasing integers within the shard's bytes, or a problem naming the entry."""
+    offsets = values["block_offsets"]
+    if (len(offsets) != values["blocks"] + 1
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or any(b <= a for a, b in zip(offsets, offsets[1:])) or offsets[0] < 0 or offsets[-1] > values["bytes"]):
+        problems.append(f"{where}block_offsets: not {values['blocks'] + 1} increasing byte offsets within "
+                        f"its {values['bytes']} bytes")
+        return None
+    return tuple(offsets)
 
 
 @dataclass(frozen=True)

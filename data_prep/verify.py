@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DataPrepError
-from .shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_sizes, iter_blocks, load_manifest,
-                           sha256_file, tokenizer_sha256)
+from .shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_sizes, index_shard, iter_blocks,
+                           load_manifest, sha256_file, tokenizer_sha256)
 from .tokenizer import load_tokenizer
 
 
@@ -54,8 +54,14 @@ def check_shard(data_dir: Path, entry: ShardEntry, manifest: Manifest, vocab_siz
     first_bad, bad_ids = None, 0
     try:
         expected = block_sizes(entry, manifest.block_size)
+        scanned = index_shard(path)
+        if entry.block_offsets is not None and list(entry.block_offsets) != scanned:
+            first = next((k for k, (a, b) in enumerate(zip(entry.block_offsets, scanned)) if a != b),
+                         min(len(scanned), len(entry.block_offsets)))
+            return "damaged", (f"{name}: block_offsets differ from its tar headers from offset {first} on "
+                               f"(manifest edited, or the shard rewritten after finalize)")
         got, padding = [], 0
-        for ids, starts in iter_blocks(path, seq_len):
+        for ids, starts in iter_blocks(path, seq_len, scanned):
             if ids.dtype != dtype or ids.ndim != 2 or ids.shape[1] != seq_len or starts.shape != ids.shape:
                 return "damaged", f"{name}: block {len(got)} is {ids.dtype} {ids.shape}, expected {dtype} [n, {seq_len}]"
             if ids.size and int(ids.max()) >= vocab_size:
@@ -145,7 +151,7 @@ def inspect(data_dir: str | os.PathLike, samples: int = 3, split: str = "train",
     if shard is None or samples <= 0:
         return
     tok = tokenizers.Tokenizer.from_file(str(m.tokenizer_dir(data_dir) / "tokenizer.json"))
-    ids, starts = next(iter_blocks(data_dir / shard.name, m.seq_len))
+    ids, starts = next(iter_blocks(data_dir / shard.name, m.seq_len, shard.block_offsets))
     for i in range(min(samples, len(ids))):
         row = ids[i].tolist()
         print(f"\n--- {shard.name} sequence {i} ---", file=out)

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -192,3 +193,10 @@ def two_sources(shards, wiki_txt_dir) -> dict[str, Path]:
         _run([PY, "-m", "data_prep", "finalize", str(root / name)])
         out[name] = root / name
     return out
+
+
+def ids_payload(shard_path, block: int) -> tuple[int, int]:
+    """(byte offset, size) of block ``block``'s input_ids data inside a shard tar: where tests damage it."""
+    with tarfile.open(shard_path) as tar:
+        member = tar.getmembers()[2 * block]
+    return member.offset_data, member.size

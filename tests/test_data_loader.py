@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import pretrain.data.shard_reader as shard_reader
+from conftest import ids_payload
 from data_prep.atomic import write_json_atomic
 from data_prep.shard_format import (
-    FORMAT_VERSION, ShardError, ShardWriter, ids_dtype, index_shard, load_manifest, shard_name,
+    FORMAT_VERSION, Manifest, ShardError, ShardWriter, ids_dtype, index_shard, load_manifest, shard_name,
 )
 from pretrain.data.stream import (
     DataError, TokenIdError, TrainStream, check_manifest, index_all_shards,
@@ -48,7 +49,8 @@ def write_dataset(root: Path, splits: dict[str, list[int]], vocab: int = VOCAB, 
                 reference[ids[i].astype(np.int64).tobytes()] = (name, i, starts[i])
             entries.append({"name": name, "split": split, "task": 0, "index": index, "sequences": n,
                             "blocks": writer.blocks, "tokens": n * SEQ_LEN, "padding": 0,
-                            "bytes": (root / name).stat().st_size, "sha256": sha})
+                            "bytes": (root / name).stat().st_size, "sha256": sha,
+                            "block_offsets": writer.block_offsets})
     manifest = {
         "format_version": FORMAT_VERSION, "seq_len": SEQ_LEN, "block_size": BLOCK, "dtype": ids_dtype(vocab).name,
         "tokenizer": {"path": "tokenizer", "sha256": TOKENIZER_SHA, "vocab_size": vocab, "lowercase": True,
@@ -227,9 +229,9 @@ def test_each_rank_reads_about_its_share_of_the_blocks(uneven, monkeypatch):
     root, manifest, _ = uneven
     decoded = Counter()
 
-    def counting_read_block(f, ref, seq_len):
+    def counting_read_block(f, start, end, seq_len, where):
         decoded[rank] += 1
-        return real_read_block(f, ref, seq_len)
+        return real_read_block(f, start, end, seq_len, where)
 
     real_read_block = shard_reader.read_block
     monkeypatch.setattr(shard_reader, "read_block", counting_read_block)
@@ -242,13 +244,21 @@ def test_each_rank_reads_about_its_share_of_the_blocks(uneven, monkeypatch):
     assert all(decoded[r] < 16 for r in range(world)), decoded
 
 
-def test_resume_seek_reads_only_the_blocks_of_the_first_batch(uneven, monkeypatch):
+@pytest.mark.parametrize("recorded", [True, False], ids=["block-offsets", "older-manifest"])
+def test_resume_seek_reads_only_the_blocks_of_the_first_batch(uneven, monkeypatch, recorded):
+    """Each needed block is one read at the manifest's block_offsets; a manifest written before
+    they were recorded costs a header scan of just the shards read."""
     root, manifest, reference = uneven
+    if not recorded:
+        raw = manifest.to_dict()
+        for entry in raw["shards"]:
+            del entry["block_offsets"]
+        manifest = Manifest.from_dict(raw)
     reads, indexed = [], []
 
-    def spy_read_block(f, ref, seq_len):
-        reads.append((Path(f.name).name, ref.ids_offset))
-        return real_read_block(f, ref, seq_len)
+    def spy_read_block(f, start, end, seq_len, where):
+        reads.append((Path(f.name).name, start))
+        return real_read_block(f, start, end, seq_len, where)
 
     def spy_index_shard(path):
         indexed.append(Path(path).name)
@@ -264,9 +274,9 @@ def test_resume_seek_reads_only_the_blocks_of_the_first_batch(uneven, monkeypatc
     assert rows_of(batch, reference) == wanted
     wanted_blocks = {(name, i // BLOCK) for name, i in wanted}
     assert len(reads) == len(set(reads)) == len(wanted_blocks)      # each needed block once, nothing else
-    offsets = {name: [r.ids_offset for r in index_shard(root / name)] for name in {n for n, _ in wanted}}
+    offsets = {name: index_shard(root / name) for name in {n for n, _ in wanted}}
     assert {(name, offsets[name].index(off)) for name, off in reads} == wanted_blocks
-    assert sorted(indexed) == sorted({name for name, _ in wanted})
+    assert sorted(indexed) == ([] if recorded else sorted({name for name, _ in wanted}))
 
 
 def test_has_padding_says_whether_a_batch_holds_pad_tokens(shards):
@@ -310,9 +320,9 @@ def test_a_damaged_tar_header_is_found_before_any_batch(shards, tmp_path):
     manifest = load_manifest(copy)
     index_all_shards(copy, manifest, ["train", "validation"])         # intact: no error
     victim = copy / next(e.name for e in manifest.shards_of("train") if e.blocks > 3)
-    refs = index_shard(victim)
+    offsets = index_shard(victim)
     with open(victim, "r+b") as f:                    # the header of block 2's first member; same size
-        f.seek(refs[2].ids_offset - 512)
+        f.seek(offsets[2])
         f.write(b"\xff" * 512)
     with pytest.raises(ShardError, match=rf"1 shards with unreadable tar headers: {victim}: its tar headers list 2 blocks, the manifest says"):
         index_all_shards(copy, manifest, ["train"])
@@ -352,9 +362,8 @@ def test_corrupt_block_data_raises_shard_error_naming_it(uneven, tmp_path):
     copy = tmp_path / "data"
     shutil.copytree(root, copy)
     victim = copy / shard_name("train", 0, 2)
-    refs = index_shard(victim)
     with open(victim, "r+b") as f:                    # same size and headers, so only reading can notice
-        f.seek(refs[2].ids_offset)
+        f.seek(ids_payload(victim, 2)[0])
         f.write(b"\0" * 16)
     index_all_shards(copy, manifest, ["train"])
     s = stream(copy, manifest, num_workers=2)

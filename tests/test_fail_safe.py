@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, free_port
+from conftest import REPO, free_port, ids_payload
 from conftest import train as launch
 
 PY = sys.executable
@@ -146,14 +146,14 @@ def _block_only_rank1_reads(data_dir: Path) -> tuple[str, int, int]:
 
 @pytest.mark.slow
 def test_a_token_id_out_of_range_read_by_one_rank_stops_every_rank_with_exit_2(shards, tmp_path):
-    from data_prep.shard_format import index_shard, sha256_file
+    from data_prep.shard_format import sha256_file
 
     data = tmp_path / "data"
     shutil.copytree(shards, data)
     path, index, step = _block_only_rank1_reads(data)
-    ref = index_shard(path)[index]
+    offset, size = ids_payload(path, index)
     with open(path, "r+b") as f:                                       # the block's last id (uint16)
-        f.seek(ref.ids_offset + ref.ids_size - 2)
+        f.seek(offset + size - 2)
         f.write(struct.pack("<H", 30600))
     manifest = json.loads((data / "manifest.json").read_text())
     for entry in manifest["shards"]:
@@ -174,11 +174,11 @@ def test_a_token_id_out_of_range_read_by_one_rank_stops_every_rank_with_exit_2(s
 
 def _corrupt_last_id(data: Path, path: str, index: int, token: int) -> None:
     """The block's last token id (uint16) becomes ``token``; the manifest's sha256 follows."""
-    from data_prep.shard_format import index_shard, sha256_file
+    from data_prep.shard_format import sha256_file
 
-    ref = index_shard(path)[index]
+    offset, size = ids_payload(path, index)
     with open(path, "r+b") as f:
-        f.seek(ref.ids_offset + ref.ids_size - 2)
+        f.seek(offset + size - 2)
         f.write(struct.pack("<H", token))
     manifest = json.loads((data / "manifest.json").read_text())
     for entry in manifest["shards"]:

@@ -6,6 +6,7 @@ naming the key, by ``load_manifest`` and by the commands that read it (exit 2, n
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ def finalized(tmp_path_factory, wiki_txt_dir, bert_uncased_dir) -> Path:
     out = tmp_path_factory.mktemp("manifest") / "shards"
     for task in range(TASKS):
         run_shard(ShardSettings(inputs=[str(wiki_txt_dir)], tokenizer=str(bert_uncased_dir), out=str(out),
-                                seq_len=64, shard_size=256, group_chars=100_000, validation_fraction=0.05,
+                                seq_len=64, shard_size=256, block_size=64, group_chars=100_000, validation_fraction=0.05,
                                 num_tasks=TASKS, task_index=task))
     finalize(out)
     return out
@@ -87,3 +88,45 @@ def test_the_trainer_and_data_prep_refuse_it_with_exit_2(finalized, tmp_path):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert all(needle in proc.stderr for needle in NAMED), proc.stderr[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_block_offsets_are_recorded_checked_and_filled_in_for_older_task_manifests(finalized, tmp_path):
+    """Each shard entry holds its blocks' byte offsets, as the tar headers say (issue 34): one read
+    fetches a block. An older task manifest without them is finalized by a scan; offsets that
+    disagree with the headers are refused at load (malformed) or by verify (shard named)."""
+    from data_prep.shard_format import index_shard, iter_blocks, parse_block
+    from data_prep.verify import verify
+
+    manifest = load_manifest(finalized)
+    for entry in manifest.shards:
+        assert list(entry.block_offsets) == index_shard(finalized / entry.name) and len(entry.block_offsets) == entry.blocks + 1
+    entry = next(e for e in manifest.shards if e.blocks >= 2)
+    span = (finalized / entry.name).read_bytes()[entry.block_offsets[1]:entry.block_offsets[2]]
+    ids, starts = parse_block(span, manifest.seq_len, "block 1")
+    want = list(iter_blocks(finalized / entry.name, manifest.seq_len))[1]
+    assert (ids == want[0]).all() and (starts == want[1]).all() and ids.shape == (64, manifest.seq_len)
+    with pytest.raises(ShardError, match=r"word_starts.npy' of \d+ bytes runs past the block's \d+ bytes"):
+        parse_block(span[:-512], manifest.seq_len, "block 1")
+    with pytest.raises(ShardError, match="span"):
+        parse_block(span + bytes(512), manifest.seq_len, "block 1")
+
+    older = tmp_path / "older"
+    shutil.copytree(finalized, older)
+    (older / MANIFEST).unlink()
+    for task_file in older.glob("task-*.json"):
+        raw = json.loads(task_file.read_text())
+        for e in raw["shards"]:
+            del e["block_offsets"]
+        task_file.write_text(json.dumps(raw))
+    assert finalize(older) == manifest
+
+    raw = manifest.to_dict()
+    raw["shards"][0]["block_offsets"] = raw["shards"][0]["block_offsets"][::-1]
+    with pytest.raises(ShardError, match=r"shards\[0\].block_offsets: not \d+ increasing byte offsets"):
+        Manifest.from_dict(raw)
+    raw = manifest.to_dict()
+    edited = next(e for e in raw["shards"] if e["blocks"] >= 2)
+    edited["block_offsets"][1] += 512
+    write_json_atomic(older / MANIFEST, raw)
+    problems = verify(older)
+    assert len(problems) == 1 and problems[0].startswith(f"{edited['name']}: block_offsets differ from its tar headers")

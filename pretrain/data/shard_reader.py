@@ -22,8 +22,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from data_prep.shard_format import (MANIFEST, BlockRef, Manifest, ShardEntry, ShardError, block_sizes, ids_dtype,
-                                    index_shard, read_block)
+from data_prep.shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_sizes, ids_dtype, index_shard,
+                                    read_block)
 
 __all__ = ["DataError", "ShardError", "TokenIdError", "check_manifest", "index_all_shards", "SplitLayout",
            "BlockReader"]
@@ -50,21 +50,23 @@ def _named(count_label: str, items: list[str], where, hint: str = "") -> str:
 # ------------------------------------------------------------------------------------ manifest
 
 
-def _shard_index(path: str, expected_blocks: int) -> np.ndarray:
-    """The shard's blocks as int64 rows ``[ids_offset, ids_size, starts_offset, starts_size]``: 32 bytes
-    a block, where a list of ``BlockRef`` objects costs several times that in every worker."""
-    refs = index_shard(path)
-    if len(refs) != expected_blocks:
-        raise ShardError(f"{path}: its tar headers list {len(refs)} blocks, the manifest says {expected_blocks} "
+def _shard_index(path: str, entry: ShardEntry) -> np.ndarray:
+    """The shard's ``block_offsets`` (int64, 8 bytes a block), scanned from its tar headers and checked
+    against the manifest's where it records them."""
+    offsets = index_shard(path)
+    if len(offsets) != entry.blocks + 1:
+        raise ShardError(f"{path}: its tar headers list {len(offsets) - 1} blocks, the manifest says {entry.blocks} "
                          f"(a damaged header, or rewritten after finalize; run data_prep verify)")
-    return np.asarray([[r.ids_offset, r.ids_size, r.starts_offset, r.starts_size] for r in refs],
-                      dtype=np.int64).reshape(-1, 4)
+    if entry.block_offsets is not None and tuple(offsets) != entry.block_offsets:
+        raise ShardError(f"{path}: its tar headers put the blocks elsewhere than the manifest's block_offsets "
+                         f"(rewritten after finalize; run data_prep verify)")
+    return np.asarray(offsets, dtype=np.int64)
 
 
 def _index_problems(data_dir, entries: Sequence[ShardEntry]) -> list[str]:
     def problem(entry: ShardEntry) -> Optional[str]:
         try:
-            _shard_index(str(Path(data_dir) / entry.name), entry.blocks)
+            _shard_index(str(Path(data_dir) / entry.name), entry)
         except ShardError as exc:
             return str(exc)
         return None
@@ -167,6 +169,7 @@ class SplitLayout:
         self.pad_id = manifest.tokenizer.pad_id
         self.paths = [str(Path(data_dir) / s.name) for s in entries]
         self.shard_blocks = [s.blocks for s in entries]
+        self.shard_entries = entries
         # What a resumed stream must find unchanged: names, counts and content hashes of the split's shards.
         self.shards_signature = [[s.name, s.sequences, s.sha256] for s in entries]
         shard, index, size = [], [], []
@@ -216,7 +219,9 @@ class BlockReader:
             return f
         path = self.layout.paths[shard]
         if shard not in self._indexes:
-            self._indexes[shard] = _shard_index(path, self.layout.shard_blocks[shard])
+            entry = self.layout.shard_entries[shard]
+            self._indexes[shard] = (np.asarray(entry.block_offsets, dtype=np.int64) if entry.block_offsets
+                                    else _shard_index(path, entry))
         try:
             f = open(path, "rb")
         except OSError as exc:
@@ -236,7 +241,11 @@ class BlockReader:
         f = self._file(shard)
         path = lay.paths[shard]
         try:
-            ids, starts = read_block(f, BlockRef(*map(int, self._indexes[shard][index])), lay.seq_len)
+            offsets = self._indexes[shard]
+            ids, starts = read_block(f, int(offsets[index]), int(offsets[index + 1]), lay.seq_len,
+                                     f"{path}: block {index}")
+        except ShardError as exc:
+            raise ShardError(f"{exc}; run data_prep verify") from exc
         except (ValueError, OSError, EOFError) as exc:
             raise ShardError(f"{path}: block {index} cannot be decoded ({exc}); run data_prep verify") from exc
         if ids.shape != (n, lay.seq_len) or starts.shape != (n, lay.seq_len) or ids.dtype.kind != "u":
