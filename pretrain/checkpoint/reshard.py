@@ -312,9 +312,10 @@ def _set_step(optimizer: torch.optim.Optimizer, universal: Path) -> None:
         for group in optimizer.param_groups:
             group["step"] = count
         return
+    # torch's AdamW subclasses Adam only from 2.7; both refuse a step that is not a tensor
+    tensor_steps = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
     for state in optimizer.state.values():
-        state["step"] = (torch.tensor(float(count), dtype=torch.float32)
-                         if isinstance(optimizer, torch.optim.Adam) else count)
+        state["step"] = torch.tensor(float(count), dtype=torch.float32) if tensor_steps else count
 
 
 def _restore_hyperparameters(groups: list[dict], saved: list[dict]) -> None:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The oldest torch that pyproject.toml admits (`torch>=X`), installed the way the README installs,
+# in a scratch venv, runs this project's own tests of training, resuming, resharding and exporting.
+# It is what makes the floor a fact rather than a guess (issue 33: torch 2.5 crashed at the first log
+# step on a call added in 2.6, while pyproject said 2.4).
+#
+#   bash bench/torch_floor.sh [pytest args]     (default: the tests listed in FLOOR_TESTS below)
+#   FLOOR_VENV=DIR   where the scratch venv goes (default ${TMPDIR:-/tmp}/mlm-torch-floor-X); kept
+#                    between runs, set up again only when pyproject.toml or setup_env.sh changes
+#   TORCH_SPEC=...   how to get that torch (default torch==X, i.e. X.0: PyPI's build, CUDA libraries
+#                    included, about 3 GB; it runs on the CPU too). On a GPU cluster pass your
+#                    CUDA's index, e.g. "torch==2.7.0 --index-url https://download.pytorch.org/whl/cu126".
+#
+# Not in the test suite: the download alone is minutes. Its result goes into BENCHMARKS.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+floor=$(sed -n 's/^ *"torch>=\([0-9][0-9.]*\)".*/\1/p' pyproject.toml)
+[ -n "$floor" ] || { echo "torch_floor: no \"torch>=X\" line in pyproject.toml" >&2; exit 2; }
+VENV=${FLOOR_VENV:-${TMPDIR:-/tmp}/mlm-torch-floor-$floor}
+FLOOR_TESTS=(
+  tests/test_train.py          # 1 and 2 ranks, ZeRO 0-3, halt and exact resume, export, fill-mask
+  tests/test_reshard.py        # every checkpoint layout read back, bf16 masters exported
+  tests/test_resume_layout.py  # dropout runs resumed on another layout; bf16 ZeRO 1 with accumulation
+  tests/test_model.py          # the encoder against Hugging Face's BERT, SDPA and eager attention
+)
+[ $# -gt 0 ] && FLOOR_TESTS=("$@")
+
+echo "== torch_floor: pyproject.toml says torch>=$floor; scratch venv $VENV"
+VENV=$VENV TORCH_SPEC=${TORCH_SPEC:-torch==$floor} bash launchers/setup_env.sh
+got=$("$VENV/bin/python" -c "import torch; print(torch.__version__)")
+case "$got" in
+  "$floor"|"$floor".*|"$floor"+*) ;;
+  *) echo "torch_floor: FAILED: the venv has torch $got, not the floor $floor" >&2; exit 1 ;;
+esac
+start=$(date +%s)
+if "$VENV/bin/python" -m pytest -q -p no:cacheprovider -ra "${FLOOR_TESTS[@]}"; then
+  echo "torch_floor: PASSED: torch $got ran ${FLOOR_TESTS[*]} in $(( $(date +%s) - start )) s"
+else
+  echo "torch_floor: FAILED: torch $got (above: which test, and why)"; exit 1
+fi
