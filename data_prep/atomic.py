@@ -26,5 +26,10 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def json_bytes(obj) -> bytes:
+    """How this project writes a JSON file: indented, one trailing newline."""
+    return (json.dumps(obj, indent=2) + "\n").encode("utf-8")
+
+
 def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    write_atomic(path, json.dumps(obj, indent=2) + "\n")
+    write_atomic(path, json_bytes(obj))

@@ -71,8 +71,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check every shard against manifest.json",
                        description="Check the tokenizer beside the shards against the manifest (vocab_size, "
                                    "special ids) and every shard (presence, size, sha256, decoding, counts, every "
-                                   "token id below the vocabulary size). Exit 1 naming each damaged shard; exit 2 "
-                                   "when the data disagrees with its tokenizer.")
+                                   "token id below the vocabulary size). Exit 2 naming each damaged shard and "
+                                   "each disagreement between the data and its tokenizer.")
     p.add_argument("dir")
     p.add_argument("--workers", type=int, default=4, help="shards checked at once (default 4)")
 
@@ -137,8 +137,9 @@ def _run(args) -> int:
                   f"and its tokenizer, {len(report.damaged)} damaged shard(s)", file=sys.stderr)
             return 2
         if report.damaged:
-            print(f"data_prep verify: {len(report.damaged)} problem(s) in {args.dir}", file=sys.stderr)
-            return 1
+            print(f"data_prep verify: error: {len(report.damaged)} damaged or missing shard(s) in {args.dir}",
+                  file=sys.stderr)
+            return 2
         print(f"{args.dir}: all shards verified")
         return 0
     if args.command == "inspect":

@@ -3,35 +3,37 @@
 dataset's order (``shard.shard_order``), which does not depend on the number of tasks."""
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
-from pathlib import Path
 
 from .errors import DataPrepError
 from .settings import SPLITS
 from .shard import TASK_MANIFEST_GLOB, shard_order, task_manifest_name
-from .atomic import write_json_atomic
-from .shard_format import FORMAT_VERSION, MANIFEST, Manifest, ShardError, index_shard, tokenizer_sha256
+from .atomic import json_bytes
+from .shard_format import FORMAT_VERSION, MANIFEST, Manifest, ShardError, files_sha256, index_shard
+from .storage import Store, open_store
 
 _TOTAL_KEYS = ("shards", "sequences", "tokens", "padding", "documents")
 
 
-def _load_task_manifests(data_dir: Path) -> dict[int, dict]:
-    paths = sorted(data_dir.glob(TASK_MANIFEST_GLOB))
-    if not paths:
-        raise DataPrepError(f"{data_dir}: no task-*.json manifests (run `data_prep shard` first)")
+def _load_task_manifests(store: Store, listing: dict[str, int]) -> dict[int, dict]:
+    names = sorted(n for n in listing if "/" not in n and fnmatch.fnmatch(n, TASK_MANIFEST_GLOB))
+    if not names:
+        raise DataPrepError(f"{store.url()}: no task-*.json manifests (run `data_prep shard` first)")
     tasks: dict[int, dict] = {}
-    for path in paths:
+    for name in names:
+        path = store.url(name)
         try:
-            m = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
+            m = json.loads(store.read_bytes(name))
+        except ValueError as exc:
             raise DataPrepError(f"{path}: unreadable task manifest ({exc})") from None
         if m.get("format_version") != FORMAT_VERSION or not isinstance(m.get("task"), int):
             raise DataPrepError(f"{path}: not a task manifest of format_version {FORMAT_VERSION}")
         if "groups" not in m:
             raise DataPrepError(f"{path}: written by an older data_prep, which cut shards by task rather than by "
                                 "packing group; re-run `data_prep shard` into a new --out folder")
-        if path.name != task_manifest_name(m["task"]):
+        if name != task_manifest_name(m["task"]):
             raise DataPrepError(f"{path}: holds task {m['task']}, expected in {task_manifest_name(m['task'])}")
         tasks[m["task"]] = m
     return tasks
@@ -43,11 +45,11 @@ def _setting_differences(a: dict, b: dict) -> str:
 
 
 def finalize(data_dir: str | os.PathLike) -> Manifest:
-    """Write ``DIR/manifest.json`` from ``DIR/task-*.json`` and return it."""
-    data_dir = Path(data_dir)
-    if not data_dir.is_dir():
-        raise DataPrepError(f"{data_dir}: no such folder")
-    tasks = _load_task_manifests(data_dir)
+    """Write ``DIR/manifest.json`` from ``DIR/task-*.json`` and return it (DIR a folder or an s3:// URL)."""
+    store = open_store(data_dir)
+    store.check(write=False)
+    listing = store.list()
+    tasks = _load_task_manifests(store, listing)
     first = tasks[min(tasks)]
     num_tasks = first["num_tasks"]
     problems = []
@@ -65,18 +67,19 @@ def finalize(data_dir: str | os.PathLike) -> Manifest:
         if not 0 <= index < num_tasks:
             problems.append(f"{name}: task index {index} is out of range for {num_tasks} tasks")
     if problems:
-        raise DataPrepError(f"{data_dir}: task manifests disagree:\n  " + "\n  ".join(problems))
+        raise DataPrepError(f"{store.url()}: task manifests disagree:\n  " + "\n  ".join(problems))
     missing = [i for i in range(num_tasks) if i not in tasks]
     if missing:
         shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
-        raise DataPrepError(f"{data_dir}: incomplete: {len(missing)} of {num_tasks} tasks have no task manifest "
+        raise DataPrepError(f"{store.url()}: incomplete: {len(missing)} of {num_tasks} tasks have no task manifest "
                             f"(missing task indices: {shown}); re-run those array tasks, then finalize")
 
     tokenizer = dict(first["tokenizer"])
-    tok_dir = data_dir / tokenizer["path"]
-    if not tok_dir.is_dir():
+    tok_files = {n[len(tokenizer["path"]) + 1:]: n for n in listing if n.startswith(tokenizer["path"] + "/")}
+    tok_dir = store.url(tokenizer["path"])
+    if not tok_files:
         raise DataPrepError(f"{tok_dir}: the tokenizer copy is missing")
-    if tokenizer_sha256(tok_dir) != tokenizer["sha256"]:
+    if files_sha256({short: store.read_bytes(n) for short, n in tok_files.items()}) != tokenizer["sha256"]:
         raise DataPrepError(f"{tok_dir}: files changed since the shards were written (sha256 differs)")
 
     owner: dict[tuple, int] = {}
@@ -87,26 +90,25 @@ def finalize(data_dir: str | os.PathLike) -> Manifest:
                                 f"{task_manifest_name(owner[tuple(g)])}")
             owner.setdefault(tuple(g), index)
     if problems:
-        raise DataPrepError(f"{data_dir}: task manifests overlap:\n  " + "\n  ".join(problems))
+        raise DataPrepError(f"{store.url()}: task manifests overlap:\n  " + "\n  ".join(problems))
 
     # one order whatever the number of tasks: the dataset is the same for any K
     shards = sorted((e for m in tasks.values() for e in m["shards"]), key=shard_order)
     for e in shards:
-        path = data_dir / e["name"]
-        if not path.is_file():
+        if e["name"] not in listing:
             problems.append(f"{e['name']}: missing")
-        elif path.stat().st_size != e["bytes"]:
-            problems.append(f"{e['name']}: {path.stat().st_size} bytes, task manifest says {e['bytes']}")
+        elif listing[e["name"]] != e["bytes"]:
+            problems.append(f"{e['name']}: {listing[e['name']]} bytes, task manifest says {e['bytes']}")
     if problems:
-        raise DataPrepError(f"{data_dir}: shards do not match their task manifests:\n  " + "\n  ".join(problems))
+        raise DataPrepError(f"{store.url()}: shards do not match their task manifests:\n  " + "\n  ".join(problems))
     for e in shards:
         if "block_offsets" not in e:          # a task manifest from before data prep recorded them
             try:
-                e["block_offsets"] = index_shard(data_dir / e["name"])
+                e["block_offsets"] = index_shard(store.url(e["name"]), store.read_bytes(e["name"]))
             except ShardError as exc:
                 problems.append(str(exc))
     if problems:
-        raise DataPrepError(f"{data_dir}: shards whose tar headers do not read:\n  " + "\n  ".join(problems))
+        raise DataPrepError(f"{store.url()}: shards whose tar headers do not read:\n  " + "\n  ".join(problems))
 
     totals = {split: {k: sum(m["totals"][split][k] for m in tasks.values()) for k in _TOTAL_KEYS}
               for split in SPLITS}
@@ -116,6 +118,6 @@ def finalize(data_dir: str | os.PathLike) -> Manifest:
     manifest = Manifest.from_dict({
         "format_version": FORMAT_VERSION, "seq_len": first["seq_len"], "block_size": first["block_size"],
         "dtype": first["dtype"], "tokenizer": tokenizer, "num_tasks": num_tasks, "shards": shards,
-        "totals": totals, "settings": settings}, where=f"{data_dir / MANIFEST} (from the task manifests)")
-    write_json_atomic(data_dir / MANIFEST, manifest.to_dict())
+        "totals": totals, "settings": settings}, where=f"{store.url(MANIFEST)} (from the task manifests)")
+    store.write_bytes(MANIFEST, json_bytes(manifest.to_dict()))       # last: a folder without it is unfinished
     return manifest

@@ -3,7 +3,11 @@
 Per group and split: a ``Packer`` turns the documents into sequences, a ``SplitWriter`` shuffles and
 writes a shard per ``shard_size`` of them (the last one holds the rest).
 
-Restarts: after each shard is renamed into place, a sidecar ``<progress dir>/<shard>.json`` records
+Output goes through a ``Store`` (a local folder or a bucket prefix): a shard is written whole to a
+local file first and then published (renamed into place, or uploaded), and only then is its
+sidecar written, so a sidecar always names a complete shard.
+
+Restarts: after each shard is published, a sidecar ``<progress dir>/<shard>.json`` records
 its manifest entry, the settings hash and where the split's stream stands in the group. When a group
 is complete, ``<progress dir>/group-sXXXXX-gXXXXX.json`` lists its shards. A re-run of a killed task
 skips complete groups whose shards check out (without tokenizing them); inside the group that was
@@ -13,18 +17,17 @@ they hold and writes the rest: the same bytes as a run that was never killed.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from .groups import GroupKey
 from .packing import Packed, Packer, shard_permutation
 from .settings import SPLITS, ShardSettings
-from .atomic import write_json_atomic
-from .shard_format import ShardWriter, sha256_file, shard_name
+from .atomic import json_bytes
+from .shard_format import ShardWriter, shard_name
+from .storage import Store, sha256_bytes
 from .tokenizer import Encoded, LoadedTokenizer
 
 
@@ -32,8 +35,13 @@ def group_shard_name(split: str, key: GroupKey, index: int) -> str:
     return shard_name(split, key.source, index, group=key.group)
 
 
-def group_record_path(progress_dir: Path, key: GroupKey) -> Path:
-    return progress_dir / f"group-{key.tag}.json"
+def group_record_name(progress: str, key: GroupKey) -> str:
+    return f"{progress}/group-{key.tag}.json"
+
+
+def read_record(store: Store, name: str):
+    text = store.read_text(name)
+    return None if text is None else json.loads(text)
 
 
 @dataclass
@@ -43,20 +51,23 @@ class SplitResume:
     offset: int = 0                                     # after this many of its tokens
 
 
-def _shard_intact(out: Path, entry: dict) -> bool:
-    path = out / entry["name"]
-    return path.is_file() and path.stat().st_size == entry["bytes"] and sha256_file(path) == entry["sha256"]
+def _shard_intact(store: Store, entry: dict) -> bool:
+    """Present with its size and sha256: the sha256 recorded at upload (a bucket), or read (a folder)."""
+    info = store.stat(entry["name"])
+    if info is None or info.size != entry["bytes"]:
+        return False
+    return (info.sha256 or sha256_bytes(store.read_bytes(entry["name"]))) == entry["sha256"]
 
 
-def kept_shards(out: Path, progress_dir: Path, split: str, key: GroupKey, settings_hash: str) -> SplitResume:
+def kept_shards(store: Store, progress: str, split: str, key: GroupKey, settings_hash: str) -> SplitResume:
     """The longest run of shards 0, 1, ... of a group's split, left by a killed run, that check out."""
     resume = SplitResume()
     while True:
         name = group_shard_name(split, key, len(resume.entries))
         try:
-            record = json.loads((progress_dir / f"{name}.json").read_text())
+            record = read_record(store, f"{progress}/{name}.json")
             entry = record["entry"]
-            ok = record["settings_sha256"] == settings_hash and _shard_intact(out, entry)
+            ok = record["settings_sha256"] == settings_hash and _shard_intact(store, entry)
         except (OSError, ValueError, KeyError, TypeError):
             ok = False
         if not ok:
@@ -65,14 +76,14 @@ def kept_shards(out: Path, progress_dir: Path, split: str, key: GroupKey, settin
         resume.doc, resume.offset = record["resume"]["doc"], record["resume"]["offset"]
 
 
-def finished_group(out: Path, progress_dir: Path, key: GroupKey, settings_hash: str) -> list[dict] | None:
+def finished_group(store: Store, progress: str, key: GroupKey, settings_hash: str) -> list[dict] | None:
     """The shard entries of a group a killed run completed, if every shard checks out."""
     try:
-        record = json.loads(group_record_path(progress_dir, key).read_text())
+        record = read_record(store, group_record_name(progress, key))
         if record["settings_sha256"] != settings_hash:
             return None
         entries = record["entries"]
-        return entries if all(_shard_intact(out, e) for e in entries) else None
+        return entries if all(_shard_intact(store, e) for e in entries) else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -80,32 +91,32 @@ def finished_group(out: Path, progress_dir: Path, key: GroupKey, settings_hash: 
 _GROUP_FILE = re.compile(r"-(s\d{5,}-g\d{5,})-\d{5,}\.tar(\.tmp)?$")
 
 
-def files_by_group(out: Path) -> dict[str, list[str]]:
+def files_by_group(store: Store) -> dict[str, list[str]]:
     """Shard files (finished and ``.tmp``) in the output folder by group tag, from one listing."""
     found: dict[str, list[str]] = {}
-    for name in os.listdir(out):
-        match = _GROUP_FILE.search(name)
+    for name in store.list():
+        match = None if "/" in name else _GROUP_FILE.search(name)
         if match:
             found.setdefault(match.group(1), []).append(name)
     return found
 
 
-def remove_group_leftovers(out: Path, names: list[str], keep: set[str]) -> None:
+def remove_group_leftovers(store: Store, names: list[str], keep: set[str]) -> None:
     """Half-written ``*.tmp`` shards of a group and its shards of an older, different run. Only the
     task that owns a group touches its files."""
-    for name in names:
-        if name.endswith(".tmp") or name not in keep:
-            (out / name).unlink(missing_ok=True)
+    gone = [name for name in names if name.endswith(".tmp") or name not in keep]
+    if gone:
+        store.delete(gone)
 
 
 class SplitWriter:
     """Collects one split's packed sequences of one group and writes a shard per ``shard_size`` of them."""
 
-    def __init__(self, out: Path, split: str, key: GroupKey, s: ShardSettings, vocab_size: int, pad_id: int,
-                 settings_hash: str, progress_dir: Path, resume: SplitResume):
-        self.out, self.split, self.key, self.s = out, split, key, s
+    def __init__(self, store: Store, split: str, key: GroupKey, s: ShardSettings, vocab_size: int, pad_id: int,
+                 settings_hash: str, progress: str, resume: SplitResume):
+        self.store, self.split, self.key, self.s = store, split, key, s
         self.vocab_size, self.pad_id, self.settings_hash = vocab_size, pad_id, settings_hash
-        self.progress_dir = progress_dir
+        self.progress = progress
         self.entries = list(resume.entries)
         self.reused = len(resume.entries)
         self._chunks: list[Packed] = []
@@ -145,7 +156,8 @@ class SplitWriter:
         n = len(packed)
         order = shard_permutation(self.s.seed, self.split, self.key.source, self.key.group, index, n)
         ids, starts = packed.ids[order], packed.starts[order]
-        writer = ShardWriter(self.out / name, self.vocab_size)
+        local = self.store.staging_dir() / name
+        writer = ShardWriter(local, self.vocab_size)
         try:
             for b in range(0, n, self.s.block_size):
                 writer.write_block(ids[b:b + self.s.block_size], starts[b:b + self.s.block_size])
@@ -156,24 +168,25 @@ class SplitWriter:
         padding = int(np.count_nonzero(ids == self.pad_id))
         entry = {"name": name, "split": self.split, "source": self.key.source, "group": self.key.group,
                  "index": index, "sequences": n, "blocks": writer.blocks, "tokens": n * self.s.seq_len - padding,
-                 "padding": padding, "bytes": (self.out / name).stat().st_size, "sha256": digest,
+                 "padding": padding, "bytes": local.stat().st_size, "sha256": digest,
                  "block_offsets": writer.block_offsets}
-        write_json_atomic(self.progress_dir / f"{name}.json", {
+        self.store.put_file(local, name, digest)
+        self.store.write_bytes(f"{self.progress}/{name}.json", json_bytes({
             "settings_sha256": self.settings_hash, "entry": entry,
-            "resume": {"doc": int(packed.end_doc[-1]), "offset": int(packed.end_offset[-1])}})
+            "resume": {"doc": int(packed.end_doc[-1]), "offset": int(packed.end_offset[-1])}}))
         self.entries.append(entry)
 
 
 class GroupWriter:
     """Packs and writes both splits of one group; ``finish`` flushes them and records the group done."""
 
-    def __init__(self, out: Path, key: GroupKey, s: ShardSettings, tok: LoadedTokenizer, dtype, settings_hash: str,
-                 progress_dir: Path, resume: dict[str, SplitResume]):
-        self.key, self.progress_dir, self.settings_hash = key, progress_dir, settings_hash
+    def __init__(self, store: Store, key: GroupKey, s: ShardSettings, tok: LoadedTokenizer, dtype, settings_hash: str,
+                 progress: str, resume: dict[str, SplitResume]):
+        self.store, self.key, self.progress, self.settings_hash = store, key, progress, settings_hash
         ids = tok.special_ids
         self.packers = {split: Packer(s.seq_len, ids["cls"], ids["sep"], ids["pad"], dtype) for split in SPLITS}
-        self.writers = {split: SplitWriter(out, split, key, s, tok.vocab_size, ids["pad"], settings_hash,
-                                           progress_dir, resume[split]) for split in SPLITS}
+        self.writers = {split: SplitWriter(store, split, key, s, tok.vocab_size, ids["pad"], settings_hash,
+                                           progress, resume[split]) for split in SPLITS}
 
     @property
     def reused(self) -> int:
@@ -189,6 +202,6 @@ class GroupWriter:
         for split in SPLITS:
             written += self.writers[split].add(self.packers[split].finish()) + self.writers[split].close()
         entries = [e for split in SPLITS for e in self.writers[split].entries]
-        write_json_atomic(group_record_path(self.progress_dir, self.key),
-                          {"settings_sha256": self.settings_hash, "entries": entries})
+        self.store.write_bytes(group_record_name(self.progress, self.key),
+                               json_bytes({"settings_sha256": self.settings_hash, "entries": entries}))
         return entries, written

@@ -30,7 +30,6 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .errors import DataPrepError
 from .group_writer import (GroupWriter, SplitResume, files_by_group, finished_group, kept_shards,
@@ -39,9 +38,10 @@ from .groups import GroupKey, ReadCount, iter_owned_documents
 from .progress import Progress
 from .reader import ReadOptions, resolve_inputs, resolve_partition, task_sources
 from .settings import SPLITS, ShardSettings, settings_sha256
-from .atomic import write_json_atomic
+from .atomic import json_bytes
 from .shard_format import FORMAT_VERSION, ids_dtype
-from .tokenizer import Encoded, LoadedTokenizer, install_tokenizer_copy, load_tokenizer
+from .storage import Store, open_store
+from .tokenizer import Encoded, LoadedTokenizer, load_tokenizer, publish_tokenizer
 
 log = logging.getLogger("data_prep")
 TASK_MANIFEST_GLOB = "task-*.json"
@@ -65,7 +65,7 @@ def is_validation(text: str, fraction: float, seed: int) -> bool:
 @dataclass
 class TaskResult:
     task: int
-    manifest: Path
+    manifest: str                 # the task manifest's path or URL
     skipped: bool                 # the task manifest already existed with the same settings
     shards_written: int = 0
     shards_reused: int = 0        # complete, verified shards kept from a killed run
@@ -136,19 +136,19 @@ def _bounded(items, submit, result, ahead: int):
 class _Kept:
     """What a killed run of this task left in the output folder, looked up group by group."""
 
-    def __init__(self, out: Path, progress_dir: Path, settings_hash: str):
-        self.out, self.progress_dir, self.settings_hash = out, progress_dir, settings_hash
-        self.files = files_by_group(out)
+    def __init__(self, store: Store, progress: str, settings_hash: str):
+        self.store, self.progress, self.settings_hash = store, progress, settings_hash
+        self.files = files_by_group(store)
 
     def finished(self, key: GroupKey) -> list[dict] | None:
-        entries = finished_group(self.out, self.progress_dir, key, self.settings_hash)
+        entries = finished_group(self.store, self.progress, key, self.settings_hash)
         if entries is not None:
-            remove_group_leftovers(self.out, self.files.get(key.tag, []), {e["name"] for e in entries})
+            remove_group_leftovers(self.store, self.files.get(key.tag, []), {e["name"] for e in entries})
         return entries
 
     def resume(self, key: GroupKey) -> dict[str, SplitResume]:
-        resume = {split: kept_shards(self.out, self.progress_dir, split, key, self.settings_hash) for split in SPLITS}
-        remove_group_leftovers(self.out, self.files.get(key.tag, []),
+        resume = {split: kept_shards(self.store, self.progress, split, key, self.settings_hash) for split in SPLITS}
+        remove_group_leftovers(self.store, self.files.get(key.tag, []),
                                {e["name"] for r in resume.values() for e in r.entries})
         return resume
 
@@ -217,7 +217,7 @@ def shard_order(entry: dict) -> tuple:
     return SPLITS.index(entry["split"]), entry["source"], entry["group"], entry["index"]
 
 
-def _write_task_manifest(path: Path, s: ShardSettings, identity: dict, settings_hash: str, tok: LoadedTokenizer,
+def _write_task_manifest(store: Store, name: str, s: ShardSettings, identity: dict, settings_hash: str, tok: LoadedTokenizer,
                          dtype: str, sources, entries: list[dict], groups: list[GroupKey], documents: dict) -> None:
     entries = sorted(entries, key=shard_order)
     totals = {split: {"shards": sum(1 for e in entries if e["split"] == split),
@@ -225,13 +225,13 @@ def _write_task_manifest(path: Path, s: ShardSettings, identity: dict, settings_
                       "tokens": sum(e["tokens"] for e in entries if e["split"] == split),
                       "padding": sum(e["padding"] for e in entries if e["split"] == split),
                       "documents": documents[split]} for split in SPLITS}
-    write_json_atomic(path, {
+    store.write_bytes(name, json_bytes({
         "format_version": FORMAT_VERSION, "task": s.task_index, "num_tasks": s.num_tasks,
         "settings_sha256": settings_hash, "settings": identity,
         "origin": {"inputs": list(s.inputs), "tokenizer": str(s.tokenizer)},
         "seq_len": s.seq_len, "block_size": s.block_size, "dtype": dtype,
         "tokenizer": tok.manifest_entry(), "sources": [src.path for src in sources],
-        "groups": [list(g) for g in groups], "shards": entries, "totals": totals})
+        "groups": [list(g) for g in groups], "shards": entries, "totals": totals}))
 
 
 def run_shard(settings: ShardSettings) -> TaskResult:
@@ -243,17 +243,19 @@ def run_shard(settings: ShardSettings) -> TaskResult:
     sources = resolve_inputs(s.inputs)
     partition = resolve_partition(s.partition, len(sources), num_tasks)
     mine = task_sources(sources, partition, num_tasks, task)
-    out = Path(s.out)
-    out.mkdir(parents=True, exist_ok=True)
+    store = open_store(s.out)
+    store.check(write=True)                   # access and bucket before any work
     dtype = ids_dtype(tok.vocab_size)
 
     identity = {**s.result_settings(), "partition": partition, "dtype": dtype.name,
                 "tokenizer_sha256": tok.sha256, "sources": [src.to_dict() for src in sources]}
     settings_hash = settings_sha256(identity)
-    manifest_path = out / task_manifest_name(task)
-    if manifest_path.exists():
+    manifest_name = task_manifest_name(task)
+    manifest_path = store.url(manifest_name)
+    previous_text = store.read_text(manifest_name)
+    if previous_text is not None:
         try:
-            previous = json.loads(manifest_path.read_text())
+            previous = json.loads(previous_text)
         except ValueError as exc:
             raise DataPrepError(f"{manifest_path}: not valid JSON ({exc}); delete it to re-run task {task}") from None
         if previous.get("settings_sha256") == settings_hash:
@@ -263,10 +265,9 @@ def run_shard(settings: ShardSettings) -> TaskResult:
             f"{manifest_path}: task {task} was already written with different settings "
             f"({_describe_difference(previous.get('settings', {}), identity)}); use a new --out folder")
 
-    install_tokenizer_copy(tok, out)
-    progress_dir = out / progress_dir_name(task)
-    progress_dir.mkdir(exist_ok=True)
-    kept = _Kept(out, progress_dir, settings_hash)
+    publish_tokenizer(tok, store)
+    progress_prefix = progress_dir_name(task)
+    kept = _Kept(store, progress_prefix, settings_hash)
 
     documents = {split: 0 for split in SPLITS}
     read = ReadCount()
@@ -286,7 +287,7 @@ def run_shard(settings: ShardSettings) -> TaskResult:
                 tokens += int(enc.lens.sum())
                 progress.update(len(batch.texts), int(enc.lens.sum()), n)
             elif batch.kind == "start":
-                group = GroupWriter(out, batch.group, s, tok, dtype, settings_hash, progress_dir, batch.resume)
+                group = GroupWriter(store, batch.group, s, tok, dtype, settings_hash, progress_prefix, batch.resume)
                 reused += group.reused
                 groups.append(batch.group)
             elif batch.kind == "end":
@@ -309,8 +310,10 @@ def run_shard(settings: ShardSettings) -> TaskResult:
         log.warning("task %d of %d owns no packing group: the input makes fewer groups than there are tasks "
                     "(use fewer tasks or a smaller --group-chars)", task, num_tasks)
 
-    _write_task_manifest(manifest_path, s, identity, settings_hash, tok, dtype.name, mine, entries, groups,
+    _write_task_manifest(store, manifest_name, s, identity, settings_hash, tok, dtype.name, mine, entries, groups,
                          documents)
-    shutil.rmtree(progress_dir, ignore_errors=True)
+    store.delete_folder(progress_prefix)
+    if store.local_dir is None:
+        shutil.rmtree(store.staging_dir(), ignore_errors=True)
     return TaskResult(task, manifest_path, skipped=False, shards_written=written, shards_reused=reused,
                       groups=len(groups), documents=documents, tokens=tokens, seconds=time.perf_counter() - t0)

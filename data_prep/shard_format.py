@@ -65,6 +65,8 @@ from typing import ClassVar, Sequence
 
 import numpy as np
 
+from .storage import open_store
+
 FORMAT_VERSION = 1
 TAR_BLOCK = tarfile.BLOCKSIZE          # 512: a tar header, and the unit member data is padded to
 MANIFEST = "manifest.json"
@@ -169,12 +171,12 @@ def decode_block(ids_bytes: bytes, starts_bytes: bytes, seq_len: int) -> tuple[n
     return ids, starts
 
 
-def index_shard(path: str | os.PathLike) -> list[int]:
-    """A shard's ``block_offsets`` from its tar headers (no data is read): for manifests that do not
-    record them, and for ``verify`` to check those that do."""
+def index_shard(path: str | os.PathLike, data: bytes | None = None) -> list[int]:
+    """A shard's ``block_offsets`` from its tar headers (no data is read), of the file ``path`` or of
+    its bytes ``data``: for manifests that do not record them, and for ``verify`` to check those that do."""
     offsets: list[int] = []
     try:
-        with tarfile.open(path, mode="r:") as tar:
+        with tarfile.open(path, mode="r:", fileobj=None if data is None else io.BytesIO(data)) as tar:
             members = tar.getmembers()
     except (tarfile.TarError, OSError) as exc:
         raise ShardError(f"{path}: not a readable shard tar ({exc})") from exc
@@ -396,12 +398,15 @@ class Manifest(_AsJson):
 
 
 def load_manifest(data_dir: str | os.PathLike) -> Manifest:
-    """``DIR/manifest.json``, checked (``Manifest.from_dict``); raises ``ShardError`` naming what is wrong."""
-    path = Path(data_dir) / MANIFEST
-    if not path.is_file():
+    """``DIR/manifest.json`` (DIR a folder or a URL), checked (``Manifest.from_dict``); raises
+    ``ShardError`` naming what is wrong."""
+    store = open_store(data_dir)
+    path = store.url(MANIFEST)
+    text = store.read_text(MANIFEST)
+    if text is None:
         raise ShardError(f"{path}: missing (run `data_prep finalize {data_dir}`)")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ShardError(f"{path}: not valid JSON ({exc})") from exc
     return Manifest.from_dict(raw, where=str(path))
@@ -413,9 +418,14 @@ def tokenizer_sha256(folder: str | os.PathLike, names: list[str] | None = None) 
     folder = Path(folder)
     if names is None:
         names = [p.name for p in folder.iterdir() if p.is_file()]
+    return files_sha256({name: (folder / name).read_bytes() for name in names})
+
+
+def files_sha256(files: dict[str, bytes]) -> str:
+    """``tokenizer_sha256`` of files given by name and bytes (a tokenizer copy read from a bucket)."""
     h = hashlib.sha256()
-    for name in sorted(names):
-        data = (folder / name).read_bytes()
+    for name in sorted(files):
+        data = files[name]
         h.update(name.encode("utf-8") + b"\0" + len(data).to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()

@@ -158,6 +158,27 @@ def load_tokenizer(folder: str | os.PathLike) -> LoadedTokenizer:
                            continuation=_continuation_table(tok, vocab_size))
 
 
+def publish_tokenizer(tok: LoadedTokenizer, store, name: str = "tokenizer") -> None:
+    """The tokenizer files beside the shards, in a folder (``install_tokenizer_copy``) or a bucket: each
+    file uploaded unless the same bytes are there (tasks racing upload the same bytes; a killed
+    upload is completed by the next task); different bytes there are refused."""
+    if store.local_dir is not None:
+        install_tokenizer_copy(tok, store.local_dir, name)
+        return
+    present = {n[len(name) + 1:]: size for n, size in store.list(name).items()}
+    for fname in tok.files:
+        data = (tok.folder / fname).read_bytes()
+        if fname not in present:
+            store.write_bytes(f"{name}/{fname}", data)
+        elif present[fname] != len(data) or store.read_bytes(f"{name}/{fname}") != data:
+            raise DataPrepError(f"{store.url(name)}: holds a different {fname} than --tokenizer {tok.folder}; "
+                                "write to a new --out location")
+    extra = sorted(set(present) - set(tok.files))
+    if extra:
+        raise DataPrepError(f"{store.url(name)}: holds files {extra} that --tokenizer {tok.folder} lacks; "
+                            "write to a new --out location")
+
+
 def install_tokenizer_copy(tok: LoadedTokenizer, out_dir: Path, name: str = "tokenizer") -> Path:
     """Copy the tokenizer files to ``out_dir/name`` atomically. Concurrent array tasks may race: the
     first rename wins and the others check that the winner holds the same bytes."""

