@@ -27,17 +27,22 @@ Neither changes the shards: they are cut by packing groups, which do not depend 
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fnmatch
 import glob
 import gzip
 import heapq
 import json
 import os
+import tempfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import DataPrepError
+from .storage import is_url, open_store
 
 _KINDS = {".txt": "txt", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 _GZIP_OK = {"txt", "jsonl", "json"}
@@ -108,6 +113,10 @@ def resolve_inputs(patterns: list[str]) -> list[Source]:
                 raise DataPrepError(f"--input {pattern!r}: empty hub dataset name")
             sources[pattern] = Source("hub", name, 0)
             continue
+        if is_url(pattern):
+            for source in _sources_at_url(pattern):
+                sources[source.path] = source
+            continue
         if glob.has_magic(pattern):
             matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
             if not matches:
@@ -120,6 +129,47 @@ def resolve_inputs(patterns: list[str]) -> list[Source]:
             for source in _sources_in(Path(match), pattern):
                 sources[source.path] = source
     return sorted(sources.values(), key=lambda s: (s.kind == "hub", s.path))
+
+
+def _sources_at_url(pattern: str) -> list[Source]:
+    """``s3://bucket/prefix/*.jsonl`` (a glob, ``*`` crossing '/'), one object, or a prefix standing for
+    the supported files under it; read through a local copy (``iter_source``)."""
+    if not pattern.startswith("s3://"):
+        raise DataPrepError(f"--input {pattern!r}: inputs are local paths, hub:NAME or s3://bucket/prefix globs")
+    magic = next((i for i, c in enumerate(pattern) if c in "*?["), len(pattern))
+    base = pattern[:pattern.rfind("/", 0, magic)]
+    if base.count("/") < 2:
+        raise DataPrepError(f"--input {pattern!r}: name a bucket before any wildcard (s3://bucket/...)")
+    store = open_store(base)
+    rest = pattern[len(base) + 1:]
+    listing = store.list()
+    if magic < len(pattern):
+        names = [n for n in sorted(listing) if fnmatch.fnmatchcase(n, rest)]
+    elif rest in listing:
+        names = [rest]
+    else:
+        names = [n for n in sorted(listing) if n.startswith(rest.rstrip("/") + "/") or not rest]
+    names = [n for n in names if not Path(n).name.startswith(".") and _file_kind(Path(n))]
+    if not names:
+        raise DataPrepError(f"--input {pattern!r} matches no .txt/.jsonl/.json/.parquet objects")
+    return [Source(_file_kind(Path(n)), store.url(n), listing[n]) for n in names]
+
+
+@contextlib.contextmanager
+def _readable_path(source: Source):
+    """A local path to read ``source`` from: itself, or a download of an object (under $TMPDIR, named
+    like it, removed after reading)."""
+    if not is_url(source.path):
+        yield source.path
+        return
+    with tempfile.TemporaryDirectory(prefix="data_prep-input-") as tmp:
+        local = Path(tmp) / source.path.rsplit("/", 1)[-1]
+        base, _, name = source.path.rpartition("/")
+        open_store(base).download(name, local)
+        if local.stat().st_size != source.bytes:
+            raise DataPrepError(f"{source.path}: {local.stat().st_size} bytes now, {source.bytes} when the "
+                                "inputs were listed (changed while data prep was running)")
+        yield str(local)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,15 +335,17 @@ def _open_hub(name: str, split: str):
 
 def iter_source(source: Source, opts: ReadOptions) -> Iterator[str]:
     """Every non-empty document of one source, in file order."""
-    if not (source.kind == "hub" or os.path.exists(source.path)):
+    if not (source.kind == "hub" or is_url(source.path) or os.path.exists(source.path)):
         raise DataPrepError(f"{source.path}: input disappeared while data prep was running")
-    if not source.path.endswith(".gz"):
-        yield from _iter_source(source, opts)
-        return
-    try:
-        yield from _iter_source(source, opts)
-    except _GZIP_ERRORS as exc:
-        raise DataPrepError(_gzip_problem(source.path, exc)) from None
+    with _readable_path(source) as path:
+        local = dataclasses.replace(source, path=path)
+        if not source.path.endswith(".gz"):
+            yield from _iter_source(local, opts)
+            return
+        try:
+            yield from _iter_source(local, opts)
+        except _GZIP_ERRORS as exc:
+            raise DataPrepError(_gzip_problem(source.path, exc)) from None
 
 
 def _iter_source(source: Source, opts: ReadOptions) -> Iterator[str]:

@@ -87,6 +87,10 @@ class Store:
         """Every object under ``prefix/``."""
         self.delete(sorted(self.list(prefix)))
 
+    def download(self, name: str, local: Path) -> None:
+        """The object into the local file ``local``."""
+        Path(local).write_bytes(self.read_bytes(name))
+
     def read_text(self, name: str) -> Optional[str]:
         """The object as text, or None where it does not exist."""
         if self.stat(name) is None:
@@ -273,6 +277,13 @@ class S3Store(Store):
                 found.update({o["Key"][cut:]: int(o["Size"]) for o in page.get("Contents", [])})
             return found
         return self._call(prefix, "list", pages)
+
+    def download(self, name: str, local: Path) -> None:
+        from boto3.s3.transfer import TransferConfig
+
+        config = TransferConfig(multipart_threshold=MULTIPART_BYTES, multipart_chunksize=MULTIPART_BYTES)
+        self._call(name, "download", lambda: self.client.download_file(
+            self.bucket, self._key(name), str(local), Config=config))
 
     def write_bytes(self, name: str, data: bytes) -> None:
         self._call(name, "write", lambda: self.client.put_object(

@@ -5,6 +5,7 @@ Every command runs through its real entry point (``python -m data_prep``) with o
 AWS variables; the objects are compared byte for byte with a local run of the same settings."""
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -145,3 +146,67 @@ def test_bad_locations_exit_2_naming_the_url_before_any_work(s3_server, corpus, 
     assert expected in said and SECRET not in said
     assert list(tmp_path.iterdir()) == []              # no local folder named "gs:" or "s3:"
     assert s3_server.objects(bucket) == {}
+
+
+def test_inputs_read_from_a_bucket_glob_give_the_shards_of_local_inputs(s3_server, corpus, local_run, tmp_path):
+    text, tokenizer = corpus
+    bucket, client = s3_server.bucket("inputs"), s3_server.client()
+    for path in sorted(text.glob("*.txt")):
+        client.put_object(Bucket=bucket, Key=f"raw/{path.name}", Body=path.read_bytes())
+    client.put_object(Bucket=bucket, Key="raw/notes.md", Body=b"not an input")        # not matched
+    out = tmp_path / "shards"
+    data_prep("shard", "--input", f"s3://{bucket}/raw/*.txt", "--tokenizer", str(tokenizer), "--out", str(out),
+              *SHARD, "--task-index", "0", env=s3_server.env())
+    data_prep("shard", "--input", f"s3://{bucket}/raw/*.txt", "--tokenizer", str(tokenizer), "--out", str(out),
+              *SHARD, "--task-index", "1", env=s3_server.env())
+    data_prep("finalize", str(out), env=s3_server.env())
+    tars = {p.name: p.read_bytes() for p in out.glob("*.tar")}
+    assert tars and tars == {k: v for k, v in local_run.items() if k.endswith(".tar")}
+    inputs = json.loads((out / "manifest.json").read_text())["settings"]["inputs"]
+    assert inputs == [f"s3://{bucket}/raw/*.txt"]
+    missing = data_prep("shard", "--input", f"s3://{bucket}/raw/*.jsonl", "--tokenizer", str(tokenizer), "--out",
+                        str(tmp_path / "none"), *SHARD, "--task-index", "0", env=s3_server.env(), check=False)
+    assert missing.returncode == 2 and f"--input 's3://{bucket}/raw/*.jsonl' matches no" in missing.stderr
+
+
+def test_transient_http_errors_are_retried_and_logged_once(tmp_path, caplog):
+    """A real HTTP server that answers 503 twice and then serves the bytes: the read succeeds, one
+    warning says it retried; a 404 is no retry, an error naming the URL."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from data_prep.storage import StorageError, open_store
+
+    body, answered = b"0123456789" * 10, []
+
+    class Flaky(BaseHTTPRequestHandler):
+        def do_GET(self):
+            answered.append(self.path)
+            if self.path != "/data/blob.bin":
+                self.send_error(404)
+            elif len(answered) <= 2:
+                self.send_error(503, "busy")
+            else:
+                start, end = map(int, self.headers["Range"].removeprefix("bytes=").split("-"))
+                self.send_response(206)
+                self.send_header("Content-Length", str(end - start + 1))
+                self.end_headers()
+                self.wfile.write(body[start:end + 1])
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        store = open_store(f"http://127.0.0.1:{server.server_port}/data")
+        with caplog.at_level("WARNING", logger="data_prep"):
+            assert store.read_range("blob.bin", 10, 25) == body[10:25]
+        assert len(answered) == 3
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{store.url()}: ranged read failed (HTTPError); retrying with backoff"]
+        with pytest.raises(StorageError, match=rf"{store.url('gone.bin')}: read failed \(HTTP 404"):
+            store.read_bytes("gone.bin")
+        assert len(answered) == 4
+    finally:
+        server.shutdown()
