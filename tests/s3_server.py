@@ -45,9 +45,11 @@ class S3Server:
 
     def client(self):
         import boto3
+        from botocore.config import Config
 
         return boto3.session.Session().client("s3", endpoint_url=self.endpoint, aws_access_key_id=KEY,
-                                              aws_secret_access_key=SECRET, region_name="us-east-1")
+                                              aws_secret_access_key=SECRET, region_name="us-east-1",
+                                              config=Config(retries={"mode": "standard", "max_attempts": 6}))
 
     def bucket(self, stem: str) -> str:
         name = f"{stem}-{uuid.uuid4().hex[:8]}"
@@ -70,7 +72,10 @@ def _start(work: Path) -> tuple[subprocess.Popen, str, str]:
                                              "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc",
                                              "iam.port")}      # unnamed, a gRPC port is the port + 10000
     args = [weed, "server", f"-dir={work / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3",
-            "-s3.port.iceberg=0", "-s3.port.lance=0", *(f"-{k}={v}" for k, v in ports.items())]
+            "-s3.port.iceberg=0", "-s3.port.lance=0",
+            # each bucket is a collection that grows its own volumes, 7 at a time; the default of 8
+            # slots leaves the second bucket with "no writable volumes" (InternalError)
+            "-volume.max=400", "-master.volumeSizeLimitMB=16", *(f"-{k}={v}" for k, v in ports.items())]
     (work / "data").mkdir(parents=True)
     log = open(work / "weed.log", "wb")
     env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
