@@ -132,10 +132,17 @@ class LocalStore(Store):
 
     def list(self, prefix: str = "") -> dict[str, int]:
         """Every file under ``prefix`` (a folder name, or '' for all), by name relative to the store."""
-        base = self._path(prefix)
-        if not base.is_dir():
-            return {}
-        return {str(p.relative_to(self.path)): p.stat().st_size for p in sorted(base.rglob("*")) if p.is_file()}
+        found = {}
+        # os.walk skips a folder that vanishes under it, and a file may vanish between listing and stat:
+        # array tasks sharing the folder rename and delete their own files while another task lists.
+        for folder, _, names in os.walk(self._path(prefix)):
+            for name in names:
+                path = os.path.join(folder, name)
+                try:
+                    found[os.path.relpath(path, self.path)] = os.stat(path).st_size
+                except FileNotFoundError:
+                    continue
+        return dict(sorted(found.items()))
 
     def write_bytes(self, name: str, data: bytes) -> None:
         path = self._path(name)
