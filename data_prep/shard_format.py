@@ -58,14 +58,16 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tarfile
+import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import ClassVar, Sequence
 
 import numpy as np
 
-from .storage import open_store
+from .storage import StorageError, open_store
 
 FORMAT_VERSION = 1
 TAR_BLOCK = tarfile.BLOCKSIZE          # 512: a tar header, and the unit member data is padded to
@@ -393,8 +395,12 @@ class Manifest(_AsJson):
         return any(s.split == split for s in self.shards)
 
     def tokenizer_dir(self, data_dir: str | os.PathLike) -> Path:
-        """The tokenizer copy beside the shards of ``data_dir``."""
-        return Path(data_dir) / self.tokenizer.path
+        """The tokenizer copy beside the shards of ``data_dir`` as a local folder: itself, or for a URL
+        a download checked against ``tokenizer.sha256`` and kept under that hash (``cached_tokenizer``)."""
+        store = open_store(data_dir)
+        if store.local_dir is not None:
+            return store.local_dir / self.tokenizer.path
+        return cached_tokenizer(store, self.tokenizer.path, self.tokenizer.sha256)
 
 
 def load_manifest(data_dir: str | os.PathLike) -> Manifest:
@@ -410,6 +416,35 @@ def load_manifest(data_dir: str | os.PathLike) -> Manifest:
     except json.JSONDecodeError as exc:
         raise ShardError(f"{path}: not valid JSON ({exc})") from exc
     return Manifest.from_dict(raw, where=str(path))
+
+
+def cached_tokenizer(store, prefix: str, sha256: str) -> Path:
+    """The tokenizer files under ``prefix`` of a remote store, in ``$MLM_CACHE_DIR`` (default
+    ``~/.cache/mlm-pretrain``) ``/tokenizers/<sha256>``: downloaded once per machine (renamed into place,
+    so ranks racing each leave a whole copy), refused when its files do not hash to ``sha256``."""
+    from .tokenizer import TOKENIZER_FILES            # tokenizer.py imports this module
+
+    root = Path(os.environ.get("MLM_CACHE_DIR") or Path.home() / ".cache" / "mlm-pretrain") / "tokenizers"
+    dest = root / sha256
+    if dest.is_dir():
+        return dest
+    try:
+        names = [n[len(prefix) + 1:] for n in store.list(prefix)]
+    except StorageError:                              # https: no listing; the files a tokenizer has
+        names = [n for n in TOKENIZER_FILES if store.stat(f"{prefix}/{n}") is not None]
+    files = {name: store.read_bytes(f"{prefix}/{name}") for name in names}
+    if files_sha256(files) != sha256:
+        raise ShardError(f"{store.url(prefix)}: the tokenizer's files do not hash to the manifest's "
+                         f"tokenizer.sha256 {sha256[:12]}... (changed after data prep, or incomplete)")
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{sha256[:12]}-", dir=root))
+    for name, data in files.items():
+        (tmp / name).write_bytes(data)
+    try:
+        os.rename(tmp, dest)
+    except OSError:                                   # another rank's copy won
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
 
 
 def tokenizer_sha256(folder: str | os.PathLike, names: list[str] | None = None) -> str:

@@ -202,12 +202,17 @@ class S3Store(Store):
             raise StorageError(f"{url}: {self.bucket!r} is not an S3 bucket name")
         self.prefix = prefix.strip("/")
         self.root = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
-        self._client = None
+        self._client, self._client_pid = None, None
         self._stage: Optional[Path] = None
+
+    def __getstate__(self) -> dict:
+        # A DataLoader worker gets a copy: boto3 clients are neither picklable nor safe across a fork.
+        return {**self.__dict__, "_client": None, "_client_pid": None}
 
     @property
     def client(self):
-        if self._client is None:
+        if self._client is None or self._client_pid != os.getpid():
+            self._client_pid = os.getpid()
             import boto3
             from botocore.config import Config
 

@@ -13,8 +13,8 @@ import numpy as np
 from .errors import DataPrepError
 from .shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_sizes, index_shard, load_manifest,
                            parse_block, tokenizer_sha256)
-from .storage import Store, StorageError, open_store, sha256_bytes
-from .tokenizer import TOKENIZER_FILES, load_tokenizer
+from .storage import Store, open_store, sha256_bytes
+from .tokenizer import load_tokenizer
 
 
 def _load(data_dir: Path) -> Manifest:
@@ -90,31 +90,17 @@ def check_shard(store: Store, entry: ShardEntry, manifest: Manifest, vocab_size:
 
 
 
-def local_tokenizer(store: Store, manifest: Manifest) -> Path:
-    """The tokenizer copy beside the shards as a local folder: itself, or downloaded from a bucket or
-    web folder (its files are the ones ``files`` lists, or the usual ones where a listing is refused)."""
-    if store.local_dir is not None:
-        return manifest.tokenizer_dir(store.local_dir)
-    import tempfile
-
-    folder = Path(tempfile.mkdtemp(prefix="data_prep-tokenizer-"))
-    prefix = manifest.tokenizer.path
-    try:
-        names = [n[len(prefix) + 1:] for n in store.list(prefix)]
-    except StorageError:                              # https: no listing
-        names = [n for n in TOKENIZER_FILES if store.stat(f"{prefix}/{n}") is not None]
-    for name in names:
-        (folder / name).write_bytes(store.read_bytes(f"{prefix}/{name}"))
-    return folder
-
-
 def _tokenizer_vocab(store: Store, manifest: Manifest, report: Report) -> int:
     """The vocabulary size to check ids against: the tokenizer's beside the shards (the manifest's when
     that cannot be loaded); disagreements with the manifest go into ``report``."""
     info = manifest.tokenizer
     stated = info.vocab_size
-    folder = local_tokenizer(store, manifest)
     where, manifest_url = store.url(info.path), store.url(MANIFEST)
+    try:
+        folder = manifest.tokenizer_dir(store.url())
+    except ShardError as exc:                         # remote: does not hash to the manifest's sha256
+        report.damaged.append(str(exc))
+        return stated
     if not folder.is_dir() or not any(folder.iterdir()):
         report.damaged.append(f"{where}: tokenizer folder missing")
         return stated

@@ -43,6 +43,10 @@ class S3Server:
         return {**env, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": self.endpoint,
                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true", **extra}
 
+    def aws(self) -> dict:
+        """Just this server's AWS_* variables (to add to an environment built elsewhere)."""
+        return {k: v for k, v in self.env().items() if k.startswith("AWS_")}
+
     def client(self):
         import boto3
         from botocore.config import Config

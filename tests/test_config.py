@@ -92,9 +92,9 @@ def test_missing_data_dir_named(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match="no manifest.json"):
         load_config("configs/tiny.yaml", ["data.dir=/does/not/exist"])
-    # data prep writes to buckets; until the trainer reads them, a URL is named, not taken for a folder
-    with pytest.raises(ConfigError, match=r"data.dir: 's3://b/shards' is a URL, and the trainer does not read"):
-        load_config("configs/tiny.yaml", ["data.dir=s3://b/shards"])
+    # a URL is checked where it points (tests/test_remote_data.py), never taken for a local folder
+    with pytest.raises(ConfigError, match=r"data.dir: gs://b/shards: the scheme gs:// is not supported"):
+        load_config("configs/tiny.yaml", ["data.dir=gs://b/shards"])
     with pytest.raises(ConfigError, match="no such config file"):
         load_config("configs/nope.yaml")
     with pytest.raises(ConfigError, match="expected dotted.key=value"):

@@ -15,7 +15,7 @@ from typing import Literal, Optional, Union
 from pretrain.config import loader as configlib
 from pretrain.config.loader import ConfigError  # noqa: F401  (re-exported)
 from data_prep.shard_format import MANIFEST
-from data_prep.storage import is_url
+from data_prep.storage import StorageError, is_url, open_store
 from pretrain.config.model import MaskingConfig, ModelConfig, OptimConfig
 
 COMPILE_AUTO_MIN_STEPS = 500     # compile's start-up paid back after 50-150 steps on mini (bench/)
@@ -25,8 +25,11 @@ def _data_dir_problems(folder: str) -> list[str]:
     if not folder:
         return ["dir: required (a folder written by data_prep)"]
     if is_url(folder):
-        return [f"dir: {folder!r} is a URL, and the trainer does not read shards from object storage yet: "
-                "copy the folder where every node sees it (e.g. `aws s3 sync`) and name that"]
+        try:
+            found = open_store(folder).stat(MANIFEST) is not None
+        except StorageError as exc:                    # unsupported scheme, no access, no such bucket
+            return [f"dir: {exc}"]
+        return [] if found else [f"dir: {folder!r} has no {MANIFEST} (run `data_prep finalize` on it)"]
     if not os.path.isfile(os.path.join(folder, MANIFEST)):
         return [f"dir: {folder!r} has no {MANIFEST} (run `data_prep finalize` on it)"]
     return []

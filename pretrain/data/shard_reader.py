@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from data_prep.shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_sizes, ids_dtype, index_shard,
-                                    read_block)
+                                    parse_block, read_block)
+from data_prep.storage import StorageError, Store, open_store
 
 __all__ = ["DataError", "ShardError", "TokenIdError", "check_manifest", "index_all_shards", "SplitLayout",
            "BlockReader"]
@@ -85,17 +86,34 @@ def index_all_shards(data_dir: str | os.PathLike, manifest: Manifest, splits: Se
         raise ShardError("\n".join(problems))
 
 
+def _shard_sizes(store: Store, entries: Sequence[ShardEntry]) -> dict[str, Optional[int]]:
+    """Each shard's size where it is (None: absent): a stat per file, one listing of a bucket, or a
+    HEAD per object of a web folder."""
+    if store.local_dir is not None:
+        return {e.name: (p.stat().st_size if (p := store.local_dir / e.name).is_file() else None) for e in entries}
+    try:
+        listed = store.list()
+    except StorageError:                                   # https: no listing
+        with ThreadPoolExecutor(max_workers=_INDEX_THREADS) as pool:
+            infos = list(pool.map(lambda e: store.stat(e.name), entries))
+        return {e.name: (i.size if i else None) for e, i in zip(entries, infos)}
+    return {e.name: listed.get(e.name) for e in entries}
+
+
 def _shard_file_problems(manifest: Manifest, data_dir: str | os.PathLike,
                          splits: Sequence[str]) -> tuple[list[str], list[ShardEntry]]:
     """Missing, wrong-size or inconsistent shard files; and the sound entries of ``splits`` (all if none)."""
     problems: list[str] = []
-    missing, wrong_size, inconsistent, sound = [], [], [], []
+    missing, wrong_size, inconsistent, sound, unindexed = [], [], [], [], []
+    store = open_store(data_dir)
+    sizes = _shard_sizes(store, manifest.shards)
     for entry in manifest.shards:
-        path = Path(data_dir) / entry.name
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
+        size = sizes[entry.name]
+        if size is None:
             missing.append(entry.name)
+            continue
+        if store.local_dir is None and entry.block_offsets is None:
+            unindexed.append(entry.name)
             continue
         if size != entry.bytes:
             wrong_size.append(f"{entry.name} ({size} bytes, manifest says {entry.bytes})")
@@ -109,10 +127,12 @@ def _shard_file_problems(manifest: Manifest, data_dir: str | os.PathLike,
             sound.append(entry)
     for label, items, hint in (
             ("shard files missing", missing, "restore them or re-run data_prep"),
+            ("shards without block_offsets in the manifest", unindexed, "a remote reader needs them: run "
+             "`data_prep finalize` on the folder again, which records them"),
             ("shard files of the wrong size", wrong_size, "truncated or rewritten; run data_prep verify"),
             ("shard entries inconsistent", inconsistent, "")):
         if items:
-            problems.append(_named(label, items, Path(data_dir), hint))
+            problems.append(_named(label, items, store.url(), hint))
     return problems, sound
 
 
@@ -129,7 +149,7 @@ def check_manifest(manifest: Manifest, data_dir: str | os.PathLike, *, splits: S
     and with ``index_tars`` the tar headers of the shards of ``splits`` (all shards if none are named)
     are read too (``index_all_shards``).
     """
-    where = Path(data_dir) / MANIFEST
+    where = open_store(data_dir).url(MANIFEST)
     seq_len_max = seq_len_max if seq_len_max is not None else max_positions
     problems: list[str] = []
     data_vocab, data_sha256, seq_len = manifest.tokenizer.vocab_size, manifest.tokenizer.sha256, manifest.seq_len
@@ -146,9 +166,12 @@ def check_manifest(manifest: Manifest, data_dir: str | os.PathLike, *, splits: S
     for split in splits:
         if not any(s.sequences > 0 for s in manifest.shards_of(split)):
             problems.append(f"{where}: split {split!r} has no shards with sequences (splits present: {present})")
-    shard_problems, sound = _shard_file_problems(manifest, data_dir, splits)
+    try:
+        shard_problems, sound = _shard_file_problems(manifest, data_dir, splits)
+    except StorageError as exc:
+        return problems + [str(exc)]
     problems += shard_problems
-    if index_tars:
+    if index_tars and open_store(data_dir).local_dir is not None:     # remote: offsets from the manifest
         problems += _index_problems(data_dir, sound)
     return problems
 
@@ -167,7 +190,8 @@ class SplitLayout:
         self.block_size = manifest.block_size
         self.vocab_size = manifest.tokenizer.vocab_size
         self.pad_id = manifest.tokenizer.pad_id
-        self.paths = [str(Path(data_dir) / s.name) for s in entries]
+        self.store = open_store(data_dir)         # picklable: a worker makes its own client
+        self.paths = [self.store.url(s.name) for s in entries]      # for messages; files where local
         self.shard_blocks = [s.blocks for s in entries]
         self.shard_entries = entries
         # What a resumed stream must find unchanged: names, counts and content hashes of the split's shards.
@@ -238,12 +262,11 @@ class BlockReader:
             return hit
         lay = self.layout
         shard, index, n = int(lay.block_shard[b]), int(lay.block_index[b]), int(lay.block_len[b])
-        f = self._file(shard)
         path = lay.paths[shard]
         try:
-            offsets = self._indexes[shard]
-            ids, starts = read_block(f, int(offsets[index]), int(offsets[index + 1]), lay.seq_len,
-                                     f"{path}: block {index}")
+            ids, starts = self._read(shard, index)
+        except StorageError as exc:
+            raise ShardError(f"{path}: block {index} cannot be read ({exc})") from exc
         except ShardError as exc:
             raise ShardError(f"{exc}; run data_prep verify") from exc
         except (ValueError, OSError, EOFError) as exc:
@@ -264,6 +287,18 @@ class BlockReader:
             _, (old, _) = self._blocks.popitem(last=False)
             self._cached_rows -= len(old)
         return ids, starts
+
+    def _read(self, shard: int, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """A block's two arrays: a seek and a read in a local file, one ranged GET from a store."""
+        lay = self.layout
+        where = f"{lay.paths[shard]}: block {index}"
+        if lay.store.local_dir is None:
+            offsets = lay.shard_entries[shard].block_offsets       # checked present by check_manifest
+            span = lay.store.read_range(lay.shard_entries[shard].name, offsets[index], offsets[index + 1])
+            return parse_block(span, lay.seq_len, where)
+        f = self._file(shard)
+        offsets = self._indexes[shard]
+        return read_block(f, int(offsets[index]), int(offsets[index + 1]), lay.seq_len, where)
 
     def gather(self, blocks: np.ndarray, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Rows ``rows[i]`` of blocks ``blocks[i]`` as an int64 [B, L] and a bool [B, L] tensor, and

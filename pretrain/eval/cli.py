@@ -29,7 +29,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from data_prep.shard_format import MANIFEST, Manifest, load_manifest
+from data_prep.shard_format import MANIFEST, Manifest, ShardError, load_manifest
+from data_prep.storage import StorageError, is_url, open_store
 from pretrain.checkpoint.export import export_checkpoint, resolve_checkpoint
 from pretrain.config.schema import DownstreamTaskConfig
 from pretrain.data.stream import check_manifest
@@ -202,9 +203,17 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _is_shard_folder(location: str) -> bool:
+    """Whether ``location`` (a folder or a URL) holds a finalized data_prep manifest."""
+    try:
+        return open_store(location).stat(MANIFEST) is not None
+    except StorageError as exc:
+        raise TaskError(f"--data {exc}") from None
+
+
 def task_specs(args) -> list[DownstreamTaskConfig]:
     specs = []
-    data_is_shards = bool(args.data) and (Path(args.data) / MANIFEST).is_file()
+    data_is_shards = bool(args.data) and _is_shard_folder(args.data)
     for path in args.task:
         spec = DownstreamTaskConfig(path=path, text_column=args.text_column, label_column=args.label_column,
                                     test_fraction=args.test_fraction, max_examples=args.max_examples,
@@ -234,18 +243,18 @@ def main(argv=None) -> int:
     datasets.disable_progress_bars()
     try:
         specs = task_specs(args)
-        if args.data and not Path(args.data).exists():
+        if args.data and not is_url(args.data) and not Path(args.data).exists():
             raise TaskError(f"--data {args.data}: no such file or folder")
         problem = run_problem(args.mlflow_run_id, args.tracking_uri) if args.mlflow_run_id else None
         if problem:
             raise TaskError(problem)
-        data_dir = args.data if args.data and (Path(args.data) / MANIFEST).is_file() else None
+        data_dir = args.data if args.data and _is_shard_folder(args.data) else None
         with ExitStack() as stack:
             model_dir = resolve_model(args.model, stack)
             settings = FinetuneSettings(epochs=args.finetune_epochs, lr=args.finetune_lr,
                                         batch_size=args.finetune_batch_size, seed=args.seed)
             metrics = evaluate_model(model_dir, specs, args.protocol, data_dir, args.device, args.batch_size, settings)
-    except (TaskError, OSError) as exc:
+    except (TaskError, ShardError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(format_results(metrics, args.protocol))
