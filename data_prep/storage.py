@@ -36,7 +36,8 @@ log = logging.getLogger("data_prep")
 
 SHA256_METADATA = "sha256"          # S3 user metadata (x-amz-meta-sha256): the object's sha256, hex
 MULTIPART_BYTES = 64 << 20
-RETRIES = 6                         # attempts after the first, 0.5 s doubling to 16 s, with jitter
+RETRY_ENV = "MLM_STORE_RETRY_S"     # how long transient failures are retried (the trainer sets data.remote_timeout_s)
+DEFAULT_RETRY_S = 30.0
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _DENIED = {"AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId", "403", "AllAccessDisabled",
            "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed"}
@@ -46,6 +47,11 @@ _TRANSIENT = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout
 
 class StorageError(DataPrepError):
     """A URL that cannot be used: unsupported scheme, no access, no such bucket or object."""
+
+
+class StoreUnavailable(StorageError):
+    """Transient failures (connection errors, 5xx, throttling) outlasted the retry window: the store is
+    down, not the data bad. The trainer exits 3 (requeue) on it; the last checkpoint resumes."""
 
 
 def is_url(location: str | os.PathLike) -> bool:
@@ -176,19 +182,39 @@ class LocalStore(Store):
 
 
 # ------------------------------------------------------------------------------------------ retries
-def _with_retries(store: "Store", what: str, call: Callable, transient: Callable[[BaseException], bool]):
-    """``call()``, again after a transient failure (backoff 0.5 s doubling, jittered), at most RETRIES
-    more times; the first retry of each store is logged, not every one."""
-    for attempt in range(RETRIES + 1):
+def set_retry_window(seconds: float) -> None:
+    """How long this process and the ones it starts retry transient failures."""
+    os.environ[RETRY_ENV] = str(float(seconds))
+
+
+def retry_window_s() -> float:
+    try:
+        return max(0.0, float(os.environ.get(RETRY_ENV) or DEFAULT_RETRY_S))
+    except ValueError:
+        return DEFAULT_RETRY_S
+
+
+def _with_retries(store: "Store", name: str, what: str, call: Callable, transient: Callable[[BaseException], bool]):
+    """``call()``, again after a transient failure (backoff 0.5 s doubling to 16 s, jittered) until the
+    retry window (``MLM_STORE_RETRY_S``, default 30 s) has passed, then ``StoreUnavailable``; the first
+    retry of each store is logged, not every one."""
+    started, attempt = time.monotonic(), 0
+    while True:
         try:
             return call()
         except Exception as exc:      # noqa: BLE001 -- classified just below
-            if attempt == RETRIES or not transient(exc):
+            if not transient(exc):
                 raise
+            waited = time.monotonic() - started
+            if waited >= retry_window_s():
+                raise StoreUnavailable(f"{store.url(name)}: {what} failed for {waited:.0f} s "
+                                       f"({type(exc).__name__}: {exc}); the store looks unavailable") from None
             if not getattr(store, "_retry_logged", False):
                 store._retry_logged = True
                 log.warning("%s: %s failed (%s); retrying with backoff", store.url(), what, type(exc).__name__)
-            time.sleep(min(16.0, 0.5 * 2 ** attempt) * (0.5 + random.random() / 2))
+            time.sleep(min(16.0, 0.5 * 2 ** attempt, max(0.05, retry_window_s() - waited))
+                       * (0.5 + random.random() / 2))
+            attempt += 1
 
 
 # ------------------------------------------------------------------------------------------ s3
@@ -237,7 +263,7 @@ class S3Store(Store):
                 isinstance(exc, BotoCoreError) and "timeout" in type(exc).__name__.lower())
 
         try:
-            return _with_retries(self, what, call, transient)
+            return _with_retries(self, name, what, call, transient)
         except (NoCredentialsError, PartialCredentialsError):
             raise StorageError(f"{self.url(name)}: no AWS credentials found (set AWS_ACCESS_KEY_ID and "
                                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, and AWS_ENDPOINT_URL for a non-AWS "
@@ -359,7 +385,7 @@ class HttpStore(Store):
             with urllib.request.urlopen(request, timeout=60) as response:
                 return response.status, dict(response.headers), response.read()
         try:
-            return _with_retries(self, what, fetch, transient)
+            return _with_retries(self, name, what, fetch, transient)
         except urllib.error.HTTPError as exc:
             if exc.code == 404 and method == "HEAD":
                 return 404, {}, b""

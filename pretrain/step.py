@@ -41,6 +41,7 @@ class StepResult:
     stop: bool                # some rank was asked to stop
     grad_norm: float | None   # ZeRO 0 only, when asked (DeepSpeed keeps none there)
     bad_input: bool = False   # some rank could not read its batch (runtime.bad_input): stop, exit 2
+    outage: bool = False      # ... because the data's store stayed down: stop, exit 3 (requeue)
 
 
 def mask_micro_batches(run, micro_batches: list[dict]) -> list[tuple]:
@@ -73,7 +74,7 @@ def train_step(run, micro_batches: list[dict], want_grad_norm: bool,
     dist.all_reduce(predicted)
     scale = world * len(masked) / predicted.clamp(min=1.0)
     flags = torch.zeros(3, device=device)                     # [non-finite loss, stop requested, bad input]
-    flags[2] = float(bad_input.read_failed(micro_batches))
+    flags[2] = bad_input.failure_level(micro_batches)
     sums = torch.zeros(4, dtype=torch.float64, device=device)
     grad_norm = None
     for i, (m, attention_mask, tokens, sample_ids) in enumerate(masked):
@@ -95,7 +96,8 @@ def train_step(run, micro_batches: list[dict], want_grad_norm: bool,
                 before_step()
         engine.step()
     run.optimizer.skip_next_step = False
-    return StepResult(sums, bool(flags[0]), bool(flags[1]), grad_norm, bool(flags[2]))
+    return StepResult(sums, bool(flags[0]), bool(flags[1]), grad_norm, bool(flags[2]),
+                      bool(flags[2] >= bad_input.OUTAGE))
 
 
 class ThroughputWindow:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from data_prep import stale_shm
+from data_prep import storage
 from data_prep.shard_format import Manifest, ShardError
 from pretrain import console
 from pretrain.checkpoint import files, phases
@@ -209,8 +210,8 @@ def fit(run: Run) -> int:
             check_health = health.due(state.step + 1)
             result = train_step(run, micro, will_log, health.before_step if check_health else None)
             if result.bad_input:
-                bad_input.report(micro, info.rank)
-                return EXIT_BAD_INPUT
+                bad_input.report(micro, info.rank, result.outage)
+                return EXIT_REQUEUE if result.outage else EXIT_BAD_INPUT
             if check_health:
                 run.tracker.log_metrics(health.after_step(state.step + 1), state.step + 1)
             state.step += 1
@@ -378,6 +379,7 @@ def main(argv=None) -> int:
     # rank finds the same problems, the first one reports them.
     try:
         cfg = load_config(args.config, args.overrides)
+        storage.set_retry_window(cfg.data.remote_timeout_s)      # before any read; workers inherit it
         if cfg.impl.device == "cpu":
             eng.train_on_cpu()
         console.quiet_third_party(cfg.train.out_dir, int(os.environ.get("RANK", "0")))
@@ -405,8 +407,12 @@ def main(argv=None) -> int:
     except ShardError as exc:    # found while reading: name the shard, no traceback on every rank
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except bad_input.BadInputStop:   # read mid-run (the evaluation split); every rank printed it
-        return EXIT_BAD_INPUT
+    except storage.StoreUnavailable as exc:     # the data's store is down: requeue, resume from the checkpoint
+        print(f"error: {exc}; exit {EXIT_REQUEUE} (requeue): the last complete checkpoint resumes",
+              file=sys.stderr, flush=True)
+        return EXIT_REQUEUE
+    except bad_input.BadInputStop as stop:   # read mid-run (the evaluation split); every rank printed it
+        return EXIT_REQUEUE if stop.outage else EXIT_BAD_INPUT
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

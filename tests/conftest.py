@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from s3_server import s3_server  # noqa: F401 -- the session's S3 server, for any test that asks
+from s3_server import own_s3_server, s3_server  # noqa: F401 -- S3 servers for any test that asks
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))

@@ -33,9 +33,14 @@ def _free_port() -> int:
 
 
 class S3Server:
-    def __init__(self, endpoint: str, filer: str, work: Path):
-        self.endpoint, self.work = endpoint, work
+    def __init__(self, endpoint: str, filer: str, work: Path, proc: subprocess.Popen | None = None):
+        self.endpoint, self.work, self.proc = endpoint, work, proc
         self.filer = filer          # the filer's own HTTP: GET (with Range) of /buckets/<bucket>/<key>
+
+    def stop(self) -> None:
+        """The server and all its processes, now (an outage)."""
+        if self.proc is not None:
+            _stop(self.proc)
 
     def env(self, **extra: str) -> dict:
         """The caller's environment, less any AWS_* of the developer's, plus this server's."""
@@ -102,9 +107,18 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    work = tmp_path_factory.mktemp("seaweedfs")
+    yield from _serve(tmp_path_factory.mktemp("seaweedfs"))
+
+
+@pytest.fixture
+def own_s3_server(tmp_path_factory):
+    """A server of the test's own, which it may stop (``.stop()``); the session's stays up."""
+    yield from _serve(tmp_path_factory.mktemp("seaweedfs-own"))
+
+
+def _serve(work: Path):
     proc, endpoint, filer = _start(work)
-    server = S3Server(endpoint, filer, work)
+    server = S3Server(endpoint, filer, work, proc)
     try:
         deadline, last = time.monotonic() + 90, None
         while time.monotonic() < deadline:

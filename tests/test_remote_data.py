@@ -6,6 +6,7 @@ in the same order, so the per-step losses equal a local run's bit for bit."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,36 @@ def test_a_shard_object_replaced_with_other_bytes_is_exit_2_naming_it(s3_server,
     said = proc.stdout + proc.stderr
     assert proc.returncode == 2, explain(proc)
     assert f"s3://{bucket}/wiki/train-" in said and ": block " in said and "Traceback" not in proc.stderr, said[-3000:]
+
+
+def test_a_store_gone_for_good_ends_the_run_with_exit_3_naming_it(own_s3_server, shards, tmp_path):
+    """The server stopped mid-run: reads are retried for data.remote_timeout_s, then every process
+    ends, exit 3 (requeue), naming the object; the last checkpoint stays the one to resume."""
+    import subprocess
+
+    import psutil
+    from conftest import train_cmd, trainer_env
+
+    bucket = copy_to_bucket(own_s3_server, shards, "outage")
+    out = tmp_path / "run"
+    cmd = train_cmd(f"s3://{bucket}/wiki", out, *RUN, "train.max_steps=100000", "train.eval_every=0",
+                    "data.remote_timeout_s=4", ranks=2)
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=trainer_env(**own_s3_server.aws()),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    try:
+        for _ in range(1200):
+            if metrics.is_file() and metrics.read_text().count("\n") >= 2 or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        own_s3_server.stop()
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3, f"{proc.returncode}\n{stdout[-2000:]}\n{stderr[-3000:]}"
+    assert f"s3://{bucket}/wiki/" in stderr and "the store looks unavailable" in stderr, stderr[-3000:]
+    assert stderr.count("stopping: the data's store is unavailable (exit 3, requeue)") == 2, stderr[-5000:]
+    assert "Traceback" not in stderr
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]

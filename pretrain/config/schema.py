@@ -60,6 +60,9 @@ class DataConfig:
     train_split: str = "train"
     eval_split: str = "validation"
     seed: int = 1234           # shard/block order per epoch comes from (seed, epoch)
+    # A data.dir URL (s3://, https://) whose store fails transiently (connection errors, 5xx, throttling)
+    # is retried this long; then the run ends with exit 3 (requeue), the last checkpoint untouched.
+    remote_timeout_s: float = 300.0
     # A mixture of corpora sharing one tokenizer and sequence length (pretrain.data.mixture); empty: `dir`
     # alone (one source named "main").
     sources: list[SourceConfig] = field(default_factory=list)
@@ -69,9 +72,10 @@ class DataConfig:
             self.dir = self.sources[0].dir
 
     def check(self) -> list[str]:
+        timeout = [] if self.remote_timeout_s > 0 else [f"remote_timeout_s: must be positive, got {self.remote_timeout_s}"]
         if self.sources:
-            return self._sources_problems()
-        return _data_dir_problems(self.dir)
+            return timeout + self._sources_problems()
+        return timeout + _data_dir_problems(self.dir)
 
     def _sources_problems(self) -> list[str]:
         """Problems of the list as a whole (each source's own fields are checked by its check())."""

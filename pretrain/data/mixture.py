@@ -41,6 +41,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from data_prep.shard_format import Manifest, load_manifest
+from data_prep.storage import StoreUnavailable
 from pretrain.data.stream import DataError, ShardError, TrainStream, _open_split, _Plan, cached, checked_position, ordered_batches
 from pretrain.seeds import derive_seed
 from pretrain.data.shard_reader import BlockReader
@@ -225,7 +226,7 @@ class _MixtureDataset(IterableDataset):
                 yield {**self._batch(readers, cached[1], i), "global_step": k, "micro_step": i}
                 j += num
         except Exception as exc:       # as pretrain.data: re-raised by the main process with the bare message
-            if info is None or not isinstance(exc, ShardError):
+            if info is None or not isinstance(exc, (ShardError, StoreUnavailable)):
                 raise
             yield {"failure": type(exc), "message": str(exc)}
         finally:

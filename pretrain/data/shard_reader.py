@@ -24,7 +24,7 @@ import torch
 
 from data_prep.shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_sizes, ids_dtype, index_shard,
                                     parse_block, read_block)
-from data_prep.storage import StorageError, Store, open_store
+from data_prep.storage import StorageError, Store, StoreUnavailable, open_store
 
 __all__ = ["DataError", "ShardError", "TokenIdError", "check_manifest", "index_all_shards", "SplitLayout",
            "BlockReader"]
@@ -265,6 +265,8 @@ class BlockReader:
         path = lay.paths[shard]
         try:
             ids, starts = self._read(shard, index)
+        except StoreUnavailable:
+            raise                                    # the store is down, not the data bad: exit 3 upstream
         except StorageError as exc:
             raise ShardError(f"{path}: block {index} cannot be read ({exc})") from exc
         except ShardError as exc:

@@ -62,6 +62,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_prep.shard_format import Manifest, load_manifest
+from data_prep.storage import StoreUnavailable
 from pretrain.data.shard_reader import (
     BlockReader, DataError, ShardError, SplitLayout, TokenIdError, check_manifest, index_all_shards,
 )
@@ -195,7 +196,7 @@ class _TrainDataset(IterableDataset):
                        "global_step": k, "micro_step": i, "epoch": k // self.plan.steps_per_epoch}
                 j += num
         except Exception as exc:       # not ``except ShardError``: that name may be gone at interpreter exit
-            if info is None or not isinstance(exc, ShardError):
+            if info is None or not isinstance(exc, (ShardError, StoreUnavailable)):
                 raise
             # Re-raised by the main process as the same type with the bare message: the DataLoader's
             # own re-raise would wrap it in the worker's traceback text.

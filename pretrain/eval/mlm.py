@@ -28,13 +28,14 @@ import torch
 import torch.distributed as dist
 
 from data_prep.shard_format import Manifest, ShardError, load_manifest
+from data_prep.storage import StoreUnavailable
 from pretrain.data.mixture import resolve_sources
 from pretrain.data.shard_reader import BlockReader
 from pretrain.data.stream import _open_split
 from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.runtime import bad_input
 from pretrain.runtime import engine as eng
-from pretrain.runtime.bad_input import BAD_INPUT_KEY
+from pretrain.runtime.bad_input import BAD_INPUT_KEY, OUTAGE_KEY
 
 LOSS_UNIT = 2.0 ** -24      # fixed-point resolution of a token's loss: far below what a log shows
 
@@ -65,12 +66,13 @@ def eval_set_batches(data_dir: str | os.PathLike, manifest: Manifest | None, spl
             j = np.searchsorted(ends, pos, side="right")
             try:
                 input_ids, word_starts, _ = reader.gather(j, pos - (ends[j] - layout.block_len[j]))
-            except ShardError as exc:
+            except (ShardError, StoreUnavailable) as exc:
                 if not keep_in_step:
                     raise
                 yield {"input_ids": torch.ones(1, layout.seq_len, dtype=torch.long),
                        "word_starts": torch.zeros(1, layout.seq_len, dtype=torch.bool),
-                       "sample_ids": torch.zeros(1, dtype=torch.long), "filler": True, BAD_INPUT_KEY: str(exc)}
+                       "sample_ids": torch.zeros(1, dtype=torch.long), "filler": True, BAD_INPUT_KEY: str(exc),
+                       OUTAGE_KEY: isinstance(exc, StoreUnavailable)}
                 continue
             yield {"input_ids": input_ids, "word_starts": word_starts, "sample_ids": torch.from_numpy(pos),
                    "filler": filler}
@@ -88,12 +90,13 @@ def token_sums(model_out, device) -> torch.Tensor:
 
 
 def score(engine, batches: Iterator[dict], special: SpecialIds, masking, device) -> tuple[torch.Tensor, str | None]:
-    """int64 [loss units, correct, counted, batches with a non-finite loss, batches unreadable] of
-    this rank's batches, and the first read error's message."""
-    sums, unreadable = torch.zeros(5, dtype=torch.int64, device=device), None
+    """int64 [loss units, correct, counted, batches with a non-finite loss, batches unreadable, of those
+    because the store was down] of this rank's batches, and the first read error's message."""
+    sums, unreadable = torch.zeros(6, dtype=torch.int64, device=device), None
     for batch in batches:
         if BAD_INPUT_KEY in batch:
             sums[4] += 1
+            sums[5] += int(bool(batch.get(OUTAGE_KEY)))
             unreadable = unreadable or batch[BAD_INPUT_KEY]
         ids = batch["input_ids"].to(device)
         # Masks keyed by sample id: a sequence gets the same mask in any batch.
@@ -139,8 +142,9 @@ def evaluate(engine, cfg, special: SpecialIds, info) -> dict:
     sums = torch.stack(rows)
     dist.all_reduce(sums)                   # integers: the same result in any order
     if sums[:, 4].sum() > 0:
-        bad_input.report_messages(unreadable, info.rank)
-        raise bad_input.BadInputStop()
+        outage = bool(sums[:, 5].sum() > 0)
+        bad_input.report_messages(unreadable, info.rank, outage)
+        raise bad_input.BadInputStop(outage)
     sums = sums[:, :4]
     out = figures("eval", sums.sum(0).tolist())
     if len(names) > 1:

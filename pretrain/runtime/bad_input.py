@@ -11,6 +11,9 @@ The rank that failed to read its micro-batches trains the step on placeholder ro
 only: nothing is masked, nothing is learnt) so that it makes the same collectives as the others; its
 "bad input" flag rides on the step's existing flag all-reduce, the update is skipped everywhere, and
 then, on this path only, every rank gathers the messages and prints them.
+
+A store that stays unavailable past ``data.remote_timeout_s`` (``StoreUnavailable``) takes the same
+path with a higher flag: every rank stops with exit 3 (requeue) instead, the checkpoint untouched.
 """
 from __future__ import annotations
 
@@ -22,9 +25,12 @@ import torch
 import torch.distributed as dist
 
 from data_prep.shard_format import ShardError
+from data_prep.storage import StoreUnavailable
 from pretrain.model.masking import SpecialIds
 
 BAD_INPUT_KEY = "bad_input"     # in a placeholder micro-batch: what this rank failed to read
+OUTAGE_KEY = "store_unavailable"     # ... and whether because the data's store was down (exit 3, not 2)
+BAD_INPUT, OUTAGE = 1.0, 2.0         # a step's failure level, max-reduced over the ranks
 
 # How long a rank other than the first waits before it reports bad input itself (below).
 OTHER_RANKS_REPORT_AFTER_S = 10.0
@@ -45,33 +51,41 @@ def next_micro_batches(batches, count: int, special: SpecialIds, micro_batch: in
     """The step's ``count`` micro-batches, or placeholders carrying the reading error's message."""
     try:
         return [next(batches) for _ in range(count)]
-    except ShardError as exc:
+    except (ShardError, StoreUnavailable) as exc:
         placeholder = {"input_ids": torch.full((micro_batch, seq_len), special.cls, dtype=torch.long),
                        "word_starts": torch.zeros(micro_batch, seq_len, dtype=torch.bool),
                        "sample_ids": torch.zeros(micro_batch, dtype=torch.long), "has_padding": False,
-                       BAD_INPUT_KEY: str(exc)}
+                       BAD_INPUT_KEY: str(exc), OUTAGE_KEY: isinstance(exc, StoreUnavailable)}
         return [placeholder] * count
 
 
-def read_failed(micro_batches: list[dict]) -> bool:
-    return any(BAD_INPUT_KEY in b for b in micro_batches)
+def failure_level(micro_batches: list[dict]) -> float:
+    """0 (read), BAD_INPUT or OUTAGE: what this rank's reading of the step met."""
+    if not any(BAD_INPUT_KEY in b for b in micro_batches):
+        return 0.0
+    return OUTAGE if any(b.get(OUTAGE_KEY) for b in micro_batches) else BAD_INPUT
 
 
-def report(micro_batches: list[dict], rank: int) -> None:
+def report(micro_batches: list[dict], rank: int, outage: bool = False) -> None:
     """Every rank prints every failing rank's error (a collective: call on all ranks)."""
-    report_messages(next((b[BAD_INPUT_KEY] for b in micro_batches if BAD_INPUT_KEY in b), None), rank)
+    report_messages(next((b[BAD_INPUT_KEY] for b in micro_batches if BAD_INPUT_KEY in b), None), rank, outage)
 
 
-def report_messages(mine: str | None, rank: int) -> None:
+def report_messages(mine: str | None, rank: int, outage: bool = False) -> None:
     """Every rank prints every rank's error (``mine``: this rank's, or None); a collective."""
     messages = [None] * dist.get_world_size()
     dist.all_gather_object(messages, mine)
     for source, message in enumerate(messages):
         if message is not None:
             print(f"error: [read by rank {source}] {message}", file=sys.stderr, flush=True)
-    print(f"[rank {rank}] stopping on bad input (exit 2); the last complete checkpoint is untouched",
-          file=sys.stderr, flush=True)
+    why = (": the data's store is unavailable (exit 3, requeue)" if outage else " on bad input (exit 2)")
+    print(f"[rank {rank}] stopping{why}; the last complete checkpoint is untouched", file=sys.stderr, flush=True)
 
 
 class BadInputStop(Exception):
-    """Bad input was read mid-run and reported on every rank: every rank exits with code 2."""
+    """Bad input was read mid-run and reported on every rank: every rank exits with code 2 (3 where
+    ``outage``: the data's store was down)."""
+
+    def __init__(self, outage: bool = False):
+        super().__init__("the data's store is unavailable" if outage else "bad input")
+        self.outage = outage
