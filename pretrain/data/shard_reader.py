@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -32,6 +32,7 @@ __all__ = ["DataError", "ShardError", "TokenIdError", "check_manifest", "index_a
 _MAX_NAMED = 10            # problems name at most this many shards, then give a count
 _OPEN_FILES = 16           # file handles kept open per reader
 _INDEX_THREADS = 8
+READ_AHEAD_THREADS = 8     # ranged GETs in flight per reader (a remote store only)
 
 
 class DataError(ValueError):
@@ -235,6 +236,25 @@ class BlockReader:
         self._indexes: dict[int, np.ndarray] = {}
         self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._cached_rows = 0
+        # Read-ahead from a remote store: blocks asked for before they are needed, fetched by a few
+        # threads; at most about ``cache_sequences`` rows of them wait, so memory stays bounded.
+        self._pending: dict[int, Future] = {}
+        self._max_pending = max(READ_AHEAD_THREADS, cache_sequences // max(layout.block_size, 1))
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    def prefetch(self, blocks) -> None:
+        """Start fetching ``blocks`` in the background (a remote store only; a local read is cheap)."""
+        lay = self.layout
+        if lay.store.local_dir is not None:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="read-ahead")
+        for b in map(int, blocks):
+            if b in self._blocks or b in self._pending:
+                continue
+            if len(self._pending) >= self._max_pending:
+                return
+            self._pending[b] = self._pool.submit(self._read, int(lay.block_shard[b]), int(lay.block_index[b]))
 
     def _file(self, shard: int):
         f = self._files.get(shard)
@@ -263,8 +283,9 @@ class BlockReader:
         lay = self.layout
         shard, index, n = int(lay.block_shard[b]), int(lay.block_index[b]), int(lay.block_len[b])
         path = lay.paths[shard]
+        future = self._pending.pop(b, None)
         try:
-            ids, starts = self._read(shard, index)
+            ids, starts = future.result() if future is not None else self._read(shard, index)
         except StoreUnavailable:
             raise                                    # the store is down, not the data bad: exit 3 upstream
         except StorageError as exc:
@@ -307,6 +328,7 @@ class BlockReader:
         whether any of them holds padding (computed here, so the trainer needs no device sync to know)."""
         ids = np.empty((len(blocks), self.layout.seq_len), dtype=np.int64)
         starts = np.empty((len(blocks), self.layout.seq_len), dtype=bool)
+        self.prefetch(np.unique(blocks))             # a remote micro-batch's blocks arrive together
         for b in np.unique(blocks):
             sel = np.flatnonzero(blocks == b)
             block_ids, block_starts = self.block(int(b))
@@ -318,3 +340,6 @@ class BlockReader:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool, self._pending = None, {}

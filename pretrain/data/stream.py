@@ -73,6 +73,7 @@ __all__ = [
 
 # Seed domains, so that the block order of an epoch and the window shuffles never share a stream.
 _BLOCK_ORDER, _WINDOW_ORDER = 0, 1
+READ_AHEAD = 4     # micro-batches a worker fetches ahead from a remote store (blocks in flight: BlockReader)
 
 
 def _open_split(data_dir, manifest: Optional[Manifest], split) -> tuple[Manifest, SplitLayout]:
@@ -185,9 +186,16 @@ class _TrainDataset(IterableDataset):
         cursor = _PlanCursor(self.plan)
         reader = BlockReader(self.plan.layout, self.cache_sequences)
         first = self.plan.layout.block_first
+        # A remote store: this worker's next READ_AHEAD micro-batches' blocks are fetched while it works.
+        ahead = _PlanCursor(self.plan) if self.plan.layout.store.local_dir is None else None
         try:
             j = self.start + w
+            ahead_j = j
             while True:
+                while ahead is not None and ahead_j < j + READ_AHEAD * num:
+                    ahead_j += num
+                    reader.prefetch(self.part.take(ahead.step(ahead_j // self.grad_accum),
+                                                   ahead_j % self.grad_accum)[0])
                 k, i = divmod(j, self.grad_accum)
                 blocks, rows = self.part.take(cursor.step(k), i)
                 input_ids, word_starts, has_padding = reader.gather(blocks, rows)
