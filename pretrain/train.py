@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from data_prep import stale_shm
 from data_prep import storage
+from pretrain.data import shard_cache
 from data_prep.shard_format import Manifest, ShardError
 from pretrain import console
 from pretrain.checkpoint import files, phases
@@ -380,6 +381,7 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         storage.set_retry_window(cfg.data.remote_timeout_s)      # before any read; workers inherit it
+        shard_cache.configure(cfg.data.cache_dir, cfg.data.cache_limit_gb)
         if cfg.impl.device == "cpu":
             eng.train_on_cpu()
         console.quiet_third_party(cfg.train.out_dir, int(os.environ.get("RANK", "0")))

@@ -63,6 +63,10 @@ class DataConfig:
     # A data.dir URL (s3://, https://) whose store fails transiently (connection errors, 5xx, throttling)
     # is retried this long; then the run ends with exit 3 (requeue), the last checkpoint untouched.
     remote_timeout_s: float = 300.0
+    # A node's cache of whole shards of a remote data.dir, shared by its ranks (pretrain/data/shard_cache.py):
+    # empty: $TMPDIR/mlm-data-cache-<uid>. Least recently used shards go past the limit; 0 turns it off.
+    cache_dir: str = ""
+    cache_limit_gb: float = 50.0
     # A mixture of corpora sharing one tokenizer and sequence length (pretrain.data.mixture); empty: `dir`
     # alone (one source named "main").
     sources: list[SourceConfig] = field(default_factory=list)
@@ -73,6 +77,7 @@ class DataConfig:
 
     def check(self) -> list[str]:
         timeout = [] if self.remote_timeout_s > 0 else [f"remote_timeout_s: must be positive, got {self.remote_timeout_s}"]
+        timeout += [] if self.cache_limit_gb >= 0 else [f"cache_limit_gb: must be 0 (off) or more, got {self.cache_limit_gb}"]
         if self.sources:
             return timeout + self._sources_problems()
         return timeout + _data_dir_problems(self.dir)

@@ -14,6 +14,7 @@ dies in the embedding lookup with an ``IndexError`` naming nothing).
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch
 from data_prep.shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_sizes, ids_dtype, index_shard,
                                     parse_block, read_block)
 from data_prep.storage import StorageError, Store, StoreUnavailable, open_store
+from pretrain.data.shard_cache import ShardCache
 
 __all__ = ["DataError", "ShardError", "TokenIdError", "check_manifest", "index_all_shards", "SplitLayout",
            "BlockReader"]
@@ -241,6 +243,13 @@ class BlockReader:
         self._pending: dict[int, Future] = {}
         self._max_pending = max(READ_AHEAD_THREADS, cache_sequences // max(layout.block_size, 1))
         self._pool: Optional[ThreadPoolExecutor] = None
+        # The node's cache of whole remote shards (shard_cache): one background download per shard at a
+        # time, and the cached files read with pread (the read-ahead threads share the descriptors).
+        self._cache = ShardCache.from_env() if layout.store.local_dir is None else None
+        self._downloads: Optional[ThreadPoolExecutor] = None
+        self._fetches: dict[int, Future] = {}
+        self._cached_fds: dict[int, int] = {}
+        self._lock = threading.Lock()
 
     def prefetch(self, blocks) -> None:
         """Start fetching ``blocks`` in the background (a remote store only; a local read is cheap)."""
@@ -316,12 +325,41 @@ class BlockReader:
         lay = self.layout
         where = f"{lay.paths[shard]}: block {index}"
         if lay.store.local_dir is None:
-            offsets = lay.shard_entries[shard].block_offsets       # checked present by check_manifest
-            span = lay.store.read_range(lay.shard_entries[shard].name, offsets[index], offsets[index + 1])
+            entry = lay.shard_entries[shard]
+            offsets = entry.block_offsets                          # checked present by check_manifest
+            fd = self._cached_fd(shard) if self._cache is not None else None
+            if fd is not None:
+                span = os.pread(fd, offsets[index + 1] - offsets[index], offsets[index])
+            else:
+                span = lay.store.read_range(entry.name, offsets[index], offsets[index + 1])
             return parse_block(span, lay.seq_len, where)
         f = self._file(shard)
         offsets = self._indexes[shard]
         return read_block(f, int(offsets[index]), int(offsets[index + 1]), lay.seq_len, where)
+
+    def _cached_fd(self, shard: int) -> Optional[int]:
+        """A descriptor of the shard's cached copy; else None, its download started (once per reader;
+        its failure, a replaced object or the store down, is raised here on a later read)."""
+        with self._lock:
+            fd = self._cached_fds.get(shard)
+            if fd is not None:
+                return fd
+            fetch = self._fetches.get(shard)
+            if fetch is not None and fetch.done() and fetch.exception() is not None:
+                raise fetch.exception()
+            path = self._cache.lookup(self.layout.shard_entries[shard])
+            if path is not None:
+                try:
+                    self._cached_fds[shard] = fd = os.open(path, os.O_RDONLY)
+                    return fd
+                except FileNotFoundError:           # evicted between lookup and open
+                    pass
+            if fetch is None or (fetch.done() and fetch.exception() is None):
+                if self._downloads is None:
+                    self._downloads = ThreadPoolExecutor(1, thread_name_prefix="shard-download")
+                self._fetches[shard] = self._downloads.submit(
+                    self._cache.fetch, self.layout.store, self.layout.shard_entries[shard])
+            return None
 
     def gather(self, blocks: np.ndarray, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Rows ``rows[i]`` of blocks ``blocks[i]`` as an int64 [B, L] and a bool [B, L] tensor, and
@@ -340,6 +378,10 @@ class BlockReader:
         for f in self._files.values():
             f.close()
         self._files.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool, self._pending = None, {}
+        for pool in (self._pool, self._downloads):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._pool, self._downloads, self._pending, self._fetches = None, None, {}, {}
+        for fd in self._cached_fds.values():
+            os.close(fd)
+        self._cached_fds.clear()
