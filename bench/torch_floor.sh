@@ -20,7 +20,8 @@ VENV=${FLOOR_VENV:-${TMPDIR:-/tmp}/mlm-torch-floor-$floor}
 FLOOR_TESTS=(
   tests/test_train.py          # 1 and 2 ranks, ZeRO 0-3, halt and exact resume, export, fill-mask
   tests/test_reshard.py        # every checkpoint layout read back, bf16 masters exported
-  tests/test_resume_layout.py  # dropout runs resumed on another layout; bf16 ZeRO 1 with accumulation
+  tests/test_resume_layout.py  # dropout runs resumed on another layout
+  tests/test_bf16_accumulation.py  # bf16 ZeRO 1 with fp32 accumulation: resumed, exported
   tests/test_model.py          # the encoder against Hugging Face's BERT, SDPA and eager attention
 )
 [ $# -gt 0 ] && FLOOR_TESTS=("$@")

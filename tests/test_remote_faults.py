@@ -1,0 +1,102 @@
+"""Faults of a run reading its shards from a bucket (issue 35): the store gone for good (exit 3,
+every process ended), and kill -9 then a resume at another world size, on the same samples."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import explain, train
+from test_remote_data import RUN, copy_to_bucket, logged
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def bucket_copy(s3_server, shards):
+    return copy_to_bucket(s3_server, shards, "faults")
+
+
+def test_a_store_gone_for_good_ends_the_run_with_exit_3_naming_it(own_s3_server, shards, tmp_path):
+    """The server stopped mid-run: reads are retried for data.remote_timeout_s, then every process
+    ends, exit 3 (requeue), naming the object; the last checkpoint stays the one to resume."""
+    import os
+    import signal
+    import subprocess
+
+    import psutil
+    from conftest import train_cmd, trainer_env
+
+    bucket = copy_to_bucket(own_s3_server, shards, "outage")
+    out = tmp_path / "run"
+    cmd = train_cmd(f"s3://{bucket}/wiki", out, *RUN, "train.max_steps=100000", "train.eval_every=0",
+                    "data.remote_timeout_s=4", "data.cache_limit_gb=0", ranks=2)   # with a cache the whole
+    # (tiny) data set would be local after the first shards' downloads, and the outage unseen
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=trainer_env(**own_s3_server.aws()),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    try:
+        for _ in range(1200):
+            if metrics.is_file() and metrics.read_text().count("\n") >= 2 or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        own_s3_server.stop()
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:                           # the launcher and every rank
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert proc.returncode == 3, f"{proc.returncode}\n{stdout[-2000:]}\n{stderr[-3000:]}"
+    assert f"s3://{bucket}/wiki/" in stderr and "the store looks unavailable" in stderr, stderr[-3000:]
+    assert stderr.count("stopping: the data's store is unavailable (exit 3, requeue)") == 2, stderr[-5000:]
+    assert "Traceback" not in stderr
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+
+
+def test_killed_mid_run_and_resumed_at_one_rank_from_the_bucket_continues_the_same_samples(
+        s3_server, bucket_copy, shards, tmp_path):
+    """kill -9 of a 2-rank run reading the bucket, after its step-2 checkpoint; relaunched at 1 rank:
+    the steps before the kill are the local run's bit for bit, those after it the local run's up to
+    the summation order of another world size, on the same samples (resume is a seek, not a re-read)."""
+    import os
+    import signal
+    import subprocess
+
+    from conftest import train_cmd, trainer_env
+
+    steps = ["train.max_steps=100000", "train.halt_at_step=6", "train.checkpoint_every=2", "train.eval_every=0",
+             "train.log_every=1", "model.hidden_dropout=0", "model.attention_dropout=0",
+             "model.max_position_embeddings=64"]
+    straight = tmp_path / "straight"
+    assert train(shards, straight, *steps, ranks=2).returncode == 0
+    expected = {s: v for s, k, v in logged(straight) if k == "train/loss"}
+
+    run = tmp_path / "run"
+    cmd = train_cmd(f"s3://{bucket_copy}/wiki", run, *steps[:1], *steps[2:], f"data.cache_dir={tmp_path / 'c'}",
+                    ranks=2)      # no halt: killed
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=trainer_env(**s3_server.aws()),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        for _ in range(1200):
+            if (run / "checkpoints" / "step00000002" / "COMPLETE").is_file() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    complete = sorted(int(p.parent.name[4:]) for p in (run / "checkpoints").glob("step*/COMPLETE"))
+    assert complete and complete[0] == 2 and complete[-1] < 6, complete         # killed mid-run
+    resumed = train(f"s3://{bucket_copy}/wiki", run, *steps, "impl.zero_stage=0", f"data.cache_dir={tmp_path / 'c'}",
+                    ranks=1, env=s3_server.aws())
+    assert resumed.returncode == 0, explain(resumed)
+    assert "converting" in (resumed.stdout + resumed.stderr).lower()      # 2 ranks -> 1 rank, ZeRO 0
+    got = {s: v for s, k, v in logged(run) if k == "train/loss"}     # the last value logged for each step
+    assert sorted(got) == list(range(1, 7))
+    assert [got[s] for s in (1, 2)] == [expected[s] for s in (1, 2)]
+    assert [got[s] for s in range(3, 7)] == pytest.approx([expected[s] for s in range(3, 7)], rel=1e-3)
+    consumed = [json.loads((d / "checkpoints" / "step00000006" / "train_state.json").read_text())["samples_consumed"]
+                for d in (run, straight)]
+    assert consumed[0] == consumed[1] > 0
