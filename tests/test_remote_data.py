@@ -81,3 +81,49 @@ def test_a_shard_object_replaced_with_other_bytes_is_exit_2_naming_it(s3_server,
     said = proc.stdout + proc.stderr
     assert proc.returncode == 2, explain(proc)
     assert f"s3://{bucket}/wiki/train-" in said and ": block " in said and "Traceback" not in proc.stderr, said[-3000:]
+
+
+def test_a_mixture_from_a_bucket_reads_each_micro_batch_ahead_and_gives_the_local_batches(
+        s3_server, two_sources, monkeypatch):
+    """``data.sources`` in a bucket: every block a micro-batch gathers (after the first) was asked for
+    by the look-ahead of an earlier one, and the batches are the local folders' bytes for bytes."""
+    import numpy as np
+
+    from data_prep.shard_format import load_manifest
+    from pretrain.data.mixture import MixtureStream, Source
+    from pretrain.data.shard_reader import BlockReader
+
+    bucket, client = s3_server.bucket("mix"), s3_server.client()
+    for name, folder in two_sources.items():
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            client.put_object(Bucket=bucket, Key=f"{name}/{path.relative_to(folder)}", Body=path.read_bytes())
+    for key, value in s3_server.aws().items():
+        monkeypatch.setenv(key, value)
+
+    def batches(where: dict[str, str], n: int = 12) -> list[dict]:
+        sources = [Source(name, where[name], w) for name, w in (("big", 0.8), ("small", 0.2))]
+        stream = MixtureStream(sources, [load_manifest(s.dir) for s in sources], "train", 1, 2, 8, 32, 5)
+        it = iter(stream)
+        return [next(it) for _ in range(n)]
+
+    local = batches({name: str(folder) for name, folder in two_sources.items()})
+    asked, late = {}, []
+    prefetch, gather = BlockReader.prefetch, BlockReader.gather
+
+    def recording_prefetch(self, blocks):
+        asked.setdefault(id(self), set()).update(map(int, blocks))
+        prefetch(self, blocks)
+
+    def checking_gather(self, blocks, rows):
+        if asked:                      # the first micro-batch has nothing before it to ask ahead
+            late.extend(sorted(set(map(int, blocks)) - asked.get(id(self), set())))
+        return gather(self, blocks, rows)
+
+    monkeypatch.setattr(BlockReader, "prefetch", recording_prefetch)
+    monkeypatch.setattr(BlockReader, "gather", checking_gather)
+    remote = batches({name: f"s3://{bucket}/{name}" for name in two_sources})
+    assert not late, f"blocks gathered without read-ahead: {late}"
+    for a, b in zip(local, remote, strict=True):
+        assert (a["global_step"], a["micro_step"]) == (b["global_step"], b["micro_step"])
+        for key in ("input_ids", "word_starts", "sample_ids", "source"):
+            assert np.array_equal(a[key].numpy(), b[key].numpy()), key

@@ -42,7 +42,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from data_prep.shard_format import Manifest, load_manifest
 from data_prep.storage import StoreUnavailable
-from pretrain.data.stream import DataError, ShardError, TrainStream, _open_split, _Plan, cached, checked_position, ordered_batches
+from pretrain.data.stream import (READ_AHEAD, DataError, ShardError, TrainStream, _open_split, _Plan, cached,
+                                  checked_position, ordered_batches)
 from pretrain.seeds import derive_seed
 from pretrain.data.shard_reader import BlockReader
 
@@ -180,19 +181,29 @@ class _MixtureDataset(IterableDataset):
         self.plan, self.rank, self.world, self.micro_batch = plan, rank, world, micro_batch
         self.grad_accum, self.start = grad_accum, start
 
-    def _batch(self, readers, step, i: int) -> dict:
-        source, parts, sample_ids, edges = step
-        lo = self.rank * (edges[-1] // self.world) + i * self.micro_batch
-        hi = lo + self.micro_batch
-        # A step holds the sources one after another, so a micro-batch is one or a few contiguous runs.
-        pieces, padded = [], False
-        for s, reader in enumerate(readers):
+    def _span(self, step, i: int) -> tuple[int, int]:
+        """Micro-batch ``i`` of this rank: positions ``[lo, hi)`` of the step."""
+        lo = self.rank * (step[3][-1] // self.world) + i * self.micro_batch
+        return lo, lo + self.micro_batch
+
+    def _pieces(self, step, i: int):
+        """(source, blocks, rows) of micro-batch ``i``: a step holds the sources one after another, so
+        a micro-batch is one or a few contiguous runs."""
+        _, parts, _, edges = step
+        lo, hi = self._span(step, i)
+        for s, (blocks, rows) in enumerate(parts):
             a, b = max(lo, edges[s]) - edges[s], min(hi, edges[s + 1]) - edges[s]
             if a < b:
-                blocks, rows = parts[s]
-                ids, starts, pad = reader.gather(blocks[a:b], rows[a:b])
-                pieces.append((ids, starts))
-                padded = padded or pad
+                yield s, blocks[a:b], rows[a:b]
+
+    def _batch(self, readers, step, i: int) -> dict:
+        source, _, sample_ids, _ = step
+        lo, hi = self._span(step, i)
+        pieces, padded = [], False
+        for s, blocks, rows in self._pieces(step, i):
+            ids, starts, pad = readers[s].gather(blocks, rows)
+            pieces.append((ids, starts))
+            padded = padded or pad
         if len(pieces) == 1:
             ids, starts = pieces[0]
         else:
@@ -217,9 +228,20 @@ class _MixtureDataset(IterableDataset):
         readers = [BlockReader(p.layout, 2 * max(p.window, g) + 2 * p.layout.block_size) for p in self.plan.plans]
         firsts = _sample_id_firsts(self.plan)
         cached: tuple[int, tuple] | None = None
+        # Remote sources: this worker's next READ_AHEAD micro-batches' blocks are fetched while it works.
+        remote = any(p.layout.store.local_dir is None for p in self.plan.plans)
+        ahead, ahead_cached = (self.plan.cursors() if remote else None), None
         try:
             j = self.start + w
+            ahead_j = j
             while True:
+                while ahead is not None and ahead_j < j + READ_AHEAD * num:
+                    ahead_j += num
+                    k, i = divmod(ahead_j, self.grad_accum)
+                    if ahead_cached is None or ahead_cached[0] != k:
+                        ahead_cached = (k, self._step(ahead, firsts, k))
+                    for s, blocks, _ in self._pieces(ahead_cached[1], i):
+                        readers[s].prefetch(np.unique(blocks))
                 k, i = divmod(j, self.grad_accum)
                 if cached is None or cached[0] != k:
                     cached = (k, self._step(cursors, firsts, k))
