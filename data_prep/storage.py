@@ -85,7 +85,10 @@ class Store:
     def stat(self, name: str) -> Optional[ObjectInfo]: raise NotImplementedError
     def list(self, prefix: str = "") -> dict[str, int]: raise NotImplementedError
     def write_bytes(self, name: str, data: bytes) -> None: raise NotImplementedError
-    def put_file(self, local: Path, name: str, sha256: str) -> None: raise NotImplementedError
+    def put_file(self, local: Path, name: str, sha256: str, keep_local: bool = False) -> None:
+        """Publish the complete file ``local`` as ``name`` whole (the object appears only complete);
+        ``local`` is consumed unless ``keep_local``."""
+        raise NotImplementedError
     def delete(self, names: list[str]) -> None: raise NotImplementedError
     def check(self, write: bool) -> None: raise NotImplementedError
 
@@ -155,10 +158,16 @@ class LocalStore(Store):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, data)
 
-    def put_file(self, local: Path, name: str, sha256: str) -> None:
+    def put_file(self, local: Path, name: str, sha256: str, keep_local: bool = False) -> None:
         target = self._path(name)
-        if Path(local).resolve() != target.resolve():
-            target.parent.mkdir(parents=True, exist_ok=True)
+        if Path(local).resolve() == target.resolve():
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if keep_local:
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            shutil.copyfile(local, tmp)
+            os.replace(tmp, target)
+        else:
             os.replace(local, target)
 
     def delete(self, names: list[str]) -> None:
@@ -253,10 +262,17 @@ class S3Store(Store):
         return f"{self.prefix}/{name}" if self.prefix else name
 
     def _call(self, name: str, what: str, call: Callable):
+        from boto3.exceptions import Boto3Error
         from botocore.exceptions import (BotoCoreError, ClientError, ConnectionError as BotoConnectionError,
                                          NoCredentialsError, PartialCredentialsError)
 
+        def unwrapped(exc: BaseException) -> BaseException:
+            # boto3's transfers (upload_file, download_file) raise their own error around a ClientError
+            inner = exc.__context__ if isinstance(exc, Boto3Error) else None
+            return inner if isinstance(inner, (ClientError, BotoCoreError)) else exc
+
         def transient(exc: BaseException) -> bool:
+            exc = unwrapped(exc)
             if isinstance(exc, ClientError):
                 return _code(exc) in _TRANSIENT
             return isinstance(exc, (BotoConnectionError, ConnectionError, TimeoutError)) or (
@@ -264,19 +280,20 @@ class S3Store(Store):
 
         try:
             return _with_retries(self, name, what, call, transient)
-        except (NoCredentialsError, PartialCredentialsError):
-            raise StorageError(f"{self.url(name)}: no AWS credentials found (set AWS_ACCESS_KEY_ID and "
-                               "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, and AWS_ENDPOINT_URL for a non-AWS "
-                               "server)") from None
-        except ClientError as exc:
-            code = _code(exc)
-            if code in _DENIED:
-                raise StorageError(f"{self.url(name)}: access denied ({code}) for {what}: check the AWS "
-                                   "credentials and the bucket's policy") from None
-            if code == "NoSuchBucket":
-                raise StorageError(f"{self.url(name)}: no such bucket {self.bucket!r}") from None
-            raise StorageError(f"{self.url(name)}: {what} failed ({code})") from None
-        except (BotoCoreError, OSError) as exc:
+        except (BotoCoreError, ClientError, Boto3Error, OSError) as raised:
+            exc = unwrapped(raised)
+            if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+                raise StorageError(f"{self.url(name)}: no AWS credentials found (set AWS_ACCESS_KEY_ID and "
+                                   "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, and AWS_ENDPOINT_URL for a non-AWS "
+                                   "server)") from None
+            if isinstance(exc, ClientError):
+                code = _code(exc)
+                if code in _DENIED:
+                    raise StorageError(f"{self.url(name)}: access denied ({code}) for {what}: check the AWS "
+                                       "credentials and the bucket's policy") from None
+                if code == "NoSuchBucket":
+                    raise StorageError(f"{self.url(name)}: no such bucket {self.bucket!r}") from None
+                raise StorageError(f"{self.url(name)}: {what} failed ({code})") from None
             raise StorageError(f"{self.url(name)}: {what} failed ({type(exc).__name__}: {exc})") from None
 
     def read_bytes(self, name: str) -> bytes:
@@ -327,14 +344,15 @@ class S3Store(Store):
         self._call(name, "write", lambda: self.client.put_object(
             Bucket=self.bucket, Key=self._key(name), Body=data, Metadata={SHA256_METADATA: sha256_bytes(data)}))
 
-    def put_file(self, local: Path, name: str, sha256: str) -> None:
+    def put_file(self, local: Path, name: str, sha256: str, keep_local: bool = False) -> None:
         from boto3.s3.transfer import TransferConfig
 
         config = TransferConfig(multipart_threshold=MULTIPART_BYTES, multipart_chunksize=MULTIPART_BYTES)
         self._call(name, "upload", lambda: self.client.upload_file(
             str(local), self.bucket, self._key(name), ExtraArgs={"Metadata": {SHA256_METADATA: sha256}},
             Config=config))
-        Path(local).unlink(missing_ok=True)
+        if not keep_local:
+            Path(local).unlink(missing_ok=True)
 
     def delete(self, names: list[str]) -> None:
         keys = [self._key(n) for n in names]

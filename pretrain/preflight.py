@@ -24,6 +24,7 @@ from pretrain.data import mixture_checks
 from pretrain.data.mixture import make_train_stream
 from pretrain.data.stream import DataError, check_manifest
 from pretrain.checkpoint.phases import init_checkpoint_problems
+from pretrain.checkpoint.mirror import mirror_problems
 
 # Groups and keys whose change would make the resumed run a different experiment.
 RESULTS_GROUPS = ("model", "masking", "optim")
@@ -44,9 +45,11 @@ def check_inputs(cfg: Config, checked: str = "the run's inputs") -> tuple[Manife
     problems += init_from_problems(cfg, manifest)
     problems += hardware.precision_problems(cfg.impl.precision)
     problems += hardware.device_problems(cfg.impl)
+    mirror = mirror_problems(cfg.train.checkpoint_mirror)
+    problems += mirror
     tag = None
     try:
-        tag = checkpointing.resume_tag(cfg)
+        tag = None if mirror else checkpointing.resume_tag(cfg)      # which may come from the mirror
     except ConfigError as exc:
         problems += exc.problems
     if tag is not None:

@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from pretrain import console
 from pretrain.checkpoint import files, phases
 from pretrain.checkpoint import store as checkpointing
 from pretrain.checkpoint.export import export_and_log, exported_from, final_export_dir
+from pretrain.checkpoint.mirror import CheckpointMirror, wait_for_mirror
 from pretrain.checkpoint.state import STATE_KEY, TrainState
 from pretrain.config import loader as configlib
 from pretrain.config.schema import Config, ConfigError, load_config
@@ -83,6 +84,7 @@ class Run:
     state: TrainState
     stream: Any = None
     tracker: Any = None
+    mirror: Optional[CheckpointMirror] = None      # the first rank's uploader to train.checkpoint_mirror
     resolved_yaml: str = ""
     peak: float = 0.0
     mfu_check: Any = None
@@ -173,6 +175,8 @@ def build_run(cfg: Config, manifest: Manifest, tasks: list, resume_from: str | N
         engine.compile()
     run.stream = build_stream(run, resume_from)
     run.tracker = build_tracker(run, origin, precision, ds_config)
+    if cfg.train.checkpoint_mirror and info.rank == 0:
+        run.mirror = CheckpointMirror(cfg.train.checkpoint_mirror, cfg.train.keep_checkpoints)
     resume_log.relog(run.tracker, run.state)      # a kill may have cut the checkpoint step's line short
     run.peak, peak_source = hardware.peak_tflops(info.device, precision, cfg.impl.peak_tflops)
     run.mfu_check = hardware.MfuCheck(run.peak, peak_source)
@@ -329,6 +333,8 @@ def finish(run: Run) -> None:
         if run.tasks:
             run.probe(step)
         export_and_log(cfg, step, run.tracker, final=True)
+        if run.mirror is not None:
+            run.mirror.upload_export(final_export_dir(cfg.train.out_dir))
     if run.info.rank == 0 and cfg.tracking.report:
         report_at_end(cfg, run.manifest, run.tracker)      # never raises; logged as the run's report/ artifact
     log.info("%s", console.summary(run.state, cfg, time.perf_counter() - run.started, run.latest, run.tracker))
@@ -347,8 +353,12 @@ def checkpoint(run: Run, export: bool, final: bool) -> None:
     tag = checkpointing.save(run.engine, cfg, state.step, {STATE_KEY: snapshot}, side_files,
                              {files.TOKENIZER_DIR: manifest.tokenizer_dir(cfg.data.dir)})
     run.tracker.log_checkpoint(tag, state.step, str(checkpointing.checkpoint_root(cfg) / tag))
+    if run.mirror is not None:
+        run.mirror.upload(checkpointing.checkpoint_root(cfg) / tag)       # in the background
     if export:
         export_and_log(cfg, state.step, run.tracker, final)
+        if final and run.mirror is not None:
+            run.mirror.upload_export(final_export_dir(cfg.train.out_dir))
     dist.barrier()
 
 
@@ -405,7 +415,7 @@ def main(argv=None) -> int:
     try:
         run = build_run(cfg, manifest, tasks, resume_from, info, stop)
         start_up_done()
-        return fit(run)
+        return wait_for_mirror(run.mirror, fit(run))
     except ShardError as exc:    # found while reading: name the shard, no traceback on every rank
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

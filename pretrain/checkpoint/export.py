@@ -23,15 +23,12 @@ import torch
 import torch.distributed as dist
 
 from pretrain import console
-from pretrain.checkpoint.files import COMPLETE, HF_CONFIG_FILE, TOKENIZER_DIR
+from pretrain.checkpoint.files import COMPLETE, EXPORT_SOURCE, FINAL_EXPORT, HF_CONFIG_FILE, TOKENIZER_DIR
 from pretrain.checkpoint.reshard import consolidate, read_layout
 from pretrain.checkpoint.store import checkpoint_root, latest_complete_tag, tag_for_step
 
 log = logging.getLogger("pretrain")
 PREFIXES = ("module.", "_orig_mod.", "hf_model.")
-# The trainer's exports inside its out_dir: hf_final (the end of the run) and hf_step<N> (export_every).
-FINAL_EXPORT = "hf_final"
-EXPORT_SOURCE = "EXPORTED_FROM"     # inside an export: the checkpoint tag it was made from
 
 
 def final_export_dir(out_dir: str | Path) -> Path:

@@ -30,7 +30,8 @@ import yaml
 
 from data_prep.atomic import write_atomic
 from data_prep.shard_format import Manifest, ShardError, load_manifest, sha256_file
-from pretrain.checkpoint import reshard
+from data_prep.storage import StorageError
+from pretrain.checkpoint import mirror, reshard
 from pretrain.checkpoint.files import COMPLETE, CONFIG_FILE, FILE_LIST, LATEST, LAYOUT_FILE, LOCK_FILE
 from pretrain.config.schema import Config
 from pretrain.config.loader import ConfigError
@@ -70,6 +71,12 @@ def resume_tag(cfg: Config) -> Optional[str]:
     checksums = os.environ.get("RANK", "0") == "0"
     if cfg.train.resume == "none":
         return None
+    if cfg.train.checkpoint_mirror:     # a newer checkpoint there (or the one asked for) comes local first
+        try:
+            mirror.fetch_newer(cfg.train.checkpoint_mirror, root, None if cfg.train.resume == "auto" else
+                               cfg.train.resume)
+        except StorageError as exc:
+            raise ConfigError([f"train.checkpoint_mirror: {exc}"]) from None
     if cfg.train.resume == "auto":
         return usable_latest_tag(root, checksums)
     tag = cfg.train.resume

@@ -133,6 +133,9 @@ class TrainConfig:
     eval_batches: Optional[int] = None  # deprecated: micro-batches per rank; converted to eval_sequences
     checkpoint_every: int = 500        # 0: only at the end
     keep_checkpoints: int = 3          # older complete checkpoints are deleted; 0 keeps all
+    # Every complete checkpoint also uploaded, in the background, to s3://bucket/prefix or a folder on
+    # another filesystem (pretrain/checkpoint/mirror.py); keep_checkpoints applies there too. "": off.
+    checkpoint_mirror: str = ""
     max_nonfinite_in_a_row: int = 5    # that many skipped non-finite steps in a row stop the run
     export_every: int = 0              # Hugging Face export every N steps (0: only at the end)
     # A new phase of an earlier run (BERT's 512-token phase 2): a checkpoints folder (its latest complete

@@ -1,0 +1,224 @@
+"""Checkpoints mirrored to a bucket (``train.checkpoint_mirror``), as Composer's ``save_folder``.
+
+Each complete checkpoint is uploaded in the background by the first rank, through the storage layer
+(``data_prep.storage``: an ``s3://`` URL or a folder on another filesystem), while training goes on.
+The order makes a mirrored checkpoint count only when whole, as a local one does: every file of the
+tag folder, then ``file_list.json``, then ``COMPLETE``, then the ``latest`` pointer; a kill part-way
+leaves a tag without ``COMPLETE``, which nothing takes (and which goes once a newer tag is complete).
+``train.keep_checkpoints`` applies in the mirror too (the oldest complete tags go once a newer one is
+there). The conversion cache
+(``universal/``) is not mirrored: it is made again where it is needed.
+
+A run resumes from the mirror (``fetch_newer``, before any process group starts) when the mirror holds
+a newer complete checkpoint than its ``train.out_dir`` (none there at all, on a node-local disk of a
+requeued job): the first process of each node downloads it under a file lock, checking every file
+against the mirrored ``file_list.json``, and writes ``COMPLETE`` last; the others wait and find it
+local. A mirrored checkpoint with a damaged or missing file is named and the previous one tried.
+
+An upload that fails after the storage layer's retries (transient errors, for ``data.remote_timeout_s``)
+is logged and the run goes on; the next checkpoint is uploaded as usual. A run that ends waits for
+its uploads; if the newest local checkpoint is then not in the mirror, it says so and exits with
+``MIRROR_BEHIND`` (pretrain.exit_codes).
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import shutil
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+from data_prep.atomic import write_atomic
+from data_prep.shard_format import sha256_file
+from data_prep.storage import StorageError, Store, open_store
+from pretrain.checkpoint.files import COMPLETE, EXPORT_SOURCE, FILE_LIST, LATEST, UNIVERSAL_DIR
+from pretrain.exit_codes import MIRROR_BEHIND
+
+log = logging.getLogger("pretrain")
+
+
+def mirror_problems(url: str) -> list[str]:
+    """Why ``train.checkpoint_mirror`` cannot be written (none when empty): a scheme that is not
+    supported or is read-only, missing credentials, a denied key, an unknown bucket."""
+    if not url:
+        return []
+    try:
+        store = open_store(url)
+        if url.startswith(("http://", "https://")):
+            return [f"train.checkpoint_mirror={url}: an http(s) location is read-only; use s3://bucket/prefix "
+                    "or a folder"]
+        store.check(write=True)
+    except StorageError as exc:
+        return [f"train.checkpoint_mirror: {exc}"]
+    return []
+
+
+def mirrored_tags(store: Store) -> list[str]:
+    """Tags with ``COMPLETE`` in the mirror, oldest first."""
+    return sorted(name.split("/")[0] for name in store.list() if name.count("/") == 1
+                  and name.endswith("/" + COMPLETE))
+
+
+class CheckpointMirror:
+    """The first rank's uploader: ``upload(folder)`` returns at once; ``wait()`` at the end."""
+
+    def __init__(self, url: str, keep: int):
+        self.url, self.keep = url, keep
+        self.store = open_store(url)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-mirror")
+        self._pending: list[Future] = []
+        self._queued: list[str] = []
+        self._lock = threading.Lock()
+        self.newest_mirrored: Optional[str] = None
+        self.failed: list[str] = []
+        self.export_behind: Optional[str] = None
+
+    def upload(self, folder: Path) -> None:
+        """Start uploading the complete checkpoint ``folder`` (its tag folder)."""
+        with self._lock:
+            self._queued.append(folder.name)
+        self._pending.append(self._pool.submit(self._upload, Path(folder)))
+
+    def _upload(self, folder: Path) -> None:
+        tag = folder.name
+        try:
+            self._put_folder(folder, tag)
+        except (StorageError, OSError) as exc:
+            if not folder.is_dir() and self._superseded(tag):   # keep_checkpoints removed it; a newer one follows
+                log.info("checkpoint mirror: %s was replaced locally before its upload ended; skipped", tag)
+            else:
+                self._failed(tag, str(exc))
+            return
+        self.newest_mirrored = max(tag, self.newest_mirrored or "")
+        log.info("checkpoint mirror: %s is complete in %s", tag, self.store.url(tag))
+        try:
+            self._prune()
+        except (StorageError, OSError) as exc:
+            log.warning("checkpoint mirror: removing old checkpoints from %s failed (%s)", self.url, exc)
+
+    def _put_folder(self, folder: Path, tag: str) -> None:
+        """Every file, then the file list, COMPLETE and ``latest``: the mirror's own commit order."""
+        listed = json.loads((folder / FILE_LIST).read_text())["files"]
+        first = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != COMPLETE
+                       and p.relative_to(folder).parts[0] != UNIVERSAL_DIR
+                       and p.relative_to(folder).as_posix() != FILE_LIST)
+        for path in first + [folder / FILE_LIST, folder / COMPLETE]:
+            name = path.relative_to(folder).as_posix()
+            digest = listed[name]["sha256"] if name in listed else sha256_file(path)
+            self.store.put_file(path, f"{tag}/{name}", digest, keep_local=True)
+        self.store.write_bytes(LATEST, tag.encode())
+
+    def upload_export(self, folder: Path) -> None:
+        """Start uploading the final Hugging Face export (``hf_final``): its files, then the marker that
+        names its checkpoint, so a mirrored export without the marker is unfinished."""
+        self._pending.append(self._pool.submit(self._upload_export, Path(folder)))
+
+    def _upload_export(self, folder: Path) -> None:
+        marker = folder / EXPORT_SOURCE
+        try:
+            for path in sorted(p for p in folder.rglob("*") if p.is_file() and p != marker) + [marker]:
+                name = f"{folder.name}/{path.relative_to(folder).as_posix()}"
+                self.store.put_file(path, name, sha256_file(path), keep_local=True)
+        except (StorageError, OSError) as exc:
+            self.export_behind = f"the export {folder.name} ({exc})"
+            log.warning("checkpoint mirror: uploading %s failed (%s)", folder, exc)
+            return
+        self.export_behind = None
+        log.info("checkpoint mirror: the export %s is in %s", folder.name, self.store.url(folder.name))
+
+    def _superseded(self, tag: str) -> bool:
+        with self._lock:
+            return any(t > tag for t in self._queued)
+
+    def _failed(self, tag: str, why: str) -> None:
+        self.failed.append(tag)
+        log.warning("checkpoint mirror: uploading %s to %s failed (%s); training goes on, the mirror is "
+                    "behind until a later checkpoint uploads", tag, self.store.url(tag), why)
+
+    def _prune(self) -> None:
+        """Complete tags past ``keep``, and unfinished ones older than the newest complete tag (an
+        upload skipped or cut short: they never complete)."""
+        names = self.store.list()
+        tags = {name.split("/")[0] for name in names if "/" in name}
+        complete = sorted(t for t in tags if f"{t}/{COMPLETE}" in names)
+        drop = [t for t in sorted(tags) if t not in complete and complete and t < complete[-1]]
+        drop += complete[:-self.keep] if self.keep else []
+        for tag in drop:
+            self.store.delete_folder(tag)
+
+    def wait(self) -> Optional[str]:
+        """Wait for every upload; None when the newest queued checkpoint is in the mirror, else a line
+        that says what is behind."""
+        for future in self._pending:
+            future.result()
+        self._pool.shutdown(wait=True)
+        newest = max(self._queued, default=None)
+        if newest is not None and newest != self.newest_mirrored:
+            there = self.newest_mirrored or "no checkpoint of this run's jobs"
+            return (f"the checkpoint mirror {self.url} is behind: the newest checkpoint, {newest}, is only on "
+                    f"local disk ({there} is the newest uploaded)")
+        if self.export_behind:
+            return f"the checkpoint mirror {self.url} is behind: {self.export_behind} is only on local disk"
+        return None
+
+
+def wait_for_mirror(mirror: Optional[CheckpointMirror], exit_code: int) -> int:
+    """A run that ends waits for its checkpoints' uploads; if the newest did not reach the mirror, its
+    last line says so and a clean exit becomes MIRROR_BEHIND."""
+    behind = mirror.wait() if mirror is not None else None
+    if behind is None:
+        return exit_code
+    log.error("%s; exit %d", behind, exit_code or MIRROR_BEHIND)
+    return exit_code or MIRROR_BEHIND
+
+
+def fetch_newer(url: str, root: Path, tag: Optional[str] = None) -> Optional[str]:
+    """Download into ``root`` the newest complete mirrored checkpoint (or ``tag``) unless ``root``
+    already holds it or a newer one; returns the tag downloaded, or None. Once per node: the first
+    process to take the lock downloads, the others then find the files local."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".mirror-download.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        local = sorted(p.name for p in root.iterdir() if p.is_dir() and (p / COMPLETE).is_file())
+        store = open_store(url)
+        candidates = [t for t in reversed(mirrored_tags(store)) if (tag is None or t == tag)]
+        for candidate in candidates:
+            if candidate in local or (tag is None and local and local[-1] > candidate):
+                return None                         # the local copy is as new or newer
+            problem = _download(store, candidate, root / candidate)
+            if problem is None:
+                write_atomic(root / LATEST, candidate)
+                _say(f"resuming from the checkpoint mirror: {store.url(candidate)} downloaded into {root / candidate}")
+                return candidate
+            _say(f"mirrored checkpoint {store.url(candidate)} is damaged: {problem}; trying the previous one")
+        return None
+
+
+def _download(store: Store, tag: str, folder: Path) -> Optional[str]:
+    """The mirrored tag into ``folder``, each file checked against its file list; COMPLETE last.
+    None when whole, else what is wrong (the partial folder is removed)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        listed = json.loads(store.read_bytes(f"{tag}/{FILE_LIST}"))["files"]
+        for name, want in sorted(listed.items()):
+            target = folder / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            store.download(f"{tag}/{name}", target)
+            if target.stat().st_size != want["size"] or sha256_file(target) != want["sha256"]:
+                raise ValueError(f"{store.url(f'{tag}/{name}')} is not the file that was written (size or "
+                                 "sha256 differs)")
+        store.download(f"{tag}/{FILE_LIST}", folder / FILE_LIST)
+        store.download(f"{tag}/{COMPLETE}", folder / COMPLETE)
+    except (StorageError, OSError, ValueError, KeyError, TypeError) as exc:
+        shutil.rmtree(folder, ignore_errors=True)
+        return str(exc)
+    return None
+
+
+def _say(message: str) -> None:
+    """Before logging is set up, by the process that downloads (one per node, whichever rank it is)."""
+    print(f"resume: {message}", file=sys.stderr, flush=True)
