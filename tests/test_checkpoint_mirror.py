@@ -96,14 +96,24 @@ def losses(out_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}     # the last value of each step
 
 
+STEPS = [*RUN, "train.max_steps=6", "train.checkpoint_every=2"]
+
+
+@pytest.fixture(scope="module")
+def straight(shards, tmp_path_factory) -> Path:
+    """The uninterrupted 2-rank run the resumed ones are compared with."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    proc = train(shards, out, *STEPS, ranks=2)
+    assert proc.returncode == 0, explain(proc)
+    return out
+
+
 @pytest.mark.parametrize("ranks", [2, 1])
-def test_a_run_whose_checkpoints_are_gone_resumes_from_the_mirror(s3_server, shards, tmp_path, ranks):
+def test_a_run_whose_checkpoints_are_gone_resumes_from_the_mirror(s3_server, shards, straight, tmp_path, ranks):
     """Halted at step 4 with a mirror, its local checkpoints deleted (a requeue onto another node's
     disk), relaunched: it resumes from the mirror and ends with the uninterrupted run's losses, bit
     for bit at 2 ranks; at 1 rank (ZeRO 0, converted) on the same samples."""
-    steps = [*RUN, "train.max_steps=6", "train.checkpoint_every=2"]
-    straight = tmp_path / "straight"
-    assert train(shards, straight, *steps, ranks=2).returncode == 0
+    steps = STEPS
     bucket = s3_server.bucket("resume")
     mirror = f"train.checkpoint_mirror=s3://{bucket}/run"
     out = tmp_path / "run"
