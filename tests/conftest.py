@@ -5,11 +5,13 @@ import base64
 import gc
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -160,6 +162,27 @@ def train(data_dir, out_dir, *overrides, ranks: int = 1, config: str = "configs/
     if check and proc.returncode != 0:
         raise AssertionError(explain(proc))
     return proc
+
+
+def train_through(cmd: list[str], env: dict, metrics: Path, lines: int, meanwhile, timeout: float):
+    """A launched training job that, once ``metrics`` holds ``lines`` lines, has ``meanwhile()`` done
+    to it (a server stopped, say) and then runs to its end; its whole process group (launcher and
+    ranks) is killed if it outlives ``timeout``. Returns it completed, stdout and stderr as text."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        for _ in range(1200):
+            if metrics.is_file() and metrics.read_text().count("\n") >= lines or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        meanwhile()
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="session")

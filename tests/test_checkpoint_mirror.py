@@ -3,15 +3,11 @@ S3 server (SeaweedFS): what reaches the mirror and in what state, keep_checkpoin
 that cannot be written (exit 2 before start) and one that goes away mid-run (exit 6, said last)."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import explain, train, train_cmd, trainer_env
+from conftest import explain, train, train_cmd, train_through, trainer_env
 from s3_server import SECRET
 
 pytestmark = pytest.mark.slow
@@ -68,23 +64,12 @@ def test_a_mirror_gone_mid_run_leaves_the_run_going_and_ends_it_with_exit_6_said
     out = tmp_path / "run"
     cmd = train_cmd(shards, out, *RUN, "train.max_steps=4", "train.checkpoint_every=0", "data.remote_timeout_s=3",
                     f"train.checkpoint_mirror=s3://{bucket}/run")
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=trainer_env(**own_s3_server.aws()),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        for _ in range(1200):
-            if (out / "metrics.jsonl").is_file() or proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        own_s3_server.stop()
-        said, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+    proc = train_through(cmd, trainer_env(**own_s3_server.aws()), out / "metrics.jsonl", 1, own_s3_server.stop,
+                         timeout=300)
+    said = proc.stdout + proc.stderr
     assert proc.returncode == 6, said[-3000:]
     assert (out / "checkpoints" / "step00000004" / "COMPLETE").is_file() and (out / "hf_final").is_dir()
-    last = said.strip().splitlines()[-1]
+    last = proc.stdout.strip().splitlines()[-1]         # the log's last line
     assert f"the checkpoint mirror s3://{bucket}/run is behind: the newest checkpoint, step00000004" in last, said[-3000:]
     assert "Traceback" not in said
 

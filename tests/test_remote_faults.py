@@ -24,11 +24,7 @@ def test_a_store_back_within_the_timeout_loses_nothing(own_s3_server, shards, tm
     """The server stopped after the second step and started again 6 s later: the reads that failed
     meanwhile are retried (logged once per store), and the run ends with the losses of the same run
     reading the local folder, bit for bit."""
-    import os
-    import signal
-    import subprocess
-
-    from conftest import train_cmd, trainer_env
+    from conftest import train_cmd, train_through, trainer_env
 
     steps = ["train.max_steps=16", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
              "model.max_position_embeddings=64", "data.cache_limit_gb=0"]     # no cache: every block a GET
@@ -36,24 +32,15 @@ def test_a_store_back_within_the_timeout_loses_nothing(own_s3_server, shards, tm
     assert train(shards, local, *steps, ranks=2).returncode == 0
     bucket = copy_to_bucket(own_s3_server, shards, "blip")
     out = tmp_path / "run"
-    cmd = train_cmd(f"s3://{bucket}/wiki", out, *steps, "data.remote_timeout_s=120", ranks=2)
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=trainer_env(**own_s3_server.aws()),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    metrics = out / "metrics.jsonl"
-    try:
-        for _ in range(1200):
-            if metrics.is_file() and metrics.read_text().count("\n") >= 2 or proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert proc.poll() is None, proc.communicate()
+
+    def outage() -> None:
         own_s3_server.stop()
         time.sleep(6)
         own_s3_server.restart()
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+
+    proc = train_through(train_cmd(f"s3://{bucket}/wiki", out, *steps, "data.remote_timeout_s=120", ranks=2),
+                         trainer_env(**own_s3_server.aws()), out / "metrics.jsonl", 2, outage, timeout=300)
+    stdout, stderr = proc.stdout, proc.stderr
     assert proc.returncode == 0, f"{stdout[-2000:]}\n{stderr[-3000:]}"
     assert "retrying with backoff" in stdout + stderr, stdout[-6000:]      # the outage was met, not read past
     assert logged(out) == logged(local)
@@ -63,33 +50,17 @@ def test_a_store_back_within_the_timeout_loses_nothing(own_s3_server, shards, tm
 def test_a_store_gone_for_good_ends_the_run_with_exit_3_naming_it(own_s3_server, shards, tmp_path):
     """The server stopped mid-run: reads are retried for data.remote_timeout_s, then every process
     ends, exit 3 (requeue), naming the object; the last checkpoint stays the one to resume."""
-    import os
-    import signal
-    import subprocess
-
     import psutil
-    from conftest import train_cmd, trainer_env
+    from conftest import train_cmd, train_through, trainer_env
 
     bucket = copy_to_bucket(own_s3_server, shards, "outage")
     out = tmp_path / "run"
     cmd = train_cmd(f"s3://{bucket}/wiki", out, *RUN, "train.max_steps=100000", "train.eval_every=0",
                     "data.remote_timeout_s=4", "data.cache_limit_gb=0", ranks=2)   # with a cache the whole
     # (tiny) data set would be local after the first shards' downloads, and the outage unseen
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=trainer_env(**own_s3_server.aws()),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    metrics = out / "metrics.jsonl"
-    try:
-        for _ in range(1200):
-            if metrics.is_file() and metrics.read_text().count("\n") >= 2 or proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert proc.poll() is None, proc.communicate()
-        own_s3_server.stop()
-        stdout, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:                           # the launcher and every rank
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+    proc = train_through(cmd, trainer_env(**own_s3_server.aws()), out / "metrics.jsonl", 2, own_s3_server.stop,
+                         timeout=180)
+    stdout, stderr = proc.stdout, proc.stderr
     assert proc.returncode == 3, f"{proc.returncode}\n{stdout[-2000:]}\n{stderr[-3000:]}"
     assert f"s3://{bucket}/wiki/" in stderr and "the store looks unavailable" in stderr, stderr[-3000:]
     assert stderr.count("stopping: the data's store is unavailable (exit 3, requeue)") == 2, stderr[-5000:]
