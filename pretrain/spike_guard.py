@@ -109,7 +109,7 @@ class SpikeGuard:
         tags = [t for t in checkpointing.complete_tags(self.root) if t.startswith("step") and int(t[4:]) < first]
         return tags[-1] if tags else None
 
-    def recover(self, engine, cfg, state: TrainState, stream, batches, spike: tuple[int, int]):
+    def recover(self, engine, cfg, nodes, state: TrainState, stream, batches, spike: tuple[int, int]):
         """Reload the checkpoint before ``spike`` and move the data stream past it; returns the new
         batch iterator. Raises SpikesExhausted past the cap or with no checkpoint to go back to."""
         first, last = spike
@@ -125,7 +125,7 @@ class SpikeGuard:
                                   "to; set train.checkpoint_every lower")
         batches.close()                                          # stops its DataLoader workers
         spike_end = stream.samples_consumed
-        state.load_state_dict(checkpointing.load(engine, cfg, tag)[STATE_KEY])
+        state.load_state_dict(checkpointing.load(engine, cfg, tag, nodes)[STATE_KEY])
         stream.load_state_dict(state.data)
         start = stream.samples_consumed
         end = max(start + self.cfg.skip_steps * self.global_batch, spike_end)

@@ -37,6 +37,7 @@ from pretrain.data import shard_cache
 from data_prep.shard_format import Manifest, ShardError
 from pretrain import console
 from pretrain.checkpoint import files, phases
+from pretrain.checkpoint import nodes as checkpoint_nodes
 from pretrain.checkpoint import store as checkpointing
 from pretrain.checkpoint.export import export_and_log, exported_from, final_export_dir
 from pretrain.checkpoint.mirror import CheckpointMirror, wait_for_mirror
@@ -73,6 +74,7 @@ class Run:
     """What ``fit``, ``train_step`` and ``checkpoint`` share: the run's parts, built once by ``build_run``."""
     cfg: Config
     info: eng.DistInfo
+    nodes: checkpoint_nodes.NodeLayout
     manifest: Manifest
     tasks: list
     stop: StopSignal
@@ -84,7 +86,7 @@ class Run:
     state: TrainState
     stream: Any = None
     tracker: Any = None
-    mirror: Optional[CheckpointMirror] = None      # the first rank's uploader to train.checkpoint_mirror
+    mirror: Optional[CheckpointMirror] = None      # a folder writer's uploader to train.checkpoint_mirror
     resolved_yaml: str = ""
     peak: float = 0.0
     mfu_check: Any = None
@@ -92,6 +94,12 @@ class Run:
     status: str = "FAILED"         # what the tracker marks the run with when fit returns
     latest: dict = field(default_factory=dict)          # the last value of every metric, for the summary
     started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def export_engine(self):
+        """Where an export takes the weights from: the engine when rank 0's folder lacks other ranks'
+        shards (node-local disks, ZeRO 1-3), else (None) the checkpoint's files."""
+        return self.engine if not self.nodes.shared and self.cfg.impl.zero_stage > 0 else None
 
     def flops_per_seq(self, masking_rate: float) -> float:
         seq_len = self.manifest.seq_len
@@ -114,7 +122,8 @@ class Run:
         self.engine.train()
 
 
-def build_engine(cfg: Config, manifest: Manifest, resume_from: str | None, info: eng.DistInfo):
+def build_engine(cfg: Config, manifest: Manifest, resume_from: str | None, info: eng.DistInfo,
+                 node_local: bool):
     """The model (in a new phase's shape when it starts from another run), its precision (``auto``
     times this model's step on a CPU), and DeepSpeed's engine."""
     special = SpecialIds.from_manifest(manifest)
@@ -126,7 +135,7 @@ def build_engine(cfg: Config, manifest: Manifest, resume_from: str | None, info:
         precision, why = hardware.resolve_precision(cfg.impl.precision, info.device, probe)
     precision, why = eng.rank0_value((precision, why))     # every node takes the first rank's choice
     model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)   # the same at any layout
-    engine, scheduler, ds_config, optimizer = eng.initialize(model, cfg, info, precision)
+    engine, scheduler, ds_config, optimizer = eng.initialize(model, cfg, info, precision, node_local)
     return special, model, engine, scheduler, ds_config, optimizer, precision, why
 
 
@@ -134,7 +143,7 @@ def restore(run: Run, resume_from: str | None) -> dict:
     """Load the checkpoint to resume from, or a new phase's start; the schedule follows the config.
     Returns where a new phase came from (empty otherwise)."""
     if resume_from:
-        run.state.load_state_dict(checkpointing.load(run.engine, run.cfg, resume_from)[STATE_KEY])
+        run.state.load_state_dict(checkpointing.load(run.engine, run.cfg, resume_from, run.nodes)[STATE_KEY])
     origin = phases.start_from(run.engine, run.cfg) if run.cfg.train.init_from_checkpoint and not resume_from else {}
     log.info(continue_schedule(run.scheduler, run.cfg))     # the config's schedule, whatever a checkpoint held
     return origin
@@ -165,18 +174,21 @@ def build_run(cfg: Config, manifest: Manifest, tasks: list, resume_from: str | N
     """Assemble the run: precision, model and engine, resume, data stream, tracker, FLOPs and peak."""
     if info.device.type == "cpu" and cfg.impl.keep_freed_cpu_memory:
         hardware.keep_freed_cpu_memory()        # no page faults on every step's large tensors
+    nodes = checkpoint_nodes.probe(cfg.train.out_dir)     # one shared train.out_dir, or one per node
     special, model, engine, scheduler, ds_config, optimizer, precision, why = build_engine(cfg, manifest, resume_from,
-                                                                                          info)
-    run = Run(cfg, info, manifest, tasks, stop, special, model, engine, optimizer, scheduler,
+                                                                                          info, not nodes.shared)
+    run = Run(cfg, info, nodes, manifest, tasks, stop, special, model, engine, optimizer, scheduler,
               TrainState(config=configlib.to_dict(cfg)), resolved_yaml=configlib.dump_yaml(cfg))
     resume_from = eng.rank0_value(resume_from)     # the first rank chose it, holding the run lock
+    if resume_from:
+        checkpointing.ensure_on_every_node(cfg, resume_from, nodes)
     origin = restore(run, resume_from)
     if cfg.compile_now(cfg.train.max_steps - run.state.step, info.device.type, precision):
         engine.compile()
     run.stream = build_stream(run, resume_from)
     run.tracker = build_tracker(run, origin, precision, ds_config)
-    if cfg.train.checkpoint_mirror and info.rank == 0:
-        run.mirror = CheckpointMirror(cfg.train.checkpoint_mirror, cfg.train.keep_checkpoints)
+    if cfg.train.checkpoint_mirror and nodes.writes_folder:
+        run.mirror = CheckpointMirror(cfg.train.checkpoint_mirror, cfg.train.keep_checkpoints, nodes)
     resume_log.relog(run.tracker, run.state)      # a kill may have cut the checkpoint step's line short
     run.peak, peak_source = hardware.peak_tflops(info.device, precision, cfg.impl.peak_tflops)
     run.mfu_check = hardware.MfuCheck(run.peak, peak_source)
@@ -254,7 +266,7 @@ def fit(run: Run) -> int:
 def recover_from_spike(run: Run, guard: SpikeGuard, spike, batches):
     """The data iterator that continues after the recovery, or None past the cap (the run stops)."""
     try:
-        return guard.recover(run.engine, run.cfg, run.state, run.stream, batches, spike)
+        return guard.recover(run.engine, run.cfg, run.nodes, run.state, run.stream, batches, spike)
     except SpikesExhausted as exc:
         log.error("stopping: %s", exc)
         return None
@@ -326,13 +338,14 @@ def checkpoint_and_decide_exit(run: Run, result: StepResult, window: ThroughputW
 def finish(run: Run) -> None:
     """After the last step: complete an export a kill interrupted, then the report."""
     step, cfg = run.state.step, run.cfg
-    if exported_from(final_export_dir(cfg.train.out_dir)) != checkpointing.tag_for_step(cfg.train.max_steps):
+    exported = eng.rank0_value(exported_from(final_export_dir(cfg.train.out_dir)))   # rank 0's folder holds it
+    if exported != checkpointing.tag_for_step(cfg.train.max_steps):
         # Killed after the final checkpoint and before its export: finish what that run would have.
         log.info("the final checkpoint at step %d has no export yet: evaluating and exporting it", step)
         run.emit(evaluate(run.engine, cfg, run.special, run.info), step)
         if run.tasks:
             run.probe(step)
-        export_and_log(cfg, step, run.tracker, final=True)
+        export_and_log(cfg, step, run.tracker, final=True, engine=run.export_engine)
         if run.mirror is not None:
             run.mirror.upload_export(final_export_dir(cfg.train.out_dir))
     if run.info.rank == 0 and cfg.tracking.report:
@@ -351,12 +364,12 @@ def checkpoint(run: Run, export: bool, final: bool) -> None:
     side_files = {files.CONFIG_FILE: run.resolved_yaml, files.HF_CONFIG_FILE: run.model.hf_model.config.to_json_string(),
                   files.MANIFEST_FILE: json.dumps(manifest.to_dict()), files.STATE_FILE: json.dumps(readable)}
     tag = checkpointing.save(run.engine, cfg, state.step, {STATE_KEY: snapshot}, side_files,
-                             {files.TOKENIZER_DIR: manifest.tokenizer_dir(cfg.data.dir)})
+                             {files.TOKENIZER_DIR: manifest.tokenizer_dir(cfg.data.dir)}, run.nodes)
     run.tracker.log_checkpoint(tag, state.step, str(checkpointing.checkpoint_root(cfg) / tag))
     if run.mirror is not None:
         run.mirror.upload(checkpointing.checkpoint_root(cfg) / tag)       # in the background
     if export:
-        export_and_log(cfg, state.step, run.tracker, final)
+        export_and_log(cfg, state.step, run.tracker, final, engine=run.export_engine)
         if final and run.mirror is not None:
             run.mirror.upload_export(final_export_dir(cfg.train.out_dir))
     dist.barrier()

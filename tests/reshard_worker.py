@@ -31,7 +31,7 @@ from pretrain.config import loader as configlib
 
 from pretrain.runtime import engine as eng
 
-from pretrain.checkpoint import reshard
+from pretrain.checkpoint import nodes, reshard
 from pretrain.config.schema import Config  # noqa: E402
 from pretrain.model.masking import SpecialIds  # noqa: E402
 from pretrain.model.mlm import build_model  # noqa: E402
@@ -64,7 +64,7 @@ def build_engine(cfg: Config, info):
 
 def load_any(engine, cfg: Config, tag: str) -> dict:
     """The trainer's own load path: converts when the saved layout is not the running one."""
-    return checkpointing.load(engine, cfg, tag)
+    return checkpointing.load(engine, cfg, tag, nodes.single(dist.get_rank(), dist.get_world_size()))
 
 
 def global_batch(step: int, size: int):
@@ -160,7 +160,8 @@ def main() -> int:
     step += args.steps
     if args.save:
         layout = reshard.describe(reshard.checkpoint_layout(engine))
-        checkpointing.save(engine, cfg, step, {"step": step, "client_note": f"saved at {layout}"}, {}, {})
+        checkpointing.save(engine, cfg, step, {"step": step, "client_note": f"saved at {layout}"}, {}, {},
+                           nodes.single(info.rank, info.world))
     after = full_state(engine)
     if info.rank == 0:
         torch.save({"losses": losses, "before": before, "after": after, "client_state": client_state,

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tests.slurm.cluster import REPO, run_python, slurm_cluster  # noqa: F401  (the fixture)
 
@@ -41,14 +43,10 @@ def overrides(shards: Path, out_dir: Path) -> list[str]:
             f"model.max_position_embeddings={SEQ_LEN}", "tracking.backend=none"]
 
 
-def submit(cluster, name: str, shards: Path, out_dir: Path) -> int:
-    return cluster.sbatch(f"--job-name={name}", f"--output={out_dir.parent}/{name}-%j.out", "--time=00:15:00",
-                          str(SBATCH), "configs/tiny.yaml", *overrides(shards, out_dir))
-
-
-def log_of(out_dir: Path, name: str, job_id: int) -> str:
-    path = out_dir.parent / f"{name}-{job_id}.out"
-    return path.read_text(errors="replace") if path.exists() else f"<no {path}>"
+def submit(cluster, name: str, shards: Path, out_dir: Path, extra=(), env=None, log_dir=None) -> int:
+    return cluster.sbatch(f"--job-name={name}", f"--output={log_dir or out_dir.parent}/{name}-%j.out",
+                          "--time=00:15:00", str(SBATCH), "configs/tiny.yaml", *overrides(shards, out_dir), *extra,
+                          env=env)
 
 
 def metrics(out_dir: Path) -> list[dict]:
@@ -65,21 +63,23 @@ def losses(out_dir: Path, key: str = "train/loss") -> dict[int, float]:
 class Job:
     """A submitted job, waited for on first use; lets the reference run overlap the other tests."""
 
-    def __init__(self, cluster, name: str, shards: Path, out_dir: Path):
+    def __init__(self, cluster, name: str, shards: Path, out_dir: Path, extra=(), env=None, log_dir=None):
         self.cluster, self.name, self.shards, self.out_dir = cluster, name, shards, out_dir
-        self.id = submit(cluster, name, shards, out_dir)
+        self.log_dir = log_dir or out_dir.parent
+        self.id = submit(cluster, name, shards, out_dir, extra, env, self.log_dir)
         self._record = None
 
     def record(self, timeout: float = 420):
         if self._record is None:
             (self._record,) = self.cluster.wait(self.id, timeout=timeout)
             assert self._record.ok, (f"{self.name} job {self.id}: {self._record.state} {self._record.exit_code}\n"
-                                     f"{log_of(self.out_dir, self.name, self.id)[-6000:]}")
+                                     f"{self.log[-6000:]}")
         return self._record
 
     @property
     def log(self) -> str:
-        return log_of(self.out_dir, self.name, self.id)
+        path = self.log_dir / f"{self.name}-{self.id}.out"
+        return path.read_text(errors="replace") if path.exists() else f"<no {path}>"
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +173,65 @@ def test_a_missing_config_fails_the_job_at_once_without_requeue(slurm_cluster, t
     assert (record.state, record.exit_code, record.restarts) == ("FAILED", "2:0", 0), record
     assert "config 'configs/no_such.yaml' not found" in text, text
     assert "srun" not in text and "deepspeed" not in text, text
+
+
+def test_a_job_on_node_local_disks_requeued_onto_empty_ones_resumes_from_the_mirror(slurm_cluster, shards, reference,
+                                                                                    s3_server, tmp_path):
+    """Each node writes train.out_dir to its own disk (the same path, another disk on each node). Told
+    to stop (USR1), the job checkpoints, its nodes upload their own ranks' files, and it requeues; its
+    nodes' disks are then wiped, as on other nodes. It resumes from the mirror, each node fetching its
+    ranks' files only, and ends with the uninterrupted (shared-disk) job's losses and final weights."""
+    cluster = slurm_cluster
+    bucket = s3_server.bucket("nodelocal")
+    mirror = f"s3://{bucket}/run"
+    disks = [cluster.node_disk(name) / "run" for name in ("n1", "n2")]
+    job = Job(cluster, "nodelocal", shards, cluster.node_local / "run", extra=[f"train.checkpoint_mirror={mirror}"],
+              env=cluster.client_env(**s3_server.aws()), log_dir=tmp_path)
+    first = cluster.wait_for(lambda: [s for s in losses(disks[0]) if s >= 3], 300,
+                             f"step 3 in {disks[0]}/metrics.jsonl\n{job.log[-3000:]}")
+    cluster.run("scancel", "--batch", "--signal=USR1", str(job.id))
+    cluster.wait_for(lambda: "training step exited with 3" in job.log, 300, f"the stop\n{job.log[-3000:]}")
+    stopped = sorted(p.parent.name for p in (disks[0] / "checkpoints").glob("step*/COMPLETE"))
+    assert len(stopped) == 1 and min(first) <= int(stopped[0][4:]) < STEPS, stopped
+    # Each node's folder holds its own ranks' shards, and completes on its own.
+    for rank, disk in enumerate(disks):
+        folder = disk / "checkpoints" / stopped[0]
+        assert [p.name for p in folder.glob("*zero_pp_rank_*")] == [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]
+        assert (folder / "COMPLETE").is_file() and (folder / "mp_rank_00_model_states.pt").is_file()
+    before = dict(losses(disks[0]))
+    for disk in disks:                   # the requeued job lands on empty disks
+        shutil.rmtree(disk)
+
+    record = job.record()
+    log = job.log
+    assert record.restarts == 1, record
+    assert f"(resumed from {stopped[0]})" in log, log[-6000:]
+    assert log.count(f"resuming from the checkpoint mirror: {mirror}/{stopped[0]} downloaded") == 2, log[-6000:]
+    assert "(the files of ranks 1-1)" in log and "(the files of ranks 0-0)" in log, log[-6000:]
+    assert not list((disks[1] / "checkpoints" / stopped[0]).glob("zero_pp_rank_0_*"))
+
+    reference.record()
+    ours, theirs = {**before, **losses(disks[0])}, losses(reference.out_dir)
+    assert sorted(ours) == sorted(theirs) == list(range(1, STEPS + 1))
+    for step in theirs:
+        assert ours[step] == pytest.approx(theirs[step], rel=1e-6, abs=1e-6), (step, ours[step], theirs[step])
+
+    # The mirror holds every rank's files of the final checkpoint, and the final export, taken from
+    # the engine (no one disk has both ranks' shards): the uninterrupted job's weights.
+    objects = s3_server.objects(bucket, "run")
+    final = f"step{STEPS:08d}"
+    assert objects["latest"] == final.encode() and f"{final}/COMPLETE" in objects
+    listed = json.loads(objects[f"{final}/file_list.json"])["files"]
+    assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= set(listed)
+    assert all(objects[f"{final}/{name}"] and len(objects[f"{final}/{name}"]) == want["size"]
+               for name, want in listed.items())
+    assert objects["hf_final/EXPORTED_FROM"] == f"{final}\n".encode()
+    from safetensors.torch import load as load_safetensors
+
+    exported = load_safetensors(objects["hf_final/model.safetensors"])
+    wanted = load_safetensors((reference.out_dir / "hf_final" / "model.safetensors").read_bytes())
+    assert sorted(exported) == sorted(wanted)
+    for name in wanted:
+        assert torch.allclose(exported[name], wanted[name], rtol=1e-5, atol=1e-6), name
+    secret = s3_server.env()["AWS_SECRET_ACCESS_KEY"].encode()
+    assert not [p for root in (tmp_path, *disks) for p in root.rglob("*") if p.is_file() and secret in p.read_bytes()]

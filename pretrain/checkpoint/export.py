@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from pretrain import console
 from pretrain.checkpoint.files import COMPLETE, EXPORT_SOURCE, FINAL_EXPORT, HF_CONFIG_FILE, TOKENIZER_DIR
 from pretrain.checkpoint.reshard import consolidate, read_layout
 from pretrain.checkpoint.store import checkpoint_root, latest_complete_tag, tag_for_step
+from pretrain.runtime import engine as eng
 
 log = logging.getLogger("pretrain")
 PREFIXES = ("module.", "_orig_mod.", "hf_model.")
@@ -45,24 +47,28 @@ def exported_from(export_dir: str | Path) -> str | None:
     return source.read_text().strip() if source.is_file() else None
 
 
-def export_to(root: Path, tag: str, out: Path) -> None:
-    """Export checkpoint ``tag`` to ``out`` atomically: a kill leaves the old folder or none."""
+def export_to(root: Path, tag: str, out: Path, weights: Optional[dict] = None) -> None:
+    """Export checkpoint ``tag`` to ``out`` atomically: a kill leaves the old folder or none.
+    ``weights``: the checkpoint's fp32 weights gathered from the engine, when its folder here does not
+    hold every rank's shards (node-local disks)."""
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    export_checkpoint(root, tag, tmp)
+    export_checkpoint(root, tag, tmp, weights)
     (tmp / EXPORT_SOURCE).write_text(tag + "\n")
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
 
 
-def export_and_log(cfg, step: int, tracker, final: bool) -> None:
+def export_and_log(cfg, step: int, tracker, final: bool, engine=None) -> None:
     """The trainer's export of its checkpoint at ``step`` (to ``hf_final``, or ``hf_step<N>``) by the
-    first rank, handed to the tracker; every rank calls, and waits for it."""
+    first rank, handed to the tracker; every rank calls, and waits for it. With ``engine`` (the
+    checkpoint's folder on rank 0 lacks the other nodes' shards), the weights come from the engine."""
+    weights = eng.full_fp32_weights(engine, keep=dist.get_rank() == 0) if engine is not None else None
     if dist.get_rank() == 0:
         out = final_export_dir(cfg.train.out_dir) if final else step_export_dir(cfg.train.out_dir, step)
         with console.chatter_to_file():
-            export_to(checkpoint_root(cfg), tag_for_step(step), out)
+            export_to(checkpoint_root(cfg), tag_for_step(step), out, weights)
         tracker.log_model(str(out), step, final=final)
     dist.barrier()
 
@@ -95,6 +101,11 @@ def fp32_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
         module = model_states.get("module") or {}
         state = {name: module[name] for name in model_states.get("buffer_names") or [] if name in module}
         state.update({name: held["fp32"] for name, held in params.items()})
+    return hf_names(state)
+
+
+def hf_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The trainer's parameter names as the Hugging Face model's, floats as fp32."""
     out = {}
     for key, value in state.items():
         while key.startswith(PREFIXES):
@@ -124,7 +135,7 @@ def tied_parameter_names(model: torch.nn.Module) -> set[str]:
     return every - {name for name, _ in model.named_parameters()}
 
 
-def export_checkpoint(root: str | Path, tag: str | None, out_dir: str | Path) -> Path:
+def export_checkpoint(root: str | Path, tag: str | None, out_dir: str | Path, weights: Optional[dict] = None) -> Path:
     from transformers import AutoTokenizer
 
     root = Path(root)
@@ -132,7 +143,7 @@ def export_checkpoint(root: str | Path, tag: str | None, out_dir: str | Path) ->
         root, tag = resolve_checkpoint(root)
     folder = root / tag
     model = hf_masked_lm(folder / HF_CONFIG_FILE)
-    state = fp32_state_dict(root, tag)
+    state = fp32_state_dict(root, tag) if weights is None else hf_names(weights)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in tied_parameter_names(model)]
     if missing or unexpected:

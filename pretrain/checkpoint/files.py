@@ -33,6 +33,8 @@ TOKENIZER_DIR = "tokenizer"
 MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
 UNIVERSAL_DIR = "universal"      # a conversion to another layout, cached inside the tag folder
 LOCK_FILE = ".lock"                # in out_dir, not in a tag folder: one job writes a run at a time
+SHARED_PROBE = ".shared-probe"     # in out_dir: rank 0's token at start; a rank that cannot read it has its own disk
+NODE_LISTINGS = ".nodes"           # in a mirrored tag: each other node's uploaded files, merged into FILE_LIST
 # The trainer's exports inside its out_dir: hf_final (the end of the run) and hf_step<N> (export_every).
 FINAL_EXPORT = "hf_final"
 EXPORT_SOURCE = "EXPORTED_FROM"     # inside an export: the checkpoint tag it was made from, written last

@@ -7,12 +7,16 @@ tag folder, then ``file_list.json``, then ``COMPLETE``, then the ``latest`` poin
 leaves a tag without ``COMPLETE``, which nothing takes (and which goes once a newer tag is complete).
 ``train.keep_checkpoints`` applies in the mirror too (the oldest complete tags go once a newer one is
 there). The conversion cache
-(``universal/``) is not mirrored: it is made again where it is needed.
+(``universal/``) is not mirrored: it is made again where it is needed. On node-local disks
+(``pretrain.checkpoint.nodes``) each other node's first rank uploads its own ranks' shards, then a
+listing of them (``<tag>/.nodes/rank<r>.json``, or why it failed); the first rank merges every node's
+listing into the mirrored file list before ``COMPLETE``.
 
 A run resumes from the mirror (``fetch_newer``, before any process group starts) when the mirror holds
 a newer complete checkpoint than its ``train.out_dir`` (none there at all, on a node-local disk of a
-requeued job): the first process of each node downloads it under a file lock, checking every file
-against the mirrored ``file_list.json``, and writes ``COMPLETE`` last; the others wait and find it
+requeued job): the first process of each node downloads what its ranks load (everything when the
+layout changes) under a file lock, checking every file against the mirrored ``file_list.json``, and
+writes ``COMPLETE`` last; the others wait and find it
 local. A mirrored checkpoint with a damaged or missing file is named and the previous one tried.
 
 An upload that fails after the storage layer's retries (transient errors, for ``data.remote_timeout_s``)
@@ -22,12 +26,15 @@ its uploads; if the newest local checkpoint is then not in the mirror, it says s
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
+import os
 import shutil
 import sys
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -35,10 +42,22 @@ from typing import Optional
 from data_prep.atomic import write_atomic
 from data_prep.shard_format import sha256_file
 from data_prep.storage import StorageError, Store, open_store
-from pretrain.checkpoint.files import COMPLETE, EXPORT_SOURCE, FILE_LIST, LATEST, UNIVERSAL_DIR
+from pretrain.checkpoint.files import COMPLETE, EXPORT_SOURCE, FILE_LIST, LATEST, LAYOUT_FILE, NODE_LISTINGS
+from pretrain.checkpoint.nodes import NodeLayout, needed_by, rank_of_file
 from pretrain.exit_codes import MIRROR_BEHIND
 
 log = logging.getLogger("pretrain")
+NODE_WAIT_S = 1800.0     # the other nodes upload as much as the first, at the same time: a node gone quiet
+NODE_POLL_S = 0.5        # that long is dead (and so is the job), or its failure was not even writable
+STALL_ENV = "MLM_TEST_MIRROR_STALL"
+
+
+def _stall_for_test(tag: str, uploaded: int) -> None:
+    """Test only: ``MLM_TEST_MIRROR_STALL=<tag>:<n>`` blocks the upload of ``tag`` after ``n`` files,
+    so that a test can kill -9 the job with an upload half done."""
+    if os.environ.get(STALL_ENV) == f"{tag}:{uploaded}":
+        print(f"{STALL_ENV}: the upload of {tag} blocks after {uploaded} files", file=sys.stderr, flush=True)
+        threading.Event().wait()
 
 
 def mirror_problems(url: str) -> list[str]:
@@ -64,10 +83,12 @@ def mirrored_tags(store: Store) -> list[str]:
 
 
 class CheckpointMirror:
-    """The first rank's uploader: ``upload(folder)`` returns at once; ``wait()`` at the end."""
+    """A folder writer's uploader: ``upload(folder)`` returns at once; ``wait()`` at the end. The first
+    rank's commits each tag; on node-local disks each other node's first rank uploads its own ranks'
+    shards and then a listing of them, which the first rank waits for and merges into the file list."""
 
-    def __init__(self, url: str, keep: int):
-        self.url, self.keep = url, keep
+    def __init__(self, url: str, keep: int, nodes: NodeLayout):
+        self.url, self.keep, self.nodes = url, keep, nodes
         self.store = open_store(url)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-mirror")
         self._pending: list[Future] = []
@@ -94,6 +115,8 @@ class CheckpointMirror:
                 self._failed(tag, str(exc))
             return
         self.newest_mirrored = max(tag, self.newest_mirrored or "")
+        if self.nodes.rank != 0:
+            return                       # the first rank completes the tag and prunes
         log.info("checkpoint mirror: %s is complete in %s", tag, self.store.url(tag))
         try:
             self._prune()
@@ -101,20 +124,58 @@ class CheckpointMirror:
             log.warning("checkpoint mirror: removing old checkpoints from %s failed (%s)", self.url, exc)
 
     def _put_folder(self, folder: Path, tag: str) -> None:
-        """Every file, then the file list, COMPLETE and ``latest``: the mirror's own commit order."""
+        """Every file, then the file list, COMPLETE and ``latest``: the mirror's own commit order. On
+        another node: its ranks' shards, then its listing."""
+        if self.nodes.rank != 0:
+            self._put_node_files(folder, tag)
+            return
         listed = json.loads((folder / FILE_LIST).read_text())["files"]
-        first = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != COMPLETE
-                       and p.relative_to(folder).parts[0] != UNIVERSAL_DIR
-                       and p.relative_to(folder).as_posix() != FILE_LIST)
-        for path in first + [folder / FILE_LIST, folder / COMPLETE]:
-            name = path.relative_to(folder).as_posix()
-            digest = listed[name]["sha256"] if name in listed else sha256_file(path)
-            self.store.put_file(path, f"{tag}/{name}", digest, keep_local=True)
+        for done, name in enumerate(sorted(listed), 1):
+            self.store.put_file(folder / name, f"{tag}/{name}", listed[name]["sha256"], keep_local=True)
+            _stall_for_test(tag, done)
+        if not self.nodes.shared:
+            listed = {**listed, **self._other_nodes_files(tag)}
+        self.store.write_bytes(f"{tag}/{FILE_LIST}", (json.dumps({"files": listed}, indent=1) + "\n").encode())
+        self.store.put_file(folder / COMPLETE, f"{tag}/{COMPLETE}", sha256_file(folder / COMPLETE), keep_local=True)
         self.store.write_bytes(LATEST, tag.encode())
+
+    def _put_node_files(self, folder: Path, tag: str) -> None:
+        """This node's ranks' shards, then their listing (or why they are not there: the first rank
+        stops waiting for them)."""
+        listing = f"{tag}/{NODE_LISTINGS}/rank{self.nodes.rank:05d}.json"
+        try:
+            listed = json.loads((folder / FILE_LIST).read_text())["files"]
+            listed = {name: want for name, want in listed.items() if rank_of_file(name) is not None}
+            for name in sorted(listed):
+                self.store.put_file(folder / name, f"{tag}/{name}", listed[name]["sha256"], keep_local=True)
+        except (StorageError, OSError) as exc:
+            with contextlib.suppress(StorageError):
+                self.store.write_bytes(listing, json.dumps({"failed": str(exc)}).encode())
+            raise
+        self.store.write_bytes(listing, json.dumps({"files": listed}, indent=1).encode())
+
+    def _other_nodes_files(self, tag: str) -> dict:
+        """The other nodes' uploaded shards of ``tag``, once every node has listed them."""
+        files: dict = {}
+        deadline = time.monotonic() + NODE_WAIT_S
+        for leader in (r for r in self.nodes.leaders if r != 0):
+            name = f"{tag}/{NODE_LISTINGS}/rank{leader:05d}.json"
+            while (text := self.store.read_text(name)) is None:
+                if time.monotonic() > deadline:
+                    raise StorageError(f"the node of rank {leader} did not upload its shards of {tag} "
+                                       f"within {NODE_WAIT_S:.0f}s")
+                time.sleep(NODE_POLL_S)
+            listing = json.loads(text)
+            if "failed" in listing:
+                raise StorageError(f"the node of rank {leader} could not upload its shards: {listing['failed']}")
+            files.update(listing["files"])
+        return files
 
     def upload_export(self, folder: Path) -> None:
         """Start uploading the final Hugging Face export (``hf_final``): its files, then the marker that
-        names its checkpoint, so a mirrored export without the marker is unfinished."""
+        names its checkpoint, so a mirrored export without the marker is unfinished. The first rank's."""
+        if self.nodes.rank != 0:
+            return
         self._pending.append(self._pool.submit(self._upload_export, Path(folder)))
 
     def _upload_export(self, folder: Path) -> None:
@@ -176,10 +237,13 @@ def wait_for_mirror(mirror: Optional[CheckpointMirror], exit_code: int) -> int:
     return exit_code or MIRROR_BEHIND
 
 
-def fetch_newer(url: str, root: Path, tag: Optional[str] = None) -> Optional[str]:
+def fetch_newer(url: str, root: Path, tag: Optional[str] = None, ranks: Optional[range] = None,
+                running: Optional[dict] = None) -> Optional[str]:
     """Download into ``root`` the newest complete mirrored checkpoint (or ``tag``) unless ``root``
-    already holds it or a newer one; returns the tag downloaded, or None. Once per node: the first
-    process to take the lock downloads, the others then find the files local."""
+    already holds it (as far as this node's ``ranks`` need) or a newer one; returns the tag downloaded,
+    or None. Once per node: the first process to take the lock downloads, the others then find the
+    files local. ``running``: the job's world size and ZeRO stage; a checkpoint of another layout is
+    converted on every node, which needs every rank's shards."""
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".mirror-download.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -187,34 +251,64 @@ def fetch_newer(url: str, root: Path, tag: Optional[str] = None) -> Optional[str
         store = open_store(url)
         candidates = [t for t in reversed(mirrored_tags(store)) if (tag is None or t == tag)]
         for candidate in candidates:
-            if candidate in local or (tag is None and local and local[-1] > candidate):
-                return None                         # the local copy is as new or newer
-            problem = _download(store, candidate, root / candidate)
+            if tag is None and local and local[-1] > candidate:
+                return None                         # the local copy is newer
+            try:
+                listed = json.loads(store.read_bytes(f"{candidate}/{FILE_LIST}"))["files"]
+                layout = json.loads(store.read_bytes(f"{candidate}/{LAYOUT_FILE}"))
+                same = running is not None and all(layout.get(k) == v for k, v in running.items())
+            except (StorageError, ValueError, KeyError, TypeError) as exc:
+                _say(f"mirrored checkpoint {store.url(candidate)} is damaged: {exc}; trying the previous one")
+                continue
+            needed = needed_by(listed, ranks if same else None)
+            if _holds(root / candidate, needed):
+                return None
+            problem = _download(store, candidate, root / candidate, {n: listed[n] for n in needed})
             if problem is None:
-                write_atomic(root / LATEST, candidate)
-                _say(f"resuming from the checkpoint mirror: {store.url(candidate)} downloaded into {root / candidate}")
+                write_atomic(root / LATEST, max(candidate, local[-1] if local else ""))
+                _say(f"resuming from the checkpoint mirror: {store.url(candidate)} downloaded into "
+                     f"{root / candidate}" + (f" (the files of ranks {ranks.start}-{ranks.stop - 1})" if same and ranks
+                                              else ""))
                 return candidate
             _say(f"mirrored checkpoint {store.url(candidate)} is damaged: {problem}; trying the previous one")
         return None
 
 
-def _download(store: Store, tag: str, folder: Path) -> Optional[str]:
-    """The mirrored tag into ``folder``, each file checked against its file list; COMPLETE last.
-    None when whole, else what is wrong (the partial folder is removed)."""
-    shutil.rmtree(folder, ignore_errors=True)
+def _holds(folder: Path, names: list[str]) -> bool:
+    """``folder`` is a complete local checkpoint with each of ``names`` (written or downloaded whole)."""
+    return (folder / COMPLETE).is_file() and all((folder / name).is_file() for name in names)
+
+
+def _download(store: Store, tag: str, folder: Path, wanted: dict) -> Optional[str]:
+    """The mirrored tag's ``wanted`` files into ``folder``, each checked against the mirrored file
+    list, added to what another node's download put there (one shared out_dir); the local file list
+    names what is there, and COMPLETE comes last. None when whole, else what is wrong (the files
+    this call wrote are removed)."""
+    complete = (folder / COMPLETE).is_file()
+    written: list[Path] = []
     try:
-        listed = json.loads(store.read_bytes(f"{tag}/{FILE_LIST}"))["files"]
-        for name, want in sorted(listed.items()):
+        for name, want in sorted(wanted.items()):
             target = folder / name
+            if target.is_file() and target.stat().st_size == want["size"] and sha256_file(target) == want["sha256"]:
+                continue
             target.parent.mkdir(parents=True, exist_ok=True)
-            store.download(f"{tag}/{name}", target)
-            if target.stat().st_size != want["size"] or sha256_file(target) != want["sha256"]:
+            part = target.with_name(target.name + ".part")
+            written.append(part)
+            store.download(f"{tag}/{name}", part)
+            if part.stat().st_size != want["size"] or sha256_file(part) != want["sha256"]:
                 raise ValueError(f"{store.url(f'{tag}/{name}')} is not the file that was written (size or "
                                  "sha256 differs)")
-        store.download(f"{tag}/{FILE_LIST}", folder / FILE_LIST)
-        store.download(f"{tag}/{COMPLETE}", folder / COMPLETE)
+            os.replace(part, target)
+            written[-1] = target
+        present = json.loads((folder / FILE_LIST).read_text())["files"] if complete else {}
+        write_atomic(folder / FILE_LIST, json.dumps({"files": {**present, **wanted}}, indent=1) + "\n")
+        if not complete:
+            store.download(f"{tag}/{COMPLETE}", folder / COMPLETE)
     except (StorageError, OSError, ValueError, KeyError, TypeError) as exc:
-        shutil.rmtree(folder, ignore_errors=True)
+        for path in written:
+            path.unlink(missing_ok=True)
+        if not complete:
+            shutil.rmtree(folder, ignore_errors=True)
         return str(exc)
     return None
 

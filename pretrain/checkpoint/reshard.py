@@ -274,14 +274,16 @@ def _write_universal(out: Path, params: dict, step: Any, hyper: list[dict], mode
                out / "model_states.pt")
 
 
-def ensure_universal(tag_folder: Path, saved: dict, out: Optional[Path] = None) -> Path:
-    """The consolidated folder (``out``, by default cached inside the tag folder), written once by
-    rank 0 (atomically) while the others wait; a failure there is raised on every rank instead of
-    leaving them at a barrier."""
+def ensure_universal(tag_folder: Path, saved: dict, out: Optional[Path] = None,
+                     converts: Optional[bool] = None) -> Path:
+    """The consolidated folder (``out``, by default cached inside the tag folder), written once per
+    folder by the rank that ``converts`` (rank 0 by default), atomically, while the others wait; a
+    failure there is raised on every rank instead of leaving them at a barrier."""
     tag_folder = Path(tag_folder)
     out = Path(out) if out is not None else tag_folder / UNIVERSAL_DIR
-    failure = [None]
-    if dist.get_rank() == 0 and not (out / _DONE).is_file():
+    converts = dist.get_rank() == 0 if converts is None else converts
+    failure = None
+    if converts and not (out / _DONE).is_file():
         try:
             for stale in out.parent.glob(f"{out.name}.tmp*"):     # from a conversion that crashed
                 shutil.rmtree(stale, ignore_errors=True)
@@ -293,10 +295,11 @@ def ensure_universal(tag_folder: Path, saved: dict, out: Optional[Path] = None) 
             shutil.rmtree(out, ignore_errors=True)      # an incomplete one (no _DONE) cannot be trusted
             os.replace(tmp, out)
         except Exception as e:  # noqa: BLE001  (re-raised on every rank below)
-            failure[0] = f"{type(e).__name__}: {e}"
-    dist.broadcast_object_list(failure, src=0)
-    if failure[0]:
-        raise ReshardError(f"converting checkpoint {tag_folder} failed: {failure[0]}")
+            failure = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+    failures: list = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    if any(failures):
+        raise ReshardError(f"converting checkpoint {tag_folder} failed: {'; '.join(f for f in failures if f)}")
     return out
 
 
@@ -377,9 +380,10 @@ def load_weights_and_moments(engine, universal: Path) -> None:
         _load_unpartitioned(engine, universal)
 
 
-def load_resharded(engine, root: Path, tag: str, saved: dict) -> dict:
+def load_resharded(engine, root: Path, tag: str, saved: dict, converts: Optional[bool] = None) -> dict:
     """Load checkpoint ``root/tag``, saved with layout ``saved``, into the running engine, whatever
-    its layout; returns the client state, as ``engine.load_checkpoint`` does."""
+    its layout; returns the client state, as ``engine.load_checkpoint`` does. ``converts``: this rank
+    makes the conversion for its folder (rank 0 by default; each node's first on node-local disks)."""
     running = checkpoint_layout(engine)
     problems = check_convertible(saved, running)
     if problems:
@@ -389,7 +393,7 @@ def load_resharded(engine, root: Path, tag: str, saved: dict) -> dict:
         raise ReshardError(f"checkpoint {tag}: its parameters' names or shapes differ from the model's")
     if dist.get_rank() == 0:
         log.info("checkpoint %s was saved at %s; converting to %s", tag, describe(saved), describe(running))
-    universal = ensure_universal(Path(root) / tag, saved)
+    universal = ensure_universal(Path(root) / tag, saved, converts=converts)
     if is_partitioned(engine):
         _load_partitioned(engine, universal)
     else:

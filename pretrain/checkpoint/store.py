@@ -32,6 +32,7 @@ from data_prep.atomic import write_atomic
 from data_prep.shard_format import Manifest, ShardError, load_manifest, sha256_file
 from data_prep.storage import StorageError
 from pretrain.checkpoint import mirror, reshard
+from pretrain.checkpoint.nodes import NodeLayout, env_node_ranks
 from pretrain.checkpoint.files import COMPLETE, CONFIG_FILE, FILE_LIST, LATEST, LAYOUT_FILE, LOCK_FILE
 from pretrain.config.schema import Config
 from pretrain.config.loader import ConfigError
@@ -74,7 +75,7 @@ def resume_tag(cfg: Config) -> Optional[str]:
     if cfg.train.checkpoint_mirror:     # a newer checkpoint there (or the one asked for) comes local first
         try:
             mirror.fetch_newer(cfg.train.checkpoint_mirror, root, None if cfg.train.resume == "auto" else
-                               cfg.train.resume)
+                               cfg.train.resume, env_node_ranks(), running_layout(cfg))
         except StorageError as exc:
             raise ConfigError([f"train.checkpoint_mirror: {exc}"]) from None
     if cfg.train.resume == "auto":
@@ -87,6 +88,37 @@ def resume_tag(cfg: Config) -> Optional[str]:
     if problem:
         raise ConfigError([f"train.resume={tag!r}: the checkpoint {root / tag} is damaged: {problem}"])
     return tag
+
+
+def running_layout(cfg: Config) -> dict:
+    """What of the job's layout is known before it starts: a mirrored checkpoint of the same needs
+    only each node's own ranks' files (another one is converted on every node, from all of them)."""
+    known = {"world": int(os.environ.get("WORLD_SIZE", "1")), "zero_stage": cfg.impl.zero_stage,
+             "offload_optimizer": cfg.impl.offload_optimizer}
+    return {**known, "precision": cfg.impl.precision} if cfg.impl.precision != "auto" else known
+
+
+def ensure_on_every_node(cfg: Config, tag: str, layout: NodeLayout) -> None:
+    """On node-local disks, the first rank's choice ``tag`` must be on every node: a node that lacks
+    it (new to the job, or its disk behind) fetches it from ``train.checkpoint_mirror``. A collective."""
+    if layout.shared:
+        return
+    problem = None
+    if layout.writes_folder:
+        root = checkpoint_root(cfg)
+        if cfg.train.checkpoint_mirror:
+            try:
+                mirror.fetch_newer(cfg.train.checkpoint_mirror, root, tag, layout.node_ranks(), running_layout(cfg))
+            except StorageError as exc:
+                problem = f"rank {layout.rank}: {exc}"
+        if problem is None and not (root / tag / COMPLETE).is_file():
+            problem = (f"the node of rank {layout.rank} has no checkpoint {tag} in its train.out_dir ({root}) "
+                       + ("and the checkpoint mirror has none either" if cfg.train.checkpoint_mirror else
+                          "(node-local disks: set train.checkpoint_mirror to resume on other nodes)"))
+    problems: list = [None] * layout.world
+    dist.all_gather_object(problems, problem)
+    if any(problems):
+        raise RuntimeError(f"cannot resume from {tag}: " + "; ".join(p for p in problems if p))
 
 
 def usable_latest_tag(root: Path, checksums: bool = True) -> Optional[str]:
@@ -170,41 +202,52 @@ def saved_manifest(root: Path, tag: str) -> Optional[Manifest]:
 
 
 def save(engine, cfg: Config, step: int, client_state: dict, side_files: dict[str, str],
-         copy_dirs: dict[str, Path]) -> str:
-    """Write checkpoint ``step`` on every rank; returns its tag once it is complete."""
+         copy_dirs: dict[str, Path], nodes: NodeLayout) -> str:
+    """Write checkpoint ``step`` on every rank; returns its tag once it is complete. On node-local
+    disks every node's first rank completes its own folder, rank 0 last."""
     root = checkpoint_root(cfg)
     tag = tag_for_step(step)
-    if dist.get_rank() == 0:
+    if nodes.writes_folder:
         # Re-saving a tag (after train.resume=<older tag>): it is incomplete until rewritten.
         (root / tag / COMPLETE).unlink(missing_ok=True)
     dist.barrier()
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     dist.barrier()
     layout = reshard.checkpoint_layout(engine)      # lets another world size or ZeRO stage load it
-    if dist.get_rank() == 0:
-        folder = root / tag
-        for name, text in {**side_files, LAYOUT_FILE: json.dumps(layout)}.items():
-            write_atomic(folder / name, text)
-        for name, src in copy_dirs.items():
-            shutil.copytree(src, folder / name, dirs_exist_ok=True)
-        write_file_list(folder)
-        write_atomic(folder / COMPLETE, json.dumps({"step": step}) + "\n")
-        write_atomic(root / LATEST, tag)
-        keep = cfg.train.keep_checkpoints
-        if keep:
-            for old in complete_tags(root)[:-keep]:
-                shutil.rmtree(root / old, ignore_errors=True)
+    side_files = {**side_files, LAYOUT_FILE: json.dumps(layout)}
+    if nodes.writes_folder and nodes.rank != 0:
+        _complete(root, tag, step, side_files, copy_dirs, cfg.train.keep_checkpoints)
+    if not nodes.shared:
+        dist.barrier()
+    if nodes.rank == 0:
+        _complete(root, tag, step, side_files, copy_dirs, cfg.train.keep_checkpoints)
     dist.barrier()
     return tag
 
 
-def load(engine, cfg: Config, tag: str) -> dict:
+def _complete(root: Path, tag: str, step: int, side_files: dict[str, str], copy_dirs: dict[str, Path],
+              keep: int) -> None:
+    """The side files beside DeepSpeed's, the file list, COMPLETE, ``latest``; then the oldest go."""
+    folder = root / tag
+    for name, text in side_files.items():
+        write_atomic(folder / name, text)
+    for name, src in copy_dirs.items():
+        shutil.copytree(src, folder / name, dirs_exist_ok=True)
+    write_file_list(folder)
+    write_atomic(folder / COMPLETE, json.dumps({"step": step}) + "\n")
+    write_atomic(root / LATEST, tag)
+    if keep:
+        for old in complete_tags(root)[:-keep]:
+            shutil.rmtree(root / old, ignore_errors=True)
+
+
+def load(engine, cfg: Config, tag: str, nodes: NodeLayout) -> dict:
     """Load ``tag`` into ``engine``; a checkpoint of another world size, ZeRO stage or precision is
-    converted (``reshard``, once, cached beside it) and the log says so. Returns its client state."""
+    converted (``reshard``, once per folder, cached beside it) and the log says so. Returns its client state."""
     root = checkpoint_root(cfg)
     saved = reshard.read_layout(root / tag)
     if saved is not None and reshard.needs_conversion(saved, reshard.checkpoint_layout(engine)):
-        return reshard.load_resharded(engine, root, tag, saved)
+        return reshard.load_resharded(engine, root, tag, saved, converts=nodes.writes_folder)
     path, client_state = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                                 load_lr_scheduler_states=True)
     if path is None:

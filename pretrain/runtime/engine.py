@@ -119,8 +119,10 @@ def init_distributed(cfg: Config) -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-def deepspeed_config(cfg: Config, world: int, precision: str) -> dict:
-    """The DeepSpeed JSON, derived from our config: nothing in it is set by hand elsewhere."""
+def deepspeed_config(cfg: Config, world: int, precision: str, node_local: bool = False) -> dict:
+    """The DeepSpeed JSON, derived from our config: nothing in it is set by hand elsewhere.
+    ``node_local``: each node's first rank also writes the model states rank 0 writes (train.out_dir
+    on node-local disks, pretrain.checkpoint.nodes)."""
     problems = batch_size_problems(cfg.train.global_batch_size, cfg.impl.micro_batch_size, world)
     if problems:
         raise ConfigError(problems)
@@ -144,6 +146,8 @@ def deepspeed_config(cfg: Config, world: int, precision: str) -> dict:
         # a client optimiser other than Adam (our LAMB on CPU) under ZeRO
         "zero_allow_untested_optimizer": True,
     }
+    if node_local:
+        ds["checkpoint"] = {"use_node_local_storage": True}
     if precision == "bf16":
         # Gradients are summed over micro-steps and reduced across ranks in fp32, as NVIDIA's BERT and
         # Megatron do: a bf16 sum keeps 8 mantissa bits. At ZeRO 1 DeepSpeed takes its BF16_Optimizer
@@ -157,12 +161,12 @@ def deepspeed_config(cfg: Config, world: int, precision: str) -> dict:
     return configlib.merge(ds, cfg.impl.deepspeed)
 
 
-def initialize(model: torch.nn.Module, cfg: Config, info: DistInfo, precision: str):
+def initialize(model: torch.nn.Module, cfg: Config, info: DistInfo, precision: str, node_local: bool = False):
     """The ZeRO engine around ``model``, our optimiser and schedule; returns (engine, scheduler,
     the DeepSpeed JSON used, our own optimiser inside DeepSpeed's wrappers)."""
     import deepspeed
 
-    ds_config = deepspeed_config(cfg, info.world, precision)
+    ds_config = deepspeed_config(cfg, info.world, precision, node_local)
     if "optimizer" not in ds_config:
         _skip_muon_import()
     schedule = lr_schedule(cfg)
@@ -251,6 +255,25 @@ def full_weights(engine):
 
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
         yield engine.module
+
+
+def full_fp32_weights(engine, keep: bool) -> dict[str, torch.Tensor]:
+    """Every parameter's fp32 master weights, whole, and the module's persistent buffers: what an
+    export needs when no one folder holds every rank's shards (node-local disks). A collective: each
+    parameter's partitions meet over the process group, one at a time; only a rank that ``keep``s
+    holds the result (the others return an empty dict)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = engine.module
+    persistent = set(module.state_dict().keys())
+    state = {}
+    for name, param in module.named_parameters():
+        full = safe_get_full_fp32_param(param)      # None without a ZeRO/BF16 master: the weight itself
+        if keep:
+            state[name] = (param.detach() if full is None else full).float().cpu().clone()
+    if keep:
+        state.update({name: buf.detach().cpu().clone() for name, buf in module.named_buffers() if name in persistent})
+    return state
 
 
 def rank0_value(value):

@@ -137,6 +137,16 @@ class SlurmCluster:
         self.ctld_port = _free_port()
         self.node_ports = [_free_port() for _ in self.node_names]
 
+    @property
+    def node_local(self) -> Path:
+        """A path that each node's jobs see as their own disk (like /local/scratch on a real cluster):
+        in node ``nI``'s mount namespace it is ``node_disk("nI")``; outside, an empty folder."""
+        return self.lab / "node-local"
+
+    def node_disk(self, name: str) -> Path:
+        """Node ``name``'s own disk, as the tests see it from outside the nodes."""
+        return self.lab / "node-disks" / name
+
     # ----------------------------------------------------------------------------------- environment
     def client_env(self, **extra: str) -> dict:
         """Environment for client commands and, through sbatch's default --export=ALL, for the jobs:
@@ -254,10 +264,12 @@ class SlurmCluster:
         self.started = True   # from here on, stop() has something to clean up
         self._daemon(["slurmctld", "-f", str(self.conf), "-c", "-i"])
         hosts = self.lab / "etc" / "hosts"
+        self.node_local.mkdir(exist_ok=True)
         for name in self.node_names:
+            self.node_disk(name).mkdir(parents=True, exist_ok=True)
             self._daemon(["unshare", "--mount", "--uts", "--propagation", "private", "bash", "-c",
-                          f"mount --bind {hosts} /etc/hosts && hostname {name} && "
-                          f"exec slurmd -f {self.conf} -N {name}"])
+                          f"mount --bind {hosts} /etc/hosts && mount --bind {self.node_disk(name)} {self.node_local} "
+                          f"&& hostname {name} && exec slurmd -f {self.conf} -N {name}"])
         self._wait(lambda: self.idle_nodes() == self.nodes, 30, f"{self.nodes} idle nodes",
                    self.lab / "log" / "slurmctld.log")
         return self
