@@ -347,9 +347,11 @@ def finish(run: Run) -> None:
             run.probe(step)
         export_and_log(cfg, step, run.tracker, final=True, engine=run.export_engine)
         if run.mirror is not None:
-            run.mirror.upload_export(final_export_dir(cfg.train.out_dir))
+            run.mirror.upload_folder(final_export_dir(cfg.train.out_dir), last=files.EXPORT_SOURCE)
     if run.info.rank == 0 and cfg.tracking.report:
-        report_at_end(cfg, run.manifest, run.tracker)      # never raises; logged as the run's report/ artifact
+        report = report_at_end(cfg, run.manifest, run.tracker)    # never raises; logged as the run's report/ artifact
+        if report is not None and run.mirror is not None:
+            run.mirror.upload_folder(report)
     log.info("%s", console.summary(run.state, cfg, time.perf_counter() - run.started, run.latest, run.tracker))
     run.status = "FINISHED"
 
@@ -371,7 +373,7 @@ def checkpoint(run: Run, export: bool, final: bool) -> None:
     if export:
         export_and_log(cfg, state.step, run.tracker, final, engine=run.export_engine)
         if final and run.mirror is not None:
-            run.mirror.upload_export(final_export_dir(cfg.train.out_dir))
+            run.mirror.upload_folder(final_export_dir(cfg.train.out_dir), last=files.EXPORT_SOURCE)
     dist.barrier()
 
 

@@ -185,8 +185,9 @@ def test_a_job_on_node_local_disks_requeued_onto_empty_ones_resumes_from_the_mir
     bucket = s3_server.bucket("nodelocal")
     mirror = f"s3://{bucket}/run"
     disks = [cluster.node_disk(name) / "run" for name in ("n1", "n2")]
+    job_env = cluster.client_env(**s3_server.aws())
     job = Job(cluster, "nodelocal", shards, cluster.node_local / "run", extra=[f"train.checkpoint_mirror={mirror}"],
-              env=cluster.client_env(**s3_server.aws()), log_dir=tmp_path)
+              env=job_env, log_dir=tmp_path)
     first = cluster.wait_for(lambda: [s for s in losses(disks[0]) if s >= 3], 300,
                              f"step 3 in {disks[0]}/metrics.jsonl\n{job.log[-3000:]}")
     cluster.run("scancel", "--batch", "--signal=USR1", str(job.id))
@@ -226,6 +227,7 @@ def test_a_job_on_node_local_disks_requeued_onto_empty_ones_resumes_from_the_mir
     assert all(objects[f"{final}/{name}"] and len(objects[f"{final}/{name}"]) == want["size"]
                for name, want in listed.items())
     assert objects["hf_final/EXPORTED_FROM"] == f"{final}\n".encode()
+    assert b"<html" in objects["report/report.html"]                     # the run's report too
     from safetensors.torch import load as load_safetensors
 
     exported = load_safetensors(objects["hf_final/model.safetensors"])
@@ -233,5 +235,25 @@ def test_a_job_on_node_local_disks_requeued_onto_empty_ones_resumes_from_the_mir
     assert sorted(exported) == sorted(wanted)
     for name in wanted:
         assert torch.allclose(exported[name], wanted[name], rtol=1e-5, atol=1e-6), name
+
+    # Another job continues the run at ZeRO 1 on empty disks: each node downloads every rank's files
+    # (another layout: the conversion needs them all) and converts on its own disk.
+    for disk in disks:
+        shutil.rmtree(disk)
+    longer = Job(cluster, "nodelocal-zero1", shards, cluster.node_local / "run", env=job_env, log_dir=tmp_path,
+                 extra=[f"train.checkpoint_mirror={mirror}", "impl.zero_stage=1", f"train.max_steps={STEPS + 4}"])
+    longer.record()
+    log = longer.log
+    assert log.count(f"resuming from the checkpoint mirror: {mirror}/{final} downloaded") == 2, log[-6000:]
+    assert "(the files of ranks" not in log and f"(resumed from {final})" in log, log[-6000:]
+    for disk in disks:
+        assert (disk / "checkpoints" / final / "universal").is_dir() and \
+               len(list((disk / "checkpoints" / final).glob("zero_pp_rank_*"))) == 2
+    more = losses(disks[0])
+    assert sorted(more) == list(range(STEPS, STEPS + 5))           # the checkpoint's step is logged again
+    assert more[STEPS] == pytest.approx(theirs[STEPS], rel=1e-6)
+    assert more[STEPS + 1] == pytest.approx(theirs[STEPS], rel=0.1)       # the trained weights, carried on
+    assert s3_server.objects(bucket, "run")["hf_final/EXPORTED_FROM"] == f"step{STEPS + 4:08d}\n".encode()
+
     secret = s3_server.env()["AWS_SECRET_ACCESS_KEY"].encode()
     assert not [p for root in (tmp_path, *disks) for p in root.rglob("*") if p.is_file() and secret in p.read_bytes()]

@@ -42,7 +42,7 @@ from typing import Optional
 from data_prep.atomic import write_atomic
 from data_prep.shard_format import sha256_file
 from data_prep.storage import StorageError, Store, open_store
-from pretrain.checkpoint.files import COMPLETE, EXPORT_SOURCE, FILE_LIST, LATEST, LAYOUT_FILE, NODE_LISTINGS
+from pretrain.checkpoint.files import COMPLETE, FILE_LIST, LATEST, LAYOUT_FILE, NODE_LISTINGS
 from pretrain.checkpoint.nodes import NodeLayout, needed_by, rank_of_file
 from pretrain.exit_codes import MIRROR_BEHIND
 
@@ -96,7 +96,7 @@ class CheckpointMirror:
         self._lock = threading.Lock()
         self.newest_mirrored: Optional[str] = None
         self.failed: list[str] = []
-        self.export_behind: Optional[str] = None
+        self.behind: dict[str, str] = {}         # folders (the export, the report) whose upload failed
 
     def upload(self, folder: Path) -> None:
         """Start uploading the complete checkpoint ``folder`` (its tag folder)."""
@@ -171,25 +171,26 @@ class CheckpointMirror:
             files.update(listing["files"])
         return files
 
-    def upload_export(self, folder: Path) -> None:
-        """Start uploading the final Hugging Face export (``hf_final``): its files, then the marker that
-        names its checkpoint, so a mirrored export without the marker is unfinished. The first rank's."""
+    def upload_folder(self, folder: Path, last: Optional[str] = None) -> None:
+        """Start uploading a folder of the run as ``<its name>/`` (the final export ``hf_final``, the
+        report): its files, then ``last`` (the export's marker naming its checkpoint, so that a mirrored
+        export without it is unfinished). The first rank's."""
         if self.nodes.rank != 0:
             return
-        self._pending.append(self._pool.submit(self._upload_export, Path(folder)))
+        self._pending.append(self._pool.submit(self._upload_folder, Path(folder), last))
 
-    def _upload_export(self, folder: Path) -> None:
-        marker = folder / EXPORT_SOURCE
+    def _upload_folder(self, folder: Path, last: Optional[str]) -> None:
+        files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != last)
         try:
-            for path in sorted(p for p in folder.rglob("*") if p.is_file() and p != marker) + [marker]:
+            for path in files + ([folder / last] if last else []):
                 name = f"{folder.name}/{path.relative_to(folder).as_posix()}"
                 self.store.put_file(path, name, sha256_file(path), keep_local=True)
         except (StorageError, OSError) as exc:
-            self.export_behind = f"the export {folder.name} ({exc})"
+            self.behind[folder.name] = f"{folder.name}/ ({exc})"
             log.warning("checkpoint mirror: uploading %s failed (%s)", folder, exc)
             return
-        self.export_behind = None
-        log.info("checkpoint mirror: the export %s is in %s", folder.name, self.store.url(folder.name))
+        self.behind.pop(folder.name, None)
+        log.info("checkpoint mirror: %s is in %s", folder.name, self.store.url(folder.name))
 
     def _superseded(self, tag: str) -> bool:
         with self._lock:
@@ -222,8 +223,9 @@ class CheckpointMirror:
             there = self.newest_mirrored or "no checkpoint of this run's jobs"
             return (f"the checkpoint mirror {self.url} is behind: the newest checkpoint, {newest}, is only on "
                     f"local disk ({there} is the newest uploaded)")
-        if self.export_behind:
-            return f"the checkpoint mirror {self.url} is behind: {self.export_behind} is only on local disk"
+        if self.behind:
+            return (f"the checkpoint mirror {self.url} is behind: {', '.join(self.behind.values())} only on "
+                    "local disk")
         return None
 
 

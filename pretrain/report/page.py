@@ -19,6 +19,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -163,17 +164,20 @@ def write_report(run_dir: Path, config: dict | None = None, manifest: Manifest |
     return out
 
 
-def report_at_end(cfg, manifest: Manifest, tracker) -> None:
-    """The trainer's call (rank 0, end of a run): write the report and hand it to the tracker. Never
-    raises: a report is not worth failing a finished run over."""
+def report_at_end(cfg, manifest: Manifest, tracker) -> Optional[Path]:
+    """The trainer's call (rank 0, end of a run): write the report and hand it to the tracker; returns
+    its folder (None if it could not be written). Never raises: a report is not worth failing a
+    finished run over."""
     try:
         start, cpu = time.perf_counter(), time.process_time()
         out = write_report(Path(cfg.train.out_dir), configlib.to_dict(cfg), manifest, tracker.run_url)
         tracker.log_artifacts(str(out), REPORT_DIR)
         log.info("report: %s (%.1fs, %.1fs CPU)", out / "report.html", time.perf_counter() - start,
                  time.process_time() - cpu)
+        return out
     except Exception as exc:  # noqa: BLE001 - see the docstring
         log.warning("report: could not be written (%s: %s); training is unaffected", type(exc).__name__, exc)
+        return None
 
 
 def main(argv=None) -> int:
