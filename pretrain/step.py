@@ -96,8 +96,20 @@ def train_step(run, micro_batches: list[dict], want_grad_norm: bool,
                 before_step()
         engine.step()
     run.optimizer.skip_next_step = False
+    leak_for_test()
     return StepResult(sums, bool(flags[0]), bool(flags[1]), grad_norm, bool(flags[2]),
                       bool(flags[2] >= bad_input.OUTAGE))
+
+
+LEAK_ENV = "MLM_TEST_LEAK_MB_PER_STEP"      # test only: every step keeps this many MB more
+_leaked: list = []
+
+
+def leak_for_test() -> None:
+    """The deliberately leaking step that tests/test_memory.py must catch (a tensor kept per step)."""
+    mb = float(os.environ.get(LEAK_ENV) or 0)
+    if mb:
+        _leaked.append(torch.ones(int(mb * 2**20) // 4))
 
 
 class ThroughputWindow:

@@ -57,7 +57,7 @@ from pretrain.model.mlm import MLMModel, build_model
 from pretrain.model.schedule import continue_schedule
 from pretrain.preflight import check_inputs
 from pretrain.report.page import report_at_end
-from pretrain.runtime import bad_input, hardware, lifeline
+from pretrain.runtime import allocator, bad_input, hardware, lifeline
 from pretrain.runtime import engine as eng
 from pretrain.runtime.health import LayerHealth
 from pretrain.runtime.step_speed import step_probe
@@ -172,8 +172,8 @@ def build_tracker(run: Run, origin: dict, precision: str, ds_config: dict):
 def build_run(cfg: Config, manifest: Manifest, tasks: list, resume_from: str | None, info: eng.DistInfo,
               stop: StopSignal) -> Run:
     """Assemble the run: precision, model and engine, resume, data stream, tracker, FLOPs and peak."""
-    if info.device.type == "cpu" and cfg.impl.keep_freed_cpu_memory:
-        hardware.keep_freed_cpu_memory()        # no page faults on every step's large tensors
+    if info.device.type == "cpu" and cfg.impl.keep_freed_cpu_memory and allocator.in_use() == "glibc":
+        hardware.keep_freed_cpu_memory()        # no page faults on every step's large tensors (tcmalloc keeps them anyway)
     nodes = checkpoint_nodes.probe(cfg.train.out_dir)     # one shared train.out_dir, or one per node
     special, model, engine, scheduler, ds_config, optimizer, precision, why = build_engine(cfg, manifest, resume_from,
                                                                                           info, not nodes.shared)
@@ -193,9 +193,9 @@ def build_run(cfg: Config, manifest: Manifest, tasks: list, resume_from: str | N
     run.peak, peak_source = hardware.peak_tflops(info.device, precision, cfg.impl.peak_tflops)
     run.mfu_check = hardware.MfuCheck(run.peak, peak_source)
     log.info("start: step %d%s, world %d, grad_accum %d, precision %s (%s), ZeRO %d, %d params, "
-             "peak %.3f TFLOP/s per process (%s)", run.state.step,
+             "peak %.3f TFLOP/s per process (%s), allocator %s", run.state.step,
              f" (resumed from {resume_from})" if resume_from else "", info.world, cfg.grad_accum_steps(info.world),
-             precision, why, cfg.impl.zero_stage, eng.num_parameters(model), run.peak, peak_source)
+             precision, why, cfg.impl.zero_stage, eng.num_parameters(model), run.peak, peak_source, allocator.in_use())
     if mixture.is_mixture(cfg):
         log.info("data mixture:\n  %s", "\n  ".join(mixture.plan_lines(run.stream, cfg.train.max_steps)))
     return run
@@ -306,7 +306,8 @@ def train_metrics(run: Run, window: ThroughputWindow, result: StepResult) -> dic
     grad_norm = run.engine.get_global_grad_norm() if cfg.impl.zero_stage else result.grad_norm
     return {**metrics, "train/lr": run.scheduler.get_last_lr()[0],
             "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "perf/memory_gb": hardware.peak_memory_gb(run.info.device), "train/tokens_seen": state.tokens_seen,
+            "perf/memory_gb": hardware.peak_memory_gb(run.info.device),
+            "perf/memory_current_gb": hardware.current_memory_gb(run.info.device), "train/tokens_seen": state.tokens_seen,
             "train/nonfinite_skipped": state.nonfinite_total,
             **mixture.data_metrics(run.stream, step, cfg.train.max_steps),
             **({"train/mask_rate": rate_at_step(cfg.masking, step - 1, cfg.train.max_steps)}

@@ -295,6 +295,18 @@ def keep_freed_cpu_memory() -> bool:
         return False
 
 
+def current_memory_gb(device) -> float:
+    """The process's memory now: allocated on a GPU, resident on a CPU (what a leak makes grow, where
+    the peak only tells the highest point)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**30
+    try:
+        pages = int(open("/proc/self/statm").read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
 def peak_memory_gb(device) -> float:
     """The process's peak memory: allocated on a GPU, resident on a CPU."""
     if device.type == "cuda":

@@ -39,7 +39,7 @@ import psutil
 from pretrain.config import loader as configlib
 from pretrain.config.schema import TrainConfig
 from pretrain import exit_codes
-from pretrain.runtime import lifeline, ports
+from pretrain.runtime import allocator, lifeline, ports
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # The GPUs the scheduler gave the job, kept for the ranks (``engine.prepare_env``): DeepSpeed's
@@ -129,9 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"pretrain.launch: {problem}", file=sys.stderr)
         return 2
+    env, problem = allocator.preload(accelerator_env(dict(os.environ)))
+    if problem:
+        print(f"pretrain.launch: {problem}", file=sys.stderr, flush=True)
     # Its ranks die with this process, killed however (pretrain.runtime.lifeline).
     launcher = subprocess.Popen([deepspeed, *quiet_by_default(argv)], start_new_session=True,
-                                env=lifeline.launcher_env(accelerator_env(dict(os.environ))), stdout=subprocess.PIPE)
+                                env=lifeline.launcher_env(env), stdout=subprocess.PIPE)
     log_path = launcher_log(argv)
     output = threading.Thread(target=pass_output, args=(launcher.stdout, log_path), daemon=True)
     output.start()
