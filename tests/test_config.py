@@ -45,6 +45,9 @@ def test_every_shipped_yaml_loads(path, data_dir, monkeypatch):
     assert ds.get("data_types") == ({"grad_accum_dtype": "fp32"} if cfg.impl.zero_stage else None)
     fp32 = deepspeed_config(cfg, world=1, precision="fp32")
     assert "communication_data_type" not in fp32 and "data_types" not in fp32
+    if cfg.impl.zero_stage:      # the buckets: no larger than the model (ZeRO allocates them whole)
+        small, large = (deepspeed_config(cfg, 1, "fp32", num_params=n)["zero_optimization"] for n in (1000, 10**9))
+        assert (small["reduce_bucket_size"], large["reduce_bucket_size"]) == (1000, 5 * 10**7)
 
 
 def test_composition_and_overrides(data_dir, monkeypatch):

@@ -189,9 +189,10 @@ class ImplConfig:
     # AdamW's kernel. auto/true: torch's fused AdamW (CUDA and CPU, no build step); false: torch's
     # multi-tensor AdamW. LAMB is always ours (pretrain.model.optim). YAML's on/off read as booleans.
     fused_optimizer: Union[Literal["auto"], bool] = "auto"
-    # CPU runs: keep freed memory for the next step (pretrain.hardware.keep_freed_cpu_memory): 10-20%
-    # faster steps on mini, but the process's memory grows past its working set (1.6 -> 2.9 GB in
-    # 160 mini steps, then flat); false for glibc's default.
+    # CPU runs under glibc's malloc (no tcmalloc preloaded: pretrain.runtime.allocator): keep freed
+    # memory for the next step (pretrain.hardware.keep_freed_cpu_memory): 10-20% faster steps on mini,
+    # but the heap fragments and grows past the working set (demo rank 0: 2.3 -> 5.9 GB in 160 steps);
+    # false for glibc's default. Ignored under tcmalloc or jemalloc, which keep freed memory anyway.
     keep_freed_cpu_memory: bool = True
     offload_optimizer: bool = False    # ZeRO-Offload of optimiser states to CPU memory
     num_workers: int = 2               # data loader worker processes per rank

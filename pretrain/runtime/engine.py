@@ -119,17 +119,23 @@ def init_distributed(cfg: Config) -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-def deepspeed_config(cfg: Config, world: int, precision: str, node_local: bool = False) -> dict:
+def deepspeed_config(cfg: Config, world: int, precision: str, node_local: bool = False,
+                     num_params: int | None = None) -> dict:
     """The DeepSpeed JSON, derived from our config: nothing in it is set by hand elsewhere.
     ``node_local``: each node's first rank also writes the model states rank 0 writes (train.out_dir
-    on node-local disks, pretrain.checkpoint.nodes)."""
+    on node-local disks, pretrain.checkpoint.nodes). ``num_params``: the model's size, which caps the
+    ZeRO buckets."""
     problems = batch_size_problems(cfg.train.global_batch_size, cfg.impl.micro_batch_size, world)
     if problems:
         raise ConfigError(problems)
     zero: dict[str, Any] = {"stage": cfg.impl.zero_stage}
     if cfg.impl.zero_stage >= 1:
+        # ZeRO 1-2 allocate the contiguous reduce bucket at its full size on every micro-step (200 MB
+        # in fp32 at 5e7): no larger than the model, which changes nothing else (all of a smaller
+        # model's gradients fit one bucket either way).
+        bucket = int(min(5e7, num_params)) if num_params else int(5e7)
         zero.update(contiguous_gradients=True, overlap_comm=torch.cuda.is_available(),
-                    reduce_bucket_size=int(5e7), allgather_bucket_size=int(5e7))
+                    reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     if cfg.impl.zero_stage == 3:
         # The MLM head is gathered on every step; keeping small params resident avoids re-gathering.
         zero.update(stage3_param_persistence_threshold=int(1e5), stage3_gather_16bit_weights_on_model_save=False)
@@ -166,7 +172,7 @@ def initialize(model: torch.nn.Module, cfg: Config, info: DistInfo, precision: s
     the DeepSpeed JSON used, our own optimiser inside DeepSpeed's wrappers)."""
     import deepspeed
 
-    ds_config = deepspeed_config(cfg, info.world, precision, node_local)
+    ds_config = deepspeed_config(cfg, info.world, precision, node_local, num_parameters(model))
     if "optimizer" not in ds_config:
         _skip_muon_import()
     schedule = lr_schedule(cfg)
