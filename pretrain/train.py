@@ -144,7 +144,8 @@ def restore(run: Run, resume_from: str | None) -> dict:
     Returns where a new phase came from (empty otherwise)."""
     if resume_from:
         run.state.load_state_dict(checkpointing.load(run.engine, run.cfg, resume_from, run.nodes)[STATE_KEY])
-    origin = phases.start_from(run.engine, run.cfg) if run.cfg.train.init_from_checkpoint and not resume_from else {}
+    origin = (phases.start_from(run.engine, run.cfg, run.nodes.writes_folder)
+              if run.cfg.train.init_from_checkpoint and not resume_from else {})
     log.info(continue_schedule(run.scheduler, run.cfg))     # the config's schedule, whatever a checkpoint held
     return origin
 

@@ -112,9 +112,12 @@ def _layout_problems(cfg, folder: Path, where: str) -> list[str]:
     return [f"{where}: {p}" for p in reshard.check_convertible(saved, wanted_other)]
 
 
-def start_from(engine, cfg) -> dict[str, Any]:
+def start_from(engine, cfg, converts: bool | None = None) -> dict[str, Any]:
     """Load the weights and optimiser moments of ``train.init_from_checkpoint`` into ``engine`` (every
-    rank calls); this run's optimiser hyperparameters stay. Returns what the tracker records."""
+    rank calls); this run's optimiser hyperparameters stay. Returns what the tracker records.
+    ``converts``: this rank converts into its run folder (rank 0; each node's first on node-local
+    disks, where the checkpoint must be at the same path on every node)."""
+    converts = dist.get_rank() == 0 if converts is None else converts
     root, tag = eng.rank0_value(resolve(cfg.train.init_from_checkpoint) if dist.get_rank() == 0 else None)
     saved = reshard.read_layout(root / tag)
     running = reshard.checkpoint_layout(engine)
@@ -127,8 +130,9 @@ def start_from(engine, cfg) -> dict[str, Any]:
     out = Path(cfg.train.out_dir) / CONVERTED_DIR / tag
     if dist.get_rank() == 0:
         log.info("%s: weights and optimiser moments from %s (saved at %s)", KEY, root / tag, reshard.describe(saved))
+    if converts:
         out.parent.mkdir(parents=True, exist_ok=True)
-    reshard.load_weights_and_moments(engine, reshard.ensure_universal(root / tag, saved, out=out))
+    reshard.load_weights_and_moments(engine, reshard.ensure_universal(root / tag, saved, out=out, converts=converts))
     for group, values in zip(optimizer.param_groups, own):
         group.update(values)
     dist.barrier()
