@@ -40,8 +40,17 @@ FINAL_EXPORT = "hf_final"
 EXPORT_SOURCE = "EXPORTED_FROM"     # inside an export: the checkpoint tag it was made from, written last
 
 
+RANK_FILE = r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_"     # DeepSpeed's per-rank files start so
+
+
 def rank_files(folder: Path, suffix: str) -> list[Path]:
     """DeepSpeed's ``[bf16_]zero_pp_rank_<r>_mp_rank_00_<suffix>`` files in rank order."""
-    pattern = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_" + re.escape(suffix) + "$")
+    pattern = re.compile(RANK_FILE + re.escape(suffix) + "$")
     found = {int(m.group(1)): folder / f.name for f in Path(folder).iterdir() if (m := pattern.match(f.name))}
     return [found[r] for r in sorted(found)]
+
+
+def rank_of_file(name: str) -> int | None:
+    """The rank that wrote a per-rank DeepSpeed file (its path in a tag folder); None for shared ones."""
+    match = re.match(RANK_FILE, Path(name).name)
+    return int(match.group(1)) if match else None

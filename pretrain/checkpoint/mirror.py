@@ -42,8 +42,8 @@ from typing import Optional
 from data_prep.atomic import write_atomic
 from data_prep.shard_format import sha256_file
 from data_prep.storage import StorageError, Store, open_store
-from pretrain.checkpoint.files import COMPLETE, FILE_LIST, LATEST, LAYOUT_FILE, NODE_LISTINGS
-from pretrain.checkpoint.nodes import NodeLayout, needed_by, rank_of_file
+from pretrain.checkpoint.files import COMPLETE, FILE_LIST, LATEST, LAYOUT_FILE, NODE_LISTINGS, rank_of_file
+from pretrain.checkpoint.nodes import NodeLayout, needed_by
 from pretrain.exit_codes import MIRROR_BEHIND
 
 log = logging.getLogger("pretrain")

@@ -13,7 +13,6 @@ a requeue onto other nodes finds them in ``train.checkpoint_mirror``.
 from __future__ import annotations
 
 import os
-import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +21,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from data_prep.atomic import write_atomic
-from pretrain.checkpoint.files import SHARED_PROBE
-
-_RANK_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_\w+\.pt$")
-
+from pretrain.checkpoint.files import SHARED_PROBE, rank_of_file
 
 @dataclass(frozen=True)
 class NodeLayout:
@@ -70,12 +66,6 @@ def probe(out_dir: str | Path) -> NodeLayout:
     dist.all_gather_object(seen, (local_rank, sees))
     leaders = tuple(r for r, (lr, _) in enumerate(seen) if lr == 0)
     return NodeLayout(rank, all(s for _, s in seen), leaders or (0,), world)
-
-
-def rank_of_file(name: str) -> Optional[int]:
-    """The rank that wrote a per-rank DeepSpeed file (``zero_pp_rank_<r>_...``); None for shared ones."""
-    match = _RANK_FILE.search(name)
-    return int(match.group(1)) if match else None
 
 
 def needed_by(names, ranks: Optional[range]) -> list[str]:
