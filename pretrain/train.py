@@ -449,4 +449,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    eng.end_process(main())

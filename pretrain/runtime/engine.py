@@ -6,14 +6,16 @@ what makes a checkpoint complete and resumable is in ``pretrain.checkpoint.store
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import socket
 import sys
+import threading
 import types
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -302,3 +304,27 @@ def release_shared_memory() -> None:
         os.unlink(name)
     except OSError:
         pass
+
+
+def end_process(code: int) -> NoReturn:
+    """End a rank that has left its process group with ``code``, without the interpreter's final
+    teardown of C++ objects.
+
+    Why: after a ZeRO-3 run the engine stays reachable (DeepSpeed defines autograd Function classes
+    per module whose methods close over the module, and every parameter names its process group), so
+    the process groups and gloo's threads (``pt_gloo_runloop``, ``gloo_tcp_loop``; the TCPStore's on
+    rank 0) outlive ``destroy_process_group``: neither it nor the backend's ``shutdown``/``abort``
+    joins them. They were then destroyed during interpreter finalisation, where a C++ thread that
+    needs the GIL is ended inside a frame that must not unwind: "terminate called without an active
+    exception", SIGABRT, and the launcher exits 250 for a finished run.
+    Python's own exit steps still run, in its order: non-daemon threads joined with their exit hooks
+    (concurrent.futures'), atexit handlers (MLflow's, logging's), standard streams flushed. Only the
+    teardown after them is skipped: every file the run writes is closed by then."""
+    threading._shutdown()   # private, but it is exactly Py_FinalizeEx's first step
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
