@@ -36,7 +36,8 @@ class StopSignal:
 
 @dataclass
 class StepResult:
-    sums: torch.Tensor        # float64 [loss_sum, correct, predicted, tokens] on the device
+    sums: torch.Tensor        # float64 [loss_sum, correct, predicted, tokens] on the device; correct
+                              # only on a logged step (0 otherwise)
     nonfinite: bool           # some rank's loss was not finite: the update was skipped everywhere
     stop: bool                # some rank was asked to stop
     grad_norm: float | None   # ZeRO 0 only, when asked (DeepSpeed keeps none there)
@@ -62,9 +63,10 @@ def mask_micro_batches(run, micro_batches: list[dict]) -> list[tuple]:
     return masked
 
 
-def train_step(run, micro_batches: list[dict], want_grad_norm: bool,
+def train_step(run, micro_batches: list[dict], logged: bool,
                before_step: Optional[Callable[[], None]] = None) -> StepResult:
-    """Forward and backward over the step's micro-batches, then one optimiser step. ``before_step``
+    """Forward and backward over the step's micro-batches, then one optimiser step. ``logged``: the
+    step's metrics are logged, so its accuracy and (ZeRO 0) gradient norm are computed. ``before_step``
     runs where the gradients are whole and the weights not yet updated (per-layer health)."""
     engine, device, world = run.engine, run.info.device, run.info.world
     masked = mask_micro_batches(run, micro_batches)
@@ -81,7 +83,8 @@ def train_step(run, micro_batches: list[dict], want_grad_norm: bool,
         # Dropout keyed like the masks, by each row's sample id and the step (model/keyed_dropout.py).
         engine.module.dropout_key.set(sample_ids, run.state.step)
         with eng.eager_forward(engine, eager=attention_mask is not None):
-            loss_sum, correct, count = engine(m.input_ids, attention_mask, m.positions, m.labels)
+            loss_sum, correct, count = engine(m.input_ids, attention_mask, m.positions, m.labels,
+                                              want_correct=logged)
         flags[0] = torch.maximum(flags[0], (~torch.isfinite(loss_sum.detach())).float())
         sums[:3] += torch.stack([loss_sum.detach().double(), correct.double(), count.double()])
         sums[3] += tokens
@@ -90,7 +93,7 @@ def train_step(run, micro_batches: list[dict], want_grad_norm: bool,
             flags[1] = float(run.stop.requested)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)      # every rank skips or stops together
             run.optimizer.skip_next_step = bool(flags[0]) or bool(flags[2])
-            if want_grad_norm and run.cfg.impl.zero_stage == 0:
+            if logged and run.cfg.impl.zero_stage == 0:
                 grad_norm = eng.local_grad_norm(engine)
             if before_step:
                 before_step()
@@ -125,12 +128,15 @@ class ThroughputWindow:
         if not result.nonfinite:                              # skipped steps are not averaged in
             self.sums += result.sums
 
-    def metrics(self, global_batch: int, world: int, flops_per_seq: float, peak: float) -> dict:
-        dist.all_reduce(self.sums)
-        loss_sum, correct, count, tokens = self.sums.tolist()
+    def metrics(self, logged: StepResult, global_batch: int, world: int, flops_per_seq: float, peak: float) -> dict:
+        """The window's means; ``train/accuracy`` is the ``logged`` step's alone (the only step whose
+        argmax is computed), like ``train/grad_norm``."""
+        both = torch.cat([self.sums, logged.sums[1:3] if not logged.nonfinite else torch.zeros_like(self.sums[:2])])
+        dist.all_reduce(both)
+        loss_sum, _, count, tokens, correct, predicted = both.tolist()
         seqs_per_s = global_batch * self.steps / self.seconds
         out = {"train/loss": loss_sum / count if count else float("nan"),
-               "train/accuracy": correct / count if count else float("nan"),
+               "train/accuracy": correct / predicted if predicted else float("nan"),
                "perf/tokens_per_s": tokens / self.seconds, "perf/samples_per_s": seqs_per_s,
                "perf/mfu": flops_per_seq * seqs_per_s / world / (peak * 1e12),
                "perf/step_time_s": self.seconds / self.steps, "perf/data_wait_s": self.data_wait / self.steps}

@@ -302,7 +302,7 @@ def train_metrics(run: Run, window: ThroughputWindow, result: StepResult) -> dic
     # The head's FLOPs follow the masking rate: the window's mean (masking.rate_end schedules it).
     rates = [rate_at_step(cfg.masking, s, cfg.train.max_steps) for s in range(step - window.steps, step)]
     flops_per_seq = run.flops_per_seq(sum(rates) / max(1, len(rates)))
-    metrics = window.metrics(cfg.train.global_batch_size, run.info.world, flops_per_seq, run.peak)
+    metrics = window.metrics(result, cfg.train.global_batch_size, run.info.world, flops_per_seq, run.peak)
     run.mfu_check(metrics["perf/mfu"])
     grad_norm = run.engine.get_global_grad_norm() if cfg.impl.zero_stage else result.grad_norm
     return {**metrics, "train/lr": run.scheduler.get_last_lr()[0],

@@ -214,3 +214,20 @@ def test_partitioned_stages_agree_with_zero_0(health_runs, stage):
     for step in whole:
         for key, value in whole[step].items():
             assert math.isclose(parts[step][key], value, rel_tol=2e-3), (stage, step, key, parts[step][key], value)
+
+
+def test_train_accuracy_is_the_logged_steps_own_whatever_the_log_cadence(shards, tmp_path):
+    """The argmax over the vocabulary runs on logged steps only, so ``train/accuracy`` is the logged
+    step's (as ``train/grad_norm`` is), the same at ``log_every`` 1 and 4; ``train/loss`` stays the
+    window's mean."""
+    accuracy = {}
+    for every in (1, 4):
+        out = tmp_path / f"every{every}"
+        launch(shards, out, "train.max_steps=8", f"train.log_every={every}", "train.eval_every=0",
+               "train.checkpoint_every=0", "optim.lr=3e-3", "optim.warmup_steps=2", check=True)
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        accuracy[every] = {r["step"]: r["train/accuracy"] for r in rows if "train/accuracy" in r}
+    assert sorted(accuracy[4]) == [4, 8] and sorted(accuracy[1]) == list(range(1, 9))
+    assert accuracy[4] == {4: accuracy[1][4], 8: accuracy[1][8]}
+    assert accuracy[1][8] > 0
+    assert accuracy[1][8] != pytest.approx(sum(accuracy[1][s] for s in range(5, 9)) / 4, rel=1e-3)

@@ -58,7 +58,8 @@ class MLMModel(torch.nn.Module):
         return self.hf_model.decoder(self.hf_model.head(hidden))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                positions: torch.Tensor, labels: torch.Tensor, per_token: bool = False):
+                positions: torch.Tensor, labels: torch.Tensor, per_token: bool = False,
+                want_correct: bool = True):
         """``attention_mask``: [B, L], False at padding; None means the batch has no padding, and no
         mask is built (SDPA then runs its unmasked fast path on the global layers).
         ``positions``: [N] flat indices into B*L; ``labels``: [N] ids (IGNORE_INDEX: not counted).
@@ -68,6 +69,8 @@ class MLMModel(torch.nn.Module):
         micro-steps together), and two int64 counts. Nothing here waits for the device.
         ``per_token``: the same three per position ([N] fp32 losses, [N] bools), for sums that must
         not depend on how rows are batched (evaluation, ``pretrain.eval.mlm``).
+        ``want_correct=False``: num_correct is 0 without the argmax over the vocabulary, which costs
+        a fifth of all the model's matmuls where matmuls are cheap (steps that do not log it).
         """
         hidden = self.encode(input_ids, attention_mask)
         if self.sparse_head:
@@ -80,6 +83,8 @@ class MLMModel(torch.nn.Module):
             token_loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
             return token_loss, (logits.argmax(dim=-1) == labels) & counted, counted
         loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        if not want_correct:
+            return loss_sum, torch.zeros((), dtype=torch.long, device=labels.device), counted.sum()
         num_correct = ((logits.argmax(dim=-1) == labels) & counted).sum()
         return loss_sum, num_correct, counted.sum()
 
