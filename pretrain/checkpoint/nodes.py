@@ -23,6 +23,7 @@ import torch.distributed as dist
 from data_prep.atomic import write_atomic
 from pretrain.checkpoint.files import SHARED_PROBE, rank_of_file
 
+
 @dataclass(frozen=True)
 class NodeLayout:
     rank: int
