@@ -9,6 +9,7 @@
 #   export        the lamb run's Hugging Face export (ZeRO 0 bf16: the fp32 masters) loads and fills masks
 #   bert-base     configs/base.yaml at sequence 128: MFU to compare with NVIDIA's BERT (~45%)
 # before them, bench/gpu_smoke_checks.py checks the optimisers and the flash SDPA kernel directly,
+# bench/mlm_loss.py times the fused MLM loss (every run's default) against the plain one at a GPU batch,
 # and after them prints tokens/s and MFU (against the peak printed first) from each run's metrics.jsonl.
 #
 #   bench/gpu_smoke.sh [--dry-run] [--gpus N] [--steps 50] [--micro-batch 64] [--config configs/mini.yaml]
@@ -106,6 +107,10 @@ if [ "$DRY_RUN" = 1 ]; then
 else
   "$PY" bench/gpu_smoke_checks.py paths "$CONFIG" "$DATA" || FAILED+=("paths")
 fi
+# 128 x 512 tokens at 15%: a BERT-base phase-2 micro-batch's predicted tokens, at its hidden size.
+MLM_LOSS=(bench/mlm_loss.py --device cuda --precision bf16 --tokens 9830 --hidden 768 --chunk-rows 1024 9830)
+echo "+ $PY ${MLM_LOSS[*]}"
+[ "$DRY_RUN" = 1 ] || "$PY" "${MLM_LOSS[@]}" || FAILED+=("mlm-loss")
 run adamw 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=1
 run lamb 1 optim.name=lamb impl.zero_stage=0
 run compile-fixed 1 impl.compile=true masking.fixed_count=true impl.fused_optimizer=true impl.zero_stage=1

@@ -87,6 +87,8 @@ VARIANTS: dict[str, Variant] = {
     "hf-keepmem": Variant("HF Trainer, with our keep_freed_cpu_memory() (not HF's default)", "hf", dense_head=True,
                           options=(("optim", "adamw_torch"), ("keep_freed_memory", True))),
     "ours": Variant("ours, eager, sparse head", "ours"),
+    "ours-plainloss": Variant("ours, eager, impl.fused_mlm_loss=false (F.linear + F.cross_entropy)", "ours",
+                              ("impl.fused_mlm_loss=false",)),
     "ours-dense": Variant("ours, eager, dense head", "ours", ("impl.sparse_head=false",), dense_head=True),
     "ours-compile": Variant("ours, torch.compile, sparse head", "ours", ("impl.compile=true",)),
     "ours-compile-dense": Variant("ours, torch.compile, dense head", "ours",

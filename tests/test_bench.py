@@ -48,6 +48,8 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     assert launches["halted"][1].train.resume == "auto" and launches["halted"][1].impl.zero_stage == 2
     assert [cmd[2:] for cmd in commands if cmd[1:2] == ["bench/gpu_smoke_checks.py"]][1:] == [
         ["resumed", "/tmp/gpu_smoke/runs/adamw", "/tmp/gpu_smoke/runs/halted"], ["export", "/tmp/gpu_smoke/runs/lamb"]]
+    (mlm_loss,) = [cmd for cmd in commands if cmd[1:2] == ["bench/mlm_loss.py"]]
+    assert mlm_loss[2:6] == ["--device", "cuda", "--precision", "bf16"]
     (checks,) = [cmd for cmd in commands if cmd[1:3] == ["bench/gpu_smoke_checks.py", "paths"]]
     # The Python half's configs load too (LAMB with ZeRO 0), and build the optimiser each expects.
     sys.path.insert(0, str(REPO))

@@ -55,15 +55,17 @@ def test_unused_fixed_count_slots_do_not_count(rows):
     assert torch.allclose(loss, only_used, rtol=1e-6)
 
 
-def test_a_step_that_does_not_log_runs_no_argmax_and_has_the_same_loss(rows):
-    """The training accuracy's argmax over the vocabulary is only computed on logged steps."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_step_that_does_not_log_runs_no_argmax_and_has_the_same_loss(rows, fused):
+    """The training accuracy's argmax over the vocabulary is only computed on logged steps (the fused
+    loss takes it from the max that shifts its softmax: aten::max with indices)."""
     ids, m = masked(rows)
-    model, attn = tiny().eval(), ids != SPECIAL.pad
+    model, attn = tiny(fused_mlm_loss=fused).eval(), ids != SPECIAL.pad
     runs = {}
     for want in (True, False):
         with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             runs[want] = model(m.input_ids, attn, m.positions, m.labels, want_correct=want)
-        runs[want] += (sum(e.count for e in prof.key_averages() if e.key == "aten::argmax"),)
+        runs[want] += (sum(e.count for e in prof.key_averages() if e.key in ("aten::argmax", "aten::max")),)
     (loss, correct, count, argmaxes), (loss_off, correct_off, count_off, argmaxes_off) = runs[True], runs[False]
     assert argmaxes == 1 and argmaxes_off == 0
     assert torch.equal(loss, loss_off) and int(count) == int(count_off) == int(m.num_masked)

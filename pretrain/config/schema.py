@@ -182,6 +182,9 @@ class ImplConfig:
     # falls back to sdpa with a warning (pretrain.model.attention_implementation).
     attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
     sparse_head: bool = True           # the MLM head only at masked positions
+    # The decoder and the cross-entropy fused in row chunks, no [N, V] log-softmax kept
+    # (pretrain.model.mlm_loss); false: the plain F.linear + F.cross_entropy. Needs sparse_head.
+    fused_mlm_loss: bool = True
     # torch.compile the model. auto: only when this launch has at least COMPILE_AUTO_MIN_STEPS steps
     # to run, where the start-up (20 s to minutes) pays for itself, and not for fp32 on a CPU, where
     # compiled steps measured no faster (Config.compile_now).

@@ -25,13 +25,14 @@ from transformers import (AutoConfig, BertConfig, BertForMaskedLM, ModernBertCon
 
 from pretrain.config.schema import ImplConfig, ModelConfig
 from pretrain.model.masking import IGNORE_INDEX, SpecialIds
+from pretrain.model.mlm_loss import fused_linear_cross_entropy
 
 log = logging.getLogger("pretrain")
 MASKED_LM_CLASSES = {"bert": BertForMaskedLM, "modernbert": ModernBertForMaskedLM}
 
 
 class MLMModel(torch.nn.Module):
-    def __init__(self, hf_model: PreTrainedModel, sparse_head: bool = True):
+    def __init__(self, hf_model: PreTrainedModel, sparse_head: bool = True, fused_loss: bool = True):
         super().__init__()
         arch = hf_model.config.model_type
         if arch not in MASKED_LM_CLASSES:
@@ -39,6 +40,8 @@ class MLMModel(torch.nn.Module):
         self.hf_model = hf_model
         self.arch = arch
         self.sparse_head = sparse_head
+        # The decoder and the cross-entropy in row chunks (pretrain.model.mlm_loss); needs sparse_head.
+        self.fused_loss = fused_loss and sparse_head
         # Names of parameters that model.init_from did not provide; the optimiser may give them a
         # higher learning rate (optim.fresh_params_lr_multiplier). Empty for a model built fresh.
         self.fresh_parameters: set[str] = set()
@@ -57,6 +60,17 @@ class MLMModel(torch.nn.Module):
             return self.hf_model.cls(hidden)
         return self.hf_model.decoder(self.hf_model.head(hidden))
 
+    def head_transform(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head up to its decoder (dense, activation, norm)."""
+        if self.arch == "bert":
+            return self.hf_model.cls.predictions.transform(hidden)
+        return self.hf_model.head(hidden)
+
+    @property
+    def decoder(self) -> torch.nn.Linear:
+        """The head's last layer, H -> V; its weight is the word embeddings'."""
+        return self.hf_model.get_output_embeddings()
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                 positions: torch.Tensor, labels: torch.Tensor, per_token: bool = False,
                 want_correct: bool = True):
@@ -73,6 +87,8 @@ class MLMModel(torch.nn.Module):
         a fifth of all the model's matmuls where matmuls are cheap (steps that do not log it).
         """
         hidden = self.encode(input_ids, attention_mask)
+        if self.fused_loss and not (per_token and torch.is_grad_enabled()):
+            return self._fused_loss(hidden, positions, labels, per_token, want_correct)
         if self.sparse_head:
             logits = self.head(hidden.reshape(-1, hidden.size(-1)).index_select(0, positions))
         else:
@@ -86,6 +102,17 @@ class MLMModel(torch.nn.Module):
         if not want_correct:
             return loss_sum, torch.zeros((), dtype=torch.long, device=labels.device), counted.sum()
         num_correct = ((logits.argmax(dim=-1) == labels) & counted).sum()
+        return loss_sum, num_correct, counted.sum()
+
+    def _fused_loss(self, hidden, positions, labels, per_token: bool, want_correct: bool):
+        picked = self.head_transform(hidden.reshape(-1, hidden.size(-1)).index_select(0, positions))
+        decoder = self.decoder
+        loss_sum, token_loss, correct = fused_linear_cross_entropy(
+            picked, decoder.weight, decoder.bias, labels, want_correct=want_correct or per_token)
+        counted = labels != IGNORE_INDEX
+        if per_token:
+            return token_loss, correct, counted
+        num_correct = correct.sum() if want_correct else torch.zeros((), dtype=torch.long, device=labels.device)
         return loss_sum, num_correct, counted.sum()
 
 
@@ -199,7 +226,7 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, im
     if hf_model.get_output_embeddings().weight is not hf_model.get_input_embeddings().weight:
         raise RuntimeError("the MLM decoder is not tied to the word embeddings (tie_word_embeddings=False?)")
     log.info("model: %s, attention %s", model_cfg.arch, attention)
-    model = MLMModel(hf_model, sparse_head=impl.sparse_head)
+    model = MLMModel(hf_model, sparse_head=impl.sparse_head, fused_loss=impl.fused_mlm_loss)
     # What init_from did not provide (e.g. the MLM head of an encoder saved without one): the
     # optimiser may give these a higher learning rate (optim.fresh_params_lr_multiplier).
     tied = {id(hf_model.get_input_embeddings().weight)}

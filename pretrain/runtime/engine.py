@@ -178,6 +178,11 @@ def initialize(model: torch.nn.Module, cfg: Config, info: DistInfo, precision: s
     if "optimizer" not in ds_config:
         _skip_muon_import()
     schedule = lr_schedule(cfg)
+    if cfg.impl.zero_stage == 3 and getattr(model, "fused_loss", False):
+        # The fused loss reads the decoder's weight (the word embeddings) outside the decoder's own
+        # forward: ZeRO-3 must gather it for the whole model's forward and backward.
+        for param in model.decoder.parameters():
+            deepspeed.zero.register_external_parameter(model, param)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, optimizer=build_optimizer(model, cfg), config=ds_config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))

@@ -1,0 +1,127 @@
+"""The MLM loss fused with the decoder: cross-entropy over the vocabulary in row chunks, never the
+whole [N, V] log-softmax.
+
+The plain way (``F.linear`` then ``F.cross_entropy``) keeps the fp32 logits, their log-softmax and,
+in the backward, the gradient of each, all [N, V] with V = 30k: on a GPU batch of 300k predicted
+tokens that is 37 GB apiece, and on every device it is four full passes over memory that a matmul
+would not need. Here each chunk of rows goes from its logits to its loss, its argmax (on steps that
+log the accuracy) and the gradient of its logits (softmax minus the one-hot label) while the chunk
+is hot, and that gradient goes straight into the matmuls that give the input's and the decoder's
+gradients: the technique of fused linear cross-entropy kernels (Liger's, Apple's cut cross-entropy),
+in plain PyTorch so that the CPU and CUDA run the same code, and ``torch.compile`` traces it (as one
+chunk: see ``forward``).
+
+The gradients are computed in the forward (no logits kept for the backward) for the unscaled sum
+of the losses; the backward multiplies them by the incoming gradient, a scalar: the loss is a sum,
+so the scale factor of the caller (1 / predicted tokens, a loss scale) applies to every row alike.
+The decoder's gradient is summed over chunks in fp32, so the bf16 result differs from the plain
+path's only by rounding.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pretrain.model.masking import IGNORE_INDEX
+
+# Rows per chunk so that a chunk's fp32 logits take about this many bytes: on a CPU, 128 to 614 rows
+# of a 30k vocabulary measured alike and 64 slower (bench/mlm_loss.py); on a GPU, chunks large enough
+# that the decoder's matmuls run at full speed, and no [N, V] tensor for a large batch.
+CHUNK_BYTES = {"cpu": 32 * 2 ** 20, "cuda": 512 * 2 ** 20}
+
+
+def rows_per_chunk(vocab_size: int, device: torch.device) -> int:
+    return max(1, CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"]) // (4 * vocab_size))
+
+
+def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, want_grad: bool, want_correct: bool):
+    """(per-row losses, correct or None) of fp32 ``logits`` [c, V], which are overwritten: with
+    ``want_grad``, by the gradient of the summed loss (zero rows where the label is IGNORE_INDEX).
+    One max gives the softmax's shift and the argmax; everything after it is in place."""
+    counted = labels != IGNORE_INDEX
+    target = labels.clamp(min=0).unsqueeze(1)
+    target_logit = logits.gather(1, target).squeeze(1)
+    correct = None
+    if want_correct:
+        top, predicted = logits.max(dim=1)
+        correct = (predicted == labels) & counted
+    else:
+        top = logits.amax(dim=1)
+    total = logits.sub_(top.unsqueeze(1)).exp_().sum(dim=1)
+    loss = (total.log() + top - target_logit) * counted
+    if want_grad:
+        logits.mul_((counted / total).unsqueeze(1))
+        logits.scatter_add_(1, target, -counted.unsqueeze(1).to(logits.dtype))
+    return loss, correct
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, want_correct: bool, chunk_rows: int):
+        want_grad = any(ctx.needs_input_grad[:3])
+        n = hidden.size(0)
+        losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        correct = torch.zeros(n if want_correct else 0, dtype=torch.bool, device=hidden.device)
+        grads = _Grads(hidden, weight, bias, ctx.needs_input_grad) if want_grad else None
+        # Traced by torch.compile, the number of predicted tokens is a symbol (it changes from batch to
+        # batch): one chunk, whose logits live only inside the forward, instead of a graph per count.
+        chunks = [slice(None)] if torch.compiler.is_compiling() else \
+            [slice(start, min(start + chunk_rows, n)) for start in range(0, n, chunk_rows)]
+        for rows in chunks:
+            x, y = hidden[rows], labels[rows]
+            logits = F.linear(x, weight, bias).float()
+            losses[rows], chunk_correct = _chunk_loss(logits, y, want_grad, want_correct)
+            if want_correct:
+                correct[rows] = chunk_correct
+            if grads is not None:
+                grads.add(rows, x, logits, weight)
+        ctx.grads = grads
+        ctx.mark_non_differentiable(losses, correct)
+        return losses.sum(), losses, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_losses, _grad_correct):
+        grads, ctx.grads = ctx.grads, None
+        return (*grads.scaled(grad_loss), None, None, None)
+
+
+class _Grads:
+    """The unscaled gradients of the summed loss, built chunk by chunk; fp32 where they are sums."""
+
+    def __init__(self, hidden, weight, bias, needs):
+        self.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        self.needs = (needs[0], needs[1], bias is not None and needs[2])
+        self.hidden = torch.empty_like(hidden) if needs[0] else None
+        self.weight = self.bias = None
+
+    def add(self, rows: slice, x, grad_logits, weight) -> None:
+        if self.needs[2]:
+            part = grad_logits.sum(0)
+            self.bias = part if self.bias is None else self.bias.add_(part)
+        grad_logits = grad_logits.to(x.dtype)
+        if self.needs[0]:
+            torch.mm(grad_logits, weight, out=self.hidden[rows])
+        if self.needs[1]:
+            if self.weight is None:
+                self.weight = (grad_logits.t() @ x).float()
+            elif x.dtype == torch.float32:
+                self.weight.addmm_(grad_logits.t(), x)
+            else:
+                self.weight += grad_logits.t() @ x
+
+    def scaled(self, factor: torch.Tensor):
+        def scale(grad, dtype):
+            return None if grad is None else grad.mul_(factor).to(dtype)
+        return tuple(scale(g, d) for g, d in zip((self.hidden, self.weight, self.bias), self.dtypes))
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                               labels: torch.Tensor, want_correct: bool = True, chunk_rows: int | None = None):
+    """The MLM loss of ``hidden`` [N, H] under the decoder ``weight`` [V, H] and ``bias`` [V] against
+    ``labels`` [N] (IGNORE_INDEX: not counted).
+
+    Returns (loss_sum, per-row losses [N] fp32, correct [N] bool): the sum is differentiable, the
+    per-row losses are not (evaluation's sums, under no_grad); ``correct`` is empty unless
+    ``want_correct``."""
+    rows = chunk_rows or rows_per_chunk(weight.size(0), hidden.device)
+    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, want_correct, rows)

@@ -1,0 +1,121 @@
+"""The fused MLM loss (decoder + cross-entropy in row chunks) against the plain F.linear + F.cross_entropy."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pretrain.model.masking import IGNORE_INDEX
+from pretrain.model.mlm_loss import fused_linear_cross_entropy
+
+N, H, V = 50, 24, 997
+
+
+def inputs(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.3
+    bias = torch.randn(V, generator=g) * 0.1
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[::6] = IGNORE_INDEX
+    labels[1] = int((hidden[1] @ weight.t() + bias).argmax())      # at least one right guess
+    return [t.to(dtype).requires_grad_() for t in (hidden, weight, bias)] + [labels]
+
+
+def plain(hidden, weight, bias, labels):
+    logits = F.linear(hidden, weight, bias).float()
+    losses = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+    correct = (logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)
+    return losses.sum(), losses, correct
+
+
+def loss_and_grads(fn, tensors, scale=0.37):
+    loss, losses, correct = fn(*tensors)
+    (loss * scale).backward()
+    grads = [t.grad.float().clone() for t in tensors[:3]]
+    for t in tensors[:3]:
+        t.grad = None
+    return loss.detach(), losses.detach(), correct, grads
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, N, 4 * N])
+def test_fused_loss_equals_plain_in_fp32(chunk_rows):
+    tensors = inputs()
+    loss, losses, correct, grads = loss_and_grads(plain, tensors)
+    fused = loss_and_grads(lambda *t: fused_linear_cross_entropy(*t, chunk_rows=chunk_rows), tensors)
+    assert torch.allclose(fused[0], loss, rtol=1e-6)
+    assert torch.allclose(fused[1], losses, rtol=1e-5, atol=1e-6)
+    assert (losses[::6] == 0).all() and (fused[1][::6] == 0).all()
+    assert torch.equal(fused[2], correct) and int(correct.sum()) >= 1
+    for mine, theirs in zip(fused[3], grads):
+        assert (mine - theirs).norm() <= 1e-5 * theirs.norm()
+
+
+def test_fused_bf16_gradients_are_within_bf16_rounding():
+    """Against fp32 arithmetic on the same bf16 inputs, the fused path errs no more than the plain
+    bf16 path does (its decoder gradient is summed over chunks in fp32)."""
+    low = inputs(torch.bfloat16)
+    exact = loss_and_grads(plain, [t.detach().float().requires_grad_() for t in low[:3]] + low[3:])
+    plain_low = loss_and_grads(plain, low)
+    fused_low = loss_and_grads(lambda *t: fused_linear_cross_entropy(*t, chunk_rows=2), low)
+    assert abs(float(fused_low[0] - exact[0])) <= 1e-3 * float(exact[0])
+    for name, mine, theirs, truth in zip(("hidden", "weight", "bias"), fused_low[3], plain_low[3], exact[3]):
+        assert (mine - truth).norm() <= 1.25 * (theirs - truth).norm(), name
+        assert (mine - truth).norm() <= 2 ** -7 * truth.norm(), name
+
+
+def test_without_grad_no_gradient_is_built_and_want_correct_off_gives_none():
+    tensors = inputs()
+    with torch.no_grad():
+        loss, losses, correct = fused_linear_cross_entropy(*tensors, want_correct=False, chunk_rows=7)
+        ref = plain(*tensors)
+    assert not loss.requires_grad and correct.numel() == 0
+    assert torch.allclose(losses, ref[1], rtol=1e-5, atol=1e-6)
+
+
+def kept_full_logits(fn, tensors) -> int:
+    """How many [N, V] tensors stay alive between the forward and the backward: saved for autograd's
+    backward, or held by Python objects (such as a Function's ctx)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = fn(*tensors)[0]
+    gc.collect()
+    held = sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel() == N * V)
+    loss.backward()
+    return saved.count(N * V) + held
+
+
+def test_no_full_logits_are_kept_for_the_backward():
+    tensors = inputs()
+    assert kept_full_logits(plain, tensors) >= 1                  # the check sees the plain path's
+    assert kept_full_logits(lambda *t: fused_linear_cross_entropy(*t, chunk_rows=7), tensors) == 0
+
+
+def test_compiled_with_a_changing_token_count_keeps_one_dynamic_graph():
+    """torch.compile traces the fused loss whole (one chunk) with the predicted-token count symbolic:
+    a new count after the first needs no new graph, and the results are the eager chunked ones."""
+    from torch._dynamo.utils import counters
+
+    def loss_and_correct(hidden, weight, bias, labels):
+        loss, losses, correct = fused_linear_cross_entropy(hidden, weight, bias, labels, chunk_rows=7)
+        return loss, losses, correct
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(loss_and_correct, backend="aot_eager")
+    full = inputs()
+    for n in (N, N - 9, N - 20):
+        tensors = [t.detach()[:n].requires_grad_() if i == 0 else t for i, t in enumerate(full[:3])] + [full[3][:n]]
+        eager = loss_and_grads(loss_and_correct, tensors)
+        traced = loss_and_grads(compiled, tensors)
+        assert torch.allclose(traced[0], eager[0], rtol=1e-6) and torch.equal(traced[2], eager[2])
+        for mine, theirs in zip(traced[3], eager[3]):
+            assert (mine - theirs).norm() <= 1e-5 * theirs.norm()
+    assert counters["stats"]["unique_graphs"] == 2            # the first count, then a symbolic one
