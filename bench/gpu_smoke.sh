@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU-only path of the trainer, on one node, in a few minutes, through the real entry point:
-#   adamw         torch's fused AdamW (the default; no build step), bf16, SDPA (flash where the batch has no padding), ZeRO 1
+#   adamw         torch's fused AdamW (the default; no build step), bf16, ZeRO 1; every run: the attention
+#                 kernel timed at start-up (impl.attention=auto: its line in each run's stdout.log), the fused MLM loss
 #   lamb          our LAMB (the same maths as on the CPU), bf16, ZeRO 0 (its per-tensor trust ratio needs whole tensors)
 #   compile-fixed torch.compile + masking.fixed_count (static shapes), fused AdamW, bf16, ZeRO 1
 #   dropout       dropout 0.1: keyed dropout on the hidden states, attention run eagerly to key its dropout
@@ -25,7 +26,7 @@ DEEPSPEED=${DEEPSPEED:-$(dirname "$PY")/deepspeed}
 command -v "$DEEPSPEED" >/dev/null 2>&1 || DEEPSPEED=deepspeed
 
 DRY_RUN=0 GPUS="" STEPS=50 MICRO=64 CONFIG=configs/mini.yaml DATA="" WORK=/tmp/gpu_smoke
-usage() { sed -n '10,11p' "$0" | sed 's/^# \{0,3\}//'; }
+usage() { grep -A1 '^#   bench/gpu_smoke.sh \[' "$0" | sed 's/^# \{0,3\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1; shift ;;
@@ -69,7 +70,7 @@ fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}   # the deepspeed launcher leaves it unset
 
 COMMON=(data.dir="$DATA" train.max_steps="$STEPS" train.log_every=10 train.eval_every=0 train.checkpoint_every=0
-        train.resume=none train.keep_checkpoints=1 tracking.backend=none impl.precision=bf16 impl.attention=sdpa
+        train.resume=none train.keep_checkpoints=1 tracking.backend=none impl.precision=bf16 impl.attention=auto
         impl.dist_backend=nccl impl.micro_batch_size="$MICRO" impl.num_workers=2 impl.peak_tflops="$PEAK")
 RUN_DIRS=()
 FAILED=()

@@ -57,7 +57,7 @@ from pretrain.model.mlm import MLMModel, build_model
 from pretrain.model.schedule import continue_schedule
 from pretrain.preflight import check_inputs
 from pretrain.report.page import report_at_end
-from pretrain.runtime import allocator, bad_input, hardware, lifeline
+from pretrain.runtime import allocator, attention, bad_input, hardware, lifeline
 from pretrain.runtime import engine as eng
 from pretrain.runtime.health import LayerHealth
 from pretrain.runtime.step_speed import step_probe
@@ -135,6 +135,13 @@ def build_engine(cfg: Config, manifest: Manifest, resume_from: str | None, info:
         precision, why = hardware.resolve_precision(cfg.impl.precision, info.device, probe)
     precision, why = eng.rank0_value((precision, why))     # every node takes the first rank's choice
     model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)   # the same at any layout
+    choice = None
+    if info.rank == 0:                                     # timed once; every rank runs the same kernel
+        choice = attention.resolve(model, cfg.impl.attention, info.device, hardware.DTYPES[precision],
+                                   cfg.impl.micro_batch_size, manifest.seq_len)
+    attention_name, attention_why = eng.rank0_value(choice)
+    model.use_attention(attention_name)
+    log.info("attention: %s (%s)", attention_name, attention_why)
     engine, scheduler, ds_config, optimizer = eng.initialize(model, cfg, info, precision, node_local)
     return special, model, engine, scheduler, ds_config, optimizer, precision, why
 
@@ -148,6 +155,16 @@ def restore(run: Run, resume_from: str | None) -> dict:
               if run.cfg.train.init_from_checkpoint and not resume_from else {})
     log.info(continue_schedule(run.scheduler, run.cfg))     # the config's schedule, whatever a checkpoint held
     return origin
+
+
+def keep_attention(run: Run) -> None:
+    """A resumed run computes with the attention its first launch chose (at any layout), unless
+    impl.attention now names one; the choice goes into every checkpoint."""
+    recorded, model = run.state.attention, run.model
+    if recorded and run.cfg.impl.attention == "auto" and recorded != model.attention:
+        log.info("attention: %s, as this run started (timed here: %s)", recorded, model.attention)
+        model.use_attention(recorded)
+    run.state.attention = model.attention
 
 
 def build_stream(run: Run, resume_from: str | None):
@@ -184,6 +201,7 @@ def build_run(cfg: Config, manifest: Manifest, tasks: list, resume_from: str | N
     if resume_from:
         checkpointing.ensure_on_every_node(cfg, resume_from, nodes)
     origin = restore(run, resume_from)
+    keep_attention(run)
     if cfg.compile_now(cfg.train.max_steps - run.state.step, info.device.type, precision):
         engine.compile()
     run.stream = build_stream(run, resume_from)
@@ -193,10 +211,11 @@ def build_run(cfg: Config, manifest: Manifest, tasks: list, resume_from: str | N
     resume_log.relog(run.tracker, run.state)      # a kill may have cut the checkpoint step's line short
     run.peak, peak_source = hardware.peak_tflops(info.device, precision, cfg.impl.peak_tflops)
     run.mfu_check = hardware.MfuCheck(run.peak, peak_source)
-    log.info("start: step %d%s, world %d, grad_accum %d, precision %s (%s), ZeRO %d, %d params, "
+    log.info("start: step %d%s, world %d, grad_accum %d, precision %s (%s), attention %s, ZeRO %d, %d params, "
              "peak %.3f TFLOP/s per process (%s), allocator %s", run.state.step,
              f" (resumed from {resume_from})" if resume_from else "", info.world, cfg.grad_accum_steps(info.world),
-             precision, why, cfg.impl.zero_stage, eng.num_parameters(model), run.peak, peak_source, allocator.in_use())
+             precision, why, model.attention, cfg.impl.zero_stage, eng.num_parameters(model), run.peak, peak_source,
+             allocator.in_use())
     if mixture.is_mixture(cfg):
         log.info("data mixture:\n  %s", "\n  ".join(mixture.plan_lines(run.stream, cfg.train.max_steps)))
     return run

@@ -38,7 +38,8 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     assert launches["dropout"][1].model.attention_dropout == 0.1
     assert launches["bert-base"][1].model.hidden_size == 768 and launches["bert-base"][1].impl.device == "cuda"
     for gpus, cfg in launches.values():
-        assert (cfg.impl.precision, cfg.impl.dist_backend, cfg.impl.attention) == ("bf16", "nccl", "sdpa")
+        assert (cfg.impl.precision, cfg.impl.dist_backend, cfg.impl.attention) == ("bf16", "nccl", "auto")
+        assert cfg.impl.fused_mlm_loss
         assert cfg.data.dir == str(shards) and cfg.train.global_batch_size == 16 * gpus
     assert launches["lamb"][1].optim.name == "lamb" and launches["adamw"][1].optim.name == "adamw"
     assert launches["lamb"][1].impl.zero_stage == 0 and launches["adamw"][1].impl.fused_optimizer is True

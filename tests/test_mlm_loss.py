@@ -119,3 +119,14 @@ def test_compiled_with_a_changing_token_count_keeps_one_dynamic_graph():
         for mine, theirs in zip(traced[3], eager[3]):
             assert (mine - theirs).norm() <= 1e-5 * theirs.norm()
     assert counters["stats"]["unique_graphs"] == 2            # the first count, then a symbolic one
+
+
+def test_a_batch_with_nothing_to_predict_gives_zero_gradients():
+    """Every parameter gets a gradient, zeros here: ZeRO's hooks expect one from every rank alike."""
+    hidden, weight, bias, labels = inputs()
+    empty = hidden.detach()[:0].requires_grad_()
+    loss, losses, _ = fused_linear_cross_entropy(empty, weight, bias, labels[:0])
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and losses.numel() == 0 and empty.grad.shape == (0, H)
+    assert weight.grad is not None and bias.grad is not None
+    assert not weight.grad.any() and not bias.grad.any()

@@ -30,6 +30,7 @@ class TrainState:
     # detector's recent losses, so that a resume sees and skips exactly what the first run did.
     skipped_windows: list = field(default_factory=list)
     spike_detector: dict = field(default_factory=dict)
+    attention: str = ""              # the attention kernel the run started with (pretrain.runtime.attention)
 
     def state_dict(self) -> dict:
         """A snapshot, with the RNG states of this moment."""

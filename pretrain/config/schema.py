@@ -178,9 +178,13 @@ class ImplConfig:
     # else fp32. An emulated bf16 (AVX2 CPUs) runs ~50x slower than fp32. See pretrain/runtime/hardware.py.
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     # auto: flash_attention_2 (unpadded, varlen kernels) on a CUDA GPU of compute capability 8+ with the
-    # flash-attn package and bf16/fp16, else sdpa. flash_attention_2 asked for where it cannot run
+    # flash-attn package and bf16/fp16; else the trainer times the candidates below at the run's shape
+    # and takes the fastest (pretrain.runtime.attention; named on the start line, kept on resume).
+    # sdpa: PyTorch picks the SDPA kernel; sdpa_<backend>: that one (the math path for inputs it cannot
+    # take); eager: Hugging Face's explicit attention. flash_attention_2 asked for where it cannot run
     # falls back to sdpa with a warning (pretrain.model.attention_implementation).
-    attention: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
+    attention: Literal["auto", "flash_attention_2", "sdpa", "sdpa_flash", "sdpa_math", "sdpa_efficient",
+                       "sdpa_cudnn", "eager"] = "auto"
     sparse_head: bool = True           # the MLM head only at masked positions
     # The decoder and the cross-entropy fused in row chunks, no [N, V] log-softmax kept
     # (pretrain.model.mlm_loss); false: the plain F.linear + F.cross_entropy. Needs sparse_head.

@@ -17,9 +17,11 @@ host wait for the device; the gather by ``positions`` does not.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import (AutoConfig, BertConfig, BertForMaskedLM, ModernBertConfig, ModernBertForMaskedLM,
                           PreTrainedModel)
 
@@ -29,6 +31,9 @@ from pretrain.model.mlm_loss import fused_linear_cross_entropy
 
 log = logging.getLogger("pretrain")
 MASKED_LM_CLASSES = {"bert": BertForMaskedLM, "modernbert": ModernBertForMaskedLM}
+# impl.attention's names for one SDPA backend (MLMModel.use_attention, pretrain.runtime.attention).
+SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_math": SDPBackend.MATH,
+                 "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 
 
 class MLMModel(torch.nn.Module):
@@ -42,6 +47,9 @@ class MLMModel(torch.nn.Module):
         self.sparse_head = sparse_head
         # The decoder and the cross-entropy in row chunks (pretrain.model.mlm_loss); needs sparse_head.
         self.fused_loss = fused_loss and sparse_head
+        # SDPA backends in priority order (use_attention); None: PyTorch's own choice.
+        self.sdpa_backends: list | None = None
+        self.attention = hf_model.config._attn_implementation     # what use_attention last set
         # Names of parameters that model.init_from did not provide; the optimiser may give them a
         # higher learning rate (optim.fresh_params_lr_multiplier). Empty for a model built fresh.
         self.fresh_parameters: set[str] = set()
@@ -50,9 +58,26 @@ class MLMModel(torch.nn.Module):
     def config(self):
         return self.hf_model.config
 
+    def use_attention(self, name: str) -> None:
+        """Run attention as ``name``: ``eager`` (Hugging Face's explicit attention), ``sdpa`` (PyTorch
+        picks the kernel) or ``sdpa_<backend>`` (that SDPA backend first, the math path for the inputs
+        it cannot take). Keyed attention-probability dropout (pretrain.model.keyed_dropout) stays: in
+        training it runs its own eager attention, and SDPA with these backends in evaluation."""
+        built = self.config._attn_implementation
+        if name == built and built not in ("sdpa", "eager"):
+            self.attention = name                # flash_attention_2 or keyed dropout's, kept as built
+            return
+        if name not in (*SDPA_BACKENDS, "sdpa", "eager"):
+            raise ValueError(f"unknown attention {name!r}")
+        if built in ("sdpa", "eager"):
+            self.config._attn_implementation = "eager" if name == "eager" else "sdpa"
+        self.sdpa_backends = [SDPA_BACKENDS[name], SDPBackend.MATH] if name in SDPA_BACKENDS else None
+        self.attention = name
+
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """[B, L, H] final hidden states (ModernBERT's include its final norm)."""
-        return self.hf_model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        with sdpa_kernel(self.sdpa_backends, set_priority=True) if self.sdpa_backends else nullcontext():
+            return self.hf_model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """MLM logits for hidden states of any leading shape."""
@@ -123,6 +148,8 @@ def attention_implementation(impl: ImplConfig) -> str:
     package and 16-bit weights; anywhere else (a CPU, ``impl.precision: fp32``) SDPA runs instead,
     with a warning when flash attention was asked for by name."""
     wanted = impl.attention
+    if wanted.startswith("sdpa_"):             # one SDPA backend: MLMModel.use_attention
+        return "sdpa"
     if wanted not in ("auto", "flash_attention_2"):
         return wanted
     from transformers.utils import is_flash_attn_2_available
@@ -227,6 +254,8 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, im
         raise RuntimeError("the MLM decoder is not tied to the word embeddings (tie_word_embeddings=False?)")
     log.info("model: %s, attention %s", model_cfg.arch, attention)
     model = MLMModel(hf_model, sparse_head=impl.sparse_head, fused_loss=impl.fused_mlm_loss)
+    if impl.attention in SDPA_BACKENDS:
+        model.use_attention(impl.attention)
     # What init_from did not provide (e.g. the MLM head of an encoder saved without one): the
     # optimiser may give these a higher learning rate (optim.fresh_params_lr_multiplier).
     tied = {id(hf_model.get_input_embeddings().weight)}

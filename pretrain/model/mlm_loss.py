@@ -92,7 +92,10 @@ class _Grads:
         self.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         self.needs = (needs[0], needs[1], bias is not None and needs[2])
         self.hidden = torch.empty_like(hidden) if needs[0] else None
-        self.weight = self.bias = None
+        # Built by the first chunk; zeros when there is none (a batch with nothing to predict): every
+        # parameter gets a gradient, as ZeRO's per-parameter hooks expect on every rank alike.
+        self.weight = torch.zeros_like(weight, dtype=torch.float32) if needs[1] and not len(hidden) else None
+        self.bias = torch.zeros_like(bias, dtype=torch.float32) if self.needs[2] and not len(hidden) else None
 
     def add(self, rows: slice, x, grad_logits, weight) -> None:
         if self.needs[2]:

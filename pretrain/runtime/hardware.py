@@ -155,14 +155,14 @@ def step_timing(probe: StepProbe, cache_path: Optional[Path] = None) -> tuple[St
         return probe.measure(), "measured now, not cached"
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)              # another rank of this node may be measuring it
-        found = _read_cache(path).get(key)
+        found = read_cache(path).get(key)
         if found:
             return StepTiming(found["fp32_s"], found["bf16_s"]), f"measured {found['when']}, cached in {path}"
         start = time.perf_counter()
         timing = probe.measure()
         record = {"fp32_s": timing.fp32_s, "bf16_s": timing.bf16_s, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
         try:
-            write_atomic(path, json.dumps(_read_cache(path) | {key: record}, indent=1, sort_keys=True))
+            write_atomic(path, json.dumps(read_cache(path) | {key: record}, indent=1, sort_keys=True))
         except OSError as exc:
             log.warning("could not cache the step timing in %s: %s", path, exc)
         return timing, f"measured now in {time.perf_counter() - start:.1f} s, cached in {path}"
@@ -236,7 +236,7 @@ def peak_tflops(device: torch.device, precision: str, override: float = 0.0,
         model, threads = cpu_info()["model"], torch.get_num_threads()
     key = f"{device.type}|{model}|threads={threads}|{precision}"
     path = cache_path or default_cache_path()
-    cache = _read_cache(path)
+    cache = read_cache(path)
     if key in cache:
         return float(cache[key]["tflops"]), f"measured {cache[key]['when']}, cached in {path}"
     # Timed by CPU seconds on a CPU (see measure_matmul_peak_tflops): a busy machine does not lower it.
@@ -244,13 +244,13 @@ def peak_tflops(device: torch.device, precision: str, override: float = 0.0,
     cache[key] = {"tflops": value, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(_read_cache(path) | {key: cache[key]}, indent=1, sort_keys=True))
+        write_atomic(path, json.dumps(read_cache(path) | {key: cache[key]}, indent=1, sort_keys=True))
     except OSError as exc:                            # a read-only home must not stop training
         log.warning("could not cache the measured peak in %s: %s", path, exc)
     return value, f"measured now ({threads} threads), cached in {path}"
 
 
-def _read_cache(path: Path) -> dict:
+def read_cache(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
         return data if isinstance(data, dict) else {}
