@@ -53,13 +53,14 @@ def test_fused_loss_equals_plain_in_fp32(chunk_rows):
         assert (mine - theirs).norm() <= 1e-5 * theirs.norm()
 
 
-def test_fused_bf16_gradients_are_within_bf16_rounding():
+@pytest.mark.parametrize("chunk_rows", [2, N])
+def test_fused_bf16_gradients_are_within_bf16_rounding(chunk_rows):
     """Against fp32 arithmetic on the same bf16 inputs, the fused path errs no more than the plain
     bf16 path does (its decoder gradient is summed over chunks in fp32)."""
     low = inputs(torch.bfloat16)
     exact = loss_and_grads(plain, [t.detach().float().requires_grad_() for t in low[:3]] + low[3:])
     plain_low = loss_and_grads(plain, low)
-    fused_low = loss_and_grads(lambda *t: fused_linear_cross_entropy(*t, chunk_rows=2), low)
+    fused_low = loss_and_grads(lambda *t: fused_linear_cross_entropy(*t, chunk_rows=chunk_rows), low)
     assert abs(float(fused_low[0] - exact[0])) <= 1e-3 * float(exact[0])
     for name, mine, theirs, truth in zip(("hidden", "weight", "bias"), fused_low[3], plain_low[3], exact[3]):
         assert (mine - truth).norm() <= 1.25 * (theirs - truth).norm(), name

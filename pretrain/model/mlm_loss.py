@@ -86,7 +86,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 
 class _Grads:
-    """The unscaled gradients of the summed loss, built chunk by chunk; fp32 where they are sums."""
+    """The unscaled gradients of the summed loss, built chunk by chunk; fp32 where they are sums of
+    several chunks' 16-bit products."""
 
     def __init__(self, hidden, weight, bias, needs):
         self.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -105,12 +106,12 @@ class _Grads:
         if self.needs[0]:
             torch.mm(grad_logits, weight, out=self.hidden[rows])
         if self.needs[1]:
-            if self.weight is None:
-                self.weight = (grad_logits.t() @ x).float()
-            elif x.dtype == torch.float32:
+            if self.weight is None:              # one chunk (the usual case on a CPU): no fp32 round trip
+                self.weight = grad_logits.t() @ x
+            elif self.weight.dtype == x.dtype == torch.float32:
                 self.weight.addmm_(grad_logits.t(), x)
-            else:
-                self.weight += grad_logits.t() @ x
+            else:                                # chunks of 16-bit products summed in fp32
+                self.weight = self.weight.float().add_(grad_logits.t() @ x)
 
     def scaled(self, factor: torch.Tensor):
         def scale(grad, dtype):
