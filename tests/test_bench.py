@@ -158,3 +158,27 @@ def test_the_smoke_tests_resume_check_compares_every_logged_loss(tmp_path):
         resumed(ref, run("off", {10: 7.5, 20: 7.4}))
     with pytest.raises(SystemExit, match=r"steps \[10\] logged"):
         resumed(ref, run("short", {10: 7.5}))
+
+
+def test_mlm_loss_bench_prints_both_losses_and_fails_on_a_gap():
+    cmd = [sys.executable, "bench/mlm_loss.py", "--tokens", "40", "--hidden", "8", "--vocab", "97", "--repeats", "1",
+           "--chunk-rows", "7"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "plain (F.linear + F.cross_entropy)" in done.stdout and "fused, 7 rows a chunk" in done.stdout
+
+
+def test_step_copies_names_who_asked_for_each_copy():
+    sys.path.insert(0, str(REPO))
+    from bench.step_copies import CountCopies
+
+    x = torch.ones(3, 5)
+    with CountCopies() as counter:
+        torch.empty(3, 5).copy_(x)
+        x.to(torch.float64)
+    assert sum(counter.calls.values()) == 2
+    kinds = {dtypes: (counter.calls[(dtypes, caller)], counter.elements[(dtypes, caller)], caller)
+             for dtypes, caller in counter.calls}
+    assert sorted(kinds) == ["float32 -> float32", "float32 -> float64"]
+    for calls, elements, caller in kinds.values():
+        assert (calls, elements) == (1, 15) and "test_step_copies_names_who_asked_for_each_copy" in caller
