@@ -135,15 +135,21 @@ def build_engine(cfg: Config, manifest: Manifest, resume_from: str | None, info:
         precision, why = hardware.resolve_precision(cfg.impl.precision, info.device, probe)
     precision, why = eng.rank0_value((precision, why))     # every node takes the first rank's choice
     model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)   # the same at any layout
-    choice = None
-    if info.rank == 0:                                     # timed once; every rank runs the same kernel
-        choice = attention.resolve(model, cfg.impl.attention, info.device, hardware.DTYPES[precision],
-                                   cfg.impl.micro_batch_size, manifest.seq_len)
-    attention_name, attention_why = eng.rank0_value(choice)
-    model.use_attention(attention_name)
-    log.info("attention: %s (%s)", attention_name, attention_why)
+    choose_attention(model, cfg, info, precision, manifest.seq_len)
     engine, scheduler, ds_config, optimizer = eng.initialize(model, cfg, info, precision, node_local)
     return special, model, engine, scheduler, ds_config, optimizer, precision, why
+
+
+def choose_attention(model: MLMModel, cfg: Config, info: eng.DistInfo, precision: str, seq_len: int) -> None:
+    """The attention kernel: ``impl.attention``, or with ``auto`` the fastest at this run's shape,
+    timed once on the first rank (pretrain.runtime.attention); every rank runs the same."""
+    choice = None
+    if info.rank == 0:
+        choice = attention.resolve(model, cfg.impl.attention, info.device, hardware.DTYPES[precision],
+                                   cfg.impl.micro_batch_size, seq_len)
+    name, why = eng.rank0_value(choice)
+    model.use_attention(name)
+    log.info("attention: %s (%s)", name, why)
 
 
 def restore(run: Run, resume_from: str | None) -> dict:
