@@ -16,7 +16,6 @@ resumed run keeps it at any layout, so that a resume computes with the same kern
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -26,9 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from data_prep.atomic import write_atomic
 from pretrain.model.mlm import SDPA_BACKENDS
-from pretrain.runtime.hardware import cpu_info, default_cache_path, read_cache
+from pretrain.runtime.hardware import add_to_cache, cpu_info, default_cache_path, read_cache
 
 log = logging.getLogger("pretrain")
 
@@ -98,11 +96,7 @@ def choose(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int,
         raise RuntimeError(f"no attention candidate ran on {device} in {dtype}")
     ms = {name: round(seconds * 1e3, 3) for name, seconds in timings.items()}
     entry = {"choice": min(timings, key=timings.get), "ms": ms, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(read_cache(path) | {key: entry}, indent=1, sort_keys=True))
-    except OSError as exc:                    # a read-only home must not stop training
-        log.warning("could not cache the attention timings in %s: %s", path, exc)
+    add_to_cache(path, key, entry, "the attention timings")
     return entry["choice"], f"{_summary(ms)}, measured now"
 
 

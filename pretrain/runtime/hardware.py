@@ -161,10 +161,7 @@ def step_timing(probe: StepProbe, cache_path: Optional[Path] = None) -> tuple[St
         start = time.perf_counter()
         timing = probe.measure()
         record = {"fp32_s": timing.fp32_s, "bf16_s": timing.bf16_s, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-        try:
-            write_atomic(path, json.dumps(read_cache(path) | {key: record}, indent=1, sort_keys=True))
-        except OSError as exc:
-            log.warning("could not cache the step timing in %s: %s", path, exc)
+        add_to_cache(path, key, record, "the step timing")
         return timing, f"measured now in {time.perf_counter() - start:.1f} s, cached in {path}"
 
 
@@ -241,13 +238,17 @@ def peak_tflops(device: torch.device, precision: str, override: float = 0.0,
         return float(cache[key]["tflops"]), f"measured {cache[key]['when']}, cached in {path}"
     # Timed by CPU seconds on a CPU (see measure_matmul_peak_tflops): a busy machine does not lower it.
     value = max(measure_matmul_peak_tflops(device, DTYPES[precision], seconds=0.25) for _ in range(4))
-    cache[key] = {"tflops": value, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    add_to_cache(path, key, {"tflops": value, "when": time.strftime("%Y-%m-%d %H:%M:%S")}, "the measured peak")
+    return value, f"measured now ({threads} threads), cached in {path}"
+
+
+def add_to_cache(path: Path, key: str, record: dict, what: str) -> None:
+    """``record`` under ``key`` in the JSON cache at ``path``, the other keys kept, written atomically."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(read_cache(path) | {key: cache[key]}, indent=1, sort_keys=True))
+        write_atomic(path, json.dumps(read_cache(path) | {key: record}, indent=1, sort_keys=True))
     except OSError as exc:                            # a read-only home must not stop training
-        log.warning("could not cache the measured peak in %s: %s", path, exc)
-    return value, f"measured now ({threads} threads), cached in {path}"
+        log.warning("could not cache %s in %s: %s", what, path, exc)
 
 
 def read_cache(path: Path) -> dict:
