@@ -67,6 +67,26 @@ def test_fused_bf16_gradients_are_within_bf16_rounding(chunk_rows):
         assert (mine - truth).norm() <= 2 ** -7 * truth.norm(), name
 
 
+def test_under_autocast_fp32_weights_get_fp32_gradients_within_bf16_rounding():
+    """A bare loop's bf16 (torch.autocast over fp32 weights): the decoder runs in bf16 as F.linear
+    would, and every gradient comes back in its parameter's dtype, as close to fp32 arithmetic as the
+    plain path's under the same autocast. The hidden states arrive in bf16, as the encoder's output
+    under autocast does."""
+    tensors = inputs()
+    tensors[0] = tensors[0].detach().to(torch.bfloat16).requires_grad_()
+    exact = loss_and_grads(plain, [tensors[0].detach().float().requires_grad_(), *tensors[1:]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain_low = loss_and_grads(plain, tensors)
+        fused_low = loss_and_grads(lambda *t: fused_linear_cross_entropy(*t, chunk_rows=7), tensors)
+        loss, _, _ = fused_linear_cross_entropy(*tensors, chunk_rows=7)
+    loss.backward()
+    assert [t.grad.dtype for t in tensors[:3]] == [torch.bfloat16, torch.float32, torch.float32]
+    assert abs(float(fused_low[0] - exact[0])) <= 1e-2 * float(exact[0])
+    for name, mine, theirs, truth in zip(("hidden", "weight", "bias"), fused_low[3], plain_low[3], exact[3]):
+        assert (mine - truth).norm() <= 1.25 * (theirs - truth).norm() + 1e-6 * truth.norm(), name
+        assert (mine - truth).norm() <= 2 ** -6 * truth.norm(), name
+
+
 def test_without_grad_no_gradient_is_built_and_want_correct_off_gives_none():
     tensors = inputs()
     with torch.no_grad():

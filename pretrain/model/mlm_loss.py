@@ -128,4 +128,13 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
     per-row losses are not (evaluation's sums, under no_grad); ``correct`` is empty unless
     ``want_correct``."""
     rows = chunk_rows or rows_per_chunk(weight.size(0), hidden.device)
-    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, want_correct, rows)
+    device = hidden.device.type
+    if not torch.is_autocast_enabled(device):
+        return _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, want_correct, rows)
+    # Under autocast the decoder computes in autocast's dtype, as F.linear would: the inputs are cast
+    # here, where autograd sees the casts (an fp32 weight gets an fp32 gradient), and the matmuls that
+    # build the gradients inside the forward, which autocast does not reach (out=), get equal dtypes.
+    dtype = torch.get_autocast_dtype(device)
+    with torch.autocast(device, enabled=False):
+        return _FusedLinearCrossEntropy.apply(hidden.to(dtype), weight.to(dtype),
+                                              None if bias is None else bias.to(dtype), labels, want_correct, rows)
