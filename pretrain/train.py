@@ -4,11 +4,12 @@
     deepspeed --num_gpus 8 --module pretrain.train --config configs/base.yaml data.dir=...
 
 ``fit`` decides when to log, evaluate and checkpoint; ``train_step`` shows the mechanics of one
-optimiser step: mask on the device, forward, backward, step. Everything resumable is one
-``TrainState``. Exit codes: 0 done, 2 bad input (before any process group starts, or read mid-run:
-then on every rank), 3 checkpointed after SIGUSR1/SIGTERM (requeue me) or after a hang
-(``train.hang_timeout_s``: no checkpoint, the last one resumes), 4 too many non-finite losses, 5 a loss
-spike past ``train.spike_guard.max_recoveries`` (or with no checkpoint before it).
+optimiser step: mask on the device, forward, backward, step; ``pretrain.run.build_run`` assembles
+what they share. Everything resumable is one ``TrainState``. Exit codes: 0 done, 2 bad input (before
+any process group starts, or read mid-run: then on every rank), 3 checkpointed after SIGUSR1/SIGTERM
+(requeue me) or after a hang (``train.hang_timeout_s``: no checkpoint, the last one resumes), 4 too
+many non-finite losses, 5 a loss spike past ``train.spike_guard.max_recoveries`` (or with no
+checkpoint before it).
 """
 from __future__ import annotations
 
@@ -24,207 +25,39 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 
 from data_prep import stale_shm
 from data_prep import storage
 from pretrain.data import shard_cache
-from data_prep.shard_format import Manifest, ShardError
+from data_prep.shard_format import ShardError
 from pretrain import console
-from pretrain.checkpoint import files, phases
-from pretrain.checkpoint import nodes as checkpoint_nodes
+from pretrain.checkpoint import files
 from pretrain.checkpoint import store as checkpointing
 from pretrain.checkpoint.export import export_and_log, exported_from, final_export_dir
-from pretrain.checkpoint.mirror import CheckpointMirror, wait_for_mirror
-from pretrain.checkpoint.state import STATE_KEY, TrainState
-from pretrain.config import loader as configlib
-from pretrain.config.schema import Config, ConfigError, load_config
+from pretrain.checkpoint.mirror import wait_for_mirror
+from pretrain.checkpoint.state import STATE_KEY
+from pretrain.config.schema import ConfigError, load_config
 from pretrain.data import mixture
-from pretrain.eval.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
+from pretrain.eval.downstream import baseline_metrics, prepare_tasks, probe_due
 from pretrain.eval.mlm import evaluate      # a fixed set of held-out sequences, at any layout
 from pretrain.eval.tasks import TaskError
 from pretrain.exit_codes import BAD_INPUT as EXIT_BAD_INPUT, NONFINITE as EXIT_NONFINITE
 from pretrain.exit_codes import REQUEUE as EXIT_REQUEUE, SPIKES as EXIT_SPIKES
-from pretrain.model import keyed_dropout
-from pretrain.model.flops import mlm_flops_per_sequence
-from pretrain.model.masking import SpecialIds, rate_at_step
-from pretrain.model.mlm import MLMModel, build_model
-from pretrain.model.schedule import continue_schedule
+from pretrain.model.masking import rate_at_step
 from pretrain.preflight import check_inputs
 from pretrain.report.page import report_at_end
-from pretrain.runtime import allocator, attention, bad_input, hardware, lifeline
+from pretrain.run import Run, build_run
+from pretrain.runtime import bad_input, hardware, lifeline
 from pretrain.runtime import engine as eng
 from pretrain.runtime.health import LayerHealth
-from pretrain.runtime.step_speed import step_probe
 from pretrain.runtime.watchdog import HangWatchdog, hang_for_test
 from pretrain.spike_guard import SpikeGuard, SpikesExhausted, inject_test_noise
 from pretrain.step import StepResult, StopSignal, ThroughputWindow, train_step
-from pretrain.tracking import make_tracker, resume_log, run_params
+from pretrain.tracking import resume_log
 
 log = logging.getLogger("pretrain")
-
-
-@dataclass
-class Run:
-    """What ``fit``, ``train_step`` and ``checkpoint`` share: the run's parts, built once by ``build_run``."""
-    cfg: Config
-    info: eng.DistInfo
-    nodes: checkpoint_nodes.NodeLayout
-    manifest: Manifest
-    tasks: list
-    stop: StopSignal
-    special: SpecialIds
-    model: MLMModel
-    engine: Any
-    optimizer: Any
-    scheduler: Any
-    state: TrainState
-    stream: Any = None
-    tracker: Any = None
-    mirror: Optional[CheckpointMirror] = None      # a folder writer's uploader to train.checkpoint_mirror
-    resolved_yaml: str = ""
-    peak: float = 0.0
-    mfu_check: Any = None
-    exit_code: int = 0
-    status: str = "FAILED"         # what the tracker marks the run with when fit returns
-    latest: dict = field(default_factory=dict)          # the last value of every metric, for the summary
-    started: float = field(default_factory=time.perf_counter)
-
-    @property
-    def export_engine(self):
-        """Where an export takes the weights from: the engine when rank 0's folder lacks other ranks'
-        shards (node-local disks, ZeRO 1-3), else (None) the checkpoint's files."""
-        return self.engine if not self.nodes.shared and self.cfg.impl.zero_stage > 0 else None
-
-    def flops_per_seq(self, masking_rate: float) -> float:
-        seq_len = self.manifest.seq_len
-        return mlm_flops_per_sequence(self.model.hf_model.config, seq_len, masking_rate * seq_len,
-                                      self.cfg.impl.sparse_head)
-
-    def emit(self, metrics: dict, step: int, suffix: str = "") -> None:
-        if metrics:
-            log.info("step %d %s%s", step, console.metrics_line(metrics), suffix)
-            self.tracker.log_metrics(metrics, step)
-            resume_log.remember(self.state, metrics, step)
-            self.latest.update(metrics)
-
-    def probe(self, step: int) -> None:
-        """The downstream probe on the trainer's own weights (whole at ZeRO-3: every rank calls)."""
-        self.engine.eval()
-        with eng.full_weights(self.engine) as module:
-            self.emit(probe_metrics(module.hf_model.base_model, self.tasks, self.info.device,
-                                    self.cfg.eval.downstream_batch_size), step)
-        self.engine.train()
-
-
-def build_engine(cfg: Config, manifest: Manifest, resume_from: str | None, info: eng.DistInfo,
-                 node_local: bool):
-    """The model (in a new phase's shape when it starts from another run), its precision (``auto``
-    times this model's step on a CPU), and DeepSpeed's engine."""
-    special = SpecialIds.from_manifest(manifest)
-    torch.manual_seed(cfg.train.seed)                       # identical initial weights on every rank
-    model = build_model(cfg.model, manifest.tokenizer.vocab_size, special, cfg.impl,
-                        seq_len=manifest.seq_len, shape_from=phases.model_shape_file(cfg, resume_from))
-    probe = step_probe(model, cfg.impl.micro_batch_size, manifest.seq_len, cfg.masking.rate)
-    with torch.random.fork_rng():                          # the timing leaves the run's RNG as it was
-        precision, why = hardware.resolve_precision(cfg.impl.precision, info.device, probe)
-    precision, why = eng.rank0_value((precision, why))     # every node takes the first rank's choice
-    model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)   # the same at any layout
-    choose_attention(model, cfg, info, precision, manifest.seq_len)
-    engine, scheduler, ds_config, optimizer = eng.initialize(model, cfg, info, precision, node_local)
-    return special, model, engine, scheduler, ds_config, optimizer, precision, why
-
-
-def choose_attention(model: MLMModel, cfg: Config, info: eng.DistInfo, precision: str, seq_len: int) -> None:
-    """The attention kernel: ``impl.attention``, or with ``auto`` the fastest at this run's shape,
-    timed once on the first rank (pretrain.runtime.attention); every rank runs the same."""
-    choice = None
-    if info.rank == 0:
-        choice = attention.resolve(model, cfg.impl.attention, info.device, hardware.DTYPES[precision],
-                                   cfg.impl.micro_batch_size, seq_len)
-    name, why = eng.rank0_value(choice)
-    model.use_attention(name)
-    log.info("attention: %s (%s)", name, why)
-
-
-def restore(run: Run, resume_from: str | None) -> dict:
-    """Load the checkpoint to resume from, or a new phase's start; the schedule follows the config.
-    Returns where a new phase came from (empty otherwise)."""
-    if resume_from:
-        run.state.load_state_dict(checkpointing.load(run.engine, run.cfg, resume_from, run.nodes)[STATE_KEY])
-    origin = (phases.start_from(run.engine, run.cfg, run.nodes.writes_folder)
-              if run.cfg.train.init_from_checkpoint and not resume_from else {})
-    log.info(continue_schedule(run.scheduler, run.cfg))     # the config's schedule, whatever a checkpoint held
-    return origin
-
-
-def keep_attention(run: Run) -> None:
-    """A resumed run computes with the attention its first launch chose (at any layout), unless
-    impl.attention now names one; the choice goes into every checkpoint."""
-    recorded, model = run.state.attention, run.model
-    if recorded and run.cfg.impl.attention == "auto" and recorded != model.attention:
-        log.info("attention: %s, as this run started (timed here: %s)", recorded, model.attention)
-        model.use_attention(recorded)
-    run.state.attention = model.attention
-
-
-def build_stream(run: Run, resume_from: str | None):
-    cfg, info = run.cfg, run.info
-    stream = mixture.make_train_stream(cfg, run.manifest, info.rank, info.world, cfg.impl.num_workers,
-                                       cfg.impl.prefetch_factor)
-    if resume_from:
-        stream.load_state_dict(run.state.data)   # another world size or micro-batch continues the same order
-    return stream
-
-
-def build_tracker(run: Run, origin: dict, precision: str, ds_config: dict):
-    cfg, state = run.cfg, run.state
-    if run.info.rank == 0 and cfg.train.resume == "none":      # a fresh start is a new tracking run too
-        (Path(cfg.train.out_dir) / "mlflow_run_id").unlink(missing_ok=True)
-    tracker = make_tracker(phases.tracked_under(cfg, origin), run.info.rank, resume_step=state.step)
-    params = {**run_params(cfg, run.info.world, precision, run.manifest), **origin}
-    state.run_id = eng.rank0_value(tracker.start(state.run_id, params, {
-        "config.yaml": run.resolved_yaml, "deepspeed.json": json.dumps(ds_config, indent=2)}))
-    return tracker
-
-
-def build_run(cfg: Config, manifest: Manifest, tasks: list, resume_from: str | None, info: eng.DistInfo,
-              stop: StopSignal) -> Run:
-    """Assemble the run: precision, model and engine, resume, data stream, tracker, FLOPs and peak."""
-    if info.device.type == "cpu" and cfg.impl.keep_freed_cpu_memory and allocator.in_use() == "glibc":
-        hardware.keep_freed_cpu_memory()        # no page faults on every step's large tensors (tcmalloc keeps them anyway)
-    nodes = checkpoint_nodes.probe(cfg.train.out_dir)     # one shared train.out_dir, or one per node
-    special, model, engine, scheduler, ds_config, optimizer, precision, why = build_engine(cfg, manifest, resume_from,
-                                                                                          info, not nodes.shared)
-    run = Run(cfg, info, nodes, manifest, tasks, stop, special, model, engine, optimizer, scheduler,
-              TrainState(config=configlib.to_dict(cfg)), resolved_yaml=configlib.dump_yaml(cfg))
-    resume_from = eng.rank0_value(resume_from)     # the first rank chose it, holding the run lock
-    if resume_from:
-        checkpointing.ensure_on_every_node(cfg, resume_from, nodes)
-    origin = restore(run, resume_from)
-    keep_attention(run)
-    if cfg.compile_now(cfg.train.max_steps - run.state.step, info.device.type, precision):
-        engine.compile()
-    run.stream = build_stream(run, resume_from)
-    run.tracker = build_tracker(run, origin, precision, ds_config)
-    if cfg.train.checkpoint_mirror and nodes.writes_folder:
-        run.mirror = CheckpointMirror(cfg.train.checkpoint_mirror, cfg.train.keep_checkpoints, nodes)
-    resume_log.relog(run.tracker, run.state)      # a kill may have cut the checkpoint step's line short
-    run.peak, peak_source = hardware.peak_tflops(info.device, precision, cfg.impl.peak_tflops)
-    run.mfu_check = hardware.MfuCheck(run.peak, peak_source)
-    log.info("start: step %d%s, world %d, grad_accum %d, precision %s (%s), attention %s, ZeRO %d, %d params, "
-             "peak %.3f TFLOP/s per process (%s), allocator %s", run.state.step,
-             f" (resumed from {resume_from})" if resume_from else "", info.world, cfg.grad_accum_steps(info.world),
-             precision, why, model.attention, cfg.impl.zero_stage, eng.num_parameters(model), run.peak, peak_source,
-             allocator.in_use())
-    if mixture.is_mixture(cfg):
-        log.info("data mixture:\n  %s", "\n  ".join(mixture.plan_lines(run.stream, cfg.train.max_steps)))
-    return run
 
 
 def fit(run: Run) -> int:

@@ -8,9 +8,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "pretrain"
-# Lower tiers never import higher ones: train -> eval, checkpoint, tracking -> model, data, runtime -> config.
+# Lower tiers never import higher ones: train -> run -> eval, checkpoint, tracking -> model, data, runtime -> config.
 TIERS = {"config": 0, "seeds": 0, "console": 0, "exit_codes": 0, "model": 1, "data": 1, "runtime": 1,
-         "checkpoint": 2, "eval": 2, "tracking": 2, "preflight": 3, "report": 3, "step": 3, "spike_guard": 3, "study": 4, "train": 4}
+         "checkpoint": 2, "eval": 2, "tracking": 2, "preflight": 3, "report": 3, "step": 3, "spike_guard": 3,
+         "study": 4, "run": 4, "train": 4}
 # The commands' old names (``python -m pretrain.export``...) only run their package's module.
 COMMAND_ALIASES = {"export", "evaluate", "launch"}
 
