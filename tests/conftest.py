@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from s3_server import own_s3_server, s3_server  # noqa: F401 -- S3 servers for any test that asks
+from suite_profile import (pytest_runtest_protocol, pytest_runtest_teardown, pytest_sessionfinish,  # noqa: F401
+                           pytest_terminal_summary, pytest_testnodedown)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
