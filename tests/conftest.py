@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 from s3_server import own_s3_server, s3_server  # noqa: F401 -- S3 servers for any test that asks
-from suite_profile import (pytest_runtest_protocol, pytest_runtest_teardown, pytest_sessionfinish,  # noqa: F401
-                           pytest_terminal_summary, pytest_testnodedown)
+import suite_profile
+import tiers
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -49,6 +49,12 @@ LONGEST_FIRST = ["test_train", "test_study", "test_modernbert", "test_faults", "
                  "test_spike_hang", "test_slurm_pretrain", "test_reshard", "test_resume_layout", "test_tracking_train",
                  "test_downstream_train", "test_schedules", "test_fail_safe", "test_phases", "test_mixture",
                  "test_report", "test_evaluate", "test_bench"]
+
+
+def pytest_configure(config):
+    for plugin in (suite_profile, tiers):       # where the time goes; the fast tier launches nothing
+        if not config.pluginmanager.is_registered(plugin):
+            config.pluginmanager.register(plugin)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -99,14 +105,43 @@ def bert_uncased_dir() -> Path:
     return bert_uncased_dir()
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A session fixture's folder, built by the first pytest-xdist worker that asks and read by all
+    (each worker built its own before: the same bytes three times). ``build(folder)`` runs under a
+    file lock; a build that failed leaves no ``.built`` mark and the next asker tries again."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent                   # the workers' common folder
+    folder = root / name
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / ".built").is_file():
+            if folder.exists():
+                import shutil
+                shutil.rmtree(folder)
+            folder.mkdir(parents=True)
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
+def data_prep(*args: str) -> None:
+    """The data-prep CLI's ``main`` in this process (its command line is tested through ``python -m
+    data_prep`` in test_data_prep*): the session's shards cost no process start-up."""
+    from data_prep.cli import main
+
+    code = main([str(a) for a in args])
+    assert code == 0, f"data_prep {' '.join(map(str, args))} -> {code}"
+
+
 @pytest.fixture(scope="session")
 def wiki_txt_dir(tmp_path_factory, wiki_articles) -> Path:
     """~1,000 real articles as 4 blank-line-separated .txt files."""
     from data_prep.sample_corpus import write_sample_corpus
 
-    out = tmp_path_factory.mktemp("wiki_txt")
-    write_sample_corpus(out, "txt", num_files=4, max_docs=1000)
-    return out
+    return built_once(tmp_path_factory, "wiki_txt",
+                      lambda out: write_sample_corpus(out, "txt", num_files=4, max_docs=1000))
 
 
 def _run(cmd, timeout=600):
@@ -119,7 +154,6 @@ def _run(cmd, timeout=600):
 
 PY = sys.executable
 DEEPSPEED = str(Path(PY).with_name("deepspeed"))
-
 
 def trainer_env(**extra: str) -> dict:
     """The environment of a launched job: one thread per process, this checkout importable, and none of
@@ -190,35 +224,37 @@ def train_through(cmd: list[str], env: dict, metrics: Path, lines: int, meanwhil
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory, wiki_txt_dir):
     """Real text -> a small WordPiece tokenizer -> shards of deliberately uneven sizes (2 tasks)."""
-    root = tmp_path_factory.mktemp("train_data")
-    _run([PY, "-m", "data_prep", "tokenizer", "--input", f"{wiki_txt_dir}/*.txt", "--out", str(root / "tok"),
-         "--vocab-size", "4096", "--lowercase"])
-    for task in range(2):
-        _run([PY, "-m", "data_prep", "shard", "--input", f"{wiki_txt_dir}/*.txt", "--tokenizer", str(root / "tok"),
-             "--out", str(root / "shards"), "--seq-len", "64", "--shard-size", "700", "--block-size", "64",
-             "--validation-fraction", "0.05", "--num-tasks", "2", "--task-index", str(task)])
-    _run([PY, "-m", "data_prep", "finalize", str(root / "shards")])
+    def build(root: Path):
+        data_prep("tokenizer", "--input", f"{wiki_txt_dir}/*.txt", "--out", root / "tok", "--vocab-size", "4096",
+                  "--lowercase")
+        for task in range(2):
+            data_prep("shard", "--input", f"{wiki_txt_dir}/*.txt", "--tokenizer", root / "tok", "--out",
+                      root / "shards", "--seq-len", "64", "--shard-size", "700", "--block-size", "64",
+                      "--validation-fraction", "0.05", "--num-tasks", "2", "--task-index", str(task))
+        data_prep("finalize", root / "shards")
+
+    root = built_once(tmp_path_factory, "train_data", build)
     manifest = json.loads((root / "shards" / "manifest.json").read_text())
     sizes = [s["sequences"] for s in manifest["shards"] if s["split"] == "train"]
     assert len(set(sizes)) > 1, f"want uneven shards, got {sizes}"
     return root / "shards"
 
 
-
-
 @pytest.fixture(scope="session")
-def two_sources(shards, wiki_txt_dir) -> dict[str, Path]:
+def two_sources(shards, wiki_txt_dir, tmp_path_factory) -> dict[str, Path]:
     """A data mixture's two sources: two different slices of the real corpus (wiki-00..02, wiki-03),
     sharded with the ``shards`` fixture's tokenizer at its sequence length. ``small`` repeats soon."""
-    root = shards.parent
-    out = {}
-    for name, files, shard_size in (("big", "wiki-0[012].txt", "400"), ("small", "wiki-03.txt", "200")):
-        _run([PY, "-m", "data_prep", "shard", "--input", f"{wiki_txt_dir}/{files}", "--tokenizer", str(root / "tok"),
-             "--out", str(root / name), "--seq-len", "64", "--shard-size", shard_size, "--block-size", "64",
-             "--validation-fraction", "0.05"])
-        _run([PY, "-m", "data_prep", "finalize", str(root / name)])
-        out[name] = root / name
-    return out
+    sources = (("big", "wiki-0[012].txt", "400"), ("small", "wiki-03.txt", "200"))
+
+    def build(root: Path):
+        for name, files, shard_size in sources:
+            data_prep("shard", "--input", f"{wiki_txt_dir}/{files}", "--tokenizer", shards.parent / "tok",
+                      "--out", root / name, "--seq-len", "64", "--shard-size", shard_size, "--block-size", "64",
+                      "--validation-fraction", "0.05")
+            data_prep("finalize", root / name)
+
+    root = built_once(tmp_path_factory, "two_sources", build)
+    return {name: root / name for name, _, _ in sources}
 
 
 def ids_payload(shard_path, block: int) -> tuple[int, int]:

@@ -84,6 +84,7 @@ def test_resolve_times_only_auto_and_keeps_keyed_dropouts_attention(tmp_path, mo
         model.use_attention("flash_attention_3")
 
 
+@pytest.mark.slow
 def test_the_trainer_times_attention_once_and_a_resume_keeps_the_runs_choice(shards, tmp_path):
     from conftest import explain, train
 

@@ -22,6 +22,7 @@ def _dry_run(*args: str) -> list[list[str]]:
     return [shlex.split(line[2:]) for line in done.stdout.splitlines() if line.startswith("+ ")]
 
 
+@pytest.mark.slow
 def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     commands = _dry_run("--gpus", "2", "--data", str(shards), "--micro-batch", "16")
     launches = {}
@@ -73,6 +74,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     (("--config", "configs/nope.yaml"), "no such file"),
     (("--frobnicate",), "unknown argument"),
 ])
+@pytest.mark.slow
 def test_gpu_smoke_refuses_with_a_clear_message(args, message):
     if not args and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -95,6 +97,7 @@ def test_smoke_report_drops_the_first_window_and_flags_runs_without_metrics(tmp_
     assert not ok and "no metrics" in text
 
 
+@pytest.mark.slow
 def test_throughput_bench_runs_our_cli_and_the_bare_loop(shards, tmp_path):
     out = tmp_path / "result.json"
     done = subprocess.run(
@@ -114,6 +117,7 @@ def test_throughput_bench_runs_our_cli_and_the_bare_loop(shards, tmp_path):
     assert "ours / bare-fused = " in done.stdout
 
 
+@pytest.mark.slow
 def test_precision_bench_times_each_configs_step_in_both_precisions():
     done = subprocess.run([sys.executable, str(REPO / "bench" / "precision_auto.py"), "--configs",
                            str(REPO / "configs" / "tiny.yaml"), "--threads", "1", "--seq-len", "64", "--repeats", "1"],
@@ -160,6 +164,7 @@ def test_the_smoke_tests_resume_check_compares_every_logged_loss(tmp_path):
         resumed(ref, run("short", {10: 7.5}))
 
 
+@pytest.mark.slow
 def test_mlm_loss_bench_prints_both_losses_and_fails_on_a_gap():
     cmd = [sys.executable, "bench/mlm_loss.py", "--tokens", "40", "--hidden", "8", "--vocab", "97", "--repeats", "1",
            "--chunk-rows", "7"]

@@ -223,6 +223,7 @@ def test_bytes_per_token_at_uint16_seq128(tmp_path, wiki_articles, bert_uncased_
     assert size / tokens <= 2.3, size / tokens
 
 
+@pytest.mark.slow
 def test_shards_read_with_webdataset_and_tar(sharded):
     import webdataset as wds
 
@@ -290,6 +291,7 @@ def test_validation_split_is_by_document_and_deterministic(tmp_path, wiki_txt_di
            [e["sha256"] for e in m["shards"]]
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_with_finalize_verify_inspect(tmp_path, wiki_txt_dir, bert_uncased_dir):
     out = tmp_path / "out"
     proc = cli("shard", "--input", wiki_txt_dir / "*.txt", "--tokenizer", bert_uncased_dir, "--out", out,
@@ -314,6 +316,7 @@ def test_cli_end_to_end_with_finalize_verify_inspect(tmp_path, wiki_txt_dir, ber
     assert copy.mask_token_id == 103 and not (out / "tokenizer" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_trained_tokenizer_loads_with_autotokenizer_and_shards(tmp_path, wiki_txt_dir):
     from transformers import AutoTokenizer
 

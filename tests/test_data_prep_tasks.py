@@ -99,6 +99,7 @@ def test_task_count_does_not_change_the_dataset_through_the_cli(tmp_path, bert_u
     assert len(digests[1]) >= 10 and digests[1] == digests[2] == digests[5]
 
 
+@pytest.mark.slow
 def test_concurrent_array_tasks_share_one_output_folder(tmp_path, single, wiki_txt_dir, bert_uncased_dir):
     """Three tasks started at once, as Slurm does: they race to install the tokenizer copy."""
     out = tmp_path / "out"
@@ -149,6 +150,7 @@ def test_task_manifest_and_last_shard_lost_then_rerun_gives_same_bytes(tmp_path,
     assert files_digest(out) == expected and not list(out.glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_kill_after_first_shards_then_rerun_reuses_them(tmp_path, wiki_txt_dir, bert_uncased_dir):
     kw = dict(shard_size=64, validation_fraction=0.15, seed=3, batch_chars=20_000)
     whole = tmp_path / "whole"
@@ -212,6 +214,7 @@ def test_resume_from_sidecars_with_a_corrupt_shard_rewrites_from_there(tmp_path,
     assert files_digest(interrupted) == expected
 
 
+@pytest.mark.slow
 def test_verify_names_every_bad_shard(tmp_path, wiki_txt_dir, bert_uncased_dir):
     out = run_tasks([wiki_txt_dir], bert_uncased_dir, tmp_path / "out", 1, shard_size=128)
     assert verify(out) == []
@@ -253,6 +256,7 @@ def _rewrite_shard(out: Path, name: str, edit) -> None:
     write_json_atomic(out / "manifest.json", m)
 
 
+@pytest.mark.slow
 def test_verify_checks_ids_and_vocab_size_against_the_tokenizer(tmp_path, wiki_txt_dir, bert_uncased_dir):
     out = run_tasks([wiki_txt_dir], bert_uncased_dir, tmp_path / "out", 1, shard_size=128, block_size=32, seq_len=64)
     assert verify(out) == []
@@ -437,6 +441,7 @@ def _tokenizer_without_mask(folder: Path) -> None:
     tok.save(str(folder / "tokenizer.json"))
 
 
+@pytest.mark.slow
 def test_finalize_error_through_the_real_entry_point(tmp_path, wiki_txt_dir, bert_uncased_dir):
     out = tmp_path / "out"
     run_shard(settings([wiki_txt_dir], bert_uncased_dir, out, num_tasks=3, task_index=1))

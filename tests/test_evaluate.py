@@ -21,6 +21,7 @@ def articles_csv(tmp_path_factory):
     return sample_article_task(tmp_path_factory.mktemp("tasks") / "articles.csv", num_articles=10)
 
 
+@pytest.mark.slow
 def test_pretrained_encoder_beats_random_init_on_both_tasks(articles_csv, wiki_txt_dir, bert_uncased_dir, tmp_path):
     out = tmp_path / "metrics.json"
     proc = _run([PY, "-m", "pretrain.evaluate", str(bert_uncased_dir), "--task", str(articles_csv),

@@ -239,6 +239,7 @@ def test_a_master_port_in_use_is_refused_by_name_before_any_rank_starts(capsys):
 
 # ------------------------------------------------------------------- item 5: stale shared memory
 
+@pytest.mark.slow
 def test_stale_shared_memory_is_removed_and_what_a_live_process_maps_is_kept(caplog):
     import time
     import uuid

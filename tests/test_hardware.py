@@ -76,6 +76,7 @@ def test_the_step_timing_is_cached_per_model_shape(cpu_bf16, step_cache):
     assert hardware.resolve_precision("auto", torch.device("cpu"), other)[0] == "fp32" and other.calls == 1
 
 
+@pytest.mark.slow
 def test_ranks_of_a_node_measure_once(cpu_bf16, step_cache):
     """Two processes ask at once: one measures (holding the lock), the other reads its result."""
     script = (
@@ -197,6 +198,7 @@ def test_an_mfu_above_one_is_reported_naming_the_peak(caplog):
     assert len(caplog.records) == 1 and "0.010 TFLOP/s" in caplog.records[0].message
 
 
+@pytest.mark.slow
 def test_freed_cpu_memory_is_reused_without_page_faults():
     """Steps allocate the same large tensors again and again (75 MB of logits on mini). glibc's
     default unmaps them on free, so each step faults them back in; after keep_freed_cpu_memory

@@ -121,6 +121,7 @@ def eval_at(shards, tmp_path, world, layouts) -> list[dict]:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_eval_loss_is_bit_identical_at_any_world_size_and_micro_batch(shards, tmp_path):
     """13 sequences: uneven parts per rank, partial last batches and a filler batch on one rank."""
     one = eval_at(shards, tmp_path, 1, [(3, 13), (4, 12)])

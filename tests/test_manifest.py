@@ -79,6 +79,7 @@ def test_a_missing_or_mistyped_key_is_named(finalized, tmp_path):
         Manifest.from_dict({**load_manifest(finalized).to_dict(), "format_version": 2})
 
 
+@pytest.mark.slow
 def test_the_trainer_and_data_prep_refuse_it_with_exit_2(finalized, tmp_path):
     bad = write_broken(tmp_path / "bad", finalized)
     trained = train(bad, tmp_path / "run", "train.max_steps=1")

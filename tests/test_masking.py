@@ -380,6 +380,7 @@ def test_static_mask_belongs_to_the_sequence_not_to_the_step(rows, strategy, fix
         "dynamic masking ignores sample ids"
 
 
+@pytest.mark.slow
 def test_static_mask_is_the_same_in_a_fresh_process(rows):
     """What a resumed job does: a new process masks the same sequence exactly as before."""
     import subprocess

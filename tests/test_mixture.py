@@ -117,6 +117,7 @@ def sources_override(two_sources, extra: str = "") -> str:
             f"{{name: small, dir: {two_sources['small']}, weight: 0.2}}{extra}]")
 
 
+@pytest.mark.slow
 def test_plan_prints_each_sources_share_and_epochs(two_sources):
     out = _run([PY, "-m", "pretrain.data", "plan", "--config", "configs/mixture.yaml", "data.dir=",
                 sources_override(two_sources), "train.max_steps=400", "train.global_batch_size=32"]).stdout
@@ -140,6 +141,7 @@ def odd_sources(shards, wiki_txt_dir, tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_another_tokenizer_or_sequence_length_is_refused_by_name(two_sources, odd_sources, tmp_path):
     extra = (f", {{name: othertok, dir: {odd_sources / 'othertok'}, weight: 0.2}}"
              f", {{name: short, dir: {odd_sources / 'short'}, weight: 0.2}}")
@@ -153,6 +155,7 @@ def test_another_tokenizer_or_sequence_length_is_refused_by_name(two_sources, od
     assert "process group" not in proc.stdout + err and not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_a_mixture_trains_with_per_source_metrics_in_jsonl_and_mlflow(two_sources, tmp_path, mlflow_server):  # noqa: F811
     """One 2-rank DeepSpeed launch; then a resume with another weight is refused by source name."""
     from mlflow.tracking import MlflowClient

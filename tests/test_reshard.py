@@ -28,6 +28,8 @@ from conftest import REPO, node_launcher
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint import files
 
+pytestmark = pytest.mark.slow      # every test here launches processes
+
 PY = sys.executable
 WORKER = "tests/reshard_worker.py"
 STEPS = 3

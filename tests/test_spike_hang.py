@@ -48,6 +48,7 @@ def recovered_run(shards, tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.slow
 def test_spike_is_rolled_back_and_its_samples_skipped(recovered_run):
     out, proc = recovered_run
     assert proc.stdout.count(RECOVERY) == 1, proc.stdout[-3000:]       # rank 0 only
@@ -65,6 +66,7 @@ def test_spike_is_rolled_back_and_its_samples_skipped(recovered_run):
     assert max(after) < spiked - 0.3, order                            # no noise after the rollback
 
 
+@pytest.mark.slow
 def test_a_step_export_is_a_loadable_model_of_its_checkpoint(recovered_run):
     from transformers import AutoModelForMaskedLM
 
@@ -75,6 +77,7 @@ def test_a_step_export_is_a_loadable_model_of_its_checkpoint(recovered_run):
     assert AutoModelForMaskedLM.from_pretrained(step8).config.hidden_size == 64
 
 
+@pytest.mark.slow
 def test_a_hang_writes_every_ranks_stacks_exits_3_and_the_relaunch_resumes_exactly(recovered_run, shards, tmp_path):
     reference, _ = recovered_run
     t0 = time.monotonic()
@@ -91,6 +94,7 @@ def test_a_hang_writes_every_ranks_stacks_exits_3_and_the_relaunch_resumes_exact
     assert losses(tmp_path) == losses(reference)
 
 
+@pytest.mark.slow
 def test_a_spike_past_the_cap_stops_with_exit_5(shards, tmp_path):
     proc = train(shards, tmp_path, *COMMON, *GUARD, "train.spike_guard.max_recoveries=0", ranks=1, check=False,
                  env=NOISE)

@@ -20,6 +20,8 @@ from pretrain.tracking import NullTracker, make_tracker  # noqa: E402
 from pretrain.tracking.mlflow_requests import default_local_store  # noqa: E402
 from pretrain.tracking.mlflow_tracker import MlflowTracker  # noqa: E402
 
+pytestmark = pytest.mark.slow      # every test here launches processes
+
 
 def make_cfg(tmp_path, uri: str = "", **tracking) -> Config:
     cfg = Config()
