@@ -190,11 +190,37 @@ def explain(proc) -> str:
     return f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
 
 
+_POOL: list = []      # this worker's rank pool, started by the first job that uses it
+
+
+def rank_pool():
+    from rank_pool import RankPool
+
+    if not _POOL:
+        _POOL.append(RankPool(Path(tempfile.mkdtemp(prefix="rank-pool-")), trainer_env(), REPO))
+    return _POOL[0]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def rank_pool_closed():
+    yield
+    while _POOL:
+        _POOL.pop().close()
+
+
 def train(data_dir, out_dir, *overrides, ranks: int = 1, config: str = "configs/tiny.yaml", check: bool = False,
           env: dict | None = None, launcher: list[str] | None = None, timeout: float = 600):
-    """The one way tests launch a training job; ``check`` raises with its output when it fails."""
-    proc = subprocess.run(train_cmd(data_dir, out_dir, *overrides, ranks=ranks, config=config, launcher=launcher),
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout, env=trainer_env(**(env or {})))
+    """The one way tests launch a training job; ``check`` raises with its output when it fails.
+    Without a ``launcher``, the job's ranks are forked from this worker's rank pool (tests/rank_pool.py:
+    the same ``python -m pretrain.train`` without ~8 s of imports per rank); with one, it runs for real."""
+    if launcher is None and os.environ.get("MLM_TESTS_ON_GPU") != "1":
+        args = ["--config", config, f"data.dir={data_dir}", f"train.out_dir={out_dir}", "tracking.report=false",
+                *overrides]
+        proc = rank_pool().run("pretrain.train", args, trainer_env(**(env or {})), ranks,
+                               free_port() if ranks > 1 else None, timeout)
+    else:
+        proc = subprocess.run(train_cmd(data_dir, out_dir, *overrides, ranks=ranks, config=config, launcher=launcher),
+                              cwd=REPO, capture_output=True, text=True, timeout=timeout, env=trainer_env(**(env or {})))
     if check and proc.returncode != 0:
         raise AssertionError(explain(proc))
     return proc

@@ -29,6 +29,8 @@ def process_kind(cmdline: list[str]) -> str | None:
     if "deepspeed.launcher.launch" in line or name == "deepspeed" or "pretrain.launch" in line \
             or "pretrain/launch" in line or "deepspeed.launcher.runner" in line:
         return "launcher"
+    if "rank_pool.py" in line:
+        return "pool_fork"       # a job's rank (or module run) forked by tests/rank_pool.py; and the pool
     if "pretrain.train" in line or "pretrain.study" in line:
         return "trainer"
     if "data_prep" in line:
@@ -89,9 +91,12 @@ _modules: dict[str, dict] = {}
 
 
 def _cpu() -> tuple[float, float]:
+    from rank_pool import RANKS_CPU_S     # ranks forked by the rank pool: reaped by the pool, not by us
+
     me = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+    pool = RANKS_CPU_S["reported"] - RANKS_CPU_S["reaped"]
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime + pool
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -145,7 +150,7 @@ def pytest_testnodedown(node, error):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if hasattr(config, "workeroutput") or not _modules:
         return
-    kinds = ["trainer", "launcher", "data_prep", "python", "mlflow", "s3", "slurm", "browser"]
+    kinds = ["trainer", "pool_fork", "launcher", "data_prep", "python", "mlflow", "s3", "slurm", "browser"]
     rows = sorted(_plain(_modules).items(), key=lambda kv: -kv[1]["wall_s"])
     tr = terminalreporter
     tr.section("where the suite's time went (tests/suite_profile.py)")
