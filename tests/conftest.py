@@ -20,6 +20,8 @@ import suite_profile
 import tiers
 
 REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+DEEPSPEED = str(Path(PY).with_name("deepspeed"))
 sys.path.insert(0, str(REPO))
 
 # Two cores on CI: one thread per process keeps multi-rank tests from thrashing.
@@ -40,15 +42,17 @@ if os.environ.get("MLM_TESTS_ON_GPU") != "1":
 os.environ.setdefault("MLM_PRETRAIN_CACHE", tempfile.mkdtemp(prefix="mlm-pretrain-cache-"))
 
 
-# The modules that took longest (seconds on a quiet 2-core machine, serial run of 2026-11-23): under
-# pytest-xdist (``-n 3 --dist loadfile --no-loadscope-reorder``, the README's command: a module runs
-# whole on one worker, so its module-scoped runs and servers are built once; without the last flag
-# xdist orders modules by their number of tests) they start first, so that no long module is left to
-# run alone at the end.
-LONGEST_FIRST = ["test_train", "test_study", "test_modernbert", "test_faults", "test_demo", "test_resume_anywhere",
-                 "test_spike_hang", "test_slurm_pretrain", "test_reshard", "test_resume_layout", "test_tracking_train",
-                 "test_downstream_train", "test_schedules", "test_fail_safe", "test_phases", "test_mixture",
-                 "test_report", "test_evaluate", "test_bench"]
+# The modules that took longest (wall seconds under the README's command on a 2-core AVX2-only EPYC,
+# 2026-11-26, with the rank pool): under pytest-xdist (``-n 3 --dist loadfile --no-loadscope-reorder``,
+# the README's command: a module runs whole on one worker, so its module-scoped runs and servers are
+# built once; without the last flag xdist orders modules by their number of tests) they start first,
+# so that no long module is left to run alone at the end. Slurm's and the study's wait more than they
+# compute, which is why they go early: the other workers fill the cores meanwhile.
+LONGEST_FIRST = ["test_reshard", "test_slurm_pretrain", "test_study", "test_demo", "test_remote_faults",
+                 "test_clean_exit", "test_bf16_accumulation", "test_fail_safe", "test_train", "test_tracking_train",
+                 "test_bench", "test_evaluate", "test_checkpoint_mirror", "test_memory", "test_storage", "test_report",
+                 "test_modernbert", "test_faults", "test_remote_cache", "test_slurm_data_prep", "test_mlflow_ui",
+                 "test_resume_anywhere", "test_mixture", "test_tracking_mlflow", "test_model", "test_data_prep_tasks"]
 
 
 def pytest_configure(config):
@@ -144,16 +148,19 @@ def wiki_txt_dir(tmp_path_factory, wiki_articles) -> Path:
                       lambda out: write_sample_corpus(out, "txt", num_files=4, max_docs=1000))
 
 
-def _run(cmd, timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+def _run(cmd, timeout=600, env: dict | None = None):
+    """``cmd`` to its end, raising with its output if it fails; ``python -m MODULE ARGS`` is forked
+    from the rank pool (tests/rank_pool.py), with the same arguments, environment and folder."""
+    env = env or {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [str(c) for c in cmd]
+    if cmd[:2] == [PY, "-m"]:
+        proc = run_module(cmd[2], *cmd[3:], env=env, timeout=timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} -> {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
 
-
-PY = sys.executable
-DEEPSPEED = str(Path(PY).with_name("deepspeed"))
 
 def trainer_env(**extra: str) -> dict:
     """The environment of a launched job: one thread per process, this checkout importable, and none of
@@ -206,6 +213,16 @@ def rank_pool_closed():
     yield
     while _POOL:
         _POOL.pop().close()
+
+
+def run_module(module: str, *args, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` in the repository, to its end, output captured: forked from the rank
+    pool on the CPU (the same module, arguments, environment and folder, without the imports)."""
+    env = env or trainer_env()
+    if os.environ.get("MLM_TESTS_ON_GPU") == "1":
+        return subprocess.run([PY, "-m", module, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    return rank_pool().run(module, list(args), env, 1, None, timeout)
 
 
 def train(data_dir, out_dir, *overrides, ranks: int = 1, config: str = "configs/tiny.yaml", check: bool = False,

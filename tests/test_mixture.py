@@ -7,14 +7,12 @@ and one 2-rank DeepSpeed run whose per-source metrics reach metrics.jsonl and a 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections import Counter, defaultdict
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, _run, free_port
+from conftest import REPO, _run, free_port, rank_pool, run_module, trainer_env
 from mlflow_server import mlflow_server  # noqa: F401  (a fixture)
 
 from data_prep.shard_format import load_manifest
@@ -145,8 +143,8 @@ def odd_sources(shards, wiki_txt_dir, tmp_path_factory):
 def test_another_tokenizer_or_sequence_length_is_refused_by_name(two_sources, odd_sources, tmp_path):
     extra = (f", {{name: othertok, dir: {odd_sources / 'othertok'}, weight: 0.2}}"
              f", {{name: short, dir: {odd_sources / 'short'}, weight: 0.2}}")
-    proc = subprocess.run([PY, "-m", "pretrain.train", "--config", "configs/tiny.yaml", sources_override(two_sources, extra),
-                           f"train.out_dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, check=False, timeout=300)
+    proc = run_module("pretrain.train", "--config", "configs/tiny.yaml", sources_override(two_sources, extra),
+                      f"train.out_dir={tmp_path / 'run'}", env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     err = proc.stderr
     assert "data.sources[othertok]: tokenizer sha256" in err and "data.sources[othertok]: vocab_size 2048" in err
@@ -167,11 +165,7 @@ def test_a_mixture_trains_with_per_source_metrics_in_jsonl_and_mlflow(two_source
             "train.max_steps=6", "train.log_every=2", "train.eval_every=3", "train.eval_sequences=32",
             "train.checkpoint_every=0", "model.max_position_embeddings=64", "tracking.backend=mlflow",
             f"tracking.tracking_uri={mlflow_server.uri}", "tracking.experiment=mixture"]
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO)}
-    cmd = [str(Path(PY).with_name("deepspeed")), "--num_gpus", "2", "--master_port", str(free_port()),
-           "--module", "pretrain.train", *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False, timeout=600, env=env)
+    proc = rank_pool().run("pretrain.train", args, trainer_env(), 2, free_port(), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     small = sum(s.sequences for s in load_manifest(two_sources["small"]).shards_of("train"))
     assert f"small: {small} sequences, share of the steps 0.200 (19 sequences by step 6)" in proc.stdout
@@ -206,8 +200,7 @@ def test_a_mixture_trains_with_per_source_metrics_in_jsonl_and_mlflow(two_source
     assert params["data.train_tokens"] == str(sum(t["tokens"] for t in trains.values()))
 
     heavier = sources_override(two_sources).replace("weight: 0.2", "weight: 0.4")
-    again = subprocess.run([PY, "-m", "pretrain.train", *args, heavier, "train.max_steps=8", "tracking.backend=none"],
-                           cwd=REPO, capture_output=True, text=True, check=False, timeout=300, env=env)
+    again = run_module("pretrain.train", *args, heavier, "train.max_steps=8", "tracking.backend=none", timeout=300)
     assert again.returncode == 2, again.stdout[-2000:] + again.stderr[-3000:]
     assert "data.sources[small]: weight share 0.2 in checkpoint" in again.stderr
     assert "data.sources[big]: weight share 0.8 in checkpoint" in again.stderr

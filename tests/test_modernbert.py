@@ -7,7 +7,6 @@ import json
 import logging
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from conftest import _run as run  # python -m ... through the rank pool
 from conftest import train as launch
 from pretrain.config.schema import ConfigError, ImplConfig, ModelConfig, load_config
 from pretrain.model.flops import attended_pairs, mlm_flops_per_sequence
@@ -211,14 +211,6 @@ COMMON = [f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0",
           "train.checkpoint_every=0", "optim.warmup_steps=3", "optim.lr=3e-3",
           *(f"model.{k}={v}" for k, v in DROPOUTS.items())]
 
-
-def run(cmd, check=True):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} -> {proc.returncode}\n{proc.stdout[-4000:]}\n"
-                             f"{proc.stderr[-6000:]}")
-    return proc
 
 
 def train(data_dir, out_dir, *overrides, ranks=2, check=True):

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import pytest
 pytest.importorskip("mlflow")
 
 from browser import decoded_images, screenshot
-from conftest import REPO
+from conftest import run_module
 from mlflow.tracking import MlflowClient
 from mlflow_server import mlflow_server  # noqa: F401  (a fixture)
 from test_tracking_train import only_run, train
@@ -104,8 +102,7 @@ def test_cli_draws_layers_sources_and_marks_skips_and_recoveries(finished_run, t
     assert heat.shape == (4, 3)                                  # embeddings, layer_00, layer_01, head × 3 steps
     assert list(heat[2]) == [1.0, 10.0, 100.0] and heat.mask[1, 2]
 
-    proc = subprocess.run([sys.executable, "-m", "pretrain.report", str(copy)], cwd=REPO, check=False, capture_output=True,
-                          text=True, timeout=300)
+    proc = run_module("pretrain.report", copy, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == str(copy / "report" / "report.html")
     assert sorted(p.stem for p in (copy / "report").glob("*.png")) == [
@@ -119,6 +116,5 @@ def test_cli_draws_layers_sources_and_marks_skips_and_recoveries(finished_run, t
 
 
 def test_cli_refuses_a_folder_without_metrics(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pretrain.report", str(tmp_path)], cwd=REPO, check=False, capture_output=True,
-                          text=True, timeout=120)
+    proc = run_module("pretrain.report", tmp_path, timeout=120)
     assert proc.returncode == 2 and "no metrics.jsonl" in proc.stderr, proc.stderr

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_module
+
 from s3_server import SECRET
 
 pytestmark = pytest.mark.slow
@@ -23,8 +25,7 @@ SHARD = ["--seq-len", "64", "--shard-size", "64", "--block-size", "16", "--valid
 
 
 def data_prep(*args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "data_prep", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = run_module("data_prep", *args, env=env, timeout=300)
     assert SECRET not in proc.stdout + proc.stderr
     if check:
         assert proc.returncode == 0, f"{args} -> {proc.returncode}\n{proc.stderr[-3000:]}"

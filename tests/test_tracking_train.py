@@ -22,6 +22,7 @@ pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from conftest import REPO, trainer_env  # noqa: E402
+from conftest import train as launch  # noqa: E402
 from conftest import train_cmd as launch_cmd  # noqa: E402
 from mlflow_server import mlflow_server  # noqa: E402,F401  (a fixture)
 
@@ -36,11 +37,10 @@ def train_cmd(data_dir, out_dir, uri: str, experiment: str, *overrides, ranks: i
                       *overrides, ranks=ranks)
 
 
-def train(*args, ranks: int = 2, env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = train_cmd(*args, ranks=ranks)
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env or trainer_env())
-    assert proc.returncode == 0, f"{' '.join(cmd)} -> {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    return proc
+def train(data_dir, out_dir, uri: str, experiment: str, *overrides, ranks: int = 2,
+          env: dict | None = None) -> subprocess.CompletedProcess:
+    return launch(data_dir, out_dir, *BASE, f"tracking.tracking_uri={uri}", f"tracking.experiment={experiment}",
+                  *overrides, ranks=ranks, env=env, check=True)
 
 
 def jsonl_rows(out_dir) -> list[dict]:

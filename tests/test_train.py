@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import DEEPSPEED, REPO, free_port
+from conftest import _run as run  # python -m ... through the rank pool
 from conftest import train as launch
 
 pytestmark = pytest.mark.slow
@@ -22,13 +23,6 @@ PY = sys.executable
 STEPS = 16
 HEALTH_EVERY = 4
 
-
-def run(cmd, timeout=600, check=True, env=None):
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} -> {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    return proc
 
 
 def train(data_dir, out_dir, *overrides, ranks=2, check=True):
