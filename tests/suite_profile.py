@@ -20,6 +20,16 @@ import psutil
 import pytest
 
 SUITE_START = time.time()
+BUDGET_S = 60          # a module over this much wall time says why in its docstring
+
+
+def _says_why(path) -> bool:
+    import ast
+
+    try:
+        return "Time:" in (ast.get_docstring(ast.parse(path.read_text())) or "")
+    except (OSError, SyntaxError):
+        return True
 
 
 def process_kind(cmdline: list[str]) -> str | None:
@@ -165,6 +175,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     wall = time.time() - SUITE_START
     tr.write_line(f"{'all':34} {sum(r['tests'] for _, r in rows):5d} {sum(r['wall_s'] for _, r in rows):7.1f} "
                   f"{total_cpu:7.1f} {'':14}  " + " ".join(f"{total_procs[k]:9d}" for k in kinds))
+    unexplained = [m for m, r in rows if r["wall_s"] > BUDGET_S and not _says_why(config.rootpath / m)]
+    if unexplained:
+        tr.write_line(f"over {BUDGET_S} s of wall time without a 'Time:' paragraph in the module docstring "
+                      f"saying why: {', '.join(os.path.basename(m) for m in unexplained)}")
     tr.write_line(f"suite wall time: {wall:.0f} s ({wall / 60:.1f} min) on {os.cpu_count()} cores")
     out = os.environ.get("MLM_TEST_PROFILE")
     if out:

@@ -5,10 +5,11 @@ suite, before a change is submitted (the README's command, what ``.ci/run`` call
 ``slow`` ones, which launch processes (trainer ranks, DeepSpeed's launchers, the data-prep CLI) or
 servers (MLflow, SeaweedFS, Slurm, Chromium).
 
-A test that is not marked ``slow`` and starts a subprocess or a new interpreter (multiprocessing's
-spawn; a fork, such as a DataLoader's workers, copies this process and is allowed), in its body or through a fixture it asks
-for, fails at that point with a message that says so; a fixture already built by an earlier slow
-test is not seen, but the fast tier runs without those and sees it. Imported by conftest.py."""
+A test that is not marked ``slow`` and starts a subprocess, or a new interpreter through
+multiprocessing's spawn or forkserver, in its setup (a fixture it asks for) or its body, fails at
+that point with a message that says so. A fork (a DataLoader's workers) copies this process and is
+allowed. A fixture that an earlier slow test built is not seen, but the fast tier runs without those
+and sees it. Imported by conftest.py."""
 from __future__ import annotations
 
 import multiprocessing.popen_forkserver
@@ -59,9 +60,20 @@ _guard_interpreter_start(multiprocessing.popen_forkserver.Popen)
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
+def pytest_runtest_setup(item):
     _running[0] = item
-    try:
-        yield
-    finally:
-        _running[0] = None
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    _running[0] = item
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    # Not checked: the last test of a worker also tears down the session's fixtures (a Slurm
+    # cluster's scancel, a server's stop), which slow tests built.
+    _running[0] = None
+    yield
