@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -186,6 +187,29 @@ def test_cpu_peak_is_measured_once_per_machine_threads_and_precision(tmp_path, m
     finally:
         torch.set_num_threads(threads)
     assert hardware.peak_tflops(cpu, "fp32", override=12.5) == (12.5, "impl.peak_tflops")
+
+
+def test_a_matmul_slower_than_the_timing_budget_is_timed_once(tmp_path, monkeypatch):
+    """bf16 emulated on an AVX2 CPU takes ~2 s per 1024^3 matmul: the peak is measured from one warm-up
+    and one timed matmul, not the 16 that four 0.25 s timings with three warm-ups each would take."""
+    calls = []
+
+    def slow_matmul(a, b, out=None):          # 0.3 s of this process's CPU time, as a slow kernel spends
+        calls.append(a.shape)
+        start = time.process_time()
+        while time.process_time() - start < 0.3:
+            pass
+        return out
+
+    monkeypatch.setattr(torch, "matmul", slow_matmul)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        tflops, source = hardware.peak_tflops(torch.device("cpu"), "bf16", cache_path=tmp_path / "peak.json")
+    finally:
+        torch.set_num_threads(threads)
+    assert "measured now" in source and len(calls) == 2, len(calls)
+    assert tflops == pytest.approx(2.0 * 1024 ** 3 / 0.3 / 1e12, rel=0.3)
 
 
 def test_an_mfu_above_one_is_reported_naming_the_peak(caplog):

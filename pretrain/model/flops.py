@@ -106,9 +106,12 @@ def measure_matmul_peak_tflops(device: torch.device | str, dtype: torch.dtype = 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    warm_up = now()
     for _ in range(3):                              # cuBLAS heuristics, CPU thread pool start-up
         torch.matmul(a, b, out=out)
-    sync()
+        sync()
+        if (now() - warm_up) / threads >= seconds:  # one matmul outlasts the budget (bf16 emulated: ~2 s)
+            break
     iters, elapsed, start = 0, 0.0, now()
     while elapsed < seconds:
         # Fewer syncs once the time per matmul is known, without overshooting `seconds` by much.
