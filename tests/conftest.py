@@ -197,22 +197,23 @@ def explain(proc) -> str:
     return f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
 
 
-_POOL: list = []      # this worker's rank pool, started by the first job that uses it
+_POOLS: dict = {}      # this worker's rank pools by what they preload, started by the first job that uses one
 
 
-def rank_pool():
+def rank_pool(preload: tuple[str, ...] = ()):
+    """The pool whose process has imported what a trainer rank imports, or the ``preload`` modules."""
     from rank_pool import RankPool
 
-    if not _POOL:
-        _POOL.append(RankPool(Path(tempfile.mkdtemp(prefix="rank-pool-")), trainer_env(), REPO))
-    return _POOL[0]
+    if preload not in _POOLS:
+        _POOLS[preload] = RankPool(Path(tempfile.mkdtemp(prefix="rank-pool-")), trainer_env(), REPO, preload)
+    return _POOLS[preload]
 
 
 @pytest.fixture(scope="session", autouse=True)
-def rank_pool_closed():
+def rank_pools_closed():
     yield
-    while _POOL:
-        _POOL.pop().close()
+    while _POOLS:
+        _POOLS.popitem()[1].close()
 
 
 def run_module(module: str, *args, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -38,8 +38,15 @@ RANKS_CPU_S = {"reported": 0.0, "reaped": 0.0}
 
 
 # ------------------------------------------------------------------------------------------ the pool
-def _preload() -> None:
-    """What a trainer rank imports, eagerly or on its way to the first step."""
+def _preload(modules: list[str]) -> None:
+    """What a trainer rank imports, eagerly or on its way to the first step; or, for another
+    program's ranks, ``modules`` (its own imports, and nothing a fresh process of it would not load)."""
+    if modules:
+        import importlib
+
+        for module in modules:
+            importlib.import_module(module)
+        return
     import deepspeed  # noqa: F401
     import deepspeed.comm  # noqa: F401
     import deepspeed.runtime.engine  # noqa: F401
@@ -157,7 +164,7 @@ def _run_job(job: dict, reply) -> int:
     return code, cpu
 
 
-def serve() -> None:
+def serve(modules: list[str]) -> None:
     reply_fd = os.dup(1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)     # only replies on the protocol's pipe
     replies = os.fdopen(reply_fd, "w", buffering=1)
@@ -166,7 +173,7 @@ def serve() -> None:
         replies.write(json.dumps(message) + "\n")
         replies.flush()
 
-    _preload()
+    _preload(modules)
     import threading
     # fork copies only the calling thread: a thread holding a lock at that moment would leave it
     # held in every rank.
@@ -183,12 +190,12 @@ class RankPool:
     """The pytest worker's side: ``run`` is ``subprocess.run`` of ``python -m MODULE ARGS`` with
     ``ranks`` ranks (under DeepSpeed's per-node launcher's rules when ``launcher``)."""
 
-    def __init__(self, folder: Path, env: dict, cwd: Path):
+    def __init__(self, folder: Path, env: dict, cwd: Path, preload: tuple[str, ...] = ()):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.cwd = cwd
         self.jobs = 0
-        self.proc = subprocess.Popen([sys.executable, __file__, "serve"], cwd=cwd, env=env, text=True,
+        self.proc = subprocess.Popen([sys.executable, __file__, "serve", *preload], cwd=cwd, env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=open(self.folder / "pool.log", "w"), start_new_session=True)
         ready = self._read(timeout=300)
@@ -242,5 +249,5 @@ class RankPool:
             RANKS_CPU_S["reaped"] = RANKS_CPU_S["reported"]
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["serve"]:
-    serve()
+if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
+    serve(sys.argv[2:])

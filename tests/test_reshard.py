@@ -17,34 +17,31 @@ schedule restarted from step 0 by 4e-4 at the 3rd.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, node_launcher
+from conftest import REPO, free_port, rank_pool
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint import files
 
 pytestmark = pytest.mark.slow      # every test here launches processes
-
-PY = sys.executable
-WORKER = "tests/reshard_worker.py"
+WORKER = "tests.reshard_worker"
 STEPS = 3
 LOSS_RTOL = 5e-5
 
 
 def leg(out_dir: Path, dump: Path, ranks: int, stage: int, *extra: str, precision: str = "fp32",
         steps: int = STEPS) -> tuple[dict, str]:
-    args = [WORKER, "--stage", str(stage), "--precision", precision, "--steps", str(steps),
+    args = ["--stage", str(stage), "--precision", precision, "--steps", str(steps),
             "--out-dir", str(out_dir), "--dump", str(dump), *extra]
-    cmd = [PY, *args] if ranks == 1 else [*node_launcher(ranks), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    # Forked from a rank pool that imported the worker's own imports (tests/rank_pool.py), under DeepSpeed's
+    # per-node launcher's environment for 2 ranks; test_clean_exit goes through that launcher itself.
+    proc = rank_pool(preload=(WORKER,)).run(WORKER, args, env, ranks, free_port() if ranks > 1 else None, 300)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} -> {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(f"{' '.join(proc.args)} -> {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     state = torch.load(dump, weights_only=False)
     # DeepSpeed imports its Muon module for type checks and in ZeRO's gradient partitioning, and that
     # module's torch.compile loads the inductor's compiler (~1 s a rank); with our optimiser it stays out.
