@@ -1,5 +1,8 @@
 """The benchmarks keep working against the trainer as it changes: the throughput bench runs our real
-CLI and the bare loop end to end, and the GPU smoke script's commands are valid configs."""
+CLI and the bare loop end to end, and the GPU smoke script's commands are valid configs.
+
+Time: about 1-1.5 minutes: each bench script runs end to end as a user runs it (its own
+processes, the bare loop and our CLI side by side)."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,9 @@
 """Checkpoints mirrored to a bucket (issue 36, ``train.checkpoint_mirror``), against the tests' real
 S3 server (SeaweedFS): what reaches the mirror and in what state, keep_checkpoints there, a mirror
-that cannot be written (exit 2 before start) and one that goes away mid-run (exit 6, said last)."""
+that cannot be written (exit 2 before start) and one that goes away mid-run (exit 6, said last).
+
+Time: about 1-1.5 minutes: a real S3 server, and a run killed with kill -9 mid-upload
+through DeepSpeed's per-node launcher (its process group is killed, so it is a launch of its own)."""
 from __future__ import annotations
 
 import os

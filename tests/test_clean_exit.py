@@ -4,7 +4,10 @@ ZeRO-3 engine, and through its parameters every process group, reachable after t
 threads outlived ``destroy_process_group`` and were torn down in the interpreter's final teardown.
 A rank now ends once Python's exit steps have run, before that teardown (``engine.end_process``).
 
-``tests/exit_probe.py`` writes down the native threads alive if the final teardown runs at all."""
+``tests/exit_probe.py`` writes down the native threads alive if the final teardown runs at all.
+
+Time: about 1-2 minutes: the exit of a process is what is tested (gloo's threads at the
+interpreter's teardown), so each run is a fresh launch through DeepSpeed's per-node launcher."""
 from __future__ import annotations
 
 import subprocess

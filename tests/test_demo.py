@@ -1,7 +1,10 @@
 """The README's main job, end to end as a user runs it (`bash launchers/demo.sh`), shortened to 20
 steps for CI: it must finish, print fill-mask answers, and beat both baselines clearly (held-out
 masked-token accuracy against always guessing the most frequent token; the word-order probe
-against the same architecture with random weights)."""
+against the same architecture with random weights).
+
+Time: about 2-4 minutes: the README's main job itself, through its real script and launcher,
+data preparation and the 6-layer encoder included."""
 from __future__ import annotations
 
 import os

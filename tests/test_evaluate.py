@@ -1,5 +1,8 @@
 """Downstream evaluation: real tasks from the embedded Wikipedia text, the bundled pretrained encoder
-against random init, the trainer's probe API on shards, held-out MLM numbers, and bad task files."""
+against random init, the trainer's probe API on shards, held-out MLM numbers, and bad task files.
+
+Time: about 1 minute: the downstream fine-tune and probe train real classifiers on the
+bundled 6-layer encoder (in this process)."""
 from __future__ import annotations
 
 import json

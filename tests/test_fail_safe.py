@@ -1,6 +1,9 @@
 """Fail safe, round 3 (issue 18): a damaged checkpoint is named and the previous complete one taken,
 bad input read mid-run by one rank stops every rank with exit 2 and its name, a port in use is an
-input error, ranks die with the launcher that started them, and stale shared memory is removed."""
+input error, ranks die with the launcher that started them, and stale shared memory is removed.
+
+Time: about 2 minutes: what is tested is the launcher's side of failure (``pretrain.launch``:
+exit codes, the last word, ranks that die with it), so every run goes through it for real."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,10 @@
 """Faults of a run reading its shards from a bucket (issue 35): the store gone for a while (the run
 goes on, equal to an uninterrupted one), gone for good (exit 3, every process ended), and kill -9
-then a resume at another world size, on the same samples."""
+then a resume at another world size, on the same samples.
+
+Time: about 3 minutes: outages are ridden through in real time (the store is stopped for
+seconds and the retry window waited out), and the runs that are killed or outlive an outage go
+through DeepSpeed's per-node launcher as a process group of their own."""
 from __future__ import annotations
 
 import json

@@ -1,8 +1,12 @@
 """Data prep to and from object storage (issue 34), against a real S3 server (SeaweedFS, started by
 ``tests/s3_server.py`` on 127.0.0.1) and its filer's own HTTP for an ``https://``-style folder.
 
-Every command runs through its real entry point (``python -m data_prep``) with only the server's
-AWS variables; the objects are compared byte for byte with a local run of the same settings."""
+Every command runs as ``python -m data_prep`` (its module as ``__main__``, forked from the tests'
+rank pool: tests/rank_pool.py) with only the server's AWS variables, the killed upload as a process
+of its own; the objects are compared byte for byte with a local run of the same settings.
+
+Time: about 1 minute: a real S3 server, and a data-prep upload killed mid-run as a process of
+its own."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,10 @@
 """`python -m pretrain.study`: a 2x2 grid of real training runs (DeepSpeed's launcher, the tiny
 model), one MLflow parent run with four child runs, the summary table and plots, a re-run that
-starts nothing, and an interrupted variant that resumes from its checkpoint."""
+starts nothing, and an interrupted variant that resumes from its checkpoint.
+
+Time: about 3-4 minutes: the study runner's own launches are what is tested (DeepSpeed's runner
+and per-node launcher per variant, five of them, and a Slurm array), so they are not forked from
+the rank pool."""
 from __future__ import annotations
 
 import csv

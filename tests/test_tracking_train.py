@@ -4,7 +4,9 @@ rank) against a real `mlflow server` on loopback with a SQLite store, checked th
 The property under test is "one run per job, across all ranks and restarts": one run however many
 ranks and launches, complete metric histories without duplicates, and a training loop that never
 waits on a tracking server that is down.
-"""
+
+Time: about 1-1.5 minutes: real MLflow servers are started, stopped and restarted around
+the runs, and one run waits through a server that is down at its start."""
 from __future__ import annotations
 
 import json
