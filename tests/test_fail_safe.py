@@ -2,8 +2,9 @@
 bad input read mid-run by one rank stops every rank with exit 2 and its name, a port in use is an
 input error, ranks die with the launcher that started them, and stale shared memory is removed.
 
-Time: about 2 minutes: what is tested is the launcher's side of failure (``pretrain.launch``:
-exit codes, the last word, ranks that die with it), so every run goes through it for real."""
+Time: about 2 minutes: what is tested is mostly the launcher's side of failure (``pretrain.launch``:
+exit codes, the last word, ranks that die with it), so those runs go through it for real; the
+damaged-checkpoint runs, the trainer's side alone, fork from the rank pool."""
 from __future__ import annotations
 
 import json
@@ -42,6 +43,10 @@ def explain(proc) -> str:
 @pytest.mark.slow
 def test_a_damaged_latest_checkpoint_is_named_and_the_previous_one_resumed(shards, tmp_path):
     run = tmp_path / "run"
+
+    def train(data_dir, out_dir, *overrides):         # the trainer's side: its ranks from the rank pool
+        return launch(data_dir, out_dir, *BASE, *overrides, ranks=1)
+
     # A killed run's all-reduce buffer (item 5): removed at start-up, as nothing maps it.
     stale = Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_h2stale{os.getpid()}_0")
     stale.write_bytes(b"\0" * 4096)
