@@ -204,7 +204,7 @@ def rank_pool(preload: tuple[str, ...] = ()):
     """The pool whose process has imported what a trainer rank imports, or the ``preload`` modules."""
     from rank_pool import RankPool
 
-    if preload not in _POOLS:
+    if preload not in _POOLS or _POOLS[preload].proc.poll() is not None:     # none yet, or it died
         _POOLS[preload] = RankPool(Path(tempfile.mkdtemp(prefix="rank-pool-")), trainer_env(), REPO, preload)
     return _POOLS[preload]
 
