@@ -35,6 +35,7 @@ TERMINATE_WAIT_S = 30          # DeepSpeed's launch.py: SIGTERM, then SIGKILL af
 # the part of it that the worker's own RUSAGE_CHILDREN already holds (once the pool has been reaped):
 # tests/suite_profile.py counts the difference as the worker's children's.
 RANKS_CPU_S = {"reported": 0.0, "reaped": 0.0}
+IMPORT_OUTPUT: dict[int, bytes] = {}        # in the pool: what its imports printed, by file descriptor
 
 
 # ------------------------------------------------------------------------------------------ the pool
@@ -76,6 +77,8 @@ def _child(job: dict, local_rank: int, pgid: int) -> None:
         for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
             os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), fd)
         os.closerange(3, 256)
+        for fd in (1, 2):
+            os.write(fd, IMPORT_OUTPUT.get(fd, b""))
         os.chdir(job["cwd"])
         env = dict(job["env"])
         if job["launcher"]:          # what DeepSpeed's per-node launch.py sets for each rank
@@ -164,6 +167,28 @@ def _run_job(job: dict, reply) -> int:
     return code, cpu
 
 
+def _preload_capturing_output(modules: list[str]) -> None:
+    """``_preload``, with what the imports print (warnings, DeepSpeed's accelerator line) kept in
+    ``IMPORT_OUTPUT``: each rank prints it first, as a fresh process would before its own lines."""
+    import tempfile
+
+    saved_err = os.dup(2)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            _preload(modules)
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            os.dup2(saved_err, 2)
+        for fd, captured in ((1, out), (2, err)):
+            captured.seek(0)
+            IMPORT_OUTPUT[fd] = captured.read()
+    os.write(2, IMPORT_OUTPUT[2])          # and in the pool's log
+
+
 def serve(modules: list[str]) -> None:
     reply_fd = os.dup(1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)     # only replies on the protocol's pipe
@@ -173,7 +198,7 @@ def serve(modules: list[str]) -> None:
         replies.write(json.dumps(message) + "\n")
         replies.flush()
 
-    _preload(modules)
+    _preload_capturing_output(modules)
     import threading
     # fork copies only the calling thread: a thread holding a lock at that moment would leave it
     # held in every rank.
