@@ -62,9 +62,7 @@ def _preload(modules: list[str]) -> None:
 def _child(job: dict, local_rank: int, pgid: int) -> None:
     """A rank: the job's group, files, folder, environment and arguments, then the module as
     ``python -u -m MODULE`` would run it. Never returns."""
-    import atexit
     import runpy
-    import threading
     import traceback
 
     code = 1
@@ -103,14 +101,11 @@ def _child(job: dict, local_rank: int, pgid: int) -> None:
         except BaseException:       # noqa: BLE001 -- as the interpreter would: the traceback, exit 1
             traceback.print_exc()
             code = 1
-        # Python's exit steps, as at the end of a process: threads joined, atexit, streams flushed.
-        threading._shutdown()
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        # Python's exit steps, as at the end of a process (threads joined, atexit, streams flushed):
+        # how a trainer rank ends, whatever the module was.
+        from pretrain.runtime.engine import end_process
+
+        end_process(code & 0xFF)
     finally:
         os._exit(code & 0xFF)
 

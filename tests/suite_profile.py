@@ -118,27 +118,16 @@ def pytest_runtest_protocol(item, nextitem):
     own0, kids0 = _cpu()
     yield
     own1, kids1 = _cpu()
-    module = item.nodeid.split("::")[0]
-    rec = _modules.setdefault(module, {"wall_s": 0.0, "cpu_worker_s": 0.0, "cpu_children_s": 0.0,
-                                       "tests": 0, "processes": defaultdict(int)})
+    rec = _modules.setdefault(item.nodeid.split("::")[0], {"wall_s": 0.0, "cpu_worker_s": 0.0, "cpu_children_s": 0.0,
+                                                           "tests": 0, "processes": defaultdict(int)})
     rec["wall_s"] += time.time() - wall0
     rec["cpu_worker_s"] += own1 - own0
     rec["cpu_children_s"] += kids1 - kids0
     rec["tests"] += 1
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    yield
-    if _watcher is not None:
-        # A process is counted by the item running when the poll first sees it: launched Python
-        # processes import torch and live for seconds, far longer than the 0.2 s between polls.
-        counts = _watcher.take()
-        module = item.nodeid.split("::")[0]
-        rec = _modules.setdefault(module, {"wall_s": 0.0, "cpu_worker_s": 0.0, "cpu_children_s": 0.0,
-                                           "tests": 0, "processes": defaultdict(int)})
-        for kind, n in counts.items():
-            rec["processes"][kind] += n
+    # A process is counted by the item running when the poll first sees it: launched Python processes
+    # import torch and live for seconds, far longer than the 0.2 s between polls.
+    for kind, n in _watcher.take().items():
+        rec["processes"][kind] += n
 
 
 def _plain(records: dict[str, dict]) -> dict[str, dict]:
