@@ -17,7 +17,7 @@ from data_prep.shard_format import Manifest, load_manifest
 from pretrain.checkpoint import files, reshard
 from pretrain.checkpoint import store as checkpointing
 from pretrain.config import loader as configlib
-from pretrain.runtime import hardware
+from pretrain.runtime import engine, hardware
 from pretrain.config.schema import Config
 from pretrain.config.loader import ConfigError
 from pretrain.data import mixture_checks
@@ -45,6 +45,7 @@ def check_inputs(cfg: Config, checked: str = "the run's inputs") -> tuple[Manife
     problems += init_from_problems(cfg, manifest)
     problems += hardware.precision_problems(cfg.impl.precision)
     problems += hardware.device_problems(cfg.impl)
+    problems += engine.deepspeed_problems()
     mirror = mirror_problems(cfg.train.checkpoint_mirror)
     problems += mirror
     tag = None

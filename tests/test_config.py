@@ -46,8 +46,10 @@ def test_every_shipped_yaml_loads(path, data_dir, monkeypatch):
     fp32 = deepspeed_config(cfg, world=1, precision="fp32")
     assert "communication_data_type" not in fp32 and "data_types" not in fp32
     if cfg.impl.zero_stage:      # the buckets: no larger than the model (ZeRO allocates them whole)
-        small, large = (deepspeed_config(cfg, 1, "fp32", num_params=n)["zero_optimization"] for n in (1000, 10**9))
-        assert (small["reduce_bucket_size"], large["reduce_bucket_size"]) == (1000, 5 * 10**7)
+        # an odd parameter count (an odd vocabulary's decoder bias): DeepSpeed asserts an even bucket
+        small, large = (deepspeed_config(cfg, 1, "fp32", num_params=n)["zero_optimization"] for n in (1001, 10**9))
+        assert (small["reduce_bucket_size"], large["reduce_bucket_size"]) == (1024, 5 * 10**7)
+        assert small["allgather_bucket_size"] == 1024 and large["allgather_bucket_size"] == 5 * 10**7
 
 
 def test_composition_and_overrides(data_dir, monkeypatch):
@@ -153,3 +155,12 @@ def test_compile_auto_pays_only_where_measured_to():
     assert cfg.compile_now(1, "cpu", "fp32")
     cfg.impl.compile = False
     assert not cfg.compile_now(10_000, "cuda", "bf16")
+
+
+def test_a_deepspeed_older_than_the_floor_is_refused_by_version():
+    from pretrain.runtime.engine import deepspeed_problems
+
+    assert deepspeed_problems() == []                      # the installed one
+    assert deepspeed_problems("0.19.8") == deepspeed_problems("0.20.1+cu128") == []
+    (problem,) = deepspeed_problems("0.19.7")
+    assert "DeepSpeed 0.19.7 is installed" in problem and "deepspeed>=0.19.8" in problem

@@ -28,7 +28,7 @@ from conftest import REPO, free_port, rank_pool
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint import files
 
-pytestmark = pytest.mark.slow      # every test here launches processes
+slow = pytest.mark.slow      # launches processes
 WORKER = "tests.reshard_worker"
 STEPS = 3
 LOSS_RTOL = 5e-5
@@ -64,6 +64,7 @@ def assert_same_state(saved: dict, loaded: dict) -> None:
         assert saved[name]["exp_avg_sq"].abs().sum() > 0, f"{name}: no optimiser state was saved"
 
 
+@slow
 def test_zero2_world2_to_zero0_world1_to_zero3_world2(tmp_path):
     run = tmp_path / "run"
     a, _ = leg(run, tmp_path / "a.pt", 2, 2, "--save")
@@ -92,6 +93,7 @@ def test_zero2_world2_to_zero0_world1_to_zero3_world2(tmp_path):
     assert ref["losses"][0] != pytest.approx(ref["losses"][-1], rel=100 * LOSS_RTOL)   # training moves the loss
 
 
+@slow
 def test_bf16_lamb_zero1_world2_to_stage0_world1(tmp_path):
     """bf16 stores its fp32 masters differently at each stage (ZeRO's flat partitions, and
     FP16_UnfusedOptimizer's per-parameter copies at stage 0); both are converted. Our LAMB counts
@@ -123,6 +125,7 @@ def test_unconvertible_layouts_are_refused_before_start():
     assert len(problems) == 1 and "param_names_by_group" in problems[0]
 
 
+@slow
 @pytest.mark.parametrize("ranks,stage", [(1, 0), (2, 1), (2, 2)], ids=["zero0", "zero1-world2", "zero2-world2"])
 def test_a_bf16_export_takes_the_fp32_masters_not_the_bf16_copies(tmp_path, ranks, stage):
     """In bf16 the module holds bf16 weights and the optimiser's wrapper the fp32 masters
@@ -140,3 +143,39 @@ def test_a_bf16_export_takes_the_fp32_masters_not_the_bf16_copies(tmp_path, rank
         while key.startswith(PREFIXES):
             key = next(key[len(p):] for p in PREFIXES if key.startswith(p))
         assert exported[key].dtype == torch.float32 and torch.equal(exported[key], m["fp32"]), name
+
+
+@pytest.mark.parametrize("kind", ["fused", "capturable", "foreach"])
+def test_a_converted_step_count_lies_where_torch_would_put_it(kind):
+    """A converted resume sets AdamW's step count itself; torch's fused and capturable kernels want it on
+    the parameter's device (a CPU step beside CUDA parameters stops the first fused update), the others
+    on the CPU. The ``meta`` device stands for a GPU: the placement must equal torch's own load_state_dict."""
+    def adamw():
+        param = torch.nn.Parameter(torch.empty(4, device="meta"))
+        opt = torch.optim.AdamW([param], **({kind: True} if kind != "foreach" else {}))
+        return opt, param
+
+    theirs, param = adamw()
+    state = theirs.state_dict()
+    state["state"] = {0: {"step": torch.tensor(7.0), "exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}}
+    theirs.load_state_dict(state)
+    ours, ours_param = adamw()
+    ours.state[ours_param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(4, device="meta"),
+                              "exp_avg_sq": torch.zeros(4, device="meta")}
+    reshard.set_step_count(ours, 7)
+    want = theirs.state[param]["step"]
+    got = ours.state[ours_param]["step"]
+    assert got.device == want.device == (torch.device("cpu") if kind == "foreach" else torch.device("meta"))
+    assert got.dtype == want.dtype == torch.float32
+    if kind == "foreach":
+        assert got.item() == 7.0
+
+
+def test_step_counts_of_the_other_kernels():
+    from pretrain.model.optim import Lamb
+
+    lamb_param = torch.nn.Parameter(torch.ones(3))
+    lamb = Lamb([lamb_param])
+    lamb.state[lamb_param] = {"step": 1}
+    reshard.set_step_count(lamb, 9)
+    assert lamb.state[lamb_param]["step"] == 9

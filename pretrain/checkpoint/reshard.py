@@ -305,20 +305,31 @@ def ensure_universal(tag_folder: Path, saved: dict, out: Optional[Path] = None,
 
 # ------------------------------------------------------ loading any layout
 def _set_step(optimizer: torch.optim.Optimizer, universal: Path) -> None:
-    """Each kernel counts steps its own way: torch's Adam(W) a float tensor per parameter, DeepSpeed's
-    fused kernels an int per group, DeepSpeedCPUAdam and our LAMB an int per parameter."""
     step = _load(universal / "zero" / "optimizer_state.pt")["optimizer_state_dict"]["state"][0]["step"]
-    if step is None:
-        return
-    count = int(step.item() if torch.is_tensor(step) else step)
+    if step is not None:
+        set_step_count(optimizer, int(step.item() if torch.is_tensor(step) else step))
+
+
+def set_step_count(optimizer: torch.optim.Optimizer, count: int) -> None:
+    """Each kernel counts steps its own way: torch's Adam(W) a float tensor per parameter, DeepSpeed's
+    fused kernels an int per group, DeepSpeedCPUAdam and our LAMB an int per parameter. torch's tensor
+    goes where its own ``load_state_dict`` puts it: beside the parameter for a fused or capturable
+    group (the fused CUDA kernel refuses a CPU step), on the CPU otherwise."""
     if type(optimizer).__name__ in ("FusedAdam", "FusedLamb"):
         for group in optimizer.param_groups:
             group["step"] = count
         return
     # torch's AdamW subclasses Adam only from 2.7; both refuse a step that is not a tensor
     tensor_steps = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
-    for state in optimizer.state.values():
-        state["step"] = torch.tensor(float(count), dtype=torch.float32) if tensor_steps else count
+    for group in optimizer.param_groups:
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            state["step"] = (torch.tensor(float(count), dtype=torch.float32,
+                                          device=param.device if on_device else "cpu")
+                             if tensor_steps else count)
 
 
 def _restore_hyperparameters(groups: list[dict], saved: list[dict]) -> None:

@@ -10,11 +10,13 @@ import atexit
 import contextlib
 import logging
 import os
+import re
 import socket
 import sys
 import threading
 import types
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, NoReturn
 
 import torch
@@ -121,6 +123,27 @@ def init_distributed(cfg: Config) -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
+# Before 0.19.8, DeepSpeed's BF16_Optimizer (ZeRO 1 with bf16 and fp32 accumulation: configs/base.yaml)
+# asserted a positive gradient norm, so a non-finite step crashed every rank instead of being skipped.
+DEEPSPEED_FLOOR = (0, 19, 8)
+
+
+def deepspeed_problems(installed: str | None = None) -> list[str]:
+    """The installed DeepSpeed against the floor this trainer was tested with; read from the package
+    metadata, without importing it."""
+    if installed is None:
+        try:
+            installed = metadata.version("deepspeed")
+        except metadata.PackageNotFoundError:
+            return ["DeepSpeed is not installed: pip install 'deepspeed>=0.19.8' (launchers/setup_env.sh)"]
+    numbers = tuple(int(part) for part in re.findall(r"\d+", installed)[:3])
+    if numbers < DEEPSPEED_FLOOR:
+        floor = ".".join(map(str, DEEPSPEED_FLOOR))
+        return [f"DeepSpeed {installed} is installed; this trainer needs {floor} or newer (older BF16 "
+                f"optimisers crash on a non-finite step instead of skipping it): pip install 'deepspeed>={floor}'"]
+    return []
+
+
 def deepspeed_config(cfg: Config, world: int, precision: str, node_local: bool = False,
                      num_params: int | None = None) -> dict:
     """The DeepSpeed JSON, derived from our config: nothing in it is set by hand elsewhere.
@@ -134,8 +157,10 @@ def deepspeed_config(cfg: Config, world: int, precision: str, node_local: bool =
     if cfg.impl.zero_stage >= 1:
         # ZeRO 1-2 allocate the contiguous reduce bucket at its full size on every micro-step (200 MB
         # in fp32 at 5e7): no larger than the model, which changes nothing else (all of a smaller
-        # model's gradients fit one bucket either way).
-        bucket = int(min(5e7, num_params)) if num_params else int(5e7)
+        # model's gradients fit one bucket either way). Rounded up to a multiple of 64 elements:
+        # DeepSpeed asserts an even all-gather bucket, and a vocabulary such as RoBERTa's 50,265 makes
+        # the parameter count odd.
+        bucket = -(-int(min(5e7, num_params)) // 64) * 64 if num_params else int(5e7)
         zero.update(contiguous_gradients=True, overlap_comm=torch.cuda.is_available(),
                     reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     if cfg.impl.zero_stage == 3:
