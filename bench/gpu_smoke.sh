@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
-# Every GPU-only path of the trainer, on one node, in a few minutes, through the real entry point:
-#   adamw         torch's fused AdamW (the default; no build step), bf16, ZeRO 1; every run: the attention
-#                 kernel timed at start-up (impl.attention=auto: its line in each run's stdout.log), the fused MLM loss
+# Every GPU-only path of the trainer, on one node, in under 10 minutes, through the real launch path
+# (pretrain.launch, as launchers/local.sh: the device list, the allocator, the signal relay):
+#   adamw         torch's fused AdamW (the default; no build step), bf16, ZeRO 1 (DeepSpeed's BF16_Optimizer);
+#                 every run: the attention kernel timed at start-up (impl.attention=auto), the fused MLM loss
 #   lamb          our LAMB (the same maths as on the CPU), bf16, ZeRO 0 (its per-tensor trust ratio needs whole tensors)
+#   zero3         fused AdamW, bf16, ZeRO 3
 #   compile-fixed torch.compile + masking.fixed_count (static shapes), fused AdamW, bf16, ZeRO 1
 #   dropout       dropout 0.1: keyed dropout on the hidden states, attention run eagerly to key its dropout
-#   nccl-N        NCCL across all N visible GPUs of this node, ZeRO 2, bf16
-#   halted        adamw halted at mid-run, then resumed at ZeRO 2: the uninterrupted run's losses
+#   nccl-N        NCCL across all N visible GPUs of this node, ZeRO 2 with overlap_comm (on wherever CUDA is)
+#   nonfinite     ZeRO 1 bf16 with an absurd learning rate: non-finite steps skipped, the schedule held, exit 4
+#   halted        adamw halted at mid-run at ZeRO 1, resumed at ZeRO 2 (converted on load): adamw's losses
+#   phase2        a new phase from adamw's checkpoint (train.init_from_checkpoint), converted to ZeRO 2
+#   modernbert    configs/modernbert-tiny.yaml (local attention: a sliding-window mask), bf16, ZeRO 1
+#   flash-attn    modernbert with impl.attention=flash_attention_2, where the flash-attn package is installed
 #   export        the lamb run's Hugging Face export (ZeRO 0 bf16: the fp32 masters) loads and fills masks
 #   bert-base     configs/base.yaml at sequence 128: MFU to compare with NVIDIA's BERT (~45%)
 # before them, bench/gpu_smoke_checks.py checks the optimisers and the flash SDPA kernel directly,
-# bench/mlm_loss.py times the fused MLM loss (every run's default) against the plain one at a GPU batch,
-# and after them prints tokens/s and MFU (against the peak printed first) from each run's metrics.jsonl.
+# bench/mlm_loss.py times the fused MLM loss (every run's default) against the plain one at a GPU batch;
+# after them, one line per check (ok / FAILED) and tokens/s and MFU (against the peak printed first)
+# from each run's metrics.jsonl. On a machine that reaches no package index: bench/gpu_bundle.py.
 #
 #   bench/gpu_smoke.sh [--dry-run] [--gpus N] [--steps 50] [--micro-batch 64] [--config configs/mini.yaml]
 #                      [--data SHARD_DIR] [--work-dir /tmp/gpu_smoke]
@@ -22,8 +29,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-DEEPSPEED=${DEEPSPEED:-$(dirname "$PY")/deepspeed}
-command -v "$DEEPSPEED" >/dev/null 2>&1 || DEEPSPEED=deepspeed
 
 DRY_RUN=0 GPUS="" STEPS=50 MICRO=64 CONFIG=configs/mini.yaml DATA="" WORK=/tmp/gpu_smoke
 usage() { grep -A1 '^#   bench/gpu_smoke.sh \[' "$0" | sed 's/^# \{0,3\}//'; }
@@ -74,61 +79,87 @@ COMMON=(data.dir="$DATA" train.max_steps="$STEPS" train.log_every=10 train.eval_
         impl.dist_backend=nccl impl.micro_batch_size="$MICRO" impl.num_workers=2 impl.peak_tflops="$PEAK")
 RUN_DIRS=()
 FAILED=()
+RESULTS=()
 START=$SECONDS
 
-run() {  # run NAME NUM_GPUS OVERRIDES...   (a fresh run folder; CONTINUE=1 keeps it, to resume)
+run() {  # run NAME NUM_GPUS OVERRIDES...   (a fresh run folder; CONTINUE=1 keeps it, to resume; EXPECT=N: its exit code)
   local name=$1 ngpu=$2; shift 2
-  local out="$WORK/runs/$name"
-  local cmd=("$DEEPSPEED" --num_gpus "$ngpu" --master_port $((29500 + RANDOM % 1000)) --module pretrain.train
+  local out="$WORK/runs/$name" expect=${EXPECT:-0}
+  local cmd=("$PY" -m pretrain.launch --num_gpus "$ngpu" --master_port $((29500 + RANDOM % 1000)) --module pretrain.train
              --config "${RUN_CONFIG:-$CONFIG}" "${COMMON[@]}" train.out_dir="$out" train.global_batch_size=$((MICRO * ngpu)) "$@")
   echo "+ ${cmd[*]}"
   [ "$DRY_RUN" = 1 ] && return 0
   [ "${CONTINUE:-0}" = 1 ] || rm -rf "$out"
   mkdir -p "$out"
-  local t0=$SECONDS
-  if timeout 300 "${cmd[@]}" >"$out/stdout.log" 2>&1; then
-    echo "  $name: done in $((SECONDS - t0)) s"
+  local t0=$SECONDS rc=0
+  timeout 300 "${cmd[@]}" >"$out/stdout.log" 2>&1 || rc=$?
+  if [ "$rc" = "$expect" ]; then
+    echo "  $name: done (exit $rc) in $((SECONDS - t0)) s"
+    RESULTS+=("ok      run $name (exit $rc, $((SECONDS - t0)) s)")
   else
-    echo "  $name: FAILED (exit $?) after $((SECONDS - t0)) s; last lines of $out/stdout.log:"
+    echo "  $name: FAILED (exit $rc, expected $expect) after $((SECONDS - t0)) s; last lines of $out/stdout.log:"
     tail -n 15 "$out/stdout.log" | sed 's/^/    /'
     FAILED+=("$name")
+    RESULTS+=("FAILED  run $name (exit $rc, expected $expect): $out/stdout.log")
   fi
-  [ "${CONTINUE:-0}" = 1 ] || RUN_DIRS+=("$out")
+  [ "${CONTINUE:-0}" = 1 ] || [ "$expect" != 0 ] || RUN_DIRS+=("$out")
 }
 
 check() {  # check NAME ARGS... : one of bench/gpu_smoke_checks.py's checks, its lines, FAILED on error
   local name=$1; shift
   echo "+ $PY bench/gpu_smoke_checks.py $*"
   [ "$DRY_RUN" = 1 ] && return 0
-  "$PY" bench/gpu_smoke_checks.py "$@" || FAILED+=("$name")
+  if "$PY" bench/gpu_smoke_checks.py "$@"; then
+    RESULTS+=("ok      check $name")
+  else
+    FAILED+=("$name"); RESULTS+=("FAILED  check $name")
+  fi
 }
 
-if [ "$DRY_RUN" = 1 ]; then
-  echo "+ $PY bench/gpu_smoke_checks.py paths $CONFIG $DATA"
-else
-  "$PY" bench/gpu_smoke_checks.py paths "$CONFIG" "$DATA" || FAILED+=("paths")
-fi
+check paths paths "$CONFIG" "$DATA"
 # 128 x 512 tokens at 15%: a BERT-base phase-2 micro-batch's predicted tokens, at its hidden size.
 MLM_LOSS=(bench/mlm_loss.py --device cuda --precision bf16 --tokens 9830 --hidden 768 --chunk-rows 1024 9830)
 echo "+ $PY ${MLM_LOSS[*]}"
-[ "$DRY_RUN" = 1 ] || "$PY" "${MLM_LOSS[@]}" || FAILED+=("mlm-loss")
+if [ "$DRY_RUN" = 0 ]; then
+  if "$PY" "${MLM_LOSS[@]}"; then RESULTS+=("ok      check mlm-loss"); else FAILED+=("mlm-loss"); RESULTS+=("FAILED  check mlm-loss"); fi
+fi
 run adamw 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=1
 run lamb 1 optim.name=lamb impl.zero_stage=0
+run zero3 1 impl.fused_optimizer=true impl.zero_stage=3
 run compile-fixed 1 impl.compile=true masking.fixed_count=true impl.fused_optimizer=true impl.zero_stage=1
 run dropout 1 model.hidden_dropout=0.1 model.attention_dropout=0.1 impl.zero_stage=1
 run "nccl-$GPUS" "$GPUS" impl.zero_stage=2 impl.fused_optimizer=true
-# A halt at mid-run and a resume at another ZeRO stage (the checkpoint converted on load): the losses
-# of the uninterrupted adamw run above. And the lamb run's export (ZeRO 0, bf16: the fp32 masters).
+# A non-finite loss at ZeRO 1 bf16 (configs/base.yaml's setting: DeepSpeed's BF16_Optimizer): each such
+# step skipped on every rank without moving the schedule, and after three in a row exit 4.
+EXPECT=4 run nonfinite 1 impl.zero_stage=1 optim.lr=1e30 optim.warmup_steps=8 train.max_nonfinite_in_a_row=3 \
+  train.log_every=1 train.checkpoint_every=1
+check nonfinite nonfinite "$WORK/runs/nonfinite"
+# A halt at mid-run and a resume at another ZeRO stage (the checkpoint converted on load, AdamW's step
+# count put where the fused kernel wants it): the losses of the uninterrupted adamw run above.
 HALF=$((STEPS / 2 / 10 * 10)); HALF=$((HALF > 0 ? HALF : 10))
 run halted 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=1 train.halt_at_step=$HALF train.checkpoint_every=$HALF
 CONTINUE=1 run halted 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=2 train.resume=auto
 check resume resumed "$WORK/runs/adamw" "$WORK/runs/halted"
+# Phase 2 of the BERT recipe: a new run from adamw's last checkpoint (ZeRO 1), converted to ZeRO 2.
+run phase2 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=2 \
+  train.init_from_checkpoint="$WORK/runs/adamw/checkpoints"
+# ModernBERT: its local layers hand SDPA a sliding-window mask (flash cannot take it; the fallbacks can).
+RUN_CONFIG=configs/modernbert-tiny.yaml run modernbert 1 impl.zero_stage=1 model.max_position_embeddings=128
+if [ "$DRY_RUN" = 1 ] || "$PY" -c "import flash_attn" 2>/dev/null; then
+  RUN_CONFIG=configs/modernbert-tiny.yaml run flash-attn 1 impl.zero_stage=1 model.max_position_embeddings=128 \
+    impl.attention=flash_attention_2
+else
+  echo "  flash-attn: not installed here, not run"
+  RESULTS+=("skipped run flash-attn (the flash-attn package is not installed)")
+fi
 # BERT-base at sequence 128 (configs/base.yaml, compiled, fused AdamW, ZeRO 1): its MFU is the figure to
 # set beside the anchors' (NVIDIA's BERT phase 1: about 45% of an A100's bf16 peak).
 RUN_CONFIG=configs/base.yaml run bert-base 1 impl.micro_batch_size="$MICRO"
 check export export "$WORK/runs/lamb"
 
 [ "$DRY_RUN" = 1 ] && exit 0
+echo
+printf '%s\n' "${RESULTS[@]}"
 echo
 "$PY" bench/gpu_smoke_checks.py report "${RUN_DIRS[@]}" || true
 echo "total: $((SECONDS - START)) s"

@@ -4,6 +4,7 @@ GPU-only code paths, and the tokens/s + MFU table read from each run's ``metrics
     python bench/gpu_smoke_checks.py peak                 # "<TFLOP/s>\t<source>" for cuda:0, bf16
     python bench/gpu_smoke_checks.py paths CONFIG SHARDS  # fused AdamW, LAMB, flash SDPA on cuda:0
     python bench/gpu_smoke_checks.py resumed REF RUN      # RUN's losses after a halt and resume = REF's
+    python bench/gpu_smoke_checks.py nonfinite RUN        # RUN skipped its non-finite steps, schedule held
     python bench/gpu_smoke_checks.py export RUN           # RUN/hf_final loads (fp32) and fills a mask
     python bench/gpu_smoke_checks.py report RUN_DIR...    # one row per run
 """
@@ -112,6 +113,19 @@ def resumed(reference: str, resumed_dir: str, rtol: float = 1e-3) -> str:
     return f"resume: {len(want)} logged losses after a halt and a resume at another ZeRO stage: {verdict}"
 
 
+def nonfinite(run_dir: str) -> str:
+    """A run whose weights blew up after step 1: every later step skipped without moving the
+    learning-rate schedule, until the cap stopped it (its exit code, 4, is checked by the caller)."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    lrs = [r["train/lr"] for r in rows if "train/lr" in r]
+    skipped = max((r.get("train/nonfinite_skipped", 0) for r in rows), default=0)
+    if skipped < 1 or len(lrs) < 2:
+        raise SystemExit(f"nonfinite: {skipped} skipped steps and {len(lrs)} logged rates in {run_dir}")
+    if len(set(lrs[1:])) != 1 or lrs[1] != lrs[0]:
+        raise SystemExit(f"nonfinite: the schedule moved on skipped steps: train/lr {lrs}")
+    return f"nonfinite: {skipped} non-finite steps skipped, train/lr held at {lrs[0]:.3g} through them"
+
+
 def export(run_dir: str) -> str:
     """The run's final export loads in transformers with fp32 weights and fills a mask."""
     import torch
@@ -155,6 +169,8 @@ if __name__ == "__main__":
         print(paths(*rest))
     elif command == "resumed":
         print(resumed(*rest))
+    elif command == "nonfinite":
+        print(nonfinite(*rest))
     elif command == "export":
         print(export(*rest))
     elif command == "report":
@@ -162,5 +178,5 @@ if __name__ == "__main__":
         print(text)
         sys.exit(0 if all_ok else 1)
     else:
-        sys.exit(f"unknown command {command!r}: peak | paths CONFIG SHARDS | resumed REF RUN | export RUN | "
+        sys.exit(f"unknown command {command!r}: peak | paths CONFIG SHARDS | resumed REF RUN | nonfinite RUN | export RUN | "
                  "report RUN_DIR...")

@@ -136,8 +136,13 @@ def keep_attention(run: Run) -> None:
     impl.attention now names one; the choice goes into every checkpoint."""
     recorded, model = run.state.attention, run.model
     if recorded and run.cfg.impl.attention == "auto" and recorded != model.attention:
-        log.info("attention: %s, as this run started (timed here: %s)", recorded, model.attention)
-        model.use_attention(recorded)
+        if recorded == "flash_attention_2" and model.config._attn_implementation != recorded:
+            # the kernels compute the same maths up to rounding: continuing beats refusing a requeue
+            log.warning("attention: this run started with flash_attention_2, which cannot run here "
+                        "(see the model line); continuing with %s, as timed here", model.attention)
+        else:
+            log.info("attention: %s, as this run started (timed here: %s)", recorded, model.attention)
+            model.use_attention(recorded)
     run.state.attention = model.attention
 
 
@@ -189,7 +194,7 @@ def build_run(cfg: Config, manifest: Manifest, tasks: list, resume_from: str | N
              "peak %.3f TFLOP/s per process (%s), allocator %s", run.state.step,
              f" (resumed from {resume_from})" if resume_from else "", info.world, cfg.grad_accum_steps(info.world),
              precision, why, model.attention, cfg.impl.zero_stage, eng.num_parameters(model), run.peak, peak_source,
-             allocator.in_use())
+             allocator.describe(info.device.type))
     if mixture.is_mixture(cfg):
         log.info("data mixture:\n  %s", "\n  ".join(mixture.plan_lines(run.stream, cfg.train.max_steps)))
     return run

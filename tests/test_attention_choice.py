@@ -105,3 +105,42 @@ def test_the_trainer_times_attention_once_and_a_resume_keeps_the_runs_choice(sha
     assert resumed.returncode == 0, explain(resumed)
     assert f"attention: {chosen}, as this run started (timed here: {other})" in resumed.stdout
     assert f"attention {chosen}, ZeRO" in resumed.stdout and "start: step 2 (resumed" in resumed.stdout
+
+
+def test_a_resume_where_flash_attn_is_missing_continues_with_the_timed_choice(caplog):
+    """A run that started with flash_attention_2 and is requeued onto a node without flash-attn:
+    one warning, then the attention timed here (the same maths up to rounding), recorded as the run's."""
+    import logging
+    from types import SimpleNamespace
+
+    from pretrain.run import keep_attention
+
+    model = build_model(TINY, VOCAB, SPECIAL, ImplConfig(attention="flash_attention_2"))   # sdpa on the CPU
+    model.use_attention("sdpa_math")
+    run = SimpleNamespace(model=model, state=SimpleNamespace(attention="flash_attention_2"),
+                          cfg=SimpleNamespace(impl=ImplConfig(attention="auto")))
+    with caplog.at_level(logging.WARNING, logger="pretrain"):
+        keep_attention(run)
+    assert "started with flash_attention_2, which cannot run here" in caplog.text
+    assert model.attention == run.state.attention == "sdpa_math"
+    # and the other way: a flash-attn build resuming a run that chose an SDPA backend runs that backend
+    flash_built = build_model(TINY, VOCAB, SPECIAL, ImplConfig())
+    flash_built.config._attn_implementation = "flash_attention_2"      # as built on a GPU with flash-attn
+    flash_built.use_attention("sdpa_flash")
+    assert flash_built.config._attn_implementation == "sdpa" and flash_built.attention == "sdpa_flash"
+
+
+def test_the_probe_baseline_is_built_with_sdpa_in_fp32_whatever_the_run_uses():
+    """flash-attn refuses fp32, and keyed dropout's attention is the trainer's: the random-weights
+    baseline of the downstream probe is an fp32 SDPA encoder."""
+    from pretrain.eval.downstream import random_like
+
+    model = build_model(TINY, VOCAB, SPECIAL, ImplConfig())
+    config = model.config
+    config._attn_implementation = "flash_attention_2"
+    baseline = random_like(config)
+    assert baseline.config._attn_implementation == "sdpa" and config._attn_implementation == "flash_attention_2"
+    assert next(baseline.parameters()).dtype == torch.float32
+    with torch.no_grad():
+        out = baseline(input_ids=torch.randint(5, VOCAB, (2, 16))).last_hidden_state
+    assert out.shape == (2, 16, TINY.hidden_size) and torch.isfinite(out).all()

@@ -32,17 +32,26 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     for cmd in commands:
         if "--module" not in cmd:
             continue
-        assert cmd[0].endswith("deepspeed") and cmd[cmd.index("--module") + 1] == "pretrain.train"
+        # the real launch path (pretrain.launch: the device list, the allocator, the signal relay)
+        assert cmd[1:3] == ["-m", "pretrain.launch"] and cmd[cmd.index("--module") + 1] == "pretrain.train"
         args = cmd[cmd.index("--module") + 2:]
         overrides = [a.replace("<peak>", "989") for a in args[2:]]
         cfg = load_config(str(REPO / args[1]), overrides)      # every key exists, every value parses
         name = cfg.train.out_dir.rsplit("/", 1)[-1]
         launches[name] = (int(cmd[cmd.index("--num_gpus") + 1]), cfg)
-    assert sorted(launches) == ["adamw", "bert-base", "compile-fixed", "dropout", "halted", "lamb", "nccl-2"]
+    assert sorted(launches) == ["adamw", "bert-base", "compile-fixed", "dropout", "flash-attn", "halted", "lamb",
+                                "modernbert", "nccl-2", "nonfinite", "phase2", "zero3"]
+    nonfinite = launches["nonfinite"][1]
+    assert (nonfinite.impl.zero_stage, nonfinite.optim.lr, nonfinite.train.max_nonfinite_in_a_row) == (1, 1e30, 3)
+    assert launches["zero3"][1].impl.zero_stage == 3 and launches["phase2"][1].impl.zero_stage == 2
+    assert launches["phase2"][1].train.init_from_checkpoint == "/tmp/gpu_smoke/runs/adamw/checkpoints"
+    assert launches["modernbert"][1].model.arch == launches["flash-attn"][1].model.arch == "modernbert"
+    assert launches["flash-attn"][1].impl.attention == "flash_attention_2"
     assert launches["dropout"][1].model.attention_dropout == 0.1
     assert launches["bert-base"][1].model.hidden_size == 768 and launches["bert-base"][1].impl.device == "cuda"
-    for gpus, cfg in launches.values():
-        assert (cfg.impl.precision, cfg.impl.dist_backend, cfg.impl.attention) == ("bf16", "nccl", "auto")
+    for name, (gpus, cfg) in launches.items():
+        assert (cfg.impl.precision, cfg.impl.dist_backend) == ("bf16", "nccl")
+        assert cfg.impl.attention == ("flash_attention_2" if name == "flash-attn" else "auto")
         assert cfg.impl.fused_mlm_loss
         assert cfg.data.dir == str(shards) and cfg.train.global_batch_size == 16 * gpus
     assert launches["lamb"][1].optim.name == "lamb" and launches["adamw"][1].optim.name == "adamw"
@@ -52,6 +61,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     # the halted run resumes at ZeRO 2 in its own folder; then its losses and the lamb export are checked
     assert launches["halted"][1].train.resume == "auto" and launches["halted"][1].impl.zero_stage == 2
     assert [cmd[2:] for cmd in commands if cmd[1:2] == ["bench/gpu_smoke_checks.py"]][1:] == [
+        ["nonfinite", "/tmp/gpu_smoke/runs/nonfinite"],
         ["resumed", "/tmp/gpu_smoke/runs/adamw", "/tmp/gpu_smoke/runs/halted"], ["export", "/tmp/gpu_smoke/runs/lamb"]]
     (mlm_loss,) = [cmd for cmd in commands if cmd[1:2] == ["bench/mlm_loss.py"]]
     assert mlm_loss[2:6] == ["--device", "cuda", "--precision", "bf16"]
@@ -190,3 +200,16 @@ def test_step_copies_names_who_asked_for_each_copy():
     assert sorted(kinds) == ["float32 -> float32", "float32 -> float64"]
     for calls, elements, caller in kinds.values():
         assert (calls, elements) == (1, 15) and "test_step_copies_names_who_asked_for_each_copy" in caller
+
+
+def test_smoke_nonfinite_check_wants_the_schedule_held(tmp_path):
+    from bench.gpu_smoke_checks import nonfinite
+
+    def rows(*lrs):
+        (tmp_path / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": i + 1, "train/lr": lr, "train/nonfinite_skipped": i}) + "\n" for i, lr in enumerate(lrs)))
+        return str(tmp_path)
+
+    assert "train/lr held at 2.5e+29" in nonfinite(rows(2.5e29, 2.5e29, 2.5e29))
+    with pytest.raises(SystemExit, match="the schedule moved"):
+        nonfinite(rows(2.5e29, 3.75e29, 5e29))

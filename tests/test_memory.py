@@ -70,3 +70,19 @@ def test_the_allocator_is_preloaded_unless_missing_or_declined(monkeypatch, tmp_
     env, problem = allocator.preload({})
     assert "LD_PRELOAD" not in env
     assert problem.startswith("tcmalloc not found (apt-get install libtcmalloc-minimal4"), problem
+
+
+def test_gpu_ranks_get_no_preloaded_allocator_unless_asked(monkeypatch, tmp_path):
+    """Unmeasured on GPU ranks: not preloaded there by default, and the start line says why."""
+    (tmp_path / "libtcmalloc_minimal.so.4").write_bytes(b"")
+    (tmp_path / "nvidiactl").write_bytes(b"")
+    monkeypatch.setattr(allocator, "_search_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(allocator, "GPU_DEVICE_NODES", (str(tmp_path / "nvidiactl"),))
+    assert allocator.preload({}) == ({}, None)
+    for ranks_on_cpu in ({"DS_ACCELERATOR": "cpu"}, {"CUDA_VISIBLE_DEVICES": ""}, {"MLM_ALLOCATOR": "tcmalloc"}):
+        env, problem = allocator.preload(dict(ranks_on_cpu))
+        assert env["LD_PRELOAD"] == f"{tmp_path}/libtcmalloc_minimal.so.4" and problem is None, ranks_on_cpu
+    monkeypatch.delenv("MLM_ALLOCATOR", raising=False)
+    monkeypatch.setattr(allocator, "in_use", lambda: "glibc")
+    assert allocator.describe("cuda").startswith("glibc (not preloaded on GPU ranks, unmeasured there; MLM_ALLOCATOR")
+    assert allocator.describe("cpu") == "glibc"

@@ -114,6 +114,47 @@ def test_attention_switch_falls_back_to_sdpa_on_cpu(caplog):
     assert tiny(impl=ImplConfig(attention="flash_attention_2")).config._attn_implementation == "sdpa"
 
 
+def test_attention_is_timed_with_the_local_layers_mask_the_model_passes(rows, tmp_path, monkeypatch):
+    """ModernBERT's local layers hand SDPA a sliding-window mask, which flash cannot take on CUDA:
+    each candidate is timed with that very mask on its share of the layers, and a chosen backend
+    falls back to the memory-efficient and cuDNN kernels before the math path."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend
+
+    from pretrain.runtime import attention
+
+    model = tiny(global_attn_every_n_layers=3, local_attention=16)
+    ids, _ = masked(rows)
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen.append(attn_mask)
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        model.encode(ids, None)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    local = [m for m in seen if m is not None]
+    assert len(seen) == 3 and len(local) == 2                # layers 1 and 2 of 3 are local
+    assert torch.equal(local[0], attention.window_mask(ids.shape[1], 16, ids.shape[0], ids.device))
+    assert attention.local_layers(model.config) == (16, 2 / 3)
+
+    asked, time_candidates = {}, attention.time_candidates
+    monkeypatch.setattr(attention, "time_candidates", lambda *a, **k: asked.update(k) or {"sdpa_math": 1e-3})
+    monkeypatch.setattr(attention, "cache_path", lambda: tmp_path / "attention.json")
+    attention.resolve(model, "auto", torch.device("cpu"), torch.float32, 8, ids.shape[1])
+    assert asked == {"window": 16, "local_share": 2 / 3}
+    assert "|window=16@0.667" in next(iter(json.loads((tmp_path / "attention.json").read_text())))
+    timed = time_candidates(torch.device("cpu"), torch.float32, (2, 4, 64, 16), attention.CPU_CANDIDATES,
+                                      repeats=1, window=16, local_share=2 / 3)
+    assert sorted(timed) == sorted(attention.CPU_CANDIDATES) and all(t > 0 for t in timed.values())
+
+    model.use_attention("sdpa_flash")
+    assert model.sdpa_backends == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                   SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention runs on a CUDA GPU only")
 def test_flash_attention_matches_sdpa_on_gpu(rows):
     from transformers.utils import is_flash_attn_2_available

@@ -20,6 +20,7 @@ from tests.slurm.cluster import REPO, run_python, slurm_cluster  # noqa: F401  (
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 SBATCH = REPO / "launchers" / "slurm" / "pretrain.sbatch"
+CPU_NODES = ("--gpus-per-node=0", "--cpus-per-task=1")     # the script's defaults are for 8-GPU nodes
 STEPS = 40
 SEQ_LEN = 64
 
@@ -48,7 +49,7 @@ def overrides(shards: Path, out_dir: Path) -> list[str]:
 
 def submit(cluster, name: str, shards: Path, out_dir: Path, extra=(), env=None, log_dir=None) -> int:
     return cluster.sbatch(f"--job-name={name}", f"--output={log_dir or out_dir.parent}/{name}-%j.out",
-                          "--time=00:15:00", str(SBATCH), "configs/tiny.yaml", *overrides(shards, out_dir), *extra,
+                          "--time=00:15:00", *CPU_NODES, str(SBATCH), "configs/tiny.yaml", *overrides(shards, out_dir), *extra,
                           env=env)
 
 
@@ -170,12 +171,29 @@ def test_two_node_training_exports_to_hugging_face(slurm_cluster, reference, tmp
 
 def test_a_missing_config_fails_the_job_at_once_without_requeue(slurm_cluster, tmp_path):
     log = tmp_path / "bad-%j.out"
-    job_id = slurm_cluster.sbatch(f"--output={log}", str(SBATCH), "configs/no_such.yaml", "train.max_steps=1")
+    job_id = slurm_cluster.sbatch(f"--output={log}", *CPU_NODES, str(SBATCH), "configs/no_such.yaml", "train.max_steps=1")
     (record,) = slurm_cluster.wait(job_id, timeout=60)
     text = Path(str(log).replace("%j", str(job_id))).read_text()
     assert (record.state, record.exit_code, record.restarts) == ("FAILED", "2:0", 0), record
     assert "config 'configs/no_such.yaml' not found" in text, text
     assert "srun" not in text and "deepspeed" not in text, text
+
+
+def test_a_gpu_config_in_a_job_without_gpus_is_refused_in_one_line(slurm_cluster, tmp_path):
+    """base.yaml asks for CUDA: submitted to CPU nodes (``--gpus-per-node=0``) it would have trained
+    on the CPU for weeks; refused before any rank starts. ``impl.device=cpu`` on the line lets it through
+    to the trainer's own checks (here: no data)."""
+    refused = slurm_cluster.sbatch(f"--output={tmp_path}/gpu-%j.out", *CPU_NODES, str(SBATCH), "configs/base.yaml")
+    (record,) = slurm_cluster.wait(refused, timeout=60)
+    text = (tmp_path / f"gpu-{refused}.out").read_text()
+    assert (record.state, record.exit_code, record.restarts) == ("FAILED", "2:0", 0), record
+    assert f"configs/base.yaml asks for CUDA (impl.device=cuda) but job {refused} has no GPUs" in text, text
+    assert "srun" not in text and "deepspeed" not in text and "job=" not in text, text
+    allowed = slurm_cluster.sbatch(f"--output={tmp_path}/cpu-%j.out", *CPU_NODES, str(SBATCH), "configs/base.yaml",
+                                   "impl.device=cpu", f"data.dir={tmp_path}/no_data", "tracking.backend=none")
+    (record,) = slurm_cluster.wait(allowed, timeout=120)
+    text = (tmp_path / f"cpu-{allowed}.out").read_text()
+    assert "asks for CUDA" not in text and "job=" in text and record.exit_code == "2:0", text
 
 
 def test_a_job_on_node_local_disks_requeued_onto_empty_ones_resumes_from_the_mirror(slurm_cluster, shards, reference,

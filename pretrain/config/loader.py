@@ -236,3 +236,24 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 def dump_yaml(obj: Any) -> str:
     return yaml.safe_dump(to_dict(obj), sort_keys=False)
+
+
+def setting(cls: type, path: str | Path, overrides: list[str], dotted: str) -> Any:
+    """One setting of ``path`` with ``overrides``, without building or checking the rest: the YAML
+    value, the last override of it, or the schema's default (None where the schema has no such key)."""
+    value, found = load_yaml(path), True
+    for key in dotted.split("."):
+        found = found and isinstance(value, dict) and key in value
+        value = value[key] if found else None
+    for text in overrides:
+        keys, override = parse_override(text)
+        if ".".join(keys) == dotted:
+            value, found = override, True
+    if found:
+        return value
+    node: Any = cls()
+    for key in dotted.split("."):
+        if not dataclasses.is_dataclass(node) or not hasattr(node, key):
+            return None
+        node = getattr(node, key)
+    return node

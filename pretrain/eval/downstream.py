@@ -12,6 +12,7 @@ the training split. Nothing here touches the global RNG (seeded work runs under 
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -163,9 +164,12 @@ def probe_metrics(encoder: torch.nn.Module, tasks: Sequence[PreparedTask], devic
 
 def random_like(config, seed: int = _BASELINE_SEED) -> torch.nn.Module:
     """An encoder (``BertModel``, ``ModernBertModel``) with ``config``'s architecture and seeded random
-    weights (global RNG untouched)."""
+    weights (global RNG untouched), in fp32 with SDPA attention whatever the run uses (flash-attn
+    refuses fp32; keyed dropout's attention is the trainer's)."""
     from transformers import AutoModel, BertModel
 
+    config = copy.deepcopy(config)
+    config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if config.model_type == "bert":

@@ -34,6 +34,16 @@ MASKED_LM_CLASSES = {"bert": BertForMaskedLM, "modernbert": ModernBertForMaskedL
 # impl.attention's names for one SDPA backend (MLMModel.use_attention, pretrain.runtime.attention).
 SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_math": SDPBackend.MATH,
                  "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+# What runs where the chosen backend cannot take an input (flash on CUDA: a padding mask, ModernBERT's
+# sliding-window mask, fp32): the memory-efficient kernel takes any mask in any dtype, cuDNN's
+# many, and the math path (fp32 [B, H, L, L] scores) only what no other can. The CPU has flash and math only.
+SDPA_FALLBACKS = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH)
+
+
+def sdpa_chain(name: str) -> list:
+    """The SDPA backends in priority order for ``impl.attention`` = ``name`` (an ``sdpa_*`` name)."""
+    first = SDPA_BACKENDS[name]
+    return [first, *(b for b in SDPA_FALLBACKS if b != first)]
 
 
 class MLMModel(torch.nn.Module):
@@ -60,8 +70,8 @@ class MLMModel(torch.nn.Module):
 
     def use_attention(self, name: str) -> None:
         """Run attention as ``name``: ``eager`` (Hugging Face's explicit attention), ``sdpa`` (PyTorch
-        picks the kernel) or ``sdpa_<backend>`` (that SDPA backend first, the math path for the inputs
-        it cannot take). Keyed attention-probability dropout (pretrain.model.keyed_dropout) stays: in
+        picks the kernel) or ``sdpa_<backend>`` (that SDPA backend first, then ``SDPA_FALLBACKS`` for
+        the inputs it cannot take). Keyed attention-probability dropout (pretrain.model.keyed_dropout) stays: in
         training it runs its own eager attention, and SDPA with these backends in evaluation."""
         built = self.config._attn_implementation
         if name == built and built not in ("sdpa", "eager"):
@@ -69,9 +79,9 @@ class MLMModel(torch.nn.Module):
             return
         if name not in (*SDPA_BACKENDS, "sdpa", "eager"):
             raise ValueError(f"unknown attention {name!r}")
-        if built in ("sdpa", "eager"):
+        if built in ("sdpa", "eager", "flash_attention_2"):   # (a resume keeps an SDPA choice where flash-attn is)
             self.config._attn_implementation = "eager" if name == "eager" else "sdpa"
-        self.sdpa_backends = [SDPA_BACKENDS[name], SDPBackend.MATH] if name in SDPA_BACKENDS else None
+        self.sdpa_backends = sdpa_chain(name) if name in SDPA_BACKENDS else None
         self.attention = name
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:

@@ -8,7 +8,12 @@ memory grew from 1.95 to 4.98 GB over 300 steps of the main job (``../shared/not
 BENCHMARKS.md, "Memory of a CPU rank"). tcmalloc keeps freed memory in size classes: no page faults,
 no such growth, and the same speed or better.
 
-``MLM_ALLOCATOR`` chooses: ``tcmalloc`` (the default), ``jemalloc``, or ``system`` (the C library's).
+GPU ranks are left with the C library's malloc unless ``MLM_ALLOCATOR`` names one: there the host
+allocator serves little more than the data loader and pinned buffers, its effect was never measured,
+and tcmalloc prints a warning for every allocation over 1 GiB (pinned optimiser offload buffers).
+The start line says which allocator a rank has, and why.
+
+``MLM_ALLOCATOR`` chooses: ``tcmalloc`` (the default on the CPU), ``jemalloc``, or ``system`` (the C library's).
 The library comes from the system (Debian: ``apt-get install libtcmalloc-minimal4``;
 ``launchers/setup_env.sh`` installs it where it can); missing, the launcher says so in one line and
 the ranks run with the C library's malloc. ``LD_PRELOAD`` must be set before a process starts, so the
@@ -44,9 +49,23 @@ def find(allocator: str) -> Optional[str]:
     return None
 
 
+# Device nodes of GPU drivers (NVIDIA, AMD, Intel): present where the ranks may run on GPUs.
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/accel", "/dev/dri")
+
+
+def gpu_ranks(env: dict) -> bool:
+    """The ranks started with ``env`` will run on GPUs: a GPU driver here, not turned off."""
+    if env.get("DS_ACCELERATOR") == "cpu" or env.get("CUDA_VISIBLE_DEVICES") == "":
+        return False
+    return any(os.path.exists(n) for n in GPU_DEVICE_NODES)
+
+
 def preload(env: dict) -> tuple[dict, Optional[str]]:
     """``env`` with the chosen allocator in ``LD_PRELOAD`` (first), and a line to tell the user when
-    it could not be (None when all is as asked). An allocator already preloaded is left alone."""
+    it could not be (None when all is as asked). An allocator already preloaded is left alone; GPU
+    ranks get none unless ``MLM_ALLOCATOR`` asks."""
+    if ALLOCATOR_ENV not in env and gpu_ranks(env):
+        return env, None
     wanted = env.get(ALLOCATOR_ENV, "tcmalloc")
     if wanted == "system":
         return env, None
@@ -73,6 +92,14 @@ def in_use() -> str:
         if any(name.split(".so")[0] + ".so" in maps for name in names):
             return allocator
     return "glibc"
+
+
+def describe(device_type: str) -> str:
+    """The allocator this rank runs with, for the start line, and why when it was not preloaded."""
+    name = in_use()
+    if name == "glibc" and device_type == "cuda" and ALLOCATOR_ENV not in os.environ:
+        return f"glibc (not preloaded on GPU ranks, unmeasured there; {ALLOCATOR_ENV}=tcmalloc preloads it)"
+    return name
 
 
 def main() -> int:

@@ -10,9 +10,11 @@ threads, dtype and shape), and the run uses the fastest; the start line names it
 
 Candidates: SDPA restricted to one backend (``sdpa_flash``, ``sdpa_math``; on CUDA also
 ``sdpa_efficient`` and ``sdpa_cudnn``), and ``eager`` (Hugging Face's explicit attention). A backend
-that cannot take an input (flash with a padding mask on CUDA) falls back to the math path
-(``pretrain.model.mlm.MLMModel.use_attention``). The choice is recorded in the checkpoint, and a
-resumed run keeps it at any layout, so that a resume computes with the same kernel.
+that cannot take an input (flash with a mask on CUDA) falls back to the next of ``SDPA_FALLBACKS``
+(``pretrain.model.mlm.MLMModel.use_attention``), and each candidate is timed as the model runs it:
+ModernBERT's local layers with their sliding-window mask (where flash falls back on CUDA), weighted
+by their share of the layers. The choice is recorded in the checkpoint, and a resumed run keeps it
+at any layout, so that a resume computes with the same kernel.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pretrain.model.mlm import SDPA_BACKENDS
+from pretrain.model.mlm import sdpa_chain
 from pretrain.runtime.hardware import add_to_cache, cpu_info, default_cache_path, read_cache
 
 log = logging.getLogger("pretrain")
@@ -34,42 +36,70 @@ CPU_CANDIDATES = ("sdpa_flash", "sdpa_math", "eager")
 CUDA_CANDIDATES = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "eager")
 
 
-def _eager(q, k, v):
-    """What Hugging Face's eager attention computes (BERT's and ModernBERT's, without a mask)."""
-    probs = torch.softmax(torch.matmul(q, k.transpose(2, 3)) * q.size(-1) ** -0.5, dim=-1)
-    return torch.matmul(probs, v)
+def _eager(q, k, v, mask=None):
+    """What Hugging Face's eager attention computes (BERT's and ModernBERT's)."""
+    scores = torch.matmul(q, k.transpose(2, 3)) * q.size(-1) ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-def _sdpa(backend: SDPBackend) -> Callable:
-    def run(q, k, v):
-        with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(q, k, v)
+def _sdpa(name: str) -> Callable:
+    def run(q, k, v, mask=None):
+        with sdpa_kernel(sdpa_chain(name), set_priority=True):     # as MLMModel.encode runs it
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return run
 
 
+def window_mask(seq_len: int, window: int, batch: int, device: torch.device) -> torch.Tensor:
+    """ModernBERT's local layers' mask as Hugging Face passes it to SDPA: [B, 1, L, L] bool, True
+    where |i - j| <= window / 2."""
+    pos = torch.arange(seq_len, device=device)
+    return ((pos[:, None] - pos[None, :]).abs() <= window // 2).expand(batch, 1, seq_len, seq_len)
+
+
+def local_layers(config) -> tuple[Optional[int], float]:
+    """(the sliding window, the share of layers that use it) of a ModernBERT config; (None, 0) else."""
+    window, every = getattr(config, "local_attention", None), getattr(config, "global_attn_every_n_layers", None)
+    if config.model_type != "modernbert" or not window or not every:
+        return None, 0.0
+    layers = config.num_hidden_layers
+    return window, sum(1 for i in range(layers) if i % every) / layers
+
+
 def time_candidates(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int],
-                    candidates: tuple[str, ...], repeats: int = 3) -> dict[str, float]:
+                    candidates: tuple[str, ...], repeats: int = 3, window: Optional[int] = None,
+                    local_share: float = 0.0) -> dict[str, float]:
     """Seconds of one forward + backward of each candidate on random [batch, heads, seq, head_dim]
-    inputs, the best of ``repeats`` after one untimed run; a candidate this device cannot run is left out."""
+    inputs, the best of ``repeats`` after one untimed run; a candidate this device cannot run is left
+    out. With a ``window``, the mean over the layers: ``local_share`` of them under its mask."""
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(shape, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
+    layers = [(None, 1.0 - local_share)]
+    if window is not None:
+        layers.append((window_mask(shape[2], window, shape[0], device), local_share))
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     timings = {}
     for name in candidates:
-        fn = _eager if name == "eager" else _sdpa(SDPA_BACKENDS[name])
-        best = float("inf")
+        fn = _eager if name == "eager" else _sdpa(name)
+        total = 0.0
         try:
-            for i in range(repeats + 1):
-                sync()
-                start = time.perf_counter()
-                fn(q, k, v).sum().backward()
-                sync()
-                if i:
-                    best = min(best, time.perf_counter() - start)
+            for mask, share in layers:
+                if share <= 0:
+                    continue
+                best = float("inf")
+                for i in range(repeats + 1):
+                    sync()
+                    start = time.perf_counter()
+                    fn(q, k, v, mask).sum().backward()
+                    sync()
+                    if i:
+                        best = min(best, time.perf_counter() - start)
+                total += share * best
         except RuntimeError as exc:           # e.g. "No available kernel" for this device or dtype
             log.debug("attention candidate %s cannot run here: %s", name, exc)
             continue
-        timings[name] = best
+        timings[name] = total
     return timings
 
 
@@ -78,20 +108,23 @@ def cache_path() -> Path:
 
 
 def choose(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int],
-           path: Optional[Path] = None) -> tuple[str, str]:
-    """(the fastest candidate, what says so): cached per device, threads, dtype and shape."""
+           path: Optional[Path] = None, window: Optional[int] = None, local_share: float = 0.0) -> tuple[str, str]:
+    """(the fastest candidate, what says so): cached per device, threads, dtype, shape and (ModernBERT)
+    sliding window and share of local layers."""
     if device.type == "cuda":
         where, candidates = torch.cuda.get_device_name(device), CUDA_CANDIDATES
     else:
         where, candidates = f"{cpu_info()['model']}|threads={torch.get_num_threads()}", CPU_CANDIDATES
     key = f"{device.type}|{where}|{str(dtype).removeprefix('torch.')}|{'x'.join(map(str, shape))}"
+    if window is not None:
+        key += f"|window={window}@{local_share:.3f}"
     path = path or cache_path()
     cache = read_cache(path)
     if key in cache:
         found = cache[key]
         return found["choice"], f"{_summary(found['ms'])}, measured {found['when']}, cached in {path}"
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        timings = time_candidates(device, dtype, shape, candidates)
+        timings = time_candidates(device, dtype, shape, candidates, window=window, local_share=local_share)
     if not timings:
         raise RuntimeError(f"no attention candidate ran on {device} in {dtype}")
     ms = {name: round(seconds * 1e3, 3) for name, seconds in timings.items()}
@@ -116,4 +149,6 @@ def resolve(model, wanted: str, device: torch.device, dtype: torch.dtype, micro_
         return wanted, "impl.attention"
     config = model.config
     heads = config.num_attention_heads
-    return choose(device, dtype, (micro_batch, heads, seq_len, config.hidden_size // heads))
+    window, local_share = local_layers(config)
+    return choose(device, dtype, (micro_batch, heads, seq_len, config.hidden_size // heads),
+                  window=window, local_share=local_share)

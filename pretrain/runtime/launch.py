@@ -78,8 +78,7 @@ def quiet_by_default(argv: list[str]) -> list[str]:
 def accelerator_env(env: dict) -> dict:
     """Without a GPU, say so: DeepSpeed otherwise probes for one and warns in every process. With a
     device list from the scheduler, the ranks keep it (``engine.GIVEN_DEVICES``)."""
-    gpu_nodes = ("/dev/nvidiactl", "/dev/kfd", "/dev/accel", "/dev/dri")
-    if "DS_ACCELERATOR" not in env and not any(os.path.exists(n) for n in gpu_nodes):
+    if "DS_ACCELERATOR" not in env and not any(os.path.exists(n) for n in allocator.GPU_DEVICE_NODES):
         env["DS_ACCELERATOR"] = "cpu"
     if env.get("CUDA_VISIBLE_DEVICES"):
         env.setdefault(GIVEN_DEVICES, env["CUDA_VISIBLE_DEVICES"])
