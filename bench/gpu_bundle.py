@@ -136,7 +136,7 @@ def run(bundle: Path, smoke_args: list[str]) -> int:
                            env=env, capture_output=True, text=True)
     if found.returncode:
         raise SystemExit(f"gpu_bundle: DeepSpeed does not import from {site}:\n{found.stderr[-2000:]}")
-    print(f"gpu_bundle: DeepSpeed {found.stdout.strip()} from {site}; shards {shards}", flush=True)
+    print(f"gpu_bundle: DeepSpeed {found.stdout.split()[-1]} from {site}; shards {shards}", flush=True)
     return subprocess.run(["bash", str(REPO / "bench" / "gpu_smoke.sh"), "--data", str(shards), *smoke_args],
                           cwd=REPO, env=env).returncode
 

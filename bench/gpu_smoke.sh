@@ -75,7 +75,7 @@ fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}   # the deepspeed launcher leaves it unset
 
 COMMON=(data.dir="$DATA" train.max_steps="$STEPS" train.log_every=10 train.eval_every=0 train.checkpoint_every=0
-        train.resume=none train.keep_checkpoints=1 tracking.backend=none impl.precision=bf16 impl.attention=auto
+        train.resume=none train.keep_checkpoints=1 tracking.backend=none tracking.report=false impl.precision=bf16 impl.attention=auto
         impl.dist_backend=nccl impl.micro_batch_size="$MICRO" impl.num_workers=2 impl.peak_tflops="$PEAK")
 RUN_DIRS=()
 FAILED=()

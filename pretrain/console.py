@@ -47,15 +47,21 @@ def quiet_third_party(out_dir: str, rank: int) -> Path:
     root.addHandler(to_file)
     root.setLevel(logging.INFO)              # third-party INFO reaches the file, not the console
     logging.getLogger("pretrain").setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    for name in ("DeepSpeed", "transformers", "mlflow"):     # each keeps a console handler of its own
-        lib = logging.getLogger(name)
-        lib.handlers, lib.propagate = [], True
-        lib.setLevel(logging.INFO)
+    _route_library_loggers()
     _warnings_to(logging.getLogger("py.warnings"))
     silence_transformers_load_report()
     # MLflow, imported later, would give its logger a console handler of its own.
     os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
     return path
+
+
+def _route_library_loggers() -> None:
+    """DeepSpeed, transformers and MLflow each give their logger a console handler of its own (at
+    import): through the root's handlers instead, so to the file, and to the console as filtered."""
+    for name in ("DeepSpeed", "transformers", "mlflow"):
+        lib = logging.getLogger(name)
+        lib.handlers, lib.propagate = [], True
+        lib.setLevel(logging.INFO)
 
 
 def _warnings_to(logger: logging.Logger) -> None:
@@ -106,6 +112,9 @@ def chatter_to_file():
             os.dup2(saved[1], 2)
             os.close(saved[0])
             os.close(saved[1])
+            # A library imported in here (DeepSpeed, by the first init_distributed) gave its logger a
+            # handler on this file object, closed next: every later warning would be a "Logging error".
+            _route_library_loggers()
 
 
 def metrics_line(metrics: dict) -> str:
