@@ -11,8 +11,8 @@ from .errors import DataPrepError
 from .settings import SPLITS
 from .shard import TASK_MANIFEST_GLOB, shard_order, task_manifest_name
 from .atomic import json_bytes
-from .shard_format import FORMAT_VERSION, MANIFEST, Manifest, ShardError, files_sha256, index_shard
-from .storage import Store, open_store
+from .shard_format import FORMAT_VERSION, MANIFEST, Manifest, ShardError, block_checksums, files_sha256, index_shard
+from .storage import Store, open_store, sha256_bytes
 
 _TOTAL_KEYS = ("shards", "sequences", "tokens", "padding", "documents")
 
@@ -102,9 +102,14 @@ def finalize(data_dir: str | os.PathLike) -> Manifest:
     if problems:
         raise DataPrepError(f"{store.url()}: shards do not match their task manifests:\n  " + "\n  ".join(problems))
     for e in shards:
-        if "block_offsets" not in e:          # a task manifest from before data prep recorded them
+        if "block_offsets" not in e or "block_crc32" not in e:   # task manifests from before data prep recorded them
             try:
-                e["block_offsets"] = index_shard(store.url(e["name"]), store.read_bytes(e["name"]))
+                data = store.read_bytes(e["name"])
+                if sha256_bytes(data) != e["sha256"]:
+                    raise ShardError(f"{store.url(e['name'])}: its sha256 is not its task manifest's (changed "
+                                     "since data prep wrote it): re-run data_prep shard")
+                e.setdefault("block_offsets", index_shard(store.url(e["name"]), data))
+                e["block_crc32"] = block_checksums(data, e["block_offsets"])
             except ShardError as exc:
                 problems.append(str(exc))
     if problems:

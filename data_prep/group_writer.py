@@ -169,7 +169,7 @@ class SplitWriter:
         entry = {"name": name, "split": self.split, "source": self.key.source, "group": self.key.group,
                  "index": index, "sequences": n, "blocks": writer.blocks, "tokens": n * self.s.seq_len - padding,
                  "padding": padding, "bytes": local.stat().st_size, "sha256": digest,
-                 "block_offsets": writer.block_offsets}
+                 "block_offsets": writer.block_offsets, "block_crc32": writer.block_crc32}
         self.store.put_file(local, name, digest)
         self.store.write_bytes(f"{self.progress}/{name}.json", json_bytes({
             "settings_sha256": self.settings_hash, "entry": entry,

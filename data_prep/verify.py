@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DataPrepError
-from .shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_sizes, index_shard, load_manifest,
-                           parse_block, tokenizer_sha256)
+from .shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_checksums, block_sizes, index_shard,
+                           load_manifest, parse_block, tokenizer_sha256)
 from .storage import Store, open_store, sha256_bytes
 from .tokenizer import load_tokenizer
 
@@ -62,6 +62,10 @@ def check_shard(store: Store, entry: ShardEntry, manifest: Manifest, vocab_size:
                          min(len(scanned), len(entry.block_offsets)))
             return "damaged", (f"{name}: block_offsets differ from its tar headers from offset {first} on "
                                f"(manifest edited, or the shard rewritten after finalize)")
+        crcs = block_checksums(data, scanned) if entry.block_crc32 is not None else None
+        if crcs is not None and list(entry.block_crc32) != crcs:
+            first = next(k for k, (a, b) in enumerate(zip(entry.block_crc32, crcs)) if a != b)
+            return "damaged", f"{name}: block {first}'s CRC-32 differs from the manifest's block_crc32 (manifest edited)"
         got, padding = [], 0
         for k in range(len(scanned) - 1):
             ids, starts = parse_block(data[scanned[k]:scanned[k + 1]], seq_len, f"block {k}")

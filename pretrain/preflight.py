@@ -9,6 +9,8 @@ and checkpoint cadence, ``out_dir``, tracking) and a longer ``train.max_steps`` 
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +32,7 @@ from pretrain.checkpoint.mirror import mirror_problems
 RESULTS_GROUPS = ("model", "masking", "optim")
 RESULTS_KEYS = ("train.global_batch_size", "train.seed", "data.seed", "data.train_split", "train.init_from_checkpoint")
 MANIFEST_KEYS = ("seq_len", "block_size")
+log = logging.getLogger("pretrain")
 
 
 def check_inputs(cfg: Config, checked: str = "the run's inputs") -> tuple[Manifest, Optional[str]]:
@@ -59,6 +62,12 @@ def check_inputs(cfg: Config, checked: str = "the run's inputs") -> tuple[Manife
         problems += init_checkpoint_problems(cfg, manifest)
     if problems:
         raise ConfigError(problems, checked)
+    unchecked = [e.name for e in manifest.shards if e.block_crc32 is None]
+    if unchecked and os.environ.get("RANK", "0") == "0":
+        log.warning("%s: %d of %d shards have no block checksums (a manifest from before block_crc32): their blocks "
+                    "are checked for shape and token range only, so a shard replaced after data prep that still "
+                    "decodes would be trained on; `python -m data_prep finalize %s` adds them",
+                    cfg.data.dir, len(unchecked), len(manifest.shards), cfg.data.dir)
     return manifest, tag
 
 

@@ -50,7 +50,7 @@ def write_dataset(root: Path, splits: dict[str, list[int]], vocab: int = VOCAB, 
             entries.append({"name": name, "split": split, "task": 0, "index": index, "sequences": n,
                             "blocks": writer.blocks, "tokens": n * SEQ_LEN, "padding": 0,
                             "bytes": (root / name).stat().st_size, "sha256": sha,
-                            "block_offsets": writer.block_offsets})
+                            "block_offsets": writer.block_offsets, "block_crc32": writer.block_crc32})
     manifest = {
         "format_version": FORMAT_VERSION, "seq_len": SEQ_LEN, "block_size": BLOCK, "dtype": ids_dtype(vocab).name,
         "tokenizer": {"path": "tokenizer", "sha256": TOKENIZER_SHA, "vocab_size": vocab, "lowercase": True,
@@ -229,12 +229,12 @@ def test_each_rank_reads_about_its_share_of_the_blocks(uneven, monkeypatch):
     root, manifest, _ = uneven
     decoded = Counter()
 
-    def counting_read_block(f, start, end, seq_len, where):
+    def counting_read_span(f, start, end):
         decoded[rank] += 1
-        return real_read_block(f, start, end, seq_len, where)
+        return real_read_span(f, start, end)
 
-    real_read_block = shard_reader.read_block
-    monkeypatch.setattr(shard_reader, "read_block", counting_read_block)
+    real_read_span = shard_reader.read_span
+    monkeypatch.setattr(shard_reader, "read_span", counting_read_span)
     world = 4
     for rank in range(world):
         s = stream(root, manifest, rank=rank, world=world, micro_batch=8)
@@ -256,16 +256,16 @@ def test_resume_seek_reads_only_the_blocks_of_the_first_batch(uneven, monkeypatc
         manifest = Manifest.from_dict(raw)
     reads, indexed = [], []
 
-    def spy_read_block(f, start, end, seq_len, where):
+    def spy_read_span(f, start, end):
         reads.append((Path(f.name).name, start))
-        return real_read_block(f, start, end, seq_len, where)
+        return real_read_span(f, start, end)
 
     def spy_index_shard(path):
         indexed.append(Path(path).name)
         return real_index_shard(path)
 
-    real_read_block, real_index_shard = shard_reader.read_block, shard_reader.index_shard
-    monkeypatch.setattr(shard_reader, "read_block", spy_read_block)
+    real_read_span, real_index_shard = shard_reader.read_span, shard_reader.index_shard
+    monkeypatch.setattr(shard_reader, "read_span", spy_read_span)
     monkeypatch.setattr(shard_reader, "index_shard", spy_index_shard)
     s = stream(root, manifest, world=2, rank=1, micro_batch=4, start_samples=(41 + 20) * 32)   # deep in epoch 1
     batch = take(s, 1)[0]
@@ -357,7 +357,8 @@ def test_manifest_problems_are_all_named(uneven, tmp_path):
         stream(copy, manifest)
 
 
-def test_corrupt_block_data_raises_shard_error_naming_it(uneven, tmp_path):
+@pytest.mark.parametrize("checksums", [True, False], ids=["block-crc32", "older-manifest"])
+def test_corrupt_block_data_raises_shard_error_naming_it(uneven, tmp_path, checksums):
     root, manifest, _ = uneven
     copy = tmp_path / "data"
     shutil.copytree(root, copy)
@@ -365,11 +366,52 @@ def test_corrupt_block_data_raises_shard_error_naming_it(uneven, tmp_path):
     with open(victim, "r+b") as f:                    # same size and headers, so only reading can notice
         f.seek(ids_payload(victim, 2)[0])
         f.write(b"\0" * 16)
+    if not checksums:
+        manifest = without_checksums(manifest)
     index_all_shards(copy, manifest, ["train"])
     s = stream(copy, manifest, num_workers=2)
-    with pytest.raises(ShardError, match=rf"^{victim}: block 2 cannot be decoded"):
+    said = (rf"^{victim}: block 2: its bytes are not those data prep wrote \(CRC-32" if checksums
+            else rf"^{victim}: block 2 cannot be decoded")
+    with pytest.raises(ShardError, match=said):
         for _ in take(s, 41 * 4):
             pass
+
+
+def without_checksums(manifest: Manifest) -> Manifest:
+    """The manifest as data prep wrote it before block_crc32 was recorded."""
+    raw = manifest.to_dict()
+    for entry in raw["shards"]:
+        entry.pop("block_crc32", None)
+    return Manifest.from_dict(raw)
+
+
+def test_a_block_edited_after_finalize_that_still_decodes_is_never_trained_on(shards, tmp_path):
+    """Token ids shifted by one in one block of data_prep's shards: the same size, headers and shapes,
+    every id in range, so it decodes and trains; only its CRC-32 tells. Refused at the first read of
+    that block, in training and evaluation alike; with a manifest from before block_crc32 it is not
+    seen (what the README says such a manifest cannot check)."""
+    copy = tmp_path / "data"
+    shutil.copytree(shards, copy)
+    manifest = load_manifest(copy)
+    assert all(e.block_crc32 is not None and len(e.block_crc32) == e.blocks for e in manifest.shards)
+    for split in ("train", "validation"):
+        victim = copy / manifest.shards_of(split)[0].name
+        start, size = ids_payload(victim, 0)
+        with open(victim, "r+b") as f:
+            f.seek(start)
+            header = f.read(128)                          # the .npy header, then uint16 ids
+            ids = np.frombuffer(f.read(size - 128), dtype=np.uint16).copy()
+            ids[ids > 5] -= 1
+            f.seek(start + 128)
+            f.write(ids.tobytes())
+        assert header.startswith(b"\x93NUMPY")
+    check_manifest(manifest, copy, splits=("train", "validation"))     # sizes and headers: all as recorded
+    with pytest.raises(ShardError, match=r"train-[\w-]+\.tar: block 0: its bytes are not those data prep wrote"):
+        epoch = TrainStream(copy, manifest, "train", 0, 1, 8, 8, SEED)
+        take(epoch, epoch.steps_per_epoch)
+    with pytest.raises(ShardError, match=r"validation-[\w-]+\.tar: block 0: its bytes are not those"):
+        list(eval_set_batches(copy, manifest, "validation", 0, 1, 8, 0))
+    take(TrainStream(copy, without_checksums(manifest), "train", 0, 1, 8, 8, SEED), 3)   # not seen there
 
 
 def test_too_small_split_is_a_clear_error_not_a_hang(tmp_path):

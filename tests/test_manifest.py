@@ -131,3 +131,43 @@ def test_block_offsets_are_recorded_checked_and_filled_in_for_older_task_manifes
     write_json_atomic(older / MANIFEST, raw)
     problems = verify(older)
     assert len(problems) == 1 and problems[0].startswith(f"{edited['name']}: block_offsets differ from its tar headers")
+
+
+def test_finalize_adds_block_checksums_to_shards_written_before_them(finalized, tmp_path):
+    """Task manifests from before ``block_crc32``: finalize computes it from each shard's bytes, once
+    the shard is checked against its recorded sha256 (a shard changed since must not be blessed)."""
+    copy = tmp_path / "shards"
+    shutil.copytree(finalized, copy)
+    wanted = {e.name: e.block_crc32 for e in load_manifest(finalized).shards}
+    assert all(crcs and len(crcs) == e.blocks for e, crcs in zip(load_manifest(finalized).shards, wanted.values()))
+
+    def strip_checksums():
+        for task in copy.glob("task-*.json"):
+            raw = json.loads(task.read_text())
+            for entry in raw["shards"]:
+                entry.pop("block_crc32", None)
+            write_json_atomic(task, raw)
+        (copy / MANIFEST).unlink(missing_ok=True)
+
+    strip_checksums()
+    assert {e.name: e.block_crc32 for e in finalize(copy).shards} == wanted
+    victim = copy / next(iter(wanted))
+    data = bytearray(victim.read_bytes())
+    data[-2048] ^= 1
+    victim.write_bytes(bytes(data))
+    strip_checksums()
+    with pytest.raises(Exception, match=rf"{victim.name}: its sha256 is not its task manifest's"):
+        finalize(copy)
+
+
+def test_verify_checks_the_recorded_block_checksums(finalized, tmp_path):
+    from data_prep.verify import verify
+
+    copy = tmp_path / "shards"
+    shutil.copytree(finalized, copy)
+    assert verify(copy) == []
+    raw = json.loads((copy / MANIFEST).read_text())
+    raw["shards"][0]["block_crc32"][0] ^= 1
+    write_json_atomic(copy / MANIFEST, raw)
+    (problem,) = verify(copy)
+    assert problem == f"{raw['shards'][0]['name']}: block 0's CRC-32 differs from the manifest's block_crc32 (manifest edited)"

@@ -5,9 +5,13 @@ A block is one ranged GET at the manifest's offsets, checked as a local block is
 in the same order, so the per-step losses equal a local run's bit for bit."""
 from __future__ import annotations
 
+import io
 import json
+import re
+import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import explain, train
@@ -81,6 +85,40 @@ def test_a_shard_object_replaced_with_other_bytes_is_exit_2_naming_it(s3_server,
     said = proc.stdout + proc.stderr
     assert proc.returncode == 2, explain(proc)
     assert f"s3://{bucket}/wiki/train-" in said and ": block " in said and "Traceback" not in proc.stderr, said[-3000:]
+
+
+def shifted_ids(data: bytes) -> bytes:
+    """A shard's bytes with every block's token ids moved down by one: the same size, tar headers,
+    shapes and dtype, every id in range. It decodes and trains; only its content differs."""
+    out = bytearray(data)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        for member in tar.getmembers():
+            if member.name.endswith(".input_ids.npy"):
+                ids = np.load(io.BytesIO(data[member.offset_data:member.offset_data + member.size]))
+                buf = io.BytesIO()
+                np.save(buf, np.where(ids > 5, ids - 1, ids).astype(ids.dtype))
+                assert len(buf.getvalue()) == member.size
+                out[member.offset_data:member.offset_data + member.size] = buf.getvalue()
+    return bytes(out)
+
+
+@pytest.mark.parametrize("cache", ["off", "fresh"])
+def test_a_shard_replaced_by_one_that_still_decodes_is_exit_2_naming_the_block(s3_server, shards, tmp_path, cache):
+    """Before block checksums, such a run exited 0 having trained on the replaced data: ranged reads
+    were not checked, and the pre-flight check compares sizes only. With the cache off every block is a
+    ranged GET; with a fresh cache the first blocks are ranged GETs while the shard downloads."""
+    bucket = copy_to_bucket(s3_server, shards, f"decodable-{cache}")
+    client = s3_server.client()
+    for key in [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="wiki/train-")["Contents"]]:
+        data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        client.put_object(Bucket=bucket, Key=key, Body=shifted_ids(data))
+    settings = ["data.cache_limit_gb=0"] if cache == "off" else [f"data.cache_dir={tmp_path / 'cache'}"]
+    proc = train(f"s3://{bucket}/wiki", tmp_path / "run", *RUN, *settings, ranks=2, env=s3_server.aws())
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2, explain(proc)
+    assert re.search(rf"s3://{bucket}/wiki/train-[\w-]+\.tar: block \d+: its bytes are not those data prep wrote", said), \
+        said[-3000:]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_a_mixture_from_a_bucket_reads_each_micro_batch_ahead_and_gives_the_local_batches(

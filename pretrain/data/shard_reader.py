@@ -23,8 +23,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from data_prep.shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_sizes, ids_dtype, index_shard,
-                                    parse_block, read_block)
+from data_prep.shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_sizes, check_block, ids_dtype,
+                                    index_shard, parse_block, read_span)
 from data_prep.storage import StorageError, Store, StoreUnavailable, open_store
 from pretrain.data.shard_cache import ShardCache
 
@@ -321,21 +321,24 @@ class BlockReader:
         return ids, starts
 
     def _read(self, shard: int, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """A block's two arrays: a seek and a read in a local file, one ranged GET from a store."""
+        """A block's two arrays: a seek and a read in a local file, one ranged GET from a store; its
+        bytes checked against the manifest's ``block_crc32`` first, wherever they came from."""
         lay = self.layout
+        entry = lay.shard_entries[shard]
         where = f"{lay.paths[shard]}: block {index}"
         if lay.store.local_dir is None:
-            entry = lay.shard_entries[shard]
             offsets = entry.block_offsets                          # checked present by check_manifest
             fd = self._cached_fd(shard) if self._cache is not None else None
             if fd is not None:
                 span = os.pread(fd, offsets[index + 1] - offsets[index], offsets[index])
             else:
                 span = lay.store.read_range(entry.name, offsets[index], offsets[index + 1])
-            return parse_block(span, lay.seq_len, where)
-        f = self._file(shard)
-        offsets = self._indexes[shard]
-        return read_block(f, int(offsets[index]), int(offsets[index + 1]), lay.seq_len, where)
+        else:
+            f = self._file(shard)
+            start, end = (int(x) for x in self._indexes[shard][index:index + 2])
+            span = read_span(f, start, end)
+        check_block(entry, index, span, where)
+        return parse_block(span, lay.seq_len, where)
 
     def _cached_fd(self, shard: int) -> Optional[int]:
         """A descriptor of the shard's cached copy; else None, its download started (once per reader;
