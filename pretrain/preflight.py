@@ -16,6 +16,7 @@ from typing import Optional
 
 
 from data_prep.shard_format import Manifest, load_manifest
+from data_prep.storage import open_store
 from pretrain.checkpoint import files, reshard
 from pretrain.checkpoint import store as checkpointing
 from pretrain.config import loader as configlib
@@ -24,6 +25,7 @@ from pretrain.config.schema import Config
 from pretrain.config.loader import ConfigError
 from pretrain.data import mixture_checks
 from pretrain.data.mixture import make_train_stream
+from pretrain.data.shard_cache import cache_dir_problems
 from pretrain.data.stream import DataError, check_manifest
 from pretrain.checkpoint.phases import init_checkpoint_problems
 from pretrain.checkpoint.mirror import mirror_problems
@@ -45,6 +47,9 @@ def check_inputs(cfg: Config, checked: str = "the run's inputs") -> tuple[Manife
     problems = check_manifest(manifest, cfg.data.dir, max_positions=cfg.model.max_position_embeddings,
                               splits=splits)
     problems += mixture_checks.mixture_problems(cfg, manifest)     # every other source of data.sources, by name
+    if any(open_store(d).local_dir is None for d in [cfg.data.dir, *(s.dir for s in cfg.data.sources)]):
+        problems += cache_dir_problems(cfg.data.cache_dir, cfg.data.cache_limit_gb,
+                                       max((e.bytes for e in manifest.shards), default=0))
     problems += init_from_problems(cfg, manifest)
     problems += hardware.precision_problems(cfg.impl.precision)
     problems += hardware.device_problems(cfg.impl)

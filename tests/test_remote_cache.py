@@ -69,3 +69,72 @@ def test_the_cache_keeps_to_its_limit_by_evicting_the_least_recently_used(s3_ser
     cache.fetch(store, c)                                # present: no second download
     assert [line.split()[2].rsplit("/", 1)[1] for line in (tmp_path / "cache" / "downloads.log").read_text().splitlines()] \
         == [a.name, b.name, c.name]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``make(kib)``: a folder on a tmpfs of that size, unmounted after the test."""
+    import subprocess
+
+    mounts = []
+
+    def make(kib: int):
+        folder = tmp_path / f"disk{len(mounts)}"
+        folder.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(folder)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounts.append(folder)
+        return folder
+
+    yield make
+    for folder in mounts:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+SHORT = ["train.max_steps=2", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
+         "model.max_position_embeddings=64"]
+
+
+def test_a_full_or_unusable_cache_folder_is_named_before_start_not_blamed_on_the_data(
+        s3_server, bucket_copy, tmp_path, small_disk):
+    """Before: a full cache disk stopped the run at its first block with "block 5 cannot be read (No
+    space left on device) ... stopping on bad input", and a cache_dir that is a file with "block cannot
+    be decoded (File exists); run data_prep verify". The data was fine."""
+    full = small_disk(256)
+    with open(full / "filler", "wb") as f:
+        f.write(b"\0" * (256 * 1024))
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("x")
+    url = f"s3://{bucket_copy}/wiki"
+    for cache_dir, said in ((full, "cannot be written (No space left on device)"), (a_file, "is a file, not a folder")):
+        proc = train(url, tmp_path / "run", *SHORT, f"data.cache_dir={cache_dir}", ranks=2, env=s3_server.aws())
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2, explain(proc)
+        assert f"data.cache_dir={cache_dir}: {said}; point it at a writable local disk, or " \
+               "data.cache_limit_gb=0 to read every block by range" in out, out[-3000:]
+        assert "verify" not in out and "block" not in out.replace("every block", "") and "Traceback" not in out
+        assert "init_distributed" not in out and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_cache_disk_that_fills_mid_run_is_said_once_and_reads_go_on_by_range(
+        s3_server, bucket_copy, shards, tmp_path, small_disk):
+    """Room for about one shard: the next downloads cannot fit. Each process says so once and reads by
+    range from then on; the run logs the losses of a run with the cache off."""
+    import json
+
+    largest = max(s["bytes"] for s in json.loads((shards / "manifest.json").read_text())["shards"])
+    disk = small_disk((largest + 96 * 1024) // 1024)
+    args = ["train.max_steps=35", "train.global_batch_size=64", "train.log_every=1", "train.eval_every=0",
+            "train.checkpoint_every=0", "model.max_position_embeddings=64"]
+    url = f"s3://{bucket_copy}/wiki"
+    filled = train(url, tmp_path / "filled", *args, f"data.cache_dir={disk}", ranks=2, env=s3_server.aws())
+    assert filled.returncode == 0, explain(filled)
+    said = [line for line in (filled.stdout + filled.stderr).splitlines() if "data.cache_dir:" in line]
+    assert 1 <= len(said) <= 2 and all(f"MiB free, the shard needs" in line and "reads every block by range from "
+                                       f"{url} from now on" in line for line in said), said     # once per rank
+    assert len((disk / "downloads.log").read_text().splitlines()) >= 1
+    off = train(url, tmp_path / "off", *args, "data.cache_limit_gb=0", ranks=2, env=s3_server.aws())
+    assert off.returncode == 0, explain(off)
+    assert logged(tmp_path / "filled") == logged(tmp_path / "off")

@@ -12,23 +12,35 @@ keeps its open file).
 
 The trainer sets the folder and limit for itself and its loader workers with ``configure``; a limit
 of 0 turns the cache off (every block by ranged GET).
+
+A cache folder that cannot hold shards is the cache's problem, not the data's: one that is a file, is
+not writable or has no room for a shard is refused before any process group starts, naming
+``data.cache_dir`` (``cache_dir_problems``); one that fails later (its disk filled by something else)
+raises ``CacheUnusable``, and the reader says so once and reads by range from then on.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
 from data_prep.shard_format import ShardEntry, ShardError, sha256_file
+from data_prep.storage import StorageError
 
 log = logging.getLogger("pretrain")
 ENV_DIR, ENV_GB = "MLM_DATA_CACHE_DIR", "MLM_DATA_CACHE_GB"
 DOWNLOADS_LOG = "downloads.log"
 _TOUCH_EVERY_S = 60.0          # a shard's last use, for eviction, is kept to this precision
+
+
+class CacheUnusable(OSError):
+    """The cache folder cannot take a shard (full, read-only, not a folder): read by range instead."""
 
 
 def default_dir() -> str:
@@ -39,6 +51,37 @@ def configure(cache_dir: str, limit_gb: float) -> None:
     """The cache of this process and the processes it starts (the loader's workers)."""
     os.environ[ENV_DIR] = cache_dir or default_dir()
     os.environ[ENV_GB] = str(float(limit_gb))
+
+
+def _writable(root: Path) -> Optional[str]:
+    """Why files cannot be written in ``root`` (None: they can): a probe file written, synced, removed."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".probe-") as probe:
+            probe.write(b"\0" * 65536)
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def cache_dir_problems(cache_dir: str, limit_gb: float, largest_shard: int) -> list[str]:
+    """Why ``data.cache_dir`` cannot cache this data's shards (empty: it can, or the cache is off)."""
+    if limit_gb <= 0:
+        return []
+    root = Path(cache_dir or default_dir())
+    shown = f"data.cache_dir={cache_dir}" if cache_dir else f"data.cache_dir (default {root})"
+    hint = "point it at a writable local disk, or data.cache_limit_gb=0 to read every block by range"
+    if root.exists() and not root.is_dir():
+        return [f"{shown}: is a file, not a folder; {hint}"]
+    why = _writable(root)
+    if why is not None:
+        return [f"{shown}: cannot be written ({why}); {hint}"]
+    free = shutil.disk_usage(root).free
+    if free < largest_shard:
+        return [f"{shown}: {free / 2**20:.1f} MiB free, less than one shard ({largest_shard / 2**20:.1f} MiB); {hint}"]
+    return []
 
 
 class ShardCache:
@@ -68,19 +111,30 @@ class ShardCache:
                 os.utime(path)
             except FileNotFoundError:           # evicted just now by another process
                 return None
+            except OSError as exc:              # a read-only or failing cache disk
+                raise CacheUnusable(exc.errno, f"{self.root}: {exc.strerror or exc}") from exc
         return path
 
     def fetch(self, store, entry: ShardEntry) -> None:
-        """Download ``entry`` whole into the cache unless another process of this node is, or did."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        path = self.path(entry)
-        with open(self.root / f".{entry.sha256}.lock", "a") as lock:
+        """Download ``entry`` whole into the cache unless another process of this node is, or did.
+        Raises ``CacheUnusable`` when the folder cannot take it (the data is not at fault)."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            lock = open(self.root / f".{entry.sha256}.lock", "a")
+        except OSError as exc:
+            raise CacheUnusable(exc.errno, f"{self.root}: {exc.strerror or exc}") from exc
+        with lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return                          # another process of this node is downloading it
+            path = self.path(entry)
             if path.is_file():
                 return
+            free = shutil.disk_usage(self.root).free
+            if free < entry.bytes:
+                raise CacheUnusable(errno.ENOSPC, f"{self.root}: {free / 2**20:.1f} MiB free, the shard needs "
+                                                  f"{entry.bytes / 2**20:.1f} MiB")
             tmp = self.root / f".{entry.sha256}.{os.getpid()}.tmp"
             try:
                 store.download(entry.name, tmp)
@@ -88,10 +142,19 @@ class ShardCache:
                     raise ShardError(f"{store.url(entry.name)}: downloaded whole, it is not the shard the "
                                      "manifest lists (size or sha256 differs; replaced after data prep?)")
                 os.replace(tmp, path)
+                with open(self.root / DOWNLOADS_LOG, "a") as f:   # one short append: whole lines across processes
+                    f.write(f"{entry.sha256} {entry.bytes} {store.url(entry.name)}\n")
+            except StorageError as exc:
+                # A local write that failed inside the download (the disk filled meanwhile) is reported
+                # by the store as its own failure: the folder decides whose it was.
+                why = _writable(self.root)
+                if why is not None:
+                    raise CacheUnusable(errno.EIO, f"{self.root}: {why}") from exc
+                raise
+            except OSError as exc:
+                raise CacheUnusable(exc.errno, f"{self.root}: {exc.strerror or exc}") from exc
             finally:
                 tmp.unlink(missing_ok=True)
-            with open(self.root / DOWNLOADS_LOG, "a") as f:   # one short append: whole lines across processes
-                f.write(f"{entry.sha256} {entry.bytes} {store.url(entry.name)}\n")
         self.evict(keep=path)
 
     def evict(self, keep: Path) -> None:

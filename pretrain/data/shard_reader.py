@@ -13,6 +13,7 @@ dies in the embedding lookup with an ``IndexError`` naming nothing).
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -26,7 +27,7 @@ import torch
 from data_prep.shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_sizes, check_block, ids_dtype,
                                     index_shard, parse_block, read_span)
 from data_prep.storage import StorageError, Store, StoreUnavailable, open_store
-from pretrain.data.shard_cache import ShardCache
+from pretrain.data.shard_cache import CacheUnusable, ShardCache
 
 __all__ = ["DataError", "ShardError", "TokenIdError", "check_manifest", "index_all_shards", "SplitLayout",
            "BlockReader"]
@@ -35,6 +36,8 @@ _MAX_NAMED = 10            # problems name at most this many shards, then give a
 _OPEN_FILES = 16           # file handles kept open per reader
 _INDEX_THREADS = 8
 READ_AHEAD_THREADS = 8     # ranged GETs in flight per reader (a remote store only)
+log = logging.getLogger("pretrain")
+_cache_warned = False      # this process has said that its node cache is unusable
 
 
 class DataError(ValueError):
@@ -328,7 +331,11 @@ class BlockReader:
         where = f"{lay.paths[shard]}: block {index}"
         if lay.store.local_dir is None:
             offsets = entry.block_offsets                          # checked present by check_manifest
-            fd = self._cached_fd(shard) if self._cache is not None else None
+            try:
+                fd = self._cached_fd(shard) if self._cache is not None else None
+            except CacheUnusable as exc:
+                self._give_up_cache(exc)
+                fd = None
             if fd is not None:
                 span = os.pread(fd, offsets[index + 1] - offsets[index], offsets[index])
             else:
@@ -344,13 +351,16 @@ class BlockReader:
         """A descriptor of the shard's cached copy; else None, its download started (once per reader;
         its failure, a replaced object or the store down, is raised here on a later read)."""
         with self._lock:
-            fd = self._cached_fds.get(shard)
-            if fd is not None:
+            fd, cache = self._cached_fds.get(shard), self._cache
+            if fd is not None or cache is None:        # (another thread gave the cache up meanwhile)
                 return fd
             fetch = self._fetches.get(shard)
+            if fetch is not None and fetch.done() and isinstance(fetch.exception(), CacheUnusable):
+                self._give_up_cache(fetch.exception())
+                return None
             if fetch is not None and fetch.done() and fetch.exception() is not None:
                 raise fetch.exception()
-            path = self._cache.lookup(self.layout.shard_entries[shard])
+            path = cache.lookup(self.layout.shard_entries[shard])
             if path is not None:
                 try:
                     self._cached_fds[shard] = fd = os.open(path, os.O_RDONLY)
@@ -361,8 +371,17 @@ class BlockReader:
                 if self._downloads is None:
                     self._downloads = ThreadPoolExecutor(1, thread_name_prefix="shard-download")
                 self._fetches[shard] = self._downloads.submit(
-                    self._cache.fetch, self.layout.store, self.layout.shard_entries[shard])
+                    cache.fetch, self.layout.store, self.layout.shard_entries[shard])
             return None
+
+    def _give_up_cache(self, exc: CacheUnusable) -> None:
+        """Ranged reads from here on: slower, the same bytes (each still checked). Said once per process."""
+        global _cache_warned
+        self._cache = None
+        if not _cache_warned:
+            _cache_warned = True
+            log.warning("data.cache_dir: %s; this process reads every block by range from %s from now on "
+                        "(slower, the same data)", exc.strerror or exc, self.layout.store.url())
 
     def gather(self, blocks: np.ndarray, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Rows ``rows[i]`` of blocks ``blocks[i]`` as an int64 [B, L] and a bool [B, L] tensor, and
