@@ -319,6 +319,9 @@ class S3Store(Store):
                 raise
         got = self._call(name, "stat", head)
         if got is None:
+            # S3 answers a HEAD in a bucket that does not exist with the same bare 404: ask the bucket,
+            # so that a wrong bucket name is said as such, not as a missing object.
+            self.check(write=False)
             return None
         return ObjectInfo(int(got["ContentLength"]), got.get("Metadata", {}).get(SHA256_METADATA))
 

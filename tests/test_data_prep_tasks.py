@@ -252,7 +252,8 @@ def _rewrite_shard(out: Path, name: str, edit) -> None:
         writer.write_block(ids, starts)
     digest = writer.close()
     entry = next(e for e in m["shards"] if e["name"] == name)
-    entry.update(sha256=digest, bytes=(out / name).stat().st_size)
+    entry.update(sha256=digest, bytes=(out / name).stat().st_size, block_offsets=writer.block_offsets,
+                 block_crc32=writer.block_crc32)
     write_json_atomic(out / "manifest.json", m)
 
 

@@ -215,3 +215,21 @@ def test_transient_http_errors_are_retried_and_logged_once(tmp_path, caplog):
         assert len(answered) == 4
     finally:
         server.shutdown()
+
+
+def test_an_unknown_bucket_is_said_as_such_by_the_readers(s3_server, tmp_path):
+    """Before: "manifest.json: missing (run data_prep finalize ...)" for a bucket that does not exist,
+    in training and in verify; a bucket that exists without a manifest still says that."""
+    from conftest import train
+
+    env = s3_server.env()
+    url = "s3://no-such-bucket-here/wiki"
+    proc = data_prep("verify", url, env=env, check=False)
+    assert proc.returncode == 2 and "no such bucket 'no-such-bucket-here'" in proc.stderr, proc.stderr
+    assert "finalize" not in proc.stderr and "Traceback" not in proc.stderr
+    run = train(url, tmp_path / "run", "train.max_steps=1", ranks=1, env=s3_server.aws())
+    said = run.stdout + run.stderr
+    assert run.returncode == 2 and "no such bucket 'no-such-bucket-here'" in said and "finalize" not in said, said
+    empty = s3_server.bucket("no-manifest")
+    proc = data_prep("verify", f"s3://{empty}/wiki", env=env, check=False)
+    assert proc.returncode == 2 and "manifest.json: missing" in proc.stderr, proc.stderr
