@@ -203,6 +203,14 @@ def retry_window_s() -> float:
         return DEFAULT_RETRY_S
 
 
+def attempt_timeouts() -> tuple[float, float]:
+    """(connect, read) seconds of one request: a server that accepts and then says nothing (frozen)
+    costs at most this per attempt, and no attempt outlasts the retry window, so the wait from the
+    first failure to ``StoreUnavailable`` is the window plus at most one attempt."""
+    window = max(1.0, retry_window_s())
+    return min(20.0, window), min(120.0, window)
+
+
 def _with_retries(store: "Store", name: str, what: str, call: Callable, transient: Callable[[BaseException], bool]):
     """``call()``, again after a transient failure (backoff 0.5 s doubling to 16 s, jittered) until the
     retry window (``MLM_STORE_RETRY_S``, default 30 s) has passed, then ``StoreUnavailable``; the first
@@ -254,8 +262,9 @@ class S3Store(Store):
             # botocore says at INFO where it found credentials, on every client: not our users' news.
             logging.getLogger("botocore").setLevel(logging.WARNING)
             # Our own retries (logged, classified); botocore's would hide them.
+            connect, read = attempt_timeouts()
             self._client = boto3.session.Session().client(
-                "s3", config=Config(retries={"total_max_attempts": 1}, connect_timeout=20, read_timeout=120))
+                "s3", config=Config(retries={"total_max_attempts": 1}, connect_timeout=connect, read_timeout=read))
         return self._client
 
     def _key(self, name: str) -> str:
@@ -403,7 +412,7 @@ class HttpStore(Store):
             return isinstance(exc, (urllib.error.URLError, ConnectionError, TimeoutError))
 
         def fetch():
-            with urllib.request.urlopen(request, timeout=60) as response:
+            with urllib.request.urlopen(request, timeout=min(60.0, attempt_timeouts()[1])) as response:
                 return response.status, dict(response.headers), response.read()
         try:
             return _with_retries(self, name, what, fetch, transient)

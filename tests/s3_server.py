@@ -43,6 +43,12 @@ class S3Server:
         if self.proc is not None:
             _stop(self.proc)
 
+    def freeze(self, frozen: bool = True) -> None:
+        """Every process of the server stopped (SIGSTOP) or continued: connections are accepted by the
+        kernel and then nothing is said, as from a hung server."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+
     def restart(self) -> None:
         """The stopped server started again on its ports and data (the outage over); returns once it
         serves reads again."""

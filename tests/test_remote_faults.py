@@ -72,6 +72,32 @@ def test_a_store_gone_for_good_ends_the_run_with_exit_3_naming_it(own_s3_server,
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
 
 
+def test_a_frozen_store_ends_the_run_within_its_timeout(own_s3_server, shards, tmp_path):
+    """The server stopped with SIGSTOP mid-run, timeout 8 s: connections hang rather than fail. Before,
+    boto3's fixed 120 s read timeout ran inside the retry window and the run exited 3 after ~124 s for a
+    20 s setting; now no attempt outlasts the window: exit 3 within the window plus one attempt."""
+    from conftest import train_cmd, train_through, trainer_env
+
+    bucket = copy_to_bucket(own_s3_server, shards, "frozen")
+    out = tmp_path / "run"
+    cmd = train_cmd(f"s3://{bucket}/wiki", out, *RUN, "train.max_steps=100000", "train.eval_every=0",
+                    "data.remote_timeout_s=8", "data.cache_limit_gb=0", ranks=2)
+    frozen_at = []
+
+    def freeze() -> None:
+        own_s3_server.freeze()
+        frozen_at.append(time.monotonic())
+
+    try:
+        proc = train_through(cmd, trainer_env(**own_s3_server.aws()), out / "metrics.jsonl", 2, freeze, timeout=180)
+        waited = time.monotonic() - frozen_at[0]
+    finally:
+        own_s3_server.freeze(False)
+    assert proc.returncode == 3, f"{proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert "the store looks unavailable" in proc.stderr, proc.stderr[-3000:]
+    assert waited < 8 + 8 + 15, waited           # the window, one attempt, and the processes' exit
+
+
 def test_killed_mid_run_and_resumed_at_one_rank_from_the_bucket_continues_the_same_samples(
         s3_server, bucket_copy, shards, tmp_path):
     """kill -9 of a 2-rank run reading the bucket, after its step-2 checkpoint; relaunched at 1 rank:
