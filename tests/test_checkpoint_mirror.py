@@ -180,3 +180,22 @@ def test_a_job_killed_mid_upload_resumes_from_the_previous_mirrored_checkpoint(s
     assert losses(out) == want
     mirrored = s3_server.objects(bucket, "run")
     assert "step00000004/COMPLETE" in mirrored and mirrored["latest"] == b"step00000004"
+
+
+def test_continuing_a_finished_run_keeps_its_mirrored_export(s3_server, shards, tmp_path):
+    """A finished run is continued (a longer train.max_steps) and halted before its new end: the first
+    run's mirrored export stays. Before, the continued run's first checkpoint pruned ``hf_final/`` (and
+    ``report/``) from the mirror as if they were unfinished checkpoints older than it."""
+    bucket = s3_server.bucket("continued")
+    out, mirror = tmp_path / "run", f"train.checkpoint_mirror=s3://{bucket}/runs/c"
+    first = train(shards, out, *RUN, "train.max_steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=1",
+                  mirror, ranks=2, env=s3_server.aws())
+    assert first.returncode == 0, explain(first)
+    export = {k: v for k, v in s3_server.objects(bucket, "runs/c").items() if k.startswith("hf_final/")}
+    assert export["hf_final/EXPORTED_FROM"] == b"step00000004\n"
+    more = train(shards, out, *RUN, "train.max_steps=8", "train.checkpoint_every=2", "train.keep_checkpoints=1",
+                 "train.halt_at_step=6", mirror, ranks=2, env=s3_server.aws())
+    assert more.returncode == 0, explain(more)
+    mirrored = s3_server.objects(bucket, "runs/c")
+    assert sorted({k.split("/")[0] for k in mirrored if k.startswith("step")}) == ["step00000006"]   # keep=1
+    assert {k: v for k, v in mirrored.items() if k.startswith("hf_final/")} == export

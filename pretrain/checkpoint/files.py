@@ -37,6 +37,16 @@ SHARED_PROBE = ".shared-probe"     # in out_dir: rank 0's token at start; a rank
 NODE_LISTINGS = ".nodes"           # in a mirrored tag: each other node's uploaded files, merged into FILE_LIST
 # The trainer's exports inside its out_dir: hf_final (the end of the run) and hf_step<N> (export_every).
 FINAL_EXPORT = "hf_final"
+TAG_PATTERN = re.compile(r"step\d{8}")      # a checkpoint's tag folder; nothing else in checkpoints/ or a mirror
+
+
+def tag_for_step(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def is_tag(name: str) -> bool:
+    """A checkpoint tag (not an export, the report, ``latest`` or anything a user put beside them)."""
+    return TAG_PATTERN.fullmatch(name) is not None
 EXPORT_SOURCE = "EXPORTED_FROM"     # inside an export: the checkpoint tag it was made from, written last
 
 

@@ -42,7 +42,7 @@ from typing import Optional
 from data_prep.atomic import write_atomic
 from data_prep.shard_format import sha256_file
 from data_prep.storage import StorageError, Store, open_store
-from pretrain.checkpoint.files import COMPLETE, FILE_LIST, LATEST, LAYOUT_FILE, NODE_LISTINGS, rank_of_file
+from pretrain.checkpoint.files import COMPLETE, FILE_LIST, LATEST, LAYOUT_FILE, NODE_LISTINGS, is_tag, rank_of_file
 from pretrain.checkpoint.nodes import NodeLayout, needed_by
 from pretrain.exit_codes import MIRROR_BEHIND
 
@@ -79,7 +79,7 @@ def mirror_problems(url: str) -> list[str]:
 def mirrored_tags(store: Store) -> list[str]:
     """Tags with ``COMPLETE`` in the mirror, oldest first."""
     return sorted(name.split("/")[0] for name in store.list() if name.count("/") == 1
-                  and name.endswith("/" + COMPLETE))
+                  and name.endswith("/" + COMPLETE) and is_tag(name.split("/")[0]))
 
 
 class CheckpointMirror:
@@ -203,9 +203,10 @@ class CheckpointMirror:
 
     def _prune(self) -> None:
         """Complete tags past ``keep``, and unfinished ones older than the newest complete tag (an
-        upload skipped or cut short: they never complete)."""
+        upload skipped or cut short: they never complete). Checkpoint tags only: the exports and the
+        report beside them are not checkpoints."""
         names = self.store.list()
-        tags = {name.split("/")[0] for name in names if "/" in name}
+        tags = {name.split("/")[0] for name in names if "/" in name and is_tag(name.split("/")[0])}
         complete = sorted(t for t in tags if f"{t}/{COMPLETE}" in names)
         drop = [t for t in sorted(tags) if t not in complete and complete and t < complete[-1]]
         drop += complete[:-self.keep] if self.keep else []

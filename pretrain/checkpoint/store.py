@@ -33,7 +33,7 @@ from data_prep.shard_format import Manifest, ShardError, load_manifest, sha256_f
 from data_prep.storage import StorageError
 from pretrain.checkpoint import mirror, reshard
 from pretrain.checkpoint.nodes import NodeLayout, env_node_ranks
-from pretrain.checkpoint.files import COMPLETE, CONFIG_FILE, FILE_LIST, LATEST, LAYOUT_FILE, LOCK_FILE
+from pretrain.checkpoint.files import COMPLETE, CONFIG_FILE, FILE_LIST, LATEST, LAYOUT_FILE, LOCK_FILE, is_tag, tag_for_step
 from pretrain.config.schema import Config
 from pretrain.config.loader import ConfigError
 
@@ -43,15 +43,11 @@ def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.train.out_dir) / "checkpoints"
 
 
-def tag_for_step(step: int) -> str:
-    return f"step{step:08d}"
-
-
 def complete_tags(root: Path) -> list[str]:
     """Tags whose every file is on disk, oldest first."""
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and (p / COMPLETE).is_file())
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and is_tag(p.name) and (p / COMPLETE).is_file())
 
 
 def latest_complete_tag(root: Path) -> Optional[str]:
