@@ -138,3 +138,39 @@ def test_a_cache_disk_that_fills_mid_run_is_said_once_and_reads_go_on_by_range(
     off = train(url, tmp_path / "off", *args, "data.cache_limit_gb=0", ranks=2, env=s3_server.aws())
     assert off.returncode == 0, explain(off)
     assert logged(tmp_path / "filled") == logged(tmp_path / "off")
+
+
+def test_a_killed_downloads_leftovers_are_cleaned_and_count_against_the_limit(s3_server, bucket_copy, shards,
+                                                                             tmp_path, monkeypatch):
+    """A download killed part-way leaves ``.<sha256>.<pid>.tmp``, and every shard once downloaded its
+    ``.lock``: before, neither was ever removed nor counted against data.cache_limit_gb. The next
+    download on the node removes what no live process holds; a live download's partial file counts."""
+    import json
+    import os
+    import subprocess
+
+    from data_prep.shard_format import load_manifest
+    from data_prep.storage import open_store
+    from pretrain.data.shard_cache import ShardCache
+
+    for key, value in s3_server.aws().items():
+        monkeypatch.setenv(key, value)
+    entries = load_manifest(shards).shards
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()                                         # a pid that no live process has
+    leftover = cache_dir / f".{entries[0].sha256}.{dead.pid}.tmp"
+    leftover.write_bytes(b"\0" * 5000)
+    stale_lock = cache_dir / f".{entries[1].sha256}.lock"
+    stale_lock.write_text("")
+    live = cache_dir / f".{entries[2].sha256}.{os.getpid()}.tmp"      # this process: alive
+    live.write_bytes(b"\0" * entries[3].bytes)
+    cache = ShardCache(cache_dir, limit_bytes=entries[3].bytes + entries[4].bytes + 1000)   # both fit, alone
+    store = open_store(f"s3://{bucket_copy}/wiki")
+    cache.fetch(store, entries[3])
+    assert not leftover.exists() and not stale_lock.exists() and live.exists()
+    assert (cache_dir / f"{entries[3].sha256}.tar").is_file()     # kept: the one just fetched
+    cache.fetch(store, entries[4])                      # with the live partial file, both cannot fit
+    assert not (cache_dir / f"{entries[3].sha256}.tar").exists(), json.dumps(sorted(os.listdir(cache_dir)))
+    assert (cache_dir / f"{entries[4].sha256}.tar").is_file()

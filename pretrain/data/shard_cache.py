@@ -84,6 +84,16 @@ def cache_dir_problems(cache_dir: str, limit_gb: float, largest_shard: int) -> l
     return []
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:                 # another user's live process
+        return True
+    return True
+
+
 class ShardCache:
     def __init__(self, root: Path, limit_bytes: int):
         self.root, self.limit_bytes = Path(root), limit_bytes
@@ -157,10 +167,40 @@ class ShardCache:
                 tmp.unlink(missing_ok=True)
         self.evict(keep=path)
 
+    def clean(self) -> int:
+        """Remove what no live process of this node holds: the partial file of a download whose process
+        was killed (``.<sha256>.<pid>.tmp``), and the lock of a shard no longer cached that nobody holds.
+        Returns the bytes of the downloads still in progress (they count against the limit)."""
+        in_progress = 0
+        for tmp in self.root.glob(".*.tmp"):
+            try:
+                pid = int(tmp.name.rsplit(".", 2)[-2])
+                size = tmp.stat().st_size
+            except (ValueError, FileNotFoundError):
+                continue
+            if _alive(pid):
+                in_progress += size
+            else:
+                tmp.unlink(missing_ok=True)
+        for lock_path in self.root.glob(".*.lock"):
+            sha = lock_path.name[1:-len(".lock")]
+            if sha == "evict" or (self.root / f"{sha}.tar").exists():
+                continue
+            try:
+                with open(lock_path, "a") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    # held, so no download of it is running; one that opened it and waits downloads once more, harmlessly
+                    lock_path.unlink(missing_ok=True)
+            except (BlockingIOError, FileNotFoundError):
+                continue
+        return in_progress
+
     def evict(self, keep: Path) -> None:
-        """The least recently used shards, until the cache fits its limit (``keep`` stays)."""
+        """The least recently used shards, until the cache fits its limit (``keep`` stays); everything
+        in the folder counts, downloads in progress included."""
         with open(self.root / ".evict.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            in_progress = self.clean()
             held = []
             for path in self.root.glob("*.tar"):
                 try:
@@ -168,7 +208,7 @@ class ShardCache:
                 except FileNotFoundError:
                     continue
                 held.append((st.st_mtime, st.st_size, path))
-            total = sum(size for _, size, _ in held)
+            total = in_progress + sum(size for _, size, _ in held)
             for _, size, path in sorted(held):
                 if total <= self.limit_bytes:
                     break
