@@ -32,6 +32,7 @@ import dataclasses
 import fnmatch
 import glob
 import gzip
+import hashlib
 import heapq
 import json
 import os
@@ -54,6 +55,7 @@ class Source:
     kind: str    # txt | jsonl | json | parquet | saved | hub
     path: str    # absolute path, or the hub name (with ":CONFIG")
     bytes: int   # size on disk (0 for the hub); used to balance tasks and to notice changed inputs
+    fingerprint: str = ""    # of a local file's or saved dataset's content (``fingerprint``); "" elsewhere
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,6 +81,37 @@ def _is_saved_dataset(folder: Path) -> bool:
         (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file())
 
 
+WHOLE_HASH_BYTES = 8 << 20       # files up to this size are hashed whole
+SAMPLE_BYTES, SAMPLES = 64 << 10, 16
+
+
+def fingerprint(path: Path) -> str:
+    """What identifies a local input's content, so that a re-run notices an edit that kept the size:
+    up to 8 MiB the sha256 of the whole file (exact; a file touched but unchanged keeps it); above,
+    its modification time and 16 chunks of 64 KiB spread over it (1 MiB read whatever the size: an
+    edit that keeps the size and the modification time and misses every chunk is not seen)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= WHOLE_HASH_BYTES:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        else:
+            digest.update(str(path.stat().st_mtime_ns).encode())
+            for k in range(SAMPLES):
+                f.seek((size - SAMPLE_BYTES) * k // (SAMPLES - 1))
+                digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()[:32]
+
+
+def _folder_fingerprint(folder: Path) -> str:
+    digest = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            digest.update(f"{p.relative_to(folder).as_posix()}:{fingerprint(p)}\n".encode())
+    return digest.hexdigest()[:32]
+
+
 def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
@@ -86,19 +119,19 @@ def _folder_bytes(folder: Path) -> int:
 def _sources_in(path: Path, pattern: str) -> list[Source]:
     if path.is_dir():
         if _is_saved_dataset(path):
-            return [Source("saved", str(path.resolve()), _folder_bytes(path))]
+            return [Source("saved", str(path.resolve()), _folder_bytes(path), _folder_fingerprint(path))]
         found = [p for p in sorted(path.rglob("*"))
                  if p.is_file() and not p.name.startswith(".") and _file_kind(p)]
         if not found:
             raise DataPrepError(f"--input {pattern!r}: folder {path} holds no .txt/.jsonl/.json/.parquet files "
                                 "and is not a dataset saved with save_to_disk")
-        return [Source(_file_kind(p), str(p.resolve()), p.stat().st_size) for p in found]
+        return [Source(_file_kind(p), str(p.resolve()), p.stat().st_size, fingerprint(p)) for p in found]
     kind = _file_kind(path)
     if kind is None:
         raise DataPrepError(f"--input {pattern!r}: {path} has an unsupported type "
                             "(supported: .txt, .jsonl, .json, .parquet, .txt.gz, .jsonl.gz, .json.gz, "
                             "a save_to_disk folder, hub:NAME)")
-    return [Source(kind, str(path.resolve()), path.stat().st_size)]
+    return [Source(kind, str(path.resolve()), path.stat().st_size, fingerprint(path))]
 
 
 def resolve_inputs(patterns: list[str]) -> list[Source]:

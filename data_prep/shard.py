@@ -201,15 +201,31 @@ def _close_group(key: GroupKey, done, pending: dict):
 # One task
 
 
+def _without_fingerprints(identity: dict) -> dict:
+    """The identity as data prep computed it before inputs had content fingerprints."""
+    return {**identity, "sources": [{k: v for k, v in src.items() if k != "fingerprint"} for src in identity["sources"]]}
+
+
 def _describe_difference(old: dict, new: dict) -> str:
     keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     parts = []
     for k in keys[:5]:
         if k == "sources":
-            parts.append("sources (the input files or their sizes)")
+            parts.append(_sources_difference(old.get(k) or [], new.get(k) or []))
         else:
             parts.append(f"{k}: {old.get(k)!r} then, {new.get(k)!r} now")
     return "; ".join(parts) or "unknown"
+
+
+def _sources_difference(old: list, new: list) -> str:
+    """Which inputs came, went or changed (size, or content where both runs recorded it)."""
+    before, now = {s["path"]: s for s in old}, {s["path"]: s for s in new}
+    changed = [p for p in sorted(set(before) & set(now)) if before[p]["bytes"] != now[p]["bytes"] or (
+        before[p].get("fingerprint") and before[p].get("fingerprint") != now[p].get("fingerprint"))]
+    said = [f"{label} {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''}" for label, paths in (
+        ("changed since:", changed), ("new:", sorted(set(now) - set(before))), ("gone:", sorted(set(before) - set(now))))
+        if paths]
+    return "inputs " + "; ".join(said) if said else "sources (the input files)"
 
 
 def shard_order(entry: dict) -> tuple:
@@ -260,6 +276,10 @@ def run_shard(settings: ShardSettings) -> TaskResult:
             raise DataPrepError(f"{manifest_path}: not valid JSON ({exc}); delete it to re-run task {task}") from None
         if previous.get("settings_sha256") == settings_hash:
             log.info("task %d: %s exists with the same settings, nothing to do", task, manifest_path)
+            return TaskResult(task, manifest_path, skipped=True, seconds=time.perf_counter() - t0)
+        if previous.get("settings_sha256") == settings_sha256(_without_fingerprints(identity)):
+            log.info("task %d: %s exists with the same settings, nothing to do (written before inputs were "
+                     "identified by content: by path and size only)", task, manifest_path)
             return TaskResult(task, manifest_path, skipped=True, seconds=time.perf_counter() - t0)
         raise DataPrepError(
             f"{manifest_path}: task {task} was already written with different settings "

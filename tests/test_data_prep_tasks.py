@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -454,3 +455,35 @@ def test_finalize_error_through_the_real_entry_point(tmp_path, wiki_txt_dir, ber
                            "--tokenizer", str(bert_uncased_dir), "--out", str(out)], cwd=REPO, capture_output=True,
                           text=True, env={**os.environ, "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_ID": "7"})
     assert proc.returncode == 2 and "task index 7" in proc.stderr and "out of range for 3" in proc.stderr
+
+
+def test_an_input_edited_without_changing_its_size_is_not_taken_for_the_old_one(tmp_path, wiki_txt_dir,
+                                                                               bert_uncased_dir):
+    """Inputs were identified by path and size: an edit that kept the size answered "exists with the
+    same settings, nothing to do" and kept shards of the old text. Now by content: a touched but
+    unchanged input is still skipped, an edited one refused naming it, and a task written before
+    fingerprints is still skipped when its inputs' paths and sizes are unchanged."""
+    from data_prep.errors import DataPrepError
+    from data_prep.settings import settings_sha256
+
+    inputs = tmp_path / "in"
+    shutil.copytree(wiki_txt_dir, inputs)
+    out = tmp_path / "out"
+    first = run_shard(settings([inputs], bert_uncased_dir, out, shard_size=256))
+    assert not first.skipped
+    victim = sorted(inputs.glob("*.txt"))[0]
+    os.utime(victim, (1, 1))                                         # touched: same content
+    assert run_shard(settings([inputs], bert_uncased_dir, out, shard_size=256)).skipped
+    text = victim.read_text()
+    victim.write_text(text.replace("the", "teh", 1))                  # same size, other words
+    assert victim.stat().st_size == len(text.encode())
+    with pytest.raises(DataPrepError, match=rf"different settings \(inputs changed since: {victim}\)"):
+        run_shard(settings([inputs], bert_uncased_dir, out, shard_size=256))
+    victim.write_text(text)
+    task = out / "task-00000.json"                                     # as written before fingerprints
+    raw = json.loads(task.read_text())
+    for src in raw["settings"]["sources"]:
+        del src["fingerprint"]
+    raw["settings_sha256"] = settings_sha256(raw["settings"])
+    task.write_text(json.dumps(raw))
+    assert run_shard(settings([inputs], bert_uncased_dir, out, shard_size=256)).skipped
