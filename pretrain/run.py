@@ -16,6 +16,7 @@ from data_prep.shard_format import Manifest
 from pretrain.checkpoint import phases
 from pretrain.checkpoint import nodes as checkpoint_nodes
 from pretrain.checkpoint import store as checkpointing
+from pretrain.checkpoint.export import final_export_dir
 from pretrain.checkpoint.mirror import CheckpointMirror
 from pretrain.checkpoint.state import STATE_KEY, TrainState
 from pretrain.config import loader as configlib
@@ -187,6 +188,7 @@ def build_run(cfg: Config, manifest: Manifest, tasks: list, resume_from: str | N
     run.tracker = build_tracker(run, origin, precision, ds_config)
     if cfg.train.checkpoint_mirror and nodes.writes_folder:
         run.mirror = CheckpointMirror(cfg.train.checkpoint_mirror, cfg.train.keep_checkpoints, nodes)
+        run.mirror.catch_up(checkpointing.checkpoint_root(cfg), final_export_dir(cfg.train.out_dir))
     resume_log.relog(run.tracker, run.state)      # a kill may have cut the checkpoint step's line short
     run.peak, peak_source = hardware.peak_tflops(info.device, precision, cfg.impl.peak_tflops)
     run.mfu_check = hardware.MfuCheck(run.peak, peak_source)

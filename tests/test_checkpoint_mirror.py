@@ -199,3 +199,37 @@ def test_continuing_a_finished_run_keeps_its_mirrored_export(s3_server, shards, 
     mirrored = s3_server.objects(bucket, "runs/c")
     assert sorted({k.split("/")[0] for k in mirrored if k.startswith("step")}) == ["step00000006"]   # keep=1
     assert {k: v for k, v in mirrored.items() if k.startswith("hf_final/")} == export
+
+
+def test_a_relaunch_after_a_kill_during_the_final_upload_completes_the_mirror(s3_server, shards, tmp_path):
+    """kill -9 while the final checkpoint's upload is held at 3 files, after the export was written
+    locally. Before, the relaunch found nothing to train, said "done" and exited 0 with the mirror's
+    newest tag incomplete, no hf_final/ and ``latest`` a checkpoint back. Now it uploads what the
+    earlier job left unmirrored and ends with the mirror whole."""
+    bucket = s3_server.bucket("finalkill")
+    steps = [*RUN, "train.max_steps=4", "train.checkpoint_every=2", f"train.checkpoint_mirror=s3://{bucket}/run"]
+    out = tmp_path / "run"
+    env = trainer_env(**s3_server.aws(), MLM_TEST_MIRROR_STALL="step00000004:3")
+    proc = subprocess.Popen(train_cmd(shards, out, *steps), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = out / "hf_final" / "EXPORTED_FROM"
+    try:
+        deadline = time.monotonic() + 300
+        while (len(s3_server.objects(bucket, "run/step00000004")) < 3 or not marker.is_file()) \
+                and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    mirrored = s3_server.objects(bucket, "run")
+    assert "step00000004/COMPLETE" not in mirrored and mirrored["latest"] == b"step00000002", sorted(mirrored)
+    assert marker.read_text() == "step00000004\n" and not any(k.startswith("hf_final/") for k in mirrored)
+    again = train(shards, out, *steps, env=s3_server.aws())
+    said = again.stdout + again.stderr
+    assert again.returncode == 0, explain(again)
+    assert "step00000004 is complete here but not in" in said and "hf_final is not in" in said, said[-3000:]
+    mirrored = s3_server.objects(bucket, "run")
+    assert "step00000004/COMPLETE" in mirrored and mirrored["latest"] == b"step00000004"
+    assert mirrored["hf_final/EXPORTED_FROM"] == b"step00000004\n"
+    assert {k[len("hf_final/"):]: v for k, v in mirrored.items() if k.startswith("hf_final/")} == \
+           {p.relative_to(out / "hf_final").as_posix(): p.read_bytes() for p in (out / "hf_final").rglob("*") if p.is_file()}

@@ -42,7 +42,8 @@ from typing import Optional
 from data_prep.atomic import write_atomic
 from data_prep.shard_format import sha256_file
 from data_prep.storage import StorageError, Store, open_store
-from pretrain.checkpoint.files import COMPLETE, FILE_LIST, LATEST, LAYOUT_FILE, NODE_LISTINGS, is_tag, rank_of_file
+from pretrain.checkpoint.files import (COMPLETE, EXPORT_SOURCE, FILE_LIST, LATEST, LAYOUT_FILE, NODE_LISTINGS, is_tag,
+                                      rank_of_file)
 from pretrain.checkpoint.nodes import NodeLayout, needed_by
 from pretrain.exit_codes import MIRROR_BEHIND
 
@@ -97,6 +98,28 @@ class CheckpointMirror:
         self.newest_mirrored: Optional[str] = None
         self.failed: list[str] = []
         self.behind: dict[str, str] = {}         # folders (the export, the report) whose upload failed
+
+    def catch_up(self, root: Path, export: Path) -> None:
+        """At start: what an earlier job of this run left on local disk only (stopped during an upload)
+        goes up now, so that a relaunch with nothing left to train does not end with the mirror one
+        checkpoint back and without the export: the newest complete checkpoint under ``root`` and the
+        export ``export`` (whose marker, written last, names its checkpoint). They then count in
+        ``wait``'s "behind" line like this job's own uploads."""
+        try:
+            local = sorted(p.name for p in root.iterdir() if is_tag(p.name) and (p / COMPLETE).is_file()) \
+                if root.is_dir() else []
+            if local and local[-1] not in mirrored_tags(self.store):
+                log.warning("checkpoint mirror: %s is complete here but not in %s (a job stopped during its "
+                            "upload): uploading it", local[-1], self.url)
+                self.upload(root / local[-1])
+            marker = export / EXPORT_SOURCE
+            if self.nodes.rank == 0 and marker.is_file() and \
+                    self.store.read_text(f"{export.name}/{EXPORT_SOURCE}") != marker.read_text():
+                log.warning("checkpoint mirror: %s is not in %s as it is here: uploading it", export.name, self.url)
+                self.upload_folder(export, last=EXPORT_SOURCE)
+        except (StorageError, OSError) as exc:
+            self.behind["catch-up"] = f"what an earlier job left unmirrored ({exc})"
+            log.warning("checkpoint mirror: comparing %s with %s failed (%s)", root, self.url, exc)
 
     def upload(self, folder: Path) -> None:
         """Start uploading the complete checkpoint ``folder`` (its tag folder)."""
