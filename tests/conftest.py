@@ -75,15 +75,20 @@ def pytest_collection_finish(session):
 @pytest.fixture(scope="session", autouse=True)
 def no_shared_memory_left_behind():
     """Ranks that a test kills cannot release DeepSpeed's /dev/shm segments (64 MiB each, RAM):
-    remove the ones this session created, so that a long suite does not fill the machine's memory."""
+    remove the ones this session created, so that a long suite does not fill the machine's memory.
+    Only those no live process maps: each pytest-xdist worker ends its own session, and the others'
+    jobs may still be running (removing a live job's segment left its peer rank waiting forever)."""
     import glob
     import time
 
+    from data_prep.stale_shm import mapped_files
+
     start = time.time()
     yield
+    live = mapped_files()
     for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*"):
         try:
-            if os.stat(path).st_mtime >= start:
+            if os.stat(path).st_mtime >= start and path not in live:
                 os.unlink(path)
         except OSError:
             pass

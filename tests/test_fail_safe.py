@@ -409,3 +409,26 @@ def test_a_killed_jobs_buffer_goes_at_once_when_nobody_listens_on_its_port():
         for path in paths.values():
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_a_rank_releases_only_the_shared_memory_it_maps(monkeypatch):
+    """A rank that failed before creating its segment (its master port taken by another job) removed
+    the other job's live segment of the same name at exit, and that job's peer ranks waited forever."""
+    import mmap
+
+    from pretrain.runtime.engine import release_shared_memory
+
+    port = f"9{os.getpid()}"
+    path = Path(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", port)
+    monkeypatch.setenv("RANK", "0")
+    path.write_bytes(b"\0" * 4096)
+    try:
+        release_shared_memory()                       # another job's: not mapped here
+        assert path.exists()
+        with open(path, "r+b") as f, mmap.mmap(f.fileno(), 4096):
+            release_shared_memory()                   # this process's own
+            assert not path.exists()
+    finally:
+        path.unlink(missing_ok=True)

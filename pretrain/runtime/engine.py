@@ -327,10 +327,15 @@ def rank0_value(value):
 def release_shared_memory() -> None:
     """DeepSpeed's CPU shared-memory all-reduce creates one /dev/shm segment per rank and never
     removes it (64 MiB each): on a machine that runs many jobs they fill /dev/shm, which is RAM.
-    Unlinking our own segment at exit is safe: peers mapped it at start, and mappings outlive names."""
+    Unlinking our own segment at exit is safe: peers mapped it at start, and mappings outlive names.
+    Only one this process maps: a rank that failed before creating its own (its master port taken by
+    another job, say) would otherwise remove that job's live segment by name, and its peers wait forever."""
     name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
             f"{os.environ.get('MASTER_PORT', '')}_{os.environ.get('RANK', '0')}")
     try:
+        with open("/proc/self/maps") as maps:
+            if not any(line.rstrip("\n").endswith(" " + name) for line in maps):
+                return
         os.unlink(name)
     except OSError:
         pass
