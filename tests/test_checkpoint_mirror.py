@@ -148,6 +148,22 @@ def test_a_damaged_mirrored_checkpoint_is_passed_over_for_the_previous_one(s3_se
     assert losses(out) == want              # steps 3 and 4 trained again from step 2, as before
 
 
+def kill_while_step4_uploads(s3_server, shards, out: Path, steps: list[str], bucket: str, also) -> None:
+    """A job whose upload of step 4 the test hook holds at 3 files, killed with its process group
+    (kill -9) once those are in the bucket and ``also()`` holds."""
+    env = trainer_env(**s3_server.aws(), MLM_TEST_MIRROR_STALL="step00000004:3")
+    proc = subprocess.Popen(train_cmd(shards, out, *steps), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while (len(s3_server.objects(bucket, "run/step00000004")) < 3 or not also()) \
+                and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
 def test_a_job_killed_mid_upload_resumes_from_the_previous_mirrored_checkpoint(s3_server, shards, tmp_path):
     """kill -9 while step 4's upload has 3 files in the bucket (held there by the test hook): its
     local checkpoints gone, the relaunched job never takes the half-uploaded tag (no COMPLETE), takes
@@ -155,18 +171,8 @@ def test_a_job_killed_mid_upload_resumes_from_the_previous_mirrored_checkpoint(s
     bucket = s3_server.bucket("killed")
     steps = [*RUN, "train.max_steps=4", "train.checkpoint_every=2", f"train.checkpoint_mirror=s3://{bucket}/run"]
     out = tmp_path / "run"
-    env = trainer_env(**s3_server.aws(), MLM_TEST_MIRROR_STALL="step00000004:3")
-    proc = subprocess.Popen(train_cmd(shards, out, *steps), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while len(s3_server.objects(bucket, "run/step00000004")) < 3 and time.monotonic() < deadline \
-                and proc.poll() is None:
-            time.sleep(0.2)
-        half = s3_server.objects(bucket, "run/step00000004")
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
+    kill_while_step4_uploads(s3_server, shards, out, steps, bucket, lambda: True)
+    half = s3_server.objects(bucket, "run/step00000004")
     assert len(half) == 3 and "COMPLETE" not in half, sorted(half)
     assert "step00000002/COMPLETE" in s3_server.objects(bucket, "run")
     want = losses(out)
@@ -209,18 +215,8 @@ def test_a_relaunch_after_a_kill_during_the_final_upload_completes_the_mirror(s3
     bucket = s3_server.bucket("finalkill")
     steps = [*RUN, "train.max_steps=4", "train.checkpoint_every=2", f"train.checkpoint_mirror=s3://{bucket}/run"]
     out = tmp_path / "run"
-    env = trainer_env(**s3_server.aws(), MLM_TEST_MIRROR_STALL="step00000004:3")
-    proc = subprocess.Popen(train_cmd(shards, out, *steps), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
     marker = out / "hf_final" / "EXPORTED_FROM"
-    try:
-        deadline = time.monotonic() + 300
-        while (len(s3_server.objects(bucket, "run/step00000004")) < 3 or not marker.is_file()) \
-                and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
+    kill_while_step4_uploads(s3_server, shards, out, steps, bucket, marker.is_file)
     mirrored = s3_server.objects(bucket, "run")
     assert "step00000004/COMPLETE" not in mirrored and mirrored["latest"] == b"step00000002", sorted(mirrored)
     assert marker.read_text() == "step00000004\n" and not any(k.startswith("hf_final/") for k in mirrored)

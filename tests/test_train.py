@@ -3,9 +3,11 @@ CPU ranks (gloo), every ZeRO stage, exact kill-free resume, export to Hugging Fa
 per-layer health metrics (``train.health_every``) at ZeRO 0, 2 and 3 on the same weights: every layer
 has them, they are plausible, and the stages agree (the partitioned sums add up to the whole).
 
-Time: about 1.5 minutes: five 2-rank runs at ZeRO 0-3, a halted and resumed run, the non-finite
-stop, two exports, and the SIGUSR1 run through the ``deepspeed`` command for real; the others fork
-their ranks from the rank pool (tests/rank_pool.py)."""
+Time: about 2.5 minutes: five 2-rank runs at ZeRO 0-3, a halted and resumed run, the non-finite
+stop at four stages and precisions (bf16 is emulated on an AVX2-only CPU, 50x slower, but these
+runs stop after four steps), two short runs with an odd vocabulary, two exports, and the SIGUSR1 run
+through the ``deepspeed`` command for real; the others fork their ranks from the rank pool
+(tests/rank_pool.py)."""
 from __future__ import annotations
 
 import json
