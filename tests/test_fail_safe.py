@@ -154,20 +154,10 @@ def _block_only_rank1_reads(data_dir: Path) -> tuple[str, int, int]:
 
 @pytest.mark.slow
 def test_a_token_id_out_of_range_read_by_one_rank_stops_every_rank_with_exit_2(shards, tmp_path):
-    from data_prep.shard_format import sha256_file
-
     data = tmp_path / "data"
     shutil.copytree(shards, data)
     path, index, step = _block_only_rank1_reads(data)
-    offset, size = ids_payload(path, index)
-    with open(path, "r+b") as f:                                       # the block's last id (uint16)
-        f.seek(offset + size - 2)
-        f.write(struct.pack("<H", 30600))
-    manifest = json.loads((data / "manifest.json").read_text())
-    for entry in manifest["shards"]:
-        if entry["name"] == Path(path).name:
-            entry["sha256"] = sha256_file(path)
-    (data / "manifest.json").write_text(json.dumps(manifest))
+    _corrupt_last_id(data, path, index, 30600)
 
     proc = train(data, tmp_path / "run", "train.max_steps=40", "train.log_every=1", ranks=2)
     assert proc.returncode == 2, explain(proc)
@@ -181,8 +171,9 @@ def test_a_token_id_out_of_range_read_by_one_rank_stops_every_rank_with_exit_2(s
 
 
 def _corrupt_last_id(data: Path, path: str, index: int, token: int) -> None:
-    """The block's last token id (uint16) becomes ``token``; the manifest's sha256 follows."""
-    from data_prep.shard_format import sha256_file
+    """The block's last token id (uint16) becomes ``token``, and the manifest records the shard as
+    written (its sha256 and block checksums): what a data prep that wrote a bad id leaves."""
+    from data_prep.shard_format import block_checksums, sha256_file
 
     offset, size = ids_payload(path, index)
     with open(path, "r+b") as f:
@@ -192,6 +183,7 @@ def _corrupt_last_id(data: Path, path: str, index: int, token: int) -> None:
     for entry in manifest["shards"]:
         if entry["name"] == Path(path).name:
             entry["sha256"] = sha256_file(path)
+            entry["block_crc32"] = block_checksums(Path(path).read_bytes(), entry["block_offsets"])
     (data / "manifest.json").write_text(json.dumps(manifest))
 
 

@@ -2,8 +2,8 @@
 goes on, equal to an uninterrupted one), gone for good (exit 3, every process ended), and kill -9
 then a resume at another world size, on the same samples.
 
-Time: about 3 minutes: outages are ridden through in real time (the store is stopped for
-seconds and the retry window waited out), and the runs that are killed or outlive an outage go
+Time: about 3.5 minutes: outages are ridden through in real time (the store is stopped or frozen
+for seconds and the retry window waited out), and the runs that are killed or outlive an outage go
 through DeepSpeed's per-node launcher as a process group of their own."""
 from __future__ import annotations
 
