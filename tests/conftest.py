@@ -94,10 +94,28 @@ def no_shared_memory_left_behind():
             pass
 
 
+PORTS_FROM, PORTS_PER_WORKER = 10000, 2500
+_ports_taken = [0]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768-60999, where bind(0) and every outgoing
+    connection take theirs), in a block of its own for each pytest-xdist worker (gw0: 10000-12499,
+    gw1: 12500-14999, ...; the Slurm script's ports are 20000 + job id), taken in turn. A port that
+    bind(0) had just handed out could be given to another worker's job or to a connection before the
+    launcher bound it: a run failed with EADDRINUSE."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0) % 4
+    first = PORTS_FROM + PORTS_PER_WORKER * worker
+    for _ in range(PORTS_PER_WORKER):
+        port = first + _ports_taken[0] % PORTS_PER_WORKER
+        _ports_taken[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + PORTS_PER_WORKER - 1}")
 
 
 @pytest.fixture(scope="session")
