@@ -247,6 +247,7 @@ class S3Store(Store):
         self.root = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self._client, self._client_pid = None, None
         self._stage: Optional[Path] = None
+        self._bucket_seen = False              # check() found the bucket: a 404 is then a missing object
 
     def __getstate__(self) -> dict:
         # A DataLoader worker gets a copy: boto3 clients are neither picklable nor safe across a fork.
@@ -328,9 +329,12 @@ class S3Store(Store):
                 raise
         got = self._call(name, "stat", head)
         if got is None:
-            # S3 answers a HEAD in a bucket that does not exist with the same bare 404: ask the bucket,
-            # so that a wrong bucket name is said as such, not as a missing object.
-            self.check(write=False)
+            # S3 answers a HEAD in a bucket that does not exist with the same bare 404: ask the bucket
+            # (once: the mirror polls for objects still to come), so that a wrong bucket name is said
+            # as such, not as a missing object.
+            if not self._bucket_seen:
+                self.check(write=False)
+                self._bucket_seen = True
             return None
         return ObjectInfo(int(got["ContentLength"]), got.get("Metadata", {}).get(SHA256_METADATA))
 
