@@ -86,22 +86,16 @@ class SpikeDetector:
         return None
 
 
-def step_loss(sums: torch.Tensor) -> float:
-    """The step's MLM loss over all ranks (one small all-reduce)."""
-    totals = sums.detach().clone()
-    dist.all_reduce(totals)
-    return float(totals[0] / totals[2]) if float(totals[2]) else float("nan")
-
-
 class SpikeGuard:
     """What ``fit`` calls: ``check`` after every step, ``recover`` when it returns a spike."""
 
     def __init__(self, cfg: SpikeGuardConfig, global_batch: int, root, tracker):
         self.cfg, self.global_batch, self.root, self.tracker = cfg, global_batch, root, tracker
 
-    def check(self, sums: torch.Tensor, state: TrainState) -> tuple[int, int] | None:
+    def check(self, loss: float, state: TrainState) -> tuple[int, int] | None:
+        """``loss``: the step's MLM loss over all ranks (``StepResult.loss``, read with the step's flags)."""
         detector = SpikeDetector(self.cfg, state.spike_detector)
-        spike = detector.observe(state.step, step_loss(sums))
+        spike = detector.observe(state.step, loss)
         state.spike_detector = detector.state_dict()
         return spike
 

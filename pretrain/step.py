@@ -3,6 +3,7 @@ forward, backward, step), the throughput window that the loss and speed metrics 
 signal that SIGUSR1/SIGTERM raise."""
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -36,8 +37,9 @@ class StopSignal:
 
 @dataclass
 class StepResult:
-    sums: torch.Tensor        # float64 [loss_sum, correct, predicted, tokens] on the device; correct
-                              # only on a logged step (0 otherwise)
+    sums: torch.Tensor        # float64 [loss_sum, correct, predicted, tokens] on the device, this rank's;
+                              # correct only on a logged step (0 otherwise)
+    loss: float               # the step's MLM loss over all ranks (nan when non-finite)
     nonfinite: bool           # some rank's loss was not finite: the update was skipped everywhere
     stop: bool                # some rank was asked to stop
     grad_norm: float | None   # ZeRO 0 only, when asked (DeepSpeed keeps none there)
@@ -67,7 +69,12 @@ def train_step(run, micro_batches: list[dict], logged: bool,
                before_step: Optional[Callable[[], None]] = None) -> StepResult:
     """Forward and backward over the step's micro-batches, then one optimiser step. ``logged``: the
     step's metrics are logged, so its accuracy and (ZeRO 0) gradient norm are computed. ``before_step``
-    runs where the gradients are whole and the weights not yet updated (per-layer health)."""
+    runs where the gradients are whole and the weights not yet updated (per-layer health).
+
+    The host reads from the device once per step (``decided.tolist()``), after the last backward and
+    before the update: whether to skip the update (a non-finite loss, an unreadable batch) is a branch
+    of DeepSpeed's step on the host, and the spike guard and a stop signal are decided from the same
+    five numbers. Everything else stays on the device until a logged step (``ThroughputWindow``)."""
     engine, device, world = run.engine, run.info.device, run.info.world
     masked = mask_micro_batches(run, micro_batches)
     # The loss is normalised by the masked-token count of the whole step, all ranks together:
@@ -75,8 +82,7 @@ def train_step(run, micro_batches: list[dict], logged: bool,
     predicted = torch.stack([m.num_masked for m, *_ in masked]).sum().double().reshape(1)
     dist.all_reduce(predicted)
     scale = world * len(masked) / predicted.clamp(min=1.0)
-    flags = torch.zeros(3, device=device)                     # [non-finite loss, stop requested, bad input]
-    flags[2] = bad_input.failure_level(micro_batches)
+    level = bad_input.failure_level(micro_batches)
     sums = torch.zeros(4, dtype=torch.float64, device=device)
     grad_norm = None
     for i, (m, attention_mask, tokens, sample_ids) in enumerate(masked):
@@ -85,14 +91,20 @@ def train_step(run, micro_batches: list[dict], logged: bool,
         with eng.eager_forward(engine, eager=attention_mask is not None):
             loss_sum, correct, count = engine(m.input_ids, attention_mask, m.positions, m.labels,
                                               want_correct=logged)
-        flags[0] = torch.maximum(flags[0], (~torch.isfinite(loss_sum.detach())).float())
         sums[:3] += torch.stack([loss_sum.detach().double(), correct.double(), count.double()])
         sums[3] += tokens
         engine.backward(loss_sum * scale)
         if i == len(masked) - 1:
-            flags[1] = float(run.stop.requested)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)      # every rank skips or stops together
-            run.optimizer.skip_next_step = bool(flags[0]) or bool(flags[2])
+            # Summed over ranks: [loss sum, predicted, stop asked, bad input, store down]. A loss sum
+            # is non-finite where any rank's is (losses are >= 0: no inf - inf).
+            decided = torch.zeros(5, dtype=torch.float64, device=device)
+            decided[:2] = sums[[0, 2]]
+            decided[2], decided[3] = float(run.stop.requested), float(level >= bad_input.BAD_INPUT)
+            decided[4] = float(level >= bad_input.OUTAGE)
+            dist.all_reduce(decided)
+            loss_total, predicted_total, stop, bad, outage = decided.tolist()
+            nonfinite = not math.isfinite(loss_total)
+            run.optimizer.skip_next_step = nonfinite or bad > 0       # every rank skips or stops together
             if logged and run.cfg.impl.zero_stage == 0:
                 grad_norm = eng.local_grad_norm(engine)
             if before_step:
@@ -100,8 +112,8 @@ def train_step(run, micro_batches: list[dict], logged: bool,
         engine.step()
     run.optimizer.skip_next_step = False
     leak_for_test()
-    return StepResult(sums, bool(flags[0]), bool(flags[1]), grad_norm, bool(flags[2]),
-                      bool(flags[2] >= bad_input.OUTAGE))
+    loss = loss_total / predicted_total if predicted_total and not nonfinite else float("nan")
+    return StepResult(sums, loss, nonfinite, stop > 0, grad_norm, bad > 0, outage > 0)
 
 
 LEAK_ENV = "MLM_TEST_LEAK_MB_PER_STEP"      # test only: every step keeps this many MB more

@@ -102,7 +102,7 @@ def fit(run: Run) -> int:
                 return EXIT_NONFINITE
 
             # a loss spike: back to the checkpoint before it, past its samples
-            if guard and (spike := guard.check(result.sums, state)):
+            if guard and (spike := guard.check(result.loss, state)):
                 batches = recover_from_spike(run, guard, spike, batches)
                 if batches is None:
                     return EXIT_SPIKES

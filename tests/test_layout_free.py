@@ -89,6 +89,49 @@ def test_keyed_dropout_keeps_one_minus_p_and_rescales():
         drop(torch.ones(3, 4))                                # 3 rows but 64 ids set
 
 
+@pytest.mark.parametrize("arch,dropouts", [
+    ("bert", {"hidden_dropout": 0.1, "attention_dropout": 0.1}),
+    ("modernbert", {"embedding_dropout": 0.1, "mlp_dropout": 0.1, "attention_dropout": 0.0}),
+])
+def test_keyed_dropout_traces_once_without_graph_breaks(arch, dropouts):
+    """Under torch.compile the dropout sites are part of the one graph (fused with what surrounds
+    them), and a new step or batch of sample ids does not trace it again (issue 49, item 1)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny(arch, **dropouts).train()
+    key = keyed_dropout.install(model.hf_model, seed=1)
+    compiled = torch.compile(model, backend="eager")          # dynamo's tracing alone: no inductor build
+    ids = torch.randint(5, SPECIAL.vocab_size, (4, 16), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(0, 64, 5)
+    losses = []
+    for step in range(3):
+        key.set(torch.arange(4) + 10 * step, step)
+        loss = compiled(ids, None, positions, ids.reshape(-1)[positions])[0]
+        loss.backward()
+        losses.append(loss.item())
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1
+    assert len(set(losses)) == 3                              # the masks did change per step
+
+
+@pytest.mark.slow
+def test_compiled_keyed_dropout_drops_the_same_units_as_eager():
+    """Inductor's fused kernel computes the same int64 hash bits as the eager ops: a run resumed with
+    compile where it ran eager (impl.compile: auto) drops the same units."""
+    torch._dynamo.reset()
+    key = keyed_dropout.DropoutKey(seed=3)
+    drop = keyed_dropout.KeyedDropout(0.1, "probe", key).train()
+    compiled = torch.compile(drop)
+    x = torch.randn(8, 16, 33)                                # odd row length: the last half-hash split
+    for step in range(2):
+        key.set(torch.arange(8) * 7 + step, step)
+        eager, fused = drop(x), compiled(x)
+        assert torch.equal(eager, fused)
+        assert abs((eager == 0).double().mean().item() - 0.1) < 0.02
+
+
 def _eval_worker(rank, world, port, shards, layouts, out):
     """Evaluates the same initial weights with each (micro-batch, sequences) of ``layouts``."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

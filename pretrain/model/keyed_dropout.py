@@ -4,16 +4,26 @@ torch's dropout draws from the global generator: which numbers a row gets depend
 micro-batch it lands in and on the rows before it, so a run resumed at another world size or
 micro-batch dropped other units (~2e-3 in loss). Here every dropout mask of a row is the counter-based
 hash of (train.seed, step, the site's name, the row's sample id, the element's position in the row),
-the same primitive that keys the MLM masks (``pretrain.masking._HashDraws``). A row then gets the same
-mask in any batch, at any world size or micro-batch: results match up to summation order.
+the same mixing function that keys the MLM masks (``pretrain.model.masking._mix32``). A row then gets
+the same mask in any batch, at any world size or micro-batch: results match up to summation order.
 
-Sites: every ``nn.Dropout`` of the Hugging Face model (BERT: embeddings, attention output, FFN output;
-ModernBERT: embeddings, attention output, MLP) becomes a :class:`KeyedDropout`, and dropout on the
-attention probabilities (``model.attention_dropout`` > 0, both architectures) is applied by the
-``keyed_sdpa`` attention function registered here. SDPA and flash attention draw their dropout inside
-the kernel, which cannot be keyed, so with attention-probability dropout on, *training* runs the
-attention eagerly (the probabilities materialised: slower and L^2 memory); evaluation, and any run with
-``attention_dropout: 0`` (ModernBERT's default, ``configs/mini.yaml``), keeps SDPA.
+Cost: per element one 32-bit hash (three multiply/xor-shift rounds) gives two 16-bit draws. Eagerly
+that is ~20 passes over memory per site; under ``torch.compile`` the whole site (hash, compare, scale,
+multiply) is one fused kernel with the bias, residual and LayerNorm around it. Nothing here is a
+Python number that changes per step: the step and the batch's sample ids enter as one device tensor,
+``DropoutKey.row_keys``, set once per micro-batch, so the compiled graph is traced once and has no
+break at a dropout site. The arithmetic is int64 with explicit 32-bit masks rather than wrapping int32,
+whose overflow PyTorch leaves undefined: eager, compiled, CPU and CUDA give the same bits, so a resume
+that compiles where the first run did not (``impl.compile: auto``) drops the same units.
+
+Sites: every ``nn.Dropout`` with p > 0 of the Hugging Face model (BERT: embeddings, attention output,
+FFN output; ModernBERT: embeddings, attention output, MLP) becomes a :class:`KeyedDropout` (p = 0 sites
+stay torch's, an identity), and dropout on the attention probabilities (``model.attention_dropout`` > 0,
+both architectures) is applied by the ``keyed_sdpa`` attention function registered here. SDPA and flash
+attention draw their dropout inside the kernel, which cannot be keyed, so with attention-probability
+dropout on, *training* runs the attention eagerly (the probabilities materialised: slower and L^2
+memory); evaluation, and any run with ``attention_dropout: 0`` (ModernBERT's and MosaicBERT's choice,
+every config here), keeps SDPA or flash attention.
 """
 from __future__ import annotations
 
@@ -23,27 +33,60 @@ import zlib
 import torch
 from torch import nn
 
-from pretrain.model.masking import _HashDraws
+from pretrain.model.masking import _absorb, _mix32
 from pretrain.seeds import derive_seed
 
 log = logging.getLogger("pretrain")
 KEYED_ATTENTION = "keyed_sdpa"
 ATTENTION_CLASSES = ("BertSelfAttention", "ModernBertAttention")     # those that call the attention function
+_COLUMN_SALT = 0x2F1D7A3B
 
 
 class DropoutKey:
-    """The current micro-batch's sample ids and step, shared by all dropout sites of one model.
+    """The current micro-batch's key, shared by all dropout sites of one model.
 
     Set by ``train_step`` once per micro-batch: the sites sit deep inside Hugging Face layers, whose
-    forward arguments cannot carry the batch's sample ids."""
+    forward arguments cannot carry the batch's sample ids. ``row_keys`` [B] int64 (values < 2**32) on
+    the batch's device folds (seed, step, sample id) together; each site mixes its own name in."""
 
     def __init__(self, seed: int):
         self.seed = int(seed)
-        self.sample_ids: torch.Tensor | None = None
+        self.row_keys: torch.Tensor | None = None
         self.step = 0
 
     def set(self, sample_ids: torch.Tensor, step: int) -> None:
-        self.sample_ids, self.step = sample_ids, int(step)
+        self.step = int(step)
+        head = _absorb(0x9E3779B9, derive_seed("dropout", self.seed, self.step))      # a Python int
+        ids = sample_ids.long()
+        self.row_keys = _absorb(torch.full_like(ids, head), ids)
+
+
+_column_cache: dict = {}
+
+
+def _column_hashes(n: int, device: torch.device) -> torch.Tensor:
+    """[n] int64: the hash of each position in a row, the same for every row, site and step."""
+    if torch.compiler.is_compiling():          # traced: computed inside the fused kernel
+        return _mix32(torch.arange(n, device=device) + _COLUMN_SALT)
+    key = (n, device)
+    if key not in _column_cache:
+        if len(_column_cache) > 64:
+            _column_cache.clear()
+        _column_cache[key] = _mix32(torch.arange(n, device=device) + _COLUMN_SALT)
+    return _column_cache[key]
+
+
+def keep_mask(row_keys: torch.Tensor, site_id: int, shape: torch.Size, dropped: int) -> torch.Tensor:
+    """Bool mask of ``shape`` (rows first): True where an element is kept, i.e. where its 16-bit draw
+    is at least ``dropped`` (= round(p * 65536)). Each 32-bit hash gives two draws, its low and its
+    high half: half the hashing, p to within 2**-16."""
+    rows, per_row = shape[0], shape[1:].numel()
+    half = (per_row + 1) // 2
+    site_keys = _mix32(row_keys ^ site_id)                                    # [B]
+    h = _mix32(site_keys[:, None] ^ _column_hashes(half, row_keys.device)[None, :])
+    # (h >> 16) >= d  <=>  h >= d << 16: one comparison fewer
+    keep = torch.stack([(h & 0xFFFF) >= dropped, h >= dropped << 16], dim=-1).reshape(rows, 2 * half)
+    return keep[:, :per_row].reshape(shape)
 
 
 class KeyedDropout(nn.Module):
@@ -53,31 +96,23 @@ class KeyedDropout(nn.Module):
         super().__init__()
         self.p, self.site, self.key = float(p), site, key
         self.site_id = zlib.crc32(site.encode())
+        self.dropped = round(self.p * 65536)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, site={self.site!r}"
 
-    # Dynamo would guard on the step (a Python int) and recompile every step: this runs eagerly.
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
         if self.p >= 1.0:
             return x * 0.0
-        ids = self.key.sample_ids
-        if ids is None or ids.numel() != x.shape[0]:
+        keys = self.key.row_keys
+        if keys is None or keys.shape[0] != x.shape[0]:
             raise RuntimeError(f"dropout site {self.site}: the batch's sample ids were not set for this input "
                                f"of {x.shape[0]} rows (DropoutKey.set before the forward)")
-        rows, per_row = x.shape[0], x[0].numel()
-        draws = _HashDraws(derive_seed("dropout", self.key.seed, self.key.step, self.site_id),
-                           ids.to(x.device, torch.long), per_row)
-        # Each 32-bit hash gives two 16-bit draws: half the hashing, and p to within 2**-16.
-        h = draws._hash(0, torch.arange(rows, device=x.device)[:, None],
-                        torch.arange((per_row + 1) // 2, device=x.device)[None, :])
-        bits = torch.stack([h & 0xFFFF, h >> 16], dim=-1).reshape(rows, -1)[:, :per_row]
-        dropped = round(self.p * 65536)
-        keep = bits.reshape(x.shape) >= dropped
-        return x * keep.to(x.dtype) * (65536.0 / (65536 - dropped))     # unbiased for the p drawn
+        keep = keep_mask(keys, self.site_id, x.shape, self.dropped)
+        scale = 65536.0 / (65536 - self.dropped)                  # unbiased for the p drawn
+        return torch.where(keep, x * scale, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def keyed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -116,7 +151,7 @@ def install(hf_model: nn.Module, seed: int) -> DropoutKey:
     key = DropoutKey(seed)
     for name, parent in list(hf_model.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if isinstance(child, nn.Dropout):
+            if isinstance(child, nn.Dropout) and child.p > 0:       # p = 0: an identity, left to torch
                 keyed = KeyedDropout(child.p, f"{name}.{child_name}", key)
                 keyed.train(child.training)        # a swapped module must not switch eval mode off
                 setattr(parent, child_name, keyed)

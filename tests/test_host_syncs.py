@@ -1,0 +1,52 @@
+"""The training step reads from the device once (issue 49, item 3): on a GPU every read of a tensor's
+value by the host (``item``, ``bool``, ``tolist``, ``nonzero`` ...) waits for the queued kernels, so a
+step with several stalls as often. ``tests/sync_probe.py`` runs the real trainer in one process with
+those reads counted by call site. On a step that logs nothing, our code reads once, the five numbers
+that decide the update (``pretrain/step.py``); DeepSpeed's own reads (its gradient-norm checks) are
+printed, not asserted."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+from conftest import PY, REPO, explain, trainer_env
+
+pytestmark = pytest.mark.slow
+
+STEPS, LOG_EVERY = 6, 3
+ONE_READ = ["pretrain/step.py:train_step.tolist"]
+
+
+def probe(shards, tmp_path, *overrides) -> list[list[str]]:
+    out = tmp_path / "reads.json"
+    proc = subprocess.run([PY, "tests/sync_probe.py", str(out), "--config", "configs/tiny.yaml",
+                           f"data.dir={shards}", f"train.out_dir={tmp_path / 'run'}", "tracking.report=false",
+                           f"train.max_steps={STEPS}", f"train.log_every={LOG_EVERY}", "train.eval_every=0",
+                           "train.checkpoint_every=0", "train.eval_sequences=16", "train.spike_guard.enabled=true",
+                           *overrides], cwd=REPO, capture_output=True, text=True, timeout=600, env=trainer_env())
+    assert proc.returncode == 0, explain(proc)
+    return json.loads(out.read_text())["steps"]
+
+
+def test_a_step_that_logs_nothing_reads_the_device_once(shards, tmp_path):
+    # ZeRO 1 in bf16 with two micro-batches per step (global 16 = 2 x 8): base.yaml's path.
+    steps = probe(shards, tmp_path, "masking.fixed_count=true", "impl.zero_stage=1", "impl.precision=bf16")
+    assert len(steps) == STEPS
+    for number, reads in enumerate(steps, start=1):
+        ours = sorted(r for r in reads if not r.startswith("deepspeed/"))
+        print(f"step {number}: ours {dict(Counter(ours))}, DeepSpeed's "
+              f"{dict(Counter(r for r in reads if r.startswith('deepspeed/')))}", file=sys.stderr)
+        if number % LOG_EVERY and number != STEPS:
+            assert ours == ONE_READ, (number, reads)
+        else:                                                  # a logged step reads its metrics
+            assert len(ours) > 1, (number, reads)
+
+
+def test_masking_without_a_fixed_count_reads_once_per_micro_batch(shards, tmp_path):
+    """The documented exception: a data-dependent number of masked tokens is known only on the host."""
+    steps = probe(shards, tmp_path, "masking.fixed_count=false")
+    ours = sorted(r for r in steps[0] if not r.startswith("deepspeed/"))
+    assert ours == sorted(ONE_READ + ["pretrain/model/masking.py:mask_batch.nonzero"] * 2), steps[0]
