@@ -7,12 +7,22 @@ CUDA the peak memory each takes.
     python bench/mlm_loss.py                               # CPU, mini's shape: 614 tokens x 256 -> 30,522
     python bench/mlm_loss.py --precision bf16 --chunk-rows 64 128 274 614
     python bench/mlm_loss.py --device cuda --tokens 65536 --hidden 768 --precision bf16   # bench/gpu_smoke.sh
+    python bench/mlm_loss.py --memory --tokens 4096 --hidden 768 --vocab 50368   # eager vs torch.compile
+
+``--memory``: the peak memory of one forward + backward of the plain loss, the fused one, and the fused
+one under ``torch.compile`` (its chunks unrolled for a fixed token count), each in a fresh process. On
+the CPU it is the peak growth of the resident set, sampled every 0.2 ms, with glibc told to map every
+allocation over 64 KiB on its own (``MALLOC_MMAP_THRESHOLD_``) so that a freed tensor leaves the
+resident set; on CUDA, ``max_memory_allocated``.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -85,6 +95,65 @@ def peak_memory(fn, tensors, device) -> str:
     return f"{(torch.cuda.max_memory_allocated(device) - base) / 2 ** 20:,.0f} MiB"
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measured_peak(fn, tensors, device) -> int:
+    """Bytes above what was live before, at the peak of one forward + backward."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        step(fn, tensors, True)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(device) - base
+    base, peak, done = _resident_bytes(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _resident_bytes())
+            time.sleep(0.0002)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    step(fn, tensors, True)
+    done.set()
+    sampler.join()
+    return max(peak[0], _resident_bytes()) - base
+
+
+MEMORY_VARIANTS = ("plain", "fused", "fused, torch.compile")
+
+
+def memory_child(args) -> None:
+    device, dtype = torch.device(args.device), {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
+    tensors = inputs(args, device, dtype)
+    fn = plain if args.memory_child == "plain" else fused(None)
+    if "compile" in args.memory_child:
+        fn = torch.compile(fn)
+        step(fn, tensors, True)                           # compiles (the count is fixed: one graph)
+    print(measured_peak(fn, tensors, device))
+
+
+def memory_table(args) -> None:
+    rows = []
+    full = args.tokens * args.vocab * 4
+    for name in MEMORY_VARIANTS:
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+        cmd = [sys.executable, __file__, "--memory-child", name, "--device", args.device, "--precision",
+               args.precision, "--tokens", str(args.tokens), "--hidden", str(args.hidden), "--vocab", str(args.vocab)]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout.split()
+        peak = int(out[-1])
+        rows.append([name, f"{peak / 2 ** 20:,.0f} MiB", f"{peak / full:.2f}"])
+    where = torch.cuda.get_device_name(0) if args.device == "cuda" else cpu_record().get("model", "cpu")
+    print(f"{args.tokens} tokens x {args.hidden} -> {args.vocab}, {args.precision}, {where}: peak memory of one "
+          f"forward + backward above its inputs; fp32 [N, V] logits are {full / 2 ** 20:,.0f} MiB")
+    print(format_table(["loss", "peak memory", "x full logits"], rows))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
@@ -95,9 +164,15 @@ def main() -> None:
     p.add_argument("--chunk-rows", type=int, nargs="+", default=[], help="besides the default chunking")
     p.add_argument("--repeats", type=int, default=10, help="timed runs of each, interleaved")
     p.add_argument("--threads", type=int, help="torch threads on the CPU")
+    p.add_argument("--memory", action="store_true", help="peak memory: plain, fused, fused compiled")
+    p.add_argument("--memory-child", choices=MEMORY_VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.memory_child:
+        return memory_child(args)
+    if args.memory:
+        return memory_table(args)
     device, dtype = torch.device(args.device), {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
     tensors = inputs(args, device, dtype)
     default_rows = rows_per_chunk(args.vocab, device)

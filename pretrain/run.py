@@ -97,13 +97,16 @@ def build_engine(cfg: Config, manifest: Manifest, resume_from: str | None, info:
     times this model's step on a CPU), and DeepSpeed's engine."""
     special = SpecialIds.from_manifest(manifest)
     torch.manual_seed(cfg.train.seed)                       # identical initial weights on every rank
+    rows = eng.rank0_value(phases.saved_vocab_rows(cfg, resume_from) if info.rank == 0 else None)
     model = build_model(cfg.model, manifest.tokenizer.vocab_size, special, cfg.impl,
-                        seq_len=manifest.seq_len, shape_from=phases.model_shape_file(cfg, resume_from))
+                        seq_len=manifest.seq_len, shape_from=phases.model_shape_file(cfg, resume_from),
+                        vocab_rows=rows)
     probe = step_probe(model, cfg.impl.micro_batch_size, manifest.seq_len, cfg.masking.rate)
     with torch.random.fork_rng():                          # the timing leaves the run's RNG as it was
         precision, why = hardware.resolve_precision(cfg.impl.precision, info.device, probe)
     precision, why = eng.rank0_value((precision, why))     # every node takes the first rank's choice
     model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)   # the same at any layout
+    model.fixed_predictions = cfg.masking.fixed_count
     choose_attention(model, cfg, info, precision, manifest.seq_len)
     engine, scheduler, ds_config, optimizer = eng.initialize(model, cfg, info, precision, node_local)
     return special, model, engine, scheduler, ds_config, optimizer, precision, why

@@ -11,10 +11,10 @@ from pretrain.config.schema import Config, ConfigError, load_config
 from pretrain.runtime.engine import deepspeed_config
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-# configs/data/ holds data-prep settings (data_prep.settings); study.yaml is a training config plus a
-# study section (tests/test_study.py loads it); every other YAML is a training config.
+# configs/data/ holds data-prep settings (data_prep.settings); study*.yaml are training configs plus a
+# study section (tests/test_study.py loads them); every other YAML is a training config.
 CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.yaml")
-                 if "data" not in p.relative_to(CONFIG_DIR).parts[:-1] and p.name != "study.yaml")
+                 if "data" not in p.relative_to(CONFIG_DIR).parts[:-1] and not p.name.startswith("study"))
 DATA_PREP_CONFIGS = sorted((CONFIG_DIR / "data").glob("*.yaml"))
 
 

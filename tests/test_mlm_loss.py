@@ -119,27 +119,56 @@ def test_no_full_logits_are_kept_for_the_backward():
     assert kept_full_logits(lambda *t: fused_linear_cross_entropy(*t, chunk_rows=7), tensors) == 0
 
 
-def test_compiled_with_a_changing_token_count_keeps_one_dynamic_graph():
-    """torch.compile traces the fused loss whole (one chunk) with the predicted-token count symbolic:
-    a new count after the first needs no new graph, and the results are the eager chunked ones."""
-    from torch._dynamo.utils import counters
+def test_compiled_keeps_its_chunks_for_a_fixed_count_and_runs_eagerly_for_a_changing_one():
+    """Under torch.compile the full [N, V] logits are never live (issue 49, item 5): a fixed token
+    count (masking.fixed_count) unrolls the chunks into the graph, one decoder matmul per chunk; a
+    count that changes from batch to batch is a symbol, and the loss then runs eagerly in its chunks
+    rather than whole in the graph. Either way the results are the eager ones."""
+    graphs = []
 
-    def loss_and_correct(hidden, weight, bias, labels):
-        loss, losses, correct = fused_linear_cross_entropy(hidden, weight, bias, labels, chunk_rows=7)
-        return loss, losses, correct
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def loss_and_correct(hidden, weight, bias, labels, fixed_rows=False):
+        return fused_linear_cross_entropy(hidden, weight, bias, labels, chunk_rows=7, fixed_rows=fixed_rows)
+
+    def decoder_matmuls():          # the autograd.Function's forward is a subgraph of the captured one
+        return sum(1 for gm in graphs for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
+                   for node in sub.graph.nodes if node.op == "call_function" and "linear" in str(node.target))
 
     torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(loss_and_correct, backend="aot_eager")
+    compiled = torch.compile(loss_and_correct, backend=recording)
     full = inputs()
     for n in (N, N - 9, N - 20):
         tensors = [t.detach()[:n].requires_grad_() if i == 0 else t for i, t in enumerate(full[:3])] + [full[3][:n]]
         eager = loss_and_grads(loss_and_correct, tensors)
-        traced = loss_and_grads(compiled, tensors)
-        assert torch.allclose(traced[0], eager[0], rtol=1e-6) and torch.equal(traced[2], eager[2])
-        for mine, theirs in zip(traced[3], eager[3]):
-            assert (mine - theirs).norm() <= 1e-5 * theirs.norm()
-    assert counters["stats"]["unique_graphs"] == 2            # the first count, then a symbolic one
+        for fixed in ((True, False) if n == N else (False,)):
+            traced = loss_and_grads(lambda *t: compiled(*t, fixed_rows=fixed), tensors)
+            assert torch.allclose(traced[0], eager[0], rtol=1e-6) and torch.equal(traced[2], eager[2])
+            for mine, theirs in zip(traced[3], eager[3]):
+                assert (mine - theirs).norm() <= 1e-5 * theirs.norm()
+        if n == N:                  # fixed: 8 chunks of at most 7 rows unrolled; not fixed: none in the graph
+            assert decoder_matmuls() == -(-N // 7)
+            graphs.clear()
+    assert decoder_matmuls() == 0                             # changing counts: the loss ran eagerly
+
+
+def test_padding_rows_of_the_decoder_are_never_predicted():
+    """model.vocab_multiple pads the decoder (issue 49, item 4): rows past the tokenizer's take no
+    part in the softmax or the argmax, even with a large bias, and get no gradient."""
+    hidden, weight, bias, labels = inputs()
+    pad = 27
+    padded_weight = torch.cat([weight.detach(), torch.randn(pad, H)]).requires_grad_()
+    padded_bias = torch.cat([bias.detach(), torch.full((pad,), 50.0)]).requires_grad_()
+    for chunk_rows in (7, None):
+        want = loss_and_grads(lambda *t: fused_linear_cross_entropy(*t, chunk_rows=chunk_rows), [hidden, weight, bias, labels])
+        got = loss_and_grads(lambda *t: fused_linear_cross_entropy(*t, chunk_rows=chunk_rows, vocab_size=V),
+                             [hidden, padded_weight, padded_bias, labels])
+        assert torch.allclose(got[0], want[0], rtol=1e-6) and torch.equal(got[2], want[2])
+        assert torch.allclose(got[3][0], want[3][0], atol=1e-6)
+        assert torch.allclose(got[3][1][:V], want[3][1], atol=1e-6) and not got[3][1][V:].any()
+        assert torch.allclose(got[3][2][:V], want[3][2], atol=1e-6) and not got[3][2][V:].any()
 
 
 def test_a_batch_with_nothing_to_predict_gives_zero_gradients():

@@ -35,6 +35,8 @@ def test_sparse_head_equals_dense_head_and_hf_loss(rows):
     ids, m = masked(rows)
     sparse = tiny(sparse_head=True)
     assert_sparse_head_equals_dense(sparse, tiny(sparse_head=False), ids, m, SPECIAL.pad)
+    with torch.no_grad():          # Hugging Face's softmax includes the padding rows: pushed out of it
+        sparse.hf_model.cls.predictions.bias[VOCAB:] = -1e4
     mine = sparse_mean_loss(sparse, ids, m, SPECIAL.pad)
     with torch.no_grad():                                     # Hugging Face's own (dense, mean) loss
         hf = sparse.hf_model(input_ids=m.input_ids, attention_mask=ids != SPECIAL.pad, labels=dense_labels(ids, m)).loss
@@ -118,6 +120,24 @@ def test_tied_weights_survive_training_and_export(rows, tmp_path):
     assert torch.allclose(a, b, atol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_padded_vocabulary_is_never_predicted(rows, fused):
+    """model.vocab_multiple (issue 49, item 4): 30,522 rows become 30,528; a large bias on the six
+    extra rows changes neither the loss nor the predictions."""
+    ids, m = masked(rows)
+    model = tiny(fused_mlm_loss=fused).eval()
+    assert model.config.vocab_size == 30528 and model.vocab_size == VOCAB == 30522
+    with torch.no_grad():
+        before = model(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels, per_token=True)
+        model.hf_model.cls.predictions.bias[VOCAB:] = 1e4
+        after = model(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels, per_token=True)
+        summed = model(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)
+    assert torch.allclose(after[0], before[0]) and torch.equal(after[1], before[1])
+    assert torch.allclose(summed[0], after[0].sum(), rtol=1e-5) and int(summed[1]) == int(after[1].sum())
+    unpadded = dataclasses.replace(TINY, vocab_multiple=1)
+    assert build_model(unpadded, VOCAB, SPECIAL, ImplConfig()).config.vocab_size == VOCAB
+
+
 def test_init_from_pretrained_encoder(rows, bert_uncased_dir, tmp_path):
     from safetensors.torch import load_file
 
@@ -130,8 +150,9 @@ def test_init_from_pretrained_encoder(rows, bert_uncased_dir, tmp_path):
     stored = {k: v for k, v in load_file(bert_uncased_dir / "model.safetensors").items()
               if not k.startswith("pooler.") and not k.endswith("position_ids")}
     assert len(stored) > 90
+    assert hf.config.vocab_size == 30528 and model.vocab_size == VOCAB     # padded to a multiple of 64
     for name, tensor in stored.items():
-        assert torch.equal(encoder[name], tensor), name
+        assert torch.equal(encoder[name][:len(tensor)], tensor), name      # the padding rows follow
     ids, m = masked(rows)
     with torch.no_grad():
         loss, correct, count = model.eval()(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)
@@ -201,6 +222,7 @@ def test_compiled_model_keeps_one_graph_for_padded_and_eval_batches(rows):
     torch.manual_seed(0)                                      # no dropout: equal losses to compare
     model = build_model(dataclasses.replace(TINY, hidden_dropout=0.0, attention_dropout=0.0), VOCAB, SPECIAL,
                         ImplConfig())
+    model.fixed_predictions = True          # the same positions each time: the loss is traced too
     reference = [model(m.input_ids[full], None, full_pos, full_labels)[0].detach(),
                  model(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)[0].detach()]
 

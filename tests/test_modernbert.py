@@ -57,6 +57,8 @@ def test_sparse_head_equals_dense_head_and_hf_loss(rows):
     assert hf.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
     assert (hf.config.embedding_dropout, hf.config.mlp_dropout, hf.config.attention_dropout) == (0.1, 0.1, 0.1)
     assert_sparse_head_equals_dense(sparse, dense, ids, m, SPECIAL.pad)
+    with torch.no_grad():          # Hugging Face's softmax includes the padding rows: pushed out of it
+        hf.decoder.bias[VOCAB:] = -1e4
     mine, attn, labels = sparse_mean_loss(sparse, ids, m, SPECIAL.pad), ids != SPECIAL.pad, dense_labels(ids, m)
     with torch.no_grad():              # Hugging Face's own loss: dense, then its sparse_prediction option
         hf_dense = hf(input_ids=m.input_ids, attention_mask=attn, labels=labels).loss
@@ -210,7 +212,8 @@ def test_flops_match_torch_flop_counter(rows):
             loss.backward()
         ours = batch * mlm_flops_per_sequence(model.config, length, m.positions.numel() / batch, sparse)
         assert ours == batch * mlm_flops_per_sequence(ModelConfig(**{**TINY, "local_attention": window}), length,
-                                              m.positions.numel() / batch, sparse, vocab_size=VOCAB)
+                                              m.positions.numel() / batch, sparse,
+                                              vocab_size=model.config.vocab_size)    # padded: the rows computed
         skipped = batch * 3 * 4 * 64 * (length * length - attended_pairs(length, window // 2)) * 2
         assert counter.get_total_flops() == pytest.approx(ours + skipped, rel=1e-9), window
 

@@ -170,6 +170,8 @@ def test_shipped_study_config_and_command_line_grid(shards, bert_uncased_dir):
     assert [v.name for v in study.variants] == ["strategy=token-mask_prob=0.8", "strategy=token-mask_prob=1.0",
                                                 "strategy=span-mask_prob=0.8", "strategy=span-mask_prob=1.0"]
     assert all(v.cfg.masking.rate == 0.4 and v.cfg.optim.betas == [0.9, 0.99] for v in study.variants)
+    dropout = load_study(str(REPO / "configs" / "study-attention-dropout.yaml"), [f"data.dir={shards}"])
+    assert [(v.cfg.model.attention_dropout, v.cfg.model.hidden_dropout) for v in dropout.variants] == [(0.0, 0.1), (0.1, 0.1)]
     section, axes, shared, problems = split_args(["a.b=1,2", "c.d=[1,2]", "study.ranks=4", "e=x"])
     assert (section, axes, shared, problems) == ({"ranks": 4}, {"a.b": [1, 2]}, {"c.d": [1, 2], "e": "x"}, [])
 

@@ -88,13 +88,15 @@ def test_resume_is_exact(stage, reference_runs, shards, tmp_path):
 
 
 def test_export_loads_and_fills_masks(reference_runs, tmp_path):
-    from transformers import AutoModelForMaskedLM, pipeline
+    from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline
 
     for stage in (0, 3):
         out = tmp_path / f"hf{stage}"
         run([PY, "-m", "pretrain.export", str(reference_runs[stage] / "checkpoints"), str(out)])
         model = AutoModelForMaskedLM.from_pretrained(out)
         assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+        assert model.config.vocab_size == model.get_input_embeddings().weight.shape[0] == len(AutoTokenizer.from_pretrained(out))
+        assert model.cls.predictions.bias.shape[0] == model.config.vocab_size
         answers = pipeline("fill-mask", model=str(out))("the city is in the [MASK] of france.")
         assert len(answers) == 5 and all(0.0 <= a["score"] <= 1.0 for a in answers)
     # the end-of-run export the trainer itself writes
@@ -152,11 +154,35 @@ def test_an_odd_vocabulary_trains_at_zero_1_and_2(wiki_txt_dir, tmp_path):
               tmp_path / "shards", "--seq-len", "64", "--shard-size", "400", "--validation-fraction", "0")
     data_prep("finalize", tmp_path / "shards")
     assert json.loads((tmp_path / "shards" / "manifest.json").read_text())["tokenizer"]["vocab_size"] % 2 == 1
-    for stage in (1, 2):
+    short = ["train.max_steps=2", "train.log_every=1", "train.eval_every=0", "model.max_position_embeddings=64"]
+    for stage in (1, 2):              # unpadded (model.vocab_multiple=1): the parameter count stays odd
         out = tmp_path / f"zero{stage}"
-        train(tmp_path / "shards", out, "train.max_steps=2", "train.log_every=1", "train.eval_every=0",
-              "train.checkpoint_every=0", "model.max_position_embeddings=64", f"impl.zero_stage={stage}")
-        assert sorted(losses(out)) == [1, 2]
+        halt = ["train.halt_at_step=1"] if stage == 1 else []
+        train(tmp_path / "shards", out, *short, "train.checkpoint_every=0", f"impl.zero_stage={stage}",
+              "model.vocab_multiple=1", *halt)
+    # A checkpoint written before model.vocab_multiple existed (unpadded, the key absent from its
+    # config) resumes with its own rows under today's default.
+    from data_prep.shard_format import sha256_file
+    from pretrain.checkpoint.files import FILE_LIST
+
+    saved = tmp_path / "zero1" / "checkpoints" / "step00000001" / "config.yaml"
+    text = saved.read_text()
+    line = re.search(r"^ +vocab_multiple: 1\n", text, re.M).group(0)
+    saved.write_text(text.replace(line, ""))
+    listing = saved.parent / FILE_LIST                        # the sizes and checksums it was written with
+    files = json.loads(listing.read_text())
+    files["files"]["config.yaml"] = {"size": saved.stat().st_size, "sha256": sha256_file(saved)}
+    listing.write_text(json.dumps(files))
+    train(tmp_path / "shards", tmp_path / "zero1", *short, "impl.zero_stage=1")
+    assert sorted(losses(tmp_path / "zero1")) == sorted(losses(tmp_path / "zero2")) == [1, 2]
+    hf_config = json.loads((tmp_path / "zero1" / "checkpoints" / "step00000002" / "hf_config.json").read_text())
+    assert hf_config["vocab_size"] == 3001
+    # Padded by default (3,001 -> 3,008 rows); the export has the tokenizer's 3,001.
+    padded = tmp_path / "padded"
+    train(tmp_path / "shards", padded, *short, "impl.zero_stage=1")
+    assert json.loads((padded / "checkpoints" / "step00000002" / "hf_config.json").read_text())["vocab_size"] == 3008
+    exported = json.loads((padded / "hf_final" / "config.json").read_text())
+    assert exported["vocab_size"] == 3001, exported
 
 
 def test_sigusr1_checkpoints_and_resume_matches(reference_runs, shards, tmp_path):

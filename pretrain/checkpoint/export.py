@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from pretrain import console
-from pretrain.checkpoint.files import COMPLETE, EXPORT_SOURCE, FINAL_EXPORT, HF_CONFIG_FILE, TOKENIZER_DIR
+from pretrain.checkpoint.files import (COMPLETE, EXPORT_SOURCE, FINAL_EXPORT, HF_CONFIG_FILE, MANIFEST_FILE,
+                                      TOKENIZER_DIR)
 from pretrain.checkpoint.reshard import consolidate, read_layout
 from pretrain.checkpoint.store import checkpoint_root, latest_complete_tag, tag_for_step
 from pretrain.runtime import engine as eng
@@ -135,6 +136,14 @@ def tied_parameter_names(model: torch.nn.Module) -> set[str]:
     return every - {name for name, _ in model.named_parameters()}
 
 
+def _tokenizer_vocab_size(folder: Path) -> int | None:
+    """The data's vocabulary (the manifest saved beside the checkpoint); None when it is not there."""
+    try:
+        return int(json.loads((folder / MANIFEST_FILE).read_text())["tokenizer"]["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def export_checkpoint(root: str | Path, tag: str | None, out_dir: str | Path, weights: Optional[dict] = None) -> Path:
     from transformers import AutoTokenizer
 
@@ -150,6 +159,11 @@ def export_checkpoint(root: str | Path, tag: str | None, out_dir: str | Path, we
         raise RuntimeError(f"{folder}: weights do not match the model config: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
     model.tie_weights()
+    tokens = _tokenizer_vocab_size(folder)
+    if tokens is not None and model.config.vocab_size > tokens:
+        # model.vocab_multiple's padding rows were never predicted: the export has the tokenizer's size,
+        # so that AutoTokenizer and the model agree for everyone who loads it.
+        model.resize_token_embeddings(tokens)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

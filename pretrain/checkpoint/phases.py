@@ -103,6 +103,19 @@ def model_shape_file(cfg, resume_from: str | None) -> str | None:
     return str(root / tag / files.HF_CONFIG_FILE)
 
 
+def saved_vocab_rows(cfg, resume_from: str | None) -> int | None:
+    """The embedding rows of the checkpoint a run resumes from (its Hugging Face config's
+    ``vocab_size``): a checkpoint written before ``model.vocab_multiple``, or with another one, keeps
+    its shape. None for a fresh start, or a checkpoint without that file."""
+    if not resume_from:
+        return None
+    try:
+        saved = json.loads((checkpointing.checkpoint_root(cfg) / resume_from / files.HF_CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return saved.get("vocab_size")
+
+
 def _layout_problems(cfg, folder: Path, where: str) -> list[str]:
     saved = reshard.read_layout(folder)
     if saved is None:

@@ -35,6 +35,11 @@ class ModelConfig:
     intermediate_size: int = 1024      # ModernBERT: the width of each GeGLU half (its Wi is H x 2I)
     max_position_embeddings: int = 512
     initializer_range: float = 0.02
+    # Embedding and decoder rows rounded up to a multiple of this (bert-base-uncased's 30,522 -> 30,528,
+    # as MosaicBERT; ModernBERT's 50,368 already is one): the decoder's matmuls run on aligned shapes.
+    # The extra rows are never predicted (outside the softmax and the argmax); the export has the
+    # tokenizer's size. 1: no padding. A resume keeps its checkpoint's rows.
+    vocab_multiple: int = 64
     # Left unset (null), the fields below take the arch's value from ARCH_DEFAULTS. One that does
     # not apply to the chosen arch is refused by name rather than silently ignored.
     attention_dropout: Optional[float] = None      # both: on attention probabilities (ModernBERT: and its output)
@@ -63,6 +68,7 @@ class ModelConfig:
                         "mlp_dropout": " (BERT has one hidden_dropout)"}.get(name, "")
                 p.append(f"{name}: applies to arch {owners} only, not {self.arch!r}{hint}; remove it")
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings",
+                     "vocab_multiple",
                      "global_attn_every_n_layers", "local_attention", "rope_theta", "local_rope_theta"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -47,7 +47,8 @@ def sdpa_chain(name: str) -> list:
 
 
 class MLMModel(torch.nn.Module):
-    def __init__(self, hf_model: PreTrainedModel, sparse_head: bool = True, fused_loss: bool = True):
+    def __init__(self, hf_model: PreTrainedModel, sparse_head: bool = True, fused_loss: bool = True,
+                 vocab_size: int | None = None):
         super().__init__()
         arch = hf_model.config.model_type
         if arch not in MASKED_LM_CLASSES:
@@ -57,6 +58,11 @@ class MLMModel(torch.nn.Module):
         self.sparse_head = sparse_head
         # The decoder and the cross-entropy in row chunks (pretrain.model.mlm_loss); needs sparse_head.
         self.fused_loss = fused_loss and sparse_head
+        # The tokenizer's ids: the decoder's rows past them (model.vocab_multiple's padding) are never predicted.
+        self.vocab_size = vocab_size or hf_model.config.vocab_size
+        # Every batch predicts the same number of tokens (masking.fixed_count): torch.compile may then
+        # trace the fused loss with its chunks; otherwise the loss runs eagerly (mlm_loss).
+        self.fixed_predictions = False
         # SDPA backends in priority order (use_attention); None: PyTorch's own choice.
         self.sdpa_backends: list | None = None
         self.attention = hf_model.config._attn_implementation     # what use_attention last set
@@ -129,6 +135,8 @@ class MLMModel(torch.nn.Module):
         else:
             logits = self.head(hidden).reshape(-1, self.config.vocab_size).index_select(0, positions)
         logits = logits.float()            # one fp32 copy serves the loss and the accuracy
+        if logits.size(-1) > self.vocab_size:
+            logits[:, self.vocab_size:] = float("-inf")           # padding rows: never predicted
         counted = labels != IGNORE_INDEX
         if per_token:
             token_loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
@@ -143,7 +151,8 @@ class MLMModel(torch.nn.Module):
         picked = self.head_transform(hidden.reshape(-1, hidden.size(-1)).index_select(0, positions))
         decoder = self.decoder
         loss_sum, token_loss, correct = fused_linear_cross_entropy(
-            picked, decoder.weight, decoder.bias, labels, want_correct=want_correct or per_token)
+            picked, decoder.weight, decoder.bias, labels, want_correct=want_correct or per_token,
+            vocab_size=self.vocab_size, fixed_rows=self.fixed_predictions)
         counted = labels != IGNORE_INDEX
         if per_token:
             return token_loss, correct, counted
@@ -221,14 +230,22 @@ def modernbert_config(model_cfg: ModelConfig, vocab_size: int, special: SpecialI
 CONFIG_BUILDERS = {"bert": bert_config, "modernbert": modernbert_config}
 
 
+def padded_vocab(vocab_size: int, multiple: int) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
 def build_model(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, impl: ImplConfig,
-                seq_len: int | None = None, shape_from: str | None = None) -> MLMModel:
+                seq_len: int | None = None, shape_from: str | None = None,
+                vocab_rows: int | None = None) -> MLMModel:
     """A fresh encoder of ``model_cfg.arch`` from ``model_cfg`` (seed torch first for a deterministic
     init), or, with ``model_cfg.init_from``, a local HF checkpoint of that architecture whose own
     shape wins (a checkpoint without an MLM head, such as a plain ``BertModel``, gets a freshly
     initialised head; the decoder is tied to its word embeddings). ``shape_from``: a Hugging Face
     config.json whose shape wins over ``model_cfg`` (a new phase of an earlier run, whose weights
-    are loaded afterwards). Always fp32: the engine casts for mixed precision."""
+    are loaded afterwards). ``vocab_rows``: the embedding's rows (a resumed checkpoint's), instead of
+    ``vocab_size`` rounded up to ``model_cfg.vocab_multiple``. Always fp32: the engine casts for
+    mixed precision."""
+    rows = vocab_rows or padded_vocab(vocab_size, model_cfg.vocab_multiple)
     attention = attention_implementation(impl)
     if model_cfg.init_from:
         folder = model_cfg.init_from
@@ -253,9 +270,12 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, im
             if model_cfg.arch == "modernbert":      # rotary positions: no parameter, a longer context may follow
                 config.max_position_embeddings = max(config.max_position_embeddings, model_cfg.max_position_embeddings)
         else:
-            config = CONFIG_BUILDERS[model_cfg.arch](model_cfg, vocab_size, special, attention)
+            config = CONFIG_BUILDERS[model_cfg.arch](model_cfg, rows, special, attention)
         hf_model = MASKED_LM_CLASSES[model_cfg.arch](config)
         fresh = set()
+    if model_cfg.init_from and rows != vocab_size:
+        # Rows past the tokenizer's are never read (no such id) nor predicted: their values do not matter.
+        hf_model.resize_token_embeddings(rows, mean_resizing=False)
     max_pos = hf_model.config.max_position_embeddings
     if seq_len is not None and seq_len > max_pos:
         raise ValueError(f"sequence length {seq_len} exceeds the model's max_position_embeddings {max_pos}")
@@ -263,7 +283,7 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, im
     if hf_model.get_output_embeddings().weight is not hf_model.get_input_embeddings().weight:
         raise RuntimeError("the MLM decoder is not tied to the word embeddings (tie_word_embeddings=False?)")
     log.info("model: %s, attention %s", model_cfg.arch, attention)
-    model = MLMModel(hf_model, sparse_head=impl.sparse_head, fused_loss=impl.fused_mlm_loss)
+    model = MLMModel(hf_model, sparse_head=impl.sparse_head, fused_loss=impl.fused_mlm_loss, vocab_size=vocab_size)
     if impl.attention in SDPA_BACKENDS:
         model.use_attention(impl.attention)
     # What init_from did not provide (e.g. the MLM head of an encoder saved without one): the

@@ -8,8 +8,9 @@ would not need. Here each chunk of rows goes from its logits to its loss, its ar
 log the accuracy) and the gradient of its logits (softmax minus the one-hot label) while the chunk
 is hot, and that gradient goes straight into the matmuls that give the input's and the decoder's
 gradients: the technique of fused linear cross-entropy kernels (Liger's, Apple's cut cross-entropy),
-in plain PyTorch so that the CPU and CUDA run the same code, and ``torch.compile`` traces it (as one
-chunk: see ``forward``).
+in plain PyTorch so that the CPU and CUDA run the same code, and ``torch.compile`` traces it with its
+chunks when the count of predicted tokens is fixed (``masking.fixed_count``), and leaves it eager
+otherwise (see ``fused_linear_cross_entropy``).
 
 The gradients are computed in the forward (no logits kept for the backward) for the unscaled sum
 of the losses; the backward multiplies them by the incoming gradient, a scalar: the loss is a sum,
@@ -34,10 +35,13 @@ def rows_per_chunk(vocab_size: int, device: torch.device) -> int:
     return max(1, CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"]) // (4 * vocab_size))
 
 
-def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, want_grad: bool, want_correct: bool):
+def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, want_grad: bool, want_correct: bool, vocab_size: int):
     """(per-row losses, correct or None) of fp32 ``logits`` [c, V], which are overwritten: with
     ``want_grad``, by the gradient of the summed loss (zero rows where the label is IGNORE_INDEX).
-    One max gives the softmax's shift and the argmax; everything after it is in place."""
+    One max gives the softmax's shift and the argmax; everything after it is in place. Columns from
+    ``vocab_size`` on (a padded decoder's) are outside the softmax: their gradient is 0."""
+    if logits.size(1) > vocab_size:
+        logits[:, vocab_size:] = float("-inf")
     counted = labels != IGNORE_INDEX
     target = labels.clamp(min=0).unsqueeze(1)
     target_logit = logits.gather(1, target).squeeze(1)
@@ -57,20 +61,19 @@ def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, want_grad: bool, wan
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, want_correct: bool, chunk_rows: int):
+    def forward(ctx, hidden, weight, bias, labels, want_correct: bool, chunk_rows: int, vocab_size: int):
         want_grad = any(ctx.needs_input_grad[:3])
         n = hidden.size(0)
         losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
         correct = torch.zeros(n if want_correct else 0, dtype=torch.bool, device=hidden.device)
         grads = _Grads(hidden, weight, bias, ctx.needs_input_grad) if want_grad else None
-        # Traced by torch.compile, the number of predicted tokens is a symbol (it changes from batch to
-        # batch): one chunk, whose logits live only inside the forward, instead of a graph per count.
-        chunks = [slice(None)] if torch.compiler.is_compiling() else \
-            [slice(start, min(start + chunk_rows, n)) for start in range(0, n, chunk_rows)]
+        # Under torch.compile n is the same in every batch here (fused_linear_cross_entropy runs a
+        # changing count eagerly): the chunks unroll into the graph, each one's logits freed after it.
+        chunks = [slice(start, min(start + chunk_rows, n)) for start in range(0, n, chunk_rows)]
         for rows in chunks:
             x, y = hidden[rows], labels[rows]
             logits = F.linear(x, weight, bias).float()
-            losses[rows], chunk_correct = _chunk_loss(logits, y, want_grad, want_correct)
+            losses[rows], chunk_correct = _chunk_loss(logits, y, want_grad, want_correct, vocab_size)
             if want_correct:
                 correct[rows] = chunk_correct
             if grads is not None:
@@ -82,7 +85,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_losses, _grad_correct):
         grads, ctx.grads = ctx.grads, None
-        return (*grads.scaled(grad_loss), None, None, None)
+        return (*grads.scaled(grad_loss), None, None, None, None)
 
 
 class _Grads:
@@ -120,21 +123,37 @@ class _Grads:
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                               labels: torch.Tensor, want_correct: bool = True, chunk_rows: int | None = None):
+                               labels: torch.Tensor, want_correct: bool = True, chunk_rows: int | None = None,
+                               vocab_size: int | None = None, fixed_rows: bool = False):
     """The MLM loss of ``hidden`` [N, H] under the decoder ``weight`` [V, H] and ``bias`` [V] against
     ``labels`` [N] (IGNORE_INDEX: not counted).
 
     Returns (loss_sum, per-row losses [N] fp32, correct [N] bool): the sum is differentiable, the
     per-row losses are not (evaluation's sums, under no_grad); ``correct`` is empty unless
-    ``want_correct``."""
+    ``want_correct``. ``vocab_size``: rows of ``weight`` from there on are padding, never predicted.
+    ``fixed_rows``: N is the same in every batch (``masking.fixed_count``); see below."""
+    if torch.compiler.is_compiling() and not fixed_rows:
+        # A count that changes from batch to batch (masking without fixed_count) is a symbol to the
+        # compiler: chunking by it would trace a graph per count, one chunk would make the whole
+        # [N, V] logits live again. This call then runs eagerly (one graph break, at the loss).
+        return _eager(hidden, weight, bias, labels, want_correct, chunk_rows, vocab_size)
+    return _fused(hidden, weight, bias, labels, want_correct, chunk_rows, vocab_size)
+
+
+def _fused(hidden, weight, bias, labels, want_correct: bool, chunk_rows: int | None, vocab_size: int | None):
     rows = chunk_rows or rows_per_chunk(weight.size(0), hidden.device)
+    vocab_size = vocab_size or weight.size(0)
     device = hidden.device.type
     if not torch.is_autocast_enabled(device):
-        return _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, want_correct, rows)
+        return _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, want_correct, rows, vocab_size)
     # Under autocast the decoder computes in autocast's dtype, as F.linear would: the inputs are cast
     # here, where autograd sees the casts (an fp32 weight gets an fp32 gradient), and the matmuls that
     # build the gradients inside the forward, which autocast does not reach (out=), get equal dtypes.
     dtype = torch.get_autocast_dtype(device)
     with torch.autocast(device, enabled=False):
         return _FusedLinearCrossEntropy.apply(hidden.to(dtype), weight.to(dtype),
-                                              None if bias is None else bias.to(dtype), labels, want_correct, rows)
+                                              None if bias is None else bias.to(dtype), labels, want_correct, rows,
+                                              vocab_size)
+
+
+_eager = torch.compiler.disable(_fused)
