@@ -15,6 +15,7 @@
 #   flash-attn    modernbert with impl.attention=flash_attention_2, where the flash-attn package is installed
 #   export        the lamb run's Hugging Face export (ZeRO 0 bf16: the fp32 masters) loads and fills masks
 #   bert-base     configs/base.yaml at sequence 128: MFU to compare with NVIDIA's BERT (~45%)
+#   bert-base-nodrop  the same without dropout: what keyed dropout costs in base.yaml's step
 # before them, bench/gpu_smoke_checks.py checks the optimisers and the flash SDPA kernel directly,
 # bench/mlm_loss.py times the fused MLM loss (every run's default) against the plain one at a GPU batch;
 # after them, one line per check (ok / FAILED) and tokens/s and MFU (against the peak printed first)
@@ -149,6 +150,11 @@ check resume resumed "$WORK/runs/adamw" "$WORK/runs/halted"
 # Phase 2 of the BERT recipe: a new run from adamw's last checkpoint (ZeRO 1), converted to ZeRO 2.
 run phase2 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=2 \
   train.init_from_checkpoint="$WORK/runs/adamw/checkpoints"
+# BERT-base at sequence 128 (configs/base.yaml: compiled, fused AdamW, ZeRO 1, fixed-count masking, BERT's
+# hidden dropout 0.1): its MFU is the figure to set beside the anchors' (NVIDIA's BERT phase 1: about 45%
+# of an A100's bf16 peak), and beside the same run without dropout: what keyed dropout costs there.
+RUN_CONFIG=configs/base.yaml run bert-base 1 impl.micro_batch_size="$MICRO"
+RUN_CONFIG=configs/base.yaml run bert-base-nodrop 1 impl.micro_batch_size="$MICRO" model.hidden_dropout=0.0
 # ModernBERT: its local layers hand SDPA a sliding-window mask (flash cannot take it; the fallbacks can).
 RUN_CONFIG=configs/modernbert-tiny.yaml run modernbert 1 impl.zero_stage=1 model.max_position_embeddings=128
 if [ "$DRY_RUN" = 1 ] || "$PY" -c "import flash_attn" 2>/dev/null; then
@@ -164,9 +170,6 @@ check export export "$WORK/runs/lamb"
 run "nccl-$GPUS" "$GPUS" impl.zero_stage=2 impl.fused_optimizer=true
 run dropout 1 model.hidden_dropout=0.1 model.attention_dropout=0.1 impl.zero_stage=1
 run compile-fixed 1 impl.compile=true masking.fixed_count=true impl.fused_optimizer=true impl.zero_stage=1
-# BERT-base at sequence 128 (configs/base.yaml, compiled, fused AdamW, ZeRO 1): its MFU is the figure to
-# set beside the anchors' (NVIDIA's BERT phase 1: about 45% of an A100's bf16 peak).
-RUN_CONFIG=configs/base.yaml run bert-base 1 impl.micro_batch_size="$MICRO"
 
 [ "$DRY_RUN" = 1 ] && exit 0
 echo

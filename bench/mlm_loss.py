@@ -9,8 +9,9 @@ CUDA the peak memory each takes.
     python bench/mlm_loss.py --device cuda --tokens 65536 --hidden 768 --precision bf16   # bench/gpu_smoke.sh
     python bench/mlm_loss.py --memory --tokens 4096 --hidden 768 --vocab 50368   # eager vs torch.compile
 
-``--memory``: the peak memory of one forward + backward of the plain loss, the fused one, and the fused
-one under ``torch.compile`` (its chunks unrolled for a fixed token count), each in a fresh process. On
+``--memory``: the peak memory of one forward + backward of the plain loss, the fused one, the fused one
+in one chunk (what ``torch.compile`` traced before issue 49), and the fused one under ``torch.compile``
+(its chunks unrolled for a fixed token count), each in a fresh process. On
 the CPU it is the peak growth of the resident set, sampled every 0.2 ms, with glibc told to map every
 allocation over 64 KiB on its own (``MALLOC_MMAP_THRESHOLD_``) so that a freed tensor leaves the
 resident set; on CUDA, ``max_memory_allocated``.
@@ -123,13 +124,14 @@ def measured_peak(fn, tensors, device) -> int:
     return max(peak[0], _resident_bytes()) - base
 
 
-MEMORY_VARIANTS = ("plain", "fused", "fused, torch.compile")
+# "one chunk": what torch.compile traced before issue 49 (the whole [N, V] logits in one chunk)
+MEMORY_VARIANTS = ("plain", "fused", "fused, one chunk", "fused, torch.compile")
 
 
 def memory_child(args) -> None:
     device, dtype = torch.device(args.device), {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
     tensors = inputs(args, device, dtype)
-    fn = plain if args.memory_child == "plain" else fused(None)
+    fn = {"plain": plain, "fused, one chunk": fused(args.tokens)}.get(args.memory_child, fused(None))
     if "compile" in args.memory_child:
         fn = torch.compile(fn)
         step(fn, tensors, True)                           # compiles (the count is fixed: one graph)

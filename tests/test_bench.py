@@ -39,8 +39,8 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         cfg = load_config(str(REPO / args[1]), overrides)      # every key exists, every value parses
         name = cfg.train.out_dir.rsplit("/", 1)[-1]
         launches[name] = (int(cmd[cmd.index("--num_gpus") + 1]), cfg)
-    assert sorted(launches) == ["adamw", "bert-base", "compile-fixed", "dropout", "flash-attn", "halted", "lamb",
-                                "modernbert", "nccl-2", "nonfinite", "phase2", "zero3"]
+    assert sorted(launches) == ["adamw", "bert-base", "bert-base-nodrop", "compile-fixed", "dropout", "flash-attn",
+                                "halted", "lamb", "modernbert", "nccl-2", "nonfinite", "phase2", "zero3"]
     nonfinite = launches["nonfinite"][1]
     assert (nonfinite.impl.zero_stage, nonfinite.optim.lr, nonfinite.train.max_nonfinite_in_a_row) == (1, 1e30, 3)
     assert launches["zero3"][1].impl.zero_stage == 3 and launches["phase2"][1].impl.zero_stage == 2
@@ -49,6 +49,9 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     assert launches["flash-attn"][1].impl.attention == "flash_attention_2"
     assert launches["dropout"][1].model.attention_dropout == 0.1
     assert launches["bert-base"][1].model.hidden_size == 768 and launches["bert-base"][1].impl.device == "cuda"
+    base, nodrop = launches["bert-base"][1], launches["bert-base-nodrop"][1]     # MFU with dropout on and off
+    assert base.model.hidden_dropout == 0.1 and nodrop.model.hidden_dropout == 0.0
+    assert base.masking.fixed_count and base.impl.compile
     for name, (gpus, cfg) in launches.items():
         assert (cfg.impl.precision, cfg.impl.dist_backend) == ("bf16", "nccl")
         assert cfg.impl.attention == ("flash_attention_2" if name == "flash-attn" else "auto")
