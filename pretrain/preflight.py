@@ -73,6 +73,11 @@ def check_inputs(cfg: Config, checked: str = "the run's inputs") -> tuple[Manife
                     "are checked for shape and token range only, so a shard replaced after data prep that still "
                     "decodes would be trained on; `python -m data_prep finalize %s` adds them",
                     cfg.data.dir, len(unchecked), len(manifest.shards), cfg.data.dir)
+    if cfg.train.eval_every and not cfg.data.sources and not manifest.has_split(cfg.data.eval_split) \
+            and os.environ.get("RANK", "0") == "0":
+        log.warning("train.eval_every=%d, but %s has no %r split: no held-out evaluation will run (prepare the "
+                    "data with data_prep shard --validation-fraction, or set train.eval_every=0)",
+                    cfg.train.eval_every, cfg.data.dir, cfg.data.eval_split)
     return manifest, tag
 
 
