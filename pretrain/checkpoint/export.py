@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from pretrain import console
-from pretrain.checkpoint.files import (COMPLETE, EXPORT_SOURCE, FINAL_EXPORT, HF_CONFIG_FILE, MANIFEST_FILE,
-                                      TOKENIZER_DIR)
+from data_prep.shard_format import ShardError, load_manifest
+from pretrain.checkpoint.files import COMPLETE, EXPORT_SOURCE, FINAL_EXPORT, HF_CONFIG_FILE, TOKENIZER_DIR
 from pretrain.checkpoint.reshard import consolidate, read_layout
 from pretrain.checkpoint.store import checkpoint_root, latest_complete_tag, tag_for_step
 from pretrain.runtime import engine as eng
@@ -139,8 +139,8 @@ def tied_parameter_names(model: torch.nn.Module) -> set[str]:
 def _tokenizer_vocab_size(folder: Path) -> int | None:
     """The data's vocabulary (the manifest saved beside the checkpoint); None when it is not there."""
     try:
-        return int(json.loads((folder / MANIFEST_FILE).read_text())["tokenizer"]["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return load_manifest(folder).tokenizer.vocab_size
+    except ShardError:
         return None
 
 

@@ -13,8 +13,9 @@ multiply) is one fused kernel with the bias, residual and LayerNorm around it. N
 Python number that changes per step: the step and the batch's sample ids enter as one device tensor,
 ``DropoutKey.row_keys``, set once per micro-batch, so the compiled graph is traced once and has no
 break at a dropout site. The arithmetic is int64 with explicit 32-bit masks rather than wrapping int32,
-whose overflow PyTorch leaves undefined: eager, compiled, CPU and CUDA give the same bits, so a resume
-that compiles where the first run did not (``impl.compile: auto``) drops the same units.
+whose overflow PyTorch leaves undefined: eager and compiled give the same bits (tested against inductor
+on the CPU), so a resume that compiles where the first run did not (``impl.compile: auto``) drops the
+same units.
 
 Sites: every ``nn.Dropout`` with p > 0 of the Hugging Face model (BERT: embeddings, attention output,
 FFN output; ModernBERT: embeddings, attention output, MLP) becomes a :class:`KeyedDropout` (p = 0 sites
@@ -23,7 +24,7 @@ both architectures) is applied by the ``keyed_sdpa`` attention function register
 attention draw their dropout inside the kernel, which cannot be keyed, so with attention-probability
 dropout on, *training* runs the attention eagerly (the probabilities materialised: slower and L^2
 memory); evaluation, and any run with ``attention_dropout: 0`` (ModernBERT's and MosaicBERT's choice,
-every config here), keeps SDPA or flash attention.
+the GPU recipes here), keeps SDPA or flash attention.
 """
 from __future__ import annotations
 
@@ -52,11 +53,9 @@ class DropoutKey:
     def __init__(self, seed: int):
         self.seed = int(seed)
         self.row_keys: torch.Tensor | None = None
-        self.step = 0
 
     def set(self, sample_ids: torch.Tensor, step: int) -> None:
-        self.step = int(step)
-        head = _absorb(0x9E3779B9, derive_seed("dropout", self.seed, self.step))      # a Python int
+        head = _absorb(0x9E3779B9, derive_seed("dropout", self.seed, int(step)))       # a Python int
         ids = sample_ids.long()
         self.row_keys = _absorb(torch.full_like(ids, head), ids)
 

@@ -27,7 +27,7 @@ from transformers import (AutoConfig, BertConfig, BertForMaskedLM, ModernBertCon
 
 from pretrain.config.schema import ImplConfig, ModelConfig
 from pretrain.model.masking import IGNORE_INDEX, SpecialIds
-from pretrain.model.mlm_loss import fused_linear_cross_entropy
+from pretrain.model.mlm_loss import fused_linear_cross_entropy, mask_padding
 
 log = logging.getLogger("pretrain")
 MASKED_LM_CLASSES = {"bert": BertForMaskedLM, "modernbert": ModernBertForMaskedLM}
@@ -134,9 +134,7 @@ class MLMModel(torch.nn.Module):
             logits = self.head(hidden.reshape(-1, hidden.size(-1)).index_select(0, positions))
         else:
             logits = self.head(hidden).reshape(-1, self.config.vocab_size).index_select(0, positions)
-        logits = logits.float()            # one fp32 copy serves the loss and the accuracy
-        if logits.size(-1) > self.vocab_size:
-            logits[:, self.vocab_size:] = float("-inf")           # padding rows: never predicted
+        logits = mask_padding(logits.float(), self.vocab_size)    # one fp32 copy serves the loss and the accuracy
         counted = labels != IGNORE_INDEX
         if per_token:
             token_loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")

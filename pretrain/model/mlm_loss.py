@@ -35,13 +35,20 @@ def rows_per_chunk(vocab_size: int, device: torch.device) -> int:
     return max(1, CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"]) // (4 * vocab_size))
 
 
+def mask_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``logits`` [..., V] with the columns from ``vocab_size`` on (a padded decoder's rows,
+    ``model.vocab_multiple``) set to -inf in place: outside the softmax and the argmax, no gradient."""
+    if logits.size(-1) > vocab_size:
+        logits[..., vocab_size:] = float("-inf")
+    return logits
+
+
 def _chunk_loss(logits: torch.Tensor, labels: torch.Tensor, want_grad: bool, want_correct: bool, vocab_size: int):
     """(per-row losses, correct or None) of fp32 ``logits`` [c, V], which are overwritten: with
     ``want_grad``, by the gradient of the summed loss (zero rows where the label is IGNORE_INDEX).
     One max gives the softmax's shift and the argmax; everything after it is in place. Columns from
     ``vocab_size`` on (a padded decoder's) are outside the softmax: their gradient is 0."""
-    if logits.size(1) > vocab_size:
-        logits[:, vocab_size:] = float("-inf")
+    mask_padding(logits, vocab_size)
     counted = labels != IGNORE_INDEX
     target = labels.clamp(min=0).unsqueeze(1)
     target_logit = logits.gather(1, target).squeeze(1)
