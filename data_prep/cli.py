@@ -1,4 +1,4 @@
-"""``python -m data_prep`` / ``data_prep``: tokenizer | shard | finalize | verify | inspect.
+"""``python -m data_prep`` / ``data_prep``: clean | tokenizer | shard | finalize | verify | inspect.
 
 Exit codes: 0 success, 1 ``verify`` found damaged shards (missing, truncated, corrupted), 2 bad input
 or settings, including data that disagrees with its tokenizer (ids outside the vocabulary, a manifest
@@ -41,6 +41,28 @@ def _build_parser() -> argparse.ArgumentParser:
                                      "shards + manifest.json for MLM pretraining.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    p = sub.add_parser("clean", help="remove duplicates, other languages, low-quality pages, test-set copies",
+                       description="Exact and near (MinHash) duplicates, quality rules (Gopher, C4, FineWeb), a "
+                                   "language filter (fastText lid.176) and decontamination against held-out files; "
+                                   "writes the kept documents with all their fields as part-*.jsonl (or .parquet) "
+                                   "and report.json. Settings: --config YAML, flags and --set on top.")
+    p.add_argument("--config", help="YAML file of clean settings (see configs/data/clean.yaml)")
+    p.add_argument("--input", nargs="+", action="extend", dest="inputs", metavar="GLOB",
+                   help="files, globs, folders (.txt/.jsonl/.json/.parquet, .gz, s3://...), as shard reads")
+    p.add_argument("--out", help="output folder (or s3:// prefix) for the kept documents and report.json")
+    p.add_argument("--text-field", dest="text_field", help="JSON field / column holding the text (default text)")
+    p.add_argument("--txt-mode", dest="txt_mode", choices=["blocks", "file"])
+    p.add_argument("--hf-split", dest="hf_split")
+    p.add_argument("--languages", nargs="+", metavar="CODE",
+                   help="languages to keep (ISO 639-1, default en); 'any' turns the language filter off")
+    p.add_argument("--decontaminate-against", nargs="+", action="extend", dest="decontaminate_against",
+                   metavar="FILE", help="held-out files (a downstream test set, an evaluation corpus): no kept "
+                                        "document is an exact or near copy of one of their documents")
+    p.add_argument("--format", dest="output_format", choices=["jsonl", "parquet"], help="output files (default jsonl)")
+    p.add_argument("--workers", type=int, help="processes (default: one per core)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any setting, dotted (near.bands=20, quality.min_words=50, exact.enabled=false)")
+
     p = sub.add_parser("tokenizer", help="train a BERT-style WordPiece tokenizer",
                        description="Train a WordPiece tokenizer (BERT normalizer and pre-tokenizer, "
                                    "[PAD] [UNK] [CLS] [SEP] [MASK]) and save a folder AutoTokenizer loads.")
@@ -76,8 +98,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--workers", type=int, default=4, help="shards checked at once (default 4)")
 
-    p = sub.add_parser("inspect", help="print totals and decoded samples",
-                       description="Print totals, padding fraction, bytes per token and decoded sequences.")
+    p = sub.add_parser("inspect", help="print totals and decoded samples (or a cleaning report)",
+                       description="Shards: totals, padding fraction, bytes per token and decoded sequences. "
+                                   "A folder written by clean: its report and removed examples per rule.")
     p.add_argument("dir")
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--split", default="train")
@@ -95,7 +118,28 @@ def _shard_settings(args):
     return ShardSettings(**values)
 
 
+def _clean_settings(args):
+    from .clean.settings import apply_overrides, build_settings, load_yaml
+
+    values = load_yaml(args.config) if args.config else {}
+    for name in ("inputs", "out", "text_field", "txt_mode", "hf_split", "output_format", "workers",
+                 "decontaminate_against"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    if args.languages is not None:
+        values.setdefault("language", {})
+        values["language"] = {**values["language"], "keep": [] if args.languages == ["any"] else args.languages}
+    values = apply_overrides(values, args.set)
+    return build_settings(values, where=args.config or "data_prep clean")
+
+
 def _run(args) -> int:
+    if args.command == "clean":
+        from .clean.run import print_summary, run_clean
+
+        settings = _clean_settings(args)
+        print_summary(run_clean(settings), settings.out)
+        return 0
     if args.command == "tokenizer":
         from .reader import ReadOptions, iter_task_documents, resolve_inputs
         from .tokenizer import train_tokenizer
@@ -143,9 +187,13 @@ def _run(args) -> int:
         print(f"{args.dir}: all shards verified")
         return 0
     if args.command == "inspect":
+        from .clean.report import inspect_report, read_report
         from .verify import inspect
 
-        inspect(args.dir, samples=args.samples, split=args.split)
+        if read_report(args.dir) is not None:
+            inspect_report(args.dir, samples=args.samples)
+        else:
+            inspect(args.dir, samples=args.samples, split=args.split)
         return 0
     raise AssertionError(args.command)
 

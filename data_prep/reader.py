@@ -7,7 +7,8 @@ Inputs (``--input``, any number, globs allowed):
 * ``.jsonl`` (and ``.json`` holding JSON lines) — one object per line, the text under ``text_field``;
 * ``.json`` holding one top-level array, and ``.parquet`` — through ``datasets`` in streaming mode;
 * a folder written by ``datasets``' ``save_to_disk`` (memory-mapped; ``hf_split`` picks the split of
-  a ``DatasetDict``); any other folder stands for the supported files inside it;
+  a ``DatasetDict``); a folder written by ``data_prep clean`` stands for the kept documents its
+  ``report.json`` lists; any other folder stands for the supported files inside it;
 * ``hub:NAME`` or ``hub:NAME:CONFIG`` — ``datasets.load_dataset(..., streaming=True)`` (needs a network).
 
 ``.txt``, ``.jsonl`` and ``.json`` may be gzip-compressed (``.gz``); a truncated or damaged ``.gz``
@@ -116,10 +117,31 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
+def _cleaned_sources(folder: Path) -> list[Source] | None:
+    """The kept documents of a folder ``data_prep clean`` wrote (its report, removed/ and stray files
+    left out), or None when ``folder`` is not one."""
+    from .clean.report import is_part, read_report
+
+    report = read_report(str(folder))
+    if report is None:
+        if any(is_part(p.name) for p in folder.iterdir()) and (folder / "removed").is_dir():
+            raise DataPrepError(f"{folder}: a data_prep clean folder without its report.json: the cleaning did "
+                                "not finish; run data_prep clean again")
+        return None
+    paths = [folder / f["name"] for f in report["files"]]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise DataPrepError(f"{folder}: files its report.json lists are missing: {', '.join(missing[:5])}")
+    return [Source(_file_kind(p), str(p.resolve()), p.stat().st_size, fingerprint(p)) for p in paths]
+
+
 def _sources_in(path: Path, pattern: str) -> list[Source]:
     if path.is_dir():
         if _is_saved_dataset(path):
             return [Source("saved", str(path.resolve()), _folder_bytes(path), _folder_fingerprint(path))]
+        cleaned = _cleaned_sources(path)
+        if cleaned is not None:
+            return cleaned
         found = [p for p in sorted(path.rglob("*"))
                  if p.is_file() and not p.name.startswith(".") and _file_kind(p)]
         if not found:
@@ -291,7 +313,7 @@ def _text_of(obj, field: str, where: str):
     return text
 
 
-def _iter_jsonl(path: str, field: str) -> Iterator[str]:
+def _iter_jsonl(path: str, field: str) -> Iterator[dict]:
     offset = 0
     with _open_binary(path) as f:
         for lineno, raw in enumerate(f, 1):
@@ -305,7 +327,7 @@ def _iter_jsonl(path: str, field: str) -> Iterator[str]:
                 raise DataPrepError(f"{path}: line {lineno}: not valid JSON ({exc.msg}, column {exc.colno})") from None
             text = _text_of(obj, field, f"{path}: line {lineno}")
             if text and text.strip():
-                yield text
+                yield obj
 
 
 def _json_is_array(path: str) -> bool:
@@ -314,25 +336,29 @@ def _json_is_array(path: str) -> bool:
     return head.startswith(b"[")
 
 
-def _iter_hf_dataset(ds, field: str, where: str) -> Iterator[str]:
-    """Rows of a ``datasets`` Dataset or IterableDataset, one column, in batches."""
+def _iter_hf_dataset(ds, field: str, where: str, all_fields: bool) -> Iterator[dict]:
+    """Rows of a ``datasets`` Dataset or IterableDataset with a non-empty ``field``, in batches (only
+    that column unless ``all_fields``)."""
     columns = ds.column_names
     if columns is not None and field not in columns:
         raise DataPrepError(f"{where}: no {field!r} column (has: {', '.join(columns)}); pick it with --text-field")
-    if columns is not None:
+    if columns is not None and not all_fields:
         ds = ds.select_columns([field])
     row = 0
     for batch in ds.iter(batch_size=1024):
         if field not in batch:
             raise DataPrepError(f"{where}: no {field!r} column (has: {', '.join(batch)}); pick it with --text-field")
-        for text in batch[field]:
+        names = list(batch)
+        for values in zip(*(batch[n] for n in names)):
             row += 1
+            record = dict(zip(names, values))
+            text = record[field]
             if text is None:
                 continue
             if not isinstance(text, str):
                 raise DataPrepError(f"{where}: row {row}: {field!r} is a {type(text).__name__}, expected a string")
             if text.strip():
-                yield text
+                yield record
 
 
 def _load_streaming(builder: str, path: str):
@@ -368,32 +394,42 @@ def _open_hub(name: str, split: str):
 
 def iter_source(source: Source, opts: ReadOptions) -> Iterator[str]:
     """Every non-empty document of one source, in file order."""
+    field = opts.text_field
+    for record in iter_source_records(source, opts, all_fields=False):
+        yield record[field]
+
+
+def iter_source_records(source: Source, opts: ReadOptions, all_fields: bool = True) -> Iterator[dict]:
+    """Every record of one source whose text is not empty, with all its fields (columnar sources:
+    only the text unless ``all_fields``), in file order; a ``.txt`` document is ``{text_field: text}``."""
     if not (source.kind == "hub" or is_url(source.path) or os.path.exists(source.path)):
         raise DataPrepError(f"{source.path}: input disappeared while data prep was running")
     with _readable_path(source) as path:
         local = dataclasses.replace(source, path=path)
         if not source.path.endswith(".gz"):
-            yield from _iter_source(local, opts)
+            yield from _iter_source(local, opts, all_fields)
             return
         try:
-            yield from _iter_source(local, opts)
+            yield from _iter_source(local, opts, all_fields)
         except _GZIP_ERRORS as exc:
             raise DataPrepError(_gzip_problem(source.path, exc)) from None
 
 
-def _iter_source(source: Source, opts: ReadOptions) -> Iterator[str]:
+def _iter_source(source: Source, opts: ReadOptions, all_fields: bool) -> Iterator[dict]:
+    field = opts.text_field
     if source.kind == "txt":
-        yield from (_iter_txt_file if opts.txt_mode == "file" else _iter_txt_blocks)(source.path)
+        texts = (_iter_txt_file if opts.txt_mode == "file" else _iter_txt_blocks)(source.path)
+        yield from ({field: text} for text in texts)
     elif source.kind == "jsonl" or (source.kind == "json" and not _json_is_array(source.path)):
-        yield from _iter_jsonl(source.path, opts.text_field)
+        yield from _iter_jsonl(source.path, field)
     elif source.kind == "json":
-        yield from _iter_hf_dataset(_load_streaming("json", source.path), opts.text_field, source.path)
+        yield from _iter_hf_dataset(_load_streaming("json", source.path), field, source.path, all_fields)
     elif source.kind == "parquet":
-        yield from _iter_hf_dataset(_load_streaming("parquet", source.path), opts.text_field, source.path)
+        yield from _iter_hf_dataset(_load_streaming("parquet", source.path), field, source.path, all_fields)
     elif source.kind == "saved":
-        yield from _iter_hf_dataset(_open_saved(source.path, opts.hf_split), opts.text_field, source.path)
+        yield from _iter_hf_dataset(_open_saved(source.path, opts.hf_split), field, source.path, all_fields)
     elif source.kind == "hub":
-        yield from _iter_hf_dataset(_open_hub(source.path, opts.hf_split), opts.text_field, f"hub:{source.path}")
+        yield from _iter_hf_dataset(_open_hub(source.path, opts.hf_split), field, f"hub:{source.path}", all_fields)
     else:
         raise DataPrepError(f"{source.path}: unknown source kind {source.kind!r}")
 

@@ -31,6 +31,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from .clean.report import cleaning_of
 from .errors import DataPrepError
 from .group_writer import (GroupWriter, SplitResume, files_by_group, finished_group, kept_shards,
                            remove_group_leftovers)
@@ -265,6 +266,9 @@ def run_shard(settings: ShardSettings) -> TaskResult:
 
     identity = {**s.result_settings(), "partition": partition, "dtype": dtype.name,
                 "tokenizer_sha256": tok.sha256, "sources": [src.to_dict() for src in sources]}
+    cleaning = cleaning_of([src.path for src in sources])
+    if cleaning:                              # absent otherwise: earlier task manifests stay valid
+        identity["cleaning"] = cleaning
     settings_hash = settings_sha256(identity)
     manifest_name = task_manifest_name(task)
     manifest_path = store.url(manifest_name)

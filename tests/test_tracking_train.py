@@ -223,3 +223,29 @@ def test_mlflow_run_id_env_continues_an_existing_run(shards, tmp_path, mlflow_se
     losses = expected_points(jsonl_rows(out))["train/loss"]
     assert logged_points(client, existing, "train/loss") == [(1, 123.0), (2, losses[2]), (3, losses[3])]
     assert checkpoint_run_id(out, 3) == existing
+
+
+def test_cleaned_data_trains_and_the_run_says_what_cleaning_it_had(shards, wiki_txt_dir, tmp_path, mlflow_server):
+    """The real chain: clean (with duplicates injected) -> shard -> finalize -> train 3 steps; the MLflow
+    run's ``data/clean/...`` params are the cleaning report's figures."""
+    from conftest import data_prep
+
+    texts = (wiki_txt_dir / "wiki-00.txt").read_text().split("\n\n")
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "corpus.txt").write_text("\n\n".join(texts + texts[:25]), encoding="utf-8")
+    data_prep("clean", "--input", tmp_path / "raw", "--out", tmp_path / "clean", "--workers", "1")
+    report = json.loads((tmp_path / "clean" / "report.json").read_text())
+    assert report["removed"]["exact_duplicate"]["documents"] >= 25
+    data_prep("shard", "--input", tmp_path / "clean", "--tokenizer", shards.parent / "tok", "--out",
+              tmp_path / "shards", "--seq-len", "64", "--block-size", "64", "--validation-fraction", "0.05")
+    data_prep("finalize", tmp_path / "shards")
+
+    experiment = f"train-clean-{uuid.uuid4().hex[:8]}"
+    train(tmp_path / "shards", tmp_path / "run", mlflow_server.uri, experiment, "train.max_steps=3",
+          "train.checkpoint_every=0", ranks=1)
+    params = only_run(MlflowClient(mlflow_server.uri), experiment).data.params
+    assert params["data/clean/documents_in"] == str(report["totals"]["in"]["documents"])
+    assert params["data/clean/documents_out"] == str(report["totals"]["out"]["documents"])
+    assert int(params["data/clean/removed_exact_duplicate"]) == report["removed"]["exact_duplicate"]["documents"]
+    assert params["data/clean/settings_sha256"] == report["settings_sha256"]
+    assert params["data/clean/languages"] == "en" and params["data/clean/near_bands"] == "28"

@@ -48,7 +48,19 @@ def run_params(cfg, world: int, precision: str, manifest: Manifest) -> dict:
         "launch.torch": torch.__version__,
     })
     params.update(source_params(cfg))
+    params.update(cleaning_params(manifest))
     return params
+
+
+def cleaning_params(manifest: Manifest) -> dict:
+    """What ``data_prep clean`` did to the data, as ``data/clean/<name>`` (``data/clean/<i>/<name>``
+    when the shards came from several cleaned folders); nothing for data that was not cleaned."""
+    folders = manifest.settings.get("cleaning") or []
+    out = {}
+    for i, summary in enumerate(folders):
+        prefix = "data/clean/" if len(folders) == 1 else f"data/clean/{i}/"
+        out.update({prefix + key: value for key, value in summary.items()})
+    return out
 
 
 def source_params(cfg) -> dict:

@@ -1,0 +1,101 @@
+"""Which documents duplicate which, from their keys and signatures alone (no text).
+
+Every decision here depends on the set of documents, not on their order or on how many tasks read
+them: a cluster is a connected component, and it keeps the member with the smallest ``record_key``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def exact_groups(exact: np.ndarray, keys: np.ndarray, alive: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(representative per document, removed mask): among ``alive`` documents with the same exact key,
+    all but the smallest ``keys`` entry are removed. ``exact`` and ``keys`` are ``S16`` arrays."""
+    n = len(exact)
+    rep = np.arange(n)
+    idx = np.flatnonzero(alive)
+    if len(idx) == 0:
+        return rep, np.zeros(n, bool)
+    order = idx[np.lexsort((keys[idx], exact[idx]))]
+    first = np.ones(len(order), bool)
+    first[1:] = exact[order[1:]] != exact[order[:-1]]
+    group_start = np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
+    rep[order] = order[group_start]
+    removed = np.zeros(n, bool)
+    removed[order[~first]] = True
+    return rep, removed
+
+
+def _buckets(band: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order, same): rows sorted by value (exactly: uint32 pairs packed into uint64 columns, then
+    ``lexsort``; 4x faster than ``np.unique(axis=0)``) and whether each sorted row equals the previous."""
+    band = np.ascontiguousarray(band, dtype=np.uint32)
+    if band.shape[1] % 2:
+        band = np.concatenate([band, np.zeros((len(band), 1), np.uint32)], axis=1)
+    packed = band.view(np.uint64)
+    order = np.lexsort(packed.T[::-1])
+    ranked = packed[order]
+    return order, np.all(ranked[1:] == ranked[:-1], axis=1)
+
+
+def band_pairs(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """(i, j) pairs, i < j, of rows that agree on all ``rows`` values of at least one band: LSH
+    candidates. Consecutive members of each bucket are paired (enough for connected components)."""
+    pairs = []
+    for b in range(bands):
+        order, same = _buckets(signatures[:, b * rows:(b + 1) * rows])
+        if same.any():
+            a, c = order[:-1][same], order[1:][same]
+            pairs.append(np.stack([np.minimum(a, c), np.maximum(a, c)], axis=1))
+    if not pairs:
+        return np.zeros((0, 2), np.int64)
+    return np.unique(np.concatenate(pairs), axis=0)
+
+
+def components(n: int, pairs: np.ndarray) -> np.ndarray:
+    """Connected-component label per node."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    if len(pairs) == 0:
+        return np.arange(n)
+    graph = coo_matrix((np.ones(len(pairs), np.int8), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
+    return connected_components(graph, directed=False)[1]
+
+
+def near_clusters(signatures: np.ndarray, keys: np.ndarray, alive: np.ndarray, bands: int,
+                  rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(representative per document, removed mask): LSH over the ``alive`` documents' signatures;
+    each connected component keeps its smallest ``keys`` member."""
+    n = len(keys)
+    rep = np.arange(n)
+    idx = np.flatnonzero(alive)
+    removed = np.zeros(n, bool)
+    if len(idx) < 2:
+        return rep, removed
+    pairs = band_pairs(signatures[idx], bands, rows)
+    label = components(len(idx), pairs)
+    order = np.lexsort((keys[idx], label))
+    first = np.ones(len(order), bool)
+    first[1:] = label[order[1:]] != label[order[:-1]]
+    group_start = np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
+    rep[idx[order]] = idx[order[group_start]]
+    removed[idx[order[~first]]] = True
+    return rep, removed
+
+
+def contaminated(signatures: np.ndarray, exact: np.ndarray, alive: np.ndarray, held_signatures: np.ndarray,
+                 held_exact: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """Mask of ``alive`` documents equal to a held-out one after normalisation, or an LSH candidate of
+    one (a direct match, not through other documents)."""
+    n = len(exact)
+    hit = alive & np.isin(exact, held_exact)
+    if len(held_signatures) and signatures is not None:
+        idx = np.flatnonzero(alive)
+        for b in range(bands):
+            cols = slice(b * rows, (b + 1) * rows)
+            order, same = _buckets(np.concatenate([signatures[idx, cols], held_signatures[:, cols]]))
+            bucket = np.empty(len(order), np.int64)
+            bucket[order] = np.concatenate([[0], np.cumsum(~same)])
+            hit[idx[np.isin(bucket[:len(idx)], bucket[len(idx):])]] = True
+    return hit

