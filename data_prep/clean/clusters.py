@@ -38,18 +38,35 @@ def _buckets(band: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order, np.all(ranked[1:] == ranked[:-1], axis=1)
 
 
-def band_pairs(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
-    """(i, j) pairs, i < j, of rows that agree on all ``rows`` values of at least one band: LSH
-    candidates. Consecutive members of each bucket are paired (enough for connected components)."""
+BUCKET_REACH = 16     # a bucket member is paired with the next 16 in its bucket (all of a smaller bucket)
+
+
+def band_pairs(signatures: np.ndarray, bands: int, rows: int, min_similarity: float = 0.0) -> np.ndarray:
+    """(i, j) pairs, i < j, of rows that agree on all ``rows`` values of at least one band (LSH
+    candidates) and on at least ``min_similarity`` of all values (the estimated Jaccard similarity:
+    drops the rare pair of unrelated documents that share one band by chance)."""
     pairs = []
     for b in range(bands):
         order, same = _buckets(signatures[:, b * rows:(b + 1) * rows])
-        if same.any():
-            a, c = order[:-1][same], order[1:][same]
+        if not same.any():
+            continue
+        bucket = np.concatenate([[0], np.cumsum(~same)])
+        for d in range(1, BUCKET_REACH + 1):
+            together = bucket[d:] == bucket[:-d]
+            if not together.any():
+                break
+            a, c = order[:-d][together], order[d:][together]
             pairs.append(np.stack([np.minimum(a, c), np.maximum(a, c)], axis=1))
     if not pairs:
         return np.zeros((0, 2), np.int64)
-    return np.unique(np.concatenate(pairs), axis=0)
+    pairs = np.unique(np.concatenate(pairs), axis=0)
+    if min_similarity > 0:
+        agree = np.empty(len(pairs))
+        for start in range(0, len(pairs), 1 << 16):          # bounded memory for many pairs
+            p = pairs[start:start + (1 << 16)]
+            agree[start:start + len(p)] = (signatures[p[:, 0]] == signatures[p[:, 1]]).mean(axis=1)
+        pairs = pairs[agree >= min_similarity]
+    return pairs
 
 
 def components(n: int, pairs: np.ndarray) -> np.ndarray:
@@ -64,7 +81,7 @@ def components(n: int, pairs: np.ndarray) -> np.ndarray:
 
 
 def near_clusters(signatures: np.ndarray, keys: np.ndarray, alive: np.ndarray, bands: int,
-                  rows: int) -> tuple[np.ndarray, np.ndarray]:
+                  rows: int, min_similarity: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """(representative per document, removed mask): LSH over the ``alive`` documents' signatures;
     each connected component keeps its smallest ``keys`` member."""
     n = len(keys)
@@ -73,7 +90,7 @@ def near_clusters(signatures: np.ndarray, keys: np.ndarray, alive: np.ndarray, b
     removed = np.zeros(n, bool)
     if len(idx) < 2:
         return rep, removed
-    pairs = band_pairs(signatures[idx], bands, rows)
+    pairs = band_pairs(signatures[idx], bands, rows, min_similarity)
     label = components(len(idx), pairs)
     order = np.lexsort((keys[idx], label))
     first = np.ones(len(order), bool)

@@ -67,7 +67,7 @@ def first_failure(text: str, q: QualitySettings, english: bool) -> str | None:
     lowered = text.lower()
     if q.lorem_ipsum and "lorem ipsum" in lowered:
         return "lorem_ipsum"
-    chars = sum(len(w) for w in words)
+    chars = len("".join(words))
     mean = chars / n if n else 0.0
     if mean < q.min_mean_word_length or mean > q.max_mean_word_length:
         return "mean_word_length"
@@ -112,9 +112,9 @@ def _repetition(lowered: str, words: list[str], chars: int, q: QualitySettings, 
     """Gopher's stop-word and n-gram rules, for documents of at least ``GOPHER_MIN_WORDS`` words."""
     if len(words) < GOPHER_MIN_WORDS:
         return None
-    if english and q.min_stop_words and sum(1 for w in lowered.split() if w in STOP_WORDS) < q.min_stop_words:
-        return "stop_words"
     lowered_words = lowered.split()
+    if english and q.min_stop_words and sum(1 for w in lowered_words if w in STOP_WORDS) < q.min_stop_words:
+        return "stop_words"
     for size, limit in sorted(q.max_top_ngram_chars.items()):
         if limit < 1 and _top_ngram_share(lowered_words, size, chars) > limit:
             return f"top_{size}gram"

@@ -30,7 +30,8 @@ from ..errors import DataPrepError
 from ..reader import ReadOptions, Source, iter_source_records, resolve_inputs
 from ..storage import open_store
 from . import clusters
-from .report import FORMAT, REMOVED_FIELD, REPORT, VERSION, format_table, is_part, part_name, read_report
+from .report import (FORMAT, REMOVED_FIELD, REPORT, VERSION, format_table, is_part, one_line, part_name,
+                     read_report)
 from .settings import CleanSettings, settings_sha256
 from .signature import Facts, LanguageId, analyse, worker_analyse, worker_init
 
@@ -156,7 +157,8 @@ def run_clean(s: CleanSettings) -> CleanResult:
         removed_by[gone] = "exact_duplicate"
         alive &= ~gone
     if s.near.enabled:
-        near_rep, gone = clusters.near_clusters(signatures, keys, alive, s.near.bands, s.near.rows)
+        near_rep, gone = clusters.near_clusters(signatures, keys, alive, s.near.bands, s.near.rows,
+                                                 s.near.min_similarity)
         rep = near_rep[rep]             # an exact duplicate's cluster is its representative's
         removed_by[gone] = "near_duplicate"
         alive &= ~gone
@@ -249,6 +251,8 @@ def _write_part(store, index: int, records: list[dict], output_format: str, remo
 
 
 def print_summary(result: CleanResult, out: str) -> None:
+    """The table, where the output is, then the one-line summary (last: ``tail -n 1`` shows it)."""
     print(format_table(result.report))
     print(f"{out}: {result.report['totals']['out']['documents']:,} documents in {len(result.report['files'])} "
-          f"file(s), report in {REPORT} ({result.seconds:.1f} s)")
+          f"file(s), report in {REPORT} ({result.seconds:.1f} s{', unchanged since the last run' if result.skipped else ''})")
+    print(one_line(result.report))

@@ -26,12 +26,14 @@ class NearSettings:
     """MinHash over word n-grams, LSH with ``bands`` x ``rows`` (``bands * rows`` permutations). A pair
     with Jaccard similarity s becomes a candidate with probability 1 - (1 - s^rows)^bands: 0.5 near
     s = (1/bands)^(1/rows), 0.43 for 28 x 4. datatrove's 14 x 8 (0.72) finds 30% of the copies with 5%
-    of their words changed on the sample; 28 x 4 finds 99% and merges no pair of distinct articles
-    (BENCHMARKS.md, "Cleaning")."""
+    of their words changed on the sample; 28 x 4 finds 99%. A candidate pair must also agree on
+    ``min_similarity`` of all its MinHash values: at 0.2 this drops the one pair of unrelated articles
+    (of 10,000) that shared a band by chance, and no copy (BENCHMARKS.md, "Cleaning")."""
     enabled: bool = True
     ngram: int = 5                # words per shingle (a shorter document is one shingle)
     bands: int = 28
     rows: int = 4
+    min_similarity: float = 0.2   # a candidate pair must also agree on this share of all its values
     seed: int = 1
 
     @property
@@ -109,6 +111,8 @@ class CleanSettings:
                 p.append(f"near.{name} {getattr(n, name)}: must be at least 1")
         if n.seed < 0:
             p.append(f"near.seed {n.seed}: must be >= 0")
+        if not 0.0 <= n.min_similarity <= 1.0:
+            p.append(f"near.min_similarity {n.min_similarity}: must be in [0, 1]")
         q = self.quality
         for name in ("min_words", "max_words", "min_stop_words"):
             if getattr(q, name) < 0:
