@@ -188,15 +188,35 @@ def resolve_inputs(patterns: list[str]) -> list[Source]:
 
 def _sources_at_url(pattern: str) -> list[Source]:
     """``s3://bucket/prefix/*.jsonl`` (a glob, ``*`` crossing '/'), one object, or a prefix standing for
-    the supported files under it; read through a local copy (``iter_source``)."""
-    if not pattern.startswith("s3://"):
-        raise DataPrepError(f"--input {pattern!r}: inputs are local paths, hub:NAME or s3://bucket/prefix globs")
+    the supported files under it (a folder ``data_prep clean`` wrote: the files its report lists);
+    ``https://host/path/file.jsonl`` one file, or such a cleaned folder. Read through a local copy
+    (``iter_source``)."""
+    from .clean.report import read_report
+
+    is_s3 = pattern.startswith("s3://")
+    if not (is_s3 or pattern.startswith(("https://", "http://"))):
+        raise DataPrepError(f"--input {pattern!r}: inputs are local paths, hub:NAME, s3://bucket/prefix globs "
+                            "or https:// files")
     magic = next((i for i, c in enumerate(pattern) if c in "*?["), len(pattern))
     base = pattern[:pattern.rfind("/", 0, magic)]
     if base.count("/") < 2:
-        raise DataPrepError(f"--input {pattern!r}: name a bucket before any wildcard (s3://bucket/...)")
+        raise DataPrepError(f"--input {pattern!r}: name a {'bucket' if is_s3 else 'host'} before any wildcard")
     store = open_store(base)
     rest = pattern[len(base) + 1:]
+    if magic == len(pattern) and not _file_kind(Path(rest or "x")):
+        report = read_report(pattern.rstrip("/"))
+        if report is not None:
+            folder = open_store(pattern.rstrip("/"))
+            return [Source(_file_kind(Path(f["name"])), folder.url(f["name"]), f["bytes"]) for f in report["files"]]
+    if not is_s3:
+        if magic < len(pattern):
+            raise DataPrepError(f"--input {pattern!r}: an https:// location cannot be listed: name each file")
+        info = store.stat(rest)
+        if info is None:
+            raise DataPrepError(f"--input {pattern!r}: no such file (HTTP 404)")
+        if not _file_kind(Path(rest)):
+            raise DataPrepError(f"--input {pattern!r}: unsupported type (.txt, .jsonl, .json, .parquet, .gz of text)")
+        return [Source(_file_kind(Path(rest)), store.url(rest), info.size)]
     listing = store.list()
     if magic < len(pattern):
         names = [n for n in sorted(listing) if fnmatch.fnmatchcase(n, rest)]

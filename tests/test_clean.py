@@ -14,6 +14,7 @@ import pytest
 from data_prep.cli import main
 from data_prep.clean.quality import first_failure
 from data_prep.clean.settings import QualitySettings
+from s3_server import s3_server  # noqa: F401  (a fixture)
 
 GERMAN = ("Die Stadt liegt am Ufer eines breiten Flusses und hat etwa zwanzigtausend Einwohner. Im Mittelalter "
           "war der Ort ein wichtiger Handelsplatz für Salz und Getreide. Die Kirche wurde im vierzehnten "
@@ -53,10 +54,11 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 
 def clean(*args, workers: int = 1) -> dict:
+    from data_prep.storage import open_store
+
     argv = ["clean", *map(str, args), "--workers", str(workers)]
     assert main(argv) == 0, argv
-    out = Path(argv[argv.index("--out") + 1])
-    return json.loads((out / "report.json").read_text())
+    return json.loads(open_store(argv[argv.index("--out") + 1]).read_text("report.json"))
 
 
 def kept_records(out: Path) -> list[dict]:
@@ -330,3 +332,32 @@ def test_a_chance_band_match_between_unrelated_articles_is_not_a_duplicate(tmp_p
     unchecked = clean("--input", tmp_path / "in.jsonl", "--out", tmp_path / "unchecked",
                       "--set", "near.min_similarity=0")
     assert unchecked["removed"]["near_duplicate"]["documents"] == 1
+
+
+@pytest.mark.slow
+def test_inputs_and_output_in_a_bucket_and_over_https(tmp_path, wiki_articles, bert_uncased_dir, monkeypatch,
+                                                      s3_server):
+    """s3:// in, s3:// out, shard from the cleaned prefix (the report is not read as a document);
+    an https:// file (the SeaweedFS filer's own HTTP) in, a local folder out: the same documents kept."""
+    base = articles(wiki_articles, 40)
+    records = base + [{**r, "id": r["id"] + "/copy"} for r in base[:5]] + [{"id": "de", "text": GERMAN}]
+    local = write_jsonl(tmp_path / "in.jsonl", records)
+    server = s3_server
+    for key, value in server.aws().items():
+        monkeypatch.setenv(key, value)
+    bucket = server.bucket("clean")
+    server.client().put_object(Bucket=bucket, Key="raw/in.jsonl", Body=local.read_bytes())
+    report = clean("--input", f"s3://{bucket}/raw/*.jsonl", "--out", f"s3://{bucket}/clean", "--set",
+                   "quality.enabled=false")
+    assert report["totals"]["out"]["documents"] == 40
+    assert report["removed"]["exact_duplicate"]["documents"] == 5 and report["removed"]["language"]["documents"] == 1
+    listed = {o["Key"] for o in server.client().list_objects_v2(Bucket=bucket, Prefix="clean/")["Contents"]}
+    assert listed == {"clean/part-00000.jsonl", "clean/report.json"}
+    over_https = clean("--input", f"{server.filer}/buckets/{bucket}/raw/in.jsonl", "--out", tmp_path / "https",
+                       "--set", "quality.enabled=false")
+    assert over_https["totals"] == report["totals"] and over_https["removed"] == report["removed"]
+    assert main(["shard", "--input", f"s3://{bucket}/clean", "--tokenizer", str(bert_uncased_dir), "--out",
+                 str(tmp_path / "shards"), "--seq-len", "64"]) == 0
+    manifest = json.loads((tmp_path / "shards" / "task-00000.json").read_text())
+    assert manifest["totals"]["train"]["documents"] == 40
+    assert manifest["settings"]["cleaning"][0]["folder"] == f"s3://{bucket}/clean"

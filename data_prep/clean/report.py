@@ -75,14 +75,12 @@ def manifest_summary(report: dict) -> dict:
 
 
 def cleaning_of(paths: list[str]) -> list[dict]:
-    """For the inputs of a ``shard`` run: a ``manifest_summary`` (with its ``folder``) of each cleaned
-    folder some input file belongs to, in path order; empty when no input was cleaned."""
-    import os
-
+    """For the inputs of a ``shard`` run (paths or URLs): a ``manifest_summary`` (with its ``folder``)
+    of each cleaned folder some input file belongs to, in order; empty when no input was cleaned."""
     out = []
-    for folder in sorted({os.path.dirname(p) for p in paths if "://" not in p and is_part(os.path.basename(p))}):
+    for folder in sorted({p.rsplit("/", 1)[0] for p in paths if is_part(p.rsplit("/", 1)[-1])}):
         report = read_report(folder)
-        if report is not None and any(os.path.join(folder, f["name"]) in paths for f in report["files"]):
+        if report is not None and any(f"{folder}/{f['name']}" in paths for f in report["files"]):
             out.append({"folder": folder, **manifest_summary(report)})
     return out
 
