@@ -102,17 +102,27 @@ def near_clusters(signatures: np.ndarray, keys: np.ndarray, alive: np.ndarray, b
 
 
 def contaminated(signatures: np.ndarray, exact: np.ndarray, alive: np.ndarray, held_signatures: np.ndarray,
-                 held_exact: np.ndarray, bands: int, rows: int) -> np.ndarray:
+                 held_exact: np.ndarray, bands: int, rows: int, min_similarity: float = 0.0) -> np.ndarray:
     """Mask of ``alive`` documents equal to a held-out one after normalisation, or an LSH candidate of
-    one (a direct match, not through other documents)."""
-    n = len(exact)
+    one that agrees with it on ``min_similarity`` of all values (a direct match, not through other
+    documents)."""
     hit = alive & np.isin(exact, held_exact)
-    if len(held_signatures) and signatures is not None:
-        idx = np.flatnonzero(alive)
-        for b in range(bands):
-            cols = slice(b * rows, (b + 1) * rows)
-            order, same = _buckets(np.concatenate([signatures[idx, cols], held_signatures[:, cols]]))
-            bucket = np.empty(len(order), np.int64)
-            bucket[order] = np.concatenate([[0], np.cumsum(~same)])
-            hit[idx[np.isin(bucket[:len(idx)], bucket[len(idx):])]] = True
+    if not len(held_signatures) or signatures is None:
+        return hit
+    idx = np.flatnonzero(alive)
+    for b in range(bands):
+        cols = slice(b * rows, (b + 1) * rows)
+        order, same = _buckets(np.concatenate([signatures[idx, cols], held_signatures[:, cols]]))
+        bucket = np.empty(len(order), np.int64)
+        bucket[order] = np.concatenate([[0], np.cumsum(~same)])
+        held_in = {}
+        for j, bkt in enumerate(bucket[len(idx):].tolist()):
+            held_in.setdefault(bkt, []).append(j)
+        for k in np.flatnonzero(np.isin(bucket[:len(idx)], bucket[len(idx):])):
+            doc = idx[k]
+            if hit[doc]:
+                continue
+            agree = (held_signatures[held_in[int(bucket[k])]] == signatures[doc]).mean(axis=1)
+            if agree.max() >= min_similarity:
+                hit[doc] = True
     return hit

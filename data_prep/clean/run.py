@@ -33,7 +33,7 @@ from . import clusters
 from .report import (FORMAT, REMOVED_FIELD, REPORT, VERSION, format_table, is_part, one_line, part_name,
                      read_report)
 from .settings import CleanSettings, settings_sha256
-from .signature import Facts, LanguageId, analyse, worker_analyse, worker_init
+from .signature import Signatures, analyse, worker_analyse, worker_init
 
 log = logging.getLogger("data_prep")
 CHUNK = 256                 # documents per message to a worker
@@ -69,14 +69,15 @@ def _chunks(records, size: int):
         yield chunk
 
 
-def _analyse_all(records, s: CleanSettings) -> list[Facts]:
+def _analyse_all(records, s: CleanSettings) -> Signatures:
     workers = s.workers or (os.cpu_count() or 1)
+    num_perm = s.near.bands * s.near.rows
     if workers == 1:
         worker_init(s)
-        return [f for chunk in _chunks(records, CHUNK) for f in worker_analyse(chunk)]
+        return Signatures.concat([worker_analyse(chunk) for chunk in _chunks(records, CHUNK)], num_perm)
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(workers, initializer=worker_init, initargs=(s,)) as pool:
-        return [f for facts in pool.imap(worker_analyse, _chunks(records, CHUNK), chunksize=2) for f in facts]
+        return Signatures.concat(list(pool.imap(worker_analyse, _chunks(records, CHUNK), chunksize=2)), num_perm)
 
 
 def _resolve_heldout(patterns: list[str]) -> list[Source]:
@@ -101,7 +102,7 @@ def _snippet(text: str) -> str:
 
 def _encode_part(records: list[dict], output_format: str) -> bytes:
     if output_format == "jsonl":
-        return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
+        return "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records).encode("utf-8")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -128,28 +129,24 @@ def run_clean(s: CleanSettings) -> CleanResult:
 
     opts = _read_options(s)
     # Pass 1: what each document is (in worker processes).
-    facts = _analyse_all(_iter_records(sources, opts), s)
-    if not facts:
+    sig = _analyse_all(_iter_records(sources, opts), s)
+    n = len(sig)
+    if not n:
         names = ", ".join(src.path for src in sources[:5])
         raise DataPrepError(f"empty input: no documents in {names}")
-    removed_by = np.array([f.removed_by for f in facts], dtype=object)
-    keys = np.array([f.key for f in facts], dtype="S16")
-    exact = np.array([f.exact for f in facts], dtype="S16")
-    words = np.array([f.words for f in facts], dtype=np.int64)
+    removed_by, keys, exact, words = sig.removed_by, sig.keys, sig.exact, sig.words
+    signatures = sig.signatures if s.near.enabled else None
     num_perm = s.near.bands * s.near.rows
-    signatures = (np.frombuffer(b"".join(f.signature for f in facts), dtype=np.uint32).reshape(len(facts), num_perm)
-                  if s.near.enabled else None)
-    log.info("clean: %d documents analysed in %.1f s", len(facts), time.perf_counter() - t0)
+    log.info("clean: %d documents analysed in %.1f s", n, time.perf_counter() - t0)
 
     # Decisions, from keys and signatures alone.
     alive = removed_by == ""
-    rep = np.arange(len(facts))
+    rep = np.arange(n)
     if held:
-        held_facts = [analyse(r, s.text_field, _no_filters(s), None) for r in _iter_records(held, opts)]
-        held_exact = np.array([f.exact for f in held_facts], dtype="S16")
-        held_sigs = (np.frombuffer(b"".join(f.signature for f in held_facts), dtype=np.uint32).reshape(-1, num_perm)
-                     if s.near.enabled else np.zeros((0, num_perm), np.uint32))
-        hit = clusters.contaminated(signatures, exact, alive, held_sigs, held_exact, s.near.bands, s.near.rows)
+        held_sig = Signatures.of([analyse(r, s.text_field, _no_filters(s), None) for r in _iter_records(held, opts)],
+                                 num_perm)
+        hit = clusters.contaminated(signatures, exact, alive, held_sig.signatures, held_sig.exact, s.near.bands,
+                                    s.near.rows, s.near.min_similarity)
         removed_by[hit] = "decontamination"
         alive &= ~hit
     if s.exact.enabled:
@@ -165,7 +162,7 @@ def run_clean(s: CleanSettings) -> CleanResult:
 
     # Pass 2: write the kept records, in input order.
     dup = (removed_by == "exact_duplicate") | (removed_by == "near_duplicate")
-    cluster_size = np.bincount(rep[dup], minlength=len(facts)) + 1
+    cluster_size = np.bincount(rep[dup], minlength=n) + 1
     biggest = [int(i) for i in np.argsort(-cluster_size * alive, kind="stable")[:CLUSTERS] if cluster_size[i] > 1 and alive[i]]
     wanted = {i: None for i in biggest}
     member_of = {}
@@ -181,7 +178,7 @@ def run_clean(s: CleanSettings) -> CleanResult:
     count = 0
     for i, record in enumerate(_iter_records(sources, opts)):
         count += 1
-        if i >= len(facts):
+        if i >= n:
             break
         why = removed_by[i]
         text = record[s.text_field]
@@ -201,8 +198,8 @@ def run_clean(s: CleanSettings) -> CleanResult:
                 part = []
         if i in wanted or i in removed_members:
             snippets[i] = (str(record.get(id_field, f"#{i}")), _snippet(text))
-    if count != len(facts):
-        raise DataPrepError(f"the inputs changed while cleaning ({len(facts)} documents in the first pass, "
+    if count != n:
+        raise DataPrepError(f"the inputs changed while cleaning ({n} documents in the first pass, "
                             f"{count} in the second)")
     if part or not files:
         files.append(_write_part(store, len(files), part, s.output_format))
@@ -221,7 +218,7 @@ def run_clean(s: CleanSettings) -> CleanResult:
         "format": FORMAT, "version": VERSION, "settings": s.result_settings(), "settings_sha256": digest,
         "sources": identity["sources"], "decontaminated_against": identity["decontaminated_against"],
         "text_field": s.text_field, "files": files, "removed_files": removed_files,
-        "totals": {"in": {"documents": len(facts), "words": int(words.sum())},
+        "totals": {"in": {"documents": n, "words": int(words.sum())},
                    "out": {"documents": int(alive.sum()), "words": int(words[alive].sum())}},
         "removed": removed,
         "clusters": [{"size": int(cluster_size[i]), "kept_id": snippets[i][0], "kept_snippet": snippets[i][1],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,40 @@ def analyse(record: dict, text_field: str, s: CleanSettings, lid: LanguageId | N
     return facts
 
 
+@dataclass
+class Signatures:
+    """The facts of many documents as arrays: what the decisions read (about ``4 * num_perm + 50``
+    bytes a document), never the text."""
+    keys: np.ndarray          # S16 record_key
+    exact: np.ndarray         # S16 exact_key
+    signatures: np.ndarray    # (n, num_perm) uint32; (n, 0) when near duplicates are off
+    words: np.ndarray         # int64
+    removed_by: np.ndarray    # object: "" or the step (interned strings)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @classmethod
+    def of(cls, facts: list[Facts], num_perm: int) -> "Signatures":
+        width = num_perm if facts and facts[0].signature else 0
+        return cls(keys=np.array([f.key for f in facts], dtype="S16"),
+                   exact=np.array([f.exact for f in facts], dtype="S16"),
+                   signatures=np.frombuffer(b"".join(f.signature for f in facts), dtype=np.uint32).reshape(
+                       len(facts), width),
+                   words=np.array([f.words for f in facts], dtype=np.int64),
+                   removed_by=np.array([sys.intern(f.removed_by) for f in facts], dtype=object))
+
+    @classmethod
+    def concat(cls, parts: list["Signatures"], num_perm: int) -> "Signatures":
+        if not parts:
+            return cls.of([], num_perm)
+        removed = np.concatenate([p.removed_by for p in parts])
+        removed[:] = [sys.intern(r) for r in removed]       # unpickled strings are copies: share them again
+        return cls(keys=np.concatenate([p.keys for p in parts]), exact=np.concatenate([p.exact for p in parts]),
+                   signatures=np.concatenate([p.signatures for p in parts]),
+                   words=np.concatenate([p.words for p in parts]), removed_by=removed)
+
+
 # One per worker process: the settings and the language model, loaded once.
 _worker: tuple[CleanSettings, str, LanguageId | None] | None = None
 
@@ -116,6 +151,6 @@ def worker_init(settings: CleanSettings) -> None:
     _worker = (settings, settings.text_field, LanguageId() if settings.language.keep else None)
 
 
-def worker_analyse(records: list[dict]) -> list[Facts]:
+def worker_analyse(records: list[dict]) -> Signatures:
     settings, field, lid = _worker
-    return [analyse(r, field, settings, lid) for r in records]
+    return Signatures.of([analyse(r, field, settings, lid) for r in records], settings.near.bands * settings.near.rows)
