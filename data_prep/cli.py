@@ -46,7 +46,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                    "language filter (fastText lid.176) and decontamination against held-out files; "
                                    "writes the kept documents with all their fields as part-*.jsonl (or .parquet) "
                                    "and report.json. Settings: --config YAML, flags and --set on top.")
-    p.add_argument("--config", help="YAML file of clean settings (see configs/data/clean.yaml)")
+    p.add_argument("--config", help="YAML file of clean settings (see configs/data/clean/default.yaml)")
     p.add_argument("--input", nargs="+", action="extend", dest="inputs", metavar="GLOB",
                    help="files, globs, folders (.txt/.jsonl/.json/.parquet, .gz, s3://...), as shard reads")
     p.add_argument("--out", help="output folder (or s3:// prefix) for the kept documents and report.json")
@@ -119,9 +119,10 @@ def _shard_settings(args):
 
 
 def _clean_settings(args):
-    from .clean.settings import apply_overrides, build_settings, load_yaml
+    from .clean.settings import apply_overrides, build_settings
+    from .settings import read_yaml_mapping
 
-    values = load_yaml(args.config) if args.config else {}
+    values = read_yaml_mapping(args.config) if args.config else {}
     for name in ("inputs", "out", "text_field", "txt_mode", "hf_split", "output_format", "workers",
                  "decontaminate_against"):
         if getattr(args, name) is not None:

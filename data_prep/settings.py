@@ -108,9 +108,8 @@ def settings_sha256(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
-def load_settings_file(path: str | os.PathLike) -> dict:
-    """A YAML file of ``ShardSettings`` fields (``inputs`` may be a string or a list); unknown keys and
-    wrong types fail here, naming the file and key."""
+def read_yaml_mapping(path: str | os.PathLike) -> dict:
+    """A ``--config`` file: YAML holding a mapping, or a ``DataPrepError`` naming the file."""
     import yaml
 
     path = Path(path)
@@ -122,6 +121,14 @@ def load_settings_file(path: str | os.PathLike) -> dict:
         raise DataPrepError(f"{path}: not valid YAML ({exc})") from None
     if not isinstance(data, dict):
         raise DataPrepError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def load_settings_file(path: str | os.PathLike) -> dict:
+    """A YAML file of ``ShardSettings`` fields (``inputs`` may be a string or a list); unknown keys and
+    wrong types fail here, naming the file and key."""
+    path = Path(path)
+    data = read_yaml_mapping(path)
     fields = {f.name: f for f in dataclasses.fields(ShardSettings)}
     defaults = ShardSettings()
     problems, out = [], {}

@@ -306,11 +306,12 @@ def test_bad_input_is_named_with_exit_2_and_nothing_written(tmp_path, capsys, ca
 
 
 def test_settings_file_is_the_defaults_and_problems_come_together(tmp_path):
-    from data_prep.clean.settings import CleanSettings, apply_overrides, build_settings, load_yaml
+    from data_prep.clean.settings import CleanSettings, apply_overrides, build_settings
     from data_prep.errors import DataPrepError
+    from data_prep.settings import read_yaml_mapping as load_yaml
 
     repo = Path(__file__).resolve().parents[1]
-    values = load_yaml(repo / "configs" / "data" / "clean.yaml")
+    values = load_yaml(repo / "configs" / "data" / "clean" / "default.yaml")
     assert build_settings({**values, "inputs": ["x"], "out": "y"}) == CleanSettings(inputs=["x"], out="y")
     changed = build_settings(apply_overrides({"inputs": ["x"], "out": "y"}, ["near.bands=20", "language.keep=en,de",
                                                                              "quality.enabled=false"]))

@@ -1,7 +1,12 @@
-"""The README's main job, end to end as a user runs it (`bash launchers/demo.sh`), shortened to 20
+"""The README's main job, end to end as a user runs it (`bash launchers/demo.sh`), shortened to 30
 steps for CI: it must finish, print fill-mask answers, and beat both baselines clearly (held-out
 masked-token accuracy against always guessing the most frequent token; the word-order probe
 against the same architecture with random weights).
+
+30 steps, not 20, since the demo cleans its corpus (issue 50): without the 80 documents it removes
+(77 repeat their own n-grams), 20 steps reached 0.077, 0.088 and 0.080 held-out accuracy over three
+seeds (0.094 and 0.098 on the uncleaned corpus) against the ~0.083 this test asks; 30 steps reach
+0.098. Whether the repetitive articles were easy to predict or the data order moved was not measured.
 
 Time: about 2-4 minutes: the README's main job itself, through its real script and launcher,
 data preparation and the 6-layer encoder included."""
@@ -20,15 +25,15 @@ pytestmark = pytest.mark.slow
 
 def test_demo_learns_and_beats_its_baselines(tmp_path):
     env = {**os.environ, "WORK": str(tmp_path / "data"), "RUN": str(tmp_path / "run"), "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(["bash", "launchers/demo.sh", "train.max_steps=20", "optim.warmup_steps=4", "train.checkpoint_every=0"],
+    proc = subprocess.run(["bash", "launchers/demo.sh", "train.max_steps=30", "optim.warmup_steps=4", "train.checkpoint_every=0"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
     assert len(re.findall(r"^fill-mask: '.*\[MASK\].*' -> \S+ \(0\.\d\d\)", out, re.M)) == 4
-    acc, unigram = map(float, re.search(r"held-out masked-token accuracy \(15% masking\): ([\d.]+) after 20 steps; "
+    acc, unigram = map(float, re.search(r"held-out masked-token accuracy \(15% masking\): ([\d.]+) after 30 steps; "
                                          r"always guessing the most frequent token: ([\d.]+)", out).groups())
     probe, random_init = map(float, re.search(r"word-order probe accuracy: ([\d.]+); the same architecture with "
                                               r"random weights: ([\d.]+)", out).groups())
     assert acc > unigram + 0.02, (acc, unigram)
     assert probe > random_init + 0.15, (probe, random_init)
-    assert (tmp_path / "run" / "hf_final" / "EXPORTED_FROM").read_text().strip() == "step00000020"
+    assert (tmp_path / "run" / "hf_final" / "EXPORTED_FROM").read_text().strip() == "step00000030"

@@ -32,7 +32,8 @@ from ..storage import open_store
 from . import clusters
 from .report import (FORMAT, REMOVED_FIELD, REPORT, VERSION, format_table, is_part, one_line, part_name,
                      read_report)
-from .settings import CleanSettings, settings_sha256
+from ..settings import settings_sha256
+from .settings import CleanSettings
 from .signature import Signatures, analyse, worker_analyse, worker_init
 
 log = logging.getLogger("data_prep")

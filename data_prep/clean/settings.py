@@ -1,5 +1,6 @@
-"""The settings of ``data_prep clean``: one nested dataclass, from a YAML file (``configs/data/clean.yaml``),
-flags and dotted ``--set`` overrides on top; every problem is reported at once.
+"""The settings of ``data_prep clean``: one nested dataclass, from a YAML file
+(``configs/data/clean/default.yaml``), flags and dotted ``--set`` overrides on top; every problem is
+reported at once.
 
 Settings that change which documents are kept enter ``settings_sha256`` (recorded in ``report.json``
 and, through ``shard``, in the shards' manifest); ``workers`` and ``out`` only change where and how fast.
@@ -7,11 +8,7 @@ and, through ``shard``, in the shards' manifest); ``workers`` and ``out`` only c
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..errors import DataPrepError
 
@@ -149,10 +146,6 @@ class CleanSettings:
         return d
 
 
-def settings_sha256(identity: dict) -> str:
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-
-
 _SECTIONS = {"exact": ExactSettings, "near": NearSettings, "quality": QualitySettings, "language": LanguageSettings}
 
 
@@ -223,21 +216,6 @@ def build_settings(values: dict, where: str = "settings") -> CleanSettings:
     if problems:
         raise DataPrepError(f"{where}:\n  " + "\n  ".join(problems))
     return settings
-
-
-def load_yaml(path: str | os.PathLike) -> dict:
-    import yaml
-
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except FileNotFoundError:
-        raise DataPrepError(f"--config {path}: no such file") from None
-    except yaml.YAMLError as exc:
-        raise DataPrepError(f"{path}: not valid YAML ({exc})") from None
-    if not isinstance(data, dict):
-        raise DataPrepError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
-    return data
 
 
 def apply_overrides(values: dict, pairs: list[str]) -> dict:
