@@ -60,6 +60,15 @@ def _build_parser() -> argparse.ArgumentParser:
                                         "document is an exact or near copy of one of their documents")
     p.add_argument("--format", dest="output_format", choices=["jsonl", "parquet"], help="output files (default jsonl)")
     p.add_argument("--workers", type=int, help="processes (default: one per core)")
+    p.add_argument("--group-chars", dest="group_chars", type=int,
+                   help="characters per output file (an input group, as shard's; default 67108864)")
+    p.add_argument("--partition", help="how array tasks share the input: auto (default), files, documents")
+    p.add_argument("--stage", choices=["signatures", "clusters", "filter"],
+                   help="one stage of a Slurm run (launchers/slurm/submit_clean.sh); default: all three here")
+    p.add_argument("--num-tasks", dest="num_tasks", type=int,
+                   help="array tasks of the signatures and filter stages (default $SLURM_ARRAY_TASK_COUNT, else 1)")
+    p.add_argument("--task-index", dest="task_index", type=int,
+                   help="this task, 0-based (default from $SLURM_ARRAY_TASK_ID, else 0)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any setting, dotted (near.bands=20, quality.min_words=50, exact.enabled=false)")
 
@@ -124,7 +133,7 @@ def _clean_settings(args):
 
     values = read_yaml_mapping(args.config) if args.config else {}
     for name in ("inputs", "out", "text_field", "txt_mode", "hf_split", "output_format", "workers",
-                 "decontaminate_against"):
+                 "decontaminate_against", "group_chars", "partition"):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     if args.languages is not None:
@@ -134,12 +143,33 @@ def _clean_settings(args):
     return build_settings(values, where=args.config or "data_prep clean")
 
 
+def _clean_task(args) -> tuple[int, int]:
+    """(tasks, this task) of a staged clean: flags, else Slurm's array variables, as shard reads them."""
+    from .settings import ShardSettings
+
+    if args.stage is None:
+        if (args.num_tasks or 1) != 1 or (args.task_index or 0) != 0:
+            raise DataPrepError("--num-tasks/--task-index go with --stage (signatures, clusters, filter); "
+                                "without it the three stages run here as one task")
+        return 1, 0
+    if args.stage == "clusters":
+        if args.num_tasks is None:
+            raise DataPrepError("--stage clusters needs --num-tasks K: the number of signatures tasks to wait for")
+        if args.num_tasks < 1:
+            raise DataPrepError(f"--num-tasks {args.num_tasks}: must be at least 1")
+        return args.num_tasks, 0
+    s = ShardSettings(inputs=["-"], tokenizer="-", out="-", num_tasks=args.num_tasks,
+                      task_index=args.task_index).resolved()
+    return s.num_tasks, s.task_index
+
+
 def _run(args) -> int:
     if args.command == "clean":
         from .clean.run import print_summary, run_clean
 
         settings = _clean_settings(args)
-        print_summary(run_clean(settings), settings.out)
+        num_tasks, task = _clean_task(args)
+        print_summary(run_clean(settings, args.stage, num_tasks, task), settings.out)
         return 0
     if args.command == "tokenizer":
         from .reader import ReadOptions, iter_task_documents, resolve_inputs

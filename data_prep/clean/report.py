@@ -1,6 +1,7 @@
-"""The one owner of a cleaned folder's layout: ``part-NNNNN.jsonl`` (or ``.parquet``) files of kept
-documents, ``report.json`` written last (a folder without it is unfinished), and with
-``write_removed`` the removed records under ``removed/`` (same names, a ``removed_by`` field added).
+"""The one owner of a cleaned folder's layout: ``part-sSSSSS-gGGGGG.jsonl`` (or ``.parquet``) files of
+kept documents, one per input group, ``report.json`` written last (a folder without it is
+unfinished), with ``write_removed`` the removed records under ``removed/`` (same names, a
+``removed_by`` field added), and ``.clean/`` the stages' work files (``clean.run``).
 
 ``report.json``: ``format`` ("data_prep-clean"), ``version``, ``settings`` and ``settings_sha256``,
 ``sources`` (inputs with size and content fingerprint), ``decontaminated_against`` (the same for the
@@ -26,8 +27,10 @@ REMOVED_DIR = "removed/"
 REMOVED_FIELD = "removed_by"
 
 
-def part_name(index: int, output_format: str, removed: bool = False) -> str:
-    return f"{REMOVED_DIR if removed else ''}part-{index:05d}.{output_format}"
+def part_name(group_tag: str, output_format: str, removed: bool = False) -> str:
+    """The kept (or removed) documents of one input group (``s00003-g00012``): named after the input,
+    never after the task that wrote them."""
+    return f"{REMOVED_DIR if removed else ''}part-{group_tag}.{output_format}"
 
 
 def is_part(name: str) -> bool:

@@ -1,20 +1,34 @@
-"""``data_prep clean``: raw documents in, the documents worth training on out, and a report.
+"""``data_prep clean``: raw documents in, the documents worth training on out, and a report; in one
+process or as three stages of Slurm jobs, with the same files either way.
 
-Two passes over the input, so that memory holds a few dozen bytes per document, never the text:
+The unit of work is the **group** of ``data_prep.groups`` (per input file, a run of documents that
+closes at ``group_chars`` characters): which documents form a group depends only on the input, so
+every file this command writes is named after a group or is global, never after a task. ``K`` array
+tasks share the groups out as ``shard``'s tasks do.
 
-1. **signatures** (worker processes, the machine's cores): per document its identity, exact key,
-   MinHash signature, language and the first quality rule it breaks (``signature``);
-2. **decisions** (``clusters``, from those facts alone): language and quality removals, then
-   documents that copy a held-out file (decontamination), then exact duplicates, then near
-   duplicates; a duplicate cluster keeps its member with the smallest identity hash;
-3. **writing**: the inputs read again in order, the kept records written whole in files of
-   ``file_documents`` (each atomic), stale files of an earlier run removed, ``report.json`` last.
+1. ``--stage signatures`` (task I of K, the machine's cores in worker processes): per document of
+   each owned group its identity, exact key, MinHash signature, word count and the language or
+   quality rule that removes it (``signature``), saved as ``sig-<group>.npz``; then the task's
+   marker ``sig-kK-tI.json`` listing its groups.
+2. ``--stage clusters`` (one job): refuses, naming them, when a task's marker is missing; reads every
+   group's signatures in group order and decides (``clusters``): decontamination against the held-out
+   files, exact duplicates, near duplicates; a cluster keeps the member with the smallest identity
+   hash. Writes ``decisions.npz`` (the step that removed each document) and ``decisions.json``.
+3. ``--stage filter`` (task I of K): per owned group, the kept records written whole as
+   ``part-<group>.jsonl`` (or ``.parquet``) and a marker ``filter-<group>.json``; the task that
+   finds every group's marker present writes ``report.json`` (the same bytes whoever writes it),
+   removes part files no group wrote, and stale work folders.
 
-A re-run whose ``report.json`` has the same settings and input fingerprints does nothing.
+Work files live in ``.clean/<settings hash>/`` beside the output, each written whole (atomic), so a
+killed task re-run skips finished groups and writes the same bytes. Without ``--stage`` the three run
+in one process (K = 1). A finished folder whose ``report.json`` has the same settings hash is left
+alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import glob
+import hashlib
 import io
 import json
 import logging
@@ -27,12 +41,13 @@ import numpy as np
 
 from ..atomic import json_bytes
 from ..errors import DataPrepError
-from ..reader import ReadOptions, Source, iter_source_records, resolve_inputs
-from ..storage import open_store
+from ..groups import GroupKey, ReadCount, iter_owned_documents
+from ..reader import ReadOptions, Source, iter_source_records, resolve_inputs, resolve_partition
+from ..settings import settings_sha256
+from ..storage import Store, open_store
 from . import clusters
 from .report import (FORMAT, REMOVED_FIELD, REPORT, VERSION, format_table, is_part, one_line, part_name,
                      read_report)
-from ..settings import settings_sha256
 from .settings import CleanSettings
 from .signature import Signatures, analyse, worker_analyse, worker_init
 
@@ -41,44 +56,39 @@ CHUNK = 256                 # documents per message to a worker
 SNIPPET = 240
 EXAMPLES = 3
 CLUSTERS = 5
+STAGES = ("signatures", "clusters", "filter")
+WORK = ".clean"
 
 
 @dataclass
 class CleanResult:
-    report: dict
+    report: dict | None       # None until the last filter task of a staged run finishes
     skipped: bool
     seconds: float
 
 
-def _read_options(s: CleanSettings) -> ReadOptions:
-    return ReadOptions(text_field=s.text_field, txt_mode=s.txt_mode, hf_split=s.hf_split)
+@dataclass
+class _Job:
+    """What every stage derives from the settings: inputs, identity, where its files go."""
+    s: CleanSettings
+    sources: list[Source]
+    held: list[Source]
+    partition: str
+    store: Store
+    identity: dict
+    digest: str
 
+    @property
+    def work(self) -> str:
+        return f"{WORK}/{self.digest[:16]}/"
 
-def _iter_records(sources: list[Source], opts: ReadOptions):
-    for source in sources:
-        yield from iter_source_records(source, opts)
+    @property
+    def opts(self) -> ReadOptions:
+        return ReadOptions(text_field=self.s.text_field, txt_mode=self.s.txt_mode, hf_split=self.s.hf_split)
 
-
-def _chunks(records, size: int):
-    chunk = []
-    for r in records:
-        chunk.append(r)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
-def _analyse_all(records, s: CleanSettings) -> Signatures:
-    workers = s.workers or (os.cpu_count() or 1)
-    num_perm = s.near.bands * s.near.rows
-    if workers == 1:
-        worker_init(s)
-        return Signatures.concat([worker_analyse(chunk) for chunk in _chunks(records, CHUNK)], num_perm)
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=worker_init, initargs=(s,)) as pool:
-        return Signatures.concat(list(pool.imap(worker_analyse, _chunks(records, CHUNK), chunksize=2)), num_perm)
+    def owned(self, num_tasks: int, task: int, count: ReadCount | None = None):
+        return iter_owned_documents(self.sources, self.partition, num_tasks, task, self.opts, self.s.group_chars,
+                                    count, records=True)
 
 
 def _resolve_heldout(patterns: list[str]) -> list[Source]:
@@ -91,61 +101,156 @@ def _resolve_heldout(patterns: list[str]) -> list[Source]:
         raise DataPrepError(f"--decontaminate-against: {exc}") from None
 
 
-def _identity(s: CleanSettings, sources: list[Source], held: list[Source]) -> dict:
-    return {**s.result_settings(), "sources": [src.to_dict() for src in sources],
-            "decontaminated_against": [src.to_dict() for src in held]}
-
-
-def _snippet(text: str) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= SNIPPET else text[:SNIPPET] + "..."
-
-
-def _encode_part(records: list[dict], output_format: str) -> bytes:
-    if output_format == "jsonl":
-        return "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records).encode("utf-8")
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    buf = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(records), buf)
-    return buf.getvalue()
-
-
-def run_clean(s: CleanSettings) -> CleanResult:
-    """Clean ``s.inputs`` into ``s.out``. Raises ``DataPrepError`` on bad input or settings, before
-    anything is written."""
-    t0 = time.perf_counter()
+def _job(s: CleanSettings, num_tasks: int) -> _Job:
     s = s.checked()
     sources = resolve_inputs(s.inputs)
     held = _resolve_heldout(s.decontaminate_against)
+    partition = resolve_partition(s.partition, len(sources), num_tasks)
     store = open_store(s.out)
     store.check(write=True)
-    identity = _identity(s, sources, held)
-    digest = settings_sha256(identity)
-    previous = read_report(s.out)
-    if previous is not None and previous.get("settings_sha256") == digest:
-        log.info("clean: %s exists with the same settings and inputs, nothing to do", store.url(REPORT))
-        return CleanResult(previous, skipped=True, seconds=time.perf_counter() - t0)
+    identity = {**s.result_settings(), "sources": [src.to_dict() for src in sources],
+                "decontaminated_against": [src.to_dict() for src in held]}
+    return _Job(s, sources, held, partition, store, identity, settings_sha256(identity))
 
-    opts = _read_options(s)
-    # Pass 1: what each document is (in worker processes).
-    sig = _analyse_all(_iter_records(sources, opts), s)
-    n = len(sig)
-    if not n:
-        names = ", ".join(src.path for src in sources[:5])
-        raise DataPrepError(f"empty input: no documents in {names}")
-    removed_by, keys, exact, words = sig.removed_by, sig.keys, sig.exact, sig.words
-    signatures = sig.signatures if s.near.enabled else None
+
+def _finished(job: _Job) -> dict | None:
+    previous = read_report(job.s.out)
+    return previous if previous is not None and previous.get("settings_sha256") == job.digest else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 1: signatures
+
+
+def _sig_name(key: GroupKey) -> str:
+    return f"sig-{key.tag}.npz"
+
+
+def _task_marker(num_tasks: int, task: int) -> str:
+    return f"sig-k{num_tasks:05d}-t{task:05d}.json"
+
+
+def _save_npz(store: Store, name: str, **arrays) -> None:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    store.write_bytes(name, buf.getvalue())
+
+
+def _load_npz(store: Store, name: str) -> dict:
+    with np.load(io.BytesIO(store.read_bytes(name)), allow_pickle=False) as data:
+        return {k: data[k] for k in data.files}
+
+
+def _chunks(owned, done: set[str], groups: dict):
+    """(group, records) chunks of the groups not done yet, never spanning two groups; counts every
+    group's documents in ``groups`` (done ones included)."""
+    key, chunk = None, []
+    for k, record in owned:
+        groups[k] = groups.get(k, 0) + 1
+        if k != key or len(chunk) == CHUNK:
+            if chunk:
+                yield key, chunk
+            key, chunk = k, []
+        if _sig_name(k) not in done:
+            chunk.append(record)
+    if chunk:
+        yield key, chunk
+
+
+def _analysed(chunks, s: CleanSettings):
+    """(group, Signatures) per chunk, in order, computed by ``workers`` processes (1: in this one)."""
+    workers = s.workers or (os.cpu_count() or 1)
+    if workers == 1:
+        worker_init(s)
+        for key, chunk in chunks:
+            yield key, worker_analyse(chunk)
+        return
+    ctx = multiprocessing.get_context("spawn")
+    pending = []
+    with ctx.Pool(workers, initializer=worker_init, initargs=(s,)) as pool:
+        for key, chunk in chunks:
+            pending.append((key, pool.apply_async(worker_analyse, (chunk,))))
+            while len(pending) > 2 * workers:
+                k, result = pending.pop(0)
+                yield k, result.get()
+        for k, result in pending:
+            yield k, result.get()
+
+
+def stage_signatures(job: _Job, num_tasks: int, task: int) -> None:
+    s, store, work = job.s, job.store, job.work
     num_perm = s.near.bands * s.near.rows
-    log.info("clean: %d documents analysed in %.1f s", n, time.perf_counter() - t0)
+    done = {n.removeprefix(work) for n in store.list(work.rstrip("/"))}
+    groups: dict[GroupKey, int] = {}
+    count = ReadCount()
+    parts: list[Signatures] = []
+    current = None
 
-    # Decisions, from keys and signatures alone.
+    def flush():
+        if current is not None and parts:
+            sig = Signatures.concat(parts, num_perm)
+            _save_npz(store, work + _sig_name(current), keys=sig.keys, exact=sig.exact, signatures=sig.signatures,
+                      words=sig.words, removed_by=sig.removed_by.astype(str))
+
+    for key, sig in _analysed(_chunks(job.owned(num_tasks, task, count), done, groups), s):
+        if key != current:
+            flush()
+            current, parts = key, []
+        parts.append(sig)
+    flush()
+    if count.documents_read == 0:
+        names = ", ".join(src.path for src in job.sources[:5])
+        raise DataPrepError(f"empty input: no documents in {names}")
+    store.write_bytes(work + _task_marker(num_tasks, task), json_bytes({
+        "settings_sha256": job.digest, "num_tasks": num_tasks, "task": task,
+        "groups": [[k.source, k.group, n] for k, n in sorted(groups.items())]}))
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 2: clusters
+
+
+def _all_groups(job: _Job, num_tasks: int) -> list[tuple[GroupKey, int]]:
+    store, work = job.store, job.work
+    missing, groups = [], {}
+    for task in range(num_tasks):
+        text = store.read_text(work + _task_marker(num_tasks, task))
+        if text is None:
+            missing.append(task)
+            continue
+        for source, group, n in json.loads(text)["groups"]:
+            groups[GroupKey(source, group)] = n
+    if missing:
+        shown = ",".join(map(str, missing))
+        raise DataPrepError(f"{store.url(work)}: the signatures of task(s) {shown} of {num_tasks} are missing "
+                            f"(not run, failed or killed): re-run them (submit_clean.sh --only {shown}), then "
+                            "the clusters stage")
+    return sorted(groups.items())
+
+
+def stage_clusters(job: _Job, num_tasks: int) -> None:
+    s, store, work = job.s, job.store, job.work
+    num_perm = s.near.bands * s.near.rows
+    groups = _all_groups(job, num_tasks)
+    parts = []
+    for key, n in groups:
+        if n == 0:
+            continue
+        d = _load_npz(store, work + _sig_name(key))
+        parts.append(Signatures(keys=d["keys"], exact=d["exact"], signatures=d["signatures"], words=d["words"],
+                                removed_by=d["removed_by"].astype(object)))
+    sig = Signatures.concat(parts, num_perm)
+    n = len(sig)
+    if n != sum(c for _, c in groups):
+        raise DataPrepError(f"{store.url(work)}: the signature files hold {n} documents, the task markers say "
+                            f"{sum(c for _, c in groups)}: re-run the signatures stage")
+    removed_by, keys, exact = sig.removed_by, sig.keys, sig.exact
+    signatures = sig.signatures if s.near.enabled else None
     alive = removed_by == ""
     rep = np.arange(n)
-    if held:
-        held_sig = Signatures.of([analyse(r, s.text_field, _no_filters(s), None) for r in _iter_records(held, opts)],
-                                 num_perm)
+    if job.held:
+        held_sig = Signatures.of([analyse(r, s.text_field, _no_filters(s), None)
+                                  for src in job.held for r in iter_source_records(src, job.opts)], num_perm)
         hit = clusters.contaminated(signatures, exact, alive, held_sig.signatures, held_sig.exact, s.near.bands,
                                     s.near.rows, s.near.min_similarity)
         removed_by[hit] = "decontamination"
@@ -161,96 +266,187 @@ def run_clean(s: CleanSettings) -> CleanResult:
         removed_by[gone] = "near_duplicate"
         alive &= ~gone
 
-    # Pass 2: write the kept records, in input order.
     dup = (removed_by == "exact_duplicate") | (removed_by == "near_duplicate")
-    cluster_size = np.bincount(rep[dup], minlength=n) + 1
-    biggest = [int(i) for i in np.argsort(-cluster_size * alive, kind="stable")[:CLUSTERS] if cluster_size[i] > 1 and alive[i]]
-    wanted = {i: None for i in biggest}
-    member_of = {}
+    size = np.bincount(rep[dup], minlength=n) + 1
+    biggest = [int(i) for i in np.argsort(-size * alive, kind="stable")[:CLUSTERS] if size[i] > 1 and alive[i]]
+    member = {}
     for i in np.flatnonzero(dup):
-        r = int(rep[i])
-        if r in wanted and r not in member_of:
-            member_of[r] = int(i)
-    removed_members = set(member_of.values())
-    snippets: dict[int, tuple[str, str]] = {}
-    examples: dict[str, list[dict]] = {}
-    files, part, removed_files, removed_part = [], [], [], []
-    id_field = "id"
-    count = 0
-    for i, record in enumerate(_iter_records(sources, opts)):
-        count += 1
-        if i >= n:
-            break
-        why = removed_by[i]
-        text = record[s.text_field]
-        if why:
-            bucket = examples.setdefault(why, [])
-            if len(bucket) < EXAMPLES:
-                bucket.append({"id": str(record.get(id_field, f"#{i}")), "snippet": _snippet(text)})
-            if s.write_removed:
-                removed_part.append({**record, REMOVED_FIELD: why})
-                if len(removed_part) == s.file_documents:
-                    removed_files.append(_write_part(store, len(removed_files), removed_part, s.output_format, True))
-                    removed_part = []
-        else:
-            part.append(record)
-            if len(part) == s.file_documents:
-                files.append(_write_part(store, len(files), part, s.output_format))
-                part = []
-        if i in wanted or i in removed_members:
-            snippets[i] = (str(record.get(id_field, f"#{i}")), _snippet(text))
-    if count != n:
-        raise DataPrepError(f"the inputs changed while cleaning ({n} documents in the first pass, "
-                            f"{count} in the second)")
-    if part or not files:
-        files.append(_write_part(store, len(files), part, s.output_format))
-    if removed_part:
-        removed_files.append(_write_part(store, len(removed_files), removed_part, s.output_format, True))
-    names = {f["name"] for f in files + removed_files}
-    stale = [n for n in store.list() if is_part(n) and n not in names]
-    if stale:
-        store.delete(stale)
-
-    removed: dict[str, dict] = {}
-    for why in sorted(set(removed_by.tolist()) - {""}):
-        mask = removed_by == why
-        removed[why] = {"documents": int(mask.sum()), "words": int(words[mask].sum())}
-    report = {
-        "format": FORMAT, "version": VERSION, "settings": s.result_settings(), "settings_sha256": digest,
-        "sources": identity["sources"], "decontaminated_against": identity["decontaminated_against"],
-        "text_field": s.text_field, "files": files, "removed_files": removed_files,
-        "totals": {"in": {"documents": n, "words": int(words.sum())},
-                   "out": {"documents": int(alive.sum()), "words": int(words[alive].sum())}},
-        "removed": removed,
-        "clusters": [{"size": int(cluster_size[i]), "kept_id": snippets[i][0], "kept_snippet": snippets[i][1],
-                      "removed_id": snippets.get(member_of.get(i), ("", ""))[0],
-                      "removed_snippet": snippets.get(member_of.get(i), ("", ""))[1]} for i in biggest],
-        "examples": examples,
-        "seconds": round(time.perf_counter() - t0, 2),
-    }
-    store.write_bytes(REPORT, json_bytes(report))     # last: a folder without it is unfinished
-    return CleanResult(report, skipped=False, seconds=time.perf_counter() - t0)
+        if int(rep[i]) in biggest and int(rep[i]) not in member:
+            member[int(rep[i])] = int(i)
+    names = sorted(set(removed_by.tolist()))
+    code = {name: i for i, name in enumerate(names)}
+    codes = np.array([code[r] for r in removed_by.tolist()], dtype=np.uint16)
+    examples = {name: [int(i) for i in np.flatnonzero(codes == c)[:EXAMPLES]] for name, c in code.items() if name}
+    removed = {name: {"documents": int((codes == c).sum()), "words": int(sig.words[codes == c].sum())}
+               for name, c in code.items() if name}
+    _save_npz(store, work + "decisions.npz", codes=codes)
+    store.write_bytes(work + "decisions.json", json_bytes({
+        "settings_sha256": job.digest, "reasons": names, "groups": [[k.source, k.group, c] for k, c in groups],
+        "totals": {"in": {"documents": n, "words": int(sig.words.sum())},
+                   "out": {"documents": int(alive.sum()), "words": int(sig.words[alive].sum())}},
+        "removed": removed, "examples": examples,
+        "clusters": [{"size": int(size[i]), "kept": i, "removed": member.get(i)} for i in biggest]}))
 
 
-def _no_filters(s: CleanSettings) -> CleanSettings:
-    """Held-out documents are compared, never filtered."""
-    import dataclasses
-
-    return dataclasses.replace(s, quality=dataclasses.replace(s.quality, enabled=False))
+# ----------------------------------------------------------------------------------------------
+# Stage 3: filter
 
 
-def _write_part(store, index: int, records: list[dict], output_format: str, removed: bool = False) -> dict:
-    import hashlib
+def _filter_marker(key: GroupKey) -> str:
+    return f"filter-{key.tag}.json"
 
-    name = part_name(index, output_format, removed)
-    data = _encode_part(records, output_format)
+
+def _decisions(job: _Job) -> tuple[dict, np.ndarray]:
+    text = job.store.read_text(job.work + "decisions.json")
+    if text is None:
+        raise DataPrepError(f"{job.store.url(job.work)}: no decisions yet: run the clusters stage first")
+    return json.loads(text), _load_npz(job.store, job.work + "decisions.npz")["codes"]
+
+
+def _snippet(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= SNIPPET else text[:SNIPPET] + "..."
+
+
+def _encode(records: list[dict], output_format: str) -> bytes:
+    if output_format == "jsonl":
+        return "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records).encode("utf-8")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(records), buf)
+    return buf.getvalue()
+
+
+def _write_part(store: Store, name: str, records: list[dict], output_format: str) -> dict:
+    data = _encode(records, output_format)
     store.write_bytes(name, data)
     return {"name": name, "documents": len(records), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def stage_filter(job: _Job, num_tasks: int, task: int) -> dict | None:
+    """This task's groups written; returns the report when this task completed the set."""
+    s, store, work = job.s, job.store, job.work
+    decisions, codes = _decisions(job)
+    reasons = decisions["reasons"]
+    offsets, start = {}, 0
+    for source, group, n in decisions["groups"]:
+        offsets[GroupKey(source, group)] = start
+        start += n
+    wanted = {i for idxs in decisions["examples"].values() for i in idxs}
+    wanted |= {c[k] for c in decisions["clusters"] for k in ("kept", "removed") if c[k] is not None}
+    done = {n.removeprefix(work) for n in store.list(work.rstrip("/"))}
+
+    key, local, kept, removed, snippets = None, 0, [], [], {}
+
+    def close():
+        if key is None or _filter_marker(key) in done:
+            return
+        fmt = s.output_format
+        marker = {"file": _write_part(store, part_name(key.tag, fmt), kept, fmt) if kept else None,
+                  "removed_file": _write_part(store, part_name(key.tag, fmt, removed=True), removed, fmt)
+                  if removed else None, "snippets": snippets}
+        store.write_bytes(work + _filter_marker(key), json_bytes(marker))
+
+    for k, record in job.owned(num_tasks, task):
+        if k != key:
+            close()
+            key, local, kept, removed, snippets = k, 0, [], [], {}
+        if key not in offsets:
+            raise DataPrepError(f"the inputs changed since the signatures stage (group {key.tag} is new): "
+                                "clean into a new --out")
+        i = offsets[key] + local
+        local += 1
+        if _filter_marker(key) in done:
+            continue
+        why = reasons[codes[i]]
+        if why:
+            if s.write_removed:
+                removed.append({**record, REMOVED_FIELD: why})
+        else:
+            kept.append(record)
+        if i in wanted:
+            snippets[str(i)] = [str(record.get("id", f"#{i}")), _snippet(record[s.text_field])]
+    close()
+    return _finish(job, decisions)
+
+
+def _finish(job: _Job, decisions: dict) -> dict | None:
+    """``report.json`` once every group has its filter marker (by whichever task sees that first: the
+    same bytes from any of them); part files and work folders of earlier runs removed."""
+    store, work = job.store, job.work
+    listing = store.list()
+    keys = [GroupKey(src, grp) for src, grp, _ in decisions["groups"]]
+    if any(work + _filter_marker(k) not in listing for k in keys):
+        return None
+    files, removed_files, snippets = [], [], {}
+    for k in keys:
+        marker = json.loads(store.read_text(work + _filter_marker(k)))
+        files += [marker["file"]] if marker["file"] else []
+        removed_files += [marker["removed_file"]] if marker["removed_file"] else []
+        snippets.update({int(i): v for i, v in marker["snippets"].items()})
+    blank = ["", ""]
+    report = {
+        "format": FORMAT, "version": VERSION, "settings": job.s.result_settings(), "settings_sha256": job.digest,
+        "sources": job.identity["sources"], "decontaminated_against": job.identity["decontaminated_against"],
+        "text_field": job.s.text_field, "files": files, "removed_files": removed_files,
+        "totals": decisions["totals"], "removed": decisions["removed"],
+        "clusters": [{"size": c["size"], "kept_id": snippets[c["kept"]][0], "kept_snippet": snippets[c["kept"]][1],
+                      "removed_id": snippets.get(c["removed"], blank)[0],
+                      "removed_snippet": snippets.get(c["removed"], blank)[1]} for c in decisions["clusters"]],
+        "examples": {why: [{"id": snippets[i][0], "snippet": snippets[i][1]} for i in idxs]
+                     for why, idxs in sorted(decisions["examples"].items())},
+    }
+    names = {f["name"] for f in files + removed_files}
+    stale = [n for n in listing if is_part(n) and n not in names]
+    stale += [n for n in listing if n.startswith(WORK + "/") and not n.startswith(work)]
+    # what killed tasks left half-written (every group is done: nothing writes these names any more)
+    stale += [n for n in listing if ".tmp" in n and (n.startswith(work) or is_part(n.split(".tmp")[0]))]
+    if stale:
+        store.delete(stale)
+    store.write_bytes(REPORT, json_bytes(report))     # last: a folder without it is unfinished
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _no_filters(s: CleanSettings) -> CleanSettings:
+    """Held-out documents are compared, never filtered."""
+    return dataclasses.replace(s, quality=dataclasses.replace(s.quality, enabled=False))
+
+
+def run_clean(s: CleanSettings, stage: str | None = None, num_tasks: int = 1, task: int = 0) -> CleanResult:
+    """One stage of task ``task`` of ``num_tasks``, or (``stage`` None) all three in this process.
+    Raises ``DataPrepError`` on bad input or settings before anything is written."""
+    t0 = time.perf_counter()
+    job = _job(s, num_tasks)
+    previous = _finished(job)
+    if previous is not None:
+        log.info("clean: %s exists with the same settings and inputs, nothing to do", job.store.url(REPORT))
+        return CleanResult(previous, skipped=True, seconds=time.perf_counter() - t0)
+    report = None
+    if stage in (None, "signatures"):
+        stage_signatures(job, num_tasks, task)
+        log.info("clean: task %d/%d: signatures in %.1f s", task, num_tasks, time.perf_counter() - t0)
+    if stage in (None, "clusters"):
+        stage_clusters(job, num_tasks)
+        log.info("clean: clusters decided in %.1f s", time.perf_counter() - t0)
+    if stage in (None, "filter"):
+        report = stage_filter(job, num_tasks, task)
+        if report is None:
+            log.info("clean: task %d/%d: filtered in %.1f s; other tasks' groups still to come", task, num_tasks,
+                     time.perf_counter() - t0)
+    return CleanResult(report, skipped=False, seconds=time.perf_counter() - t0)
+
+
 def print_summary(result: CleanResult, out: str) -> None:
     """The table, where the output is, then the one-line summary (last: ``tail -n 1`` shows it)."""
+    if result.report is None:
+        return
     print(format_table(result.report))
     print(f"{out}: {result.report['totals']['out']['documents']:,} documents in {len(result.report['files'])} "
-          f"file(s), report in {REPORT} ({result.seconds:.1f} s{', unchanged since the last run' if result.skipped else ''})")
+          f"file(s), report in {REPORT} ({result.seconds:.1f} s"
+          f"{', unchanged since the last run' if result.skipped else ''})")
     print(one_line(result.report))

@@ -79,7 +79,8 @@ class CleanSettings:
     txt_mode: str = "blocks"
     hf_split: str = "train"
     output_format: str = "jsonl"           # jsonl | parquet
-    file_documents: int = 100_000          # documents per output file
+    group_chars: int = 1 << 26             # an output file (a group, as shard's) closes at this many characters
+    partition: str = "auto"                # how array tasks share the input: auto, files, documents (as shard)
     write_removed: bool = False            # also write removed records, with the step that removed them, under removed/
     decontaminate_against: list = field(default_factory=list)   # files of documents nothing kept may copy
     workers: int = 0                        # processes; 0: one per core
@@ -98,8 +99,10 @@ class CleanSettings:
             p.append(f"txt_mode must be blocks or file, got {self.txt_mode!r}")
         if self.output_format not in ("jsonl", "parquet"):
             p.append(f"output_format must be jsonl or parquet, got {self.output_format!r}")
-        if self.file_documents < 1:
-            p.append(f"file_documents {self.file_documents}: must be at least 1")
+        if self.group_chars < 1:
+            p.append(f"group_chars {self.group_chars}: must be at least 1")
+        if self.partition not in ("auto", "files", "documents"):
+            p.append(f"partition must be auto, files or documents, got {self.partition!r}")
         if self.workers < 0:
             p.append(f"workers {self.workers}: must be >= 0 (0: one per core)")
         n = self.near
@@ -138,7 +141,7 @@ class CleanSettings:
     def result_settings(self) -> dict:
         """What decides the kept documents (inputs and held-out files enter by content, in the report)."""
         d = dataclasses.asdict(self)
-        for name in ("inputs", "out", "workers", "decontaminate_against", "write_removed"):
+        for name in ("inputs", "out", "workers", "decontaminate_against", "write_removed", "partition"):
             d.pop(name)
         d["quality"]["max_top_ngram_chars"] = {str(k): v for k, v in self.quality.max_top_ngram_chars.items()}
         d["quality"]["max_duplicate_ngram_chars"] = {str(k): v for k, v in
