@@ -110,7 +110,9 @@ array_job=$(sbatch --parsable --array="$array" "${sbatch_opts[@]}" "${array_opts
 array_job=${array_job%%;*}
 # afterany rather than afterok: with afterok a failed task leaves finalize pending forever (or, with
 # --kill-on-invalid-dep, silently cancelled); finalize itself names the missing tasks.
-finalize_job=$(sbatch --parsable --dependency="afterany:$array_job" "${sbatch_opts[@]}" "${finalize_opts[@]}" \
+# Its own dependency last: sbatch takes the last --dependency, and SBATCH_OPTIONs may hold one for the
+# array (submit_clean.sh --then-shard: after the cleaning).
+finalize_job=$(sbatch --parsable "${sbatch_opts[@]}" --dependency="afterany:$array_job" "${finalize_opts[@]}" \
     "$here/finalize.sbatch" "$out")
 finalize_job=${finalize_job%%;*}
 echo "array job $array_job (tasks $array of $tasks, $cpus CPU(s) each), finalize job $finalize_job -> $out" >&2
