@@ -125,23 +125,22 @@ def main() -> None:
         out = work / name.replace(" ", "_").replace(",", "").replace("'", "")
         subprocess.run(["rm", "-rf", str(out)])
         seconds = run_clean(inputs, held, out, args.workers, *extra)
-        inside = json.loads((out / "report.json").read_text())["seconds"]
-        results[name] = (seconds, measure(records, out), inside)
+        results[name] = (seconds, measure(records, out))
     bare = bare_loop(inputs, work / "bare.jsonl")
 
     cols = list(DUPLICATES) + list(REMOVED) + ["unique kept", "clean removed by rules"]
     print(f"\n{'share removed':32}" + "".join(f"{c:>14}" for c in cols))
-    for name, (_, res, _) in results.items():
+    for name, (_, res) in results.items():
         print(f"{name:32}" + "".join(f"{res[c]:>14.3f}" for c in cols))
     print("\nclean articles removed by rule (ours, all steps):", dict(results["ours (all steps)"][1]["by rule"]))
     print(f"\n{'throughput (1 process)':32}{'seconds':>10}{'docs/s/core':>14}{'vs bare':>10}")
     per_core = args.workers
     for name in ("ours (all steps)", "ours, no quality rules"):
-        for label, seconds in ((name, results[name][0]), ("  inside the command", results[name][2])):
-            print(f"{label:32}{seconds:>10.2f}{n / seconds / per_core:>14,.0f}{bare / seconds * per_core:>10.2f}x")
+        seconds = results[name][0]
+        print(f"{name:32}{seconds:>10.2f}{n / seconds / per_core:>14,.0f}{bare / seconds * per_core:>10.2f}x")
     print(f"{'bare rensa + fastText + LSH':32}{bare:>10.2f}{n / bare:>14,.0f}{1.0:>10.2f}x")
-    print("(ours: the whole command, Python's start-up included, and inside it (report.json's seconds); bare: "
-          "one loop reading, hashing, identifying the language and writing, without clusters or a report)")
+    print("(ours: the whole command, Python's start-up and the three stages' files included; bare: one loop "
+          "reading, hashing, identifying the language and writing, without clusters or a report)")
 
 
 if __name__ == "__main__":

@@ -449,3 +449,48 @@ def test_a_task_killed_at_any_moment_reruns_to_the_same_bytes(tmp_path, wiki_art
 
 
 STAGES_AFTER = {"signatures": ("signatures", "clusters", "filter"), "filter": ("filter",)}
+
+
+def test_the_sliced_clusters_stage_decides_as_the_whole_corpus_in_memory_would(tmp_path, wiki_articles):
+    """The clusters stage reads sorted key files one key range at a time (``sorted_keys``, 1 key per
+    range here to force many slices); the same decisions from every signature in memory at once
+    (``clusters``) are the oracle."""
+    import numpy as np
+
+    import data_prep.clean.run as run
+    from data_prep.clean import clusters
+    from data_prep.clean.settings import NearSettings
+
+    inputs, held = _staged_corpus(tmp_path, wiki_articles)
+    old = run.RANGE_KEYS
+    run.RANGE_KEYS = 64
+    try:
+        clean("--input", inputs, "--out", tmp_path / "out", "--decontaminate-against", held, "--group-chars", "20000",
+              "--set", "write_removed=true", "--languages", "any", "--set", "quality.enabled=false")
+    finally:
+        run.RANGE_KEYS = old
+    sig_files = sorted((tmp_path / "out").glob(".clean/*/sig-*.npz"))
+    loaded = [np.load(p) for p in sig_files]
+    keys = np.concatenate([d["keys"] for d in loaded])
+    exact = np.concatenate([d["exact"] for d in loaded])
+    sigs = np.concatenate([d["signatures"] for d in loaded])
+    n, near = len(keys), NearSettings()
+    held_text = json.loads(held.read_text())["text"]
+    from data_prep.clean.signature import exact_key, minhash, normal_words
+    words = normal_words(held_text)
+    held_sig = minhash(words, near.ngram, near.bands * near.rows, near.seed)[None]
+    alive = np.ones(n, bool)
+    hit = clusters.contaminated(sigs, exact, alive, held_sig, np.array([exact_key(words)], dtype="S16"), near.bands,
+                                near.rows, near.min_similarity)
+    alive &= ~hit
+    _, gone_exact = clusters.exact_groups(exact, keys, alive)
+    alive &= ~gone_exact
+    _, gone_near = clusters.near_clusters(sigs, keys, alive, near.bands, near.rows, near.min_similarity)
+    expected = {"decontamination": int(hit.sum()), "exact_duplicate": int(gone_exact.sum()),
+                "near_duplicate": int(gone_near.sum())}
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert {k: v["documents"] for k, v in report["removed"].items()} == expected
+    assert expected["exact_duplicate"] >= 24 and expected["near_duplicate"] >= 20
+    from data_prep.clean.signature import record_key
+    removed = {record_key({k: v for k, v in r.items() if k != "removed_by"}) for r in removed_records(tmp_path / "out")}
+    assert removed == set(keys[hit | gone_exact | gone_near].tolist())

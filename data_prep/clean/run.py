@@ -26,6 +26,7 @@ alone.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -34,8 +35,10 @@ import json
 import logging
 import multiprocessing
 import os
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -50,6 +53,7 @@ from .report import (FORMAT, REMOVED_FIELD, REPORT, VERSION, format_table, is_pa
                      read_report)
 from .settings import CleanSettings
 from .signature import Signatures, analyse, worker_analyse, worker_init
+from .sorted_keys import KEY_ARRAYS, KeyFiles, band_candidates, components_of, exact_duplicates, group_keys, key_file
 
 log = logging.getLogger("data_prep")
 CHUNK = 256                 # documents per message to a worker
@@ -57,6 +61,7 @@ SNIPPET = 240
 EXAMPLES = 3
 CLUSTERS = 5
 STAGES = ("signatures", "clusters", "filter")
+RANGE_KEYS = 1 << 22        # keys per slice of the clusters stage (~100 MB of keys and ids at a time)
 WORK = ".clean"
 
 
@@ -189,6 +194,11 @@ def stage_signatures(job: _Job, num_tasks: int, task: int) -> None:
     def flush():
         if current is not None and parts:
             sig = Signatures.concat(parts, num_perm)
+            alive = sig.removed_by == ""
+            for name, data in group_keys(sig.exact, sig.keys, sig.signatures if s.near.enabled else None, alive,
+                                         s.near.bands, s.near.rows).items():
+                store.write_bytes(work + key_file(current.tag, name), data)
+            # last: the group counts as done once its signatures exist
             _save_npz(store, work + _sig_name(current), keys=sig.keys, exact=sig.exact, signatures=sig.signatures,
                       words=sig.words, removed_by=sig.removed_by.astype(str))
 
@@ -228,64 +238,139 @@ def _all_groups(job: _Job, num_tasks: int) -> list[tuple[GroupKey, int]]:
     return sorted(groups.items())
 
 
-def stage_clusters(job: _Job, num_tasks: int) -> None:
-    s, store, work = job.s, job.store, job.work
-    num_perm = s.near.bands * s.near.rows
-    groups = _all_groups(job, num_tasks)
-    parts = []
-    for key, n in groups:
-        if n == 0:
-            continue
-        d = _load_npz(store, work + _sig_name(key))
-        parts.append(Signatures(keys=d["keys"], exact=d["exact"], signatures=d["signatures"], words=d["words"],
-                                removed_by=d["removed_by"].astype(object)))
-    sig = Signatures.concat(parts, num_perm)
-    n = len(sig)
-    if n != sum(c for _, c in groups):
-        raise DataPrepError(f"{store.url(work)}: the signature files hold {n} documents, the task markers say "
-                            f"{sum(c for _, c in groups)}: re-run the signatures stage")
-    removed_by, keys, exact = sig.removed_by, sig.keys, sig.exact
-    signatures = sig.signatures if s.near.enabled else None
-    alive = removed_by == ""
-    rep = np.arange(n)
-    if job.held:
-        held_sig = Signatures.of([analyse(r, s.text_field, _no_filters(s), None)
-                                  for src in job.held for r in iter_source_records(src, job.opts)], num_perm)
-        hit = clusters.contaminated(signatures, exact, alive, held_sig.signatures, held_sig.exact, s.near.bands,
-                                    s.near.rows, s.near.min_similarity)
-        removed_by[hit] = "decontamination"
-        alive &= ~hit
-    if s.exact.enabled:
-        rep, gone = clusters.exact_groups(exact, keys, alive)
-        removed_by[gone] = "exact_duplicate"
-        alive &= ~gone
-    if s.near.enabled:
-        near_rep, gone = clusters.near_clusters(signatures, keys, alive, s.near.bands, s.near.rows,
-                                                 s.near.min_similarity)
-        rep = near_rep[rep]             # an exact duplicate's cluster is its representative's
-        removed_by[gone] = "near_duplicate"
-        alive &= ~gone
+def _group_sig(job: _Job, key: GroupKey) -> Signatures:
+    d = _load_npz(job.store, job.work + _sig_name(key))
+    return Signatures(keys=d["keys"], exact=d["exact"], signatures=d["signatures"], words=d["words"],
+                      removed_by=d["removed_by"].astype(object))
 
-    dup = (removed_by == "exact_duplicate") | (removed_by == "near_duplicate")
-    size = np.bincount(rep[dup], minlength=n) + 1
-    biggest = [int(i) for i in np.argsort(-size * alive, kind="stable")[:CLUSTERS] if size[i] > 1 and alive[i]]
+
+@contextlib.contextmanager
+def _local_work(job: _Job):
+    """A local folder holding the work files: the output folder's own, or a download of a bucket's
+    (disk, not memory: the key files are mapped, not read)."""
+    if job.store.local_dir is not None:
+        yield job.store.local_dir / job.work
+        return
+    with tempfile.TemporaryDirectory(prefix="data_prep-clean-") as tmp:
+        for name in job.store.list(job.work.rstrip("/")):
+            if name.removeprefix(job.work).startswith("keys-"):
+                job.store.download(name, Path(tmp) / name.removeprefix(job.work))
+        yield Path(tmp)
+
+
+def stage_clusters(job: _Job, num_tasks: int) -> None:
+    """Decisions from the groups' signature and sorted key files, one group or one key range in memory
+    at a time (``sorted_keys``): memory follows the duplicates and candidates, not the corpus."""
+    s = job.s
+    groups = [(k, n) for k, n in _all_groups(job, num_tasks) if n]
+    offsets = np.cumsum([0] + [n for _, n in groups])[:-1].astype(np.int64)
+    n = int(sum(c for _, c in groups))
+    if n == 0:
+        raise DataPrepError(f"empty input: no documents in {', '.join(src.path for src in job.sources[:5])}")
+    num_perm = s.near.bands * s.near.rows
+    held = None
+    if job.held:
+        held = Signatures.of([analyse(r, s.text_field, _no_filters(s), None)
+                              for src in job.held for r in iter_source_records(src, job.opts)], num_perm)
+
+    # Per group: what language and quality removed, words, and copies of the held-out files.
+    reason: dict[int, str] = {}           # global id -> step, for every removed document (sparse)
+    words_in = 0
+    first_of: dict[str, list[int]] = {}
+    for (key, count), offset in zip(groups, offsets):
+        sig = _group_sig(job, key)
+        words_in += int(sig.words.sum())
+        for i in np.flatnonzero(sig.removed_by != ""):
+            reason[int(offset + i)] = sig.removed_by[i]
+        if held is not None:
+            alive = sig.removed_by == ""
+            hit = clusters.contaminated(sig.signatures if s.near.enabled else None, sig.exact, alive,
+                                        held.signatures, held.exact, s.near.bands, s.near.rows, s.near.min_similarity)
+            for i in np.flatnonzero(hit):
+                reason[int(offset + i)] = "decontamination"
+
+    with _local_work(job) as folder:
+        maps: dict[tuple[int, str], np.ndarray] = {}
+
+        def load(g: int) -> dict:
+            out = {}
+            for name in KEY_ARRAYS:
+                if (g, name) not in maps:
+                    path = folder / key_file(groups[g][0].tag, name)
+                    maps[(g, name)] = np.load(path, mmap_mode="r") if path.is_file() else None
+                if maps[(g, name)] is not None:
+                    out[name] = maps[(g, name)]
+            return out
+
+        files = KeyFiles(load, offsets)
+        alive_total = n - len(reason)
+        ranges = max(1, -(-alive_total // RANGE_KEYS))
+        exact_rep = exact_duplicates(files, ranges, set(k for k, v in reason.items() if v == "decontamination")) \
+            if s.exact.enabled else {}
+        for gid in exact_rep:
+            reason[gid] = "exact_duplicate"
+        pairs = band_candidates(files, s.near.bands, ranges, {k for k, v in reason.items() if v in (
+            "decontamination", "exact_duplicate")}, clusters.BUCKET_REACH) if s.near.enabled else np.zeros((0, 2))
+        maps.clear()
+
+    # The candidates' signatures and identities, group by group, then the verified clusters.
+    members = np.unique(pairs) if len(pairs) else np.zeros(0, np.int64)
+    group_of = np.searchsorted(offsets, members, side="right") - 1
+    rows, ident = {}, {}
+    for g in np.unique(group_of):
+        sig = _group_sig(job, groups[g][0])
+        local = members[group_of == g] - offsets[g]
+        for gid, i in zip(members[group_of == g].tolist(), local.tolist()):
+            rows[gid], ident[gid] = sig.signatures[i], sig.keys[i]
+    if len(pairs) and s.near.min_similarity > 0:
+        agree = np.array([(rows[a] == rows[b]).mean() for a, b in pairs.tolist()])
+        pairs = pairs[agree >= s.near.min_similarity]
+    near_rep: dict[int, int] = {}
+    by_root: dict[int, list[int]] = {}
+    for member, root in components_of(pairs).items():
+        by_root.setdefault(root, []).append(member)
+    for component in by_root.values():
+        keep = min(component, key=lambda gid: ident[gid])
+        for gid in component:
+            if gid != keep:
+                near_rep[gid] = keep
+                reason[gid] = "near_duplicate"
+
+    final = {gid: near_rep.get(r, r) for gid, r in exact_rep.items()} | near_rep
+    sizes: dict[int, int] = {}
+    for rep in final.values():
+        sizes[rep] = sizes.get(rep, 1) + 1
+    biggest = sorted(sizes, key=lambda r: (-sizes[r], r))[:CLUSTERS]
     member = {}
-    for i in np.flatnonzero(dup):
-        if int(rep[i]) in biggest and int(rep[i]) not in member:
-            member[int(rep[i])] = int(i)
-    names = sorted(set(removed_by.tolist()))
+    for gid in sorted(final):
+        member.setdefault(final[gid], gid)
+
+    names = [""] + sorted(set(reason.values()))
     code = {name: i for i, name in enumerate(names)}
-    codes = np.array([code[r] for r in removed_by.tolist()], dtype=np.uint16)
-    examples = {name: [int(i) for i in np.flatnonzero(codes == c)[:EXAMPLES]] for name, c in code.items() if name}
-    removed = {name: {"documents": int((codes == c).sum()), "words": int(sig.words[codes == c].sum())}
-               for name, c in code.items() if name}
-    _save_npz(store, work + "decisions.npz", codes=codes)
-    store.write_bytes(work + "decisions.json", json_bytes({
-        "settings_sha256": job.digest, "reasons": names, "groups": [[k.source, k.group, c] for k, c in groups],
-        "totals": {"in": {"documents": n, "words": int(sig.words.sum())},
-                   "out": {"documents": int(alive.sum()), "words": int(sig.words[alive].sum())}},
-        "removed": removed, "examples": examples,
-        "clusters": [{"size": int(size[i]), "kept": i, "removed": member.get(i)} for i in biggest]}))
+    ids = np.array(sorted(reason), dtype=np.int64)
+    codes = np.array([code[reason[i]] for i in ids.tolist()], dtype=np.uint16)
+    removed: dict[str, dict] = {}
+    examples: dict[str, list[int]] = {}
+    words_out = words_in
+    group_of = np.searchsorted(offsets, ids, side="right") - 1
+    for g in np.unique(group_of):
+        words = _group_sig(job, groups[g][0]).words
+        for gid in ids[group_of == g].tolist():
+            why, w = reason[gid], int(words[gid - offsets[g]])
+            entry = removed.setdefault(why, {"documents": 0, "words": 0})
+            entry["documents"] += 1
+            entry["words"] += w
+            words_out -= w
+            if len(examples.setdefault(why, [])) < EXAMPLES:
+                examples[why].append(gid)
+    _save_npz(job.store, job.work + "decisions.npz", ids=ids, codes=codes)
+    job.store.write_bytes(job.work + "decisions.json", json_bytes({
+        "settings_sha256": job.digest, "reasons": names,
+        "groups": [[k.source, k.group, c] for k, c in groups],
+        "totals": {"in": {"documents": n, "words": words_in},
+                   "out": {"documents": n - len(reason), "words": words_out}},
+        "removed": dict(sorted(removed.items())), "examples": dict(sorted(examples.items())),
+        "clusters": [{"size": sizes[r], "kept": r, "removed": member.get(r)} for r in biggest]}))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,11 +381,15 @@ def _filter_marker(key: GroupKey) -> str:
     return f"filter-{key.tag}.json"
 
 
-def _decisions(job: _Job) -> tuple[dict, np.ndarray]:
+def _decisions(job: _Job) -> tuple[dict, dict[int, str]]:
+    """decisions.json, and the step that removed each removed document by global id."""
     text = job.store.read_text(job.work + "decisions.json")
     if text is None:
         raise DataPrepError(f"{job.store.url(job.work)}: no decisions yet: run the clusters stage first")
-    return json.loads(text), _load_npz(job.store, job.work + "decisions.npz")["codes"]
+    decisions = json.loads(text)
+    arrays = _load_npz(job.store, job.work + "decisions.npz")
+    names = decisions["reasons"]
+    return decisions, {gid: names[c] for gid, c in zip(arrays["ids"].tolist(), arrays["codes"].tolist())}
 
 
 def _snippet(text: str) -> str:
@@ -328,8 +417,7 @@ def _write_part(store: Store, name: str, records: list[dict], output_format: str
 def stage_filter(job: _Job, num_tasks: int, task: int) -> dict | None:
     """This task's groups written; returns the report when this task completed the set."""
     s, store, work = job.s, job.store, job.work
-    decisions, codes = _decisions(job)
-    reasons = decisions["reasons"]
+    decisions, removed_ids = _decisions(job)
     offsets, start = {}, 0
     for source, group, n in decisions["groups"]:
         offsets[GroupKey(source, group)] = start
@@ -360,7 +448,7 @@ def stage_filter(job: _Job, num_tasks: int, task: int) -> dict | None:
         local += 1
         if _filter_marker(key) in done:
             continue
-        why = reasons[codes[i]]
+        why = removed_ids.get(i, "")
         if why:
             if s.write_removed:
                 removed.append({**record, REMOVED_FIELD: why})

@@ -1,0 +1,171 @@
+"""The clusters stage at any corpus size: duplicates found from per-group *sorted* key files, one
+key range at a time, so that memory follows the candidates, not the corpus (as datatrove's
+MinHash stages read sorted buckets).
+
+The signatures stage writes, beside each group's ``sig-<group>.npz``, ``keys-<group>.npz`` with the
+group's kept-so-far documents (not removed by language or quality) sorted by key: the exact key
+(``exact``: two uint64 words, the record key, the document) and, per LSH band, a 64-bit hash of the
+band's values (``band``: bands x n hashes, each row sorted, and the documents in that order). The
+clusters stage then walks the key space in ``ranges`` slices: for each slice it takes every group's
+part (a binary search in the sorted row), sorts them together and reads off the equal keys. A slice
+holds about ``documents / ranges`` keys; only candidate pairs and duplicates outlive it.
+
+Documents are named by a global id: the group's offset (groups in input order) plus the position in
+the group. Band hashes can collide (two different bands, one hash: about one pair in 2^64 per band);
+the agreement check on the full signatures (``near.min_similarity``) drops such a pair.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+
+_M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def band_hashes(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """(bands, n) uint64: each band's ``rows`` uint32 values mixed into one 64-bit hash (splitmix64's
+    finaliser over a running combination)."""
+    n = len(signatures)
+    out = np.empty((bands, n), np.uint64)
+    with np.errstate(over="ignore"):
+        for b in range(bands):
+            h = np.full(n, np.uint64(b) * _M1, np.uint64)
+            for v in signatures[:, b * rows:(b + 1) * rows].T.astype(np.uint64):
+                h = (h ^ v) * _M2
+                h ^= h >> np.uint64(31)
+            h = (h ^ (h >> np.uint64(30))) * _M3
+            out[b] = h ^ (h >> np.uint64(27))
+    return out
+
+
+KEY_ARRAYS = ("exact", "exact_key", "exact_doc", "band", "band_doc")
+
+
+def key_file(group_tag: str, array: str) -> str:
+    return f"keys-{group_tag}.{array}.npy"
+
+
+def group_keys(exact: np.ndarray, keys: np.ndarray, signatures: np.ndarray | None, alive: np.ndarray,
+               bands: int, rows: int) -> dict[str, bytes]:
+    """The alive documents' keys, sorted (see the module docstring), as ``.npy`` bytes by array name
+    (one file each, so that the clusters stage can map them and read only the slices it needs)."""
+    docs = np.flatnonzero(alive).astype(np.uint32)
+    ex = exact[docs].view(np.uint64).reshape(-1, 2) if len(docs) else np.zeros((0, 2), np.uint64)
+    order = np.lexsort((keys[docs], ex[:, 1], ex[:, 0])) if len(docs) else np.zeros(0, np.int64)
+    arrays = {"exact": ex[order], "exact_key": keys[docs][order], "exact_doc": docs[order]}
+    if signatures is not None and signatures.shape[1]:
+        h = band_hashes(signatures[docs], bands, rows)
+        o = np.argsort(h, axis=1, kind="stable")
+        arrays["band"] = np.take_along_axis(h, o, axis=1)
+        arrays["band_doc"] = docs[o]
+    out = {}
+    for name, array in arrays.items():
+        buf = io.BytesIO()
+        np.save(buf, np.ascontiguousarray(array))
+        out[name] = buf.getvalue()
+    return out
+
+
+def _range_bounds(ranges: int) -> list[tuple[int, int]]:
+    edges = [r * (1 << 64) // ranges for r in range(ranges)] + [1 << 64]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _slice(sorted_row: np.ndarray, lo: int, hi: int) -> slice:
+    a = np.searchsorted(sorted_row, np.uint64(lo), side="left")
+    b = len(sorted_row) if hi >= 1 << 64 else np.searchsorted(sorted_row, np.uint64(hi), side="left")
+    return slice(int(a), int(b))
+
+
+@dataclass
+class KeyFiles:
+    """Every group's key arrays, memory-mapped (``load(i)``: group i's arrays by name), and its offset."""
+    load: callable
+    offsets: np.ndarray          # global id of each group's first document
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+
+def exact_duplicates(files: KeyFiles, ranges: int, gone: set[int]) -> dict[int, int]:
+    """{removed global id: its representative}: per exact key, the document with the smallest record
+    key stays. ``gone`` (already removed) do not take part."""
+    rep: dict[int, int] = {}
+    for lo, hi in _range_bounds(ranges):
+        ex, rk, gid = [], [], []
+        for g in range(len(files)):
+            d = files.load(g)
+            s = _slice(d["exact"][:, 0], lo, hi)
+            ex.append(d["exact"][s])
+            rk.append(d["exact_key"][s])
+            gid.append(d["exact_doc"][s].astype(np.int64) + files.offsets[g])
+        ex, rk, gid = np.concatenate(ex), np.concatenate(rk), np.concatenate(gid)
+        if gone:
+            keep = ~np.isin(gid, np.fromiter(gone, np.int64))
+            ex, rk, gid = ex[keep], rk[keep], gid[keep]
+        if len(gid) < 2:
+            continue
+        order = np.lexsort((rk, ex[:, 1], ex[:, 0]))
+        ex, gid = ex[order], gid[order]
+        first = np.ones(len(gid), bool)
+        first[1:] = np.any(ex[1:] != ex[:-1], axis=1)
+        start = np.maximum.accumulate(np.where(first, np.arange(len(gid)), 0))
+        for i in np.flatnonzero(~first):
+            rep[int(gid[i])] = int(gid[start[i]])
+    return rep
+
+
+def band_candidates(files: KeyFiles, bands: int, ranges: int, gone: set[int], reach: int) -> np.ndarray:
+    """(i, j) global-id pairs, i < j, with an equal band hash; each member paired with the next
+    ``reach`` members of its bucket (in global-id order), as ``clusters.band_pairs`` does."""
+    pairs = []
+    gone_ids = np.fromiter(gone, np.int64) if gone else None
+    for b in range(bands):
+        for lo, hi in _range_bounds(ranges):
+            hs, gid = [], []
+            for g in range(len(files)):
+                d = files.load(g)
+                if "band" not in d:
+                    return np.zeros((0, 2), np.int64)
+                s = _slice(d["band"][b], lo, hi)
+                hs.append(d["band"][b][s])
+                gid.append(d["band_doc"][b][s].astype(np.int64) + files.offsets[g])
+            hs, gid = np.concatenate(hs), np.concatenate(gid)
+            if gone_ids is not None:
+                keep = ~np.isin(gid, gone_ids)
+                hs, gid = hs[keep], gid[keep]
+            if len(gid) < 2:
+                continue
+            order = np.lexsort((gid, hs))
+            hs, gid = hs[order], gid[order]
+            for d in range(1, reach + 1):
+                together = hs[d:] == hs[:-d]
+                if not together.any():
+                    break
+                a, c = gid[:-d][together], gid[d:][together]
+                pairs.append(np.stack([np.minimum(a, c), np.maximum(a, c)], axis=1))
+    if not pairs:
+        return np.zeros((0, 2), np.int64)
+    return np.unique(np.concatenate(pairs), axis=0)
+
+
+def components_of(pairs: np.ndarray) -> dict[int, int]:
+    """{member: component root} over the nodes that appear in ``pairs`` (union-find on a dict: memory
+    follows the pairs)."""
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        root = x
+        while parent.get(root, root) != root:
+            root = parent[root]
+        while parent.get(x, x) != root:
+            parent[x], x = root, parent[x]
+        return root
+
+    for a, c in pairs.tolist():
+        ra, rc = find(a), find(c)
+        if ra != rc:
+            parent[max(ra, rc)] = min(ra, rc)
+    return {x: find(x) for x in {v for p in pairs.tolist() for v in p}}
