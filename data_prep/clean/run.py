@@ -141,9 +141,9 @@ def _save_npz(store: Store, name: str, **arrays) -> None:
     store.write_bytes(name, buf.getvalue())
 
 
-def _load_npz(store: Store, name: str) -> dict:
+def _load_npz(store: Store, name: str, only: tuple[str, ...] | None = None) -> dict:
     with np.load(io.BytesIO(store.read_bytes(name)), allow_pickle=False) as data:
-        return {k: data[k] for k in data.files}
+        return {k: data[k] for k in data.files if only is None or k in only}
 
 
 def _chunks(owned, done: set[str], groups: dict):
@@ -273,15 +273,22 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
         held = Signatures.of([analyse(r, s.text_field, _no_filters(s), None)
                               for src in job.held for r in iter_source_records(src, job.opts)], num_perm)
 
-    # Per group: what language and quality removed, words, and copies of the held-out files.
-    reason: dict[int, str] = {}           # global id -> step, for every removed document (sparse)
-    words_in = 0
-    first_of: dict[str, list[int]] = {}
+    # Per group: what language and quality removed (counted here, never held), words, and copies of
+    # the held-out files.
+    reason: dict[int, str] = {}           # global id -> step, for documents removed from here on
+    removed: dict[str, dict] = {}
+    examples: dict[str, list[int]] = {}
+    words_in = filtered = 0
     for (key, count), offset in zip(groups, offsets):
         sig = _group_sig(job, key)
         words_in += int(sig.words.sum())
         for i in np.flatnonzero(sig.removed_by != ""):
-            reason[int(offset + i)] = sig.removed_by[i]
+            why, filtered = sig.removed_by[i], filtered + 1
+            entry = removed.setdefault(why, {"documents": 0, "words": 0})
+            entry["documents"] += 1
+            entry["words"] += int(sig.words[i])
+            if len(examples.setdefault(why, [])) < EXAMPLES:
+                examples[why].append(int(offset + i))
         if held is not None:
             alive = sig.removed_by == ""
             hit = clusters.contaminated(sig.signatures if s.near.enabled else None, sig.exact, alive,
@@ -303,8 +310,7 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
             return out
 
         files = KeyFiles(load, offsets)
-        alive_total = n - len(reason)
-        ranges = max(1, -(-alive_total // RANGE_KEYS))
+        ranges = max(1, -(-(n - filtered) // RANGE_KEYS))
         exact_rep = exact_duplicates(files, ranges, set(k for k, v in reason.items() if v == "decontamination")) \
             if s.exact.enabled else {}
         for gid in exact_rep:
@@ -349,9 +355,6 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
     code = {name: i for i, name in enumerate(names)}
     ids = np.array(sorted(reason), dtype=np.int64)
     codes = np.array([code[reason[i]] for i in ids.tolist()], dtype=np.uint16)
-    removed: dict[str, dict] = {}
-    examples: dict[str, list[int]] = {}
-    words_out = words_in
     group_of = np.searchsorted(offsets, ids, side="right") - 1
     for g in np.unique(group_of):
         words = _group_sig(job, groups[g][0]).words
@@ -360,7 +363,6 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
             entry = removed.setdefault(why, {"documents": 0, "words": 0})
             entry["documents"] += 1
             entry["words"] += w
-            words_out -= w
             if len(examples.setdefault(why, [])) < EXAMPLES:
                 examples[why].append(gid)
     _save_npz(job.store, job.work + "decisions.npz", ids=ids, codes=codes)
@@ -368,7 +370,8 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
         "settings_sha256": job.digest, "reasons": names,
         "groups": [[k.source, k.group, c] for k, c in groups],
         "totals": {"in": {"documents": n, "words": words_in},
-                   "out": {"documents": n - len(reason), "words": words_out}},
+                   "out": {"documents": n - sum(e["documents"] for e in removed.values()),
+                           "words": words_in - sum(e["words"] for e in removed.values())}},
         "removed": dict(sorted(removed.items())), "examples": dict(sorted(examples.items())),
         "clusters": [{"size": sizes[r], "kept": r, "removed": member.get(r)} for r in biggest]}))
 
@@ -437,10 +440,13 @@ def stage_filter(job: _Job, num_tasks: int, task: int) -> dict | None:
                   if removed else None, "snippets": snippets}
         store.write_bytes(work + _filter_marker(key), json_bytes(marker))
 
+    filtered = None
     for k, record in job.owned(num_tasks, task):
         if k != key:
             close()
             key, local, kept, removed, snippets = k, 0, [], [], {}
+            if _filter_marker(key) not in done and key in offsets:     # language and quality removals
+                filtered = _load_npz(store, work + _sig_name(key), only=("removed_by",))["removed_by"]
         if key not in offsets:
             raise DataPrepError(f"the inputs changed since the signatures stage (group {key.tag} is new): "
                                 "clean into a new --out")
@@ -448,7 +454,7 @@ def stage_filter(job: _Job, num_tasks: int, task: int) -> dict | None:
         local += 1
         if _filter_marker(key) in done:
             continue
-        why = removed_ids.get(i, "")
+        why = filtered[local - 1] or removed_ids.get(i, "")
         if why:
             if s.write_removed:
                 removed.append({**record, REMOVED_FIELD: why})
