@@ -357,6 +357,19 @@ def test_inputs_and_output_in_a_bucket_and_over_https(tmp_path, wiki_articles, b
     listed = {o["Key"] for o in server.client().list_objects_v2(Bucket=bucket, Prefix="clean/")["Contents"]}
     assert {k for k in listed if not k.startswith("clean/.clean/")} == {"clean/part-s00000-g00000.jsonl",
                                                                         "clean/report.json"}
+    # the stages, two tasks, in and out of the bucket: the same objects (work files aside)
+    staged = ["clean", "--input", f"s3://{bucket}/raw/*.jsonl", "--out", f"s3://{bucket}/staged", "--set",
+              "quality.enabled=false", "--workers", "1", "--num-tasks", "2", "--partition", "documents"]
+    for stage, tasks in (("signatures", (0, 1)), ("clusters", (None,)), ("filter", (0, 1))):
+        for t in tasks:
+            assert main([*staged, "--stage", stage] + ([] if t is None else ["--task-index", str(t)])) == 0
+
+    def objects(prefix):
+        client = server.client()
+        keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"]]
+        return {k.removeprefix(prefix): client.get_object(Bucket=bucket, Key=k)["Body"].read()
+                for k in keys if "/.clean/" not in k}
+    assert objects("staged") == objects("clean")
     over_https = clean("--input", f"{server.filer}/buckets/{bucket}/raw/in.jsonl", "--out", tmp_path / "https",
                        "--set", "quality.enabled=false")
     assert over_https["totals"] == report["totals"] and over_https["removed"] == report["removed"]
