@@ -465,23 +465,18 @@ STAGES_AFTER = {"signatures": ("signatures", "clusters", "filter"), "filter": ("
 
 
 def test_the_sliced_clusters_stage_decides_as_the_whole_corpus_in_memory_would(tmp_path, wiki_articles):
-    """The clusters stage reads sorted key files one key range at a time (``sorted_keys``, 1 key per
-    range here to force many slices); the same decisions from every signature in memory at once
+    """The clusters stage reads sorted key files one key range at a time (``sorted_keys``; 64 keys a
+    slice here, so many slices); the same decisions from every signature in memory at once
     (``clusters``) are the oracle."""
     import numpy as np
 
-    import data_prep.clean.run as run
     from data_prep.clean import clusters
     from data_prep.clean.settings import NearSettings
 
     inputs, held = _staged_corpus(tmp_path, wiki_articles)
-    old = run.RANGE_KEYS
-    run.RANGE_KEYS = 64
-    try:
-        clean("--input", inputs, "--out", tmp_path / "out", "--decontaminate-against", held, "--group-chars", "20000",
-              "--set", "write_removed=true", "--languages", "any", "--set", "quality.enabled=false")
-    finally:
-        run.RANGE_KEYS = old
+    clean("--input", inputs, "--out", tmp_path / "out", "--decontaminate-against", held, "--group-chars", "20000",
+          "--set", "write_removed=true", "--languages", "any", "--set", "quality.enabled=false",
+          "--set", "slice_keys=64")
     sig_files = sorted((tmp_path / "out").glob(".clean/*/sig-*.npz"))
     loaded = [np.load(p) for p in sig_files]
     keys = np.concatenate([d["keys"] for d in loaded])

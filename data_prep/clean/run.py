@@ -61,7 +61,6 @@ SNIPPET = 240
 EXAMPLES = 3
 CLUSTERS = 5
 STAGES = ("signatures", "clusters", "filter")
-RANGE_KEYS = 1 << 22        # keys per slice of the clusters stage (~100 MB of keys and ids at a time)
 WORK = ".clean"
 
 
@@ -309,8 +308,8 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
                     out[name] = maps[(g, name)]
             return out
 
-        files = KeyFiles(load, offsets)
-        ranges = max(1, -(-(n - filtered) // RANGE_KEYS))
+        files = KeyFiles(load, offsets, maps.clear)
+        ranges = max(1, -(-(n - filtered) // s.slice_keys))
         exact_rep = exact_duplicates(files, ranges, set(k for k, v in reason.items() if v == "decontamination")) \
             if s.exact.enabled else {}
         for gid in exact_rep:
@@ -327,7 +326,7 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
         sig = _group_sig(job, groups[g][0])
         local = members[group_of == g] - offsets[g]
         for gid, i in zip(members[group_of == g].tolist(), local.tolist()):
-            rows[gid], ident[gid] = sig.signatures[i], sig.keys[i]
+            rows[gid], ident[gid] = sig.signatures[i].copy(), bytes(sig.keys[i])   # copies: the group goes
     if len(pairs) and s.near.min_similarity > 0:
         agree = np.array([(rows[a] == rows[b]).mean() for a, b in pairs.tolist()])
         pairs = pairs[agree >= s.near.min_similarity]

@@ -84,6 +84,7 @@ class CleanSettings:
     write_removed: bool = False            # also write removed records, with the step that removed them, under removed/
     decontaminate_against: list = field(default_factory=list)   # files of documents nothing kept may copy
     workers: int = 0                        # processes; 0: one per core
+    slice_keys: int = 1 << 22               # keys the clusters stage sorts at a time (memory, not results)
     exact: ExactSettings = field(default_factory=ExactSettings)
     near: NearSettings = field(default_factory=NearSettings)
     quality: QualitySettings = field(default_factory=QualitySettings)
@@ -103,6 +104,8 @@ class CleanSettings:
             p.append(f"group_chars {self.group_chars}: must be at least 1")
         if self.partition not in ("auto", "files", "documents"):
             p.append(f"partition must be auto, files or documents, got {self.partition!r}")
+        if self.slice_keys < 1:
+            p.append(f"slice_keys {self.slice_keys}: must be at least 1")
         if self.workers < 0:
             p.append(f"workers {self.workers}: must be >= 0 (0: one per core)")
         n = self.near
@@ -141,7 +144,8 @@ class CleanSettings:
     def result_settings(self) -> dict:
         """What decides the kept documents (inputs and held-out files enter by content, in the report)."""
         d = dataclasses.asdict(self)
-        for name in ("inputs", "out", "workers", "decontaminate_against", "write_removed", "partition"):
+        for name in ("inputs", "out", "workers", "decontaminate_against", "write_removed", "partition",
+                     "slice_keys"):
             d.pop(name)
         d["quality"]["max_top_ngram_chars"] = {str(k): v for k, v in self.quality.max_top_ngram_chars.items()}
         d["quality"]["max_duplicate_ngram_chars"] = {str(k): v for k, v in

@@ -84,6 +84,7 @@ class KeyFiles:
     """Every group's key arrays, memory-mapped (``load(i)``: group i's arrays by name), and its offset."""
     load: callable
     offsets: np.ndarray          # global id of each group's first document
+    release: callable = lambda: None    # after each slice: unmap, so that mapped pages leave the process
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -102,6 +103,7 @@ def exact_duplicates(files: KeyFiles, ranges: int, gone: set[int]) -> dict[int, 
             rk.append(d["exact_key"][s])
             gid.append(d["exact_doc"][s].astype(np.int64) + files.offsets[g])
         ex, rk, gid = np.concatenate(ex), np.concatenate(rk), np.concatenate(gid)
+        files.release()
         if gone:
             keep = ~np.isin(gid, np.fromiter(gone, np.int64))
             ex, rk, gid = ex[keep], rk[keep], gid[keep]
@@ -133,6 +135,7 @@ def band_candidates(files: KeyFiles, bands: int, ranges: int, gone: set[int], re
                 hs.append(d["band"][b][s])
                 gid.append(d["band_doc"][b][s].astype(np.int64) + files.offsets[g])
             hs, gid = np.concatenate(hs), np.concatenate(gid)
+            files.release()
             if gone_ids is not None:
                 keep = ~np.isin(gid, gone_ids)
                 hs, gid = hs[keep], gid[keep]
