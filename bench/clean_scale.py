@@ -33,8 +33,10 @@ def write_corpus(folder: Path, n: int, files: int = 8) -> list[Path]:
     texts = [x for _, x in wiki_articles()]
     pool = sorted({w for x in texts[:2000] for w in x.split() if w.isalpha()})
     rng = random.Random(n)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = [folder / f"c{i:02d}.jsonl" for i in range(files)]
+    partial = folder.with_name(folder.name + ".partial")      # renamed when complete: a kill leaves no half corpus
+    subprocess.run(["rm", "-rf", str(partial)])
+    partial.mkdir(parents=True)
+    paths = [partial / f"c{i:02d}.jsonl" for i in range(files)]
     handles = [open(p, "w", encoding="utf-8") for p in paths]
     made: list[str] = []
     for i in range(n):
@@ -56,7 +58,8 @@ def write_corpus(folder: Path, n: int, files: int = 8) -> list[Path]:
         handles[i % files].write(json.dumps({"id": i, "text": text}) + "\n")
     for h in handles:
         h.close()
-    return paths
+    partial.rename(folder)
+    return [folder / p.name for p in paths]
 
 
 def stage(folder: Path, out: Path, name: str, tasks: int, task: int | None, *extra: str) -> subprocess.Popen:

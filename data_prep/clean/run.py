@@ -53,7 +53,7 @@ from .report import (FORMAT, REMOVED_FIELD, REPORT, VERSION, format_table, is_pa
                      read_report)
 from .settings import CleanSettings
 from .signature import Signatures, analyse, worker_analyse, worker_init
-from .sorted_keys import KEY_ARRAYS, KeyFiles, band_candidates, components_of, exact_duplicates, group_keys, key_file
+from .sorted_keys import KEY_ARRAYS, KeyFiles, band_candidates, clusters_of, exact_duplicates, group_keys, key_file
 
 log = logging.getLogger("data_prep")
 CHUNK = 256                 # documents per message to a worker
@@ -274,10 +274,10 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
 
     # Per group: what language and quality removed (counted here, never held), words, and copies of
     # the held-out files.
-    reason: dict[int, str] = {}           # global id -> step, for documents removed from here on
     removed: dict[str, dict] = {}
     examples: dict[str, list[int]] = {}
     words_in = filtered = 0
+    contaminated = []
     for (key, count), offset in zip(groups, offsets):
         sig = _group_sig(job, key)
         words_in += int(sig.words.sum())
@@ -292,8 +292,9 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
             alive = sig.removed_by == ""
             hit = clusters.contaminated(sig.signatures if s.near.enabled else None, sig.exact, alive,
                                         held.signatures, held.exact, s.near.bands, s.near.rows, s.near.min_similarity)
-            for i in np.flatnonzero(hit):
-                reason[int(offset + i)] = "decontamination"
+            contaminated.append(np.flatnonzero(hit) + offset)
+    decont = np.concatenate(contaminated) if contaminated else np.zeros(0, np.int64)
+    exact_removed = exact_reps = near_removed = near_reps = np.zeros(0, np.int64)
 
     with _local_work(job) as folder:
         maps: dict[tuple[int, str], np.ndarray] = {}
@@ -310,55 +311,52 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
 
         files = KeyFiles(load, offsets, maps.clear)
         ranges = max(1, -(-(n - filtered) // s.slice_keys))
-        exact_rep = exact_duplicates(files, ranges, set(k for k, v in reason.items() if v == "decontamination")) \
-            if s.exact.enabled else {}
-        for gid in exact_rep:
-            reason[gid] = "exact_duplicate"
-        pairs = band_candidates(files, s.near.bands, ranges, {k for k, v in reason.items() if v in (
-            "decontamination", "exact_duplicate")}, clusters.BUCKET_REACH) if s.near.enabled else np.zeros((0, 2))
+        if s.exact.enabled:
+            exact_removed, exact_reps = exact_duplicates(files, ranges, decont)
+        pairs = band_candidates(files, s.near.bands, ranges, np.union1d(decont, exact_removed),
+                                clusters.BUCKET_REACH) if s.near.enabled else np.zeros((0, 2), np.int64)
         maps.clear()
 
-    # The candidates' signatures and identities, group by group, then the verified clusters.
-    members = np.unique(pairs) if len(pairs) else np.zeros(0, np.int64)
-    group_of = np.searchsorted(offsets, members, side="right") - 1
-    rows, ident = {}, {}
-    for g in np.unique(group_of):
-        sig = _group_sig(job, groups[g][0])
-        local = members[group_of == g] - offsets[g]
-        for gid, i in zip(members[group_of == g].tolist(), local.tolist()):
-            rows[gid], ident[gid] = sig.signatures[i].copy(), bytes(sig.keys[i])   # copies: the group goes
-    if len(pairs) and s.near.min_similarity > 0:
-        agree = np.array([(rows[a] == rows[b]).mean() for a, b in pairs.tolist()])
-        pairs = pairs[agree >= s.near.min_similarity]
-    near_rep: dict[int, int] = {}
-    by_root: dict[int, list[int]] = {}
-    for member, root in components_of(pairs).items():
-        by_root.setdefault(root, []).append(member)
-    for component in by_root.values():
-        keep = min(component, key=lambda gid: ident[gid])
-        for gid in component:
-            if gid != keep:
-                near_rep[gid] = keep
-                reason[gid] = "near_duplicate"
+    if len(pairs):
+        # The candidates' signatures and identities, group by group (copies: each group goes after).
+        members = np.unique(pairs)
+        rows = np.empty((len(members), num_perm), np.uint32)
+        ident = np.empty(len(members), "S16")
+        group_of = np.searchsorted(offsets, members, side="right") - 1
+        for g in np.unique(group_of):
+            sig = _group_sig(job, groups[g][0])
+            at = np.flatnonzero(group_of == g)
+            rows[at], ident[at] = sig.signatures[members[at] - offsets[g]], sig.keys[members[at] - offsets[g]]
+        near_removed, near_reps = clusters_of(pairs, rows, ident, members, s.near.min_similarity)
+        del rows, ident
 
-    final = {gid: near_rep.get(r, r) for gid, r in exact_rep.items()} | near_rep
-    sizes: dict[int, int] = {}
-    for rep in final.values():
-        sizes[rep] = sizes.get(rep, 1) + 1
-    biggest = sorted(sizes, key=lambda r: (-sizes[r], r))[:CLUSTERS]
+    # An exact duplicate belongs to its representative's near cluster: the cluster's sizes.
+    final_exact = exact_reps.copy()
+    if len(near_removed) and len(exact_reps):
+        at = np.minimum(np.searchsorted(near_removed, exact_reps), len(near_removed) - 1)
+        hit = near_removed[at] == exact_reps
+        final_exact[hit] = near_reps[at[hit]]
+    final = np.concatenate([final_exact, near_reps])
+    dup_ids = np.concatenate([exact_removed, near_removed])
+    reps, counts = np.unique(final, return_counts=True)
+    top = np.lexsort((reps, -counts))[:CLUSTERS]
+    biggest = [(int(reps[i]), int(counts[i]) + 1) for i in top]
     member = {}
-    for gid in sorted(final):
-        member.setdefault(final[gid], gid)
+    for r, _ in biggest:
+        mine = dup_ids[final == r]
+        member[r] = int(mine.min())
 
-    names = [""] + sorted(set(reason.values()))
-    code = {name: i for i, name in enumerate(names)}
-    ids = np.array(sorted(reason), dtype=np.int64)
-    codes = np.array([code[reason[i]] for i in ids.tolist()], dtype=np.uint16)
+    names = ["", "decontamination", "exact_duplicate", "near_duplicate"]
+    ids = np.concatenate([decont, exact_removed, near_removed])
+    codes = np.concatenate([np.full(len(decont), 1), np.full(len(exact_removed), 2),
+                            np.full(len(near_removed), 3)]).astype(np.uint16)
+    order = np.argsort(ids)
+    ids, codes = ids[order], codes[order]
     group_of = np.searchsorted(offsets, ids, side="right") - 1
     for g in np.unique(group_of):
         words = _group_sig(job, groups[g][0]).words
-        for gid in ids[group_of == g].tolist():
-            why, w = reason[gid], int(words[gid - offsets[g]])
+        for gid, c in zip(ids[group_of == g].tolist(), codes[group_of == g].tolist()):
+            why, w = names[c], int(words[gid - offsets[g]])
             entry = removed.setdefault(why, {"documents": 0, "words": 0})
             entry["documents"] += 1
             entry["words"] += w
@@ -372,7 +370,7 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
                    "out": {"documents": n - sum(e["documents"] for e in removed.values()),
                            "words": words_in - sum(e["words"] for e in removed.values())}},
         "removed": dict(sorted(removed.items())), "examples": dict(sorted(examples.items())),
-        "clusters": [{"size": sizes[r], "kept": r, "removed": member.get(r)} for r in biggest]}))
+        "clusters": [{"size": size, "kept": r, "removed": member[r]} for r, size in biggest]}))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -90,10 +90,10 @@ class KeyFiles:
         return len(self.offsets)
 
 
-def exact_duplicates(files: KeyFiles, ranges: int, gone: set[int]) -> dict[int, int]:
-    """{removed global id: its representative}: per exact key, the document with the smallest record
-    key stays. ``gone`` (already removed) do not take part."""
-    rep: dict[int, int] = {}
+def exact_duplicates(files: KeyFiles, ranges: int, gone: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(removed global ids, their representatives): per exact key, the document with the smallest
+    record key stays. ``gone`` (ids already removed, sorted) take no part."""
+    removed, reps = [], []
     for lo, hi in _range_bounds(ranges):
         ex, rk, gid = [], [], []
         for g in range(len(files)):
@@ -104,8 +104,8 @@ def exact_duplicates(files: KeyFiles, ranges: int, gone: set[int]) -> dict[int, 
             gid.append(d["exact_doc"][s].astype(np.int64) + files.offsets[g])
         ex, rk, gid = np.concatenate(ex), np.concatenate(rk), np.concatenate(gid)
         files.release()
-        if gone:
-            keep = ~np.isin(gid, np.fromiter(gone, np.int64))
+        if len(gone):
+            keep = ~np.isin(gid, gone)
             ex, rk, gid = ex[keep], rk[keep], gid[keep]
         if len(gid) < 2:
             continue
@@ -114,16 +114,19 @@ def exact_duplicates(files: KeyFiles, ranges: int, gone: set[int]) -> dict[int, 
         first = np.ones(len(gid), bool)
         first[1:] = np.any(ex[1:] != ex[:-1], axis=1)
         start = np.maximum.accumulate(np.where(first, np.arange(len(gid)), 0))
-        for i in np.flatnonzero(~first):
-            rep[int(gid[i])] = int(gid[start[i]])
-    return rep
+        removed.append(gid[~first])
+        reps.append(gid[start[~first]])
+    if not removed:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    removed, reps = np.concatenate(removed), np.concatenate(reps)
+    order = np.argsort(removed)
+    return removed[order], reps[order]
 
 
-def band_candidates(files: KeyFiles, bands: int, ranges: int, gone: set[int], reach: int) -> np.ndarray:
+def band_candidates(files: KeyFiles, bands: int, ranges: int, gone: np.ndarray, reach: int) -> np.ndarray:
     """(i, j) global-id pairs, i < j, with an equal band hash; each member paired with the next
     ``reach`` members of its bucket (in global-id order), as ``clusters.band_pairs`` does."""
     pairs = []
-    gone_ids = np.fromiter(gone, np.int64) if gone else None
     for b in range(bands):
         for lo, hi in _range_bounds(ranges):
             hs, gid = [], []
@@ -136,8 +139,8 @@ def band_candidates(files: KeyFiles, bands: int, ranges: int, gone: set[int], re
                 gid.append(d["band_doc"][b][s].astype(np.int64) + files.offsets[g])
             hs, gid = np.concatenate(hs), np.concatenate(gid)
             files.release()
-            if gone_ids is not None:
-                keep = ~np.isin(gid, gone_ids)
+            if len(gone):
+                keep = ~np.isin(gid, gone)
                 hs, gid = hs[keep], gid[keep]
             if len(gid) < 2:
                 continue
@@ -154,21 +157,31 @@ def band_candidates(files: KeyFiles, bands: int, ranges: int, gone: set[int], re
     return np.unique(np.concatenate(pairs), axis=0)
 
 
-def components_of(pairs: np.ndarray) -> dict[int, int]:
-    """{member: component root} over the nodes that appear in ``pairs`` (union-find on a dict: memory
-    follows the pairs)."""
-    parent: dict[int, int] = {}
+def clusters_of(pairs: np.ndarray, rows: np.ndarray, ident: np.ndarray, members: np.ndarray,
+                min_similarity: float) -> tuple[np.ndarray, np.ndarray]:
+    """(removed global ids, their representatives) of the near-duplicate clusters: candidate pairs
+    that agree on ``min_similarity`` of their signature values (``rows``, one per sorted ``members``)
+    joined into connected components, each keeping its member with the smallest identity
+    (``ident``). Arrays throughout: memory follows the members, ~0.5 KB each."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
 
-    def find(x: int) -> int:
-        root = x
-        while parent.get(root, root) != root:
-            root = parent[root]
-        while parent.get(x, x) != root:
-            parent[x], x = root, parent[x]
-        return root
-
-    for a, c in pairs.tolist():
-        ra, rc = find(a), find(c)
-        if ra != rc:
-            parent[max(ra, rc)] = min(ra, rc)
-    return {x: find(x) for x in {v for p in pairs.tolist() for v in p}}
+    if not len(pairs):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    a, b = np.searchsorted(members, pairs[:, 0]), np.searchsorted(members, pairs[:, 1])
+    if min_similarity > 0:
+        agree = np.empty(len(pairs))
+        for start in range(0, len(pairs), 1 << 16):
+            sl = slice(start, start + (1 << 16))
+            agree[sl] = (rows[a[sl]] == rows[b[sl]]).mean(axis=1)
+        a, b = a[agree >= min_similarity], b[agree >= min_similarity]
+    m = len(members)
+    graph = coo_matrix((np.ones(len(a), np.int8), (a, b)), shape=(m, m))
+    label = connected_components(graph, directed=False)[1]
+    order = np.lexsort((ident, label))
+    first = np.ones(m, bool)
+    first[1:] = label[order[1:]] != label[order[:-1]]
+    start = np.maximum.accumulate(np.where(first, np.arange(m), 0))
+    removed, reps = members[order[~first]], members[order[start[~first]]]
+    o = np.argsort(removed)
+    return removed[o], reps[o]
