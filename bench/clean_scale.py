@@ -7,7 +7,9 @@ The corpus: the embedded sample's articles repeated with 30% of their words repl
 documents: no two share an LSH band more than by chance), and in every 100 documents 5 exact copies
 and 5 copies with 2% of their words changed of earlier ones. Signatures run with the language and
 quality steps off (they cost the same per document at any size) and slices of 65,536 keys (a corpus
-of a billion documents at the default 4 Mi keys takes ~250 slices; these take 2-15); each stage is its own
+of a billion documents at the default 4 Mi keys takes ~250 slices; these take 2-15) and groups of
+8 Mi characters (a stage holds one group at a time: fixed groups leave what grows with the corpus);
+each stage is its own
 ``python -m data_prep clean --stage ...`` process, timed from outside, its peak memory read from
 ``/usr/bin/time``-style rusage (``ru_maxrss`` of the child).
 """
@@ -25,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 SLICE_KEYS = 1 << 16     # small, so that these corpora take many slices, as a billion documents would
+GROUP_CHARS = 1 << 23    # groups of ~17,000 documents whatever the corpus size (the default's are 8x)
 
 
 def write_corpus(folder: Path, n: int, files: int = 8) -> list[Path]:
@@ -65,7 +68,7 @@ def write_corpus(folder: Path, n: int, files: int = 8) -> list[Path]:
 def stage(folder: Path, out: Path, name: str, tasks: int, task: int | None, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "data_prep", "clean", "--input", str(folder), "--out", str(out), "--stage", name,
            "--num-tasks", str(tasks), "--workers", "1", "--languages", "any", "--set", "quality.enabled=false", "--set",
-           f"slice_keys={SLICE_KEYS}", *extra]
+           f"slice_keys={SLICE_KEYS}", "--group-chars", str(GROUP_CHARS), *extra]
     if task is not None:
         cmd += ["--task-index", str(task)]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

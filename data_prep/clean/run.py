@@ -141,7 +141,9 @@ def _save_npz(store: Store, name: str, **arrays) -> None:
 
 
 def _load_npz(store: Store, name: str, only: tuple[str, ...] | None = None) -> dict:
-    with np.load(io.BytesIO(store.read_bytes(name)), allow_pickle=False) as data:
+    """The arrays of a work file (``only`` those named: a local file's others are never read)."""
+    source = store.local_dir / name if store.local_dir is not None else io.BytesIO(store.read_bytes(name))
+    with np.load(source, allow_pickle=False) as data:
         return {k: data[k] for k in data.files if only is None or k in only}
 
 
@@ -237,10 +239,12 @@ def _all_groups(job: _Job, num_tasks: int) -> list[tuple[GroupKey, int]]:
     return sorted(groups.items())
 
 
-def _group_sig(job: _Job, key: GroupKey) -> Signatures:
-    d = _load_npz(job.store, job.work + _sig_name(key))
-    return Signatures(keys=d["keys"], exact=d["exact"], signatures=d["signatures"], words=d["words"],
-                      removed_by=d["removed_by"].astype(object))
+def _group_sig(job: _Job, key: GroupKey, *only: str) -> Signatures:
+    """A group's facts; with ``only``, just those arrays (the others empty)."""
+    d = _load_npz(job.store, job.work + _sig_name(key), only or None)
+    empty = np.zeros(0)
+    return Signatures(keys=d.get("keys", empty), exact=d.get("exact", empty), signatures=d.get("signatures", empty),
+                      words=d.get("words", empty), removed_by=d.get("removed_by", empty).astype(object))
 
 
 @contextlib.contextmanager
@@ -279,7 +283,7 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
     words_in = filtered = 0
     contaminated = []
     for (key, count), offset in zip(groups, offsets):
-        sig = _group_sig(job, key)
+        sig = _group_sig(job, key) if held is not None else _group_sig(job, key, "words", "removed_by")
         words_in += int(sig.words.sum())
         for i in np.flatnonzero(sig.removed_by != ""):
             why, filtered = sig.removed_by[i], filtered + 1
@@ -324,7 +328,7 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
         ident = np.empty(len(members), "S16")
         group_of = np.searchsorted(offsets, members, side="right") - 1
         for g in np.unique(group_of):
-            sig = _group_sig(job, groups[g][0])
+            sig = _group_sig(job, groups[g][0], "signatures", "keys")
             at = np.flatnonzero(group_of == g)
             rows[at], ident[at] = sig.signatures[members[at] - offsets[g]], sig.keys[members[at] - offsets[g]]
         near_removed, near_reps = clusters_of(pairs, rows, ident, members, s.near.min_similarity)
@@ -354,7 +358,7 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
     ids, codes = ids[order], codes[order]
     group_of = np.searchsorted(offsets, ids, side="right") - 1
     for g in np.unique(group_of):
-        words = _group_sig(job, groups[g][0]).words
+        words = _group_sig(job, groups[g][0], "words").words
         for gid, c in zip(ids[group_of == g].tolist(), codes[group_of == g].tolist()):
             why, w = names[c], int(words[gid - offsets[g]])
             entry = removed.setdefault(why, {"documents": 0, "words": 0})
