@@ -126,8 +126,9 @@ def exact_duplicates(files: KeyFiles, ranges: int, gone: np.ndarray) -> tuple[np
 def band_candidates(files: KeyFiles, bands: int, ranges: int, gone: np.ndarray, reach: int) -> np.ndarray:
     """(i, j) global-id pairs, i < j, with an equal band hash; each member paired with the next
     ``reach`` members of its bucket (in global-id order), as ``clusters.band_pairs`` does."""
-    pairs = []
+    found = np.zeros((0, 2), np.int64)        # distinct pairs so far: a pair sharing many bands is kept once
     for b in range(bands):
+        pairs = []
         for lo, hi in _range_bounds(ranges):
             hs, gid = [], []
             for g in range(len(files)):
@@ -152,9 +153,9 @@ def band_candidates(files: KeyFiles, bands: int, ranges: int, gone: np.ndarray, 
                     break
                 a, c = gid[:-d][together], gid[d:][together]
                 pairs.append(np.stack([np.minimum(a, c), np.maximum(a, c)], axis=1))
-    if not pairs:
-        return np.zeros((0, 2), np.int64)
-    return np.unique(np.concatenate(pairs), axis=0)
+        if pairs:
+            found = np.unique(np.concatenate([found, *pairs]), axis=0)
+    return found
 
 
 def clusters_of(pairs: np.ndarray, rows: np.ndarray, ident: np.ndarray, members: np.ndarray,
