@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         timing = probe.measure(args.repeats)
         pick = timing.choice() if native else "fp32 (emulated bf16: not timed)"
         print(f"| {Path(config).stem} ({probe.shape.split(' attn')[0]}, {probe.batch} x {probe.seq_len}) | "
-              f"{timing.fp32_s:.4f} | {timing.bf16_s:.4f} | {timing.speedup:.2f}x | "
+              f"{timing.fp32_s:.4f} | {timing.bf16_s:.4f} | {timing.speedup:.3g}x | "
               f"{peaks['bf16'] / peaks['fp32']:.2f}x | {pick} |", flush=True)
     return 0
 
