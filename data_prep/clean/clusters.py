@@ -41,6 +41,30 @@ def _buckets(band: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 BUCKET_REACH = 16     # a bucket member is paired with the next 16 in its bucket (all of a smaller bucket)
 
 
+def neighbour_pairs(sorted_keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """(i, j) id pairs, i < j, of members of one bucket (equal ``sorted_keys``, ``ids`` in the same
+    order), each member paired with the next ``BUCKET_REACH`` of its bucket: enough for connected
+    components, without a bucket's all-pairs."""
+    pairs = []
+    for d in range(1, BUCKET_REACH + 1):
+        together = sorted_keys[d:] == sorted_keys[:-d]
+        if not together.any():
+            break
+        a, c = ids[:-d][together], ids[d:][together]
+        pairs.append(np.stack([np.minimum(a, c), np.maximum(a, c)], axis=1))
+    return np.concatenate(pairs) if pairs else np.zeros((0, 2), np.int64)
+
+
+def agreement(signatures: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The share of equal MinHash values of rows ``a[k]`` and ``b[k]`` (the estimated Jaccard
+    similarity), in chunks: bounded memory for many pairs."""
+    out = np.empty(len(a))
+    for start in range(0, len(a), 1 << 16):
+        sl = slice(start, start + (1 << 16))
+        out[sl] = (signatures[a[sl]] == signatures[b[sl]]).mean(axis=1)
+    return out
+
+
 def band_pairs(signatures: np.ndarray, bands: int, rows: int, min_similarity: float = 0.0) -> np.ndarray:
     """(i, j) pairs, i < j, of rows that agree on all ``rows`` values of at least one band (LSH
     candidates) and on at least ``min_similarity`` of all values (the estimated Jaccard similarity:
@@ -48,24 +72,13 @@ def band_pairs(signatures: np.ndarray, bands: int, rows: int, min_similarity: fl
     pairs = []
     for b in range(bands):
         order, same = _buckets(signatures[:, b * rows:(b + 1) * rows])
-        if not same.any():
-            continue
-        bucket = np.concatenate([[0], np.cumsum(~same)])
-        for d in range(1, BUCKET_REACH + 1):
-            together = bucket[d:] == bucket[:-d]
-            if not together.any():
-                break
-            a, c = order[:-d][together], order[d:][together]
-            pairs.append(np.stack([np.minimum(a, c), np.maximum(a, c)], axis=1))
+        if same.any():
+            pairs.append(neighbour_pairs(np.concatenate([[0], np.cumsum(~same)]), order))
     if not pairs:
         return np.zeros((0, 2), np.int64)
     pairs = np.unique(np.concatenate(pairs), axis=0)
     if min_similarity > 0:
-        agree = np.empty(len(pairs))
-        for start in range(0, len(pairs), 1 << 16):          # bounded memory for many pairs
-            p = pairs[start:start + (1 << 16)]
-            agree[start:start + len(p)] = (signatures[p[:, 0]] == signatures[p[:, 1]]).mean(axis=1)
-        pairs = pairs[agree >= min_similarity]
+        pairs = pairs[agreement(signatures, pairs[:, 0], pairs[:, 1]) >= min_similarity]
     return pairs
 
 

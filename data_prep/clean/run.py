@@ -317,8 +317,8 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
         ranges = max(1, -(-(n - filtered) // s.slice_keys))
         if s.exact.enabled:
             exact_removed, exact_reps = exact_duplicates(files, ranges, decont)
-        pairs = band_candidates(files, s.near.bands, ranges, np.union1d(decont, exact_removed),
-                                clusters.BUCKET_REACH) if s.near.enabled else np.zeros((0, 2), np.int64)
+        pairs = band_candidates(files, s.near.bands, ranges, np.union1d(decont, exact_removed)) \
+            if s.near.enabled else np.zeros((0, 2), np.int64)
         maps.clear()
 
     if len(pairs):

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .clusters import agreement, neighbour_pairs
+
 _M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
@@ -123,9 +125,9 @@ def exact_duplicates(files: KeyFiles, ranges: int, gone: np.ndarray) -> tuple[np
     return removed[order], reps[order]
 
 
-def band_candidates(files: KeyFiles, bands: int, ranges: int, gone: np.ndarray, reach: int) -> np.ndarray:
+def band_candidates(files: KeyFiles, bands: int, ranges: int, gone: np.ndarray) -> np.ndarray:
     """(i, j) global-id pairs, i < j, with an equal band hash; each member paired with the next
-    ``reach`` members of its bucket (in global-id order), as ``clusters.band_pairs`` does."""
+    ``BUCKET_REACH`` members of its bucket (in global-id order), as ``clusters.band_pairs`` does."""
     found = np.zeros((0, 2), np.int64)        # distinct pairs so far: a pair sharing many bands is kept once
     for b in range(bands):
         pairs = []
@@ -146,13 +148,7 @@ def band_candidates(files: KeyFiles, bands: int, ranges: int, gone: np.ndarray, 
             if len(gid) < 2:
                 continue
             order = np.lexsort((gid, hs))
-            hs, gid = hs[order], gid[order]
-            for d in range(1, reach + 1):
-                together = hs[d:] == hs[:-d]
-                if not together.any():
-                    break
-                a, c = gid[:-d][together], gid[d:][together]
-                pairs.append(np.stack([np.minimum(a, c), np.maximum(a, c)], axis=1))
+            pairs.append(neighbour_pairs(hs[order], gid[order]))
         if pairs:
             found = np.unique(np.concatenate([found, *pairs]), axis=0)
     return found
@@ -171,11 +167,8 @@ def clusters_of(pairs: np.ndarray, rows: np.ndarray, ident: np.ndarray, members:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     a, b = np.searchsorted(members, pairs[:, 0]), np.searchsorted(members, pairs[:, 1])
     if min_similarity > 0:
-        agree = np.empty(len(pairs))
-        for start in range(0, len(pairs), 1 << 16):
-            sl = slice(start, start + (1 << 16))
-            agree[sl] = (rows[a[sl]] == rows[b[sl]]).mean(axis=1)
-        a, b = a[agree >= min_similarity], b[agree >= min_similarity]
+        close = agreement(rows, a, b) >= min_similarity
+        a, b = a[close], b[close]
     m = len(members)
     graph = coo_matrix((np.ones(len(a), np.int8), (a, b)), shape=(m, m))
     label = connected_components(graph, directed=False)[1]

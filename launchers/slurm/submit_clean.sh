@@ -27,6 +27,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 usage() { sed -n '2,30s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2; exit 2; }
 die() { echo "submit_clean.sh: $*" >&2; exit 2; }
+source "$here/array_args.sh"
 
 tasks="" only="" from=signatures cpus="" partition="" sbatch_opts=()
 while [ $# -gt 0 ]; do
@@ -70,21 +71,9 @@ for ((i = 0; i < ${#clean_args[@]}; i++)); do
 done
 [ -n "$out" ] || die "the data_prep clean arguments must include --out DIR"
 
-array=0-$((tasks - 1))
-if [ -n "$only" ]; then
-    [[ $only =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--only wants comma-separated task indices, got '$only'"
-    [ "$from" != clusters ] || die "--only names array tasks: it goes with --from signatures or filter"
-    for i in ${only//,/ }; do
-        [ "$i" -lt "$tasks" ] || die "--only: task $i is out of range for --tasks $tasks (0..$((tasks - 1)))"
-    done
-    array=$only
-fi
-if [ -z "$cpus" ]; then
-    node_cpus=$(sinfo -h -N -o %c ${partition:+--partition="$partition"} 2>/dev/null | tr -dc '0-9\n' | sort -n | head -n1)
-    cpus=4
-    if [[ $node_cpus =~ ^[1-9][0-9]*$ ]] && [ "$node_cpus" -lt "$cpus" ]; then cpus=$node_cpus; fi
-fi
-[[ $cpus =~ ^[1-9][0-9]*$ ]] || die "--cpus-per-task wants a positive integer, got '$cpus'"
+[ -z "$only" ] || [ "$from" != clusters ] || die "--only names array tasks: it goes with --from signatures or filter"
+array=$(array_spec "$tasks" "$only")
+cpus=$(cpus_per_task "$cpus" "$partition")
 
 submit() { local id; id=$(sbatch --parsable "$@"); echo "${id%%;*}"; }
 stage_args=(--num-tasks "$tasks" "${clean_args[@]}")

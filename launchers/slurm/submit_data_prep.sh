@@ -27,6 +27,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 usage() { sed -n '2,27s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2; exit 2; }
 die() { echo "submit_data_prep.sh: $*" >&2; exit 2; }
+source "$here/array_args.sh"
 
 # sbatch_opts go to both jobs; array_opts (logs, CPUs) to the array only
 tasks="" only="" finalize_output="" output="" cpus="" partition="" sbatch_opts=() array_opts=()
@@ -69,23 +70,8 @@ for ((i = 0; i < ${#shard_args[@]}; i++)); do
 done
 [ -n "$out" ] || die "the data_prep shard arguments must include --out DIR (finalize needs it)"
 
-if [ -n "$only" ]; then
-    [[ $only =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--only wants comma-separated task indices, got '$only'"
-    for i in ${only//,/ }; do
-        [ "$i" -lt "$tasks" ] || die "--only: task $i is out of range for --tasks $tasks (0..$((tasks - 1)))"
-    done
-    array=$only
-else
-    array=0-$((tasks - 1))
-fi
-
-if [ -z "$cpus" ]; then
-    # the node with the fewest CPUs must still be able to run a task
-    node_cpus=$(sinfo -h -N -o %c ${partition:+--partition="$partition"} 2>/dev/null | tr -dc '0-9\n' | sort -n | head -n1)
-    cpus=4
-    if [[ $node_cpus =~ ^[1-9][0-9]*$ ]] && [ "$node_cpus" -lt "$cpus" ]; then cpus=$node_cpus; fi
-fi
-[[ $cpus =~ ^[1-9][0-9]*$ ]] || die "--cpus-per-task wants a positive integer, got '$cpus'"
+array=$(array_spec "$tasks" "$only")
+cpus=$(cpus_per_task "$cpus" "$partition")
 array_opts+=("--cpus-per-task=$cpus")
 finalize_opts=()
 if [ -n "$finalize_output" ]; then
