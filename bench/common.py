@@ -72,7 +72,7 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str
 
 
 def cpu_record() -> dict:
-    """Model name, the flags that decide matmul speed, whether bf16 is native (pretrain.hardware)."""
+    """Model name, the flags that decide matmul speed, whether bf16 is native (pretrain.runtime.hardware)."""
     from pretrain.runtime.hardware import cpu_info
 
     return cpu_info()

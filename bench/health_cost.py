@@ -1,4 +1,4 @@
-"""What per-layer health (``pretrain/health.py``) costs against a training step, in CPU seconds (so a
+"""What per-layer health (``pretrain/runtime/health.py``) costs against a training step, in CPU seconds (so a
 shared, loaded machine does not blur it), on one process at ZeRO 0 (every weight local).
 
     python bench/health_cost.py [--config configs/mini.yaml] [--batch 32] [--seq-len 128] [--repeats 10] --data SHARDS

@@ -23,7 +23,7 @@ Measured: wall time from the end of step ``--warmup-steps`` to the end of the la
 ``TrainerCallback``; bare: the loop itself; ours: arrival of the trainer's own ``step N`` log lines,
 whose logging window is the warm-up length), over sequences x seq_len tokens. Our trainer's own
 ``perf/tokens_per_s`` (``metrics.jsonl``, first window dropped) is printed beside it as a cross-check.
-MFU: ``pretrain.flops.mlm_flops_per_sequence`` (the dense-head count for rows whose head runs on every
+MFU: ``pretrain.model.flops.mlm_flops_per_sequence`` (the dense-head count for rows whose head runs on every
 token) against a matmul peak in the precision used with the same threads: the highest of a
 measurement before the runs, one after, and the trainer's own (``pretrain.runtime.hardware.peak_tflops``). The CPU model, its flags and what
 ``impl.precision=auto`` picks are printed first and go into ``--json``.
@@ -105,7 +105,7 @@ VARIANTS: dict[str, Variant] = {
     "ours-unfusedopt": Variant("ours, eager, impl.fused_optimizer=false (torch foreach AdamW)", "ours",
                                ("impl.fused_optimizer=false",)),
     "ours-nodrop": Variant("ours, eager, no dropout", "ours", NO_DROPOUT),
-    # What per-layer health (pretrain/health.py) costs: compare with ours / ours-zero1.
+    # What per-layer health (pretrain/runtime/health.py) costs: compare with ours / ours-zero1.
     "ours-health10": Variant("ours, eager, train.health_every=10", "ours", ("train.health_every=10",)),
     "ours-zero1-health10": Variant("ours, eager, ZeRO 1, train.health_every=10", "ours",
                                    ("impl.zero_stage=1", "train.health_every=10")),

@@ -1,4 +1,4 @@
-"""Progress for long runs: a tqdm bar (docs/s, tokens/s) on a terminal, a log line every few seconds
+"""Progress for long runs: a tqdm bar (documents/s, tokens/s) on a terminal, a log line every few seconds
 in batch jobs, where a bar would fill the log with carriage returns."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Data mixtures (``data.sources``, pretrain.mixture) over real shards of two slices of the corpus.
+"""Data mixtures (``data.sources``, pretrain.data.mixture) over real shards of two slices of the corpus.
 
 Loader-level: the sources' shares, each source's own epochs, resume at another world size and
 micro-batch. Entry points: the ``plan`` verb, refusals before any process group starts (exit 2),

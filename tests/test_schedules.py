@@ -1,5 +1,5 @@
 """Schedules that continue: a run resumed with a longer train.max_steps really trains, under linear,
-cosine and wsd, with the learning rate the documented rule gives (pretrain/schedule.py: the
+cosine and wsd, with the learning rate the documented rule gives (pretrain/model/schedule.py: the
 multiplier is recomputed with the new total), through the real entry point."""
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_a_longer_max_steps_on_resume_trains_at_the_documented_rate(schedule, st
     # cosine also schedules the masking rate (0.15 -> 0.3), which follows the same rule
     results = [f"optim.schedule={schedule}"] + (["masking.rate_end=0.3"] if schedule == "cosine" else [])
     train(shards, tmp_path, "train.max_steps=4", *results, "impl.zero_stage=0")
-    # wsd also resumes at another ZeRO stage: the checkpoint is converted (pretrain.reshard), whose
+    # wsd also resumes at another ZeRO stage: the checkpoint is converted (pretrain.checkpoint.reshard), whose
     # loader restores the scheduler too.
     log = train(shards, tmp_path, "train.max_steps=8", *results, f"impl.zero_stage={stage_after}")
     rows = [json.loads(line) for line in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]

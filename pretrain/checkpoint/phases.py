@@ -8,7 +8,7 @@ sequence length or mixture), global batch, schedule (from its step 0), masking, 
 hyperparameters, step counter, samples and tokens seen, the tracking run.
 
 The checkpoint may have been written at another world size, ZeRO stage or precision: it is
-consolidated with ``pretrain.reshard`` into this run's ``out_dir`` (not the earlier run's folder,
+consolidated with ``pretrain.checkpoint.reshard`` into this run's ``out_dir`` (not the earlier run's folder,
 which may be read-only or still in use), loaded, and the consolidated copy removed.
 
 The model is the checkpoint's (its ``hf_config.json``: shape, dropout, positions), as with

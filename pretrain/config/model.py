@@ -109,7 +109,7 @@ class MaskingConfig:
     # corrupted. BERT's 80/10/10 is mask_prob 0.8, random_prob 0.1; 100/0/0 is mask_prob 1, random_prob 0.
     rate: float = 0.15                 # fraction of non-special tokens selected for prediction
     # A masking-rate schedule (Yang et al. 2023): linear from `rate` at step 0 to `rate_end` at the last
-    # step of train.max_steps (pretrain.masking.rate_at_step); null keeps `rate` throughout.
+    # step of train.max_steps (pretrain.model.masking.rate_at_step); null keeps `rate` throughout.
     rate_end: Optional[float] = None
     mask_prob: float = 0.8             # of the selected: replaced by [MASK]
     random_prob: float = 0.1           # of the selected: replaced by a random non-special token; rest unchanged
@@ -155,7 +155,7 @@ class OptimConfig:
     schedule: Literal["linear", "cosine", "constant", "wsd"] = "linear"
     min_lr_ratio: float = 0.0          # the lr decays to lr * min_lr_ratio at train.max_steps
     # wsd (warmup-stable-decay): the decay takes the last decay_steps steps, or decay_fraction of
-    # train.max_steps when decay_steps is 0 (pretrain/schedule.py; a longer run decays at its new end).
+    # train.max_steps when decay_steps is 0 (pretrain/model/schedule.py; a longer run decays at its new end).
     decay_steps: int = 0
     decay_fraction: float = 0.1
     # Continued pretraining: parameters model.init_from does not hold (an encoder saved without its

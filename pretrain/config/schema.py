@@ -140,7 +140,7 @@ class TrainConfig:
     export_every: int = 0              # Hugging Face export every N steps (0: only at the end)
     # A new phase of an earlier run (BERT's 512-token phase 2): a checkpoints folder (its latest complete
     # checkpoint) or one tag folder in it. Model weights and optimiser moments come from there; data,
-    # batch, schedule, masking and the step counter (from 0) are this run's (pretrain/phases.py).
+    # batch, schedule, masking and the step counter (from 0) are this run's (pretrain/checkpoint/phases.py).
     init_from_checkpoint: str = ""
     # Checkpoint and exit (code 0) at this step without touching the schedule, which max_steps
     # defines: splits a run into jobs of fixed length. 0: run to max_steps.
@@ -182,7 +182,7 @@ class ImplConfig:
     # and takes the fastest (pretrain.runtime.attention; named on the start line, kept on resume).
     # sdpa: PyTorch picks the SDPA kernel; sdpa_<backend>: that one (the math path for inputs it cannot
     # take); eager: Hugging Face's explicit attention. flash_attention_2 asked for where it cannot run
-    # falls back to sdpa with a warning (pretrain.model.attention_implementation).
+    # falls back to sdpa with a warning (pretrain.model.mlm.attention_implementation).
     attention: Literal["auto", "flash_attention_2", "sdpa", "sdpa_flash", "sdpa_math", "sdpa_efficient",
                        "sdpa_cudnn", "eager"] = "auto"
     sparse_head: bool = True           # the MLM head only at masked positions
@@ -197,7 +197,7 @@ class ImplConfig:
     # multi-tensor AdamW. LAMB is always ours (pretrain.model.optim). YAML's on/off read as booleans.
     fused_optimizer: Union[Literal["auto"], bool] = "auto"
     # CPU runs under glibc's malloc (no tcmalloc preloaded: pretrain.runtime.allocator): keep freed
-    # memory for the next step (pretrain.hardware.keep_freed_cpu_memory): 10-20% faster steps on mini,
+    # memory for the next step (pretrain.runtime.hardware.keep_freed_cpu_memory): 10-20% faster steps on mini,
     # but the heap fragments and grows past the working set (demo rank 0: 2.3 -> 5.9 GB in 160 steps);
     # false for glibc's default. Ignored under tcmalloc or jemalloc, which keep freed memory anyway.
     keep_freed_cpu_memory: bool = True
@@ -275,7 +275,7 @@ class DownstreamTaskConfig:
 @dataclass
 class EvalConfig:
     # A linear probe on frozen mean-pooled features of the trainer's own weights, logged as
-    # downstream/<task>/{accuracy,macro_f1} (pretrain.downstream.probe_metrics).
+    # downstream/<task>/{accuracy,macro_f1} (pretrain.eval.downstream.probe_metrics).
     downstream: list[DownstreamTaskConfig] = field(default_factory=list)
     downstream_every: int = 0          # steps between probes; 0: with every train.eval_every evaluation
     downstream_batch_size: int = 32

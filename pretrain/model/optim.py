@@ -8,7 +8,7 @@
   correction into the step size (its first update is 0.32x ours), and ``impl`` settings must not
   change results.
 * ``make_skippable``: lets the loop veto one update (a non-finite loss on some rank).
-* ``WarmupDecay``, ``lr_schedule``: from ``pretrain.schedule``.
+* ``WarmupDecay``, ``lr_schedule``: from ``pretrain.model.schedule``.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """DeepSpeed, and only DeepSpeed: process group, the derived DeepSpeed JSON, the ZeRO engine, its
 shards on disk, whole weights at ZeRO-3.
 
-The model (``pretrain.model.mlm``) is single-device code; the optimisers are in ``pretrain.model.mlm.optim``, and
+The model (``pretrain.model.mlm``) is single-device code; the optimisers are in ``pretrain.model.optim``, and
 what makes a checkpoint complete and resumable is in ``pretrain.checkpoint.store``.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ __all__ = ["Tracker", "NullTracker", "TrackerGroup", "JsonlTracker", "make_track
 
 
 def make_tracker(cfg, rank: int, resume_step: int = 0, jsonl: bool = True) -> Tracker:
-    """``cfg`` is the full :class:`pretrain.config.Config`. Rank 0 writes ``metrics.jsonl`` in
+    """``cfg`` is the full :class:`pretrain.config.schema.Config`. Rank 0 writes ``metrics.jsonl`` in
     ``train.out_dir`` and, with ``tracking.backend: mlflow``, an MLflow run; other ranks nothing."""
     if rank != 0:
         return NullTracker()

@@ -58,7 +58,7 @@ class _Unreachable(Exception):
 
 
 class MlflowTracker(Tracker):
-    """See the module docstring. ``cfg`` is the full :class:`pretrain.config.Config`.
+    """See the module docstring. ``cfg`` is the full :class:`pretrain.config.schema.Config`.
 
     ``run_id`` is None until the run exists on the server; when the server is down at
     :meth:`start` the run is created in the background once it is reachable, so read

@@ -1,0 +1,104 @@
+"""What the README, docs/, BENCHMARKS.md, the launchers' and bench's READMEs and the code's docstrings
+and comments name exists: every repository path (``pretrain/...``, ``data_prep/...``, ``launchers/...``,
+``configs/...``, ``bench/...``, ``tests/...``, ``docs/...``), every ``python -m X`` module and every
+dotted name (``pretrain.<module>.<name>``). Files moved often; a reader who follows a stale path finds nothing."""
+from __future__ import annotations
+
+import ast
+import importlib
+import io
+import re
+import tokenize
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOP = ("pretrain", "data_prep", "launchers", "configs", "bench", "tests", "docs")
+PATH = re.compile(r"(?<![\w./~$-])((?:%s)/[\w./-]*\w/?)" % "|".join(TOP))
+DOTTED = re.compile(r"(?<![\w./-])((?:pretrain|data_prep|bench)(?:\.[A-Za-z_]\w*)+)")
+MODULE = re.compile(r"python3? -m ([\w.]+)")
+# Paths a text names on purpose although they do not exist: what a test or an example writes.
+NOT_IN_THE_REPO = ("configs/nope.yaml", "configs/no_such.yaml")
+PATTERN_GOES_ON = ("*", "{", "<", "[", "-{")       # tests/test_slurm_*.py, configs/modernbert-{tiny,base}.yaml
+
+
+def documents() -> list[Path]:
+    return [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md")),
+            REPO / "launchers" / "README.md", REPO / "bench" / "README.md"]
+
+
+def python_files() -> list[Path]:
+    return sorted(p for top in ("pretrain", "data_prep", "bench", "tests", "launchers")
+                  for p in (REPO / top).rglob("*.py"))
+
+
+def docstrings_and_comments(path: Path) -> str:
+    """What a reader reads as prose in a module: its docstrings and its comments, not its strings."""
+    source = path.read_text()
+    texts = [ast.get_docstring(node) or "" for node in ast.walk(ast.parse(source))
+             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+    texts += [tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+              if tok.type == tokenize.COMMENT]
+    return "\n".join(texts)
+
+
+def shell_comments(path: Path) -> str:
+    return "\n".join(line for line in path.read_text().splitlines() if line.lstrip().startswith("#"))
+
+
+def prose() -> list[tuple[Path, str]]:
+    texts = [(p, p.read_text()) for p in documents()]
+    texts += [(p, docstrings_and_comments(p)) for p in python_files()]
+    scripts = [p for p in (REPO / "launchers").rglob("*") if p.suffix in (".sh", ".sbatch")]
+    texts += [(p, shell_comments(p)) for p in sorted(scripts + list((REPO / "bench").glob("*.sh")))]
+    return texts
+
+
+def test_every_repository_path_named_exists():
+    missing = []
+    for doc, text in prose():
+        for match in PATH.finditer(text):
+            path = match.group(1).rstrip(".")
+            if path in NOT_IN_THE_REPO or text[match.end():match.end() + 2].startswith(PATTERN_GOES_ON):
+                continue
+            if not (REPO / path).exists():
+                missing.append(f"{doc.relative_to(REPO)}: {path}")
+    assert not missing, "paths named that do not exist:\n" + "\n".join(sorted(set(missing)))
+
+
+def module_exists(name: str) -> bool:
+    path = REPO.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def resolves(dotted: str) -> bool:
+    """A module, or a module's attribute (a function, a class, a class's method)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        if module_exists(".".join(parts[:i])):
+            if i == len(parts):
+                return True
+            obj = importlib.import_module(".".join(parts[:i]))
+            for name in parts[i:]:
+                if not hasattr(obj, name):
+                    return False
+                obj = getattr(obj, name)
+            return True
+    return False
+
+
+def test_every_module_and_dotted_name_exists():
+    missing = []
+    for doc, text in prose():
+        for match in MODULE.finditer(text):
+            name = match.group(1).rstrip(".")
+            runnable = module_exists(name) and (REPO.joinpath(*name.split(".")).with_suffix(".py").exists()
+                                                or (REPO.joinpath(*name.split(".")) / "__main__.py").exists())
+            if name.split(".")[0] in ("pretrain", "data_prep", "bench") and not runnable:
+                missing.append(f"{doc.relative_to(REPO)}: python -m {name}")
+        for match in DOTTED.finditer(text):
+            name = match.group(1).rstrip(".")
+            if name.endswith(("_py", ".py", ".yaml", ".sh")):
+                continue
+            if not resolves(name):
+                missing.append(f"{doc.relative_to(REPO)}: {name}")
+    assert not missing, "modules or names that do not exist:\n" + "\n".join(sorted(set(missing)))
