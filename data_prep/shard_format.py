@@ -75,6 +75,7 @@ from typing import ClassVar, Sequence
 
 import numpy as np
 
+from .commands import location, python_command
 from .storage import StorageError, open_store
 
 FORMAT_VERSION = 1
@@ -454,7 +455,7 @@ def load_manifest(data_dir: str | os.PathLike) -> Manifest:
     path = store.url(MANIFEST)
     text = store.read_text(MANIFEST)
     if text is None:
-        raise ShardError(f"{path}: missing (run `data_prep finalize {data_dir}`)")
+        raise ShardError(f"{path}: missing (run `{python_command('data_prep', 'finalize', location(data_dir))}`)")
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:

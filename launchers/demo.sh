@@ -40,13 +40,15 @@ $PY -m pretrain.launch --num_gpus "$NPROC" --master_port "$PORT" --module pretra
     --config configs/demo.yaml data.dir="$WORK/shards" train.out_dir="$RUN" model.init_from="$ENCODER" "$@"
 echo "== 5/5 what the export learned ($RUN/hf_final)"
 $PY - "$RUN" "$WORK/shards" <<'PY'
-import json, sys
+import os, sys
 from pathlib import Path
 from transformers import pipeline
 from transformers.utils import logging as hf_logging
 from data_prep.shard_format import load_manifest
 from pretrain.eval.cli import unigram_accuracy
 from pretrain.tracking.jsonl import read_metrics
+from pretrain.tracking.mlflow_requests import default_local_store
+from pretrain.tracking.mlflow_ui import ui_command
 
 run, data = Path(sys.argv[1]), sys.argv[2]
 rows = read_metrics(run / "metrics.jsonl")
@@ -62,5 +64,8 @@ print(f"held-out masked-token accuracy (15% masking): {last('eval/accuracy'):.3f
       f"always guessing the most frequent token: {unigram:.3f}")
 print(f"word-order probe accuracy: {last('downstream/word_order/accuracy'):.3f}; the same architecture with "
       f"random weights: {first('downstream/word_order/random_init_accuracy'):.3f}; chance: 0.5")
+if os.environ.get("MLFLOW_TRACKING_URI"):
+    print(f"MLflow run on {os.environ['MLFLOW_TRACKING_URI']}")
+else:             # paths absolute: this script changed directory, the user's shell did not
+    print(f"MLflow run stored in {(run / 'mlruns').resolve()}: view it with  {ui_command(default_local_store(run)[0])}")
 PY
-echo "MLflow run stored in $RUN/mlruns: view it with  .venv/bin/mlflow ui --backend-store-uri sqlite:///$PWD/$RUN/mlruns/mlflow.db"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 
+from data_prep.commands import location, python_command
 from data_prep.shard_format import Manifest, load_manifest
 from data_prep.storage import open_store
 from pretrain.checkpoint import files, reshard
@@ -71,8 +72,8 @@ def check_inputs(cfg: Config, checked: str = "the run's inputs") -> tuple[Manife
     if unchecked and os.environ.get("RANK", "0") == "0":
         log.warning("%s: %d of %d shards have no block checksums (a manifest from before block_crc32): their blocks "
                     "are checked for shape and token range only, so a shard replaced after data prep that still "
-                    "decodes would be trained on; `python -m data_prep finalize %s` adds them",
-                    cfg.data.dir, len(unchecked), len(manifest.shards), cfg.data.dir)
+                    "decodes would be trained on; `%s` adds them", cfg.data.dir, len(unchecked), len(manifest.shards),
+                    python_command("data_prep", "finalize", location(cfg.data.dir)))
     if cfg.train.eval_every and not cfg.data.sources and not manifest.has_split(cfg.data.eval_split) \
             and os.environ.get("RANK", "0") == "0":
         log.warning("train.eval_every=%d, but %s has no %r split: no held-out evaluation will run (prepare the "

@@ -19,6 +19,7 @@ import subprocess
 import pytest
 
 from conftest import REPO
+from test_printed_commands import served_run
 
 pytestmark = pytest.mark.slow
 
@@ -37,3 +38,8 @@ def test_demo_learns_and_beats_its_baselines(tmp_path):
     assert acc > unigram + 0.02, (acc, unigram)
     assert probe > random_init + 0.15, (probe, random_init)
     assert (tmp_path / "run" / "hf_final" / "EXPORTED_FROM").read_text().strip() == "step00000030"
+    # Its last line names the command that shows the run; it works when copied, from anywhere.
+    command = re.search(r"^MLflow run stored in \S+: view it with  (.+)$", out, re.M).group(1)
+    run_id = (tmp_path / "run" / "mlflow_run_id").read_text().strip()
+    (tmp_path / "elsewhere").mkdir()
+    assert served_run(command, run_id, tmp_path / "ui", tmp_path / "elsewhere")["info"]["status"] == "FINISHED"

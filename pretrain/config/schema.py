@@ -14,11 +14,16 @@ from typing import Literal, Optional, Union
 
 from pretrain.config import loader as configlib
 from pretrain.config.loader import ConfigError  # noqa: F401  (re-exported)
+from data_prep.commands import location, python_command
 from data_prep.shard_format import MANIFEST
 from data_prep.storage import StorageError, is_url, open_store
 from pretrain.config.model import MaskingConfig, ModelConfig, OptimConfig
 
 COMPILE_AUTO_MIN_STEPS = 500     # compile's start-up paid back after 50-150 steps on mini (bench/)
+
+
+def _finalize(folder: str) -> str:
+    return f"run `{python_command('data_prep', 'finalize', location(folder))}` after its shard tasks"
 
 
 def _data_dir_problems(folder: str) -> list[str]:
@@ -29,9 +34,9 @@ def _data_dir_problems(folder: str) -> list[str]:
             found = open_store(folder).stat(MANIFEST) is not None
         except StorageError as exc:                    # unsupported scheme, no access, no such bucket
             return [f"dir: {exc}"]
-        return [] if found else [f"dir: {folder!r} has no {MANIFEST} (run `data_prep finalize` on it)"]
+        return [] if found else [f"dir: {folder!r} has no {MANIFEST} ({_finalize(folder)})"]
     if not os.path.isfile(os.path.join(folder, MANIFEST)):
-        return [f"dir: {folder!r} has no {MANIFEST} (run `data_prep finalize` on it)"]
+        return [f"dir: {folder!r} has no {MANIFEST} ({_finalize(folder)})"]
     return []
 
 

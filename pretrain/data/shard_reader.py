@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from data_prep.commands import location, python_command
 from data_prep.shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_sizes, check_block, ids_dtype,
                                     index_shard, parse_block, read_span)
 from data_prep.storage import StorageError, Store, StoreUnavailable, open_store
@@ -134,7 +135,7 @@ def _shard_file_problems(manifest: Manifest, data_dir: str | os.PathLike,
     for label, items, hint in (
             ("shard files missing", missing, "restore them or re-run data_prep"),
             ("shards without block_offsets in the manifest", unindexed, "a remote reader needs them: run "
-             "`data_prep finalize` on the folder again, which records them"),
+             f"`{python_command('data_prep', 'finalize', location(data_dir))}` again, which records them"),
             ("shard files of the wrong size", wrong_size, "truncated or rewritten; run data_prep verify"),
             ("shard entries inconsistent", inconsistent, "")):
         if items:

@@ -37,6 +37,7 @@ from pretrain.config.loader import flatten
 from pretrain.tracking.base import Tracker
 from pretrain.tracking.mlflow_ui import quiet_mlflow_links
 from pretrain.tracking.mlflow_ui import run_url as classic_run_url
+from pretrain.tracking.mlflow_ui import ui_command
 from pretrain.tracking.mlflow_requests import (MAX_ENTITIES_PER_BATCH, MAX_METRICS_PER_BATCH,
                                                MAX_TAG_VAL_LENGTH, METRIC_NAME,
                                                environment_tags, experiment_id, last_logged_steps,
@@ -369,7 +370,7 @@ class MlflowTracker(Tracker):
         self.run_id = run.info.run_id
         self._remember_run_id()
         if self._artifact_root:
-            log.info("MLflow: local store; view it with `mlflow ui --backend-store-uri %s`", self.tracking_uri)
+            log.info("MLflow: local store; view it with %s", ui_command(self.tracking_uri))
         if self.cfg.tracking.system_metrics:
             steps = [s for k, s in self._last_step.items() if k.startswith("system/")]
             start_system_metrics(self.run_id, self.tracking_uri, self._enqueue, self._stop_sampler,

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from urllib.parse import urlparse
 
+from data_prep.commands import script_command
+
 CLASSIC_VIEW = "workflowType=machine_learning"
 LOCAL_UI = "http://127.0.0.1:5000"      # where `mlflow ui` serves a local store by default
 
@@ -25,6 +27,11 @@ def ui_base(tracking_uri: str) -> str:
     if urlparse(tracking_uri).scheme in ("http", "https"):
         return tracking_uri.rstrip("/")
     return LOCAL_UI
+
+
+def ui_command(tracking_uri: str) -> str:
+    """What serves a local store's runs at ``LOCAL_UI``, for the user to copy (absolute paths)."""
+    return script_command("mlflow", "ui", "--backend-store-uri", tracking_uri)
 
 
 def experiment_url(tracking_uri: str, experiment_id: str) -> str:
