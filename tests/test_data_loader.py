@@ -389,7 +389,7 @@ def test_a_block_edited_after_finalize_that_still_decodes_is_never_trained_on(sh
     """Token ids shifted by one in one block of data_prep's shards: the same size, headers and shapes,
     every id in range, so it decodes and trains; only its CRC-32 tells. Refused at the first read of
     that block, in training and evaluation alike; with a manifest from before block_crc32 it is not
-    seen (what the README says such a manifest cannot check)."""
+    seen (what docs/data.md says such a manifest cannot check)."""
     copy = tmp_path / "data"
     shutil.copytree(shards, copy)
     manifest = load_manifest(copy)

@@ -102,3 +102,36 @@ def test_every_module_and_dotted_name_exists():
             if not resolves(name):
                 missing.append(f"{doc.relative_to(REPO)}: {name}")
     assert not missing, "modules or names that do not exist:\n" + "\n".join(sorted(set(missing)))
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    found, fenced = set(), False
+    for line in path.read_text().splitlines():
+        fenced ^= line.startswith("```")
+        if not fenced and re.match(r"#{1,6} ", line):
+            found.add(anchor(line.lstrip("#")))
+    return found
+
+
+def test_every_link_between_the_documents_leads_somewhere():
+    broken = []
+    for doc in documents():
+        for match in LINK.finditer(doc.read_text()):
+            target = match.group(1)
+            if re.match(r"[a-z]+:", target):                     # https:, mailto:
+                continue
+            file, _, fragment = target.partition("#")
+            path = (doc.parent / file).resolve() if file else doc
+            if not path.exists():
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such file)")
+            elif fragment and path.suffix == ".md" and fragment not in anchors(path):
+                broken.append(f"{doc.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, "links that lead nowhere:\n" + "\n".join(broken)

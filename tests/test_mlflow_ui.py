@@ -1,6 +1,6 @@
 """What a person sees in MLflow's web UI, checked in headless Chromium against a real server: the run
 page opens in the classic view from the link we log, and its chart page shows the trainer's metric
-names in sections ordered by name, as the README says (``pretrain/tracking/mlflow_ui.py``)."""
+names in sections ordered by name, as docs/watching.md says (``pretrain/tracking/mlflow_ui.py``)."""
 from __future__ import annotations
 
 import logging
@@ -52,7 +52,7 @@ def test_run_link_opens_the_classic_view_with_the_trainers_names_in_sections(tmp
     assert "Model metrics" in lines and "Model training" in lines, lines[:60]    # the classic run page
     found = sections(lines)
     prefixes = {k.rsplit("/", 1)[0] for k in TRAINER_METRICS}
-    assert [s for s in found if s in prefixes] == sorted(prefixes), found      # by name, as the README says
+    assert [s for s in found if s in prefixes] == sorted(prefixes), found      # by name, as docs/watching.md says
     # Sections hold the trainer's names, one chart each (only the first screen draws its charts).
     for section in ("train", "perf", "eval"):
         count = sum(k.rsplit("/", 1)[0] == section for k in TRAINER_METRICS)

@@ -25,7 +25,7 @@ def train(data_dir, out_dir, *overrides):
 
 
 def documented_multiplier(schedule: str, step: int, total: int) -> float:
-    """The README's rule, written out again: warm-up, then the shape over (step, the current total)."""
+    """The rule of docs/recipes.md ("Schedules that continue"), written out again: warm-up, then the shape over (step, the current total)."""
     if step < WARMUP:
         return (step + 1) / WARMUP
     if schedule == "wsd":

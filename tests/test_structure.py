@@ -1,4 +1,4 @@
-"""The layout the README's Layout table describes: imports between packages point one way, and each
+"""The layout docs/layout.md describes: imports between packages point one way, and each
 on-disk format has one owner module that spells its file names."""
 from __future__ import annotations
 

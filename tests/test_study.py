@@ -152,7 +152,7 @@ def test_every_problem_of_every_variant_before_anything_starts(shards, tmp_path)
 def test_shipped_study_config_and_command_line_grid(shards, bert_uncased_dir):
     from pretrain.study.plan import load_study, split_args
 
-    # The README runs it with the bundled encoder as init_from; checked against the data before
+    # docs/recipes.md runs it with the bundled encoder as init_from; checked against the data before
     # anything starts (these shards have a 4,096-token vocabulary, the encoder 30,522).
     with pytest.raises(ConfigError, match=r"model.init_from: .* has vocab_size 30522, the data's tokenizer 4096"):
         load_study(str(REPO / "configs" / "study.yaml"), [f"data.dir={shards}", f"model.init_from={bert_uncased_dir}"])

@@ -5,7 +5,7 @@ a metric's name is its identity, and clients read MLflow by name (``get_metric_h
 "train/loss")``, ``search_runs(order_by=["metrics.`eval/loss` ASC"])``). MLflow 3's chart page sorts
 sections by the part of the name before the last ``/`` (``downstream``, ``eval``, ``health``, ``perf``,
 ``train``, then MLflow's system metrics); its search box and pinned charts put the headline first
-(README, "Watching a run in MLflow"). Checkpoints are tags and artifacts, not a metric.
+(docs/watching.md, "Watching a run in MLflow"). Checkpoints are tags and artifacts, not a metric.
 
 Links. MLflow 3 opens an experiment in its GenAI layout whatever the experiment's tags say; the
 mode comes from the URL (``?workflowType=machine_learning`` after the hash route) or the browser's
