@@ -3,10 +3,11 @@
 ``mask_batch`` is a pure function of (token ids, word starts, special ids, masking config, and either
 a generator or the rows' sample ids):
 
-* **Dynamic** (``masking.dynamic: true``): the generator comes from ``mask_generator(seed, step,
-  rank, micro_step)``, so a sequence gets a new mask every time it is seen, and a resumed run masks
-  every micro-batch exactly as the uninterrupted run did (given the same micro-batch size and world
-  size, which decide what each (rank, micro_step) holds).
+* **Dynamic** (``masking.dynamic: true``): with sample ids, what the trainer always passes, every
+  random number is a counter-based hash of (seed, step, draw kind, sample id, position in the row), so
+  a sequence gets a new mask every time it is seen, and a resumed run masks every row exactly as the
+  uninterrupted run did, at any world size or micro-batch. Without sample ids (a caller that has
+  none) it draws from a generator, e.g. ``mask_generator(seed, step, rank, micro_step)``.
 * **Static** (``masking.dynamic: false``, original BERT's pre-generated masks without writing them
   to disk): every random number is a counter-based hash of (seed, draw kind, sample id, position in
   the row), so a sequence keeps one mask for the whole run whatever the step, epoch, rank, micro-batch
