@@ -130,7 +130,7 @@ def held_out_mlm(hf_dir: Path, shards: Path, batch_size: int, max_batches: int, 
     import torch
     from transformers import AutoModelForMaskedLM
 
-    from data_prep.shard_format import load_manifest
+    from data_prep.common.manifest import load_manifest
     from pretrain.eval.cli import mlm_eval_model
 
     torch.set_num_threads(threads)
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     shards = Path(args.data) if args.data else held_out_shards(work, args.seq_len)
-    from data_prep.shard_format import load_manifest
+    from data_prep.common.manifest import load_manifest
 
     args.seq_len = load_manifest(shards).seq_len
     peak = matmul_peak(args.precision, args.threads)

@@ -19,7 +19,7 @@ def ensure_sample_shards(folder: str | os.PathLike, seq_len: int = 128, num_file
     with this ``seq_len``; ``validation_fraction`` of the documents held out for evaluations.
     Returns the shard folder."""
     from data_prep.sample_corpus import bert_uncased_dir, write_sample_corpus
-    from data_prep.shard_format import load_manifest
+    from data_prep.common.manifest import load_manifest
 
     folder = Path(folder)
     shards = folder / (f"shards-seq{seq_len}" + (f"-val{validation_fraction}" if validation_fraction else ""))

@@ -50,7 +50,7 @@ def paths(config: str, shards: str) -> str:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from data_prep.shard_format import load_manifest
+    from data_prep.common.manifest import load_manifest
     from pretrain.config.schema import load_config
     from pretrain.data.stream import TrainStream
     from pretrain.model.optim import build_optimizer

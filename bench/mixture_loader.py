@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import ensure_sample_shards, format_table
 from data_prep.sample_corpus import bert_uncased_dir
-from data_prep.shard_format import load_manifest
+from data_prep.common.manifest import load_manifest
 from pretrain.data.stream import TrainStream
 from pretrain.data.mixture import MixtureStream, Source
 

@@ -41,7 +41,9 @@ def hf_mlm_trainer(shards: Path, cfg, batch_size: int, precision: str, threads: 
     from transformers import (AutoTokenizer, BertForMaskedLM, DataCollatorForLanguageModeling, Trainer,
                               TrainingArguments)
 
-    from data_prep.shard_format import iter_blocks, load_manifest
+    from data_prep.common.manifest import load_manifest
+    from data_prep.common.shards import iter_blocks
+    from data_prep.tokenizer_cache import tokenizer_dir
     from pretrain.model.masking import SpecialIds
     from pretrain.model.mlm import bert_config
 
@@ -59,7 +61,7 @@ def hf_mlm_trainer(shards: Path, cfg, batch_size: int, precision: str, threads: 
         def __getitem__(self, i):
             return {"input_ids": ids[i], "attention_mask": (ids[i] != special.pad).long()}
 
-    tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_dir(shards))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(manifest, shards))
     if tokenizer.mask_token_id != special.mask or len(tokenizer) != manifest.tokenizer.vocab_size:
         raise RuntimeError(f"{shards}: the shard folder's tokenizer disagrees with its manifest")
     torch.manual_seed(cfg.train.seed)
@@ -107,7 +109,7 @@ def hf_worker(spec: dict) -> None:
 def bare_worker(spec: dict) -> None:
     import torch
 
-    from data_prep.shard_format import load_manifest
+    from data_prep.common.manifest import load_manifest
     from pretrain.config.schema import load_config
     from pretrain.data.stream import TrainStream
     from pretrain.model.masking import SpecialIds, mask_batch

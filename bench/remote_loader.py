@@ -102,7 +102,7 @@ from pretrain.data import shard_cache
 shard_cache.configure({cache_dir!r}, 50.0 if {bool(cache_dir)} else 0.0)
 if not {read_ahead}:
     sr.READ_AHEAD_THREADS, st.READ_AHEAD = 1, 0
-from data_prep.shard_format import load_manifest
+from data_prep.common.manifest import load_manifest
 m = load_manifest({location!r})
 s = st.TrainStream({location!r}, m, "train", 0, 1, {micro_batch}, {micro_batch}, 1234, num_workers=2)
 it = iter(s)
@@ -187,8 +187,8 @@ def loader_rows(local: str, remote: str, endpoint: str, args, cache: Path) -> li
 def fill_cache(location: str, cache: Path) -> None:
     """Every shard downloaded into the node cache, by the cache itself (what a long run's first epoch
     leaves there)."""
-    from data_prep.shard_format import load_manifest
-    from data_prep.storage import open_store
+    from data_prep.common.manifest import load_manifest
+    from data_prep.common.storage import open_store
     from pretrain.data.shard_cache import ShardCache
 
     store, node_cache = open_store(location), ShardCache(cache, 50 * 2 ** 30)

@@ -64,7 +64,7 @@ def _load(config: Path, overrides: list[str]):
 def build(config: Path, overrides: list[str], shards: Path, *, bare: bool = False) -> Setup:
     """Ours (DeepSpeed engine) or the bare loop's pieces (model + torch AdamW + LambdaLR).
     ``impl.fused_optimizer`` picks the bare loop's AdamW kernel too (false: foreach, else fused)."""
-    from data_prep.shard_format import load_manifest
+    from data_prep.common.manifest import load_manifest
     from pretrain.runtime import engine as eng
     from pretrain.runtime import hardware
     from pretrain.data.stream import TrainStream

@@ -1,4 +1,4 @@
-"""Which S3 client `data_prep/storage.py` should be: boto3 directly, or fsspec's s3fs (issue 34).
+"""Which S3 client `data_prep/common/storage/` should use: boto3 directly, or fsspec's s3fs (issue 34).
 
 Times, in one run against one bucket, what the storage layer does most: a multipart upload of a
 shard-sized file, and random ranged reads of block-sized spans (the trainer's read pattern: one GET

@@ -70,7 +70,7 @@ def hf_worker(spec: dict) -> None:
     from transformers import TrainerCallback
 
     from bench.reference_loops import hf_mlm_trainer
-    from data_prep.shard_format import load_manifest
+    from data_prep.common.manifest import load_manifest
     from pretrain.config.schema import load_config
     from pretrain.eval.cli import mlm_eval_model
 
@@ -188,7 +188,7 @@ def run_ours(args, shards: Path) -> dict:
 
 
 def _seq_len(shards: Path) -> int:
-    from data_prep.shard_format import load_manifest
+    from data_prep.common.manifest import load_manifest
 
     return load_manifest(shards).seq_len
 
@@ -351,7 +351,8 @@ def main(argv=None) -> int:
 
     transformers.utils.logging.set_verbosity_error()
 
-    from data_prep.shard_format import load_manifest
+    from data_prep.common.manifest import load_manifest
+    from data_prep.tokenizer_cache import tokenizer_dir
     from pretrain.config.schema import DownstreamTaskConfig
     from pretrain.eval.downstream import baseline_metrics, prepare_tasks
     from pretrain.eval.tasks import sample_article_task
@@ -360,7 +361,7 @@ def main(argv=None) -> int:
     articles = sample_article_task(Path(args.work_dir) / "articles.csv", num_articles=10)
     tasks = prepare_tasks([DownstreamTaskConfig(path="word_order", max_examples=1500, max_length=64),
                            DownstreamTaskConfig(path=str(articles), name="articles", max_length=64)],
-                          manifest.tokenizer_dir(shards), data_dir=str(shards), manifest=manifest)
+                          tokenizer_dir(manifest, shards), data_dir=str(shards), manifest=manifest)
     setup = (f"shards {shards} (seq {manifest.seq_len}); configs/mini.yaml (HF: {' '.join(HF_RECIPE)}); "
              f"batch {args.batch_size}; "
              f"{args.precision}; {args.threads} threads; budget {args.minutes} min of training time each; "

@@ -60,7 +60,7 @@ from bench.common import (auto_precision, cpu_record, ensure_sample_shards, form
                           load_average, matmul_peak, matmul_peak_cpu_time, thread_env, trainer_peak)
 
 if TYPE_CHECKING:        # numpy and torch are imported once main() has set their thread counts
-    from data_prep.shard_format import Manifest
+    from data_prep.common.manifest import Manifest
 
 # shape -> (YAML, overrides every row of ours and of the bare loop gets, default batch, steps, warm-up)
 SHAPES: dict[str, tuple[Path, list[str], int, int, int]] = {
@@ -362,7 +362,7 @@ def main(argv=None) -> int:
           f"{machine.get('native_bf16')}; impl.precision=auto -> {auto} ({reason}); this run: {args.precision}",
           flush=True)
     shards = Path(args.data) if args.data else ensure_sample_shards(Path(args.work_dir), seq_len=128)
-    from data_prep.shard_format import load_manifest
+    from data_prep.common.manifest import load_manifest
 
     manifest = load_manifest(shards)
     seq_len = manifest.seq_len

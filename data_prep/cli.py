@@ -12,7 +12,8 @@ import logging
 import sys
 
 from .errors import DataPrepError
-from .shard_format import ShardError
+from data_prep.common.shards import ShardError
+from data_prep.common.storage import StorageError
 
 _SHARD_FLAGS = {  # ShardSettings field -> (flag, type, help)
     "tokenizer": ("--tokenizer", str, "local tokenizer folder (tokenizer.json), e.g. from `data_prep tokenizer`"),
@@ -235,6 +236,6 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s data_prep: %(message)s")
     try:
         return _run(args)
-    except (DataPrepError, ShardError) as exc:
+    except (DataPrepError, ShardError, StorageError) as exc:
         print(f"data_prep: error: {exc}", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
 """``data_prep finalize``: merge the per-task manifests into ``manifest.json`` (the format documented in
-``shard_format``), refusing an incomplete or inconsistent set of tasks. Shards are listed in the
+``data_prep.common.manifest``), refusing an incomplete or inconsistent set of tasks. Shards are listed in the
 dataset's order (``shard.shard_order``), which does not depend on the number of tasks."""
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import os
 from .errors import DataPrepError
 from .settings import SPLITS
 from .shard import TASK_MANIFEST_GLOB, shard_order, task_manifest_name
-from .atomic import json_bytes
-from .shard_format import FORMAT_VERSION, MANIFEST, Manifest, ShardError, block_checksums, files_sha256, index_shard
-from .storage import Store, open_store, sha256_bytes
+from data_prep.common.atomic import json_bytes
+from data_prep.common.manifest import FORMAT_VERSION, MANIFEST, Manifest, files_sha256
+from data_prep.common.shards import ShardError, block_checksums, index_shard
+from data_prep.common.storage import Store, open_store, sha256_bytes
 
 _TOTAL_KEYS = ("shards", "sequences", "tokens", "padding", "documents")
 

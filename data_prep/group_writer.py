@@ -25,9 +25,9 @@ import numpy as np
 from .groups import GroupKey
 from .packing import Packed, Packer, shard_permutation
 from .settings import SPLITS, ShardSettings
-from .atomic import json_bytes
-from .shard_format import ShardWriter, shard_name
-from .storage import Store, sha256_bytes
+from data_prep.common.atomic import json_bytes
+from data_prep.common.shards import ShardWriter, shard_name
+from data_prep.common.storage import Store, sha256_bytes
 from .tokenizer import Encoded, LoadedTokenizer
 
 

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import DataPrepError
-from .storage import is_url, open_store
+from data_prep.common.storage import is_url, open_store
 
 _KINDS = {".txt": "txt", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 _GZIP_OK = {"txt", "jsonl", "json"}

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import DataPrepError
-from .shard_format import DEFAULT_BLOCK_SIZE
+from data_prep.common.shards import DEFAULT_BLOCK_SIZE
 
 SPLITS = ("train", "validation")
 SPEED_ONLY = ("workers", "batch_chars", "log_every")

@@ -39,9 +39,10 @@ from .groups import GroupKey, ReadCount, iter_owned_documents
 from .progress import Progress
 from .reader import ReadOptions, resolve_inputs, resolve_partition, task_sources
 from .settings import SPLITS, ShardSettings, settings_sha256
-from .atomic import json_bytes
-from .shard_format import FORMAT_VERSION, ids_dtype
-from .storage import Store, open_store
+from data_prep.common.atomic import json_bytes
+from data_prep.common.manifest import FORMAT_VERSION
+from data_prep.common.shards import ids_dtype
+from data_prep.common.storage import Store, open_store
 from .tokenizer import Encoded, LoadedTokenizer, load_tokenizer, publish_tokenizer
 
 log = logging.getLogger("data_prep")

@@ -21,13 +21,11 @@ import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from .errors import DataPrepError
-from .shard_format import SPECIAL_ROLES, tokenizer_sha256
+from data_prep.common.manifest import SPECIAL_ROLES, tokenizer_sha256
+from data_prep.tokenizer_cache import TOKENIZER_FILES
 
 BERT_SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 # What is copied next to the shards (and hashed): the files a Hugging Face tokenizer loads from, never weights.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
-                   "tokenizer.model")
 
 
 @dataclass

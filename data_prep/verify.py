@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DataPrepError
-from .shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_checksums, block_sizes, index_shard,
-                           load_manifest, parse_block, tokenizer_sha256)
-from .storage import Store, open_store, sha256_bytes
+from data_prep.common.manifest import MANIFEST, Manifest, ShardEntry, load_manifest, tokenizer_sha256
+from data_prep.common.shards import ShardError, block_checksums, block_sizes, index_shard, parse_block
+from data_prep.common.storage import Store, open_store, sha256_bytes
+from data_prep.tokenizer_cache import tokenizer_dir
 from .tokenizer import load_tokenizer
 
 
@@ -101,7 +102,7 @@ def _tokenizer_vocab(store: Store, manifest: Manifest, report: Report) -> int:
     stated = info.vocab_size
     where, manifest_url = store.url(info.path), store.url(MANIFEST)
     try:
-        folder = manifest.tokenizer_dir(store.url())
+        folder = tokenizer_dir(manifest, store.url())
     except ShardError as exc:                         # remote: does not hash to the manifest's sha256
         report.damaged.append(str(exc))
         return stated

@@ -44,7 +44,7 @@ import os, sys
 from pathlib import Path
 from transformers import pipeline
 from transformers.utils import logging as hf_logging
-from data_prep.shard_format import load_manifest
+from data_prep.common.manifest import load_manifest
 from pretrain.eval.cli import unigram_accuracy
 from pretrain.tracking.jsonl import read_metrics
 from pretrain.tracking.mlflow_requests import default_local_store

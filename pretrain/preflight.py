@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Optional
 
 
-from data_prep.commands import location, python_command
-from data_prep.shard_format import Manifest, load_manifest
-from data_prep.storage import open_store
+from data_prep.common.commands import location, python_command
+from data_prep.common.manifest import Manifest, load_manifest
+from data_prep.common.storage import open_store
+from data_prep.tokenizer_cache import tokenizer_dir
 from pretrain.checkpoint import files, reshard
 from pretrain.checkpoint import store as checkpointing
 from pretrain.config import loader as configlib
@@ -110,7 +111,7 @@ def init_from_problems(cfg: Config, manifest: Manifest) -> list[str]:
     if model_cfg.get("max_position_embeddings", 512) < manifest.seq_len:
         problems.append(f"model.init_from: {folder} has max_position_embeddings "
                         f"{model_cfg.get('max_position_embeddings')} < the data's seq_len {manifest.seq_len}")
-    data_tok = manifest.tokenizer_dir(cfg.data.dir)
+    data_tok = tokenizer_dir(manifest, cfg.data.dir)
     model_vocab, data_vocab = tokenizer_vocab(folder), tokenizer_vocab(data_tok)
     if model_vocab is None:
         problems.append(f"model.init_from: {folder} has no tokenizer.json or vocab.txt, so it cannot be checked "

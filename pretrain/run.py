@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from data_prep.shard_format import Manifest
+from data_prep.common.manifest import Manifest
 from pretrain.checkpoint import phases
 from pretrain.checkpoint import nodes as checkpoint_nodes
 from pretrain.checkpoint import store as checkpointing

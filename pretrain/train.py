@@ -29,9 +29,10 @@ import time
 import torch.distributed as dist
 
 from data_prep import stale_shm
-from data_prep import storage
+from data_prep.common import storage
 from pretrain.data import shard_cache
-from data_prep.shard_format import ShardError
+from data_prep.common.shards import ShardError
+from data_prep.tokenizer_cache import tokenizer_dir
 from pretrain import console
 from pretrain.checkpoint import files
 from pretrain.checkpoint import store as checkpointing
@@ -226,7 +227,7 @@ def checkpoint(run: Run, export: bool, final: bool) -> None:
     side_files = {files.CONFIG_FILE: run.resolved_yaml, files.HF_CONFIG_FILE: run.model.hf_model.config.to_json_string(),
                   files.MANIFEST_FILE: json.dumps(manifest.to_dict()), files.STATE_FILE: json.dumps(readable)}
     tag = checkpointing.save(run.engine, cfg, state.step, {STATE_KEY: snapshot}, side_files,
-                             {files.TOKENIZER_DIR: manifest.tokenizer_dir(cfg.data.dir)}, run.nodes)
+                             {files.TOKENIZER_DIR: tokenizer_dir(manifest, cfg.data.dir)}, run.nodes)
     run.tracker.log_checkpoint(tag, state.step, str(checkpointing.checkpoint_root(cfg) / tag))
     if run.mirror is not None:
         run.mirror.upload(checkpointing.checkpoint_root(cfg) / tag)       # in the background
@@ -278,7 +279,7 @@ def main(argv=None) -> int:
         # Probe examples no longer than the sequences the model is trained on (its positions may end there).
         specs = [dataclasses.replace(t, max_length=min(t.max_length, manifest.seq_len))
                  for t in cfg.eval.downstream]
-        tasks = prepare_tasks(specs, manifest.tokenizer_dir(cfg.data.dir), data_dir=cfg.data.dir, manifest=manifest)
+        tasks = prepare_tasks(specs, tokenizer_dir(manifest, cfg.data.dir), data_dir=cfg.data.dir, manifest=manifest)
     except (ConfigError, ShardError, TaskError) as exc:
         bad_input.report_before_start(exc, first_rank)
         return EXIT_BAD_INPUT

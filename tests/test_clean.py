@@ -55,7 +55,7 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 
 def clean(*args, workers: int = 1) -> dict:
-    from data_prep.storage import open_store
+    from data_prep.common.storage import open_store
 
     argv = ["clean", *map(str, args), "--workers", str(workers)]
     assert main(argv) == 0, argv

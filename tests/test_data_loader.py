@@ -12,10 +12,9 @@ import torch
 
 import pretrain.data.shard_reader as shard_reader
 from conftest import ids_payload
-from data_prep.atomic import write_json_atomic
-from data_prep.shard_format import (
-    FORMAT_VERSION, Manifest, ShardError, ShardWriter, ids_dtype, index_shard, load_manifest, shard_name,
-)
+from data_prep.common.atomic import write_json_atomic
+from data_prep.common.manifest import FORMAT_VERSION, Manifest, load_manifest
+from data_prep.common.shards import ShardError, ShardWriter, ids_dtype, index_shard, shard_name
 from pretrain.data.stream import (
     DataError, TokenIdError, TrainStream, check_manifest, index_all_shards,
 )

@@ -18,7 +18,8 @@ from data_prep.finalize import finalize
 from data_prep.reader import resolve_inputs, resolve_partition
 from data_prep.settings import ShardSettings, load_settings_file
 from data_prep.shard import run_shard
-from data_prep.shard_format import iter_blocks, load_manifest
+from data_prep.common.manifest import load_manifest
+from data_prep.common.shards import iter_blocks
 from data_prep.verify import verify, verify_report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ def run_tasks(inputs, tokenizer, out, num_tasks, **kw) -> Path:
 
 
 def files_digest(out: Path) -> dict[str, str]:
-    from data_prep.shard_format import sha256_file
+    from data_prep.common.shards import sha256_file
 
     return {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()}
 
@@ -53,7 +54,7 @@ def single(tmp_path_factory, wiki_txt_dir, bert_uncased_dir):
 
 
 def tar_digests(out: Path) -> dict[str, str]:
-    from data_prep.shard_format import sha256_file
+    from data_prep.common.shards import sha256_file
 
     return {p.name: sha256_file(p) for p in sorted(out.glob("*.tar"))}
 
@@ -242,8 +243,8 @@ def test_verify_names_every_bad_shard(tmp_path, wiki_txt_dir, bert_uncased_dir):
 def _rewrite_shard(out: Path, name: str, edit) -> None:
     """Rewrite a shard through ``edit(block_index, ids)`` and record its new size and sha256 in the
     manifest, as a buggy writer or a shard written with another tokenizer would leave it."""
-    from data_prep.atomic import write_json_atomic
-    from data_prep.shard_format import ShardWriter
+    from data_prep.common.atomic import write_json_atomic
+    from data_prep.common.shards import ShardWriter
 
     m = load_manifest(out).to_dict()           # edited and written back as JSON
     blocks = list(iter_blocks(out / name, m["seq_len"]))

@@ -135,3 +135,20 @@ def test_every_link_between_the_documents_leads_somewhere():
             elif fragment and path.suffix == ".md" and fragment not in anchors(path):
                 broken.append(f"{doc.relative_to(REPO)}: {target} (no such heading)")
     assert not broken, "links that lead nowhere:\n" + "\n".join(broken)
+
+
+FROM_IMPORT = re.compile(r"from ((?:pretrain|data_prep|bench)(?:\.\w+)*) import (\w+(?: as \w+)?(?:, *\w+(?: as \w+)?)*)")
+
+
+def test_every_import_in_the_scripts_and_documents_resolves():
+    """``python -c "from data_prep... import ..."`` in a launcher, a heredoc in ``demo.sh``, a command
+    in the docs: what a module move would break without any Python test noticing."""
+    scripts = [p for p in (REPO / "launchers").rglob("*") if p.suffix in (".sh", ".sbatch")]
+    texts = [*documents(), *scripts, *(REPO / "bench").glob("*.sh"), *(REPO / "configs").rglob("*.yaml")]
+    missing = []
+    for path in texts:
+        for match in FROM_IMPORT.finditer(path.read_text()):
+            module, names = match.group(1), [n.split(" as ")[0].strip() for n in match.group(2).split(",")]
+            if not all(resolves(f"{module}.{name}") for name in names):
+                missing.append(f"{path.relative_to(REPO)}: {match.group(0)}")
+    assert not missing, "imports that do not resolve:\n" + "\n".join(missing)

@@ -82,13 +82,14 @@ def test_probe_api_on_the_trainers_held_out_shards(shards, tmp_path):
     restores the model's mode and leaves the global RNG alone; baselines computed separately."""
     from transformers import BertConfig, BertModel
 
-    from data_prep.shard_format import load_manifest
+    from data_prep.common.manifest import load_manifest
+    from data_prep.tokenizer_cache import tokenizer_dir
     from pretrain.eval.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
     from pretrain.eval.tasks import held_out_sentences
 
     manifest = load_manifest(shards)
     spec = DownstreamTaskConfig(path="word_order", max_examples=150, max_length=32)
-    tasks = prepare_tasks([spec], manifest.tokenizer_dir(shards), data_dir=str(shards), manifest=manifest)
+    tasks = prepare_tasks([spec], tokenizer_dir(manifest, shards), data_dir=str(shards), manifest=manifest)
     # 5% of 1,000 articles in rows of 64 tokens: about 75 whole sentences survive the cuts.
     sentences = held_out_sentences(shards, manifest)
     assert len(sentences) > 50 and all(s[-1] in ".!?" and len(s.split()) >= 3 for s in sentences)
@@ -134,7 +135,7 @@ def test_eval_config_takes_a_list_of_tasks(tmp_path, articles_csv, shards):
 def test_mlm_eval_of_a_random_export_sits_at_uniform_loss(shards, tmp_path):
     from transformers import BertConfig, BertForMaskedLM
 
-    from data_prep.shard_format import load_manifest
+    from data_prep.common.manifest import load_manifest
     from pretrain.eval.cli import mlm_eval
 
     manifest = load_manifest(shards)

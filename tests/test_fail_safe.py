@@ -135,7 +135,7 @@ def test_resume_takes_the_newest_undamaged_checkpoint_and_refuses_a_damaged_name
 def _block_only_rank1_reads(data_dir: Path) -> tuple[str, int, int]:
     """(shard path, block index, step) of a block that rank 1 of 2 reads first at that (0-based) step,
     the first after step 0 where one exists, and rank 0 not up to it (tiny: 16 = 2 x 8 per step)."""
-    from data_prep.shard_format import load_manifest
+    from data_prep.common.manifest import load_manifest
     from pretrain.data.stream import TrainStream, _PlanCursor, _RankSlice
 
     stream = TrainStream(data_dir, load_manifest(data_dir), "train", 0, 2, 8, 16, 1234)
@@ -173,7 +173,7 @@ def test_a_token_id_out_of_range_read_by_one_rank_stops_every_rank_with_exit_2(s
 def _corrupt_last_id(data: Path, path: str, index: int, token: int) -> None:
     """The block's last token id (uint16) becomes ``token``, and the manifest records the shard as
     written (its sha256 and block checksums): what a data prep that wrote a bad id leaves."""
-    from data_prep.shard_format import block_checksums, sha256_file
+    from data_prep.common.shards import block_checksums, sha256_file
 
     offset, size = ids_payload(path, index)
     with open(path, "r+b") as f:

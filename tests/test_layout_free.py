@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import free_port
 
-from data_prep.shard_format import load_manifest
+from data_prep.common.manifest import load_manifest
 from pretrain.model import keyed_dropout
 from pretrain.config.schema import ImplConfig, ModelConfig, load_config
 from pretrain.eval.mlm import eval_set_batches, evaluate

@@ -1,4 +1,4 @@
-"""``manifest.json`` as every reader gets it: ``data_prep.shard_format.Manifest``, checked once at load.
+"""``manifest.json`` as every reader gets it: ``data_prep.common.manifest.Manifest``, checked once at load.
 
 A real finalized manifest comes back byte for byte through ``Manifest.from_dict(...).to_dict()``, so
 the typed form is the on-disk format; a manifest that lost or mistyped a key is refused with a message
@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from conftest import train
 
-from data_prep.atomic import write_json_atomic
+from data_prep.common.atomic import write_json_atomic
 from data_prep.finalize import finalize
 from data_prep.settings import ShardSettings
 from data_prep.shard import run_shard
-from data_prep.shard_format import MANIFEST, Manifest, ShardError, load_manifest
+from data_prep.common.manifest import MANIFEST, Manifest, load_manifest
+from data_prep.common.shards import ShardError
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = 2
@@ -95,7 +96,7 @@ def test_block_offsets_are_recorded_checked_and_filled_in_for_older_task_manifes
     """Each shard entry holds its blocks' byte offsets, as the tar headers say (issue 34): one read
     fetches a block. An older task manifest without them is finalized by a scan; offsets that
     disagree with the headers are refused at load (malformed) or by verify (shard named)."""
-    from data_prep.shard_format import index_shard, iter_blocks, parse_block
+    from data_prep.common.shards import index_shard, iter_blocks, parse_block
     from data_prep.verify import verify
 
     manifest = load_manifest(finalized)

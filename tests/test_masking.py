@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from data_prep.shard_format import FORMAT_VERSION, Manifest, ShardError
+from data_prep.common.manifest import FORMAT_VERSION, Manifest
+from data_prep.common.shards import ShardError
 from pretrain.config.schema import MaskingConfig
 from pretrain.model.masking import (IGNORE_INDEX, SpecialIds, eval_masking_config, mask_batch, mask_generator,
                               mask_seed, random_non_special, span_segments)

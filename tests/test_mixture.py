@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, _run, free_port, rank_pool, run_module, trainer_env
 from mlflow_server import mlflow_server  # noqa: F401  (a fixture)
 
-from data_prep.shard_format import load_manifest
+from data_prep.common.manifest import load_manifest
 from pretrain.data.stream import DataError
 from pretrain.data.mixture import MixtureStream, Source, apportion
 

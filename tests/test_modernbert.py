@@ -315,7 +315,7 @@ def test_export_has_the_trained_models_logits_and_fills_masks(runs, exported, sh
     from safetensors.torch import load_file
     from transformers import AutoModelForMaskedLM, AutoTokenizer, ModernBertForMaskedLM, pipeline
 
-    from data_prep.shard_format import load_manifest
+    from data_prep.common.manifest import load_manifest
     from pretrain.eval.mlm import eval_set_batches
 
     model = AutoModelForMaskedLM.from_pretrained(exported).eval()

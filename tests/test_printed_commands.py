@@ -57,7 +57,8 @@ def test_the_mlflow_ui_command_for_a_local_store_shows_the_run(tmp_path, monkeyp
 @pytest.mark.parametrize("absolute", [False, True], ids=["relative", "absolute"])
 def test_the_finalize_command_printed_for_a_folder_without_manifest_finalizes_it(shards, tmp_path, monkeypatch,
                                                                                  absolute):
-    from data_prep.shard_format import MANIFEST, ShardError, load_manifest
+    from data_prep.common.manifest import MANIFEST, load_manifest
+    from data_prep.common.shards import ShardError
     from pretrain.config.schema import _data_dir_problems
 
     monkeypatch.chdir(tmp_path)

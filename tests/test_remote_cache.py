@@ -54,8 +54,8 @@ def test_the_cache_keeps_to_its_limit_by_evicting_the_least_recently_used(s3_ser
                                                                           monkeypatch):
     import os
 
-    from data_prep.shard_format import load_manifest
-    from data_prep.storage import open_store
+    from data_prep.common.manifest import load_manifest
+    from data_prep.common.storage import open_store
     from pretrain.data.shard_cache import ShardCache
 
     for key, value in s3_server.aws().items():
@@ -154,8 +154,8 @@ def test_a_killed_downloads_leftovers_are_cleaned_and_count_against_the_limit(s3
     import os
     import subprocess
 
-    from data_prep.shard_format import load_manifest
-    from data_prep.storage import open_store
+    from data_prep.common.manifest import load_manifest
+    from data_prep.common.storage import open_store
     from pretrain.data.shard_cache import ShardCache
 
     for key, value in s3_server.aws().items():

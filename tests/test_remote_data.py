@@ -127,7 +127,7 @@ def test_a_mixture_from_a_bucket_reads_each_micro_batch_ahead_and_gives_the_loca
     by the look-ahead of an earlier one, and the batches are the local folders' bytes for bytes."""
     import numpy as np
 
-    from data_prep.shard_format import load_manifest
+    from data_prep.common.manifest import load_manifest
     from pretrain.data.mixture import MixtureStream, Source
     from pretrain.data.shard_reader import BlockReader
 

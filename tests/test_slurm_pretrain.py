@@ -149,7 +149,7 @@ def test_two_node_training_exports_to_hugging_face(slurm_cluster, reference, tmp
 
     # The exported weights are the trained ones: 15% masking on held-out sequences gives about the
     # loss the trainer's own evaluation reported, well below an untrained model's ln(vocab).
-    from data_prep.shard_format import iter_blocks
+    from data_prep.common.shards import iter_blocks
 
     manifest = json.loads((reference.shards / "manifest.json").read_text())
     val = [s["name"] for s in manifest["shards"] if s["split"] == "validation"]

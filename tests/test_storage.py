@@ -180,7 +180,7 @@ def test_transient_http_errors_are_retried_and_logged_once(tmp_path, caplog):
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from data_prep.storage import StorageError, open_store
+    from data_prep.common.storage import StorageError, open_store
 
     body, answered = b"0123456789" * 10, []
 

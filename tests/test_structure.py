@@ -1,5 +1,6 @@
-"""The layout docs/layout.md describes: imports between packages point one way, and each
-on-disk format has one owner module that spells its file names."""
+"""The layout docs/layout.md describes: imports point one way, between the project's tiers (the
+shared leaf ``data_prep.common``, then ``data_prep``, then ``pretrain``) and between the units of
+``pretrain``, and each on-disk format has one owner module that spells its file names."""
 from __future__ import annotations
 
 import ast
@@ -74,7 +75,7 @@ CHECKPOINT_NAMES = ["mp_rank_00_model_states.pt", "train_state.json", "hf_config
 
 
 def test_checkpoint_and_shard_file_names_have_one_owner():
-    owners = {"manifest.json": {"data_prep/shard_format.py"}}
+    owners = {"manifest.json": {"data_prep/common/manifest.py"}}
     owners.update({name: {"pretrain/checkpoint/files.py"} for name in CHECKPOINT_NAMES})
     found: dict[str, set[str]] = {name: set() for name in owners}
     for path in [*PRETRAIN.rglob("*.py"), *(REPO / "data_prep").rglob("*.py")]:
@@ -147,3 +148,61 @@ def test_imports_inside_functions_are_heavy_packages_or_say_why():
             unexplained.append(f"{path.relative_to(REPO)}:{node.lineno} {lines[node.lineno - 1].strip()}")
     assert not unexplained, ("imports inside functions: move them to the top of the module, or say why not "
                              f"with '{LAZY_MARK} ...' above them:\n  " + "\n  ".join(unexplained))
+
+
+# ------------------------------------------------------------------ the project's top-level tiers
+# data_prep.common (storage, the data contract) <- data_prep <- pretrain. bench/ and tests/ may
+# import anything; nothing imports them.
+TOP_TIERS = {"data_prep.common": 0, "data_prep": 1, "pretrain": 2}
+
+
+def project_modules_imported(path: Path) -> set[str]:
+    """The project modules a file imports (relative imports resolved), as dotted names."""
+    package = list(path.relative_to(REPO).parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            found.update([module] + [f"{module}.{a.name}" for a in node.names])
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m.split(".")[0] in ("pretrain", "data_prep", "bench", "tests")}
+
+
+def tier_of(module: str) -> tuple[str, int] | None:
+    for name, tier in sorted(TOP_TIERS.items(), key=lambda item: -len(item[0])):
+        if module == name or module.startswith(name + "."):
+            return name, tier
+    return None
+
+
+def test_the_top_level_tiers_point_down():
+    upward = []
+    for top in ("data_prep", "pretrain"):
+        for path in (REPO / top).rglob("*.py"):
+            own = tier_of(".".join(path.relative_to(REPO).with_suffix("").parts))
+            for module in project_modules_imported(path):
+                other = tier_of(module)
+                if other is None or other[1] > own[1]:
+                    upward.append(f"{path.relative_to(REPO)} ({own[0]}) imports {module}")
+    assert not upward, "imports that point up (or into bench/tests):\n" + "\n".join(sorted(upward))
+
+
+def test_the_shared_leaf_imports_nothing_else_of_the_project():
+    outside = [f"{path.relative_to(REPO)} imports {module}"
+               for path in (REPO / "data_prep" / "common").rglob("*.py")
+               for module in project_modules_imported(path)
+               if not (module == "data_prep.common" or module.startswith("data_prep.common."))
+               and module != "data_prep"]
+    assert not outside, outside
+
+
+def test_a_storage_error_is_not_a_data_prep_error():
+    from data_prep.common.storage import StorageError
+    from data_prep.errors import DataPrepError
+
+    assert not issubclass(StorageError, DataPrepError)

@@ -162,7 +162,7 @@ def test_an_odd_vocabulary_trains_at_zero_1_and_2(wiki_txt_dir, tmp_path):
               "model.vocab_multiple=1", *halt)
     # A checkpoint written before model.vocab_multiple existed (unpadded, the key absent from its
     # config) resumes with its own rows under today's default.
-    from data_prep.shard_format import sha256_file
+    from data_prep.common.shards import sha256_file
     from pretrain.checkpoint.files import FILE_LIST
 
     saved = tmp_path / "zero1" / "checkpoints" / "step00000001" / "config.yaml"

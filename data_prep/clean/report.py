@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 
 from ..errors import DataPrepError
-from ..storage import open_store
+from data_prep.common.storage import open_store
 
 REPORT = "report.json"
 FORMAT = "data_prep-clean"

@@ -42,12 +42,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..atomic import json_bytes
+from data_prep.common.atomic import json_bytes
 from ..errors import DataPrepError
 from ..groups import GroupKey, ReadCount, iter_owned_documents
 from ..reader import ReadOptions, Source, iter_source_records, resolve_inputs, resolve_partition
 from ..settings import settings_sha256
-from ..storage import Store, open_store
+from data_prep.common.storage import StorageError, Store, open_store
 from . import clusters
 from .report import (FORMAT, REMOVED_FIELD, REPORT, VERSION, format_table, is_part, one_line, part_name,
                      read_report)
@@ -101,7 +101,7 @@ def _resolve_heldout(patterns: list[str]) -> list[Source]:
             raise DataPrepError(f"--decontaminate-against {p!r}: no such file")
     try:
         return resolve_inputs(patterns) if patterns else []
-    except DataPrepError as exc:
+    except (DataPrepError, StorageError) as exc:
         raise DataPrepError(f"--decontaminate-against: {exc}") from None
 
 

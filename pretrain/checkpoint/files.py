@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from data_prep.shard_format import MANIFEST
+from data_prep.common.manifest import MANIFEST
 
 LATEST = "latest"                  # DeepSpeed's own pointer file name; we write it ourselves, last
 COMPLETE = "COMPLETE"

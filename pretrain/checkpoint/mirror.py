@@ -1,7 +1,7 @@
 """Checkpoints mirrored to a bucket (``train.checkpoint_mirror``), as Composer's ``save_folder``.
 
 Each complete checkpoint is uploaded in the background by the first rank, through the storage layer
-(``data_prep.storage``: an ``s3://`` URL or a folder on another filesystem), while training goes on.
+(``data_prep.common.storage``: an ``s3://`` URL or a folder on another filesystem), while training goes on.
 The order makes a mirrored checkpoint count only when whole, as a local one does: every file of the
 tag folder, then ``file_list.json``, then ``COMPLETE``, then the ``latest`` pointer; a kill part-way
 leaves a tag without ``COMPLETE``, which nothing takes (and which goes once a newer tag is complete).
@@ -39,9 +39,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
-from data_prep.atomic import write_atomic
-from data_prep.shard_format import sha256_file
-from data_prep.storage import StorageError, Store, open_store
+from data_prep.common.atomic import write_atomic
+from data_prep.common.shards import sha256_file
+from data_prep.common.storage import StorageError, Store, open_store
 from pretrain.checkpoint.files import (COMPLETE, EXPORT_SOURCE, FILE_LIST, LATEST, LAYOUT_FILE, NODE_LISTINGS, is_tag,
                                       rank_of_file)
 from pretrain.checkpoint.nodes import NodeLayout, needed_by

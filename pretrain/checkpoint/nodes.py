@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from data_prep.atomic import write_atomic
+from data_prep.common.atomic import write_atomic
 from pretrain.checkpoint.files import SHARED_PROBE, rank_of_file
 
 

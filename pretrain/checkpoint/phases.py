@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 import yaml
 
-from data_prep.shard_format import Manifest
+from data_prep.common.manifest import Manifest
 from pretrain.checkpoint import files, reshard
 from pretrain.checkpoint import store as checkpointing
 from pretrain.config import loader as configlib

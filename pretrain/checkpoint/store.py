@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from data_prep.atomic import write_atomic
-from data_prep.shard_format import Manifest, ShardError, load_manifest, sha256_file
-from data_prep.storage import StorageError
+from data_prep.common.atomic import write_atomic
+from data_prep.common.manifest import Manifest, load_manifest
+from data_prep.common.shards import ShardError, sha256_file
+from data_prep.common.storage import StorageError
 from pretrain.checkpoint import mirror, reshard
 from pretrain.checkpoint.nodes import NodeLayout, env_node_ranks
 from pretrain.checkpoint.files import COMPLETE, CONFIG_FILE, FILE_LIST, LATEST, LAYOUT_FILE, LOCK_FILE, is_tag, tag_for_step

@@ -40,8 +40,8 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from data_prep.shard_format import Manifest, load_manifest
-from data_prep.storage import StoreUnavailable
+from data_prep.common.manifest import Manifest, load_manifest
+from data_prep.common.storage import StoreUnavailable
 from pretrain.data.stream import (READ_AHEAD, DataError, ShardError, TrainStream, _open_split, _Plan, cached,
                                   checked_position, ordered_batches)
 from pretrain.seeds import derive_seed

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from data_prep.shard_format import Manifest, ShardError, load_manifest
+from data_prep.common.manifest import Manifest, load_manifest
+from data_prep.common.shards import ShardError
 from pretrain.config.schema import Config, ConfigError, load_config
 from pretrain.data.mixture import (
     is_mixture,

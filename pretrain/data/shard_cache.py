@@ -30,8 +30,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from data_prep.shard_format import ShardEntry, ShardError, sha256_file
-from data_prep.storage import StorageError
+from data_prep.common.manifest import ShardEntry
+from data_prep.common.shards import ShardError, sha256_file
+from data_prep.common.storage import StorageError
 
 log = logging.getLogger("pretrain")
 ENV_DIR, ENV_GB = "MLM_DATA_CACHE_DIR", "MLM_DATA_CACHE_GB"

@@ -24,10 +24,11 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from data_prep.commands import location, python_command
-from data_prep.shard_format import (MANIFEST, Manifest, ShardEntry, ShardError, block_sizes, check_block, ids_dtype,
-                                    index_shard, parse_block, read_span)
-from data_prep.storage import StorageError, Store, StoreUnavailable, open_store
+from data_prep.common.commands import location, python_command
+from data_prep.common.manifest import MANIFEST, Manifest, ShardEntry
+from data_prep.common.shards import (ShardError, block_sizes, check_block, ids_dtype, index_shard, parse_block,
+                                     read_span)
+from data_prep.common.storage import StorageError, Store, StoreUnavailable, open_store
 from pretrain.data.shard_cache import CacheUnusable, ShardCache
 
 __all__ = ["DataError", "ShardError", "TokenIdError", "check_manifest", "index_all_shards", "SplitLayout",

@@ -61,8 +61,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data_prep.shard_format import Manifest, load_manifest
-from data_prep.storage import StoreUnavailable
+from data_prep.common.manifest import Manifest, load_manifest
+from data_prep.common.storage import StoreUnavailable
 from pretrain.data.shard_reader import (
     BlockReader, DataError, ShardError, SplitLayout, TokenIdError, check_manifest, index_all_shards,
 )

@@ -29,8 +29,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from data_prep.shard_format import MANIFEST, Manifest, ShardError, load_manifest
-from data_prep.storage import StorageError, is_url, open_store
+from data_prep.common.manifest import MANIFEST, Manifest, load_manifest
+from data_prep.common.shards import ShardError
+from data_prep.common.storage import StorageError, is_url, open_store
 from pretrain.checkpoint.export import export_checkpoint, resolve_checkpoint
 from pretrain.config.schema import DownstreamTaskConfig
 from pretrain.data.stream import check_manifest

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from data_prep.shard_format import Manifest
+from data_prep.common.manifest import Manifest
 from pretrain.config.schema import DownstreamTaskConfig
 from pretrain.eval.tasks import TaskSplits, load_task
 
@@ -54,7 +54,7 @@ def tokenize_task(task: TaskSplits, tokenizer, max_length: int) -> PreparedTask:
 def prepare_tasks(specs: Sequence[DownstreamTaskConfig], tokenizer_dir: str | Path, data_dir: Optional[str] = None,
                   manifest: Optional[Manifest] = None) -> list[PreparedTask]:
     """Load and tokenize every task once (at start-up). ``tokenizer_dir``: the model's tokenizer,
-    e.g. ``manifest.tokenizer_dir(data.dir)``. Raises ``TaskError`` naming the file."""
+    e.g. ``tokenizer_dir(manifest, data.dir)``. Raises ``TaskError`` naming the file."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))

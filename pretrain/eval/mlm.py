@@ -27,8 +27,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data_prep.shard_format import Manifest, ShardError, load_manifest
-from data_prep.storage import StoreUnavailable
+from data_prep.common.manifest import Manifest, load_manifest
+from data_prep.common.shards import ShardError
+from data_prep.common.storage import StoreUnavailable
 from pretrain.data.mixture import resolve_sources
 from pretrain.data.shard_reader import BlockReader
 from pretrain.data.stream import _open_split

@@ -25,7 +25,8 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from data_prep.sample_corpus import wiki_articles
-from data_prep.shard_format import Manifest, load_manifest
+from data_prep.common.manifest import Manifest, load_manifest
+from data_prep.tokenizer_cache import tokenizer_dir
 from pretrain.config.schema import DownstreamTaskConfig
 from pretrain.eval.mlm import eval_set_batches
 from pretrain.model.masking import SpecialIds
@@ -253,7 +254,7 @@ def held_out_sentences(data_dir: str | Path, manifest: Optional[Manifest] = None
 
     manifest = load_manifest(data_dir) if manifest is None else manifest
     special = SpecialIds.from_manifest(manifest)
-    tokenizer = AutoTokenizer.from_pretrained(manifest.tokenizer_dir(data_dir))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir(manifest, data_dir))
     sentences: list[str] = []
     seen = 0
     for batch in eval_set_batches(data_dir, manifest, split, 0, 1, 256, 0):

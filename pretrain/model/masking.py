@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from data_prep.shard_format import SPECIAL_ROLES, Manifest
+from data_prep.common.manifest import SPECIAL_ROLES, Manifest
 from pretrain.seeds import derive_seed
 from pretrain.config.schema import MaskingConfig
 

@@ -23,7 +23,7 @@ from typing import Optional
 
 import yaml
 
-from data_prep.shard_format import Manifest
+from data_prep.common.manifest import Manifest
 from pretrain.checkpoint.files import CONFIG_FILE
 from pretrain.checkpoint.store import complete_tags, latest_complete_tag, saved_manifest
 from pretrain.config import loader as configlib

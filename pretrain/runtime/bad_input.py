@@ -24,8 +24,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from data_prep.shard_format import ShardError
-from data_prep.storage import StoreUnavailable
+from data_prep.common.shards import ShardError
+from data_prep.common.storage import StoreUnavailable
 from pretrain.model.masking import SpecialIds
 
 BAD_INPUT_KEY = "bad_input"     # in a placeholder micro-batch: what this rank failed to read

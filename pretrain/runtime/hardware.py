@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from data_prep.atomic import write_atomic
+from data_prep.common.atomic import write_atomic
 from pretrain.model.flops import measure_matmul_peak_tflops
 from pretrain.runtime.step_speed import BF16_MARGIN, StepProbe, StepTiming
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from data_prep.shard_format import ShardError, load_manifest
+from data_prep.common.manifest import load_manifest
+from data_prep.common.shards import ShardError
 from pretrain.config import loader as configlib
 from pretrain.config.schema import Config
 from pretrain.config.loader import ConfigError

@@ -33,7 +33,7 @@ from pathlib import Path
 from pretrain.checkpoint.files import COMPLETE
 from pretrain.config import loader as configlib
 from pretrain.config.loader import ConfigError
-from data_prep.atomic import write_atomic
+from data_prep.common.atomic import write_atomic
 from pretrain.runtime import lifeline
 from pretrain.study import summary
 from pretrain.study.plan import Study, Variant, describe, load_study, with_tracking

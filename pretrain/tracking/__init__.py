@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from data_prep.shard_format import Manifest, load_manifest
+from data_prep.common.manifest import Manifest, load_manifest
 from pretrain.config import loader as configlib
 from pretrain.tracking.base import NullTracker, Tracker, TrackerGroup
 from pretrain.tracking.jsonl import JsonlTracker

@@ -9,7 +9,7 @@ import math
 import time
 from pathlib import Path
 
-from data_prep.atomic import write_atomic
+from data_prep.common.atomic import write_atomic
 from pretrain.tracking.base import Tracker
 
 log = logging.getLogger("pretrain")

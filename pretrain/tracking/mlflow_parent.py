@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from data_prep.atomic import write_atomic
+from data_prep.common.atomic import write_atomic
 from pretrain.tracking.mlflow_ui import quiet_mlflow_links, run_url
 
 PARENT_ID_FILE = "mlflow_parent_run_id"     # in the study folder

@@ -32,7 +32,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from data_prep.atomic import write_atomic
+from data_prep.common.atomic import write_atomic
 from pretrain.config.loader import flatten
 from pretrain.tracking.base import Tracker
 from pretrain.tracking.mlflow_ui import quiet_mlflow_links

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from urllib.parse import urlparse
 
-from data_prep.commands import script_command
+from data_prep.common.commands import script_command
 
 CLASSIC_VIEW = "workflowType=machine_learning"
 LOCAL_UI = "http://127.0.0.1:5000"      # where `mlflow ui` serves a local store by default
