@@ -6,16 +6,13 @@ detector's recent losses and every skipped window live in ``TrainState``: a job 
 checkpoint, before or after a recovery, sees the same spike and skips the same samples, so its
 losses equal the uninterrupted run's.
 
-Test-only hook: ``PRETRAIN_TEST_NOISE_STEPS=A:B`` replaces the samples of data steps A..B-1 (global
-batches counted from the start of the stream, 0-based) with random tokens. Never set it in a real run.
+The tests make a spike with ``PRETRAIN_TEST_NOISE_STEPS`` (``pretrain/runtime/faults.py``).
 """
 from __future__ import annotations
 
 import logging
 import math
-import os
 
-import torch
 import torch.distributed as dist
 
 from pretrain.checkpoint import store as checkpointing
@@ -23,28 +20,10 @@ from pretrain.checkpoint.state import STATE_KEY, TrainState
 from pretrain.config.schema import SpikeGuardConfig
 
 log = logging.getLogger("pretrain")
-NOISE_ENV = "PRETRAIN_TEST_NOISE_STEPS"
 
 
 class SpikesExhausted(Exception):
     """A spike after ``max_recoveries`` recoveries, or one with no checkpoint before it."""
-
-
-def inject_test_noise(micro_batches: list[dict], special) -> None:
-    """The test-only hook (see the module docstring): noise keyed by data position, not optimiser
-    step, so the samples a recovery skips are the noisy ones and a resume draws the same noise."""
-    spec = os.environ.get(NOISE_ENV)
-    if not spec:
-        return
-    first, end = (int(x) for x in spec.split(":"))
-    low = max(special.all_special) + 1
-    for batch in micro_batches:
-        if first <= int(batch["global_step"]) < end:
-            gen = torch.Generator().manual_seed(int(batch["sample_ids"][0]) + 1)
-            ids = batch["input_ids"]
-            noise = torch.randint(low, special.vocab_size, ids.shape, generator=gen, dtype=ids.dtype)
-            keep = torch.isin(ids, torch.tensor(special.all_special, dtype=ids.dtype))
-            batch["input_ids"] = torch.where(keep, ids, noise)
 
 
 class SpikeDetector:

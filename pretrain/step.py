@@ -111,20 +111,8 @@ def train_step(run, micro_batches: list[dict], logged: bool,
                 before_step()
         engine.step()
     run.optimizer.skip_next_step = False
-    leak_for_test()
     loss = loss_total / predicted_total if predicted_total and not nonfinite else float("nan")
     return StepResult(sums, loss, nonfinite, stop > 0, grad_norm, bad > 0, outage > 0)
-
-
-LEAK_ENV = "MLM_TEST_LEAK_MB_PER_STEP"      # test only: every step keeps this many MB more
-_leaked: list = []
-
-
-def leak_for_test() -> None:
-    """The deliberately leaking step that tests/test_memory.py must catch (a tensor kept per step)."""
-    mb = float(os.environ.get(LEAK_ENV) or 0)
-    if mb:
-        _leaked.append(torch.ones(int(mb * 2**20) // 4))
 
 
 class ThroughputWindow:

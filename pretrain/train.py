@@ -50,11 +50,11 @@ from pretrain.model.masking import rate_at_step
 from pretrain.preflight import check_inputs
 from pretrain.report.page import report_at_end
 from pretrain.run import Run, build_run
-from pretrain.runtime import bad_input, hardware, lifeline
+from pretrain.runtime import bad_input, faults, hardware, lifeline
 from pretrain.runtime import engine as eng
 from pretrain.runtime.health import LayerHealth
-from pretrain.runtime.watchdog import HangWatchdog, hang_for_test
-from pretrain.spike_guard import SpikeGuard, SpikesExhausted, inject_test_noise
+from pretrain.runtime.watchdog import HangWatchdog
+from pretrain.spike_guard import SpikeGuard, SpikesExhausted
 from pretrain.step import StepResult, StopSignal, ThroughputWindow, train_step
 from pretrain.tracking import resume_log
 
@@ -80,9 +80,8 @@ def fit(run: Run) -> int:
             watchdog.step_started()
             t_start = time.perf_counter()
             micro = bad_input.next_micro_batches(batches, grad_accum, run.special, cfg.impl.micro_batch_size, seq_len)
-            inject_test_noise(micro, run.special)             # test-only (PRETRAIN_TEST_NOISE_STEPS)
+            faults.at_step(micro, run.special, info.rank, state.step + 1)     # test-only (runtime/faults.py)
             t_data = time.perf_counter()
-            hang_for_test(info.rank, state.step + 1)          # test-only (PRETRAIN_TEST_HANG)
             will_log = (state.step + 1) % cfg.train.log_every == 0 or state.step + 1 == cfg.train.max_steps
             check_health = health.due(state.step + 1)
             result = train_step(run, micro, will_log, health.before_step if check_health else None)

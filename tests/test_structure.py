@@ -206,3 +206,15 @@ def test_a_storage_error_is_not_a_data_prep_error():
     from data_prep.errors import DataPrepError
 
     assert not issubclass(StorageError, DataPrepError)
+
+
+def test_fault_hooks_are_read_in_one_module_only():
+    """The tests' fault injection (``PRETRAIN_TEST_*``, ``MLM_TEST_*``) lives in ``runtime/faults.py``;
+    the loop, the step and the mirror each call it once and read no such variable themselves."""
+    owner = PRETRAIN / "runtime" / "faults.py"
+    strays = [str(path.relative_to(REPO)) for path in PRETRAIN.rglob("*.py") if path != owner
+              and re.search(r"[\"'](PRETRAIN_TEST_|MLM_TEST_)", path.read_text())]
+    assert not strays, strays
+    calls = {str(path.relative_to(REPO)): len(re.findall(r"\bfaults\.\w+\(", path.read_text()))
+             for path in PRETRAIN.rglob("*.py") if path != owner}
+    assert {k: v for k, v in calls.items() if v} == {"pretrain/train.py": 1, "pretrain/checkpoint/mirror.py": 1}

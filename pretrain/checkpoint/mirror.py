@@ -46,19 +46,11 @@ from pretrain.checkpoint.files import (COMPLETE, EXPORT_SOURCE, FILE_LIST, LATES
                                       rank_of_file)
 from pretrain.checkpoint.nodes import NodeLayout, needed_by
 from pretrain.exit_codes import MIRROR_BEHIND
+from pretrain.runtime import faults
 
 log = logging.getLogger("pretrain")
 NODE_WAIT_S = 1800.0     # the other nodes upload as much as the first, at the same time: a node gone quiet
 NODE_POLL_S = 0.5        # that long is dead (and so is the job), or its failure was not even writable
-STALL_ENV = "MLM_TEST_MIRROR_STALL"
-
-
-def _stall_for_test(tag: str, uploaded: int) -> None:
-    """Test only: ``MLM_TEST_MIRROR_STALL=<tag>:<n>`` blocks the upload of ``tag`` after ``n`` files,
-    so that a test can kill -9 the job with an upload half done."""
-    if os.environ.get(STALL_ENV) == f"{tag}:{uploaded}":
-        print(f"{STALL_ENV}: the upload of {tag} blocks after {uploaded} files", file=sys.stderr, flush=True)
-        threading.Event().wait()
 
 
 def mirror_problems(url: str) -> list[str]:
@@ -155,7 +147,7 @@ class CheckpointMirror:
         listed = json.loads((folder / FILE_LIST).read_text())["files"]
         for done, name in enumerate(sorted(listed), 1):
             self.store.put_file(folder / name, f"{tag}/{name}", listed[name]["sha256"], keep_local=True)
-            _stall_for_test(tag, done)
+            faults.mirror_upload(tag, done)           # test-only
         if not self.nodes.shared:
             listed = {**listed, **self._other_nodes_files(tag)}
         self.store.write_bytes(f"{tag}/{FILE_LIST}", (json.dumps({"files": listed}, indent=1) + "\n").encode())

@@ -11,7 +11,7 @@ The deadline after a step is ``hang_timeout_s`` (0: ``max(300 s, 20 x the median
 The first steps (compilation, loader start-up), evaluation, probes and checkpoints get their own
 larger allowance instead, since they legitimately take longer than a step.
 
-Test-only hook: ``PRETRAIN_TEST_HANG=RANK:STEP`` blocks that rank before optimiser step STEP (1-based).
+The tests make a rank hang with ``PRETRAIN_TEST_HANG`` (``pretrain/runtime/faults.py``).
 """
 from __future__ import annotations
 
@@ -29,17 +29,9 @@ from pretrain import exit_codes
 
 log = logging.getLogger("pretrain")
 EXIT_REQUEUE = exit_codes.REQUEUE
-HANG_ENV = "PRETRAIN_TEST_HANG"
 FLOOR_S, FACTOR = 300.0, 20.0
 WARMUP_STEPS = 3                 # steps timed with the start-up allowance, not the step timeout
 GRACE_S = 5.0                    # after writing its stacks, a rank waits so that its peers write theirs
-
-
-def hang_for_test(rank: int, step: int) -> None:
-    spec = os.environ.get(HANG_ENV)
-    if spec and [int(x) for x in spec.split(":")] == [rank, step]:
-        print(f"[rank {rank}] {HANG_ENV}: blocking before step {step}", file=sys.stderr, flush=True)
-        threading.Event().wait()
 
 
 class HangWatchdog:
