@@ -101,7 +101,7 @@ def timed_step(s: Setup, step: int) -> list[float]:
     order, each timed; returns the phases' seconds."""
     from pretrain.runtime import engine as eng
     from pretrain.model.masking import mask_batch
-    from pretrain.seeds import derive_seed
+    from pretrain.config.seeds import derive_seed
 
     t = [_clock()]
     batch = next(s.batches)
@@ -282,7 +282,7 @@ def encoder_lead(config, overrides, shards, repeats, compiled: bool = False) -> 
 def small_costs(s: Setup, repeats: int) -> list[list]:
     """Per-micro-step costs outside the model: seeding, masking, the two collectives, data."""
     from pretrain.model.masking import mask_batch, mask_generator
-    from pretrain.seeds import derive_seed
+    from pretrain.config.seeds import derive_seed
 
     batch = next(s.batches)
     fixed = type(s.cfg.masking)(**{**vars(s.cfg.masking), "fixed_count": True})

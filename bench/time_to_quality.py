@@ -163,7 +163,7 @@ def run_ours(args, shards: Path) -> dict:
         raise RuntimeError(f"ours: pretrain.train exited {proc.returncode}; command:\n  {' '.join(cmd)}\n"
                            f"{(out / 'stdout.log').read_text()[-3000:]}")
     from pretrain.eval.cli import mlm_eval
-    from pretrain.checkpoint.export import export_checkpoint, resolve_checkpoint
+    from pretrain.checkpoint.hf_export import export_checkpoint, resolve_checkpoint
 
     _, tag = resolve_checkpoint(out / "checkpoints")
     export_checkpoint(out / "checkpoints", tag, out / "hf")

@@ -16,14 +16,14 @@ from data_prep.common.manifest import Manifest
 from pretrain.checkpoint import phases
 from pretrain.checkpoint import nodes as checkpoint_nodes
 from pretrain.checkpoint import store as checkpointing
-from pretrain.checkpoint.export import final_export_dir
+from pretrain.checkpoint.hf_export import final_export_dir
 from pretrain.checkpoint.mirror import CheckpointMirror
 from pretrain.checkpoint.state import STATE_KEY, TrainState
 from pretrain.config import loader as configlib
 from pretrain.config.schema import Config
 from pretrain.data import mixture
 from pretrain.eval.downstream import probe_metrics
-from pretrain import console
+from pretrain.tracking import console
 from pretrain.model import keyed_dropout
 from pretrain.model.flops import mlm_flops_per_sequence
 from pretrain.model.masking import SpecialIds

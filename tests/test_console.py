@@ -1,4 +1,4 @@
-"""The run's console (pretrain.console): third-party chatter to the run folder's file, also for a
+"""The run's console (pretrain.tracking.console): third-party chatter to the run folder's file, also for a
 library imported while its output is being redirected."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from pretrain import console
+from pretrain.tracking import console
 
 
 @pytest.fixture

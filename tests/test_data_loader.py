@@ -18,7 +18,7 @@ from data_prep.common.shards import ShardError, ShardWriter, ids_dtype, index_sh
 from pretrain.data.stream import (
     DataError, TokenIdError, TrainStream, check_manifest, index_all_shards,
 )
-from pretrain.eval.mlm import eval_set_batches
+from pretrain.eval.heldout import eval_set_batches
 
 SEQ_LEN, BLOCK, VOCAB = 16, 64, 30522
 UNEVEN = {"train": [1000, 17, 300], "validation": [50, 41]}

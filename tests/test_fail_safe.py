@@ -222,7 +222,7 @@ def test_a_bad_block_in_the_evaluation_split_read_by_one_rank_stops_every_rank_w
 def test_a_master_port_in_use_is_refused_by_name_before_any_rank_starts(capsys):
     import socket
 
-    from pretrain.runtime import launch
+    from pretrain.runtime import launcher as launch
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -359,7 +359,7 @@ def test_study_summary_calls_a_variant_stopped_by_a_signal_interrupted(status, s
 
 
 def test_the_launchers_last_word_says_what_each_exit_code_means(tmp_path):
-    from pretrain.runtime.launch import last_word, launcher_log
+    from pretrain.runtime.launcher import last_word, launcher_log
 
     config = tmp_path / "c.yaml"
     config.write_text("train:\n  out_dir: " + str(tmp_path / "from-yaml") + "\n")

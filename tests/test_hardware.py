@@ -273,7 +273,7 @@ def test_each_rank_takes_a_gpu_that_exists(monkeypatch):
     """srun --gpus-per-task=1: every rank sees one GPU, index 0, whatever its local rank; the
     launchers keep the scheduler's device list that DeepSpeed's launcher would replace (issue 33)."""
     from pretrain.runtime import engine
-    from pretrain.runtime.launch import GIVEN_DEVICES, accelerator_env
+    from pretrain.runtime.launcher import GIVEN_DEVICES, accelerator_env
 
     assert engine.cuda_index(3, 1) == 0 and engine.cuda_index(3, 8) == 3
     with pytest.raises(RuntimeError, match="local rank 4 but only 4 GPUs are visible"):

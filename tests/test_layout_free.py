@@ -16,7 +16,7 @@ from conftest import free_port
 from data_prep.common.manifest import load_manifest
 from pretrain.model import keyed_dropout
 from pretrain.config.schema import ImplConfig, ModelConfig, load_config
-from pretrain.eval.mlm import eval_set_batches, evaluate
+from pretrain.eval.heldout import eval_set_batches, evaluate
 from pretrain.model.masking import SpecialIds
 from pretrain.model.mlm import build_model
 

@@ -316,7 +316,7 @@ def test_export_has_the_trained_models_logits_and_fills_masks(runs, exported, sh
     from transformers import AutoModelForMaskedLM, AutoTokenizer, ModernBertForMaskedLM, pipeline
 
     from data_prep.common.manifest import load_manifest
-    from pretrain.eval.mlm import eval_set_batches
+    from pretrain.eval.heldout import eval_set_batches
 
     model = AutoModelForMaskedLM.from_pretrained(exported).eval()
     assert isinstance(model, ModernBertForMaskedLM)

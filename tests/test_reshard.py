@@ -131,7 +131,7 @@ def test_a_bf16_export_takes_the_fp32_masters_not_the_bf16_copies(tmp_path, rank
     """In bf16 the module holds bf16 weights and the optimiser's wrapper the fp32 masters
     (FP16_UnfusedOptimizer at ZeRO 0, BF16_Optimizer's files at ZeRO 1, ZeRO's partitions at 2):
     the export writes the masters (issue 33)."""
-    from pretrain.checkpoint.export import PREFIXES, fp32_state_dict
+    from pretrain.checkpoint.hf_export import PREFIXES, fp32_state_dict
 
     run = tmp_path / "run"
     a, _ = leg(run, tmp_path / "a.pt", ranks, stage, "--save", precision="bf16")

@@ -12,7 +12,7 @@ from conftest import train as launch
 from test_train import COMMON, losses
 
 from pretrain.config.schema import SpikeGuardConfig
-from pretrain.spike_guard import SpikeDetector
+from pretrain.runtime.spike_guard import SpikeDetector
 
 # Data steps 10 and 11 (0-based) are noise: optimiser steps 11 and 12 spike. A checkpoint every 4
 # steps leaves step 8 as the one before the spike.

@@ -10,29 +10,42 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "pretrain"
 # Lower tiers never import higher ones: train -> run -> eval, checkpoint, tracking -> model, data, runtime -> config.
-TIERS = {"config": 0, "seeds": 0, "console": 0, "exit_codes": 0, "model": 1, "data": 1, "runtime": 1,
-         "checkpoint": 2, "eval": 2, "tracking": 2, "preflight": 3, "report": 3, "step": 3, "spike_guard": 3,
-         "study": 4, "run": 4, "train": 4}
-# The commands' old names (``python -m pretrain.export``...) only run their package's module.
+# The top level holds the loop (train, run, step); two runtime modules sit above the checkpoint code
+# they use (the input checks before start, the spike guard's rollback) and count as units of their own.
+TIERS = {"config": 0, "model": 1, "data": 1, "runtime": 1, "checkpoint": 2, "eval": 2, "tracking": 2,
+         "runtime.preflight": 3, "runtime.spike_guard": 3, "report": 3, "step": 3, "study": 4, "run": 4,
+         "train": 4}
+UPPER_RUNTIME = {"preflight", "spike_guard"}
+# The commands' names (``python -m pretrain.export``, ``.evaluate``, ``.launch``, documented everywhere)
+# only run their package's module.
 COMMAND_ALIASES = {"export", "evaluate", "launch"}
 
 
 def unit_of(path: Path) -> str:
     rel = path.relative_to(PRETRAIN)
+    if rel.parts[0] == "runtime" and rel.stem in UPPER_RUNTIME:
+        return f"runtime.{rel.stem}"
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _unit(parts: list[str]) -> str:
+    """``pretrain.<parts>`` as a unit: a package, or one of the runtime modules that are units."""
+    if parts[0] == "runtime" and len(parts) > 1 and parts[1] in UPPER_RUNTIME:
+        return f"runtime.{parts[1]}"
+    return parts[0]
 
 
 def imported_units(path: Path) -> set[str]:
     units = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pretrain"):
-            parts = node.module.split(".")
-            if len(parts) > 1:
-                units.add(parts[1])
+            parts = node.module.split(".")[1:]
+            if parts:                               # from pretrain.<unit>[...] import <name>: may be a module
+                units.update(_unit(parts + [a.name]) for a in node.names)
             else:                                   # from pretrain import x
                 units.update(a.name for a in node.names)
         elif isinstance(node, ast.Import):
-            units.update(a.name.split(".")[1] for a in node.names if a.name.startswith("pretrain."))
+            units.update(_unit(a.name.split(".")[1:]) for a in node.names if a.name.startswith("pretrain."))
     return units
 
 

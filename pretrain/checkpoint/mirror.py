@@ -22,7 +22,7 @@ local. A mirrored checkpoint with a damaged or missing file is named and the pre
 An upload that fails after the storage layer's retries (transient errors, for ``data.remote_timeout_s``)
 is logged and the run goes on; the next checkpoint is uploaded as usual. A run that ends waits for
 its uploads; if the newest local checkpoint is then not in the mirror, it says so and exits with
-``MIRROR_BEHIND`` (pretrain.exit_codes).
+``MIRROR_BEHIND`` (pretrain.runtime.exit_codes).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from data_prep.common.storage import StorageError, Store, open_store
 from pretrain.checkpoint.files import (COMPLETE, EXPORT_SOURCE, FILE_LIST, LATEST, LAYOUT_FILE, NODE_LISTINGS, is_tag,
                                       rank_of_file)
 from pretrain.checkpoint.nodes import NodeLayout, needed_by
-from pretrain.exit_codes import MIRROR_BEHIND
+from pretrain.runtime.exit_codes import MIRROR_BEHIND
 from pretrain.runtime import faults
 
 log = logging.getLogger("pretrain")

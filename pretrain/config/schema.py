@@ -17,7 +17,7 @@ from pretrain.config.loader import ConfigError  # noqa: F401  (re-exported)
 from data_prep.common.commands import location, python_command
 from data_prep.common.manifest import MANIFEST
 from data_prep.common.storage import StorageError, is_url, open_store
-from pretrain.config.model import MaskingConfig, ModelConfig, OptimConfig
+from pretrain.config.objective import MaskingConfig, ModelConfig, OptimConfig
 
 COMPILE_AUTO_MIN_STEPS = 500     # compile's start-up paid back after 50-150 steps on mini (bench/)
 
@@ -102,7 +102,7 @@ class SpikeGuardConfig:
     """A loss spike: a step whose loss (all ranks) is more than ``sigmas`` standard deviations above
     the mean of the last ``window`` steps, ``consecutive`` steps in a row. The run goes back to the
     last complete checkpoint from before the spike and skips the samples from there to past it
-    (at least ``skip_steps`` global batches). See pretrain/spike_guard.py."""
+    (at least ``skip_steps`` global batches). See pretrain/runtime/spike_guard.py."""
     enabled: bool = False
     window: int = 100                  # recent steps the mean and spread are taken over
     min_window: int = 20               # no verdict before this many steps are in the window
@@ -133,7 +133,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 200              # 0 disables periodic evaluation (one still runs at the end)
     # Held-out sequences per evaluation, the same at any world size and micro-batch (the first N of
-    # the split; 0 or more than it holds = the whole split). See pretrain/eval/mlm.py.
+    # the split; 0 or more than it holds = the whole split). See pretrain/eval/heldout.py.
     eval_sequences: int = 1024
     eval_batches: Optional[int] = None  # deprecated: micro-batches per rank; converted to eval_sequences
     checkpoint_every: int = 500        # 0: only at the end

@@ -44,7 +44,7 @@ from data_prep.common.manifest import Manifest, load_manifest
 from data_prep.common.storage import StoreUnavailable
 from pretrain.data.stream import (READ_AHEAD, DataError, ShardError, TrainStream, _open_split, _Plan, cached,
                                   checked_position, ordered_batches)
-from pretrain.seeds import derive_seed
+from pretrain.config.seeds import derive_seed
 from pretrain.data.shard_reader import BlockReader
 
 MAIN = "main"          # the name of the one source that data.dir alone is

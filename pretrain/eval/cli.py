@@ -32,12 +32,12 @@ import torch
 from data_prep.common.manifest import MANIFEST, Manifest, load_manifest
 from data_prep.common.shards import ShardError
 from data_prep.common.storage import StorageError, is_url, open_store
-from pretrain.checkpoint.export import export_checkpoint, resolve_checkpoint
+from pretrain.checkpoint.hf_export import export_checkpoint, resolve_checkpoint
 from pretrain.config.schema import DownstreamTaskConfig
 from pretrain.data.stream import check_manifest
 from pretrain.eval.downstream import (FinetuneSettings, baseline_metrics, finetune_metrics, prepare_tasks,
                                       probe_metrics)
-from pretrain.eval.mlm import eval_set_batches, figures, score
+from pretrain.eval.heldout import eval_set_batches, figures, score
 from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.eval.tasks import WORD_ORDER, TaskError
 from pretrain.tracking.mlflow_existing import log_metrics_to_run, run_problem
@@ -86,7 +86,7 @@ def _eval_set(data_dir, manifest: Manifest, batch_size: int, max_batches: int, s
 def mlm_eval_model(hf_model, data_dir: str | Path, manifest: Manifest, batch_size: int = 32, max_batches: int = 0,
                    split: str = "validation", device: str | torch.device = "cpu") -> dict[str, float]:
     """{"loss", "accuracy"} of a Hugging Face masked LM in memory, scored by the trainer's own
-    evaluation loop (``pretrain.eval.mlm.score``: its masks keyed by each sequence's id, its
+    evaluation loop (``pretrain.eval.heldout.score``: its masks keyed by each sequence's id, its
     fixed-point sums), so losses compare across runs, trainers, batch sizes and world sizes."""
     # lazy: pulls in transformers' model classes (~3 s), which only the MLM evaluation needs
     from pretrain.model.mlm import MLMModel

@@ -28,7 +28,7 @@ from data_prep.sample_corpus import wiki_articles
 from data_prep.common.manifest import Manifest, load_manifest
 from data_prep.tokenizer_cache import tokenizer_dir
 from pretrain.config.schema import DownstreamTaskConfig
-from pretrain.eval.mlm import eval_set_batches
+from pretrain.eval.heldout import eval_set_batches
 from pretrain.model.masking import SpecialIds
 
 WORD_ORDER = "word_order"

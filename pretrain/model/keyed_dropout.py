@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from pretrain.model.masking import _absorb, _mix32
-from pretrain.seeds import derive_seed
+from pretrain.config.seeds import derive_seed
 
 log = logging.getLogger("pretrain")
 KEYED_ATTENTION = "keyed_sdpa"

@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 import torch
 
 from data_prep.common.manifest import SPECIAL_ROLES, Manifest
-from pretrain.seeds import derive_seed
+from pretrain.config.seeds import derive_seed
 from pretrain.config.schema import MaskingConfig
 
 IGNORE_INDEX = -100                      # label of an unused fixed_count slot (torch's CE default)

@@ -123,7 +123,7 @@ class MLMModel(torch.nn.Module):
         tokens in fp32 (the caller divides by the masked count of the whole step, all ranks and
         micro-steps together), and two int64 counts. Nothing here waits for the device.
         ``per_token``: the same three per position ([N] fp32 losses, [N] bools), for sums that must
-        not depend on how rows are batched (evaluation, ``pretrain.eval.mlm``).
+        not depend on how rows are batched (evaluation, ``pretrain.eval.heldout``).
         ``want_correct=False``: num_correct is 0 without the argmax over the vocabulary, which costs
         a fifth of all the model's matmuls where matmuls are cheap (steps that do not log it).
         """

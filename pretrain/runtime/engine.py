@@ -27,7 +27,7 @@ from pretrain.config import loader as configlib
 from pretrain.config.loader import ConfigError
 from pretrain.model.optim import build_optimizer
 from pretrain.model.schedule import lr_schedule
-from pretrain.runtime.launch import GIVEN_DEVICES
+from pretrain.runtime.launcher import GIVEN_DEVICES
 
 log = logging.getLogger("pretrain")
 

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from pretrain import exit_codes
+from pretrain.runtime import exit_codes
 
 log = logging.getLogger("pretrain")
 EXIT_REQUEUE = exit_codes.REQUEUE

@@ -205,7 +205,7 @@ def _data_problems(variants: list[Variant]) -> list[str]:
             manifest, cfg.data.dir, max_positions=cfg.model.max_position_embeddings,
             splits=[cfg.data.train_split] + ([cfg.data.eval_split] if has_eval else []))]
         if cfg.model.init_from:
-            from pretrain.preflight import init_from_problems   # lazy: torch, as above
+            from pretrain.runtime.preflight import init_from_problems   # lazy: torch, as above
 
             problems += init_from_problems(cfg, manifest)
     return problems

@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def is_finished(variant: Variant) -> bool:
     # lazy: pulls in torch (~1.5 s), kept off this command's start-up (as in plan._data_problems)
-    from pretrain.checkpoint.export import final_export_dir
+    from pretrain.checkpoint.hf_export import final_export_dir
     from pretrain.checkpoint.store import checkpoint_root, tag_for_step
 
     final = checkpoint_root(variant.cfg) / tag_for_step(variant.cfg.train.max_steps) / COMPLETE

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from pretrain import console
+from pretrain.tracking import console
 from data_prep.common.manifest import load_manifest
 from data_prep.common.shards import ShardError
 from pretrain.checkpoint.files import COMPLETE, EXPORT_SOURCE, FINAL_EXPORT, HF_CONFIG_FILE, TOKENIZER_DIR

@@ -20,7 +20,7 @@ The last word is ours. When a rank exits non-zero, DeepSpeed's per-node launcher
 that rank's whole command line (``[ERROR] [launch.py:...:sigkill_handler] [...] exits with return
 code = 2``, 300+ characters) after the trainer's own message. The ranks' output passes through here
 line by line; DeepSpeed's launcher lines go to ``<train.out_dir>/third_party-launcher.log``, and a
-non-zero exit ends with one line that says what the code means (``pretrain.exit_codes``).
+non-zero exit ends with one line that says what the code means (``pretrain.runtime.exit_codes``).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ import psutil
 
 from pretrain.config import loader as configlib
 from pretrain.config.schema import TrainConfig
-from pretrain import exit_codes
+from pretrain.runtime import exit_codes
 from pretrain.runtime import allocator, lifeline, ports
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
