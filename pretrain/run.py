@@ -21,7 +21,7 @@ from pretrain.checkpoint.mirror import CheckpointMirror
 from pretrain.checkpoint.state import STATE_KEY, TrainState
 from pretrain.config import loader as configlib
 from pretrain.config.schema import Config
-from pretrain.data import mixture
+from pretrain.data import make_train_stream, mixture
 from pretrain.eval.downstream import probe_metrics
 from pretrain.tracking import console
 from pretrain.model import keyed_dropout
@@ -152,8 +152,8 @@ def keep_attention(run: Run) -> None:
 
 def build_stream(run: Run, resume_from: str | None):
     cfg, info = run.cfg, run.info
-    stream = mixture.make_train_stream(cfg, run.manifest, info.rank, info.world, cfg.impl.num_workers,
-                                       cfg.impl.prefetch_factor)
+    stream = make_train_stream(cfg, run.manifest, info.rank, info.world, cfg.impl.num_workers,
+                               cfg.impl.prefetch_factor)
     if resume_from:
         stream.load_state_dict(run.state.data)   # another world size or micro-batch continues the same order
     return stream
@@ -201,5 +201,5 @@ def build_run(cfg: Config, manifest: Manifest, tasks: list, resume_from: str | N
              precision, why, model.attention, cfg.impl.zero_stage, eng.num_parameters(model), run.peak, peak_source,
              allocator.describe(info.device.type))
     if mixture.is_mixture(cfg):
-        log.info("data mixture:\n  %s", "\n  ".join(mixture.plan_lines(run.stream, cfg.train.max_steps)))
+        log.info("data mixture:\n  %s", "\n  ".join(run.stream.plan_lines(cfg.train.max_steps)))
     return run

@@ -40,7 +40,6 @@ from pretrain.checkpoint.hf_export import export_and_log, exported_from, final_e
 from pretrain.checkpoint.mirror import wait_for_mirror
 from pretrain.checkpoint.state import STATE_KEY
 from pretrain.config.schema import ConfigError, load_config
-from pretrain.data import mixture
 from pretrain.eval.downstream import baseline_metrics, prepare_tasks, probe_due
 from pretrain.eval.heldout import evaluate      # a fixed set of held-out sequences, at any layout
 from pretrain.eval.tasks import TaskError
@@ -168,7 +167,7 @@ def train_metrics(run: Run, window: ThroughputWindow, result: StepResult) -> dic
             "perf/memory_gb": hardware.peak_memory_gb(run.info.device),
             "perf/memory_current_gb": hardware.current_memory_gb(run.info.device), "train/tokens_seen": state.tokens_seen,
             "train/nonfinite_skipped": state.nonfinite_total,
-            **mixture.data_metrics(run.stream, step, cfg.train.max_steps),
+            **run.stream.metrics(step, cfg.train.max_steps),
             **({"train/mask_rate": rate_at_step(cfg.masking, step - 1, cfg.train.max_steps)}
                if cfg.masking.rate_end is not None else {})}
 

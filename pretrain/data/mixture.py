@@ -24,7 +24,8 @@ continues exactly.
 Micro-batches carry the keys of ``pretrain.data.stream``'s (less ``epoch``: each source has its own) plus
 ``source`` (int64 [mb], each row's source index). Within a step the sources' sequences are concatenated in source order, each in block order; rank
 ``r`` takes the ``r``-th contiguous part, as in ``pretrain.data.stream``. One source is not a mixture: it
-runs ``pretrain.data.stream.TrainStream`` unchanged (its checkpoints stay valid).
+runs ``pretrain.data.stream.TrainStream`` unchanged (its checkpoints stay valid); both are a
+``pretrain.data.stream.Stream`` and read through one worker loop (``_WorkerLoop``).
 """
 from __future__ import annotations
 
@@ -33,21 +34,17 @@ import itertools
 import json
 import math
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
 
 from data_prep.common.manifest import Manifest, load_manifest
-from data_prep.common.storage import StoreUnavailable
-from pretrain.data.stream import (READ_AHEAD, DataError, ShardError, TrainStream, _open_split, _Plan, cached,
-                                  checked_position, ordered_batches)
+from pretrain.data.stream import (MAIN, DataError, Stream, _open_split, _Plan, _WorkerLoop, cached,
+                                  checked_position)
 from pretrain.config.seeds import derive_seed
 from pretrain.data.shard_reader import BlockReader
 
-MAIN = "main"          # the name of the one source that data.dir alone is
 
 
 @dataclass(frozen=True)
@@ -174,12 +171,41 @@ def _sample_id_firsts(plan: _MixPlan) -> list[np.ndarray]:
     return [int(off) + p.layout.block_first for off, p in zip(offsets, plan.plans)]
 
 
-class _MixtureDataset(IterableDataset):
-    """One rank's micro-batches from micro-batch ``start``; worker w of W yields j = start + w (mod W)."""
+class _MixCursor:
+    """The sources' cursors, and the step that consecutive micro-batches share."""
+
+    def __init__(self, dataset: "_MixtureDataset"):
+        self.dataset, self.cursors = dataset, dataset.plan.cursors()
+        self._step: tuple[int, tuple] | None = None
+
+    def step(self, k: int) -> tuple:
+        if self._step is None or self._step[0] != k:
+            self._step = (k, self.dataset._step(self.cursors, self.dataset.firsts, k))
+        return self._step[1]
+
+
+class _MixtureDataset(_WorkerLoop):
+    """One rank's micro-batches of a mixture (see ``pretrain.data.stream._WorkerLoop``)."""
 
     def __init__(self, plan: _MixPlan, rank: int, world: int, micro_batch: int, grad_accum: int, start: int):
         self.plan, self.rank, self.world, self.micro_batch = plan, rank, world, micro_batch
         self.grad_accum, self.start = grad_accum, start
+        self.firsts = _sample_id_firsts(plan)
+        self.remote = any(p.layout.store.local_dir is None for p in plan.plans)
+
+    def readers(self) -> list[BlockReader]:
+        g = self.plan.global_batch
+        return [BlockReader(p.layout, 2 * max(p.window, g) + 2 * p.layout.block_size) for p in self.plan.plans]
+
+    def planner(self) -> _MixCursor:
+        return _MixCursor(self)
+
+    def prefetch(self, readers: list[BlockReader], planner: _MixCursor, k: int, i: int) -> None:
+        for s, blocks, _ in self._pieces(planner.step(k), i):
+            readers[s].prefetch(np.unique(blocks))
+
+    def batch_at(self, readers: list[BlockReader], planner: _MixCursor, k: int, i: int) -> dict:
+        return self._batch(readers, planner.step(k), i)
 
     def _span(self, step, i: int) -> tuple[int, int]:
         """Micro-batch ``i`` of this rank: positions ``[lo, hi)`` of the step."""
@@ -220,46 +246,11 @@ class _MixtureDataset(IterableDataset):
         sample_ids = np.concatenate([first[b] + r for first, (b, r) in zip(firsts, parts)])
         return source, parts, sample_ids, [0, *itertools.accumulate(lengths)]
 
-    def __iter__(self):
-        info = get_worker_info()
-        w, num = (info.id, info.num_workers) if info is not None else (0, 1)
-        cursors = self.plan.cursors()
-        g = self.plan.global_batch
-        readers = [BlockReader(p.layout, 2 * max(p.window, g) + 2 * p.layout.block_size) for p in self.plan.plans]
-        firsts = _sample_id_firsts(self.plan)
-        cached: tuple[int, tuple] | None = None
-        # Remote sources: this worker's next READ_AHEAD micro-batches' blocks are fetched while it works.
-        remote = any(p.layout.store.local_dir is None for p in self.plan.plans)
-        ahead, ahead_cached = (self.plan.cursors() if remote else None), None
-        try:
-            j = self.start + w
-            ahead_j = j
-            while True:
-                while ahead is not None and ahead_j < j + READ_AHEAD * num:
-                    ahead_j += num
-                    k, i = divmod(ahead_j, self.grad_accum)
-                    if ahead_cached is None or ahead_cached[0] != k:
-                        ahead_cached = (k, self._step(ahead, firsts, k))
-                    for s, blocks, _ in self._pieces(ahead_cached[1], i):
-                        readers[s].prefetch(np.unique(blocks))
-                k, i = divmod(j, self.grad_accum)
-                if cached is None or cached[0] != k:
-                    cached = (k, self._step(cursors, firsts, k))
-                yield {**self._batch(readers, cached[1], i), "global_step": k, "micro_step": i}
-                j += num
-        except Exception as exc:       # as pretrain.data: re-raised by the main process with the bare message
-            if info is None or not isinstance(exc, (ShardError, StoreUnavailable)):
-                raise
-            yield {"failure": type(exc), "message": str(exc)}
-        finally:
-            for r in readers:
-                r.close()
-
 
 # ------------------------------------------------------------------------------------ the stream
 
 
-class MixtureStream:
+class MixtureStream(Stream):
     """One rank's infinite, deterministic stream of micro-batches from several sources; the same
     interface and resume rules as ``pretrain.data.stream.TrainStream`` (``samples_consumed`` is the position)."""
 
@@ -284,10 +275,6 @@ class MixtureStream:
         self.grad_accum = global_batch // (micro_batch * world)
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         self.samples_consumed = 0
-
-    @property
-    def global_step(self) -> int:
-        return self.samples_consumed // self.global_batch
 
     @property
     def seq_len(self) -> int:
@@ -347,10 +334,25 @@ class MixtureStream:
                             "global batch and data seed")
         self.samples_consumed = checked_position(state, self.global_batch)
 
-    def __iter__(self) -> Iterator[dict]:
-        start = self.global_step * self.grad_accum
-        dataset = _MixtureDataset(self._plan, self.rank, self.world, self.micro_batch, self.grad_accum, start)
-        yield from ordered_batches(self, dataset, start)
+    def metrics(self, step: int, max_steps: int) -> dict:
+        """Per-source tokens consumed (sequence slots x length, as train/tokens_seen), epochs so far and
+        epochs the run reaches by ``max_steps``."""
+        out = {}
+        for src, count, n, final in zip(self.sources, self.consumed(step), self.source_sequences(),
+                                        self.consumed(max_steps)):
+            out[f"data/{src.name}/tokens"] = int(count) * self.seq_len
+            out[f"data/{src.name}/epochs"] = float(count) / n
+            out[f"data/{src.name}/epochs_at_max_steps"] = float(final) / n
+        return out
+
+    def plan_lines(self, max_steps: int) -> list[str]:
+        final = self.consumed(max_steps)
+        return [(f"{s.name}: {n} sequences, share of the steps {s.share:.3f} ({int(c)} sequences by step "
+                 f"{max_steps}), epochs at step {max_steps}: {c / n:.3f}")
+                for s, n, c in zip(self.sources, self.source_sequences(), final)]
+
+    def dataset(self, start: int) -> _MixtureDataset:
+        return _MixtureDataset(self._plan, self.rank, self.world, self.micro_batch, self.grad_accum, start)
 
 
 # ------------------------------------------------------------------------------------ the trainer's view
@@ -359,39 +361,3 @@ class MixtureStream:
 def source_manifests(cfg, first: Manifest | None = None) -> list[Manifest]:
     return [first if (first is not None and i == 0) else load_manifest(s.dir)
             for i, s in enumerate(resolve_sources(cfg.data))]
-
-
-def make_train_stream(cfg, manifest: Manifest, rank: int, world: int, num_workers: int = 0, prefetch_factor: int = 2):
-    """The run's training stream: ``TrainStream`` for one source, ``MixtureStream`` for several."""
-    if not is_mixture(cfg):
-        return TrainStream(cfg.data.dir, manifest, cfg.data.train_split, rank, world, cfg.impl.micro_batch_size,
-                           cfg.train.global_batch_size, cfg.data.seed, num_workers, prefetch_factor)
-    return MixtureStream(resolve_sources(cfg.data), source_manifests(cfg, manifest), cfg.data.train_split, rank,
-                         world, cfg.impl.micro_batch_size, cfg.train.global_batch_size, cfg.data.seed, num_workers,
-                         prefetch_factor)
-
-
-def data_metrics(stream, step: int, max_steps: int) -> dict:
-    """Per-source tokens consumed (sequence slots x length, as train/tokens_seen), epochs so far and
-    epochs the run reaches by ``max_steps``; nothing for one source (train/tokens_seen says it)."""
-    if not isinstance(stream, MixtureStream):
-        return {}
-    out = {}
-    for src, count, n, final in zip(stream.sources, stream.consumed(step), stream.source_sequences(),
-                                    stream.consumed(max_steps)):
-        out[f"data/{src.name}/tokens"] = int(count) * stream.seq_len
-        out[f"data/{src.name}/epochs"] = float(count) / n
-        out[f"data/{src.name}/epochs_at_max_steps"] = float(final) / n
-    return out
-
-
-def plan_lines(stream, max_steps: int) -> list[str]:
-    """What ``plan`` prints, and the trainer logs at the start: each source's size, share and epochs."""
-    if not isinstance(stream, MixtureStream):
-        n = stream.sequences_in_split      # less the tail each epoch drops
-        return [(f"{MAIN}: {n} sequences, share of the steps 1.000, epochs at step {max_steps}: "
-                f"{max_steps / stream.steps_per_epoch:.3f}")]
-    final = stream.consumed(max_steps)
-    return [(f"{s.name}: {n} sequences, share of the steps {s.share:.3f} ({int(c)} sequences by step "
-             f"{max_steps}), epochs at step {max_steps}: {c / n:.3f}")
-            for s, n, c in zip(stream.sources, stream.source_sequences(), final)]

@@ -16,13 +16,8 @@ import sys
 from data_prep.common.manifest import Manifest, load_manifest
 from data_prep.common.shards import ShardError
 from pretrain.config.schema import Config, ConfigError, load_config
-from pretrain.data.mixture import (
-    is_mixture,
-    make_train_stream,
-    min_share_problems,
-    plan_lines,
-    resolve_sources,
-)
+from pretrain.data import make_train_stream
+from pretrain.data.mixture import is_mixture, min_share_problems, resolve_sources
 from pretrain.data.shard_reader import check_manifest
 
 _SHARED = (("seq_len", lambda m: m.seq_len),
@@ -92,7 +87,7 @@ def plan(cfg: Config, world: int = 1) -> list[str]:
     cfg.impl.micro_batch_size = micro        # the plan does not depend on how a step is cut
     stream = make_train_stream(cfg, manifest, 0, world)
     return [f"{cfg.train.max_steps} steps of {cfg.train.global_batch_size} sequences of {stream.seq_len} tokens",
-            *plan_lines(stream, cfg.train.max_steps)]
+            *stream.plan_lines(cfg.train.max_steps)]
 
 
 def main(argv=None) -> int:

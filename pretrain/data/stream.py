@@ -68,12 +68,13 @@ from pretrain.data.shard_reader import (
 )
 
 __all__ = [
-    "DataError", "ShardError", "TokenIdError", "check_manifest", "index_all_shards", "TrainStream",
+    "DataError", "ShardError", "TokenIdError", "check_manifest", "index_all_shards", "Stream", "TrainStream",
 ]
 
 # Seed domains, so that the block order of an epoch and the window shuffles never share a stream.
 _BLOCK_ORDER, _WINDOW_ORDER = 0, 1
 READ_AHEAD = 4     # micro-batches a worker fetches ahead from a remote store (blocks in flight: BlockReader)
+MAIN = "main"      # the name of the one source that data.dir alone is
 
 
 def _open_split(data_dir, manifest: Optional[Manifest], split) -> tuple[Manifest, SplitLayout]:
@@ -172,36 +173,34 @@ class _RankSlice:
         return step[0][lo:lo + self.micro_batch], step[1][lo:lo + self.micro_batch]
 
 
-class _TrainDataset(IterableDataset):
-    """Infinite stream of one rank's micro-batches from micro-batch ``start``; worker w of W yields
-    j = start + w (mod W)."""
+class _WorkerLoop(IterableDataset):
+    """One rank's infinite micro-batches from micro-batch ``start``, for one source or a mixture: worker
+    w of W yields j = start + w (mod W), and from a remote store fetches the blocks of its next
+    ``READ_AHEAD`` micro-batches while it works. A subclass says what a planner, a prefetch and a
+    micro-batch are."""
+    grad_accum: int
+    start: int
+    remote: bool
 
-    def __init__(self, plan: _Plan, part: _RankSlice, grad_accum: int, start: int, cache_sequences: int):
-        self.plan, self.part, self.grad_accum = plan, part, grad_accum
-        self.start, self.cache_sequences = start, cache_sequences
+    def readers(self) -> list[BlockReader]: raise NotImplementedError
+    def planner(self): raise NotImplementedError
+    def prefetch(self, readers: list[BlockReader], planner, k: int, i: int) -> None: raise NotImplementedError
+    def batch_at(self, readers: list[BlockReader], planner, k: int, i: int) -> dict: raise NotImplementedError
 
     def __iter__(self):
         info = get_worker_info()
         w, num = (info.id, info.num_workers) if info is not None else (0, 1)
-        cursor = _PlanCursor(self.plan)
-        reader = BlockReader(self.plan.layout, self.cache_sequences)
-        first = self.plan.layout.block_first
-        # A remote store: this worker's next READ_AHEAD micro-batches' blocks are fetched while it works.
-        ahead = _PlanCursor(self.plan) if self.plan.layout.store.local_dir is None else None
+        readers, planner = self.readers(), self.planner()
+        ahead = self.planner() if self.remote else None     # its own planner: it runs steps ahead
         try:
             j = self.start + w
             ahead_j = j
             while True:
                 while ahead is not None and ahead_j < j + READ_AHEAD * num:
                     ahead_j += num
-                    reader.prefetch(self.part.take(ahead.step(ahead_j // self.grad_accum),
-                                                   ahead_j % self.grad_accum)[0])
+                    self.prefetch(readers, ahead, *divmod(ahead_j, self.grad_accum))
                 k, i = divmod(j, self.grad_accum)
-                blocks, rows = self.part.take(cursor.step(k), i)
-                input_ids, word_starts, has_padding = reader.gather(blocks, rows)
-                yield {"input_ids": input_ids, "word_starts": word_starts,
-                       "sample_ids": torch.from_numpy(first[blocks] + rows), "has_padding": has_padding,
-                       "global_step": k, "micro_step": i, "epoch": k // self.plan.steps_per_epoch}
+                yield {**self.batch_at(readers, planner, k, i), "global_step": k, "micro_step": i}
                 j += num
         except Exception as exc:       # not ``except ShardError``: that name may be gone at interpreter exit
             if info is None or not isinstance(exc, (ShardError, StoreUnavailable)):
@@ -210,10 +209,67 @@ class _TrainDataset(IterableDataset):
             # own re-raise would wrap it in the worker's traceback text.
             yield {"failure": type(exc), "message": str(exc)}
         finally:
-            reader.close()
+            for reader in readers:
+                reader.close()
 
 
-class TrainStream:
+class _TrainDataset(_WorkerLoop):
+    """One source's micro-batches (see ``_WorkerLoop``)."""
+
+    def __init__(self, plan: _Plan, part: _RankSlice, grad_accum: int, start: int, cache_sequences: int):
+        self.plan, self.part, self.grad_accum = plan, part, grad_accum
+        self.start, self.cache_sequences = start, cache_sequences
+        self.remote = plan.layout.store.local_dir is None
+
+    def readers(self) -> list[BlockReader]:
+        return [BlockReader(self.plan.layout, self.cache_sequences)]
+
+    def planner(self) -> _PlanCursor:
+        return _PlanCursor(self.plan)
+
+    def prefetch(self, readers: list[BlockReader], planner: _PlanCursor, k: int, i: int) -> None:
+        readers[0].prefetch(self.part.take(planner.step(k), i)[0])
+
+    def batch_at(self, readers: list[BlockReader], planner: _PlanCursor, k: int, i: int) -> dict:
+        blocks, rows = self.part.take(planner.step(k), i)
+        input_ids, word_starts, has_padding = readers[0].gather(blocks, rows)
+        return {"input_ids": input_ids, "word_starts": word_starts,
+                "sample_ids": torch.from_numpy(self.plan.layout.block_first[blocks] + rows),
+                "has_padding": has_padding, "epoch": k // self.plan.steps_per_epoch}
+
+
+class Stream:
+    """What the trainer reads: one rank's infinite, deterministic micro-batches from a global sample
+    position (``samples_consumed``, a multiple of ``global_batch``), one source (``TrainStream``) or
+    several (``pretrain.data.mixture.MixtureStream``). Iterating again restarts at that position."""
+    global_batch: int
+    grad_accum: int
+    num_workers: int
+    prefetch_factor: int
+    samples_consumed: int
+
+    @property
+    def global_step(self) -> int:
+        """The next global step this stream yields."""
+        return self.samples_consumed // self.global_batch
+
+    def metrics(self, step: int, max_steps: int) -> dict:
+        """What the trainer logs about the data at ``step`` beside its own counters."""
+        return {}
+
+    def plan_lines(self, max_steps: int) -> list[str]:
+        """What ``python -m pretrain.data plan`` prints: each source's size, share and epochs."""
+        raise NotImplementedError
+
+    def dataset(self, start: int) -> _WorkerLoop:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[dict]:
+        start = self.global_step * self.grad_accum
+        yield from ordered_batches(self, self.dataset(start), start)
+
+
+class TrainStream(Stream):
     """One rank's infinite, deterministic stream of training micro-batches (see the module docstring).
 
     ``samples_consumed`` counts the sequences of all complete global steps this stream has yielded,
@@ -275,11 +331,6 @@ class TrainStream:
         return self.sequences_in_split - self.steps_per_epoch * self.global_batch
 
     @property
-    def global_step(self) -> int:
-        """The next global step this stream yields."""
-        return self.samples_consumed // self.global_batch
-
-    @property
     def epoch(self) -> int:
         return self.global_step // self.steps_per_epoch
 
@@ -325,11 +376,13 @@ class TrainStream:
                             "global batch, data seed, split and shards")
         self.samples_consumed = checked_position(state, self.global_batch)
 
-    # -- iteration
-    def __iter__(self) -> Iterator[dict]:
-        start = self.global_step * self.grad_accum
-        dataset = _TrainDataset(self._plan, self._part, self.grad_accum, start, self._cache_sequences)
-        yield from ordered_batches(self, dataset, start)
+    def plan_lines(self, max_steps: int) -> list[str]:
+        n = self.sequences_in_split      # less the tail each epoch drops
+        return [(f"{MAIN}: {n} sequences, share of the steps 1.000, epochs at step {max_steps}: "
+                 f"{max_steps / self.steps_per_epoch:.3f}")]
+
+    def dataset(self, start: int) -> _TrainDataset:
+        return _TrainDataset(self._plan, self._part, self.grad_accum, start, self._cache_sequences)
 
 
 def checked_position(state: dict, global_batch: int) -> int:

@@ -26,7 +26,7 @@ from pretrain.runtime import engine, hardware
 from pretrain.config.schema import Config
 from pretrain.config.loader import ConfigError
 from pretrain.data import mixture_checks
-from pretrain.data.mixture import make_train_stream
+from pretrain.data import make_train_stream
 from pretrain.data.shard_cache import cache_dir_problems
 from pretrain.data.stream import DataError, check_manifest
 from pretrain.checkpoint.phases import init_checkpoint_problems
