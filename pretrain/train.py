@@ -66,11 +66,9 @@ def fit(run: Run) -> int:
     grad_accum, seq_len = cfg.grad_accum_steps(info.world), run.manifest.seq_len
     watchdog = HangWatchdog(cfg.train.hang_timeout_s, cfg.train.out_dir, info.rank, run.tracker)
     health = LayerHealth(run.engine, cfg.train.health_every, cfg.impl.zero_stage)
-    guard = SpikeGuard(cfg.train.spike_guard, cfg.train.global_batch_size, checkpointing.checkpoint_root(cfg),
-                       run.tracker) if cfg.train.spike_guard.enabled else None
+    guard = spike_guard_of(run)
     try:
-        if run.tasks and state.step == 0:      # what the probe scores mean: random weights, majority class
-            run.emit(baseline_metrics(run.model.hf_model.config, run.tasks, info.device, cfg.eval.downstream_batch_size), 0)
+        emit_probe_baselines(run)
         batches, window, nonfinite_in_a_row = iter(run.stream), ThroughputWindow(info.device), 0
         resume_log.restore_window(window, state.log_window, info.rank)   # the first log averages the whole window
         while state.step < cfg.train.max_steps:
@@ -119,6 +117,21 @@ def fit(run: Run) -> int:
     finally:
         watchdog.stop()
         run.tracker.finish(run.status)        # flushes what it buffered and marks the run
+
+
+def spike_guard_of(run: Run) -> SpikeGuard | None:
+    cfg = run.cfg
+    if not cfg.train.spike_guard.enabled:
+        return None
+    return SpikeGuard(cfg.train.spike_guard, cfg.train.global_batch_size, checkpointing.checkpoint_root(cfg), run.tracker)
+
+
+def emit_probe_baselines(run: Run) -> None:
+    """What the probe scores mean (random weights, majority class), once, at step 0."""
+    if run.tasks and run.state.step == 0:
+        cfg = run.cfg
+        run.emit(baseline_metrics(run.model.hf_model.config, run.tasks, run.info.device,
+                                  cfg.eval.downstream_batch_size), 0)
 
 
 def recover_from_spike(run: Run, guard: SpikeGuard, spike, batches):

@@ -232,6 +232,38 @@ def padded_vocab(vocab_size: int, multiple: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def _pretrained(model_cfg: ModelConfig, vocab_size: int, attention: str):
+    """``model.init_from``'s checkpoint, and the names of the weights it did not hold (they start fresh)."""
+    folder = model_cfg.init_from
+    problems = model_cfg.init_from_problems()
+    if problems:
+        raise ValueError("model." + "; model.".join(problems))
+    found = AutoConfig.from_pretrained(folder, local_files_only=True)
+    if found.vocab_size != vocab_size:
+        raise ValueError(f"model.init_from: {folder!r} has vocab_size {found.vocab_size}, but the data's "
+                         f"manifest says {vocab_size}: prepare the data with that model's tokenizer")
+    hf_model, loading = MASKED_LM_CLASSES[model_cfg.arch].from_pretrained(
+        folder, attn_implementation=attention, dtype=torch.float32, local_files_only=True,
+        output_loading_info=True)
+    fresh = set(loading["missing_keys"])
+    if fresh:     # one line instead of transformers' load report
+        log.info("model.init_from: %d weight tensors are not in %s and start fresh (%s)", len(fresh), folder,
+                 ", ".join(sorted({k.rsplit(".", 1)[0] for k in fresh})[:4]) + (", ..." if len(fresh) > 4 else ""))
+    return hf_model, fresh
+
+
+def _new_model(model_cfg: ModelConfig, rows: int, special: SpecialIds, attention: str, shape_from: str | None):
+    """A freshly initialised model of ``model_cfg``'s shape, or of ``shape_from``'s (a new phase)."""
+    if shape_from:
+        config = MASKED_LM_CLASSES[model_cfg.arch].config_class.from_json_file(shape_from)
+        config._attn_implementation = attention
+        if model_cfg.arch == "modernbert":      # rotary positions: no parameter, a longer context may follow
+            config.max_position_embeddings = max(config.max_position_embeddings, model_cfg.max_position_embeddings)
+    else:
+        config = CONFIG_BUILDERS[model_cfg.arch](model_cfg, rows, special, attention)
+    return MASKED_LM_CLASSES[model_cfg.arch](config)
+
+
 def build_model(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, impl: ImplConfig,
                 seq_len: int | None = None, shape_from: str | None = None,
                 vocab_rows: int | None = None) -> MLMModel:
@@ -246,31 +278,9 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, im
     rows = vocab_rows or padded_vocab(vocab_size, model_cfg.vocab_multiple)
     attention = attention_implementation(impl)
     if model_cfg.init_from:
-        folder = model_cfg.init_from
-        problems = model_cfg.init_from_problems()
-        if problems:
-            raise ValueError("model." + "; model.".join(problems))
-        found = AutoConfig.from_pretrained(folder, local_files_only=True)
-        if found.vocab_size != vocab_size:
-            raise ValueError(f"model.init_from: {folder!r} has vocab_size {found.vocab_size}, but the data's "
-                             f"manifest says {vocab_size}: prepare the data with that model's tokenizer")
-        hf_model, loading = MASKED_LM_CLASSES[model_cfg.arch].from_pretrained(
-            folder, attn_implementation=attention, dtype=torch.float32, local_files_only=True,
-            output_loading_info=True)
-        fresh = set(loading["missing_keys"])
-        if fresh:     # one line instead of transformers' load report
-            log.info("model.init_from: %d weight tensors are not in %s and start fresh (%s)", len(fresh), folder,
-                     ", ".join(sorted({k.rsplit(".", 1)[0] for k in fresh})[:4]) + (", ..." if len(fresh) > 4 else ""))
+        hf_model, fresh = _pretrained(model_cfg, vocab_size, attention)
     else:
-        if shape_from:
-            config = MASKED_LM_CLASSES[model_cfg.arch].config_class.from_json_file(shape_from)
-            config._attn_implementation = attention
-            if model_cfg.arch == "modernbert":      # rotary positions: no parameter, a longer context may follow
-                config.max_position_embeddings = max(config.max_position_embeddings, model_cfg.max_position_embeddings)
-        else:
-            config = CONFIG_BUILDERS[model_cfg.arch](model_cfg, rows, special, attention)
-        hf_model = MASKED_LM_CLASSES[model_cfg.arch](config)
-        fresh = set()
+        hf_model, fresh = _new_model(model_cfg, rows, special, attention, shape_from), set()
     if model_cfg.init_from and rows != vocab_size:
         # Rows past the tokenizer's are never read (no such id) nor predicted: their values do not matter.
         hf_model.resize_token_embeddings(rows, mean_resizing=False)

@@ -331,20 +331,26 @@ class MlflowTracker(Tracker):
             if self._rejected <= 5 or batch[0][0] in ("dir", "register"):
                 log.warning("MLflow: the server rejected %r (%s); dropped", batch[0][:3], exc)
 
+    def _requested_run(self):
+        """The run to continue (a resumed job's), or None: none asked for, not found, or deleted."""
+        if not self._want_run:
+            return None
+        run = None
+        try:
+            run = self._call(self.client.get_run, self._want_run)
+        except _Unreachable:
+            raise
+        except MlflowException as exc:
+            log.warning("MLflow: run %s not found on %s (%s); starting a new run",
+                        self._want_run, self.tracking_uri, exc)
+        if run is not None and run.info.lifecycle_stage != "active":
+            log.warning("MLflow: run %s was deleted; starting a new run", self._want_run)
+            run = None
+        return run
+
     def _open(self) -> None:
         """Continue the requested run or create one; queue what a new run gets first."""
-        run = None
-        if self._want_run:
-            try:
-                run = self._call(self.client.get_run, self._want_run)
-            except _Unreachable:
-                raise
-            except MlflowException as exc:
-                log.warning("MLflow: run %s not found on %s (%s); starting a new run",
-                            self._want_run, self.tracking_uri, exc)
-            if run is not None and run.info.lifecycle_stage != "active":
-                log.warning("MLflow: run %s was deleted; starting a new run", self._want_run)
-                run = None
+        run = self._requested_run()
         params, artifacts = self._init
         init: list = []
         if run is not None:
