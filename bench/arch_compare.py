@@ -28,6 +28,7 @@ measured here before the runs and passed to both (``impl.peak_tflops``).
 Shards: ``--data DIR`` (it needs a validation split), or the embedded Wikipedia sample sharded with
 the real ``data_prep`` CLI into ``--work-dir`` (bert-base-uncased vocabulary, 5% of documents held out).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +61,7 @@ def held_out_shards(folder: Path, seq_len: int) -> Path:
 def matmul_peak(precision: str, threads: int) -> float:
     import torch
 
-    try:                                                   # where the lead's hardware module has it
+    try:  # where the lead's hardware module has it
         from pretrain.runtime.hardware import measure_matmul_peak_tflops
     except ImportError:
         from pretrain.model.flops import measure_matmul_peak_tflops
@@ -72,47 +73,81 @@ def matmul_peak(precision: str, threads: int) -> float:
 def train_for(arch: str, args, shards: Path, peak: float) -> dict:
     """One budget-limited training run; returns its figures and the exported model folder."""
     out_dir = Path(args.work_dir) / "runs" / arch
-    cmd = [sys.executable, "-m", "pretrain.train", "--config", str(CONFIG), *ARCHS[arch],
-           f"data.dir={shards}", f"train.out_dir={out_dir}", "train.resume=none", "train.max_steps=1000000",
-           f"train.log_every={args.log_every}", "train.eval_every=0", "train.checkpoint_every=0",
-           "train.keep_checkpoints=1", f"train.global_batch_size={args.batch_size}",
-           f"model.max_position_embeddings={max(512, args.seq_len)}", "optim.schedule=constant",
-           f"optim.warmup_steps={args.warmup_steps}", f"impl.micro_batch_size={args.batch_size}",
-           "impl.zero_stage=0", "impl.num_workers=0", "impl.compile=false", f"impl.precision={args.precision}",
-           f"impl.peak_tflops={peak}", "tracking.backend=none"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pretrain.train",
+        "--config",
+        str(CONFIG),
+        *ARCHS[arch],
+        f"data.dir={shards}",
+        f"train.out_dir={out_dir}",
+        "train.resume=none",
+        "train.max_steps=1000000",
+        f"train.log_every={args.log_every}",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+        "train.keep_checkpoints=1",
+        f"train.global_batch_size={args.batch_size}",
+        f"model.max_position_embeddings={max(512, args.seq_len)}",
+        "optim.schedule=constant",
+        f"optim.warmup_steps={args.warmup_steps}",
+        f"impl.micro_batch_size={args.batch_size}",
+        "impl.zero_stage=0",
+        "impl.num_workers=0",
+        "impl.compile=false",
+        f"impl.precision={args.precision}",
+        f"impl.peak_tflops={peak}",
+        "tracking.backend=none",
+    ]
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     load_before = load_average()
     started = None
     with open(out_dir / "stdout.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=thread_env(args.threads), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:                        # the trainer logs a line per log_every steps
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=thread_env(args.threads), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for line in proc.stdout:  # the trainer logs a line per log_every steps
             log.write(line)
             if started is None and " start: step " in line:
                 started = time.perf_counter()
                 timer = _sigterm_after(proc, args.budget_s)
         proc.wait()
     if started is None or proc.returncode != 3:
-        raise RuntimeError(f"{arch}: pretrain.train exited {proc.returncode} (expected 3 after SIGTERM); "
-                           f"command:\n  {' '.join(cmd)}\nlast output:\n{(out_dir / 'stdout.log').read_text()[-3000:]}")
+        raise RuntimeError(
+            f"{arch}: pretrain.train exited {proc.returncode} (expected 3 after SIGTERM); "
+            f"command:\n  {' '.join(cmd)}\nlast output:\n{(out_dir / 'stdout.log').read_text()[-3000:]}"
+        )
     timer.cancel()
     trained_s = time.perf_counter() - started
     hf_dir = out_dir / "hf"
-    subprocess.run([sys.executable, "-m", "pretrain.export", str(out_dir / "checkpoints"), str(hf_dir)], cwd=REPO,
-                   env=thread_env(args.threads), check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pretrain.export", str(out_dir / "checkpoints"), str(hf_dir)],
+        cwd=REPO,
+        env=thread_env(args.threads),
+        check=True,
+        capture_output=True,
+    )
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if not any("perf/tokens_per_s" in r for r in rows):
-        raise RuntimeError(f"{arch}: no logging window finished in {args.budget_s} s; raise --budget-s or lower "
-                           f"--log-every ({out_dir / 'stdout.log'})")
+        raise RuntimeError(
+            f"{arch}: no logging window finished in {args.budget_s} s; raise --budget-s or lower "
+            f"--log-every ({out_dir / 'stdout.log'})"
+        )
     windows = [r for r in rows if "perf/tokens_per_s" in r][1:] or [r for r in rows if "perf/tokens_per_s" in r]
     steps = max(r["step"] for r in rows)
-    return {"arch": arch, "hf_dir": hf_dir, "steps": steps, "trained_s": trained_s,
-            "tokens": steps * args.batch_size * args.seq_len,
-            "tokens_per_s": sum(r["perf/tokens_per_s"] for r in windows) / len(windows),
-            "mfu": sum(r["perf/mfu"] for r in windows) / len(windows),
-            "train_loss": [r for r in rows if "train/loss" in r][-1]["train/loss"],
-            "load": (load_before[0], load_average()[0])}
+    return {
+        "arch": arch,
+        "hf_dir": hf_dir,
+        "steps": steps,
+        "trained_s": trained_s,
+        "tokens": steps * args.batch_size * args.seq_len,
+        "tokens_per_s": sum(r["perf/tokens_per_s"] for r in windows) / len(windows),
+        "mfu": sum(r["perf/mfu"] for r in windows) / len(windows),
+        "train_loss": [r for r in rows if "train/loss" in r][-1]["train/loss"],
+        "load": (load_before[0], load_average()[0]),
+    }
 
 
 def _sigterm_after(proc: subprocess.Popen, seconds: float):
@@ -136,8 +171,11 @@ def held_out_mlm(hf_dir: Path, shards: Path, batch_size: int, max_batches: int, 
     torch.set_num_threads(threads)
     model = AutoModelForMaskedLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     out = mlm_eval_model(model, shards, load_manifest(shards), batch_size, max_batches)
-    return {"eval_loss": out["loss"], "eval_accuracy": out["accuracy"],
-            "params": sum(p.numel() for p in model.parameters())}
+    return {
+        "eval_loss": out["loss"],
+        "eval_accuracy": out["accuracy"],
+        "params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def word_order_probe(hf_dir: Path, shards: Path, max_examples: int, threads: int) -> dict:
@@ -152,8 +190,10 @@ def word_order_probe(hf_dir: Path, shards: Path, max_examples: int, threads: int
     torch.set_num_threads(threads)
     spec = DownstreamTaskConfig(name="word_order", path="word_order", max_examples=max_examples)
     metrics = evaluate_model(hf_dir, [spec], "probe", str(shards))
-    return {"probe_accuracy": metrics["downstream/word_order/accuracy"],
-            "probe_random_init_accuracy": metrics["downstream/word_order/random_init_accuracy"]}
+    return {
+        "probe_accuracy": metrics["downstream/word_order/accuracy"],
+        "probe_random_init_accuracy": metrics["downstream/word_order/random_init_accuracy"],
+    }
 
 
 def main(argv=None) -> int:
@@ -167,8 +207,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-batches", type=int, default=0, help="validation batches (0: the whole split)")
-    p.add_argument("--probe-examples", type=int, default=2000,
-                   help="word-order probe examples per split (0: skip the probe)")
+    p.add_argument(
+        "--probe-examples", type=int, default=2000, help="word-order probe examples per split (0: skip the probe)"
+    )
     p.add_argument("--data", default="", help="shards with a validation split (default: the embedded sample)")
     p.add_argument("--work-dir", default="/tmp/mlm_arch_compare")
     args = p.parse_args(argv)
@@ -180,8 +221,11 @@ def main(argv=None) -> int:
 
     args.seq_len = load_manifest(shards).seq_len
     peak = matmul_peak(args.precision, args.threads)
-    print(f"shards {shards} (seq len {args.seq_len}); {args.precision} matmul peak {peak:.3f} TFLOP/s "
-          f"on {args.threads} threads; budget {args.budget_s:.0f} s per architecture", flush=True)
+    print(
+        f"shards {shards} (seq len {args.seq_len}); {args.precision} matmul peak {peak:.3f} TFLOP/s "
+        f"on {args.threads} threads; budget {args.budget_s:.0f} s per architecture",
+        flush=True,
+    )
     results = []
     for arch in args.archs:
         res = train_for(arch, args, shards, peak)
@@ -191,24 +235,48 @@ def main(argv=None) -> int:
         results.append(res)
         print(json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in res.items()}), flush=True)
 
-    header = ["arch", "params", "seconds trained", "steps", "tokens", "tokens/s", "MFU", "train loss (last window)",
-              "held-out MLM loss", "held-out MLM accuracy (15%)", "word-order probe acc (random init)",
-              "load avg before/after"]
-    table = [[r["arch"], f"{r['params'] / 1e6:.2f}M", f"{r['trained_s']:.0f}", r["steps"], f"{r['tokens']:,}",
-              f"{r['tokens_per_s']:,.0f}",
-              f"{100 * r['mfu']:.1f}%", f"{r['train_loss']:.3f}", f"{r['eval_loss']:.3f}",
-              f"{100 * r['eval_accuracy']:.2f}%",
-              f"{r['probe_accuracy']:.3f} ({r['probe_random_init_accuracy']:.3f})" if "probe_accuracy" in r else "-",
-              f"{r['load'][0]:.1f} / {r['load'][1]:.1f}"] for r in results]
+    header = [
+        "arch",
+        "params",
+        "seconds trained",
+        "steps",
+        "tokens",
+        "tokens/s",
+        "MFU",
+        "train loss (last window)",
+        "held-out MLM loss",
+        "held-out MLM accuracy (15%)",
+        "word-order probe acc (random init)",
+        "load avg before/after",
+    ]
+    table = [
+        [
+            r["arch"],
+            f"{r['params'] / 1e6:.2f}M",
+            f"{r['trained_s']:.0f}",
+            r["steps"],
+            f"{r['tokens']:,}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{100 * r['mfu']:.1f}%",
+            f"{r['train_loss']:.3f}",
+            f"{r['eval_loss']:.3f}",
+            f"{100 * r['eval_accuracy']:.2f}%",
+            f"{r['probe_accuracy']:.3f} ({r['probe_random_init_accuracy']:.3f})" if "probe_accuracy" in r else "-",
+            f"{r['load'][0]:.1f} / {r['load'][1]:.1f}",
+        ]
+        for r in results
+    ]
     print()
     print(format_table(header, table))
     if len(results) == 2:
         a, b = results
-        print(f"\n{b['arch']} / {a['arch']}: tokens/s x{b['tokens_per_s'] / a['tokens_per_s']:.2f}, "
-              f"MFU x{b['mfu'] / a['mfu']:.2f}, "
-              f"held-out accuracy {100 * (b['eval_accuracy'] - a['eval_accuracy']):+.2f} points, "
-              f"held-out loss {b['eval_loss'] - a['eval_loss']:+.3f} (perplexity x"
-              f"{math.exp(b['eval_loss'] - a['eval_loss']):.2f}) in the same {args.budget_s:.0f} s")
+        print(
+            f"\n{b['arch']} / {a['arch']}: tokens/s x{b['tokens_per_s'] / a['tokens_per_s']:.2f}, "
+            f"MFU x{b['mfu'] / a['mfu']:.2f}, "
+            f"held-out accuracy {100 * (b['eval_accuracy'] - a['eval_accuracy']):+.2f} points, "
+            f"held-out loss {b['eval_loss'] - a['eval_loss']:+.3f} (perplexity x"
+            f"{math.exp(b['eval_loss'] - a['eval_loss']):.2f}) in the same {args.budget_s:.0f} s"
+        )
     return 0
 
 

@@ -10,6 +10,7 @@ documents per second per core: ours end to end, ours without the quality rules, 
 the same libraries (``rensa`` MinHash, fastText lid.176 through ``fasttext``, a dict of LSH bands)
 on the same records. Then the LSH choice: datatrove's 14 x 8 bands against ours.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,23 @@ REMOVED = ("boilerplate", "de", "fr", "es", "heldout-exact", "heldout-near")
 
 
 def run_clean(inputs: list[Path], held: Path, out: Path, workers: int, *extra: str) -> float:
-    cmd = [sys.executable, "-m", "data_prep", "clean", "--input", *map(str, inputs), "--out", str(out),
-           "--decontaminate-against", str(held), "--workers", str(workers), "--set", "write_removed=true", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "data_prep",
+        "clean",
+        "--input",
+        *map(str, inputs),
+        "--out",
+        str(out),
+        "--decontaminate-against",
+        str(held),
+        "--workers",
+        str(workers),
+        "--set",
+        "write_removed=true",
+        *extra,
+    ]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
@@ -64,9 +80,14 @@ def measure(records: list[dict], out: Path) -> dict:
         res[fault] = sum(1 for r in docs if r["id"] not in kept) / len(docs)
     res["unique kept"] = sum(1 for n in survivors.values() if n) / len(survivors)
     clean = [r for r in records if r["fault"] == "none"]
-    res["clean removed by rules"] = sum(1 for r in clean if removed_by.get(r["id"], "").startswith(("quality", "language"))) / len(clean)
-    res["by rule"] = collections.Counter(removed_by[r["id"]] for r in clean if r["id"] in removed_by
-                                         and removed_by[r["id"]].startswith(("quality", "language")))
+    res["clean removed by rules"] = sum(
+        1 for r in clean if removed_by.get(r["id"], "").startswith(("quality", "language"))
+    ) / len(clean)
+    res["by rule"] = collections.Counter(
+        removed_by[r["id"]]
+        for r in clean
+        if r["id"] in removed_by and removed_by[r["id"]].startswith(("quality", "language"))
+    )
     return res
 
 
@@ -92,9 +113,9 @@ def bare_loop(inputs: list[Path], out: Path, bands: int = 28, rows: int = 4) -> 
                 words = not_word.sub(" ", text.lower()).split()
                 key = hashlib.blake2b(" ".join(words).encode(), digest_size=16).digest()
                 m = rensa.RMinHash(num_perm=bands * rows, seed=1)
-                m.update([" ".join(words[j:j + 5]) for j in range(max(1, len(words) - 4))])
+                m.update([" ".join(words[j : j + 5]) for j in range(max(1, len(words) - 4))])
                 sig = m.digest()
-                bands_of = [tuple(sig[b * rows:(b + 1) * rows]) for b in range(bands)]
+                bands_of = [tuple(sig[b * rows : (b + 1) * rows]) for b in range(bands)]
                 (label,), _ = model.predict(text.replace("\n", " "), k=1)
                 duplicate = key in exact or any(k in seen for k, seen in zip(bands_of, buckets))
                 exact.add(key)
@@ -114,12 +135,17 @@ def main() -> None:
     inputs, held = write_faulty_corpus(work / "in")
     records = read_jsonl(inputs)
     n = len(records)
-    print(f"corpus: {n:,} documents ({collections.Counter(r['fault'] for r in records)}); held out: "
-          f"{sum(1 for _ in open(held))} articles; cpu: {os.cpu_count()} core(s), clean --workers {args.workers}")
+    print(
+        f"corpus: {n:,} documents ({collections.Counter(r['fault'] for r in records)}); held out: "
+        f"{sum(1 for _ in open(held))} articles; cpu: {os.cpu_count()} core(s), clean --workers {args.workers}"
+    )
 
-    runs = {"ours (all steps)": [], "ours, no quality rules": ["--set", "quality.enabled=false"],
-            "ours, datatrove's 14 x 8 bands": ["--set", "near.bands=14", "--set", "near.rows=8"],
-            "ours, no similarity check": ["--set", "near.min_similarity=0"]}
+    runs = {
+        "ours (all steps)": [],
+        "ours, no quality rules": ["--set", "quality.enabled=false"],
+        "ours, datatrove's 14 x 8 bands": ["--set", "near.bands=14", "--set", "near.rows=8"],
+        "ours, no similarity check": ["--set", "near.min_similarity=0"],
+    }
     results = {}
     for name, extra in runs.items():
         out = work / name.replace(" ", "_").replace(",", "").replace("'", "")
@@ -139,8 +165,10 @@ def main() -> None:
         seconds = results[name][0]
         print(f"{name:32}{seconds:>10.2f}{n / seconds / per_core:>14,.0f}{bare / seconds * per_core:>10.2f}x")
     print(f"{'bare rensa + fastText + LSH':32}{bare:>10.2f}{n / bare:>14,.0f}{1.0:>10.2f}x")
-    print("(ours: the whole command, Python's start-up and the three stages' files included; bare: one loop "
-          "reading, hashing, identifying the language and writing, without clusters or a report)")
+    print(
+        "(ours: the whole command, Python's start-up and the three stages' files included; bare: one loop "
+        "reading, hashing, identifying the language and writing, without clusters or a report)"
+    )
 
 
 if __name__ == "__main__":

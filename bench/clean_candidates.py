@@ -11,6 +11,7 @@ ships it, ``py3langid``, ``lingua`` in its low-accuracy mode): documents per sec
 articles not called English, and German, French and Spanish documents named right. A candidate that
 is not installed is skipped and named.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -40,7 +41,9 @@ def minhash_candidates(perm: int):
                 m = cls(num_perm=perm, seed=1)
                 m.update(items)
                 return np.asarray(m.digest(), dtype=np.uint32)
+
             return sig
+
         out["rensa RMinHash"] = r(rensa.RMinHash)
         out["rensa CMinHash"] = r(rensa.CMinHash)
     if importlib.util.find_spec("datasketch"):
@@ -49,7 +52,8 @@ def minhash_candidates(perm: int):
         def ds(items):
             m = datasketch.MinHash(num_perm=perm, seed=1)
             m.update_batch([s.encode() for s in items])
-            return m.hashvalues.astype(np.uint32)      # Mersenne-prime hash values fit in 32 bits after the mod
+            return m.hashvalues.astype(np.uint32)  # Mersenne-prime hash values fit in 32 bits after the mod
+
         out["datasketch MinHash"] = ds
     return out
 
@@ -87,6 +91,7 @@ def language_candidates():
         def lingua(t):
             c = det.compute_language_confidence_values(t)[0]
             return c.language.iso_code_639_1.name.lower(), c.value
+
         out["lingua (low accuracy)"] = lingua
     return out
 
@@ -106,8 +111,11 @@ def main() -> None:
             rate = len(items) / (time.perf_counter() - t0)
             for bands, rows in ((14, 8), (28, 4)):
                 q = dedup_quality(dup_records, sigs, bands, rows)
-                print(f"{name:22}{n:>7}{f'{bands} x {rows}':>14}{rate:>9,.0f}"
-                      + "".join(f"{q[c]:>10.3f}" for c in DUPLICATES) + f"{q['distinct kept']:>15.4f}")
+                print(
+                    f"{name:22}{n:>7}{f'{bands} x {rows}':>14}{rate:>9,.0f}"
+                    + "".join(f"{q[c]:>10.3f}" for c in DUPLICATES)
+                    + f"{q['distinct kept']:>15.4f}"
+                )
     for missing in ("rensa", "datasketch"):
         if not importlib.util.find_spec(missing):
             print(f"  ({missing} not installed: skipped)")
@@ -121,8 +129,10 @@ def main() -> None:
         got = [ident(t) for t in wiki]
         rate = len(wiki) / (time.perf_counter() - t0)
         right = sum(1 for (t, lang) in foreign if ident(t)[0] == lang)
-        print(f"{name:24}{rate:>9,.0f}{sum(1 for lang, _ in got if lang != 'en'):>13}"
-              f"{sum(1 for lang, s in got if lang == 'en' and s < 0.65):>16}{f'{right}/{len(foreign)}':>15}")
+        print(
+            f"{name:24}{rate:>9,.0f}{sum(1 for lang, _ in got if lang != 'en'):>13}"
+            f"{sum(1 for lang, s in got if lang == 'en' and s < 0.65):>16}{f'{right}/{len(foreign)}':>15}"
+        )
     for module, package in (("py3langid", "py3langid"), ("lingua", "lingua-language-detector")):
         if not importlib.util.find_spec(module):
             print(f"  ({package} not installed: skipped)")

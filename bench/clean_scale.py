@@ -13,6 +13,7 @@ each stage is its own
 ``python -m data_prep clean --stage ...`` process, timed from outside, its peak memory read from
 ``/usr/bin/time``-style rusage (``ru_maxrss`` of the child).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-SLICE_KEYS = 1 << 16     # small, so that these corpora take many slices, as a billion documents would
-GROUP_CHARS = 1 << 23    # groups of ~17,000 documents whatever the corpus size (the default's are 8x)
+SLICE_KEYS = 1 << 16  # small, so that these corpora take many slices, as a billion documents would
+GROUP_CHARS = 1 << 23  # groups of ~17,000 documents whatever the corpus size (the default's are 8x)
 
 
 def write_corpus(folder: Path, n: int, files: int = 8) -> list[Path]:
@@ -36,7 +37,7 @@ def write_corpus(folder: Path, n: int, files: int = 8) -> list[Path]:
     texts = [x for _, x in wiki_articles()]
     pool = sorted({w for x in texts[:2000] for w in x.split() if w.isalpha()})
     rng = random.Random(n)
-    partial = folder.with_name(folder.name + ".partial")      # renamed when complete: a kill leaves no half corpus
+    partial = folder.with_name(folder.name + ".partial")  # renamed when complete: a kill leaves no half corpus
     subprocess.run(["rm", "-rf", str(partial)])
     partial.mkdir(parents=True)
     paths = [partial / f"c{i:02d}.jsonl" for i in range(files)]
@@ -66,9 +67,31 @@ def write_corpus(folder: Path, n: int, files: int = 8) -> list[Path]:
 
 
 def stage(folder: Path, out: Path, name: str, tasks: int, task: int | None, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "data_prep", "clean", "--input", str(folder), "--out", str(out), "--stage", name,
-           "--num-tasks", str(tasks), "--workers", "1", "--languages", "any", "--set", "quality.enabled=false", "--set",
-           f"slice_keys={SLICE_KEYS}", "--group-chars", str(GROUP_CHARS), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "data_prep",
+        "clean",
+        "--input",
+        str(folder),
+        "--out",
+        str(out),
+        "--stage",
+        name,
+        "--num-tasks",
+        str(tasks),
+        "--workers",
+        "1",
+        "--languages",
+        "any",
+        "--set",
+        "quality.enabled=false",
+        "--set",
+        f"slice_keys={SLICE_KEYS}",
+        "--group-chars",
+        str(GROUP_CHARS),
+        *extra,
+    ]
     if task is not None:
         cmd += ["--task-index", str(task)]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -92,8 +115,10 @@ def main() -> None:
     ap.add_argument("--work-dir", default="/tmp/clean-scale")
     args = ap.parse_args()
     work = Path(args.work_dir)
-    print(f"{'documents':>10} {'K':>2} {'signatures s':>13} {'docs/s/core':>12} {'clusters s':>11} {'clusters MiB':>13} "
-          f"{'filter s':>9} {'removed exact/near':>19}")
+    print(
+        f"{'documents':>10} {'K':>2} {'signatures s':>13} {'docs/s/core':>12} {'clusters s':>11} {'clusters MiB':>13} "
+        f"{'filter s':>9} {'removed exact/near':>19}"
+    )
     for n in map(int, args.sizes.split(",")):
         corpus = work / f"corpus-{n}"
         if not corpus.is_dir():
@@ -106,9 +131,12 @@ def main() -> None:
             fil_s, _ = wait_all([stage(corpus, out, "filter", k, t) for t in range(k)])
             report = json.loads((out / "report.json").read_text())
             removed = report["removed"]
-            print(f"{n:>10,} {k:>2} {sig_s:>13.1f} {n / sig_s / k:>12,.0f} {clu_s:>11.1f} {clu_mib:>13,} {fil_s:>9.1f} "
-                  f"{removed.get('exact_duplicate', {}).get('documents', 0):>9,}/"
-                  f"{removed.get('near_duplicate', {}).get('documents', 0):<9,}", flush=True)
+            print(
+                f"{n:>10,} {k:>2} {sig_s:>13.1f} {n / sig_s / k:>12,.0f} {clu_s:>11.1f} {clu_mib:>13,} {fil_s:>9.1f} "
+                f"{removed.get('exact_duplicate', {}).get('documents', 0):>9,}/"
+                f"{removed.get('near_duplicate', {}).get('documents', 0):<9,}",
+                flush=True,
+            )
     print(f"(peak memory: the clusters process's ru_maxrss; this machine: {resource.getpagesize()} B pages)")
 
 

@@ -1,4 +1,5 @@
 """Helpers shared by the benchmarks in ``bench/``: sample shards, thread settings, load, tables."""
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,9 @@ from typing import Sequence
 REPO = Path(__file__).resolve().parents[1]
 
 
-def ensure_sample_shards(folder: str | os.PathLike, seq_len: int = 128, num_files: int = 4,
-                         validation_fraction: float = 0.0) -> Path:
+def ensure_sample_shards(
+    folder: str | os.PathLike, seq_len: int = 128, num_files: int = 4, validation_fraction: float = 0.0
+) -> Path:
     """Shards of the embedded Wikipedia sample (bert-base-uncased vocabulary) in ``folder``, written
     with the real ``data_prep`` CLI (``shard`` then ``finalize``) unless its manifest already exists
     with this ``seq_len``; ``validation_fraction`` of the documents held out for evaluations.
@@ -36,13 +38,28 @@ def ensure_sample_shards(folder: str | os.PathLike, seq_len: int = 128, num_file
             partial.rename(corpus)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
-    for argv in (["shard", "--input", str(corpus), "--tokenizer", str(bert_uncased_dir()), "--out", str(shards),
-                  "--seq-len", str(seq_len), "--validation-fraction", str(validation_fraction)],
-                 ["finalize", str(shards)]):
+    for argv in (
+        [
+            "shard",
+            "--input",
+            str(corpus),
+            "--tokenizer",
+            str(bert_uncased_dir()),
+            "--out",
+            str(shards),
+            "--seq-len",
+            str(seq_len),
+            "--validation-fraction",
+            str(validation_fraction),
+        ],
+        ["finalize", str(shards)],
+    ):
         done = subprocess.run([sys.executable, "-m", "data_prep", *argv], cwd=REPO, capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(f"python -m data_prep {' '.join(argv)} failed ({done.returncode}):\n"
-                               f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
+            raise RuntimeError(
+                f"python -m data_prep {' '.join(argv)} failed ({done.returncode}):\n"
+                f"{done.stdout[-2000:]}{done.stderr[-2000:]}"
+            )
     return shards
 
 
@@ -96,8 +113,9 @@ def matmul_peak(precision: str, threads: int, seconds: float) -> tuple[float, st
     from pretrain.model.flops import measure_matmul_peak_tflops
 
     torch.set_num_threads(threads)
-    value = measure_matmul_peak_tflops("cpu", torch.bfloat16 if precision == "bf16" else torch.float32,
-                                       seconds=seconds, clock="wall")
+    value = measure_matmul_peak_tflops(
+        "cpu", torch.bfloat16 if precision == "bf16" else torch.float32, seconds=seconds, clock="wall"
+    )
     return value, f"measured now: 1024^2 {precision} matmul, {threads} threads, wall clock"
 
 

@@ -16,6 +16,7 @@ Every method runs once per round, ``--repeats`` rounds; the best time counts (th
 CPU seconds (all threads and worker processes) are printed too: on a loaded machine they say more
 about the work each method does than wall time does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,17 @@ def bench_ours(files, tok_dir, out: Path, workers: int) -> tuple[int, float]:
 
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    result = run_shard(ShardSettings(inputs=[str(f) for f in files], tokenizer=str(tok_dir), out=str(out),
-                                     num_tasks=1, task_index=0, workers=workers, log_every=1e9))
+    result = run_shard(
+        ShardSettings(
+            inputs=[str(f) for f in files],
+            tokenizer=str(tok_dir),
+            out=str(out),
+            num_tasks=1,
+            task_index=0,
+            workers=workers,
+            log_every=1e9,
+        )
+    )
     return result.tokens, time.perf_counter() - t0
 
 
@@ -69,8 +79,14 @@ def bench_datasets(files, tok_dir, out: Path, workers: int, cache: Path) -> tupl
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
 
     def tokenize(batch):
-        return tok(batch["text"], add_special_tokens=False, padding=False, truncation=False,
-                   return_attention_mask=False, return_token_type_ids=False)
+        return tok(
+            batch["text"],
+            add_special_tokens=False,
+            padding=False,
+            truncation=False,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+        )
 
     ds = ds.map(tokenize, batched=True, num_proc=workers if workers > 1 else None, remove_columns=ds.column_names)
     ds.save_to_disk(str(out))
@@ -122,18 +138,28 @@ def main() -> None:
     tok_dir = bert_uncased_dir()
     files, docs = make_corpus(work / "corpus", args.copies)
     size = sum(f.stat().st_size for f in files)
-    print(f"corpus: {len(docs):,} documents in {len(files)} jsonl files, {size / 1e6:.1f} MB; "
-          f"tokenizer bert-base-uncased; {os.cpu_count()} CPUs; {args.repeats} rounds, methods interleaved, "
-          "best time counts", flush=True)
+    print(
+        f"corpus: {len(docs):,} documents in {len(files)} jsonl files, {size / 1e6:.1f} MB; "
+        f"tokenizer bert-base-uncased; {os.cpu_count()} CPUs; {args.repeats} rounds, methods interleaved, "
+        "best time counts",
+        flush=True,
+    )
 
-    methods = [("bare tokenizer: encode_batch (in memory)", "-", lambda: bench_bare(docs, tok_dir, "encode_batch")),
-               ("bare tokenizer: encode_batch_fast (in memory)", "-",
-                lambda: bench_bare(docs, tok_dir, "encode_batch_fast"))]
+    methods = [
+        ("bare tokenizer: encode_batch (in memory)", "-", lambda: bench_bare(docs, tok_dir, "encode_batch")),
+        ("bare tokenizer: encode_batch_fast (in memory)", "-", lambda: bench_bare(docs, tok_dir, "encode_batch_fast")),
+    ]
     for w in args.workers:
-        methods.append(("data_prep shard (read+tokenize+pack+write)", w,
-                        lambda w=w: bench_ours(files, tok_dir, work / "ours", w)))
-        methods.append(("datasets.map + save_to_disk", w,
-                        lambda w=w: bench_datasets(files, tok_dir, work / "hf", w, work / "hf_cache")))
+        methods.append(
+            ("data_prep shard (read+tokenize+pack+write)", w, lambda w=w: bench_ours(files, tok_dir, work / "ours", w))
+        )
+        methods.append(
+            (
+                "datasets.map + save_to_disk",
+                w,
+                lambda w=w: bench_datasets(files, tok_dir, work / "hf", w, work / "hf_cache"),
+            )
+        )
     # rounds of every method in turn, so that load from other users hits all methods alike
     times: dict[int, list[float]] = {i: [] for i in range(len(methods))}
     cpu: dict[int, list[float]] = {i: [] for i in range(len(methods))}
@@ -148,19 +174,25 @@ def main() -> None:
     assert len(set(tokens.values())) == 1, f"methods disagree on the token count: {tokens}"
 
     best = {i: min(ts) for i, ts in times.items()}
-    print("\n| method | workers / num_proc | tokens | seconds: best (all) | tokens/s | vs bare encode_batch "
-          "| CPU seconds (min) | tokens per CPU-second |")
+    print(
+        "\n| method | workers / num_proc | tokens | seconds: best (all) | tokens/s | vs bare encode_batch "
+        "| CPU seconds (min) | tokens per CPU-second |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for i, (name, w, _) in enumerate(methods):
         runs = ", ".join(f"{r:.2f}" for r in times[i])
-        print(f"| {name} | {w} | {tokens[i]:,} | {best[i]:.2f} ({runs}) | {tokens[i] / best[i]:,.0f} | "
-              f"{best[0] / best[i]:.2f} | {min(cpu[i]):.1f} | {tokens[i] / min(cpu[i]):,.0f} |")
+        print(
+            f"| {name} | {w} | {tokens[i]:,} | {best[i]:.2f} ({runs}) | {tokens[i] / best[i]:,.0f} | "
+            f"{best[0] / best[i]:.2f} | {min(cpu[i]):.1f} | {tokens[i] / min(cpu[i]):,.0f} |"
+        )
     print()
     for i, (name, w, _) in enumerate(methods):
         if name.startswith("data_prep"):
             hf = best[i + 1]
-            print(f"workers={w}: data_prep shard runs at {best[0] / best[i]:.0%} of bare encode_batch's speed "
-                  f"({best[1] / best[i]:.0%} of encode_batch_fast), {hf / best[i]:.2f}x datasets.map + save_to_disk")
+            print(
+                f"workers={w}: data_prep shard runs at {best[0] / best[i]:.0%} of bare encode_batch's speed "
+                f"({best[1] / best[i]:.0%} of encode_batch_fast), {hf / best[i]:.2f}x datasets.map + save_to_disk"
+            )
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -19,6 +19,7 @@ unpacks the wheels into ``.gpu_bundle/site`` (no pip, no index: a wheel is a zip
 ``bench/gpu_smoke.sh --data .gpu_bundle/shards-seq128`` with that folder on ``PYTHONPATH`` and its
 ``bin`` (DeepSpeed's launcher) on ``PATH``; tracking is off in every smoke run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,20 @@ REPO = Path(__file__).resolve().parents[1]
 # DeepSpeed's run-time dependencies that the GPU machine lacks (torch, numpy, packaging, psutil and
 # tqdm it has). pydantic's own: pydantic-core (compiled, per Python), annotated-types, typing-inspection,
 # and a typing-extensions new enough for them.
-DEPENDENCIES = ("einops", "hjson", "msgpack", "ninja", "py-cpuinfo", "pydantic", "pydantic-core",
-                "annotated-types", "typing-inspection", "typing-extensions")
+DEPENDENCIES = (
+    "einops",
+    "hjson",
+    "msgpack",
+    "ninja",
+    "py-cpuinfo",
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "typing-extensions",
+)
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-CARRY_LIMIT_MB = 64          # the device tool's limit for the working tree and carried folders together
+CARRY_LIMIT_MB = 64  # the device tool's limit for the working tree and carried folders together
 SHARDS = "shards-seq128"
 
 
@@ -51,8 +62,10 @@ def _size_mb(path: Path) -> float:
 
 def _tracked_tree_mb() -> float:
     files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
-    return sum((REPO / name).stat().st_size for name in files.decode().split("\0") if name and
-               (REPO / name).is_file()) / 2**20
+    return (
+        sum((REPO / name).stat().st_size for name in files.decode().split("\0") if name and (REPO / name).is_file())
+        / 2**20
+    )
 
 
 def prepare(out: Path, python_version: str) -> int:
@@ -62,28 +75,58 @@ def prepare(out: Path, python_version: str) -> int:
     # No compiled ops: the GPU machine has no nvcc for DeepSpeed's JIT, and the trainer needs none of
     # them (torch's fused AdamW, our LAMB; DeepSpeed's CPU Adam only under optimiser offload).
     env = {**os.environ, "DS_BUILD_OPS": "0"}
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    f"deepspeed=={metadata.version('deepspeed')}", "-w", str(wheels)], check=True, env=env)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            f"deepspeed=={metadata.version('deepspeed')}",
+            "-w",
+            str(wheels),
+        ],
+        check=True,
+        env=env,
+    )
     pins = [f"{name}=={metadata.version(name)}" for name in DEPENDENCIES]
-    _pip("download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", python_version,
-         "--implementation", "cp", *(a for p in PLATFORMS for a in ("--platform", p)), "-d", str(wheels), *pins)
+    _pip(
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        python_version,
+        "--implementation",
+        "cp",
+        *(a for p in PLATFORMS for a in ("--platform", p)),
+        "-d",
+        str(wheels),
+        *pins,
+    )
 
     sys.path.insert(0, str(REPO))
     from bench.common import ensure_sample_shards
 
     shards = ensure_sample_shards(out)
-    shutil.rmtree(out / "corpus", ignore_errors=True)          # the text: sharded, not needed there
+    shutil.rmtree(out / "corpus", ignore_errors=True)  # the text: sharded, not needed there
     bundle_mb, tree_mb = _size_mb(out), _tracked_tree_mb()
     for path in sorted(wheels.iterdir()):
         print(f"  {path.name}  {path.stat().st_size / 2**20:.2f} MiB")
-    print(f"{out}: {bundle_mb:.1f} MiB ({wheels.name}/ {_size_mb(wheels):.1f}, {shards.name}/ "
-          f"{_size_mb(shards):.1f}); with the tracked tree ({tree_mb:.1f} MiB): {bundle_mb + tree_mb:.1f} of "
-          f"{CARRY_LIMIT_MB} MiB")
+    print(
+        f"{out}: {bundle_mb:.1f} MiB ({wheels.name}/ {_size_mb(wheels):.1f}, {shards.name}/ "
+        f"{_size_mb(shards):.1f}); with the tracked tree ({tree_mb:.1f} MiB): {bundle_mb + tree_mb:.1f} of "
+        f"{CARRY_LIMIT_MB} MiB"
+    )
     if bundle_mb + tree_mb > CARRY_LIMIT_MB:
         print(f"gpu_bundle: over the {CARRY_LIMIT_MB} MiB that can travel", file=sys.stderr)
         return 1
-    print(f"carry '{out.relative_to(REPO) if out.is_relative_to(REPO) else out}' and run there: "
-          "python3 bench/gpu_bundle.py run")
+    print(
+        f"carry '{out.relative_to(REPO) if out.is_relative_to(REPO) else out}' and run there: "
+        "python3 bench/gpu_bundle.py run"
+    )
     return 0
 
 
@@ -93,8 +136,10 @@ def install(bundle: Path) -> Path:
     site = bundle / "site"
     wheels = sorted((bundle / "wheels").glob("*.whl"))
     if not wheels:
-        raise SystemExit(f"gpu_bundle: no wheels in {bundle / 'wheels'}: run `python bench/gpu_bundle.py prepare` "
-                         "on a machine with PyPI and carry the folder")
+        raise SystemExit(
+            f"gpu_bundle: no wheels in {bundle / 'wheels'}: run `python bench/gpu_bundle.py prepare` "
+            "on a machine with PyPI and carry the folder"
+        )
     shutil.rmtree(site, ignore_errors=True)
     (site / "bin").mkdir(parents=True)
     for wheel in wheels:
@@ -105,15 +150,15 @@ def install(bundle: Path) -> Path:
                 parts = Path(member.filename).parts
                 data = archive.read(member)
                 executable = bool((member.external_attr >> 16) & 0o111)
-                if parts[0].endswith(".data") and len(parts) > 2:      # name.data/<scheme>/...
+                if parts[0].endswith(".data") and len(parts) > 2:  # name.data/<scheme>/...
                     scheme, rest = parts[1], Path(*parts[2:])
                     if scheme == "scripts":
                         target, executable = site / "bin" / rest, True
                         if data.startswith(b"#!python"):
-                            data = f"#!{sys.executable}".encode() + data[len(b"#!python"):]
+                            data = f"#!{sys.executable}".encode() + data[len(b"#!python") :]
                     elif scheme in ("purelib", "platlib"):
                         target = site / rest
-                    else:                                               # headers, data: not needed to run
+                    else:  # headers, data: not needed to run
                         continue
                 else:
                     target = site / member.filename
@@ -129,16 +174,24 @@ def run(bundle: Path, smoke_args: list[str]) -> int:
     shards = bundle / SHARDS
     if not (shards / "manifest.json").is_file():
         raise SystemExit(f"gpu_bundle: no {shards}/manifest.json: run prepare first")
-    env = {**os.environ, "PYTHON": sys.executable,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(site), str(REPO), os.environ.get("PYTHONPATH")])),
-           "PATH": os.pathsep.join([str(site / "bin"), os.environ.get("PATH", "")])}
-    found = subprocess.run([sys.executable, "-c", "import deepspeed, pydantic; print(deepspeed.__version__)"],
-                           env=env, capture_output=True, text=True)
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(site), str(REPO), os.environ.get("PYTHONPATH")])),
+        "PATH": os.pathsep.join([str(site / "bin"), os.environ.get("PATH", "")]),
+    }
+    found = subprocess.run(
+        [sys.executable, "-c", "import deepspeed, pydantic; print(deepspeed.__version__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if found.returncode:
         raise SystemExit(f"gpu_bundle: DeepSpeed does not import from {site}:\n{found.stderr[-2000:]}")
     print(f"gpu_bundle: DeepSpeed {found.stdout.split()[-1]} from {site}; shards {shards}", flush=True)
-    return subprocess.run(["bash", str(REPO / "bench" / "gpu_smoke.sh"), "--data", str(shards), *smoke_args],
-                          cwd=REPO, env=env).returncode
+    return subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu_smoke.sh"), "--data", str(shards), *smoke_args], cwd=REPO, env=env
+    ).returncode
 
 
 def main(argv: list[str]) -> int:

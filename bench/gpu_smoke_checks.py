@@ -8,6 +8,7 @@ GPU-only code paths, and the tokens/s + MFU table read from each run's ``metrics
     python bench/gpu_smoke_checks.py export RUN           # RUN/hf_final loads (fp32) and fills a mask
     python bench/gpu_smoke_checks.py report RUN_DIR...    # one row per run
 """
+
 from __future__ import annotations
 
 import json
@@ -26,21 +27,25 @@ def peak() -> str:
     from pretrain.runtime.hardware import peak_tflops
 
     device = torch.device("cuda", 0)
-    value, source = peak_tflops(device, "bf16")      # the vendor table; measured for unknown GPUs
+    value, source = peak_tflops(device, "bf16")  # the vendor table; measured for unknown GPUs
     return f"{value:.1f}\t{source} ({torch.cuda.get_device_name(device)})"
 
 
 # The optimiser paths: overrides, the class build_optimizer must give, whether it must be fused.
-OPTIMIZER_CHECKS = ((["optim.name=adamw", "impl.fused_optimizer=true"], "AdamW", True),
-                    (["optim.name=lamb", "impl.zero_stage=0"], "Lamb", False))
+OPTIMIZER_CHECKS = (
+    (["optim.name=adamw", "impl.fused_optimizer=true"], "AdamW", True),
+    (["optim.name=lamb", "impl.zero_stage=0"], "Lamb", False),
+)
 
 
 def path_configs(config: str, shards: str) -> list:
     """The configs ``paths`` checks, loaded (on any machine: ``tests/test_bench.py`` loads them on the CPU)."""
     from pretrain.config.schema import load_config
 
-    return [(load_config(config, [f"data.dir={shards}", "impl.attention=sdpa", *overrides]), overrides, name, fused)
-            for overrides, name, fused in OPTIMIZER_CHECKS]
+    return [
+        (load_config(config, [f"data.dir={shards}", "impl.attention=sdpa", *overrides]), overrides, name, fused)
+        for overrides, name, fused in OPTIMIZER_CHECKS
+    ]
 
 
 def paths(config: str, shards: str) -> str:
@@ -65,8 +70,10 @@ def paths(config: str, shards: str) -> str:
         model = build_model(cfg.model, manifest.tokenizer.vocab_size, special, cfg.impl).to(device)
         opt = build_optimizer(model, cfg)
         if type(opt).__name__ != expected or bool(opt.defaults.get("fused")) != fused:
-            raise SystemExit(f"{' '.join(overrides)}: build_optimizer gave {type(opt).__name__} "
-                             f"(fused={opt.defaults.get('fused')}), expected {expected} (fused={fused})")
+            raise SystemExit(
+                f"{' '.join(overrides)}: build_optimizer gave {type(opt).__name__} "
+                f"(fused={opt.defaults.get('fused')}), expected {expected} (fused={fused})"
+            )
         for p in model.parameters():
             p.grad = torch.randn_like(p) * 1e-3
         before = model.hf_model.bert.embeddings.word_embeddings.weight.detach().clone()
@@ -74,23 +81,33 @@ def paths(config: str, shards: str) -> str:
         moved = (model.hf_model.bert.embeddings.word_embeddings.weight - before).abs().max().item()
         if not moved > 0:
             raise SystemExit(f"{expected}: one step left the weights unchanged")
-        lines.append(f"{expected} (fused={fused}): built by build_optimizer for {' '.join(overrides)}; one step "
-                     f"moved weights by up to {moved:.2e}")
+        lines.append(
+            f"{expected} (fused={fused}): built by build_optimizer for {' '.join(overrides)}; one step "
+            f"moved weights by up to {moved:.2e}"
+        )
 
     cfg = load_config(config, [f"data.dir={shards}", "impl.attention=sdpa"])
     model = build_model(cfg.model, manifest.tokenizer.vocab_size, special, cfg.impl).to(device, torch.bfloat16)
     batch = next(iter(TrainStream(shards, manifest, "train", 0, 1, 8, 8, cfg.data.seed)))
     ids = batch["input_ids"].to(device)
-    full = (ids != special.pad).all(dim=1)                # flash takes no padding mask: unpadded rows only
+    full = (ids != special.pad).all(dim=1)  # flash takes no padding mask: unpadded rows only
     if not full.any():
         raise SystemExit(f"{shards}: no unpadded row in the first batch to try flash attention on")
-    m = mask_batch(ids[full], batch["word_starts"].to(device)[full], special, cfg.masking,
-                   sample_ids=batch["sample_ids"].to(device)[full], step=0)
+    m = mask_batch(
+        ids[full],
+        batch["word_starts"].to(device)[full],
+        special,
+        cfg.masking,
+        sample_ids=batch["sample_ids"].to(device)[full],
+        step=0,
+    )
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         loss_sum, _, count = model(m.input_ids, None, m.positions, m.labels)
         loss_sum.backward()
-    lines.append(f"flash SDPA: forward + backward of {int(full.sum())} unpadded rows in bf16 with only "
-                 f"SDPBackend.FLASH_ATTENTION allowed; loss {loss_sum.item() / max(count.item(), 1):.3f}")
+    lines.append(
+        f"flash SDPA: forward + backward of {int(full.sum())} unpadded rows in bf16 with only "
+        f"SDPBackend.FLASH_ATTENTION allowed; loss {loss_sum.item() / max(count.item(), 1):.3f}"
+    )
     return "\n".join(lines)
 
 
@@ -137,7 +154,8 @@ def export(run_dir: str) -> str:
     if dtypes != {torch.float32}:
         raise SystemExit(f"export: {folder} holds {dtypes} weights, not the fp32 masters")
     answers = pipeline("fill-mask", model=str(folder), device=0 if torch.cuda.is_available() else -1)(
-        "The capital of France is [MASK].")
+        "The capital of France is [MASK]."
+    )
     return f"export: {folder} loads (fp32); fill-mask answers {', '.join(a['token_str'] for a in answers[:3])}"
 
 
@@ -146,8 +164,15 @@ def report(run_dirs: list[str]) -> tuple[str, bool]:
     rows, ok = [], True
     for d in map(Path, run_dirs):
         path = d / "metrics.jsonl"
-        windows = [r for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-                   if "perf/tokens_per_s" in r] if path.is_file() else []
+        windows = (
+            [
+                r
+                for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+                if "perf/tokens_per_s" in r
+            ]
+            if path.is_file()
+            else []
+        )
         timed = windows[1:] or windows
         if not timed:
             rows.append([d.name, "-", "-", "-", "-", f"no metrics in {path}"])
@@ -155,8 +180,16 @@ def report(run_dirs: list[str]) -> tuple[str, bool]:
             continue
         tps = sum(r["perf/tokens_per_s"] for r in timed) / len(timed)
         mfu = sum(r["perf/mfu"] for r in timed) / len(timed)
-        rows.append([d.name, timed[-1]["step"], f"{tps:,.0f}", f"{100 * mfu:.1f}%",
-                     f"{timed[-1]['train/loss']:.3f}", f"{len(timed)} windows after the first"])
+        rows.append(
+            [
+                d.name,
+                timed[-1]["step"],
+                f"{tps:,.0f}",
+                f"{100 * mfu:.1f}%",
+                f"{timed[-1]['train/loss']:.3f}",
+                f"{len(timed)} windows after the first",
+            ]
+        )
     anchor = "\nAnchor for bert-base: NVIDIA's BERT pretraining reaches about 45% MFU (bf16, sequence 128)."
     return format_table(["run", "steps", "tokens/s", "MFU (vs the peak above)", "loss", "note"], rows) + anchor, ok
 
@@ -178,5 +211,7 @@ if __name__ == "__main__":
         print(text)
         sys.exit(0 if all_ok else 1)
     else:
-        sys.exit(f"unknown command {command!r}: peak | paths CONFIG SHARDS | resumed REF RUN | nonfinite RUN | export RUN | "
-                 "report RUN_DIR...")
+        sys.exit(
+            f"unknown command {command!r}: peak | paths CONFIG SHARDS | resumed REF RUN | nonfinite RUN | export RUN | "
+            "report RUN_DIR..."
+        )

@@ -8,6 +8,7 @@ A step: sparse-head MLM forward, backward and AdamW on a random batch. Health: `
 Printed: both, and the cost per step at ``train.health_every=10``. ``bench/train_throughput.py
 --variants ours ours-health10`` measures the same end to end through the trainer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,7 @@ from pretrain.model.masking import SpecialIds  # noqa: E402
 from pretrain.model.mlm import build_model  # noqa: E402
 
 
-class _Holder:                     # LayerHealth reads engine.module only
+class _Holder:  # LayerHealth reads engine.module only
     def __init__(self, module):
         self.module = module
 
@@ -65,13 +66,15 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return (t1 - t0) + (t3 - t2), (t2 - t1) + (t4 - t3)
 
-    step(True)                                          # warm-up
+    step(True)  # warm-up
     runs = [step(True) for _ in range(args.repeats)]
     step_s = min(r[0] for r in runs)
     health_s = min(r[1] for r in runs)
     print(f"{args.config}: batch {args.batch} x {args.seq_len}, {len(health.groups)} groups, 1 thread")
-    print(f"step {step_s * 1e3:.1f} ms CPU, health {health_s * 1e3:.2f} ms CPU ({health_s / step_s:.2%} of a step "
-          f"when done every step; {health_s / step_s / 10:.2%} per step at health_every=10)")
+    print(
+        f"step {step_s * 1e3:.1f} ms CPU, health {health_s * 1e3:.2f} ms CPU ({health_s / step_s:.2%} of a step "
+        f"when done every step; {health_s / step_s / 10:.2%} per step at health_every=10)"
+    )
 
 
 def _config(path: str, data_dir: str):
@@ -79,7 +82,7 @@ def _config(path: str, data_dir: str):
     from pretrain.config.loader import build, load_yaml
 
     data = load_yaml(path)
-    data.setdefault("data", {})["dir"] = data_dir       # only the model and impl groups are used
+    data.setdefault("data", {})["dir"] = data_dir  # only the model and impl groups are used
     return build(Config, data)
 
 

@@ -13,6 +13,7 @@ micro-batches) for ``--steps`` global steps after 5 of warm-up (about 3 epochs o
 the loader's own cost, not the DataLoader's process pool). Rounds alternate the variants; the best
 round counts, in wall and in CPU time (the machine may be shared: CPU time says more there). Target: the mixture no more than 5% slower.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,14 +39,27 @@ SLICES = (("a", ["wiki-00.txt", "wiki-01.txt"], 0.5), ("b", ["wiki-02.txt"], 0.3
 
 
 def three_sources(work: Path, seq_len: int) -> list[Source]:
-    corpus = work / "corpus"        # written by ensure_sample_shards
+    corpus = work / "corpus"  # written by ensure_sample_shards
     sources = []
     for name, files, weight in SLICES:
         out = work / f"mix-seq{seq_len}-{name}"
         if not (out / "manifest.json").is_file():
-            for argv in (["shard", "--input", *[str(corpus / f) for f in files], "--tokenizer", str(bert_uncased_dir()),
-                          "--out", str(out), "--seq-len", str(seq_len), "--validation-fraction", "0"],
-                         ["finalize", str(out)]):
+            for argv in (
+                [
+                    "shard",
+                    "--input",
+                    *[str(corpus / f) for f in files],
+                    "--tokenizer",
+                    str(bert_uncased_dir()),
+                    "--out",
+                    str(out),
+                    "--seq-len",
+                    str(seq_len),
+                    "--validation-fraction",
+                    "0",
+                ],
+                ["finalize", str(out)],
+            ):
                 subprocess.run([sys.executable, "-m", "data_prep", *argv], cwd=REPO, check=True, capture_output=True)
         sources.append(Source(name, str(out), weight))
     return sources
@@ -83,7 +97,7 @@ def main(argv=None) -> int:
     def mixed():
         return MixtureStream(sources, [load_manifest(s.dir) for s in sources], "train", 0, 1, mb, g, 1234)
 
-    torch.set_num_threads(1)        # one rank's loader thread; the machine may be shared
+    torch.set_num_threads(1)  # one rank's loader thread; the machine may be shared
     inf = (float("inf"), float("inf"))
     best = {"1 source (TrainStream)": inf, "3 sources (MixtureStream)": inf}
     for r in range(args.rounds):
@@ -91,13 +105,19 @@ def main(argv=None) -> int:
         for label, make in order if r % 2 == 0 else order[::-1]:
             wall, cpu = time_stream(make(), args.steps)
             best[label] = (min(best[label][0], wall), min(best[label][1], cpu))
-    rows = [(label, f"{args.steps * g / wall:,.0f}", f"{wall / args.steps * 1e3:.1f}", f"{cpu / args.steps * 1e3:.1f}")
-            for label, (wall, cpu) in best.items()]
+    rows = [
+        (label, f"{args.steps * g / wall:,.0f}", f"{wall / args.steps * 1e3:.1f}", f"{cpu / args.steps * 1e3:.1f}")
+        for label, (wall, cpu) in best.items()
+    ]
     print(format_table(["loader", "sequences/s (wall)", "ms per step (wall)", "CPU ms per step"], rows))
     (one_w, one_c), (mix_w, mix_c) = best.values()
-    print(f"mixture / one source: wall {mix_w / one_w:.3f} ({(mix_w / one_w - 1) * 100:+.1f}%), CPU {mix_c / one_c:.3f} "
-          f"({(mix_c / one_c - 1) * 100:+.1f}%); target <= +5%")
-    print(f"{args.steps} steps of {g} sequences of {args.seq_len} tokens, micro-batch {mb}, best of {args.rounds} rounds")
+    print(
+        f"mixture / one source: wall {mix_w / one_w:.3f} ({(mix_w / one_w - 1) * 100:+.1f}%), CPU {mix_c / one_c:.3f} "
+        f"({(mix_c / one_c - 1) * 100:+.1f}%); target <= +5%"
+    )
+    print(
+        f"{args.steps} steps of {g} sequences of {args.seq_len} tokens, micro-batch {mb}, best of {args.rounds} rounds"
+    )
     return 0
 
 

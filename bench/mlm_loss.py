@@ -16,6 +16,7 @@ the CPU it is the peak growth of the resident set, sampled every 0.2 ms, with gl
 allocation over 64 KiB on its own (``MALLOC_MMAP_THRESHOLD_``) so that a freed tensor leaves the
 resident set; on CUDA, ``max_memory_allocated``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,6 +49,7 @@ def fused(chunk_rows: int | None):
     def run(hidden, weight, bias, labels, want_correct: bool):
         loss, _, correct = fused_linear_cross_entropy(hidden, weight, bias, labels, want_correct, chunk_rows)
         return loss, correct.sum() if want_correct else None
+
     return run
 
 
@@ -93,7 +95,7 @@ def peak_memory(fn, tensors, device) -> str:
     base = torch.cuda.memory_allocated(device)
     step(fn, tensors, True)
     torch.cuda.synchronize()
-    return f"{(torch.cuda.max_memory_allocated(device) - base) / 2 ** 20:,.0f} MiB"
+    return f"{(torch.cuda.max_memory_allocated(device) - base) / 2**20:,.0f} MiB"
 
 
 def _resident_bytes() -> int:
@@ -116,6 +118,7 @@ def measured_peak(fn, tensors, device) -> int:
         while not done.is_set():
             peak[0] = max(peak[0], _resident_bytes())
             time.sleep(0.0002)
+
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     step(fn, tensors, True)
@@ -134,7 +137,7 @@ def memory_child(args) -> None:
     fn = {"plain": plain, "fused, one chunk": fused(args.tokens)}.get(args.memory_child, fused(None))
     if "compile" in args.memory_child:
         fn = torch.compile(fn)
-        step(fn, tensors, True)                           # compiles (the count is fixed: one graph)
+        step(fn, tensors, True)  # compiles (the count is fixed: one graph)
     print(measured_peak(fn, tensors, device))
 
 
@@ -143,16 +146,32 @@ def memory_table(args) -> None:
     full = args.tokens * args.vocab * 4
     for name in MEMORY_VARIANTS:
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-        cmd = [sys.executable, __file__, "--memory-child", name, "--device", args.device, "--precision",
-               args.precision, "--tokens", str(args.tokens), "--hidden", str(args.hidden), "--vocab", str(args.vocab)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--memory-child",
+            name,
+            "--device",
+            args.device,
+            "--precision",
+            args.precision,
+            "--tokens",
+            str(args.tokens),
+            "--hidden",
+            str(args.hidden),
+            "--vocab",
+            str(args.vocab),
+        ]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout.split()
         peak = int(out[-1])
-        rows.append([name, f"{peak / 2 ** 20:,.0f} MiB", f"{peak / full:.2f}"])
+        rows.append([name, f"{peak / 2**20:,.0f} MiB", f"{peak / full:.2f}"])
     where = torch.cuda.get_device_name(0) if args.device == "cuda" else cpu_record().get("model", "cpu")
-    print(f"{args.tokens} tokens x {args.hidden} -> {args.vocab}, {args.precision}, {where}: peak memory of one "
-          f"forward + backward above its inputs; fp32 [N, V] logits are {full / 2 ** 20:,.0f} MiB")
+    print(
+        f"{args.tokens} tokens x {args.hidden} -> {args.vocab}, {args.precision}, {where}: peak memory of one "
+        f"forward + backward above its inputs; fp32 [N, V] logits are {full / 2**20:,.0f} MiB"
+    )
     print(format_table(["loss", "peak memory", "x full logits"], rows))
 
 
@@ -178,12 +197,14 @@ def main() -> None:
     device, dtype = torch.device(args.device), {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
     tensors = inputs(args, device, dtype)
     default_rows = rows_per_chunk(args.vocab, device)
-    variants = {"plain (F.linear + F.cross_entropy)": plain,
-                f"fused, {default_rows} rows a chunk (default)": fused(None)}
+    variants = {
+        "plain (F.linear + F.cross_entropy)": plain,
+        f"fused, {default_rows} rows a chunk (default)": fused(None),
+    }
     variants.update({f"fused, {r} rows a chunk": fused(r) for r in args.chunk_rows if r != default_rows})
     reference = step(plain, tensors, True)
     times = {(name, c): [] for name in variants for c in (False, True)}
-    for _ in range(args.repeats + 1):                     # the first round warms up, untimed
+    for _ in range(args.repeats + 1):  # the first round warms up, untimed
         for (name, want_correct), ts in times.items():
             ts.append(timed(variants[name], tensors, want_correct, device))
     rows, worst = [], 0.0
@@ -192,14 +213,25 @@ def main() -> None:
         median = statistics.median(ts[1:])
         loss_gap, grad_gap = gaps(reference, step(variants[name], tensors, True))
         worst = max(worst, loss_gap, grad_gap)
-        rows.append([name, "yes" if want_correct else "no", f"{median * 1e3:.1f}", f"{min(ts[1:]) * 1e3:.1f}",
-                     f"{base[want_correct] / median:.2f}x", f"loss {loss_gap:.1e}, grads {grad_gap:.1e}",
-                     peak_memory(variants[name], tensors, device) if want_correct else ""])
+        rows.append(
+            [
+                name,
+                "yes" if want_correct else "no",
+                f"{median * 1e3:.1f}",
+                f"{min(ts[1:]) * 1e3:.1f}",
+                f"{base[want_correct] / median:.2f}x",
+                f"loss {loss_gap:.1e}, grads {grad_gap:.1e}",
+                peak_memory(variants[name], tensors, device) if want_correct else "",
+            ]
+        )
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_record().get("model", "cpu")
-    print(f"{args.tokens} tokens x {args.hidden} -> {args.vocab}, {args.precision}, {where}, "
-          f"{torch.get_num_threads()} threads; forward + backward, median of {args.repeats}")
-    print(format_table(["loss", "argmax", "median ms", "best ms", "speed vs plain", "gap vs plain", "peak memory"],
-                       rows))
+    print(
+        f"{args.tokens} tokens x {args.hidden} -> {args.vocab}, {args.precision}, {where}, "
+        f"{torch.get_num_threads()} threads; forward + backward, median of {args.repeats}"
+    )
+    print(
+        format_table(["loss", "argmax", "median ms", "best ms", "speed vs plain", "gap vs plain", "peak memory"], rows)
+    )
     # bf16 rounds each gradient to 8 bits (2^-8 = 3.9e-3 relative); a gap past a few roundings is a bug.
     allowed = 1e-4 if args.precision == "fp32" else 2e-2
     if worst > allowed:

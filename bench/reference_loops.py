@@ -14,6 +14,7 @@ of its own (fresh thread pools and allocator, the same environment as ours):
 Both write ``result.json`` into the spec's ``out_dir``: wall and CPU time at the end of every
 optimiser step, and the last loss.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,20 +27,28 @@ sys.path.insert(0, str(REPO))
 
 
 def _write_result(spec: dict, ends: list[float], cpu: list[float], loss: float) -> None:
-    (Path(spec["out_dir"]) / "result.json").write_text(json.dumps(
-        {"step_end_unix": ends, "step_end_cpu": cpu, "final_loss": loss}))
+    (Path(spec["out_dir"]) / "result.json").write_text(
+        json.dumps({"step_end_unix": ends, "step_end_cpu": cpu, "final_loss": loss})
+    )
 
 
-def hf_mlm_trainer(shards: Path, cfg, batch_size: int, precision: str, threads: int, out_dir: str | Path,
-                   callbacks: list, **training_args):
+def hf_mlm_trainer(
+    shards: Path,
+    cfg,
+    batch_size: int,
+    precision: str,
+    threads: int,
+    out_dir: str | Path,
+    callbacks: list,
+    **training_args,
+):
     """The Hugging Face recipe both benches compare with (``run_mlm.py``): ``Trainer`` +
     ``DataCollatorForLanguageModeling(mlm_probability=masking.rate)`` over the shards' train
     ``input_ids``, ``BertForMaskedLM`` from the same ``BertConfig`` as ours (SDPA), the optimiser
     hyperparameters of ``cfg.optim``. ``training_args`` add to or replace ``TrainingArguments``."""
     import numpy as np
     import torch
-    from transformers import (AutoTokenizer, BertForMaskedLM, DataCollatorForLanguageModeling, Trainer,
-                              TrainingArguments)
+    from transformers import AutoTokenizer, BertForMaskedLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     from data_prep.common.manifest import load_manifest
     from data_prep.common.shards import iter_blocks
@@ -50,8 +59,13 @@ def hf_mlm_trainer(shards: Path, cfg, batch_size: int, precision: str, threads: 
     torch.set_num_threads(threads)
     manifest = load_manifest(shards)
     special = SpecialIds.from_manifest(manifest)
-    ids = np.concatenate([block for entry in sorted(manifest.shards_of("train"), key=lambda s: s.name)
-                          for block, _ in iter_blocks(shards / entry.name, manifest.seq_len)])
+    ids = np.concatenate(
+        [
+            block
+            for entry in sorted(manifest.shards_of("train"), key=lambda s: s.name)
+            for block, _ in iter_blocks(shards / entry.name, manifest.seq_len)
+        ]
+    )
     ids = torch.from_numpy(ids.astype(np.int64))
 
     class Sequences(torch.utils.data.Dataset):
@@ -67,15 +81,33 @@ def hf_mlm_trainer(shards: Path, cfg, batch_size: int, precision: str, threads: 
     torch.manual_seed(cfg.train.seed)
     model = BertForMaskedLM(bert_config(cfg.model, manifest.tokenizer.vocab_size, special, "sdpa"))
     o = cfg.optim
-    kwargs = dict(output_dir=str(out_dir), per_device_train_batch_size=batch_size, learning_rate=o.lr,
-                  weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_epsilon=o.eps,
-                  max_grad_norm=o.grad_clip, warmup_steps=o.warmup_steps, lr_scheduler_type=o.schedule,
-                  optim="adamw_torch", bf16=precision == "bf16", use_cpu=not torch.cuda.is_available(),
-                  seed=cfg.train.seed, dataloader_num_workers=0, save_strategy="no", report_to="none",
-                  disable_tqdm=True)
-    trainer = Trainer(model=model, args=TrainingArguments(**(kwargs | training_args)), train_dataset=Sequences(),
-                      data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=cfg.masking.rate),
-                      callbacks=callbacks)
+    kwargs = dict(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=batch_size,
+        learning_rate=o.lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.betas[0],
+        adam_beta2=o.betas[1],
+        adam_epsilon=o.eps,
+        max_grad_norm=o.grad_clip,
+        warmup_steps=o.warmup_steps,
+        lr_scheduler_type=o.schedule,
+        optim="adamw_torch",
+        bf16=precision == "bf16",
+        use_cpu=not torch.cuda.is_available(),
+        seed=cfg.train.seed,
+        dataloader_num_workers=0,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(**(kwargs | training_args)),
+        train_dataset=Sequences(),
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=cfg.masking.rate),
+        callbacks=callbacks,
+    )
     return trainer, tokenizer
 
 
@@ -93,14 +125,25 @@ def hf_worker(spec: dict) -> None:
             self.ends.append(time.time())
             self.cpu.append(time.process_time())
 
-    if spec.get("keep_freed_memory"):          # what our trainer does on a CPU, for comparison
+    if spec.get("keep_freed_memory"):  # what our trainer does on a CPU, for comparison
         from pretrain.runtime.hardware import keep_freed_cpu_memory
+
         keep_freed_cpu_memory()
     timer = StepTimer()
-    trainer, _ = hf_mlm_trainer(Path(spec["shards"]), load_config(spec["config"], spec["overrides"]),
-                                spec["batch_size"], spec["precision"], spec["threads"], spec["out_dir"], [timer],
-                                max_steps=spec["steps"], gradient_accumulation_steps=spec["grad_accum"],
-                                optim=spec["optim"], logging_strategy="steps", logging_steps=spec["warmup_steps"])
+    trainer, _ = hf_mlm_trainer(
+        Path(spec["shards"]),
+        load_config(spec["config"], spec["overrides"]),
+        spec["batch_size"],
+        spec["precision"],
+        spec["threads"],
+        spec["out_dir"],
+        [timer],
+        max_steps=spec["steps"],
+        gradient_accumulation_steps=spec["grad_accum"],
+        optim=spec["optim"],
+        logging_strategy="steps",
+        logging_steps=spec["warmup_steps"],
+    )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     _write_result(spec, timer.ends, timer.cpu, losses[-1] if losses else float("nan"))
@@ -126,20 +169,33 @@ def bare_worker(spec: dict) -> None:
     o = cfg.optim
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=spec["fused"])
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr,
+        betas=tuple(o.betas),
+        eps=o.eps,
+        fused=spec["fused"],
+    )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg))
     forward = torch.compile(model) if spec["compile"] else model
-    batches = iter(TrainStream(shards, manifest, "train", 0, 1, spec["batch_size"],
-                               spec["batch_size"] * spec["grad_accum"], cfg.data.seed))
+    batches = iter(
+        TrainStream(
+            shards, manifest, "train", 0, 1, spec["batch_size"], spec["batch_size"] * spec["grad_accum"], cfg.data.seed
+        )
+    )
     ends, cpu, loss = [], [], float("nan")
     model.train()
     for step in range(spec["steps"]):
         for micro in range(spec["grad_accum"]):
             batch = next(batches)
-            m = mask_batch(batch["input_ids"], batch["word_starts"], special, cfg.masking,
-                           sample_ids=batch["sample_ids"], step=step)
+            m = mask_batch(
+                batch["input_ids"],
+                batch["word_starts"],
+                special,
+                cfg.masking,
+                sample_ids=batch["sample_ids"],
+                step=step,
+            )
             with torch.autocast("cpu", torch.bfloat16, enabled=spec["precision"] == "bf16"):
                 loss_sum, _, count = forward(m.input_ids, batch["input_ids"] != special.pad, m.positions, m.labels)
             loss_sum = loss_sum / count.clamp(min=1) / spec["grad_accum"]

@@ -21,6 +21,7 @@ from the bucket at +100 ms with the cache off, printing ``perf/data_wait_s`` aga
 
     python bench/remote_loader.py [--micro-batches 600] [--micro-batch 32] [--repeats 3] [--mini-steps 20]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,15 +84,30 @@ def make_shards(work: Path) -> Path:
     write_sample_corpus(work / "corpus", "txt", num_files=4)
     out = work / "shards"
     run = [sys.executable, "-m", "data_prep"]
-    subprocess.run([*run, "shard", "--input", f"{work}/corpus/*.txt", "--tokenizer", str(bert_uncased_dir()),
-                    "--out", str(out), "--seq-len", "128", "--shard-size", "1024"], check=True, cwd=REPO,
-                   capture_output=True)
+    subprocess.run(
+        [
+            *run,
+            "shard",
+            "--input",
+            f"{work}/corpus/*.txt",
+            "--tokenizer",
+            str(bert_uncased_dir()),
+            "--out",
+            str(out),
+            "--seq-len",
+            "128",
+            "--shard-size",
+            "1024",
+        ],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+    )
     subprocess.run([*run, "finalize", str(out)], check=True, cwd=REPO, capture_output=True)
     return out
 
 
-def time_loader(location: str, micro_batches: int, micro_batch: int, read_ahead: bool,
-                cache_dir: str = "") -> float:
+def time_loader(location: str, micro_batches: int, micro_batch: int, read_ahead: bool, cache_dir: str = "") -> float:
     """tokens/s of the rank-0 loader of a 1-rank run over ``micro_batches`` micro-batches, in a fresh
     process (its own workers, module settings and connections); the node cache at ``cache_dir``."""
     code = f"""
@@ -138,7 +154,7 @@ def main() -> int:
                 try:
                     bucket = server.bucket("bench")
                     break
-                except Exception:      # noqa: BLE001 -- not up yet
+                except Exception:  # noqa: BLE001 -- not up yet
                     time.sleep(0.5)
             client = server.client()
             for path in sorted(q for q in shards.rglob("*") if q.is_file()):
@@ -153,8 +169,10 @@ def main() -> int:
         finally:
             s3_server._stop(proc)
     local = rows[0][2]
-    print(f"\n{'source':24} {'read-ahead':>10} {'tokens/s':>12} {'x local':>8}   "
-          f"({args.micro_batches} micro-batches of {args.micro_batch} x 128, 2 workers)")
+    print(
+        f"\n{'source':24} {'read-ahead':>10} {'tokens/s':>12} {'x local':>8}   "
+        f"({args.micro_batches} micro-batches of {args.micro_batch} x 128, 2 workers)"
+    )
     for label, read_ahead, rate in rows:
         print(f"{label:24} {'on' if read_ahead else 'off':>10} {rate:12,.0f} {rate / local:8.3f}")
     print(f"\n{'mini run, 1 rank, fp32':24} {'step s':>8} {'data wait s':>12} {'wait/step':>10}")
@@ -167,9 +185,11 @@ def loader_rows(local: str, remote: str, endpoint: str, args, cache: Path) -> li
     port, rows = int(endpoint.rsplit(":", 1)[1]), []
 
     def row(label: str, location: str, read_ahead: bool, cache_dir=lambda repeat: "") -> None:
-        rates = sorted(time_loader(location, args.micro_batches, args.micro_batch, read_ahead, cache_dir(r))
-                       for r in range(args.repeats))
-        rate = rates[len(rates) // 2]         # the median: runs of a few seconds on shared cores vary 15%
+        rates = sorted(
+            time_loader(location, args.micro_batches, args.micro_batch, read_ahead, cache_dir(r))
+            for r in range(args.repeats)
+        )
+        rate = rates[len(rates) // 2]  # the median: runs of a few seconds on shared cores vary 15%
         rows.append((label, read_ahead, rate))
         print(f"{label:24} read-ahead {'on ' if read_ahead else 'off'} {rate:12,.0f} tokens/s", flush=True)
 
@@ -191,7 +211,7 @@ def fill_cache(location: str, cache: Path) -> None:
     from data_prep.common.storage import open_store
     from pretrain.data.shard_cache import ShardCache
 
-    store, node_cache = open_store(location), ShardCache(cache, 50 * 2 ** 30)
+    store, node_cache = open_store(location), ShardCache(cache, 50 * 2**30)
     for entry in load_manifest(location).shards:
         node_cache.fetch(store, entry)
         assert node_cache.lookup(entry) is not None, entry.name
@@ -203,9 +223,22 @@ def mini_run(location: str, out: Path, steps: int) -> tuple[float, float]:
     import json
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "pretrain.train", "--config", "configs/mini.yaml", f"data.dir={location}",
-           f"train.out_dir={out}", f"train.max_steps={steps}", "train.log_every=5", "train.eval_every=0",
-           "train.checkpoint_every=0", "tracking.report=false", "data.cache_limit_gb=0", "impl.zero_stage=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pretrain.train",
+        "--config",
+        "configs/mini.yaml",
+        f"data.dir={location}",
+        f"train.out_dir={out}",
+        f"train.max_steps={steps}",
+        "train.log_every=5",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+        "tracking.report=false",
+        "data.cache_limit_gb=0",
+        "impl.zero_stage=0",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-3000:])

@@ -7,6 +7,7 @@ of one step of ours (the DeepSpeed engine, one process), counted by the code tha
 A profiler counts the copies; this says whose they are (the two innermost frames outside torch), with the
 elements moved, so that the ones not needed can be told from those that are.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,19 +56,30 @@ def main() -> None:
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args()
     shards = ensure_sample_shards(args.work_dir)
-    overrides = [f"data.dir={shards}", f"impl.precision={args.precision}", "impl.num_workers=0",
-                 f"train.out_dir={args.work_dir}/run", "tracking.backend=none",
-                 f"impl.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.micro_batch}", *args.set]
+    overrides = [
+        f"data.dir={shards}",
+        f"impl.precision={args.precision}",
+        "impl.num_workers=0",
+        f"train.out_dir={args.work_dir}/run",
+        "tracking.backend=none",
+        f"impl.micro_batch_size={args.micro_batch}",
+        f"train.global_batch_size={args.micro_batch}",
+        *args.set,
+    ]
     setup = build(Path(args.config), overrides, shards)
-    for step in range(2):                                  # past the first steps' one-off allocations
+    for step in range(2):  # past the first steps' one-off allocations
         timed_step(setup, step)
     counter = CountCopies()
     with counter:
         timed_step(setup, 2)
-    rows = [[n, f"{counter.elements[key] / 1e6:.2f} M", key[0], key[1]] for key, n in counter.calls.most_common(args.top)]
-    print(f"{args.config}, {args.precision}, micro-batch {args.micro_batch}, ZeRO {setup.cfg.impl.zero_stage}, one "
-          f"process: {sum(counter.calls.values())} copies in one step, {sum(counter.elements.values()) / 1e6:.1f} M "
-          f"elements")
+    rows = [
+        [n, f"{counter.elements[key] / 1e6:.2f} M", key[0], key[1]] for key, n in counter.calls.most_common(args.top)
+    ]
+    print(
+        f"{args.config}, {args.precision}, micro-batch {args.micro_batch}, ZeRO {setup.cfg.impl.zero_stage}, one "
+        f"process: {sum(counter.calls.values())} copies in one step, {sum(counter.elements.values()) / 1e6:.1f} M "
+        f"elements"
+    )
     print(format_table(["calls", "elements", "dtypes", "asked for by"], rows))
 
 

@@ -13,6 +13,7 @@ from ``pretrain.runtime.engine.initialize``, ``TrainStream``, ``mask_batch``), b
   (``impl.fused_optimizer``, ZeRO stage, dropout), else the two ways side by side (the accuracy
   argmax, the padding mask), so a gain is measured before anyone edits the file it lives in.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -43,8 +44,8 @@ class Setup:
     special: object
     info: object
     precision: str
-    model: torch.nn.Module          # our MLMModel (inside the engine when ``engine`` is set)
-    engine: object                  # DeepSpeed engine, or None for the bare loop
+    model: torch.nn.Module  # our MLMModel (inside the engine when ``engine`` is set)
+    engine: object  # DeepSpeed engine, or None for the bare loop
     optimizer: torch.optim.Optimizer
     scheduler: object
     batches: object
@@ -55,7 +56,7 @@ def _load(config: Path, overrides: list[str]):
     from pretrain.runtime import engine as eng
     from pretrain.config.schema import load_config
 
-    if not dist.is_initialized():       # once per process: DeepSpeed caches the world group
+    if not dist.is_initialized():  # once per process: DeepSpeed caches the world group
         eng.prepare_env()
     cfg = load_config(str(config), overrides)
     return cfg, eng.init_distributed(cfg)
@@ -78,12 +79,21 @@ def build(config: Path, overrides: list[str], shards: Path, *, bare: bool = Fals
     special = SpecialIds.from_manifest(manifest)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, manifest.tokenizer.vocab_size, special, cfg.impl, seq_len=manifest.seq_len)
-    batches = iter(TrainStream(shards, manifest, "train", 0, 1, cfg.impl.micro_batch_size,
-                               cfg.train.global_batch_size, cfg.data.seed))
+    batches = iter(
+        TrainStream(
+            shards, manifest, "train", 0, 1, cfg.impl.micro_batch_size, cfg.train.global_batch_size, cfg.data.seed
+        )
+    )
     if bare:
         o = cfg.optim
-        optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                      weight_decay=o.weight_decay, fused=cfg.impl.fused_optimizer is not False or None)
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=o.lr,
+            betas=tuple(o.betas),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=cfg.impl.fused_optimizer is not False or None,
+        )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg))
         engine = None
     else:
@@ -106,14 +116,15 @@ def timed_step(s: Setup, step: int) -> list[float]:
     t = [_clock()]
     batch = next(s.batches)
     t.append(_clock())
-    m = mask_batch(batch["input_ids"], batch["word_starts"], s.special, s.cfg.masking,
-                   sample_ids=batch["sample_ids"], step=step)
+    m = mask_batch(
+        batch["input_ids"], batch["word_starts"], s.special, s.cfg.masking, sample_ids=batch["sample_ids"], step=step
+    )
     attention_mask = (batch["input_ids"] != s.special.pad) if batch.get("has_padding", True) else None
     t.append(_clock())
     predicted = m.num_masked.double().reshape(1)
     dist.all_reduce(predicted)
     scale = 1.0 / predicted.clamp(min=1.0)
-    local_bad = torch.zeros(2)          # the loop's second collective: non-finite loss / stop flags
+    local_bad = torch.zeros(2)  # the loop's second collective: non-finite loss / stop flags
     dist.all_reduce(local_bad, op=dist.ReduceOp.MAX)
     t.append(_clock())
     torch.manual_seed(derive_seed("dropout", s.cfg.train.seed, step, 0, 0))
@@ -146,8 +157,9 @@ def phase_medians(s: Setup, steps: int, warmup: int) -> dict[str, float]:
     return out
 
 
-def breakdown(config: Path, overrides: list[str], shards: Path, steps: int, warmup: int, label: str,
-              tokens_per_step: int) -> str:
+def breakdown(
+    config: Path, overrides: list[str], shards: Path, steps: int, warmup: int, label: str, tokens_per_step: int
+) -> str:
     s = build(config, overrides, shards)
     med = phase_medians(s, steps, warmup)
     rows = [[name, f"{1000 * med[name]:.1f}", f"{100 * med[name] / med['total']:.1f}%"] for name in PHASES]
@@ -173,10 +185,19 @@ def profile(config: Path, overrides: list[str], shards: Path, steps: int, out_di
         prof.export_chrome_trace(str(trace))
         events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
         total = sum(e.self_cpu_time_total for e in events)
-        rows = [[e.key, e.count // steps, f"{e.self_cpu_time_total / 1000 / steps:.1f}",
-                 f"{100 * e.self_cpu_time_total / total:.1f}%"] for e in events[:top]]
-        tables.append(f"{label}, {s.precision}, {steps} steps, trace {trace}:\n"
-                      + format_table(["op", "calls/step", "self ms/step", "share"], rows))
+        rows = [
+            [
+                e.key,
+                e.count // steps,
+                f"{e.self_cpu_time_total / 1000 / steps:.1f}",
+                f"{100 * e.self_cpu_time_total / total:.1f}%",
+            ]
+            for e in events[:top]
+        ]
+        tables.append(
+            f"{label}, {s.precision}, {steps} steps, trace {trace}:\n"
+            + format_table(["op", "calls/step", "self ms/step", "share"], rows)
+        )
     return "\n\n".join(tables)
 
 
@@ -202,8 +223,9 @@ def _sample_masked(s: Setup):
     from pretrain.model.masking import mask_batch
 
     batch = next(s.batches)
-    return batch, mask_batch(batch["input_ids"], batch["word_starts"], s.special, s.cfg.masking,
-                             sample_ids=batch["sample_ids"], step=0)
+    return batch, mask_batch(
+        batch["input_ids"], batch["word_starts"], s.special, s.cfg.masking, sample_ids=batch["sample_ids"], step=0
+    )
 
 
 def optimizer_lead(config, overrides, shards, steps, warmup) -> list[list]:
@@ -212,9 +234,15 @@ def optimizer_lead(config, overrides, shards, steps, warmup) -> list[list]:
     The settings take their steps in turn (round-robin), so a change of load hits them alike."""
     settings = [(f"ours ZeRO {z}", [f"impl.zero_stage={z}"], False) for z in (0, 1, 2)]
     settings.append(("bare loop", [], True))
-    setups = [(label, fused, build(config, overrides + extra + [f"impl.fused_optimizer={str(fused).lower()}"],
-                                   shards, bare=bare))
-              for label, extra, bare in settings for fused in (False, True)]
+    setups = [
+        (
+            label,
+            fused,
+            build(config, overrides + extra + [f"impl.fused_optimizer={str(fused).lower()}"], shards, bare=bare),
+        )
+        for label, extra, bare in settings
+        for fused in (False, True)
+    ]
     runs: list[list[list[float]]] = [[] for _ in setups]
     for i in range(steps):
         for k, (_, _, s) in enumerate(setups):
@@ -224,8 +252,15 @@ def optimizer_lead(config, overrides, shards, steps, warmup) -> list[list]:
         r = r[warmup:]
         med = [statistics.median(x[PHASES.index(p)] for x in r) for p in ("forward", "backward", "step")]
         wrapper = type(s.engine.optimizer).__name__ if s.engine is not None else "-"
-        rows.append([label, "torch AdamW fused" if fused else "torch AdamW foreach", wrapper,
-                     *(f"{1000 * v:.1f}" for v in med), f"{1000 * statistics.median(sum(x) for x in r):.1f}"])
+        rows.append(
+            [
+                label,
+                "torch AdamW fused" if fused else "torch AdamW foreach",
+                wrapper,
+                *(f"{1000 * v:.1f}" for v in med),
+                f"{1000 * statistics.median(sum(x) for x in r):.1f}",
+            ]
+        )
     return rows
 
 
@@ -240,11 +275,23 @@ def argmax_lead(s: Setup, repeats: int) -> list[list]:
     labels = m.labels
     counted = labels != -100
     rows = [
-        ["argmax on the model-dtype logits", f"{_median_ms(lambda: ((logits.argmax(-1) == labels) & counted).sum(), repeats):.1f}"],
-        ["argmax on the fp32 copy CE makes (impl.fused_mlm_loss=false)", f"{_median_ms(lambda: ((logits32.argmax(-1) == labels) & counted).sum(), repeats):.1f}"],
-        ["fp32: target logit >= amax (gather)", f"{_median_ms(lambda: ((logits32.gather(1, labels.clamp(min=0)[:, None]).squeeze(1) >= logits32.amax(-1)) & counted).sum(), repeats):.1f}"],
+        [
+            "argmax on the model-dtype logits",
+            f"{_median_ms(lambda: ((logits.argmax(-1) == labels) & counted).sum(), repeats):.1f}",
+        ],
+        [
+            "argmax on the fp32 copy CE makes (impl.fused_mlm_loss=false)",
+            f"{_median_ms(lambda: ((logits32.argmax(-1) == labels) & counted).sum(), repeats):.1f}",
+        ],
+        [
+            "fp32: target logit >= amax (gather)",
+            f"{_median_ms(lambda: ((logits32.gather(1, labels.clamp(min=0)[:, None]).squeeze(1) >= logits32.amax(-1)) & counted).sum(), repeats):.1f}",
+        ],
         ["(the fp32 copy itself, made once for CE)", f"{_median_ms(lambda: logits.float(), repeats):.1f}"],
-        ["(cross-entropy on the fp32 copy, forward)", f"{_median_ms(lambda: F.cross_entropy(logits32, labels, reduction='sum'), repeats):.1f}"],
+        [
+            "(cross-entropy on the fp32 copy, forward)",
+            f"{_median_ms(lambda: F.cross_entropy(logits32, labels, reduction='sum'), repeats):.1f}",
+        ],
     ]
     return [[f"{m.positions.numel()} x {logits.shape[1]} {str(dtype).removeprefix('torch.')}", *r] for r in rows]
 
@@ -254,9 +301,11 @@ def encoder_lead(config, overrides, shards, repeats, compiled: bool = False) -> 
     mode HF checks ``mask.all()`` and drops an all-true mask itself, but not while torch.compile
     traces) or as None (nothing to check), with dropout as configured and with dropout off."""
     rows = []
-    dropouts = (("dropout as configured", []),
-                ("attention dropout 0", ["model.attention_dropout=0"]),
-                ("all dropout 0", ["model.attention_dropout=0", "model.hidden_dropout=0"]))
+    dropouts = (
+        ("dropout as configured", []),
+        ("attention dropout 0", ["model.attention_dropout=0"]),
+        ("all dropout 0", ["model.attention_dropout=0", "model.hidden_dropout=0"]),
+    )
     for label, extra in dropouts[:1] if compiled else dropouts:
         s = build(config, overrides + extra, shards, bare=True)
         encoder = s.model.hf_model.bert
@@ -274,8 +323,7 @@ def encoder_lead(config, overrides, shards, repeats, compiled: bool = False) -> 
             encoder.zero_grad(set_to_none=True)
 
         with_mask, no_mask = _ab_median_ms([lambda: run(mask), lambda: run(None)], repeats)
-        rows.append([label, f"{bool(mask.all())}", f"{with_mask:.1f}", f"{no_mask:.1f}",
-                     f"{with_mask - no_mask:+.1f}"])
+        rows.append([label, f"{bool(mask.all())}", f"{with_mask:.1f}", f"{no_mask:.1f}", f"{with_mask - no_mask:+.1f}"])
     return rows
 
 
@@ -289,12 +337,27 @@ def small_costs(s: Setup, repeats: int) -> list[list]:
     flags = torch.zeros(2)
     count = torch.ones(1, dtype=torch.float64)
     return [
-        ["dropout re-seed: torch.manual_seed(derive_seed(...))", f"{_median_ms(lambda: torch.manual_seed(derive_seed('dropout', 42, 7, 0, 0)), repeats):.3f}"],
-        ["masking, keyed by sample id (the trainer's)", f"{_median_ms(lambda: mask_batch(batch['input_ids'], batch['word_starts'], s.special, s.cfg.masking, sample_ids=batch['sample_ids'], step=1), repeats):.3f}"],
-        ["masking, keyed by sample id, fixed_count", f"{_median_ms(lambda: mask_batch(batch['input_ids'], batch['word_starts'], s.special, fixed, sample_ids=batch['sample_ids'], step=1), repeats):.3f}"],
-        ["masking from a torch.Generator (before)", f"{_median_ms(lambda: mask_batch(batch['input_ids'], batch['word_starts'], s.special, s.cfg.masking, mask_generator(0, 1, 0, 0)), repeats):.3f}"],
+        [
+            "dropout re-seed: torch.manual_seed(derive_seed(...))",
+            f"{_median_ms(lambda: torch.manual_seed(derive_seed('dropout', 42, 7, 0, 0)), repeats):.3f}",
+        ],
+        [
+            "masking, keyed by sample id (the trainer's)",
+            f"{_median_ms(lambda: mask_batch(batch['input_ids'], batch['word_starts'], s.special, s.cfg.masking, sample_ids=batch['sample_ids'], step=1), repeats):.3f}",
+        ],
+        [
+            "masking, keyed by sample id, fixed_count",
+            f"{_median_ms(lambda: mask_batch(batch['input_ids'], batch['word_starts'], s.special, fixed, sample_ids=batch['sample_ids'], step=1), repeats):.3f}",
+        ],
+        [
+            "masking from a torch.Generator (before)",
+            f"{_median_ms(lambda: mask_batch(batch['input_ids'], batch['word_starts'], s.special, s.cfg.masking, mask_generator(0, 1, 0, 0)), repeats):.3f}",
+        ],
         ["all_reduce: masked count (world 1, gloo)", f"{_median_ms(lambda: dist.all_reduce(count), repeats):.3f}"],
-        ["all_reduce: non-finite/stop flags (world 1, gloo)", f"{_median_ms(lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX), repeats):.3f}"],
+        [
+            "all_reduce: non-finite/stop flags (world 1, gloo)",
+            f"{_median_ms(lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX), repeats):.3f}",
+        ],
         ["next micro-batch from TrainStream (workers 0)", f"{_median_ms(lambda: next(s.batches), repeats):.3f}"],
         ["padding mask: input_ids != pad", f"{_median_ms(lambda: batch['input_ids'] != s.special.pad, repeats):.3f}"],
     ]
@@ -304,19 +367,37 @@ def leads(config: Path, overrides: list[str], shards: Path, steps: int, warmup: 
     """Prints each table as soon as it is measured."""
     repeats = max(3, steps - warmup)
     rows = optimizer_lead(config, overrides, shards, steps, warmup)
-    print("Optimiser and engine (median ms per step; ours = DeepSpeed engine; bare = model + "
-          "torch AdamW + clip + LambdaLR; the kernel from impl.fused_optimizer=false|true):\n"
-          + format_table(["setting", "optimiser", "DeepSpeed wrapper", "forward", "backward", "step",
-                          "whole step"], rows) + "\n", flush=True)
+    print(
+        "Optimiser and engine (median ms per step; ours = DeepSpeed engine; bare = model + "
+        "torch AdamW + clip + LambdaLR; the kernel from impl.fused_optimizer=false|true):\n"
+        + format_table(["setting", "optimiser", "DeepSpeed wrapper", "forward", "backward", "step", "whole step"], rows)
+        + "\n",
+        flush=True,
+    )
     s = build(config, overrides, shards)
-    print("Accuracy metric in MLMModel.forward (median ms per micro-step):\n"
-          + format_table(["logits", "what", "ms"], argmax_lead(s, repeats)) + "\n", flush=True)
-    print("Per-micro-step costs outside the model (median ms):\n"
-          + format_table(["what", "ms"], small_costs(s, repeats)) + "\n", flush=True)
+    print(
+        "Accuracy metric in MLMModel.forward (median ms per micro-step):\n"
+        + format_table(["logits", "what", "ms"], argmax_lead(s, repeats))
+        + "\n",
+        flush=True,
+    )
+    print(
+        "Per-micro-step costs outside the model (median ms):\n"
+        + format_table(["what", "ms"], small_costs(s, repeats))
+        + "\n",
+        flush=True,
+    )
     del s
     header = ["dropout", "batch has no padding", "mask tensor (today)", "mask None", "difference"]
-    print("Encoder forward + backward, train mode, one micro-batch (median ms):\n"
-          + format_table(header, encoder_lead(config, overrides, shards, repeats)) + "\n", flush=True)
+    print(
+        "Encoder forward + backward, train mode, one micro-batch (median ms):\n"
+        + format_table(header, encoder_lead(config, overrides, shards, repeats))
+        + "\n",
+        flush=True,
+    )
     if compiled:
-        print("The same under torch.compile (compile time not counted):\n"
-              + format_table(header, encoder_lead(config, overrides, shards, repeats, compiled=True)), flush=True)
+        print(
+            "The same under torch.compile (compile time not counted):\n"
+            + format_table(header, encoder_lead(config, overrides, shards, repeats, compiled=True)),
+            flush=True,
+        )

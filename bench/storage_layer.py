@@ -12,6 +12,7 @@ separate venv, because its aiobotocore pins botocore to versions that would move
 
 Prints seconds and MB/s per client and the ratios s3fs / boto3.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,7 @@ from pathlib import Path
 
 
 def _split(url: str) -> tuple[str, str]:
-    bucket, _, prefix = url[len("s3://"):].partition("/")
+    bucket, _, prefix = url[len("s3://") :].partition("/")
     return bucket, prefix.strip("/")
 
 
@@ -61,14 +62,21 @@ def run_client(client: str, url: str, mb: int, reads: int, block: int, seed: int
 
             def ranged(start: int) -> bytes:
                 return fs.cat_file(f"{bucket}/{key}", start=start, end=start + block)
+
     starts = [rng.randrange(0, size - block) for _ in range(reads)]
     assert len(ranged(starts[0])) == block
     t0 = time.perf_counter()
     got = sum(len(ranged(s)) for s in starts)
     read = time.perf_counter() - t0
     assert got == reads * block
-    return {"client": client, "upload_s": upload, "upload_mb_s": mb / upload, "reads": reads,
-            "read_s": read, "ms_per_read": 1e3 * read / reads}
+    return {
+        "client": client,
+        "upload_s": upload,
+        "upload_mb_s": mb / upload,
+        "reads": reads,
+        "read_s": read,
+        "ms_per_read": 1e3 * read / reads,
+    }
 
 
 def main() -> int:
@@ -88,21 +96,39 @@ def main() -> int:
         if not Path(python).exists():
             print(f"{client}: no {python}; see this script's docstring", file=sys.stderr)
             continue
-        proc = subprocess.run([python, __file__, args.url, "--mb", str(args.mb), "--reads", str(args.reads),
-                               "--block-kb", str(args.block_kb), "--client", client],
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [
+                python,
+                __file__,
+                args.url,
+                "--mb",
+                str(args.mb),
+                "--reads",
+                str(args.reads),
+                "--block-kb",
+                str(args.block_kb),
+                "--client",
+                client,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode:
             print(f"{client}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
             continue
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    print(f"{'client':8} {'upload MB/s':>12} {'ms per ranged read':>19}   ({args.mb} MiB upload, "
-          f"{args.reads} random {args.block_kb} KiB ranges)")
+    print(
+        f"{'client':8} {'upload MB/s':>12} {'ms per ranged read':>19}   ({args.mb} MiB upload, "
+        f"{args.reads} random {args.block_kb} KiB ranges)"
+    )
     for r in rows:
         print(f"{r['client']:8} {r['upload_mb_s']:12.1f} {r['ms_per_read']:19.2f}")
     if len(rows) == 2:
         a, b = rows
-        print(f"s3fs / boto3: upload time {b['upload_s'] / a['upload_s']:.2f}x, "
-              f"ranged read time {b['read_s'] / a['read_s']:.2f}x")
+        print(
+            f"s3fs / boto3: upload time {b['upload_s'] / a['upload_s']:.2f}x, "
+            f"ranged read time {b['read_s'] / a['read_s']:.2f}x"
+        )
     return 0
 
 

@@ -32,6 +32,7 @@ same architecture with random weights. Reported: those rows, and the training ti
 run needed to reach the HF run's final periodic eval loss. Written to ``--out``: ``results.json``,
 ``results.md`` (tables, loss against tokens) and ``loss_vs_tokens.png`` when matplotlib is there.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -90,8 +91,15 @@ def hf_worker(spec: dict) -> None:
         def evaluate(self, model, step):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=spec["precision"] == "bf16"):
                 r = mlm_eval_model(model, shards, manifest, spec["batch_size"], spec["eval_batches"], device=device)
-            self.curve.append({"step": step, "tokens": step * tokens_per_step, "train_s": self.train_s,
-                               "loss": r["loss"], "accuracy": r["accuracy"]})
+            self.curve.append(
+                {
+                    "step": step,
+                    "tokens": step * tokens_per_step,
+                    "train_s": self.train_s,
+                    "loss": r["loss"],
+                    "accuracy": r["accuracy"],
+                }
+            )
             print(f"hf step {step} train {self.train_s:.1f}s eval loss {r['loss']:.4f}", flush=True)
 
         def on_train_begin(self, args, state, control, model=None, **kw):
@@ -108,9 +116,18 @@ def hf_worker(spec: dict) -> None:
 
     budget = Budget()
     # constant after warm-up: with a wall-clock budget the step count is not known in advance
-    trainer, tokenizer = hf_mlm_trainer(shards, cfg, spec["batch_size"], spec["precision"], spec["threads"],
-                                        out / "trainer", [budget], max_steps=10**7,
-                                        lr_scheduler_type="constant_with_warmup", logging_strategy="no")
+    trainer, tokenizer = hf_mlm_trainer(
+        shards,
+        cfg,
+        spec["batch_size"],
+        spec["precision"],
+        spec["threads"],
+        out / "trainer",
+        [budget],
+        max_steps=10**7,
+        lr_scheduler_type="constant_with_warmup",
+        logging_strategy="no",
+    )
     trainer.train()
     trainer.model.float().save_pretrained(out / "hf")
     tokenizer.save_pretrained(out / "hf")
@@ -121,17 +138,32 @@ def run_hf(args, shards: Path) -> dict:
     out = Path(args.work_dir) / "runs" / "hf"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    spec = {"shards": str(shards), "out_dir": str(out), "batch_size": args.batch_size, "precision": args.precision,
-            "threads": args.threads, "budget_s": args.minutes * 60, "eval_every": args.eval_every,
-            "eval_batches": args.eval_batches}
+    spec = {
+        "shards": str(shards),
+        "out_dir": str(out),
+        "batch_size": args.batch_size,
+        "precision": args.precision,
+        "threads": args.threads,
+        "budget_s": args.minutes * 60,
+        "eval_every": args.eval_every,
+        "eval_batches": args.eval_batches,
+    }
     started = time.time()
     with open(out / "stdout.log", "w") as log:
-        done = subprocess.run([sys.executable, __file__, "--hf-worker", json.dumps(spec)], cwd=REPO,
-                              env=thread_env(args.threads), stdout=log, stderr=subprocess.STDOUT)
+        done = subprocess.run(
+            [sys.executable, __file__, "--hf-worker", json.dumps(spec)],
+            cwd=REPO,
+            env=thread_env(args.threads),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     if done.returncode:
         raise RuntimeError(f"the HF Trainer run exited {done.returncode}:\n{(out / 'stdout.log').read_text()[-3000:]}")
-    return {"curve": json.loads((out / "curve.json").read_text()), "hf_dir": str(out / "hf"),
-            "wall_s": time.time() - started}
+    return {
+        "curve": json.loads((out / "curve.json").read_text()),
+        "hf_dir": str(out / "hf"),
+        "wall_s": time.time() - started,
+    }
 
 
 # ------------------------------------------------------------------------------------------ ours
@@ -141,14 +173,31 @@ def run_ours(args, shards: Path) -> dict:
     out = Path(args.work_dir) / "runs" / "ours"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "pretrain.train", "--config", str(CONFIG),
-           f"data.dir={shards}", f"train.out_dir={out}", "train.max_steps=10000000",
-           f"train.log_every={args.log_every}", f"train.eval_every={args.eval_every}",
-           f"train.eval_batches={args.eval_batches}", "train.checkpoint_every=0", "train.resume=none",
-           "train.keep_checkpoints=1", f"train.global_batch_size={args.batch_size}",
-           f"impl.micro_batch_size={args.batch_size}", "impl.zero_stage=0", "impl.num_workers=0",
-           f"impl.precision={args.precision}", "impl.peak_tflops=1", "optim.schedule=constant",
-           "tracking.backend=none", *args.ours_overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pretrain.train",
+        "--config",
+        str(CONFIG),
+        f"data.dir={shards}",
+        f"train.out_dir={out}",
+        "train.max_steps=10000000",
+        f"train.log_every={args.log_every}",
+        f"train.eval_every={args.eval_every}",
+        f"train.eval_batches={args.eval_batches}",
+        "train.checkpoint_every=0",
+        "train.resume=none",
+        "train.keep_checkpoints=1",
+        f"train.global_batch_size={args.batch_size}",
+        f"impl.micro_batch_size={args.batch_size}",
+        "impl.zero_stage=0",
+        "impl.num_workers=0",
+        f"impl.precision={args.precision}",
+        "impl.peak_tflops=1",
+        "optim.schedule=constant",
+        "tracking.backend=none",
+        *args.ours_overrides,
+    ]
     started = time.time()
     metrics = out / "metrics.jsonl"
     with open(out / "stdout.log", "w") as log:
@@ -157,11 +206,13 @@ def run_ours(args, shards: Path) -> dict:
         while proc.poll() is None:
             time.sleep(0.5)
             if not signalled and _train_seconds(metrics)[-1][1] >= args.minutes * 60:
-                proc.send_signal(signal.SIGTERM)     # the trainer finishes the step, checkpoints, exits 3
+                proc.send_signal(signal.SIGTERM)  # the trainer finishes the step, checkpoints, exits 3
                 signalled = True
     if proc.returncode not in (0, 3):
-        raise RuntimeError(f"ours: pretrain.train exited {proc.returncode}; command:\n  {' '.join(cmd)}\n"
-                           f"{(out / 'stdout.log').read_text()[-3000:]}")
+        raise RuntimeError(
+            f"ours: pretrain.train exited {proc.returncode}; command:\n  {' '.join(cmd)}\n"
+            f"{(out / 'stdout.log').read_text()[-3000:]}"
+        )
     from pretrain.eval.cli import mlm_eval
     from pretrain.checkpoint.hf_export import export_checkpoint, resolve_checkpoint
 
@@ -171,9 +222,17 @@ def run_ours(args, shards: Path) -> dict:
     times = dict(logged)
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     tokens_per_step = args.batch_size * _seq_len(shards)
-    curve = [{"step": r["step"], "tokens": r["step"] * tokens_per_step,
-              "train_s": times.get(r["step"], float("nan")), "loss": r["eval/loss"], "accuracy": r["eval/accuracy"]}
-             for r in records if "eval/loss" in r]
+    curve = [
+        {
+            "step": r["step"],
+            "tokens": r["step"] * tokens_per_step,
+            "train_s": times.get(r["step"], float("nan")),
+            "loss": r["eval/loss"],
+            "accuracy": r["eval/accuracy"],
+        }
+        for r in records
+        if "eval/loss" in r
+    ]
     # The stop comes between evaluations: the checkpointed weights get the same evaluation (same
     # batches, same masks) as a last point, at the step time summed so far plus the unlogged steps.
     final_step = int(tag.removeprefix("step"))
@@ -181,9 +240,15 @@ def run_ours(args, shards: Path) -> dict:
         last_step, last_s = logged[-1]
         per_step = last_s / last_step if last_step else 0.0
         r = mlm_eval(out / "hf", shards, args.batch_size, args.eval_batches)
-        curve.append({"step": final_step, "tokens": final_step * tokens_per_step,
-                      "train_s": last_s + (final_step - last_step) * per_step, "loss": r["loss"],
-                      "accuracy": r["accuracy"]})
+        curve.append(
+            {
+                "step": final_step,
+                "tokens": final_step * tokens_per_step,
+                "train_s": last_s + (final_step - last_step) * per_step,
+                "loss": r["loss"],
+                "accuracy": r["accuracy"],
+            }
+        )
     return {"curve": curve, "hf_dir": str(out / "hf"), "wall_s": time.time() - started}
 
 
@@ -201,7 +266,7 @@ def _train_seconds(metrics: Path) -> list[tuple[int, float]]:
     for line in metrics.read_text().splitlines():
         try:
             r = json.loads(line)
-        except ValueError:            # a line being written
+        except ValueError:  # a line being written
             continue
         if "perf/step_time_s" in r:
             total += r["perf/step_time_s"] * (r["step"] - previous)
@@ -242,36 +307,66 @@ def report(results: dict, out: Path) -> str:
     hf, ours, base = results["hf"], results["ours"], results["baselines"]
     target = hf["curve"][-1]["loss"]
     rows = []
-    for label, key in [("held-out MLM loss (15% masking)", "mlm/loss"), ("held-out MLM accuracy", "mlm/accuracy"),
-                       ("word-order probe accuracy", "downstream/word_order/accuracy"),
-                       ("word-order probe macro-F1", "downstream/word_order/macro_f1"),
-                       ("articles probe accuracy", "downstream/articles/accuracy"),
-                       ("articles probe macro-F1", "downstream/articles/macro_f1")]:
+    for label, key in [
+        ("held-out MLM loss (15% masking)", "mlm/loss"),
+        ("held-out MLM accuracy", "mlm/accuracy"),
+        ("word-order probe accuracy", "downstream/word_order/accuracy"),
+        ("word-order probe macro-F1", "downstream/word_order/macro_f1"),
+        ("articles probe accuracy", "downstream/articles/accuracy"),
+        ("articles probe macro-F1", "downstream/articles/macro_f1"),
+    ]:
         b = base.get(key.replace("/accuracy", "/random_init_accuracy").replace("/macro_f1", "/random_init_macro_f1"))
         if key == "mlm/accuracy":
             b = hf["scores"]["mlm/unigram_accuracy"]
-        rows.append([label, f"{hf['scores'][key]:.4f}", f"{ours['scores'][key]:.4f}",
-                     "-" if b is None or key == "mlm/loss" else f"{b:.4f}"])
-    for label, key in [("training time to HF's final eval loss (s)", "train_s"),
-                       ("tokens to HF's final eval loss (M)", "tokens")]:
+        rows.append(
+            [
+                label,
+                f"{hf['scores'][key]:.4f}",
+                f"{ours['scores'][key]:.4f}",
+                "-" if b is None or key == "mlm/loss" else f"{b:.4f}",
+            ]
+        )
+    for label, key in [
+        ("training time to HF's final eval loss (s)", "train_s"),
+        ("tokens to HF's final eval loss (M)", "tokens"),
+    ]:
         h, o = crossing(hf["curve"], target, key), crossing(ours["curve"], target, key)
         scale = 1e-6 if key == "tokens" else 1.0
         rows.append([label, f"{h * scale:.3f}", f"{o * scale:.3f}", f"ours/HF = {o / h:.2f}" if h else "-"])
-    rows.append(["optimiser steps in the budget", hf["curve"][-1]["step"], ours["curve"][-1]["step"] if ours["curve"]
-                 else "-", ""])
+    rows.append(
+        [
+            "optimiser steps in the budget",
+            hf["curve"][-1]["step"],
+            ours["curve"][-1]["step"] if ours["curve"] else "-",
+            "",
+        ]
+    )
     main_table = format_table(["row", "HF Trainer", "ours", "random init / unigram"], rows)
     # Loss against tokens: both evaluate at the same steps on the same masked batches.
     by_step = {p["step"]: p for p in ours["curve"]}
-    curve_rows = [[p["step"], f"{p['tokens'] / 1e6:.3f}", f"{p['loss']:.4f}",
-                   f"{by_step[p['step']]['loss']:.4f}" if p["step"] in by_step else "-",
-                   f"{p['train_s']:.0f}", f"{by_step[p['step']]['train_s']:.0f}" if p["step"] in by_step else "-"]
-                  for p in hf["curve"]]
-    curve_rows += [[p["step"], f"{p['tokens'] / 1e6:.3f}", "-", f"{p['loss']:.4f}", "-", f"{p['train_s']:.0f}"]
-                   for p in ours["curve"] if p["step"] > hf["curve"][-1]["step"]]
-    curve_table = format_table(["step", "tokens (M)", "HF eval loss", "ours eval loss", "HF train s", "ours train s"],
-                               curve_rows)
-    text = (f"{results['setup']}\n\nTarget: HF's final periodic eval loss {target:.4f}\n\n{main_table}\n\n"
-            f"Eval loss against tokens seen\n\n{curve_table}\n")
+    curve_rows = [
+        [
+            p["step"],
+            f"{p['tokens'] / 1e6:.3f}",
+            f"{p['loss']:.4f}",
+            f"{by_step[p['step']]['loss']:.4f}" if p["step"] in by_step else "-",
+            f"{p['train_s']:.0f}",
+            f"{by_step[p['step']]['train_s']:.0f}" if p["step"] in by_step else "-",
+        ]
+        for p in hf["curve"]
+    ]
+    curve_rows += [
+        [p["step"], f"{p['tokens'] / 1e6:.3f}", "-", f"{p['loss']:.4f}", "-", f"{p['train_s']:.0f}"]
+        for p in ours["curve"]
+        if p["step"] > hf["curve"][-1]["step"]
+    ]
+    curve_table = format_table(
+        ["step", "tokens (M)", "HF eval loss", "ours eval loss", "HF train s", "ours train s"], curve_rows
+    )
+    text = (
+        f"{results['setup']}\n\nTarget: HF's final periodic eval loss {target:.4f}\n\n{main_table}\n\n"
+        f"Eval loss against tokens seen\n\n{curve_table}\n"
+    )
     (out / "results.md").write_text(text)
     try:
         import matplotlib
@@ -298,8 +393,11 @@ SAME_RUN_KEYS = ("data", "work_dir", "minutes", "batch_size", "precision", "thre
 
 def reused_hf_run(args, parser) -> dict:
     prior = json.loads(Path(args.reuse_hf).read_text())
-    differ = [f"--{k.replace('_', '-')} {prior['args'].get(k)} there, {getattr(args, k)} here"
-              for k in SAME_RUN_KEYS if prior["args"].get(k) != getattr(args, k)]
+    differ = [
+        f"--{k.replace('_', '-')} {prior['args'].get(k)} there, {getattr(args, k)} here"
+        for k in SAME_RUN_KEYS
+        if prior["args"].get(k) != getattr(args, k)
+    ]
     if differ:
         parser.error(f"--reuse-hf {args.reuse_hf}: not the same HF run: " + "; ".join(differ))
     if not Path(prior["hf"]["hf_dir"], "config.json").exists():
@@ -315,16 +413,23 @@ def main(argv=None) -> int:
     p.add_argument("--work-dir", default="/tmp/bench_time_to_quality", help="shards, runs and logs")
     p.add_argument("--out", default="/tmp/bench_time_to_quality/results", help="results.json, results.md, plot")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step (configs/mini.yaml's micro-batch)")
-    p.add_argument("--precision", choices=["bf16", "fp32"], default=None,
-                   help="default: what the trainer's impl.precision=auto picks (bf16 where native, else fp32)")
+    p.add_argument(
+        "--precision",
+        choices=["bf16", "fp32"],
+        default=None,
+        help="default: what the trainer's impl.precision=auto picks (bf16 where native, else fp32)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--eval-every", type=int, default=50, help="steps between periodic evaluations")
     p.add_argument("--log-every", type=int, default=10, help="our trainer's logging window (divides --eval-every)")
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per periodic evaluation")
     p.add_argument("--ours-overrides", nargs="*", default=[], help="extra dotted overrides for our trainer")
-    p.add_argument("--reuse-hf", metavar="RESULTS_JSON",
-                   help="an earlier results.json from this machine: take its HF run (same data, budget, batch, "
-                        "precision, threads, evaluation) instead of training it again, to compare our settings")
+    p.add_argument(
+        "--reuse-hf",
+        metavar="RESULTS_JSON",
+        help="an earlier results.json from this machine: take its HF run (same data, budget, batch, "
+        "precision, threads, evaluation) instead of training it again, to compare our settings",
+    )
     p.add_argument("--hf-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.hf_worker:
@@ -336,11 +441,12 @@ def main(argv=None) -> int:
 
     os.environ.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     torch.set_num_threads(args.threads)
-    if args.precision is None:          # the trainer's own choice for mini's step at these threads
+    if args.precision is None:  # the trainer's own choice for mini's step at these threads
         from pretrain.runtime.hardware import auto_precision
 
-        args.precision = auto_precision(torch.device("cuda"))[0] if torch.cuda.is_available() \
-            else bench_auto_precision(CONFIG)[0]
+        args.precision = (
+            auto_precision(torch.device("cuda"))[0] if torch.cuda.is_available() else bench_auto_precision(CONFIG)[0]
+        )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -359,14 +465,22 @@ def main(argv=None) -> int:
 
     manifest = load_manifest(shards)
     articles = sample_article_task(Path(args.work_dir) / "articles.csv", num_articles=10)
-    tasks = prepare_tasks([DownstreamTaskConfig(path="word_order", max_examples=1500, max_length=64),
-                           DownstreamTaskConfig(path=str(articles), name="articles", max_length=64)],
-                          tokenizer_dir(manifest, shards), data_dir=str(shards), manifest=manifest)
-    setup = (f"shards {shards} (seq {manifest.seq_len}); configs/mini.yaml (HF: {' '.join(HF_RECIPE)}); "
-             f"batch {args.batch_size}; "
-             f"{args.precision}; {args.threads} threads; budget {args.minutes} min of training time each; "
-             f"eval every {args.eval_every} steps on {args.eval_batches} batches; load {load_average()}"
-             + (f"; ours with {' '.join(args.ours_overrides)}" if args.ours_overrides else ""))
+    tasks = prepare_tasks(
+        [
+            DownstreamTaskConfig(path="word_order", max_examples=1500, max_length=64),
+            DownstreamTaskConfig(path=str(articles), name="articles", max_length=64),
+        ],
+        tokenizer_dir(manifest, shards),
+        data_dir=str(shards),
+        manifest=manifest,
+    )
+    setup = (
+        f"shards {shards} (seq {manifest.seq_len}); configs/mini.yaml (HF: {' '.join(HF_RECIPE)}); "
+        f"batch {args.batch_size}; "
+        f"{args.precision}; {args.threads} threads; budget {args.minutes} min of training time each; "
+        f"eval every {args.eval_every} steps on {args.eval_batches} batches; load {load_average()}"
+        + (f"; ours with {' '.join(args.ours_overrides)}" if args.ours_overrides else "")
+    )
     print(setup, flush=True)
     results = {"setup": setup, "args": vars(args)}
     for name, run in (("hf", run_hf), ("ours", run_ours)):
@@ -376,8 +490,11 @@ def main(argv=None) -> int:
         results[name] = run(args, shards)
         results[name]["load_after"] = load_average()
         c = results[name]["curve"][-1]
-        print(f"{name}: {c['step']} steps, {c['train_s']:.0f} s training, eval loss {c['loss']:.4f} "
-              f"({results[name]['wall_s']:.0f} s wall)", flush=True)
+        print(
+            f"{name}: {c['step']} steps, {c['train_s']:.0f} s training, eval loss {c['loss']:.4f} "
+            f"({results[name]['wall_s']:.0f} s wall)",
+            flush=True,
+        )
     for name in ("hf", "ours"):
         results[name]["scores"] = score(results[name]["hf_dir"], shards, tasks, args.batch_size, device)
     config = AutoConfig.from_pretrained(results["hf"]["hf_dir"])

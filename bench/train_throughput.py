@@ -39,6 +39,7 @@ With ``--repeats`` the variants run round-robin and the fastest run of each coun
 Shards: ``--data DIR``, or the embedded Wikipedia sample sharded with the real ``data_prep`` CLI into
 ``--work-dir`` (bert-base-uncased vocabulary, 30,522; seq len 128).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,10 +57,19 @@ from typing import TYPE_CHECKING
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import (auto_precision, cpu_record, ensure_sample_shards, format_table,  # noqa: E402
-                          load_average, matmul_peak, matmul_peak_cpu_time, thread_env, trainer_peak)
+from bench.common import (
+    auto_precision,
+    cpu_record,
+    ensure_sample_shards,
+    format_table,  # noqa: E402
+    load_average,
+    matmul_peak,
+    matmul_peak_cpu_time,
+    thread_env,
+    trainer_peak,
+)
 
-if TYPE_CHECKING:        # numpy and torch are imported once main() has set their thread counts
+if TYPE_CHECKING:  # numpy and torch are imported once main() has set their thread counts
     from data_prep.common.manifest import Manifest
 
 # shape -> (YAML, overrides every row of ours and of the bare loop gets, default batch, steps, warm-up)
@@ -72,50 +82,73 @@ SHAPES: dict[str, tuple[Path, list[str], int, int, int]] = {
 @dataclass(frozen=True)
 class Variant:
     what: str
-    runner: str                                 # "hf" | "ours" | "bare"
-    overrides: tuple[str, ...] = ()             # ours and bare: config overrides
-    dense_head: bool = False                    # MLM head on every token (FLOPs counted so)
+    runner: str  # "hf" | "ours" | "bare"
+    overrides: tuple[str, ...] = ()  # ours and bare: config overrides
+    dense_head: bool = False  # MLM head on every token (FLOPs counted so)
     options: tuple[tuple[str, object], ...] = ()  # hf: optim; bare: fused / compile
 
 
 NO_DROPOUT = ("model.hidden_dropout=0", "model.attention_dropout=0")
 VARIANTS: dict[str, Variant] = {
-    "hf": Variant("HF Trainer + DataCollatorForLanguageModeling", "hf", dense_head=True,
-                  options=(("optim", "adamw_torch"),)),
-    "hf-fused": Variant("HF Trainer, optim=adamw_torch_fused (HF's default)", "hf", dense_head=True,
-                        options=(("optim", "adamw_torch_fused"),)),
-    "hf-keepmem": Variant("HF Trainer, with our keep_freed_cpu_memory() (not HF's default)", "hf", dense_head=True,
-                          options=(("optim", "adamw_torch"), ("keep_freed_memory", True))),
+    "hf": Variant(
+        "HF Trainer + DataCollatorForLanguageModeling", "hf", dense_head=True, options=(("optim", "adamw_torch"),)
+    ),
+    "hf-fused": Variant(
+        "HF Trainer, optim=adamw_torch_fused (HF's default)",
+        "hf",
+        dense_head=True,
+        options=(("optim", "adamw_torch_fused"),),
+    ),
+    "hf-keepmem": Variant(
+        "HF Trainer, with our keep_freed_cpu_memory() (not HF's default)",
+        "hf",
+        dense_head=True,
+        options=(("optim", "adamw_torch"), ("keep_freed_memory", True)),
+    ),
     "ours": Variant("ours, eager, sparse head", "ours"),
-    "ours-plainloss": Variant("ours, eager, impl.fused_mlm_loss=false (F.linear + F.cross_entropy)", "ours",
-                              ("impl.fused_mlm_loss=false",)),
+    "ours-plainloss": Variant(
+        "ours, eager, impl.fused_mlm_loss=false (F.linear + F.cross_entropy)", "ours", ("impl.fused_mlm_loss=false",)
+    ),
     "ours-flash": Variant("ours, eager, impl.attention=sdpa_flash", "ours", ("impl.attention=sdpa_flash",)),
     "ours-math": Variant("ours, eager, impl.attention=sdpa_math", "ours", ("impl.attention=sdpa_math",)),
-    "ours-eagerattn": Variant("ours, eager, impl.attention=eager (HF's explicit attention)", "ours",
-                              ("impl.attention=eager",)),
+    "ours-eagerattn": Variant(
+        "ours, eager, impl.attention=eager (HF's explicit attention)", "ours", ("impl.attention=eager",)
+    ),
     "ours-dense": Variant("ours, eager, dense head", "ours", ("impl.sparse_head=false",), dense_head=True),
     "ours-compile": Variant("ours, torch.compile, sparse head", "ours", ("impl.compile=true",)),
-    "ours-compile-dense": Variant("ours, torch.compile, dense head", "ours",
-                                  ("impl.compile=true", "impl.sparse_head=false"), dense_head=True),
-    "ours-compile-fixed": Variant("ours, torch.compile, sparse head, masking.fixed_count", "ours",
-                                  ("impl.compile=true", "masking.fixed_count=true")),
+    "ours-compile-dense": Variant(
+        "ours, torch.compile, dense head", "ours", ("impl.compile=true", "impl.sparse_head=false"), dense_head=True
+    ),
+    "ours-compile-fixed": Variant(
+        "ours, torch.compile, sparse head, masking.fixed_count",
+        "ours",
+        ("impl.compile=true", "masking.fixed_count=true"),
+    ),
     "ours-zero1": Variant("ours, eager, sparse head, ZeRO 1", "ours", ("impl.zero_stage=1",)),
-    "ours-fusedopt": Variant("ours, eager, impl.fused_optimizer=true (CPU: torch fused AdamW)", "ours",
-                             ("impl.fused_optimizer=true",)),
-    "ours-unfusedopt": Variant("ours, eager, impl.fused_optimizer=false (torch foreach AdamW)", "ours",
-                               ("impl.fused_optimizer=false",)),
+    "ours-fusedopt": Variant(
+        "ours, eager, impl.fused_optimizer=true (CPU: torch fused AdamW)", "ours", ("impl.fused_optimizer=true",)
+    ),
+    "ours-unfusedopt": Variant(
+        "ours, eager, impl.fused_optimizer=false (torch foreach AdamW)", "ours", ("impl.fused_optimizer=false",)
+    ),
     "ours-nodrop": Variant("ours, eager, no dropout", "ours", NO_DROPOUT),
     # What per-layer health (pretrain/runtime/health.py) costs: compare with ours / ours-zero1.
     "ours-health10": Variant("ours, eager, train.health_every=10", "ours", ("train.health_every=10",)),
-    "ours-zero1-health10": Variant("ours, eager, ZeRO 1, train.health_every=10", "ours",
-                                   ("impl.zero_stage=1", "train.health_every=10")),
-    "bare": Variant("bare PyTorch loop, our model + sparse head, AdamW (foreach)", "bare",
-                    options=(("fused", False), ("compile", False))),
+    "ours-zero1-health10": Variant(
+        "ours, eager, ZeRO 1, train.health_every=10", "ours", ("impl.zero_stage=1", "train.health_every=10")
+    ),
+    "bare": Variant(
+        "bare PyTorch loop, our model + sparse head, AdamW (foreach)",
+        "bare",
+        options=(("fused", False), ("compile", False)),
+    ),
     "bare-fused": Variant("bare loop, fused AdamW", "bare", options=(("fused", True), ("compile", False))),
-    "bare-nodrop-fused": Variant("bare loop, no dropout, fused AdamW", "bare", NO_DROPOUT,
-                                 options=(("fused", True), ("compile", False))),
-    "bare-compile": Variant("bare loop, torch.compile, fused AdamW", "bare",
-                            options=(("fused", True), ("compile", True))),
+    "bare-nodrop-fused": Variant(
+        "bare loop, no dropout, fused AdamW", "bare", NO_DROPOUT, options=(("fused", True), ("compile", False))
+    ),
+    "bare-compile": Variant(
+        "bare loop, torch.compile, fused AdamW", "bare", options=(("fused", True), ("compile", True))
+    ),
 }
 DEFAULT_VARIANTS = ["hf", "ours", "ours-compile", "bare", "bare-fused"]
 _LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO step (\d+) ")
@@ -125,13 +158,13 @@ _LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO step (\d+)
 class Measurement:
     variant: str
     shape: str
-    sequences: int              # after warm-up
-    seconds: float              # wall, after warm-up
-    metrics_tokens_per_s: float = float("nan")   # ours only: the trainer's own figure
+    sequences: int  # after warm-up
+    seconds: float  # wall, after warm-up
+    metrics_tokens_per_s: float = float("nan")  # ours only: the trainer's own figure
     final_loss: float = float("nan")
     load_before: tuple = ()
     load_after: tuple = ()
-    startup_s: float = float("nan")              # process start to the end of the warm-up steps
+    startup_s: float = float("nan")  # process start to the end of the warm-up steps
     # CPU seconds the run got in the timed window / (wall seconds x threads): near 1 on an idle
     # machine (OpenMP threads spin while waiting), lower when other processes took cores.
     cpu_share: float = float("nan")
@@ -147,6 +180,7 @@ class Row:
 @dataclass(frozen=True)
 class Plan:
     """One shape's settings, the same for every row of that shape."""
+
     shape: str
     config: Path
     batch_size: int
@@ -157,13 +191,26 @@ class Plan:
 def base_overrides(args, plan: Plan, shards: Path, out_dir: Path) -> list[str]:
     """What every row of ours and of the bare loop shares (the bare loop reads model, masking,
     optim and seeds from the same resolved config)."""
-    return [f"data.dir={shards}", f"train.out_dir={out_dir}", f"train.max_steps={plan.steps}",
-            f"train.log_every={plan.warmup_steps}", "train.eval_every=0", "train.checkpoint_every=0",
-            "train.resume=none", "train.keep_checkpoints=1",
-            f"train.global_batch_size={plan.batch_size * args.grad_accum}",
-            f"impl.micro_batch_size={plan.batch_size}", "impl.zero_stage=0", "impl.num_workers=0",
-            f"impl.precision={args.precision}", "impl.compile=false", "impl.device=auto", "tracking.backend=none",
-            *SHAPES[plan.shape][1], *args.set]
+    return [
+        f"data.dir={shards}",
+        f"train.out_dir={out_dir}",
+        f"train.max_steps={plan.steps}",
+        f"train.log_every={plan.warmup_steps}",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+        "train.resume=none",
+        "train.keep_checkpoints=1",
+        f"train.global_batch_size={plan.batch_size * args.grad_accum}",
+        f"impl.micro_batch_size={plan.batch_size}",
+        "impl.zero_stage=0",
+        "impl.num_workers=0",
+        f"impl.precision={args.precision}",
+        "impl.compile=false",
+        "impl.device=auto",
+        "tracking.backend=none",
+        *SHAPES[plan.shape][1],
+        *args.set,
+    ]
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -181,14 +228,23 @@ def _fresh_dir(args, plan: Plan, variant: str) -> Path:
 
 def run_ours(variant: str, args, plan: Plan, shards: Path, peak: float) -> Measurement:
     out_dir = _fresh_dir(args, plan, variant)
-    cmd = [sys.executable, "-m", "pretrain.train", "--config", str(plan.config),
-           *base_overrides(args, plan, shards, out_dir), f"impl.peak_tflops={peak}", *VARIANTS[variant].overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pretrain.train",
+        "--config",
+        str(plan.config),
+        *base_overrides(args, plan, shards, out_dir),
+        f"impl.peak_tflops={peak}",
+        *VARIANTS[variant].overrides,
+    ]
     load_before = load_average()
     started = time.perf_counter()
-    seen: dict[int, tuple[float, float]] = {}       # step -> (time its log line arrived, process CPU s)
+    seen: dict[int, tuple[float, float]] = {}  # step -> (time its log line arrived, process CPU s)
     with open(out_dir / "stdout.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=thread_env(args.threads), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=thread_env(args.threads), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         for line in proc.stdout:
             log.write(line)
             m = _LOG_LINE.match(line)
@@ -196,25 +252,35 @@ def run_ours(variant: str, args, plan: Plan, shards: Path, peak: float) -> Measu
                 seen[int(m.group(2))] = (time.perf_counter(), _cpu_seconds(proc.pid))
         proc.wait()
     if proc.returncode:
-        raise RuntimeError(f"{variant}: pretrain.train exited {proc.returncode}; command:\n  {' '.join(cmd)}\n"
-                           f"last output:\n{(out_dir / 'stdout.log').read_text()[-3000:]}")
+        raise RuntimeError(
+            f"{variant}: pretrain.train exited {proc.returncode}; command:\n  {' '.join(cmd)}\n"
+            f"last output:\n{(out_dir / 'stdout.log').read_text()[-3000:]}"
+        )
     if plan.warmup_steps not in seen or plan.steps not in seen:
-        raise RuntimeError(f"{variant}: no 'step {plan.warmup_steps}' / 'step {plan.steps}' log lines in "
-                           f"{out_dir / 'stdout.log'}")
+        raise RuntimeError(
+            f"{variant}: no 'step {plan.warmup_steps}' / 'step {plan.steps}' log lines in {out_dir / 'stdout.log'}"
+        )
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     windows = [r for r in records if "perf/tokens_per_s" in r]
     tokens, seconds, previous = 0.0, 0.0, 0
-    for r in windows:                       # the trainer's own figure, first (warm-up) window dropped
+    for r in windows:  # the trainer's own figure, first (warm-up) window dropped
         steps_in_window, previous = r["step"] - previous, r["step"]
         if r["step"] > plan.warmup_steps:
             tokens += r["perf/tokens_per_s"] * r["perf/step_time_s"] * steps_in_window
             seconds += r["perf/step_time_s"] * steps_in_window
     (t0, c0), (t1, c1) = seen[plan.warmup_steps], seen[plan.steps]
     result = Measurement(
-        variant, plan.shape, sequences=(plan.steps - plan.warmup_steps) * plan.batch_size * args.grad_accum,
-        seconds=t1 - t0, metrics_tokens_per_s=tokens / seconds if seconds else float("nan"),
-        final_loss=windows[-1]["train/loss"], load_before=load_before, load_after=load_average(),
-        startup_s=t0 - started, cpu_share=(c1 - c0) / (t1 - t0) / args.threads)
+        variant,
+        plan.shape,
+        sequences=(plan.steps - plan.warmup_steps) * plan.batch_size * args.grad_accum,
+        seconds=t1 - t0,
+        metrics_tokens_per_s=tokens / seconds if seconds else float("nan"),
+        final_loss=windows[-1]["train/loss"],
+        load_before=load_before,
+        load_after=load_average(),
+        startup_s=t0 - started,
+        cpu_share=(c1 - c0) / (t1 - t0) / args.threads,
+    )
     if not args.keep:
         shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
         shutil.rmtree(out_dir / "hf_final", ignore_errors=True)
@@ -225,25 +291,48 @@ def run_reference(variant: str, args, plan: Plan, shards: Path) -> Measurement:
     """The HF Trainer or the bare loop, in a child process (``bench/reference_loops.py``)."""
     v = VARIANTS[variant]
     out_dir = _fresh_dir(args, plan, variant)
-    spec = {"kind": v.runner, "shards": str(shards), "out_dir": str(out_dir), "config": str(plan.config),
-            "overrides": base_overrides(args, plan, shards, out_dir) + list(v.overrides), "steps": plan.steps,
-            "warmup_steps": plan.warmup_steps, "batch_size": plan.batch_size, "grad_accum": args.grad_accum,
-            "precision": args.precision, "threads": args.threads, **dict(v.options)}
+    spec = {
+        "kind": v.runner,
+        "shards": str(shards),
+        "out_dir": str(out_dir),
+        "config": str(plan.config),
+        "overrides": base_overrides(args, plan, shards, out_dir) + list(v.overrides),
+        "steps": plan.steps,
+        "warmup_steps": plan.warmup_steps,
+        "batch_size": plan.batch_size,
+        "grad_accum": args.grad_accum,
+        "precision": args.precision,
+        "threads": args.threads,
+        **dict(v.options),
+    }
     load_before = load_average()
     started = time.time()
     with open(out_dir / "stdout.log", "w") as log:
-        done = subprocess.run([sys.executable, str(REPO / "bench" / "reference_loops.py"), json.dumps(spec)],
-                              cwd=REPO, env=thread_env(args.threads), stdout=log, stderr=subprocess.STDOUT)
+        done = subprocess.run(
+            [sys.executable, str(REPO / "bench" / "reference_loops.py"), json.dumps(spec)],
+            cwd=REPO,
+            env=thread_env(args.threads),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     if done.returncode:
-        raise RuntimeError(f"{variant}: the {v.runner} run exited {done.returncode}:\n"
-                           f"{(out_dir / 'stdout.log').read_text()[-3000:]}")
+        raise RuntimeError(
+            f"{variant}: the {v.runner} run exited {done.returncode}:\n{(out_dir / 'stdout.log').read_text()[-3000:]}"
+        )
     res = json.loads((out_dir / "result.json").read_text())
     ends, cpu = res["step_end_unix"], res["step_end_cpu"]
     first, last = plan.warmup_steps - 1, plan.steps - 1
-    return Measurement(variant, plan.shape, sequences=(plan.steps - plan.warmup_steps) * plan.batch_size * args.grad_accum,
-                       seconds=ends[last] - ends[first], final_loss=res["final_loss"],
-                       load_before=load_before, load_after=load_average(), startup_s=ends[first] - started,
-                       cpu_share=(cpu[last] - cpu[first]) / (ends[last] - ends[first]) / args.threads)
+    return Measurement(
+        variant,
+        plan.shape,
+        sequences=(plan.steps - plan.warmup_steps) * plan.batch_size * args.grad_accum,
+        seconds=ends[last] - ends[first],
+        final_loss=res["final_loss"],
+        load_before=load_before,
+        load_after=load_average(),
+        startup_s=ends[first] - started,
+        cpu_share=(cpu[last] - cpu[first]) / (ends[last] - ends[first]) / args.threads,
+    )
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -268,21 +357,46 @@ def table(rows: list[Row], args, plan: Plan, peak: float, cpu_peak: float, manif
         m = best[r.variant]
         tps = tokens_per_s(m)
         per_cpu_s = m.sequences * seq_len / (m.seconds * m.cpu_share * args.threads)
-        flops = mlm_flops_per_sequence(model, seq_len, rate * seq_len, sparse_head=not VARIANTS[r.variant].dense_head,
-                                       vocab_size=vocab)
-        out.append([
-            r.variant, VARIANTS[r.variant].what, f"{tps:,.0f}", f"{tps / base:.2f}x" if base else "-",
-            f"{100 * flops * tps / seq_len / (peak * 1e12):.1f}%",
-            f"{plan.batch_size * args.grad_accum * seq_len / tps:.3f}",
-            "-" if m.metrics_tokens_per_s != m.metrics_tokens_per_s else f"{m.metrics_tokens_per_s:,.0f}",
-            f"{m.final_loss:.3f}", f"{m.startup_s:.0f}", f"{100 * m.cpu_share:.0f}%", f"{per_cpu_s:,.0f}",
-            f"{100 * flops * per_cpu_s * args.threads / seq_len / (cpu_peak * 1e12):.1f}%",
-            f"{m.load_before[0]:.1f}/{m.load_after[0]:.1f}",
-            " ".join(f"{tokens_per_s(x):,.0f}" for x in r.runs),
-        ])
-    return format_table(["variant", "what", "tokens/s", "vs HF", "MFU", "s/step", "trainer's own tokens/s",
-                         "loss", "start-up s", "CPU share", "tokens per CPU-s", "MFU (CPU time)", "load before/after",
-                         "all runs tokens/s"], out)
+        flops = mlm_flops_per_sequence(
+            model, seq_len, rate * seq_len, sparse_head=not VARIANTS[r.variant].dense_head, vocab_size=vocab
+        )
+        out.append(
+            [
+                r.variant,
+                VARIANTS[r.variant].what,
+                f"{tps:,.0f}",
+                f"{tps / base:.2f}x" if base else "-",
+                f"{100 * flops * tps / seq_len / (peak * 1e12):.1f}%",
+                f"{plan.batch_size * args.grad_accum * seq_len / tps:.3f}",
+                "-" if m.metrics_tokens_per_s != m.metrics_tokens_per_s else f"{m.metrics_tokens_per_s:,.0f}",
+                f"{m.final_loss:.3f}",
+                f"{m.startup_s:.0f}",
+                f"{100 * m.cpu_share:.0f}%",
+                f"{per_cpu_s:,.0f}",
+                f"{100 * flops * per_cpu_s * args.threads / seq_len / (cpu_peak * 1e12):.1f}%",
+                f"{m.load_before[0]:.1f}/{m.load_after[0]:.1f}",
+                " ".join(f"{tokens_per_s(x):,.0f}" for x in r.runs),
+            ]
+        )
+    return format_table(
+        [
+            "variant",
+            "what",
+            "tokens/s",
+            "vs HF",
+            "MFU",
+            "s/step",
+            "trainer's own tokens/s",
+            "loss",
+            "start-up s",
+            "CPU share",
+            "tokens per CPU-s",
+            "MFU (CPU time)",
+            "load before/after",
+            "all runs tokens/s",
+        ],
+        out,
+    )
 
 
 def ratios(rows: list[Row], seq_len: int, seqs_per_step: int) -> list[str]:
@@ -297,11 +411,18 @@ def ratios(rows: list[Row], seq_len: int, seqs_per_step: int) -> list[str]:
     for eager, compiled in (("ours", "ours-compile"), ("bare-fused", "bare-compile")):
         if eager in best and compiled in best:
             e, c = best[eager], best[compiled]
-            saved = (e.seconds / e.sequences - c.seconds / c.sequences) * seqs_per_step     # s per step
+            saved = (e.seconds / e.sequences - c.seconds / c.sequences) * seqs_per_step  # s per step
             extra = c.startup_s - e.startup_s
-            verdict = ("never pays for itself" if saved <= 0 else "no start-up cost" if extra <= 0
-                       else f"pays for itself after ~{extra / saved:,.0f} steps")
-            lines.append(f"{compiled} vs {eager}: start-up {extra:+.0f} s, {1000 * saved:+.0f} ms/step saved: {verdict}")
+            verdict = (
+                "never pays for itself"
+                if saved <= 0
+                else "no start-up cost"
+                if extra <= 0
+                else f"pays for itself after ~{extra / saved:,.0f} steps"
+            )
+            lines.append(
+                f"{compiled} vs {eager}: start-up {extra:+.0f} s, {1000 * saved:+.0f} ms/step saved: {verdict}"
+            )
     return lines
 
 
@@ -321,35 +442,68 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", help="a shard folder (data_prep shard + finalize); default: the embedded sample")
     p.add_argument("--work-dir", default="/tmp/bench_train_throughput", help="shards, runs and logs")
-    p.add_argument("--shapes", nargs="+", default=["mini"], choices=sorted(SHAPES),
-                   help="model shapes, one table each (default: mini)")
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["mini"],
+        choices=sorted(SHAPES),
+        help="model shapes, one table each (default: mini)",
+    )
     p.add_argument("--steps", type=int, help="optimiser steps per run (default: 24 mini, 6 base)")
-    p.add_argument("--warmup-steps", type=int,
-                   help="steps left out of the timing, also our trainer's logging window (default: 8 mini, 2 base)")
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        help="steps left out of the timing, also our trainer's logging window (default: 8 mini, 2 base)",
+    )
     p.add_argument("--batch-size", type=int, help="sequences per micro-batch (default: 32 mini, 8 base)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step (default 1)")
-    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="for every row; auto: what impl.precision=auto picks on this CPU")
+    p.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="for every row; auto: what impl.precision=auto picks on this CPU",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP/torch threads for every run")
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=sorted(VARIANTS))
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs per variant, round-robin; the fastest counts (a shared machine only slows runs down)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per variant, round-robin; the fastest counts (a shared machine only slows runs down)",
+    )
     p.add_argument("--peak-seconds", type=float, default=2.0, help="matmul peak measurement length")
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="config overrides for every row, HF's model included (e.g. model.hidden_dropout=0.1)")
+    p.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides for every row, HF's model included (e.g. model.hidden_dropout=0.1)",
+    )
     p.add_argument("--keep", action="store_true", help="keep checkpoints and exports of our runs")
     p.add_argument("--json", help="also write the machine record and raw measurements here")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--breakdown", action="store_true",
-                      help="instead of the comparison: median time of each phase of our step (data, masking, "
-                           "all-reduce, forward, backward, optimiser), in this process, for each of our --variants")
-    mode.add_argument("--profile", action="store_true",
-                      help="instead of the comparison: torch.profiler op tables of our step and the bare loop's")
-    mode.add_argument("--leads", action="store_true",
-                      help="instead of the comparison: A/B timings of each known lead for a faster step")
-    p.add_argument("--cpu-clock", action="store_true",
-                   help="--breakdown/--leads: time with the process's CPU seconds, not wall time "
-                        "(use with --threads 1 on a shared machine)")
+    mode.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="instead of the comparison: median time of each phase of our step (data, masking, "
+        "all-reduce, forward, backward, optimiser), in this process, for each of our --variants",
+    )
+    mode.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the comparison: torch.profiler op tables of our step and the bare loop's",
+    )
+    mode.add_argument(
+        "--leads",
+        action="store_true",
+        help="instead of the comparison: A/B timings of each known lead for a faster step",
+    )
+    p.add_argument(
+        "--cpu-clock",
+        action="store_true",
+        help="--breakdown/--leads: time with the process's CPU seconds, not wall time "
+        "(use with --threads 1 on a shared machine)",
+    )
     args = p.parse_args(argv)
     os.environ.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
 
@@ -358,9 +512,11 @@ def main(argv=None) -> int:
     auto, reason = auto_precision(config, 128, args.batch_size or batch)
     if args.precision == "auto":
         args.precision = auto
-    print(f"CPU: {machine.get('model')}; flags {' '.join(machine.get('flags', []))}; native bf16 "
-          f"{machine.get('native_bf16')}; impl.precision=auto -> {auto} ({reason}); this run: {args.precision}",
-          flush=True)
+    print(
+        f"CPU: {machine.get('model')}; flags {' '.join(machine.get('flags', []))}; native bf16 "
+        f"{machine.get('native_bf16')}; impl.precision=auto -> {auto} ({reason}); this run: {args.precision}",
+        flush=True,
+    )
     shards = Path(args.data) if args.data else ensure_sample_shards(Path(args.work_dir), seq_len=128)
     from data_prep.common.manifest import load_manifest
 
@@ -377,35 +533,53 @@ def main(argv=None) -> int:
 
     results: dict[str, list[Row]] = {}
     for plan in plans(args):
-        print(f"\n{plan.shape} ({plan.config.name}): batch {plan.batch_size} x accum {args.grad_accum} x seq {seq_len}, "
-              f"{args.precision}, {args.threads} threads, {plan.steps} steps ({plan.warmup_steps} warm-up)"
-              + (f", with {' '.join(args.set)}" if args.set else ""), flush=True)
+        print(
+            f"\n{plan.shape} ({plan.config.name}): batch {plan.batch_size} x accum {args.grad_accum} x seq {seq_len}, "
+            f"{args.precision}, {args.threads} threads, {plan.steps} steps ({plan.warmup_steps} warm-up)"
+            + (f", with {' '.join(args.set)}" if args.set else ""),
+            flush=True,
+        )
         rows = {v: Row(v, plan.shape) for v in args.variants}
         for rep in range(args.repeats):
             for v in args.variants:
                 run = run_ours if VARIANTS[v].runner == "ours" else run_reference
                 m = run(v, args, plan, shards, peak_before) if run is run_ours else run(v, args, plan, shards)
                 rows[v].runs.append(m)
-                print(f"[{rep + 1}/{args.repeats}] {plan.shape} {v}: {m.sequences * seq_len / m.seconds:,.0f} tokens/s "
-                      f"({m.seconds:.1f} s for {m.sequences} sequences; start-up {m.startup_s:.0f} s; "
-                      f"CPU share {100 * m.cpu_share:.0f}%; loss {m.final_loss:.3f}; "
-                      f"load {m.load_before[0]:.2f} -> {m.load_after[0]:.2f})", flush=True)
+                print(
+                    f"[{rep + 1}/{args.repeats}] {plan.shape} {v}: {m.sequences * seq_len / m.seconds:,.0f} tokens/s "
+                    f"({m.seconds:.1f} s for {m.sequences} sequences; start-up {m.startup_s:.0f} s; "
+                    f"CPU share {100 * m.cpu_share:.0f}%; loss {m.final_loss:.3f}; "
+                    f"load {m.load_before[0]:.2f} -> {m.load_after[0]:.2f})",
+                    flush=True,
+                )
         results[plan.shape] = list(rows.values())
     peak_after, _ = matmul_peak(args.precision, args.threads, args.peak_seconds)
     peak = max(peak_before, peak_after, peak_trainer)
     cpu_peaks.append(matmul_peak_cpu_time(args.precision, args.threads, args.peak_seconds))
-    print(f"\nmatmul peak: {peak_before:.4f} before, {peak_after:.4f} after, {peak_trainer:.4f} the trainer's; "
-          f"MFU uses the highest, {peak:.4f} TFLOP/s; by CPU time {max(cpu_peaks):.4f} "
-          f"(before {cpu_peaks[0]:.4f}, after {cpu_peaks[1]:.4f}) for MFU (CPU time)")
+    print(
+        f"\nmatmul peak: {peak_before:.4f} before, {peak_after:.4f} after, {peak_trainer:.4f} the trainer's; "
+        f"MFU uses the highest, {peak:.4f} TFLOP/s; by CPU time {max(cpu_peaks):.4f} "
+        f"(before {cpu_peaks[0]:.4f}, after {cpu_peaks[1]:.4f}) for MFU (CPU time)"
+    )
     for plan in plans(args):
         print(f"\n{plan.shape}, {args.precision}, batch {plan.batch_size}, {args.threads} threads:")
         print(table(results[plan.shape], args, plan, peak, max(cpu_peaks), manifest))
         print("\n".join(ratios(results[plan.shape], seq_len, plan.batch_size * args.grad_accum)))
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "args": vars(args), "cpu": machine, "auto_precision": [auto, reason], "peak_tflops": [peak_before, peak_after],
-            "trainer_peak": [peak_trainer, trainer_source], "cpu_time_peak_tflops": cpu_peaks,
-            "runs": [asdict(m) for rows in results.values() for r in rows for m in r.runs]}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "cpu": machine,
+                    "auto_precision": [auto, reason],
+                    "peak_tflops": [peak_before, peak_after],
+                    "trainer_peak": [peak_trainer, trainer_source],
+                    "cpu_time_peak_tflops": cpu_peaks,
+                    "runs": [asdict(m) for rows in results.values() for r in rows for m in r.runs],
+                },
+                indent=2,
+            )
+        )
     return 0
 
 
@@ -420,18 +594,38 @@ def diagnose(args, plan_list: list[Plan], shards: Path, seq_len: int) -> int:
         step_profile.use_cpu_clock()
     for plan in plan_list:
         common = base_overrides(args, plan, shards, Path(args.work_dir) / "runs" / f"{plan.shape}-diagnose")
-        common.append("impl.peak_tflops=1")         # nothing in-process reads it; skips a measurement
-        print(f"\n{plan.shape}: batch {plan.batch_size}, {args.precision}, {args.threads} threads, "
-              f"{'CPU' if args.cpu_clock else 'wall'} clock", flush=True)
+        common.append("impl.peak_tflops=1")  # nothing in-process reads it; skips a measurement
+        print(
+            f"\n{plan.shape}: batch {plan.batch_size}, {args.precision}, {args.threads} threads, "
+            f"{'CPU' if args.cpu_clock else 'wall'} clock",
+            flush=True,
+        )
         if args.breakdown:
             for v in args.variants:
                 if VARIANTS[v].runner == "ours":
-                    print(step_profile.breakdown(plan.config, common + list(VARIANTS[v].overrides), shards,
-                                                 plan.steps, plan.warmup_steps, f"{plan.shape} {v}",
-                                                 plan.batch_size * seq_len), flush=True)
+                    print(
+                        step_profile.breakdown(
+                            plan.config,
+                            common + list(VARIANTS[v].overrides),
+                            shards,
+                            plan.steps,
+                            plan.warmup_steps,
+                            f"{plan.shape} {v}",
+                            plan.batch_size * seq_len,
+                        ),
+                        flush=True,
+                    )
         elif args.profile:
-            print(step_profile.profile(plan.config, common, shards, plan.steps - plan.warmup_steps,
-                                       Path(args.work_dir) / "profile" / plan.shape), flush=True)
+            print(
+                step_profile.profile(
+                    plan.config,
+                    common,
+                    shards,
+                    plan.steps - plan.warmup_steps,
+                    Path(args.work_dir) / "profile" / plan.shape,
+                ),
+                flush=True,
+            )
         else:
             step_profile.leads(plan.config, common, shards, plan.steps, plan.warmup_steps)
     return 0

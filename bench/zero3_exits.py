@@ -9,6 +9,7 @@ teardown. ``--parallel`` runs go at once, so each has busy processes beside it (
 under load). Shards: the embedded Wikipedia sample (bert-base-uncased vocabulary), sequences of 128.
 Prints one line per run and a table of the outcomes; the folder of a failed run is kept.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,10 +43,25 @@ def one_run(index: int, shards: Path, work: Path, steps: int) -> tuple[int, str]
     shutil.rmtree(folder, ignore_errors=True)
     (folder / "probe").mkdir(parents=True)
     world = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
-    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(PROBE), "pretrain.train",
-           "--config", "configs/tiny.yaml", f"data.dir={shards}", f"train.out_dir={folder / 'out'}",
-           "impl.zero_stage=3", f"train.max_steps={steps}", "train.eval_every=0", "tracking.report=false"]
+    cmd = [
+        sys.executable,
+        "-u",
+        "-m",
+        "deepspeed.launcher.launch",
+        f"--world_info={world}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(PROBE),
+        "pretrain.train",
+        "--config",
+        "configs/tiny.yaml",
+        f"data.dir={shards}",
+        f"train.out_dir={folder / 'out'}",
+        "impl.zero_stage=3",
+        f"train.max_steps={steps}",
+        "train.eval_every=0",
+        "tracking.report=false",
+    ]
     env = thread_env(1, {**os.environ, "EXIT_PROBE_DIR": str(folder / "probe")})
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr

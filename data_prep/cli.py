@@ -4,6 +4,7 @@ Exit codes: 0 success, 1 ``verify`` found damaged shards (missing, truncated, co
 or settings, including data that disagrees with its tokenizer (ids outside the vocabulary, a manifest
 ``vocab_size`` that is not the tokenizer's); the message is on stderr.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,12 @@ _SHARD_FLAGS = {  # ShardSettings field -> (flag, type, help)
     "seed": ("--seed", int, "shuffle and validation-split seed (default 0)"),
     "validation_fraction": ("--validation-fraction", float, "fraction of documents held out (default 0)"),
     "shard_size": ("--shard-size", int, "sequences per shard (default 16384)"),
-    "group_chars": ("--group-chars", int, "characters per packing group: the unit of work and of packing, "
-                    "independent of the task count (default 67108864)"),
+    "group_chars": (
+        "--group-chars",
+        int,
+        "characters per packing group: the unit of work and of packing, "
+        "independent of the task count (default 67108864)",
+    ),
     "block_size": ("--block-size", int, "sequences per webdataset sample (default 256)"),
     "workers": ("--workers", int, "tokenizer processes (default 1: in-process, Rust threads use all cores)"),
     "batch_chars": ("--batch-chars", int, "characters per tokenizer batch (default 1048576)"),
@@ -38,46 +43,96 @@ _SHARD_FLAGS = {  # ShardSettings field -> (flag, type, help)
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="data_prep", description="Raw text -> pre-tokenized, packed webdataset "
-                                     "shards + manifest.json for MLM pretraining.")
+    parser = argparse.ArgumentParser(
+        prog="data_prep",
+        description="Raw text -> pre-tokenized, packed webdataset shards + manifest.json for MLM pretraining.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("clean", help="remove duplicates, other languages, low-quality pages, test-set copies",
-                       description="Exact and near (MinHash) duplicates, quality rules (Gopher, C4, FineWeb), a "
-                                   "language filter (fastText lid.176) and decontamination against held-out files; "
-                                   "writes the kept documents with all their fields as part-*.jsonl (or .parquet) "
-                                   "and report.json. Settings: --config YAML, flags and --set on top.")
+    p = sub.add_parser(
+        "clean",
+        help="remove duplicates, other languages, low-quality pages, test-set copies",
+        description="Exact and near (MinHash) duplicates, quality rules (Gopher, C4, FineWeb), a "
+        "language filter (fastText lid.176) and decontamination against held-out files; "
+        "writes the kept documents with all their fields as part-*.jsonl (or .parquet) "
+        "and report.json. Settings: --config YAML, flags and --set on top.",
+    )
     p.add_argument("--config", help="YAML file of clean settings (see configs/data/clean/default.yaml)")
-    p.add_argument("--input", nargs="+", action="extend", dest="inputs", metavar="GLOB",
-                   help="files, globs, folders (.txt/.jsonl/.json/.parquet, .gz, s3://...), as shard reads")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        action="extend",
+        dest="inputs",
+        metavar="GLOB",
+        help="files, globs, folders (.txt/.jsonl/.json/.parquet, .gz, s3://...), as shard reads",
+    )
     p.add_argument("--out", help="output folder (or s3:// prefix) for the kept documents and report.json")
     p.add_argument("--text-field", dest="text_field", help="JSON field / column holding the text (default text)")
     p.add_argument("--txt-mode", dest="txt_mode", choices=["blocks", "file"])
     p.add_argument("--hf-split", dest="hf_split")
-    p.add_argument("--languages", nargs="+", metavar="CODE",
-                   help="languages to keep (ISO 639-1, default en); 'any' turns the language filter off")
-    p.add_argument("--decontaminate-against", nargs="+", action="extend", dest="decontaminate_against",
-                   metavar="FILE", help="held-out files (a downstream test set, an evaluation corpus): no kept "
-                                        "document is an exact or near copy of one of their documents")
+    p.add_argument(
+        "--languages",
+        nargs="+",
+        metavar="CODE",
+        help="languages to keep (ISO 639-1, default en); 'any' turns the language filter off",
+    )
+    p.add_argument(
+        "--decontaminate-against",
+        nargs="+",
+        action="extend",
+        dest="decontaminate_against",
+        metavar="FILE",
+        help="held-out files (a downstream test set, an evaluation corpus): no kept "
+        "document is an exact or near copy of one of their documents",
+    )
     p.add_argument("--format", dest="output_format", choices=["jsonl", "parquet"], help="output files (default jsonl)")
     p.add_argument("--workers", type=int, help="processes (default: one per core)")
-    p.add_argument("--group-chars", dest="group_chars", type=int,
-                   help="characters per output file (an input group, as shard's; default 67108864)")
+    p.add_argument(
+        "--group-chars",
+        dest="group_chars",
+        type=int,
+        help="characters per output file (an input group, as shard's; default 67108864)",
+    )
     p.add_argument("--partition", help="how array tasks share the input: auto (default), files, documents")
-    p.add_argument("--stage", choices=["signatures", "clusters", "filter"],
-                   help="one stage of a Slurm run (launchers/slurm/submit_clean.sh); default: all three here")
-    p.add_argument("--num-tasks", dest="num_tasks", type=int,
-                   help="array tasks of the signatures and filter stages (default $SLURM_ARRAY_TASK_COUNT, else 1)")
-    p.add_argument("--task-index", dest="task_index", type=int,
-                   help="this task, 0-based (default from $SLURM_ARRAY_TASK_ID, else 0)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any setting, dotted (near.bands=20, quality.min_words=50, exact.enabled=false)")
+    p.add_argument(
+        "--stage",
+        choices=["signatures", "clusters", "filter"],
+        help="one stage of a Slurm run (launchers/slurm/submit_clean.sh); default: all three here",
+    )
+    p.add_argument(
+        "--num-tasks",
+        dest="num_tasks",
+        type=int,
+        help="array tasks of the signatures and filter stages (default $SLURM_ARRAY_TASK_COUNT, else 1)",
+    )
+    p.add_argument(
+        "--task-index",
+        dest="task_index",
+        type=int,
+        help="this task, 0-based (default from $SLURM_ARRAY_TASK_ID, else 0)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any setting, dotted (near.bands=20, quality.min_words=50, exact.enabled=false)",
+    )
 
-    p = sub.add_parser("tokenizer", help="train a BERT-style WordPiece tokenizer",
-                       description="Train a WordPiece tokenizer (BERT normalizer and pre-tokenizer, "
-                                   "[PAD] [UNK] [CLS] [SEP] [MASK]) and save a folder AutoTokenizer loads.")
-    p.add_argument("--input", nargs="+", action="extend", required=True, metavar="GLOB",
-                   help="files, globs, folders (.txt/.jsonl/.json/.parquet, save_to_disk) or hub:NAME")
+    p = sub.add_parser(
+        "tokenizer",
+        help="train a BERT-style WordPiece tokenizer",
+        description="Train a WordPiece tokenizer (BERT normalizer and pre-tokenizer, "
+        "[PAD] [UNK] [CLS] [SEP] [MASK]) and save a folder AutoTokenizer loads.",
+    )
+    p.add_argument(
+        "--input",
+        nargs="+",
+        action="extend",
+        required=True,
+        metavar="GLOB",
+        help="files, globs, folders (.txt/.jsonl/.json/.parquet, save_to_disk) or hub:NAME",
+    )
     p.add_argument("--out", required=True, help="folder to save the tokenizer in")
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--lowercase", action="store_true", help="lowercase text (an uncased tokenizer)")
@@ -86,31 +141,48 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--txt-mode", default="blocks", choices=["blocks", "file"])
     p.add_argument("--hf-split", default="train")
 
-    p = sub.add_parser("shard", help="tokenize, pack and write this array task's shards",
-                       description="Tokenize, pack into sequences of exactly --seq-len tokens, shuffle and write "
-                                   "this task's shards and task-XXXXX.json. Flags override --config.")
+    p = sub.add_parser(
+        "shard",
+        help="tokenize, pack and write this array task's shards",
+        description="Tokenize, pack into sequences of exactly --seq-len tokens, shuffle and write "
+        "this task's shards and task-XXXXX.json. Flags override --config.",
+    )
     p.add_argument("--config", help="YAML file of shard settings (see configs/data/)")
-    p.add_argument("--input", nargs="+", action="extend", dest="inputs", metavar="GLOB",
-                   help="files, globs, folders (.txt/.jsonl/.json/.parquet, save_to_disk) or hub:NAME[:CONFIG]")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        action="extend",
+        dest="inputs",
+        metavar="GLOB",
+        help="files, globs, folders (.txt/.jsonl/.json/.parquet, save_to_disk) or hub:NAME[:CONFIG]",
+    )
     for name, (flag, kind, help_text) in _SHARD_FLAGS.items():
         p.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
 
-    p = sub.add_parser("finalize", help="merge task manifests into manifest.json",
-                       description="Merge DIR/task-*.json into DIR/manifest.json; refuses missing or "
-                                   "inconsistent tasks.")
+    p = sub.add_parser(
+        "finalize",
+        help="merge task manifests into manifest.json",
+        description="Merge DIR/task-*.json into DIR/manifest.json; refuses missing or inconsistent tasks.",
+    )
     p.add_argument("dir")
 
-    p = sub.add_parser("verify", help="check every shard against manifest.json",
-                       description="Check the tokenizer beside the shards against the manifest (vocab_size, "
-                                   "special ids) and every shard (presence, size, sha256, decoding, counts, every "
-                                   "token id below the vocabulary size). Exit 2 naming each damaged shard and "
-                                   "each disagreement between the data and its tokenizer.")
+    p = sub.add_parser(
+        "verify",
+        help="check every shard against manifest.json",
+        description="Check the tokenizer beside the shards against the manifest (vocab_size, "
+        "special ids) and every shard (presence, size, sha256, decoding, counts, every "
+        "token id below the vocabulary size). Exit 2 naming each damaged shard and "
+        "each disagreement between the data and its tokenizer.",
+    )
     p.add_argument("dir")
     p.add_argument("--workers", type=int, default=4, help="shards checked at once (default 4)")
 
-    p = sub.add_parser("inspect", help="print totals and decoded samples (or a cleaning report)",
-                       description="Shards: totals, padding fraction, bytes per token and decoded sequences. "
-                                   "A folder written by clean: its report and removed examples per rule.")
+    p = sub.add_parser(
+        "inspect",
+        help="print totals and decoded samples (or a cleaning report)",
+        description="Shards: totals, padding fraction, bytes per token and decoded sequences. "
+        "A folder written by clean: its report and removed examples per rule.",
+    )
     p.add_argument("dir")
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--split", default="train")
@@ -133,8 +205,18 @@ def _clean_settings(args):
     from .settings import read_yaml_mapping
 
     values = read_yaml_mapping(args.config) if args.config else {}
-    for name in ("inputs", "out", "text_field", "txt_mode", "hf_split", "output_format", "workers",
-                 "decontaminate_against", "group_chars", "partition"):
+    for name in (
+        "inputs",
+        "out",
+        "text_field",
+        "txt_mode",
+        "hf_split",
+        "output_format",
+        "workers",
+        "decontaminate_against",
+        "group_chars",
+        "partition",
+    ):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     if args.languages is not None:
@@ -150,8 +232,10 @@ def _clean_task(args) -> tuple[int, int]:
 
     if args.stage is None:
         if (args.num_tasks or 1) != 1 or (args.task_index or 0) != 0:
-            raise DataPrepError("--num-tasks/--task-index go with --stage (signatures, clusters, filter); "
-                                "without it the three stages run here as one task")
+            raise DataPrepError(
+                "--num-tasks/--task-index go with --stage (signatures, clusters, filter); "
+                "without it the three stages run here as one task"
+            )
         return 1, 0
     if args.stage == "clusters":
         if args.num_tasks is None:
@@ -159,8 +243,9 @@ def _clean_task(args) -> tuple[int, int]:
         if args.num_tasks < 1:
             raise DataPrepError(f"--num-tasks {args.num_tasks}: must be at least 1")
         return args.num_tasks, 0
-    s = ShardSettings(inputs=["-"], tokenizer="-", out="-", num_tasks=args.num_tasks,
-                      task_index=args.task_index).resolved()
+    s = ShardSettings(
+        inputs=["-"], tokenizer="-", out="-", num_tasks=args.num_tasks, task_index=args.task_index
+    ).resolved()
     return s.num_tasks, s.task_index
 
 
@@ -178,29 +263,43 @@ def _run(args) -> int:
 
         sources = resolve_inputs(args.input)
         opts = ReadOptions(text_field=args.text_field, txt_mode=args.txt_mode, hf_split=args.hf_split)
-        out = train_tokenizer(iter_task_documents(sources, "files", 1, 0, opts), args.out, args.vocab_size,
-                              lowercase=args.lowercase, min_frequency=args.min_frequency,
-                              inputs=[s.path if s.kind != "hub" else f"hub:{s.path}" for s in sources])
+        out = train_tokenizer(
+            iter_task_documents(sources, "files", 1, 0, opts),
+            args.out,
+            args.vocab_size,
+            lowercase=args.lowercase,
+            min_frequency=args.min_frequency,
+            inputs=[s.path if s.kind != "hub" else f"hub:{s.path}" for s in sources],
+        )
         logging.getLogger("data_prep").info("tokenizer saved to %s", out)
         return 0
     if args.command == "shard":
         from .shard import run_shard
         from .stale_shm import remove_stale
 
-        remove_stale(["sem.mp-*"])         # a killed earlier run's worker semaphores
+        remove_stale(["sem.mp-*"])  # a killed earlier run's worker semaphores
         result = run_shard(_shard_settings(args))
         if not result.skipped:
             logging.getLogger("data_prep").info(
                 "task %d: %d packing group(s), %d shard(s) written, %d kept from an earlier run, %s documents, "
-                "%.1f s -> %s", result.task, result.groups, result.shards_written, result.shards_reused,
-                result.documents, result.seconds, result.manifest)
+                "%.1f s -> %s",
+                result.task,
+                result.groups,
+                result.shards_written,
+                result.shards_reused,
+                result.documents,
+                result.seconds,
+                result.manifest,
+            )
         return 0
     if args.command == "finalize":
         from .finalize import finalize
 
         m = finalize(args.dir)
-        print(f"{args.dir}/manifest.json: {len(m.shards)} shards from {m.num_tasks} task(s); "
-              + ", ".join(f"{s}: {t['sequences']:,} sequences, {t['tokens']:,} tokens" for s, t in m.totals.items()))
+        print(
+            f"{args.dir}/manifest.json: {len(m.shards)} shards from {m.num_tasks} task(s); "
+            + ", ".join(f"{s}: {t['sequences']:,} sequences, {t['tokens']:,} tokens" for s, t in m.totals.items())
+        )
         return 0
     if args.command == "verify":
         from .verify import verify_report
@@ -209,12 +308,17 @@ def _run(args) -> int:
         for problem in report.problems:
             print(f"data_prep verify: BAD {problem}", file=sys.stderr)
         if report.mismatched:
-            print(f"data_prep verify: error: {args.dir}: {len(report.mismatched)} disagreement(s) between the data "
-                  f"and its tokenizer, {len(report.damaged)} damaged shard(s)", file=sys.stderr)
+            print(
+                f"data_prep verify: error: {args.dir}: {len(report.mismatched)} disagreement(s) between the data "
+                f"and its tokenizer, {len(report.damaged)} damaged shard(s)",
+                file=sys.stderr,
+            )
             return 2
         if report.damaged:
-            print(f"data_prep verify: error: {len(report.damaged)} damaged or missing shard(s) in {args.dir}",
-                  file=sys.stderr)
+            print(
+                f"data_prep verify: error: {len(report.damaged)} damaged or missing shard(s) in {args.dir}",
+                file=sys.stderr,
+            )
             return 2
         print(f"{args.dir}: all shards verified")
         return 0

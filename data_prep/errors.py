@@ -1,4 +1,5 @@
 """The one exception type for bad input to ``data_prep``; ``cli.main`` turns it into a message and exit code 2."""
+
 from __future__ import annotations
 
 

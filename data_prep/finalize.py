@@ -1,6 +1,7 @@
 """``data_prep finalize``: merge the per-task manifests into ``manifest.json`` (the format documented in
 ``data_prep.common.manifest``), refusing an incomplete or inconsistent set of tasks. Shards are listed in the
 dataset's order (``shard.shard_order``), which does not depend on the number of tasks."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -32,8 +33,10 @@ def _load_task_manifests(store: Store, listing: dict[str, int]) -> dict[int, dic
         if m.get("format_version") != FORMAT_VERSION or not isinstance(m.get("task"), int):
             raise DataPrepError(f"{path}: not a task manifest of format_version {FORMAT_VERSION}")
         if "groups" not in m:
-            raise DataPrepError(f"{path}: written by an older data_prep, which cut shards by task rather than by "
-                                "packing group; re-run `data_prep shard` into a new --out folder")
+            raise DataPrepError(
+                f"{path}: written by an older data_prep, which cut shards by task rather than by "
+                "packing group; re-run `data_prep shard` into a new --out folder"
+            )
         if name != task_manifest_name(m["task"]):
             raise DataPrepError(f"{path}: holds task {m['task']}, expected in {task_manifest_name(m['task'])}")
         tasks[m["task"]] = m
@@ -57,14 +60,19 @@ def finalize(data_dir: str | os.PathLike) -> Manifest:
     for index, m in sorted(tasks.items()):
         name = task_manifest_name(index)
         if m["num_tasks"] != num_tasks:
-            problems.append(f"{name}: written for {m['num_tasks']} tasks, {task_manifest_name(min(tasks))} "
-                            f"for {num_tasks}")
+            problems.append(
+                f"{name}: written for {m['num_tasks']} tasks, {task_manifest_name(min(tasks))} for {num_tasks}"
+            )
         elif m["tokenizer"]["sha256"] != first["tokenizer"]["sha256"]:
-            problems.append(f"{name}: tokenizer sha256 {m['tokenizer']['sha256'][:12]} differs from "
-                            f"{first['tokenizer']['sha256'][:12]} of {task_manifest_name(min(tasks))}")
+            problems.append(
+                f"{name}: tokenizer sha256 {m['tokenizer']['sha256'][:12]} differs from "
+                f"{first['tokenizer']['sha256'][:12]} of {task_manifest_name(min(tasks))}"
+            )
         elif m["settings_sha256"] != first["settings_sha256"]:
-            problems.append(f"{name}: settings differ from {task_manifest_name(min(tasks))} "
-                            f"({_setting_differences(m['settings'], first['settings'])})")
+            problems.append(
+                f"{name}: settings differ from {task_manifest_name(min(tasks))} "
+                f"({_setting_differences(m['settings'], first['settings'])})"
+            )
         if not 0 <= index < num_tasks:
             problems.append(f"{name}: task index {index} is out of range for {num_tasks} tasks")
     if problems:
@@ -72,11 +80,13 @@ def finalize(data_dir: str | os.PathLike) -> Manifest:
     missing = [i for i in range(num_tasks) if i not in tasks]
     if missing:
         shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
-        raise DataPrepError(f"{store.url()}: incomplete: {len(missing)} of {num_tasks} tasks have no task manifest "
-                            f"(missing task indices: {shown}); re-run those array tasks, then finalize")
+        raise DataPrepError(
+            f"{store.url()}: incomplete: {len(missing)} of {num_tasks} tasks have no task manifest "
+            f"(missing task indices: {shown}); re-run those array tasks, then finalize"
+        )
 
     tokenizer = dict(first["tokenizer"])
-    tok_files = {n[len(tokenizer["path"]) + 1:]: n for n in listing if n.startswith(tokenizer["path"] + "/")}
+    tok_files = {n[len(tokenizer["path"]) + 1 :]: n for n in listing if n.startswith(tokenizer["path"] + "/")}
     tok_dir = store.url(tokenizer["path"])
     if not tok_files:
         raise DataPrepError(f"{tok_dir}: the tokenizer copy is missing")
@@ -87,8 +97,10 @@ def finalize(data_dir: str | os.PathLike) -> Manifest:
     for index, m in sorted(tasks.items()):
         for g in m.get("groups", []):
             if tuple(g) in owner:
-                problems.append(f"{task_manifest_name(index)}: packing group {g} was also written by "
-                                f"{task_manifest_name(owner[tuple(g)])}")
+                problems.append(
+                    f"{task_manifest_name(index)}: packing group {g} was also written by "
+                    f"{task_manifest_name(owner[tuple(g)])}"
+                )
             owner.setdefault(tuple(g), index)
     if problems:
         raise DataPrepError(f"{store.url()}: task manifests overlap:\n  " + "\n  ".join(problems))
@@ -103,12 +115,14 @@ def finalize(data_dir: str | os.PathLike) -> Manifest:
     if problems:
         raise DataPrepError(f"{store.url()}: shards do not match their task manifests:\n  " + "\n  ".join(problems))
     for e in shards:
-        if "block_offsets" not in e or "block_crc32" not in e:   # task manifests from before data prep recorded them
+        if "block_offsets" not in e or "block_crc32" not in e:  # task manifests from before data prep recorded them
             try:
                 data = store.read_bytes(e["name"])
                 if sha256_bytes(data) != e["sha256"]:
-                    raise ShardError(f"{store.url(e['name'])}: its sha256 is not its task manifest's (changed "
-                                     "since data prep wrote it): re-run data_prep shard")
+                    raise ShardError(
+                        f"{store.url(e['name'])}: its sha256 is not its task manifest's (changed "
+                        "since data prep wrote it): re-run data_prep shard"
+                    )
                 e.setdefault("block_offsets", index_shard(store.url(e["name"]), data))
                 e["block_crc32"] = block_checksums(data, e["block_offsets"])
             except ShardError as exc:
@@ -116,14 +130,26 @@ def finalize(data_dir: str | os.PathLike) -> Manifest:
     if problems:
         raise DataPrepError(f"{store.url()}: shards whose tar headers do not read:\n  " + "\n  ".join(problems))
 
-    totals = {split: {k: sum(m["totals"][split][k] for m in tasks.values()) for k in _TOTAL_KEYS}
-              for split in SPLITS}
-    settings = {**first["settings"], "inputs": first["origin"]["inputs"],
-                "tokenizer_source": first["origin"]["tokenizer"]}
+    totals = {split: {k: sum(m["totals"][split][k] for m in tasks.values()) for k in _TOTAL_KEYS} for split in SPLITS}
+    settings = {
+        **first["settings"],
+        "inputs": first["origin"]["inputs"],
+        "tokenizer_source": first["origin"]["tokenizer"],
+    }
     # Through the readers' own check: a task manifest that lost a key fails here, not in every trainer.
-    manifest = Manifest.from_dict({
-        "format_version": FORMAT_VERSION, "seq_len": first["seq_len"], "block_size": first["block_size"],
-        "dtype": first["dtype"], "tokenizer": tokenizer, "num_tasks": num_tasks, "shards": shards,
-        "totals": totals, "settings": settings}, where=f"{store.url(MANIFEST)} (from the task manifests)")
-    store.write_bytes(MANIFEST, json_bytes(manifest.to_dict()))       # last: a folder without it is unfinished
+    manifest = Manifest.from_dict(
+        {
+            "format_version": FORMAT_VERSION,
+            "seq_len": first["seq_len"],
+            "block_size": first["block_size"],
+            "dtype": first["dtype"],
+            "tokenizer": tokenizer,
+            "num_tasks": num_tasks,
+            "shards": shards,
+            "totals": totals,
+            "settings": settings,
+        },
+        where=f"{store.url(MANIFEST)} (from the task manifests)",
+    )
+    store.write_bytes(MANIFEST, json_bytes(manifest.to_dict()))  # last: a folder without it is unfinished
     return manifest

@@ -14,6 +14,7 @@ skips complete groups whose shards check out (without tokenizing them); inside t
 cut short it keeps the longest run of shards whose sidecar and sha256 check out, skips the documents
 they hold and writes the rest: the same bytes as a run that was never killed.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,9 +47,9 @@ def read_record(store: Store, name: str):
 
 @dataclass
 class SplitResume:
-    entries: list[dict] = field(default_factory=list)   # manifest entries of shards kept from a killed run
-    doc: int = 0                                        # the split's stream restarts in this document of the group
-    offset: int = 0                                     # after this many of its tokens
+    entries: list[dict] = field(default_factory=list)  # manifest entries of shards kept from a killed run
+    doc: int = 0  # the split's stream restarts in this document of the group
+    offset: int = 0  # after this many of its tokens
 
 
 def _shard_intact(store: Store, entry: dict) -> bool:
@@ -112,8 +113,18 @@ def remove_group_leftovers(store: Store, names: list[str], keep: set[str]) -> No
 class SplitWriter:
     """Collects one split's packed sequences of one group and writes a shard per ``shard_size`` of them."""
 
-    def __init__(self, store: Store, split: str, key: GroupKey, s: ShardSettings, vocab_size: int, pad_id: int,
-                 settings_hash: str, progress: str, resume: SplitResume):
+    def __init__(
+        self,
+        store: Store,
+        split: str,
+        key: GroupKey,
+        s: ShardSettings,
+        vocab_size: int,
+        pad_id: int,
+        settings_hash: str,
+        progress: str,
+        resume: SplitResume,
+    ):
         self.store, self.split, self.key, self.s = store, split, key, s
         self.vocab_size, self.pad_id, self.settings_hash = vocab_size, pad_id, settings_hash
         self.progress = progress
@@ -160,33 +171,62 @@ class SplitWriter:
         writer = ShardWriter(local, self.vocab_size)
         try:
             for b in range(0, n, self.s.block_size):
-                writer.write_block(ids[b:b + self.s.block_size], starts[b:b + self.s.block_size])
+                writer.write_block(ids[b : b + self.s.block_size], starts[b : b + self.s.block_size])
             digest = writer.close()
         except BaseException:
             writer.abort()
             raise
         padding = int(np.count_nonzero(ids == self.pad_id))
-        entry = {"name": name, "split": self.split, "source": self.key.source, "group": self.key.group,
-                 "index": index, "sequences": n, "blocks": writer.blocks, "tokens": n * self.s.seq_len - padding,
-                 "padding": padding, "bytes": local.stat().st_size, "sha256": digest,
-                 "block_offsets": writer.block_offsets, "block_crc32": writer.block_crc32}
+        entry = {
+            "name": name,
+            "split": self.split,
+            "source": self.key.source,
+            "group": self.key.group,
+            "index": index,
+            "sequences": n,
+            "blocks": writer.blocks,
+            "tokens": n * self.s.seq_len - padding,
+            "padding": padding,
+            "bytes": local.stat().st_size,
+            "sha256": digest,
+            "block_offsets": writer.block_offsets,
+            "block_crc32": writer.block_crc32,
+        }
         self.store.put_file(local, name, digest)
-        self.store.write_bytes(f"{self.progress}/{name}.json", json_bytes({
-            "settings_sha256": self.settings_hash, "entry": entry,
-            "resume": {"doc": int(packed.end_doc[-1]), "offset": int(packed.end_offset[-1])}}))
+        self.store.write_bytes(
+            f"{self.progress}/{name}.json",
+            json_bytes(
+                {
+                    "settings_sha256": self.settings_hash,
+                    "entry": entry,
+                    "resume": {"doc": int(packed.end_doc[-1]), "offset": int(packed.end_offset[-1])},
+                }
+            ),
+        )
         self.entries.append(entry)
 
 
 class GroupWriter:
     """Packs and writes both splits of one group; ``finish`` flushes them and records the group done."""
 
-    def __init__(self, store: Store, key: GroupKey, s: ShardSettings, tok: LoadedTokenizer, dtype, settings_hash: str,
-                 progress: str, resume: dict[str, SplitResume]):
+    def __init__(
+        self,
+        store: Store,
+        key: GroupKey,
+        s: ShardSettings,
+        tok: LoadedTokenizer,
+        dtype,
+        settings_hash: str,
+        progress: str,
+        resume: dict[str, SplitResume],
+    ):
         self.store, self.key, self.progress, self.settings_hash = store, key, progress, settings_hash
         ids = tok.special_ids
         self.packers = {split: Packer(s.seq_len, ids["cls"], ids["sep"], ids["pad"], dtype) for split in SPLITS}
-        self.writers = {split: SplitWriter(store, split, key, s, tok.vocab_size, ids["pad"], settings_hash,
-                                           progress, resume[split]) for split in SPLITS}
+        self.writers = {
+            split: SplitWriter(store, split, key, s, tok.vocab_size, ids["pad"], settings_hash, progress, resume[split])
+            for split in SPLITS
+        }
 
     @property
     def reused(self) -> int:
@@ -202,6 +242,8 @@ class GroupWriter:
         for split in SPLITS:
             written += self.writers[split].add(self.packers[split].finish()) + self.writers[split].close()
         entries = [e for split in SPLITS for e in self.writers[split].entries]
-        self.store.write_bytes(group_record_name(self.progress, self.key),
-                               json_bytes({"settings_sha256": self.settings_hash, "entries": entries}))
+        self.store.write_bytes(
+            group_record_name(self.progress, self.key),
+            json_bytes({"settings_sha256": self.settings_hash, "entries": entries}),
+        )
         return entries, written

@@ -18,6 +18,7 @@ Ownership among ``K`` tasks (``partition`` as resolved by ``reader.resolve_parti
   ``I`` owns group number ``n`` iff ``n % K == I``. Every task reads every source to find the group
   boundaries, and tokenizes only its own groups.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -28,8 +29,8 @@ from .reader import ReadOptions, Source, assign_sources, iter_source, iter_sourc
 
 
 class GroupKey(NamedTuple):
-    source: int   # index of the source in the sorted source list
-    group: int    # index of the group inside that source
+    source: int  # index of the source in the sorted source list
+    group: int  # index of the group inside that source
 
     @property
     def tag(self) -> str:
@@ -39,13 +40,21 @@ class GroupKey(NamedTuple):
 @dataclass
 class ReadCount:
     """What a task's reader saw: every document it read, and those of the groups it owns."""
+
     documents_read: int = 0
     groups_owned: int = 0
 
 
-def iter_owned_documents(sources: list[Source], partition: str, num_tasks: int, task_index: int,
-                         opts: ReadOptions, group_chars: int, count: ReadCount | None = None,
-                         records: bool = False) -> Iterator[tuple[GroupKey, str | dict]]:
+def iter_owned_documents(
+    sources: list[Source],
+    partition: str,
+    num_tasks: int,
+    task_index: int,
+    opts: ReadOptions,
+    group_chars: int,
+    count: ReadCount | None = None,
+    records: bool = False,
+) -> Iterator[tuple[GroupKey, str | dict]]:
     """(group, text) for every document of every group this task owns, in (source, group, file) order;
     (group, record) with ``records`` (every field: what ``data_prep clean`` writes back)."""
     count = count if count is not None else ReadCount()
@@ -53,12 +62,12 @@ def iter_owned_documents(sources: list[Source], partition: str, num_tasks: int, 
         opened = {s.path for s in assign_sources(sources, num_tasks)[task_index]}
     else:
         opened = {s.path for s in sources}
-    groups_before = 0   # groups of the sources before this one (the documents partition's running number)
+    groups_before = 0  # groups of the sources before this one (the documents partition's running number)
     for source_index, source in enumerate(sources):
         if source.path not in opened:
             continue
         group, chars, last_owned = 0, 0, None
-        for doc in (iter_source_records(source, opts) if records else iter_source(source, opts)):
+        for doc in iter_source_records(source, opts) if records else iter_source(source, opts):
             text = doc[opts.text_field] if records else doc
             count.documents_read += 1
             owned = partition == "files" or (groups_before + group) % num_tasks == task_index

@@ -16,6 +16,7 @@ so whole-word masking never glues one to a neighbouring word); text tokens carry
 Every sequence also reports where the stream stands after it (document index in the group and token
 offset inside that document): a task resumed after a kill restarts each split's stream there.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -28,11 +29,11 @@ from .tokenizer import Encoded
 
 @dataclass
 class Packed:
-    ids: np.ndarray          # [n, seq_len]
-    starts: np.ndarray       # [n, seq_len] bool
-    end_doc: np.ndarray      # [n] group-local index of the document the stream stands in after each sequence
-    end_offset: np.ndarray   # [n] tokens of that document already packed
-    padding: int = 0         # [PAD] tokens in these sequences
+    ids: np.ndarray  # [n, seq_len]
+    starts: np.ndarray  # [n, seq_len] bool
+    end_doc: np.ndarray  # [n] group-local index of the document the stream stands in after each sequence
+    end_offset: np.ndarray  # [n] tokens of that document already packed
+    padding: int = 0  # [PAD] tokens in these sequences
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -56,10 +57,10 @@ class Packer:
         self._ids = np.empty(0, self.dtype)
         self._starts = np.empty(0, bool)
         self._is_sep = np.empty(0, bool)
-        self._doc_pos = np.empty(0, np.int64)    # where each document's first token sits in the buffer
+        self._doc_pos = np.empty(0, np.int64)  # where each document's first token sits in the buffer
         self._doc_id = np.empty(0, np.int64)
-        self._doc_base = np.empty(0, np.int64)   # tokens of the document cut off before it was fed (resume)
-        self._fresh = True                       # nothing fed yet: no separator before the first document
+        self._doc_base = np.empty(0, np.int64)  # tokens of the document cut off before it was fed (resume)
+        self._fresh = True  # nothing fed yet: no separator before the first document
 
     def add(self, enc: Encoded, doc_ids: np.ndarray, first_offset: int = 0) -> Packed:
         """Feed documents (in stream order); returns every sequence that is now complete.
@@ -126,11 +127,11 @@ class Packer:
         n, fill = len(body_ids), body_ids.shape[1]
         ids = np.empty((n, self.seq_len), self.dtype)
         ids[:, 0] = self.cls_id
-        ids[:, 1:1 + fill] = body_ids
+        ids[:, 1 : 1 + fill] = body_ids
         ids[:, 1 + fill] = self.sep_id
-        ids[:, 2 + fill:] = self.pad_id
+        ids[:, 2 + fill :] = self.pad_id
         starts = np.ones((n, self.seq_len), bool)
-        starts[:, 1:1 + fill] = body_starts
+        starts[:, 1 : 1 + fill] = body_starts
         z = np.zeros(n, np.int64)
         return Packed(ids, starts, z, z.copy(), padding=pad * n)
 

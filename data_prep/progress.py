@@ -1,5 +1,6 @@
 """Progress for long runs: a tqdm bar (documents/s, tokens/s) on a terminal, a log line every few seconds
 in batch jobs, where a bar would fill the log with carriage returns."""
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,9 @@ class Progress:
         self.shards += shards
         now = time.perf_counter()
         if self._bar is not None:
-            self._bar.set_postfix_str(f"{self.tokens / max(now - self.start, 1e-9):,.0f} tokens/s, "
-                                      f"{self.shards} shards", refresh=False)
+            self._bar.set_postfix_str(
+                f"{self.tokens / max(now - self.start, 1e-9):,.0f} tokens/s, {self.shards} shards", refresh=False
+            )
             self._bar.update(docs)
         elif now - self._last >= self.log_every:
             self._last = now
@@ -37,8 +39,10 @@ class Progress:
 
     def summary(self) -> str:
         dt = max(time.perf_counter() - self.start, 1e-9)
-        return (f"{self.label}: {self.docs:,} docs ({self.docs / dt:,.0f} docs/s), {self.tokens:,} tokens "
-                f"({self.tokens / dt:,.0f} tokens/s), {self.shards} shards, {dt:,.1f} s")
+        return (
+            f"{self.label}: {self.docs:,} docs ({self.docs / dt:,.0f} docs/s), {self.tokens:,} tokens "
+            f"({self.tokens / dt:,.0f} tokens/s), {self.shards} shards, {dt:,.1f} s"
+        )
 
     def close(self) -> None:
         if self._bar is not None:

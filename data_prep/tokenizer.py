@@ -6,6 +6,7 @@ the pre-tokenizer split it. For WordPiece that is exactly "not a ``##`` continua
 vocabulary-sized lookup table answers without per-token Python; other models use the encoding's
 ``word_ids``.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,6 +32,7 @@ BERT_SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[
 @dataclass
 class Encoded:
     """A batch of documents as one flat stream: ``ids[sum(lens)]``, ``starts[sum(lens)]``, ``lens[docs]``."""
+
     ids: np.ndarray
     starts: np.ndarray
     lens: np.ndarray
@@ -50,9 +52,14 @@ class LoadedTokenizer:
     continuation: np.ndarray | None = field(default=None, repr=False)
 
     def manifest_entry(self, rel_path: str = "tokenizer") -> dict:
-        return {"path": rel_path, "sha256": self.sha256, "vocab_size": self.vocab_size,
-                "lowercase": self.lowercase, "special_ids": dict(self.special_ids),
-                "special_tokens": dict(self.special_tokens)}
+        return {
+            "path": rel_path,
+            "sha256": self.sha256,
+            "vocab_size": self.vocab_size,
+            "lowercase": self.lowercase,
+            "special_ids": dict(self.special_ids),
+            "special_tokens": dict(self.special_tokens),
+        }
 
     def encode(self, texts: list[str]) -> Encoded:
         """Tokenize without special tokens; Rust encodes the batch on all cores (``TOKENIZERS_PARALLELISM``)."""
@@ -67,8 +74,11 @@ class LoadedTokenizer:
         if self.continuation is not None:
             starts = ~self.continuation[ids]
         else:
-            starts = np.fromiter(itertools.chain.from_iterable(_starts_from_word_ids(e.word_ids) for e in encodings),
-                                 dtype=bool, count=len(ids))
+            starts = np.fromiter(
+                itertools.chain.from_iterable(_starts_from_word_ids(e.word_ids) for e in encodings),
+                dtype=bool,
+                count=len(ids),
+            )
         return Encoded(ids, starts, lens)
 
 
@@ -128,8 +138,10 @@ def load_tokenizer(folder: str | os.PathLike) -> LoadedTokenizer:
     if not folder.is_dir():
         raise DataPrepError(f"--tokenizer {folder}: no such folder (train one with `data_prep tokenizer`)")
     if not path.is_file():
-        raise DataPrepError(f"{folder}: has no tokenizer.json (a fast Hugging Face tokenizer is needed; "
-                            "load it with transformers and save_pretrained() it)")
+        raise DataPrepError(
+            f"{folder}: has no tokenizer.json (a fast Hugging Face tokenizer is needed; "
+            "load it with transformers and save_pretrained() it)"
+        )
     try:
         tok = tokenizers.Tokenizer.from_file(str(path))
     except Exception as exc:
@@ -144,16 +156,25 @@ def load_tokenizer(folder: str | os.PathLike) -> LoadedTokenizer:
     for role in SPECIAL_ROLES:
         idx = tok.token_to_id(special_tokens[role])
         if idx is None:
-            raise DataPrepError(f"{folder}: tokenizer has no {special_tokens[role]} token ({role}); "
-                                f"data prep needs {', '.join(special_tokens[r] for r in SPECIAL_ROLES)}")
+            raise DataPrepError(
+                f"{folder}: tokenizer has no {special_tokens[role]} token ({role}); "
+                f"data prep needs {', '.join(special_tokens[r] for r in SPECIAL_ROLES)}"
+            )
         special_ids[role] = idx
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     files = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
     lowercase = _is_lowercasing(json.loads(tok.to_str()).get("normalizer"))
-    return LoadedTokenizer(folder=folder, tokenizer=tok, special_tokens=special_tokens, special_ids=special_ids,
-                           vocab_size=vocab_size, lowercase=lowercase, files=files,
-                           sha256=tokenizer_sha256(folder, files),
-                           continuation=_continuation_table(tok, vocab_size))
+    return LoadedTokenizer(
+        folder=folder,
+        tokenizer=tok,
+        special_tokens=special_tokens,
+        special_ids=special_ids,
+        vocab_size=vocab_size,
+        lowercase=lowercase,
+        files=files,
+        sha256=tokenizer_sha256(folder, files),
+        continuation=_continuation_table(tok, vocab_size),
+    )
 
 
 def publish_tokenizer(tok: LoadedTokenizer, store, name: str = "tokenizer") -> None:
@@ -163,18 +184,21 @@ def publish_tokenizer(tok: LoadedTokenizer, store, name: str = "tokenizer") -> N
     if store.local_dir is not None:
         install_tokenizer_copy(tok, store.local_dir, name)
         return
-    present = {n[len(name) + 1:]: size for n, size in store.list(name).items()}
+    present = {n[len(name) + 1 :]: size for n, size in store.list(name).items()}
     for fname in tok.files:
         data = (tok.folder / fname).read_bytes()
         if fname not in present:
             store.write_bytes(f"{name}/{fname}", data)
         elif present[fname] != len(data) or store.read_bytes(f"{name}/{fname}") != data:
-            raise DataPrepError(f"{store.url(name)}: holds a different {fname} than --tokenizer {tok.folder}; "
-                                "write to a new --out location")
+            raise DataPrepError(
+                f"{store.url(name)}: holds a different {fname} than --tokenizer {tok.folder}; "
+                "write to a new --out location"
+            )
     extra = sorted(set(present) - set(tok.files))
     if extra:
-        raise DataPrepError(f"{store.url(name)}: holds files {extra} that --tokenizer {tok.folder} lacks; "
-                            "write to a new --out location")
+        raise DataPrepError(
+            f"{store.url(name)}: holds files {extra} that --tokenizer {tok.folder} lacks; write to a new --out location"
+        )
 
 
 def install_tokenizer_copy(tok: LoadedTokenizer, out_dir: Path, name: str = "tokenizer") -> Path:
@@ -196,13 +220,22 @@ def install_tokenizer_copy(tok: LoadedTokenizer, out_dir: Path, name: str = "tok
             shutil.rmtree(tmp, ignore_errors=True)
     existing = tokenizer_sha256(dest)
     if existing != tok.sha256:
-        raise DataPrepError(f"{dest}: holds a different tokenizer (sha256 {existing[:12]}) than --tokenizer "
-                            f"{tok.folder} (sha256 {tok.sha256[:12]}); write to a new --out folder")
+        raise DataPrepError(
+            f"{dest}: holds a different tokenizer (sha256 {existing[:12]}) than --tokenizer "
+            f"{tok.folder} (sha256 {tok.sha256[:12]}); write to a new --out folder"
+        )
     return dest
 
 
-def train_tokenizer(documents, out_dir: str | os.PathLike, vocab_size: int, lowercase: bool = True,
-                    min_frequency: int = 2, limit_alphabet: int = 1000, inputs: list[str] | None = None) -> Path:
+def train_tokenizer(
+    documents,
+    out_dir: str | os.PathLike,
+    vocab_size: int,
+    lowercase: bool = True,
+    min_frequency: int = 2,
+    limit_alphabet: int = 1000,
+    inputs: list[str] | None = None,
+) -> Path:
     """Train a BERT-style WordPiece tokenizer on an iterable of strings and save a folder that
     ``transformers.AutoTokenizer.from_pretrained`` loads. ``inputs`` (the files the documents come
     from) only serve error messages."""
@@ -215,25 +248,35 @@ def train_tokenizer(documents, out_dir: str | os.PathLike, vocab_size: int, lowe
     tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=None)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece(prefix="##")
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                        limit_alphabet=limit_alphabet, special_tokens=specials,
-                                        show_progress=False)
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        limit_alphabet=limit_alphabet,
+        special_tokens=specials,
+        show_progress=False,
+    )
     counted = _CountingIterator(documents)
     tok.train_from_iterator(counted, trainer=trainer)
     if counted.count == 0:
         names = ", ".join((inputs or [])[:5]) + (" ..." if len(inputs or []) > 5 else "")
-        raise DataPrepError("empty input: no documents to train the tokenizer on"
-                            + (f" in {names}" if names else "") + " (every document empty or whitespace)")
+        raise DataPrepError(
+            "empty input: no documents to train the tokenizer on"
+            + (f" in {names}" if names else "")
+            + " (every document empty or whitespace)"
+        )
     cls, sep = BERT_SPECIAL_TOKENS["cls"], BERT_SPECIAL_TOKENS["sep"]
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
-        special_tokens=[(cls, tok.token_to_id(cls)), (sep, tok.token_to_id(sep))])
+        single=f"{cls} $A {sep}",
+        pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, tok.token_to_id(cls)), (sep, tok.token_to_id(sep))],
+    )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     # transformers 5 ignores BertTokenizerFast(vocab_file=...); from_pretrained reads tokenizer.json.
-    hf = BertTokenizerFast.from_pretrained(str(out), do_lower_case=lowercase,
-                                           **{f"{r}_token": BERT_SPECIAL_TOKENS[r] for r in SPECIAL_ROLES})
+    hf = BertTokenizerFast.from_pretrained(
+        str(out), do_lower_case=lowercase, **{f"{r}_token": BERT_SPECIAL_TOKENS[r] for r in SPECIAL_ROLES}
+    )
     hf.save_pretrained(str(out))
     return out
 

@@ -1,5 +1,6 @@
 """The tokenizer beside a data folder, as a local folder: itself, or for a bucket or web folder a copy
 downloaded once per machine and checked against the manifest's ``tokenizer.sha256``."""
+
 from __future__ import annotations
 
 import os
@@ -11,9 +12,18 @@ from data_prep.common.manifest import Manifest, files_sha256
 from data_prep.common.shards import ShardError
 from data_prep.common.storage import StorageError, open_store
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
-                   "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+)
 
 
 def tokenizer_dir(manifest: Manifest, data_dir: str | os.PathLike) -> Path:
@@ -34,19 +44,21 @@ def cached_tokenizer(store, prefix: str, sha256: str) -> Path:
     if dest.is_dir():
         return dest
     try:
-        names = [n[len(prefix) + 1:] for n in store.list(prefix)]
-    except StorageError:                              # https: no listing; the files a tokenizer has
+        names = [n[len(prefix) + 1 :] for n in store.list(prefix)]
+    except StorageError:  # https: no listing; the files a tokenizer has
         names = [n for n in TOKENIZER_FILES if store.stat(f"{prefix}/{n}") is not None]
     files = {name: store.read_bytes(f"{prefix}/{name}") for name in names}
     if files_sha256(files) != sha256:
-        raise ShardError(f"{store.url(prefix)}: the tokenizer's files do not hash to the manifest's "
-                         f"tokenizer.sha256 {sha256[:12]}... (changed after data prep, or incomplete)")
+        raise ShardError(
+            f"{store.url(prefix)}: the tokenizer's files do not hash to the manifest's "
+            f"tokenizer.sha256 {sha256[:12]}... (changed after data prep, or incomplete)"
+        )
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{sha256[:12]}-", dir=root))
     for name, data in files.items():
         (tmp / name).write_bytes(data)
     try:
         os.rename(tmp, dest)
-    except OSError:                                   # another rank's copy won
+    except OSError:  # another rank's copy won
         shutil.rmtree(tmp, ignore_errors=True)
     return dest

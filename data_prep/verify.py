@@ -1,5 +1,6 @@
 """``data_prep verify`` (the tokenizer and every shard against the manifest, every id against the
 vocabulary) and ``data_prep inspect`` (totals and samples)."""
+
 from __future__ import annotations
 
 import os
@@ -32,6 +33,7 @@ class Report:
     or re-run them). ``mismatched``: data that decodes but disagrees with its tokenizer: ids outside the
     vocabulary, a manifest ``vocab_size`` or special ids that are not the tokenizer's (bad input for the
     trainer: the data set or its manifest was written wrong or edited)."""
+
     damaged: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
 
@@ -59,19 +61,29 @@ def check_shard(store: Store, entry: ShardEntry, manifest: Manifest, vocab_size:
         expected = block_sizes(entry, manifest.block_size)
         scanned = index_shard(store.url(name), data)
         if entry.block_offsets is not None and list(entry.block_offsets) != scanned:
-            first = next((k for k, (a, b) in enumerate(zip(entry.block_offsets, scanned)) if a != b),
-                         min(len(scanned), len(entry.block_offsets)))
-            return "damaged", (f"{name}: block_offsets differ from its tar headers from offset {first} on "
-                               f"(manifest edited, or the shard rewritten after finalize)")
+            first = next(
+                (k for k, (a, b) in enumerate(zip(entry.block_offsets, scanned)) if a != b),
+                min(len(scanned), len(entry.block_offsets)),
+            )
+            return "damaged", (
+                f"{name}: block_offsets differ from its tar headers from offset {first} on "
+                f"(manifest edited, or the shard rewritten after finalize)"
+            )
         crcs = block_checksums(data, scanned) if entry.block_crc32 is not None else None
         if crcs is not None and list(entry.block_crc32) != crcs:
             first = next(k for k, (a, b) in enumerate(zip(entry.block_crc32, crcs)) if a != b)
-            return "damaged", f"{name}: block {first}'s CRC-32 differs from the manifest's block_crc32 (manifest edited)"
+            return (
+                "damaged",
+                f"{name}: block {first}'s CRC-32 differs from the manifest's block_crc32 (manifest edited)",
+            )
         got, padding = [], 0
         for k in range(len(scanned) - 1):
-            ids, starts = parse_block(data[scanned[k]:scanned[k + 1]], seq_len, f"block {k}")
+            ids, starts = parse_block(data[scanned[k] : scanned[k + 1]], seq_len, f"block {k}")
             if ids.dtype != dtype or ids.ndim != 2 or ids.shape[1] != seq_len or starts.shape != ids.shape:
-                return "damaged", f"{name}: block {len(got)} is {ids.dtype} {ids.shape}, expected {dtype} [n, {seq_len}]"
+                return (
+                    "damaged",
+                    f"{name}: block {len(got)} is {ids.dtype} {ids.shape}, expected {dtype} [n, {seq_len}]",
+                )
             if ids.size and int(ids.max()) >= vocab_size:
                 outside = ids >= vocab_size
                 bad_ids += int(np.count_nonzero(outside))
@@ -83,16 +95,18 @@ def check_shard(store: Store, entry: ShardEntry, manifest: Manifest, vocab_size:
     except (ShardError, ValueError, OSError) as exc:
         return "damaged", f"{name}: does not decode ({exc})"
     if got != expected:
-        return "damaged", (f"{name}: {len(got)} blocks of {sum(got)} sequences, "
-                           f"manifest says {entry.blocks} of {entry.sequences}")
+        return "damaged", (
+            f"{name}: {len(got)} blocks of {sum(got)} sequences, manifest says {entry.blocks} of {entry.sequences}"
+        )
     if padding != entry.padding or sum(got) * seq_len - padding != entry.tokens:
         return "damaged", f"{name}: {padding} padding tokens, manifest says {entry.padding}"
     if first_bad is not None:
         block, row, col, value = first_bad
-        return "mismatched", (f"{name}: block {block}, sequence {row}, position {col}: token id {value} is outside "
-                              f"the tokenizer's vocabulary of {vocab_size} ({bad_ids} such id(s) in this shard)")
+        return "mismatched", (
+            f"{name}: block {block}, sequence {row}, position {col}: token id {value} is outside "
+            f"the tokenizer's vocabulary of {vocab_size} ({bad_ids} such id(s) in this shard)"
+        )
     return None
-
 
 
 def _tokenizer_vocab(store: Store, manifest: Manifest, report: Report) -> int:
@@ -103,7 +117,7 @@ def _tokenizer_vocab(store: Store, manifest: Manifest, report: Report) -> int:
     where, manifest_url = store.url(info.path), store.url(MANIFEST)
     try:
         folder = tokenizer_dir(manifest, store.url())
-    except ShardError as exc:                         # remote: does not hash to the manifest's sha256
+    except ShardError as exc:  # remote: does not hash to the manifest's sha256
         report.damaged.append(str(exc))
         return stated
     if not folder.is_dir() or not any(folder.iterdir()):
@@ -117,11 +131,14 @@ def _tokenizer_vocab(store: Store, manifest: Manifest, report: Report) -> int:
         report.mismatched.append(f"{where}: the tokenizer beside the shards does not load ({exc})")
         return stated
     if stated != tok.vocab_size:
-        report.mismatched.append(f"{manifest_url}: vocab_size {stated!r}, but the tokenizer in {where} has "
-                                 f"{tok.vocab_size} tokens (manifest edited, or written for another tokenizer?)")
+        report.mismatched.append(
+            f"{manifest_url}: vocab_size {stated!r}, but the tokenizer in {where} has "
+            f"{tok.vocab_size} tokens (manifest edited, or written for another tokenizer?)"
+        )
     if info.special_ids != tok.special_ids:
-        report.mismatched.append(f"{manifest_url}: special_ids {info.special_ids} are not the "
-                                 f"tokenizer's {tok.special_ids} ({where})")
+        report.mismatched.append(
+            f"{manifest_url}: special_ids {info.special_ids} are not the tokenizer's {tok.special_ids} ({where})"
+        )
     return tok.vocab_size
 
 
@@ -153,24 +170,30 @@ def inspect(data_dir: str | os.PathLike, samples: int = 3, split: str = "train",
     out = file or sys.stdout
     store = open_store(data_dir)
     m = _load(data_dir)
-    print(f"{store.url()}: seq_len {m.seq_len}, {m.dtype}, block_size {m.block_size}, {m.num_tasks} task(s), "
-          f"vocab {m.tokenizer.vocab_size} (lowercase {m.tokenizer.lowercase})", file=out)
+    print(
+        f"{store.url()}: seq_len {m.seq_len}, {m.dtype}, block_size {m.block_size}, {m.num_tasks} task(s), "
+        f"vocab {m.tokenizer.vocab_size} (lowercase {m.tokenizer.lowercase})",
+        file=out,
+    )
     for name, t in m.totals.items():
         size = sum(e.bytes for e in m.shards_of(name))
         slots = t["sequences"] * m.seq_len
-        print(f"  {name:<10} {t['shards']:>5} shards {t['sequences']:>10,} sequences {t['tokens']:>13,} tokens "
-              f"{t['documents']:>9,} documents  padding {t['padding'] / max(slots, 1):.4%}  "
-              f"{size / max(slots, 1):.3f} bytes/token", file=out)
+        print(
+            f"  {name:<10} {t['shards']:>5} shards {t['sequences']:>10,} sequences {t['tokens']:>13,} tokens "
+            f"{t['documents']:>9,} documents  padding {t['padding'] / max(slots, 1):.4%}  "
+            f"{size / max(slots, 1):.3f} bytes/token",
+            file=out,
+        )
     shard = next(iter(m.shards_of(split)), None)
     if shard is None or samples <= 0:
         return
     tok = tokenizers.Tokenizer.from_str(store.read_bytes(f"{m.tokenizer.path}/tokenizer.json").decode("utf-8"))
-    if shard.block_offsets is not None:               # one ranged read
+    if shard.block_offsets is not None:  # one ranged read
         span = store.read_range(shard.name, shard.block_offsets[0], shard.block_offsets[1])
     else:
         data = store.read_bytes(shard.name)
         first = index_shard(store.url(shard.name), data)
-        span = data[first[0]:first[1]]
+        span = data[first[0] : first[1]]
     ids, starts = parse_block(span, m.seq_len, f"{store.url(shard.name)}: block 0")
     for i in range(min(samples, len(ids))):
         row = ids[i].tolist()

@@ -1,4 +1,5 @@
 """``python -m pretrain.launch``: the command keeps its name; the code is in ``pretrain.runtime.launcher``."""
+
 import sys
 
 from pretrain.runtime.launcher import main

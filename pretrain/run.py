@@ -1,6 +1,7 @@
 """The run's parts, built once before the loop: ``Run`` holds what ``fit``, ``train_step`` and
 ``checkpoint`` share; ``build_run`` assembles it from small ``build_*`` steps (precision, model and
 engine, attention, resume, data stream, tracker, peak)."""
+
 from __future__ import annotations
 
 import json
@@ -41,6 +42,7 @@ log = logging.getLogger("pretrain")
 @dataclass
 class Run:
     """What ``fit``, ``train_step`` and ``checkpoint`` share: the run's parts, built once by ``build_run``."""
+
     cfg: Config
     info: eng.DistInfo
     nodes: checkpoint_nodes.NodeLayout
@@ -55,13 +57,13 @@ class Run:
     state: TrainState
     stream: Any = None
     tracker: Any = None
-    mirror: Optional[CheckpointMirror] = None      # a folder writer's uploader to train.checkpoint_mirror
+    mirror: Optional[CheckpointMirror] = None  # a folder writer's uploader to train.checkpoint_mirror
     resolved_yaml: str = ""
     peak: float = 0.0
     mfu_check: Any = None
     exit_code: int = 0
-    status: str = "FAILED"         # what the tracker marks the run with when fit returns
-    latest: dict = field(default_factory=dict)          # the last value of every metric, for the summary
+    status: str = "FAILED"  # what the tracker marks the run with when fit returns
+    latest: dict = field(default_factory=dict)  # the last value of every metric, for the summary
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -72,8 +74,9 @@ class Run:
 
     def flops_per_seq(self, masking_rate: float) -> float:
         seq_len = self.manifest.seq_len
-        return mlm_flops_per_sequence(self.model.hf_model.config, seq_len, masking_rate * seq_len,
-                                      self.cfg.impl.sparse_head)
+        return mlm_flops_per_sequence(
+            self.model.hf_model.config, seq_len, masking_rate * seq_len, self.cfg.impl.sparse_head
+        )
 
     def emit(self, metrics: dict, step: int, suffix: str = "") -> None:
         if metrics:
@@ -86,26 +89,35 @@ class Run:
         """The downstream probe on the trainer's own weights (whole at ZeRO-3: every rank calls)."""
         self.engine.eval()
         with eng.full_weights(self.engine) as module:
-            self.emit(probe_metrics(module.hf_model.base_model, self.tasks, self.info.device,
-                                    self.cfg.eval.downstream_batch_size), step)
+            self.emit(
+                probe_metrics(
+                    module.hf_model.base_model, self.tasks, self.info.device, self.cfg.eval.downstream_batch_size
+                ),
+                step,
+            )
         self.engine.train()
 
 
-def build_engine(cfg: Config, manifest: Manifest, resume_from: str | None, info: eng.DistInfo,
-                 node_local: bool):
+def build_engine(cfg: Config, manifest: Manifest, resume_from: str | None, info: eng.DistInfo, node_local: bool):
     """The model (in a new phase's shape when it starts from another run), its precision (``auto``
     times this model's step on a CPU), and DeepSpeed's engine."""
     special = SpecialIds.from_manifest(manifest)
-    torch.manual_seed(cfg.train.seed)                       # identical initial weights on every rank
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     rows = eng.rank0_value(phases.saved_vocab_rows(cfg, resume_from) if info.rank == 0 else None)
-    model = build_model(cfg.model, manifest.tokenizer.vocab_size, special, cfg.impl,
-                        seq_len=manifest.seq_len, shape_from=phases.model_shape_file(cfg, resume_from),
-                        vocab_rows=rows)
+    model = build_model(
+        cfg.model,
+        manifest.tokenizer.vocab_size,
+        special,
+        cfg.impl,
+        seq_len=manifest.seq_len,
+        shape_from=phases.model_shape_file(cfg, resume_from),
+        vocab_rows=rows,
+    )
     probe = step_probe(model, cfg.impl.micro_batch_size, manifest.seq_len, cfg.masking.rate)
-    with torch.random.fork_rng():                          # the timing leaves the run's RNG as it was
+    with torch.random.fork_rng():  # the timing leaves the run's RNG as it was
         precision, why = hardware.resolve_precision(cfg.impl.precision, info.device, probe)
-    precision, why = eng.rank0_value((precision, why))     # every node takes the first rank's choice
-    model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)   # the same at any layout
+    precision, why = eng.rank0_value((precision, why))  # every node takes the first rank's choice
+    model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)  # the same at any layout
     model.fixed_predictions = cfg.masking.fixed_count
     choose_attention(model, cfg, info, precision, manifest.seq_len)
     engine, scheduler, ds_config, optimizer = eng.initialize(model, cfg, info, precision, node_local)
@@ -117,8 +129,9 @@ def choose_attention(model: MLMModel, cfg: Config, info: eng.DistInfo, precision
     timed once on the first rank (pretrain.runtime.attention); every rank runs the same."""
     choice = None
     if info.rank == 0:
-        choice = attention.resolve(model, cfg.impl.attention, info.device, hardware.DTYPES[precision],
-                                   cfg.impl.micro_batch_size, seq_len)
+        choice = attention.resolve(
+            model, cfg.impl.attention, info.device, hardware.DTYPES[precision], cfg.impl.micro_batch_size, seq_len
+        )
     name, why = eng.rank0_value(choice)
     model.use_attention(name)
     log.info("attention: %s (%s)", name, why)
@@ -129,9 +142,12 @@ def restore(run: Run, resume_from: str | None) -> dict:
     Returns where a new phase came from (empty otherwise)."""
     if resume_from:
         run.state.load_state_dict(checkpointing.load(run.engine, run.cfg, resume_from, run.nodes)[STATE_KEY])
-    origin = (phases.start_from(run.engine, run.cfg, run.nodes.writes_folder)
-              if run.cfg.train.init_from_checkpoint and not resume_from else {})
-    log.info(continue_schedule(run.scheduler, run.cfg))     # the config's schedule, whatever a checkpoint held
+    origin = (
+        phases.start_from(run.engine, run.cfg, run.nodes.writes_folder)
+        if run.cfg.train.init_from_checkpoint and not resume_from
+        else {}
+    )
+    log.info(continue_schedule(run.scheduler, run.cfg))  # the config's schedule, whatever a checkpoint held
     return origin
 
 
@@ -142,8 +158,11 @@ def keep_attention(run: Run) -> None:
     if recorded and run.cfg.impl.attention == "auto" and recorded != model.attention:
         if recorded == "flash_attention_2" and model.config._attn_implementation != recorded:
             # the kernels compute the same maths up to rounding: continuing beats refusing a requeue
-            log.warning("attention: this run started with flash_attention_2, which cannot run here "
-                        "(see the model line); continuing with %s, as timed here", model.attention)
+            log.warning(
+                "attention: this run started with flash_attention_2, which cannot run here "
+                "(see the model line); continuing with %s, as timed here",
+                model.attention,
+            )
         else:
             log.info("attention: %s, as this run started (timed here: %s)", recorded, model.attention)
             model.use_attention(recorded)
@@ -152,35 +171,52 @@ def keep_attention(run: Run) -> None:
 
 def build_stream(run: Run, resume_from: str | None):
     cfg, info = run.cfg, run.info
-    stream = make_train_stream(cfg, run.manifest, info.rank, info.world, cfg.impl.num_workers,
-                               cfg.impl.prefetch_factor)
+    stream = make_train_stream(cfg, run.manifest, info.rank, info.world, cfg.impl.num_workers, cfg.impl.prefetch_factor)
     if resume_from:
-        stream.load_state_dict(run.state.data)   # another world size or micro-batch continues the same order
+        stream.load_state_dict(run.state.data)  # another world size or micro-batch continues the same order
     return stream
 
 
 def build_tracker(run: Run, origin: dict, precision: str, ds_config: dict):
     cfg, state = run.cfg, run.state
-    if run.info.rank == 0 and cfg.train.resume == "none":      # a fresh start is a new tracking run too
+    if run.info.rank == 0 and cfg.train.resume == "none":  # a fresh start is a new tracking run too
         (Path(cfg.train.out_dir) / "mlflow_run_id").unlink(missing_ok=True)
     tracker = make_tracker(phases.tracked_under(cfg, origin), run.info.rank, resume_step=state.step)
     params = {**run_params(cfg, run.info.world, precision, run.manifest), **origin}
-    state.run_id = eng.rank0_value(tracker.start(state.run_id, params, {
-        "config.yaml": run.resolved_yaml, "deepspeed.json": json.dumps(ds_config, indent=2)}))
+    state.run_id = eng.rank0_value(
+        tracker.start(
+            state.run_id, params, {"config.yaml": run.resolved_yaml, "deepspeed.json": json.dumps(ds_config, indent=2)}
+        )
+    )
     return tracker
 
 
-def build_run(cfg: Config, manifest: Manifest, tasks: list, resume_from: str | None, info: eng.DistInfo,
-              stop: StopSignal) -> Run:
+def build_run(
+    cfg: Config, manifest: Manifest, tasks: list, resume_from: str | None, info: eng.DistInfo, stop: StopSignal
+) -> Run:
     """Assemble the run: precision, model and engine, resume, data stream, tracker, FLOPs and peak."""
     if info.device.type == "cpu" and cfg.impl.keep_freed_cpu_memory and allocator.in_use() == "glibc":
-        hardware.keep_freed_cpu_memory()        # no page faults on every step's large tensors (tcmalloc keeps them anyway)
-    nodes = checkpoint_nodes.probe(cfg.train.out_dir)     # one shared train.out_dir, or one per node
-    special, model, engine, scheduler, ds_config, optimizer, precision, why = build_engine(cfg, manifest, resume_from,
-                                                                                          info, not nodes.shared)
-    run = Run(cfg, info, nodes, manifest, tasks, stop, special, model, engine, optimizer, scheduler,
-              TrainState(config=configlib.to_dict(cfg)), resolved_yaml=configlib.dump_yaml(cfg))
-    resume_from = eng.rank0_value(resume_from)     # the first rank chose it, holding the run lock
+        hardware.keep_freed_cpu_memory()  # no page faults on every step's large tensors (tcmalloc keeps them anyway)
+    nodes = checkpoint_nodes.probe(cfg.train.out_dir)  # one shared train.out_dir, or one per node
+    special, model, engine, scheduler, ds_config, optimizer, precision, why = build_engine(
+        cfg, manifest, resume_from, info, not nodes.shared
+    )
+    run = Run(
+        cfg,
+        info,
+        nodes,
+        manifest,
+        tasks,
+        stop,
+        special,
+        model,
+        engine,
+        optimizer,
+        scheduler,
+        TrainState(config=configlib.to_dict(cfg)),
+        resolved_yaml=configlib.dump_yaml(cfg),
+    )
+    resume_from = eng.rank0_value(resume_from)  # the first rank chose it, holding the run lock
     if resume_from:
         checkpointing.ensure_on_every_node(cfg, resume_from, nodes)
     origin = restore(run, resume_from)
@@ -192,14 +228,25 @@ def build_run(cfg: Config, manifest: Manifest, tasks: list, resume_from: str | N
     if cfg.train.checkpoint_mirror and nodes.writes_folder:
         run.mirror = CheckpointMirror(cfg.train.checkpoint_mirror, cfg.train.keep_checkpoints, nodes)
         run.mirror.catch_up(checkpointing.checkpoint_root(cfg), final_export_dir(cfg.train.out_dir))
-    resume_log.relog(run.tracker, run.state)      # a kill may have cut the checkpoint step's line short
+    resume_log.relog(run.tracker, run.state)  # a kill may have cut the checkpoint step's line short
     run.peak, peak_source = hardware.peak_tflops(info.device, precision, cfg.impl.peak_tflops)
     run.mfu_check = hardware.MfuCheck(run.peak, peak_source)
-    log.info("start: step %d%s, world %d, grad_accum %d, precision %s (%s), attention %s, ZeRO %d, %d params, "
-             "peak %.3f TFLOP/s per process (%s), allocator %s", run.state.step,
-             f" (resumed from {resume_from})" if resume_from else "", info.world, cfg.grad_accum_steps(info.world),
-             precision, why, model.attention, cfg.impl.zero_stage, eng.num_parameters(model), run.peak, peak_source,
-             allocator.describe(info.device.type))
+    log.info(
+        "start: step %d%s, world %d, grad_accum %d, precision %s (%s), attention %s, ZeRO %d, %d params, "
+        "peak %.3f TFLOP/s per process (%s), allocator %s",
+        run.state.step,
+        f" (resumed from {resume_from})" if resume_from else "",
+        info.world,
+        cfg.grad_accum_steps(info.world),
+        precision,
+        why,
+        model.attention,
+        cfg.impl.zero_stage,
+        eng.num_parameters(model),
+        run.peak,
+        peak_source,
+        allocator.describe(info.device.type),
+    )
     if mixture.is_mixture(cfg):
         log.info("data mixture:\n  %s", "\n  ".join(run.stream.plan_lines(cfg.train.max_steps)))
     return run

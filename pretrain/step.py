@@ -1,6 +1,7 @@
 """One optimiser step and what ``fit`` keeps between steps: ``train_step`` (mask on the device,
 forward, backward, step), the throughput window that the loss and speed metrics average, and the stop
 signal that SIGUSR1/SIGTERM raise."""
+
 from __future__ import annotations
 
 import math
@@ -30,21 +31,24 @@ class StopSignal:
     def _handle(self, signum, frame):
         if not self.requested:
             self.name = signal.Signals(signum).name
-            print(f"[rank {os.environ.get('RANK', '?')}] received {self.name}: will checkpoint after this step",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[rank {os.environ.get('RANK', '?')}] received {self.name}: will checkpoint after this step",
+                file=sys.stderr,
+                flush=True,
+            )
         self.requested = True
 
 
 @dataclass
 class StepResult:
-    sums: torch.Tensor        # float64 [loss_sum, correct, predicted, tokens] on the device, this rank's;
-                              # correct only on a logged step (0 otherwise)
-    loss: float               # the step's MLM loss over all ranks (nan when non-finite)
-    nonfinite: bool           # some rank's loss was not finite: the update was skipped everywhere
-    stop: bool                # some rank was asked to stop
-    grad_norm: float | None   # ZeRO 0 only, when asked (DeepSpeed keeps none there)
-    bad_input: bool = False   # some rank could not read its batch (runtime.bad_input): stop, exit 2
-    outage: bool = False      # ... because the data's store stayed down: stop, exit 3 (requeue)
+    sums: torch.Tensor  # float64 [loss_sum, correct, predicted, tokens] on the device, this rank's;
+    # correct only on a logged step (0 otherwise)
+    loss: float  # the step's MLM loss over all ranks (nan when non-finite)
+    nonfinite: bool  # some rank's loss was not finite: the update was skipped everywhere
+    stop: bool  # some rank was asked to stop
+    grad_norm: float | None  # ZeRO 0 only, when asked (DeepSpeed keeps none there)
+    bad_input: bool = False  # some rank could not read its batch (runtime.bad_input): stop, exit 2
+    outage: bool = False  # ... because the data's store stayed down: stop, exit 3 (requeue)
 
 
 def mask_micro_batches(run, micro_batches: list[dict]) -> list[tuple]:
@@ -57,16 +61,24 @@ def mask_micro_batches(run, micro_batches: list[dict]) -> list[tuple]:
         sample_ids = batch["sample_ids"].to(device, non_blocking=True)
         # Keyed by each sequence's identity (and the step, unless static): the same masks at any
         # world size or micro-batch.
-        m = mask_batch(ids, batch["word_starts"].to(device, non_blocking=True), run.special, cfg.masking,
-                       sample_ids=sample_ids, step=step, rate=rate)
+        m = mask_batch(
+            ids,
+            batch["word_starts"].to(device, non_blocking=True),
+            run.special,
+            cfg.masking,
+            sample_ids=sample_ids,
+            step=step,
+            rate=rate,
+        )
         # Rows packed full have no padding: no mask lets SDPA take its fast path.
         attention_mask = (ids != run.special.pad) if batch.get("has_padding", True) else None
         masked.append((m, attention_mask, ids.numel() if attention_mask is None else attention_mask.sum(), sample_ids))
     return masked
 
 
-def train_step(run, micro_batches: list[dict], logged: bool,
-               before_step: Optional[Callable[[], None]] = None) -> StepResult:
+def train_step(
+    run, micro_batches: list[dict], logged: bool, before_step: Optional[Callable[[], None]] = None
+) -> StepResult:
     """Forward and backward over the step's micro-batches, then one optimiser step. ``logged``: the
     step's metrics are logged, so its accuracy and (ZeRO 0) gradient norm are computed. ``before_step``
     runs where the gradients are whole and the weights not yet updated (per-layer health).
@@ -89,8 +101,7 @@ def train_step(run, micro_batches: list[dict], logged: bool,
         # Dropout keyed like the masks, by each row's sample id and the step (model/keyed_dropout.py).
         engine.module.dropout_key.set(sample_ids, run.state.step)
         with eng.eager_forward(engine, eager=attention_mask is not None):
-            loss_sum, correct, count = engine(m.input_ids, attention_mask, m.positions, m.labels,
-                                              want_correct=logged)
+            loss_sum, correct, count = engine(m.input_ids, attention_mask, m.positions, m.labels, want_correct=logged)
         sums[:3] += torch.stack([loss_sum.detach().double(), correct.double(), count.double()])
         sums[3] += tokens
         engine.backward(loss_sum * scale)
@@ -104,7 +115,7 @@ def train_step(run, micro_batches: list[dict], logged: bool,
             dist.all_reduce(decided)
             loss_total, predicted_total, stop, bad, outage = decided.tolist()
             nonfinite = not math.isfinite(loss_total)
-            run.optimizer.skip_next_step = nonfinite or bad > 0       # every rank skips or stops together
+            run.optimizer.skip_next_step = nonfinite or bad > 0  # every rank skips or stops together
             if logged and run.cfg.impl.zero_stage == 0:
                 grad_norm = eng.local_grad_norm(engine)
             if before_step:
@@ -125,7 +136,7 @@ class ThroughputWindow:
 
     def add(self, result: StepResult, seconds: float, data_wait: float) -> None:
         self.seconds, self.data_wait, self.steps = self.seconds + seconds, self.data_wait + data_wait, self.steps + 1
-        if not result.nonfinite:                              # skipped steps are not averaged in
+        if not result.nonfinite:  # skipped steps are not averaged in
             self.sums += result.sums
 
     def metrics(self, logged: StepResult, global_batch: int, world: int, flops_per_seq: float, peak: float) -> dict:
@@ -135,10 +146,14 @@ class ThroughputWindow:
         dist.all_reduce(both)
         loss_sum, _, count, tokens, correct, predicted = both.tolist()
         seqs_per_s = global_batch * self.steps / self.seconds
-        out = {"train/loss": loss_sum / count if count else float("nan"),
-               "train/accuracy": correct / predicted if predicted else float("nan"),
-               "perf/tokens_per_s": tokens / self.seconds, "perf/samples_per_s": seqs_per_s,
-               "perf/mfu": flops_per_seq * seqs_per_s / world / (peak * 1e12),
-               "perf/step_time_s": self.seconds / self.steps, "perf/data_wait_s": self.data_wait / self.steps}
+        out = {
+            "train/loss": loss_sum / count if count else float("nan"),
+            "train/accuracy": correct / predicted if predicted else float("nan"),
+            "perf/tokens_per_s": tokens / self.seconds,
+            "perf/samples_per_s": seqs_per_s,
+            "perf/mfu": flops_per_seq * seqs_per_s / world / (peak * 1e12),
+            "perf/step_time_s": self.seconds / self.steps,
+            "perf/data_wait_s": self.data_wait / self.steps,
+        }
         self.__init__(self.sums.device)
         return out

@@ -11,12 +11,13 @@ any process group starts, or read mid-run: then on every rank), 3 checkpointed a
 many non-finite losses, 5 a loss spike past ``train.spike_guard.max_recoveries`` (or with no
 checkpoint before it).
 """
+
 from __future__ import annotations
 
 import gc
 
 if __name__ == "__main__":
-    gc.disable()        # while torch, transformers and DeepSpeed load: see start_up_done
+    gc.disable()  # while torch, transformers and DeepSpeed load: see start_up_done
 
 import argparse
 import dataclasses
@@ -41,7 +42,7 @@ from pretrain.checkpoint.mirror import wait_for_mirror
 from pretrain.checkpoint.state import STATE_KEY
 from pretrain.config.schema import ConfigError, load_config
 from pretrain.eval.downstream import baseline_metrics, prepare_tasks, probe_due
-from pretrain.eval.heldout import evaluate      # a fixed set of held-out sequences, at any layout
+from pretrain.eval.heldout import evaluate  # a fixed set of held-out sequences, at any layout
 from pretrain.eval.tasks import TaskError
 from pretrain.runtime.exit_codes import BAD_INPUT as EXIT_BAD_INPUT, NONFINITE as EXIT_NONFINITE
 from pretrain.runtime.exit_codes import REQUEUE as EXIT_REQUEUE, SPIKES as EXIT_SPIKES
@@ -70,14 +71,14 @@ def fit(run: Run) -> int:
     try:
         emit_probe_baselines(run)
         batches, window, nonfinite_in_a_row = iter(run.stream), ThroughputWindow(info.device), 0
-        resume_log.restore_window(window, state.log_window, info.rank)   # the first log averages the whole window
+        resume_log.restore_window(window, state.log_window, info.rank)  # the first log averages the whole window
         while state.step < cfg.train.max_steps:
             # one step: read, mask, forward, backward, update (per-layer health when due)
             run.engine.train()
             watchdog.step_started()
             t_start = time.perf_counter()
             micro = bad_input.next_micro_batches(batches, grad_accum, run.special, cfg.impl.micro_batch_size, seq_len)
-            faults.at_step(micro, run.special, info.rank, state.step + 1)     # test-only (runtime/faults.py)
+            faults.at_step(micro, run.special, info.rank, state.step + 1)  # test-only (runtime/faults.py)
             t_data = time.perf_counter()
             will_log = (state.step + 1) % cfg.train.log_every == 0 or state.step + 1 == cfg.train.max_steps
             check_health = health.due(state.step + 1)
@@ -116,22 +117,25 @@ def fit(run: Run) -> int:
         return 0
     finally:
         watchdog.stop()
-        run.tracker.finish(run.status)        # flushes what it buffered and marks the run
+        run.tracker.finish(run.status)  # flushes what it buffered and marks the run
 
 
 def spike_guard_of(run: Run) -> SpikeGuard | None:
     cfg = run.cfg
     if not cfg.train.spike_guard.enabled:
         return None
-    return SpikeGuard(cfg.train.spike_guard, cfg.train.global_batch_size, checkpointing.checkpoint_root(cfg), run.tracker)
+    return SpikeGuard(
+        cfg.train.spike_guard, cfg.train.global_batch_size, checkpointing.checkpoint_root(cfg), run.tracker
+    )
 
 
 def emit_probe_baselines(run: Run) -> None:
     """What the probe scores mean (random weights, majority class), once, at step 0."""
     if run.tasks and run.state.step == 0:
         cfg = run.cfg
-        run.emit(baseline_metrics(run.model.hf_model.config, run.tasks, run.info.device,
-                                  cfg.eval.downstream_batch_size), 0)
+        run.emit(
+            baseline_metrics(run.model.hf_model.config, run.tasks, run.info.device, cfg.eval.downstream_batch_size), 0
+        )
 
 
 def recover_from_spike(run: Run, guard: SpikeGuard, spike, batches):
@@ -162,8 +166,12 @@ def too_many_nonfinite(run: Run, in_a_row: int) -> bool:
     if in_a_row < run.cfg.train.max_nonfinite_in_a_row:
         return False
     run.emit({"train/nonfinite_skipped": state.nonfinite_total}, step)
-    log.error("stopping: %d non-finite losses in a row (last at step %d); the last complete checkpoint is "
-              "untouched. Lower optim.lr, raise warmup or check the data.", in_a_row, step)
+    log.error(
+        "stopping: %d non-finite losses in a row (last at step %d); the last complete checkpoint is "
+        "untouched. Lower optim.lr, raise warmup or check the data.",
+        in_a_row,
+        step,
+    )
     return True
 
 
@@ -175,14 +183,21 @@ def train_metrics(run: Run, window: ThroughputWindow, result: StepResult) -> dic
     metrics = window.metrics(result, cfg.train.global_batch_size, run.info.world, flops_per_seq, run.peak)
     run.mfu_check(metrics["perf/mfu"])
     grad_norm = run.engine.get_global_grad_norm() if cfg.impl.zero_stage else result.grad_norm
-    return {**metrics, "train/lr": run.scheduler.get_last_lr()[0],
-            "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "perf/memory_gb": hardware.peak_memory_gb(run.info.device),
-            "perf/memory_current_gb": hardware.current_memory_gb(run.info.device), "train/tokens_seen": state.tokens_seen,
-            "train/nonfinite_skipped": state.nonfinite_total,
-            **run.stream.metrics(step, cfg.train.max_steps),
-            **({"train/mask_rate": rate_at_step(cfg.masking, step - 1, cfg.train.max_steps)}
-               if cfg.masking.rate_end is not None else {})}
+    return {
+        **metrics,
+        "train/lr": run.scheduler.get_last_lr()[0],
+        "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "perf/memory_gb": hardware.peak_memory_gb(run.info.device),
+        "perf/memory_current_gb": hardware.current_memory_gb(run.info.device),
+        "train/tokens_seen": state.tokens_seen,
+        "train/nonfinite_skipped": state.nonfinite_total,
+        **run.stream.metrics(step, cfg.train.max_steps),
+        **(
+            {"train/mask_rate": rate_at_step(cfg.masking, step - 1, cfg.train.max_steps)}
+            if cfg.masking.rate_end is not None
+            else {}
+        ),
+    }
 
 
 def checkpoint_and_decide_exit(run: Run, result: StepResult, window: ThroughputWindow) -> bool:
@@ -196,8 +211,11 @@ def checkpoint_and_decide_exit(run: Run, result: StepResult, window: ThroughputW
         export = last or bool(cfg.train.export_every and step % cfg.train.export_every == 0)
         checkpoint(run, export, final=last)
     if result.stop:
-        log.warning("%s: checkpointed at step %d; exiting for requeue",
-                    f"signal {run.stop.name}" if run.stop.name else "a signal on another rank", step)
+        log.warning(
+            "%s: checkpointed at step %d; exiting for requeue",
+            f"signal {run.stop.name}" if run.stop.name else "a signal on another rank",
+            step,
+        )
         run.exit_code, run.status = EXIT_REQUEUE, "KILLED"
         return True
     if halting and not last:
@@ -210,7 +228,7 @@ def checkpoint_and_decide_exit(run: Run, result: StepResult, window: ThroughputW
 def finish(run: Run) -> None:
     """After the last step: complete an export a kill interrupted, then the report."""
     step, cfg = run.state.step, run.cfg
-    exported = eng.rank0_value(exported_from(final_export_dir(cfg.train.out_dir)))   # rank 0's folder holds it
+    exported = eng.rank0_value(exported_from(final_export_dir(cfg.train.out_dir)))  # rank 0's folder holds it
     if exported != checkpointing.tag_for_step(cfg.train.max_steps):
         # Killed after the final checkpoint and before its export: finish what that run would have.
         log.info("the final checkpoint at step %d has no export yet: evaluating and exporting it", step)
@@ -221,7 +239,7 @@ def finish(run: Run) -> None:
         if run.mirror is not None:
             run.mirror.upload_folder(final_export_dir(cfg.train.out_dir), last=files.EXPORT_SOURCE)
     if run.info.rank == 0 and cfg.tracking.report:
-        report = report_at_end(cfg, run.manifest, run.tracker)    # never raises; logged as the run's report/ artifact
+        report = report_at_end(cfg, run.manifest, run.tracker)  # never raises; logged as the run's report/ artifact
         if report is not None and run.mirror is not None:
             run.mirror.upload_folder(report)
     log.info("%s", console.summary(run.state, cfg, time.perf_counter() - run.started, run.latest, run.tracker))
@@ -234,14 +252,25 @@ def checkpoint(run: Run, export: bool, final: bool) -> None:
     cfg, state, manifest = run.cfg, run.state, run.manifest
     state.data = run.stream.state_dict()
     snapshot = state.state_dict()
-    readable = {k: v for k, v in snapshot.items() if k != "rng"}      # for checks before any process group
-    side_files = {files.CONFIG_FILE: run.resolved_yaml, files.HF_CONFIG_FILE: run.model.hf_model.config.to_json_string(),
-                  files.MANIFEST_FILE: json.dumps(manifest.to_dict()), files.STATE_FILE: json.dumps(readable)}
-    tag = checkpointing.save(run.engine, cfg, state.step, {STATE_KEY: snapshot}, side_files,
-                             {files.TOKENIZER_DIR: tokenizer_dir(manifest, cfg.data.dir)}, run.nodes)
+    readable = {k: v for k, v in snapshot.items() if k != "rng"}  # for checks before any process group
+    side_files = {
+        files.CONFIG_FILE: run.resolved_yaml,
+        files.HF_CONFIG_FILE: run.model.hf_model.config.to_json_string(),
+        files.MANIFEST_FILE: json.dumps(manifest.to_dict()),
+        files.STATE_FILE: json.dumps(readable),
+    }
+    tag = checkpointing.save(
+        run.engine,
+        cfg,
+        state.step,
+        {STATE_KEY: snapshot},
+        side_files,
+        {files.TOKENIZER_DIR: tokenizer_dir(manifest, cfg.data.dir)},
+        run.nodes,
+    )
     run.tracker.log_checkpoint(tag, state.step, str(checkpointing.checkpoint_root(cfg) / tag))
     if run.mirror is not None:
-        run.mirror.upload(checkpointing.checkpoint_root(cfg) / tag)       # in the background
+        run.mirror.upload(checkpointing.checkpoint_root(cfg) / tag)  # in the background
     if export:
         export_and_log(cfg, state.step, run.tracker, final, engine=run.export_engine)
         if final and run.mirror is not None:
@@ -250,8 +279,9 @@ def checkpoint(run: Run, export: bool, final: bool) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m pretrain.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m pretrain.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", required=True, help="YAML file (see configs/)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.max_steps=100")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -269,48 +299,54 @@ def start_up_done() -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     eng.prepare_env()
-    lifeline.watch_launcher()    # die with pretrain.launch / pretrain.study, however they die
+    lifeline.watch_launcher()  # die with pretrain.launch / pretrain.study, however they die
     first_rank = os.environ.get("RANK", "0") == "0"
-    logging.basicConfig(level=logging.INFO if first_rank else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
+    logging.basicConfig(
+        level=logging.INFO if first_rank else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(message)s",
+        stream=sys.stdout,
+    )
     # Everything that can be wrong with the input is found before any process group starts; every
     # rank finds the same problems, the first one reports them.
     try:
         cfg = load_config(args.config, args.overrides)
-        storage.set_retry_window(cfg.data.remote_timeout_s)      # before any read; workers inherit it
+        storage.set_retry_window(cfg.data.remote_timeout_s)  # before any read; workers inherit it
         shard_cache.configure(cfg.data.cache_dir, cfg.data.cache_limit_gb)
         if cfg.impl.device == "cpu":
             eng.train_on_cpu()
         console.quiet_third_party(cfg.train.out_dir, int(os.environ.get("RANK", "0")))
         # The first rank holds the run folder from here on; a previous job still writing its
         # checkpoint is waited for, before the checkpoint to resume from is chosen.
-        run_lock = checkpointing.RunLock(cfg.train.out_dir) if first_rank else None   # noqa: F841 (held)
-        manifest, resume_from = check_inputs(cfg, f"the run of {args.config}"
-                                                  f"{' with overrides' if args.overrides else ''}")
+        run_lock = checkpointing.RunLock(cfg.train.out_dir) if first_rank else None  # noqa: F841 (held)
+        manifest, resume_from = check_inputs(
+            cfg, f"the run of {args.config}{' with overrides' if args.overrides else ''}"
+        )
         # Probe examples no longer than the sequences the model is trained on (its positions may end there).
-        specs = [dataclasses.replace(t, max_length=min(t.max_length, manifest.seq_len))
-                 for t in cfg.eval.downstream]
+        specs = [dataclasses.replace(t, max_length=min(t.max_length, manifest.seq_len)) for t in cfg.eval.downstream]
         tasks = prepare_tasks(specs, tokenizer_dir(manifest, cfg.data.dir), data_dir=cfg.data.dir, manifest=manifest)
     except (ConfigError, ShardError, TaskError) as exc:
         bad_input.report_before_start(exc, first_rank)
         return EXIT_BAD_INPUT
-    stop = StopSignal()          # from here on, SIGUSR1/SIGTERM mean "checkpoint after the current step"
+    stop = StopSignal()  # from here on, SIGUSR1/SIGTERM mean "checkpoint after the current step"
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        stale_shm.remove_stale()     # /dev/shm segments of killed runs (no live process maps them)
-    with console.chatter_to_file():         # DeepSpeed's op builds and checks print on every rank
+        stale_shm.remove_stale()  # /dev/shm segments of killed runs (no live process maps them)
+    with console.chatter_to_file():  # DeepSpeed's op builds and checks print on every rank
         info = eng.init_distributed(cfg)
     try:
         run = build_run(cfg, manifest, tasks, resume_from, info, stop)
         start_up_done()
         return wait_for_mirror(run.mirror, fit(run))
-    except ShardError as exc:    # found while reading: name the shard, no traceback on every rank
+    except ShardError as exc:  # found while reading: name the shard, no traceback on every rank
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except storage.StoreUnavailable as exc:     # the data's store is down: requeue, resume from the checkpoint
-        print(f"error: {exc}; exit {EXIT_REQUEUE} (requeue): the last complete checkpoint resumes",
-              file=sys.stderr, flush=True)
+    except storage.StoreUnavailable as exc:  # the data's store is down: requeue, resume from the checkpoint
+        print(
+            f"error: {exc}; exit {EXIT_REQUEUE} (requeue): the last complete checkpoint resumes",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_REQUEUE
-    except bad_input.BadInputStop as stop:   # read mid-run (the evaluation split); every rank printed it
+    except bad_input.BadInputStop as stop:  # read mid-run (the evaluation split); every rank printed it
         return EXIT_REQUEUE if stop.outage else EXIT_BAD_INPUT
     finally:
         if dist.is_initialized():

@@ -1,6 +1,7 @@
 """Debian packages a test needs (Slurm, munge, Chromium), installed with apt-get when running as root
 (CI). One install at a time on the machine: pytest-xdist workers may ask together, and apt-get
 fails at once on a lock another apt-get holds."""
+
 from __future__ import annotations
 
 import fcntl

@@ -5,6 +5,7 @@ screenshot of the MLflow UI.
 apt-get (CI), it installs it. Missing and not installable: the test is skipped on a developer's
 machine, and fails under CI (``CI`` set), where a skipped browser check would pass silently.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,19 @@ from pathlib import Path
 import pytest
 from apt import apt_install, can_install
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", "--hide-scrollbars", "--run-all-compositor-stages-before-draw"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--hide-scrollbars",
+    "--run-all-compositor-stages-before-draw",
+]
 
 
 def chromium() -> str:
@@ -38,8 +49,13 @@ def chromium() -> str:
 
 def _run(args: list[str], budget_ms: int, timeout: float = 180) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="chromium-profile-") as profile:
-        return subprocess.run([chromium(), *FLAGS, f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}",
-                               *args], check=False, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [chromium(), *FLAGS, f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}", *args],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
 
 def screenshot(url: str, out: Path, size: str = "1600,1000", budget_ms: int = 15000) -> Path:

@@ -1,4 +1,5 @@
 """Shared fixtures. Area-specific fixtures live next to their tests."""
+
 from __future__ import annotations
 
 import base64
@@ -48,22 +49,45 @@ os.environ.setdefault("MLM_PRETRAIN_CACHE", tempfile.mkdtemp(prefix="mlm-pretrai
 # built once; without the last flag xdist orders modules by their number of tests) they start first,
 # so that no long module is left to run alone at the end. Slurm's and the study's wait more than they
 # compute, which is why they go early: the other workers fill the cores meanwhile.
-LONGEST_FIRST = ["test_reshard", "test_slurm_pretrain", "test_study", "test_demo", "test_remote_faults",
-                 "test_clean_exit", "test_bf16_accumulation", "test_fail_safe", "test_train", "test_tracking_train",
-                 "test_bench", "test_evaluate", "test_checkpoint_mirror", "test_memory", "test_storage", "test_report",
-                 "test_modernbert", "test_faults", "test_remote_cache", "test_slurm_data_prep", "test_mlflow_ui",
-                 "test_resume_anywhere", "test_mixture", "test_tracking_mlflow", "test_model", "test_data_prep_tasks"]
+LONGEST_FIRST = [
+    "test_reshard",
+    "test_slurm_pretrain",
+    "test_study",
+    "test_demo",
+    "test_remote_faults",
+    "test_clean_exit",
+    "test_bf16_accumulation",
+    "test_fail_safe",
+    "test_train",
+    "test_tracking_train",
+    "test_bench",
+    "test_evaluate",
+    "test_checkpoint_mirror",
+    "test_memory",
+    "test_storage",
+    "test_report",
+    "test_modernbert",
+    "test_faults",
+    "test_remote_cache",
+    "test_slurm_data_prep",
+    "test_mlflow_ui",
+    "test_resume_anywhere",
+    "test_mixture",
+    "test_tracking_mlflow",
+    "test_model",
+    "test_data_prep_tasks",
+]
 
 
 def pytest_configure(config):
-    for plugin in (suite_profile, tiers):       # where the time goes; the fast tier launches nothing
+    for plugin in (suite_profile, tiers):  # where the time goes; the fast tier launches nothing
         if not config.pluginmanager.is_registered(plugin):
             config.pluginmanager.register(plugin)
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))     # stable: order within a module kept
+    items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))  # stable: order within a module kept
 
 
 def pytest_collection_finish(session):
@@ -140,12 +164,13 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent                   # the workers' common folder
+        root = root.parent  # the workers' common folder
     folder = root / name
     with FileLock(str(folder) + ".lock"):
         if not (folder / ".built").is_file():
             if folder.exists():
                 import shutil
+
                 shutil.rmtree(folder)
             folder.mkdir(parents=True)
             build(folder)
@@ -167,8 +192,9 @@ def wiki_txt_dir(tmp_path_factory, wiki_articles) -> Path:
     """~1,000 real articles as 4 blank-line-separated .txt files."""
     from data_prep.sample_corpus import write_sample_corpus
 
-    return built_once(tmp_path_factory, "wiki_txt",
-                      lambda out: write_sample_corpus(out, "txt", num_files=4, max_docs=1000))
+    return built_once(
+        tmp_path_factory, "wiki_txt", lambda out: write_sample_corpus(out, "txt", num_files=4, max_docs=1000)
+    )
 
 
 def _run(cmd, timeout=600, env: dict | None = None):
@@ -181,7 +207,9 @@ def _run(cmd, timeout=600, env: dict | None = None):
     else:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} -> {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"{' '.join(map(str, cmd))} -> {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return proc
 
 
@@ -199,12 +227,21 @@ def node_launcher(ranks: int) -> list[str]:
     of what it adds launch through ``deepspeed`` or ``pretrain.launch`` (test_train's SIGUSR1,
     test_faults' SIGTERM, test_fail_safe, the demo, the Slurm and study tests)."""
     world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(ranks))}).encode()).decode()
-    return [PY, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}", "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}", "--log_level=info"]
+    return [
+        PY,
+        "-u",
+        "-m",
+        "deepspeed.launcher.launch",
+        f"--world_info={world}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "--log_level=info",
+    ]
 
 
-def train_cmd(data_dir, out_dir, *overrides, ranks: int = 1, config: str = "configs/tiny.yaml",
-              launcher: list[str] | None = None) -> list[str]:
+def train_cmd(
+    data_dir, out_dir, *overrides, ranks: int = 1, config: str = "configs/tiny.yaml", launcher: list[str] | None = None
+) -> list[str]:
     """One rank: plain python. More: DeepSpeed's per-node launcher, or ``launcher`` (``deepspeed``,
     ``pretrain.launch``) with ``--num_gpus`` on a free port."""
     # The end-of-run report costs 1-3 s of CPU per run; test_report asks for it.
@@ -220,14 +257,14 @@ def explain(proc) -> str:
     return f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
 
 
-_POOLS: dict = {}      # this worker's rank pools by what they preload, started by the first job that uses one
+_POOLS: dict = {}  # this worker's rank pools by what they preload, started by the first job that uses one
 
 
 def rank_pool(preload: tuple[str, ...] = ()):
     """The pool whose process has imported what a trainer rank imports, or the ``preload`` modules."""
     from rank_pool import RankPool
 
-    if preload not in _POOLS or _POOLS[preload].proc.poll() is not None:     # none yet, or it died
+    if preload not in _POOLS or _POOLS[preload].proc.poll() is not None:  # none yet, or it died
         _POOLS[preload] = RankPool(Path(tempfile.mkdtemp(prefix="rank-pool-")), trainer_env(), REPO, preload)
     return _POOLS[preload]
 
@@ -244,24 +281,47 @@ def run_module(module: str, *args, env: dict | None = None, timeout: float = 600
     pool on the CPU (the same module, arguments, environment and folder, without the imports)."""
     env = env or trainer_env()
     if os.environ.get("MLM_TESTS_ON_GPU") == "1":
-        return subprocess.run([PY, "-m", module, *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                              timeout=timeout, env=env)
+        return subprocess.run(
+            [PY, "-m", module, *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env
+        )
     return rank_pool().run(module, list(args), env, 1, None, timeout)
 
 
-def train(data_dir, out_dir, *overrides, ranks: int = 1, config: str = "configs/tiny.yaml", check: bool = False,
-          env: dict | None = None, launcher: list[str] | None = None, timeout: float = 600):
+def train(
+    data_dir,
+    out_dir,
+    *overrides,
+    ranks: int = 1,
+    config: str = "configs/tiny.yaml",
+    check: bool = False,
+    env: dict | None = None,
+    launcher: list[str] | None = None,
+    timeout: float = 600,
+):
     """The one way tests launch a training job; ``check`` raises with its output when it fails.
     Without a ``launcher``, the job's ranks are forked from this worker's rank pool (tests/rank_pool.py:
     the same ``python -m pretrain.train`` without ~8 s of imports per rank); with one, it runs for real."""
     if launcher is None and os.environ.get("MLM_TESTS_ON_GPU") != "1":
-        args = ["--config", config, f"data.dir={data_dir}", f"train.out_dir={out_dir}", "tracking.report=false",
-                *overrides]
-        proc = rank_pool().run("pretrain.train", args, trainer_env(**(env or {})), ranks,
-                               free_port() if ranks > 1 else None, timeout)
+        args = [
+            "--config",
+            config,
+            f"data.dir={data_dir}",
+            f"train.out_dir={out_dir}",
+            "tracking.report=false",
+            *overrides,
+        ]
+        proc = rank_pool().run(
+            "pretrain.train", args, trainer_env(**(env or {})), ranks, free_port() if ranks > 1 else None, timeout
+        )
     else:
-        proc = subprocess.run(train_cmd(data_dir, out_dir, *overrides, ranks=ranks, config=config, launcher=launcher),
-                              cwd=REPO, capture_output=True, text=True, timeout=timeout, env=trainer_env(**(env or {})))
+        proc = subprocess.run(
+            train_cmd(data_dir, out_dir, *overrides, ranks=ranks, config=config, launcher=launcher),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=trainer_env(**(env or {})),
+        )
     if check and proc.returncode != 0:
         raise AssertionError(explain(proc))
     return proc
@@ -271,8 +331,9 @@ def train_through(cmd: list[str], env: dict, metrics: Path, lines: int, meanwhil
     """A launched training job that, once ``metrics`` holds ``lines`` lines, has ``meanwhile()`` done
     to it (a server stopped, say) and then runs to its end; its whole process group (launcher and
     ranks) is killed if it outlives ``timeout``. Returns it completed, stdout and stderr as text."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         for _ in range(1200):
             if metrics.is_file() and metrics.read_text().count("\n") >= lines or proc.poll() is not None:
@@ -291,13 +352,40 @@ def train_through(cmd: list[str], env: dict, metrics: Path, lines: int, meanwhil
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory, wiki_txt_dir):
     """Real text -> a small WordPiece tokenizer -> shards of deliberately uneven sizes (2 tasks)."""
+
     def build(root: Path):
-        data_prep("tokenizer", "--input", f"{wiki_txt_dir}/*.txt", "--out", root / "tok", "--vocab-size", "4096",
-                  "--lowercase")
+        data_prep(
+            "tokenizer",
+            "--input",
+            f"{wiki_txt_dir}/*.txt",
+            "--out",
+            root / "tok",
+            "--vocab-size",
+            "4096",
+            "--lowercase",
+        )
         for task in range(2):
-            data_prep("shard", "--input", f"{wiki_txt_dir}/*.txt", "--tokenizer", root / "tok", "--out",
-                      root / "shards", "--seq-len", "64", "--shard-size", "700", "--block-size", "64",
-                      "--validation-fraction", "0.05", "--num-tasks", "2", "--task-index", str(task))
+            data_prep(
+                "shard",
+                "--input",
+                f"{wiki_txt_dir}/*.txt",
+                "--tokenizer",
+                root / "tok",
+                "--out",
+                root / "shards",
+                "--seq-len",
+                "64",
+                "--shard-size",
+                "700",
+                "--block-size",
+                "64",
+                "--validation-fraction",
+                "0.05",
+                "--num-tasks",
+                "2",
+                "--task-index",
+                str(task),
+            )
         data_prep("finalize", root / "shards")
 
     root = built_once(tmp_path_factory, "train_data", build)
@@ -315,9 +403,23 @@ def two_sources(shards, wiki_txt_dir, tmp_path_factory) -> dict[str, Path]:
 
     def build(root: Path):
         for name, files, shard_size in sources:
-            data_prep("shard", "--input", f"{wiki_txt_dir}/{files}", "--tokenizer", shards.parent / "tok",
-                      "--out", root / name, "--seq-len", "64", "--shard-size", shard_size, "--block-size", "64",
-                      "--validation-fraction", "0.05")
+            data_prep(
+                "shard",
+                "--input",
+                f"{wiki_txt_dir}/{files}",
+                "--tokenizer",
+                shards.parent / "tok",
+                "--out",
+                root / name,
+                "--seq-len",
+                "64",
+                "--shard-size",
+                shard_size,
+                "--block-size",
+                "64",
+                "--validation-fraction",
+                "0.05",
+            )
             data_prep("finalize", root / name)
 
     root = built_once(tmp_path_factory, "two_sources", build)

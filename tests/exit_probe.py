@@ -7,6 +7,7 @@ the process groups at the end of a ZeRO-3 run, which aborted now and then.
 Writes ``EXIT_PROBE_DIR/teardown-rank<RANK>.txt`` with one thread name per line (the main thread's
 included) when the teardown runs; nothing when the process ends before it.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,6 +45,6 @@ class TeardownProbe:
 sys.exit_probe = TeardownProbe(Path(os.environ["EXIT_PROBE_DIR"]) / f"teardown-rank{os.environ.get('RANK', '0')}.txt")
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]     # DeepSpeed's launcher adds it
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # DeepSpeed's launcher adds it
     sys.argv = [args[0], *args[1:]]
     runpy.run_module(args[0], run_name="__main__", alter_sys=True)

@@ -6,6 +6,7 @@ how tests simulate a tracking server that goes down mid-run. Use it as a context
 ``MlflowServer(root, command=[...], cwd=...)`` serves with a command the project printed for a user
 (``mlflow ui --backend-store-uri ...``), on a loopback port of the test's.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,14 @@ from conftest import free_port
 
 
 class MlflowServer:
-    def __init__(self, root: Path, port: int | None = None, host: str = "127.0.0.1",
-                 command: list[str] | None = None, cwd: Path | None = None):
+    def __init__(
+        self,
+        root: Path,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        command: list[str] | None = None,
+        cwd: Path | None = None,
+    ):
         self.root = Path(root)
         self.command, self.cwd = command, cwd
         self.root.mkdir(parents=True, exist_ok=True)
@@ -40,14 +47,22 @@ class MlflowServer:
         # The job runner (GenAI features) adds a dozen worker processes that these tests never use.
         env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
         mlflow_cli = Path(sys.executable).with_name("mlflow")
-        cmd = self.command or [str(mlflow_cli), "server", "--backend-store-uri", self.backend_uri,
-                               "--artifacts-destination", str(self.root / "artifacts"), "--serve-artifacts"]
+        cmd = self.command or [
+            str(mlflow_cli),
+            "server",
+            "--backend-store-uri",
+            self.backend_uri,
+            "--artifacts-destination",
+            str(self.root / "artifacts"),
+            "--serve-artifacts",
+        ]
         cmd = [*cmd, "--host", self.host, "--port", str(self.port), "--workers", "1"]
         self.log_path = self.root / "server.log"
         with open(self.log_path, "ab") as log_file:
             # Own session: stop() signals the server and its uvicorn worker together, by group id.
-            self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                         cwd=self.cwd, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=self.cwd, start_new_session=True
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -68,7 +83,7 @@ class MlflowServer:
     def stop(self, timeout: float = 20.0) -> None:
         if self.proc is None:
             return
-        pgid = self.proc.pid               # == the group id: the server leads its own session
+        pgid = self.proc.pid  # == the group id: the server leads its own session
         try:
             os.killpg(pgid, signal.SIGTERM)
         except ProcessLookupError:

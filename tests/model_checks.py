@@ -1,4 +1,5 @@
 """Checks both architectures' tests make of the model with the sparse MLM head."""
+
 from __future__ import annotations
 
 import torch
@@ -14,14 +15,14 @@ def assert_sparse_head_equals_dense(sparse, dense, ids, m, pad: int) -> None:
     results = []
     for model in (sparse, dense):
         model.train()
-        torch.manual_seed(5)                                  # same dropout in both
+        torch.manual_seed(5)  # same dropout in both
         loss, correct, count = model(m.input_ids, attn, m.positions, m.labels)
         loss.backward()
         results.append((loss.detach(), correct, count, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (l1, c1, n1, g1), (l2, c2, n2, g2) = results
     assert l1.dtype == torch.float32 and int(n1) == m.positions.numel() == int(n2)
     assert torch.allclose(l1, l2, rtol=1e-5) and int(c1) == int(c2)
-    for name in g1:                                           # summation order differs: compare norms
+    for name in g1:  # summation order differs: compare norms
         assert (g1[name] - g2[name]).norm() <= 1e-5 * g2[name].norm() + 1e-8, name
 
 

@@ -19,6 +19,7 @@ commands, and so are the tests that signal ranks or kill a launcher's process gr
 Runs on the CPU only (``MLM_TESTS_ON_GPU=1`` launches for real). One pool per pytest worker, started
 by the first test that trains; jobs run one at a time. The protocol is JSON lines on the pool's
 stdin and stdout."""
+
 from __future__ import annotations
 
 import json
@@ -30,12 +31,12 @@ import sys
 import time
 from pathlib import Path
 
-TERMINATE_WAIT_S = 30          # DeepSpeed's launch.py: SIGTERM, then SIGKILL after this
+TERMINATE_WAIT_S = 30  # DeepSpeed's launch.py: SIGTERM, then SIGKILL after this
 # CPU seconds of the ranks of finished jobs (each job's ranks and their children, from wait4), and
 # the part of it that the worker's own RUSAGE_CHILDREN already holds (once the pool has been reaped):
 # tests/suite_profile.py counts the difference as the worker's children's.
 RANKS_CPU_S = {"reported": 0.0, "reaped": 0.0}
-IMPORT_OUTPUT: dict[int, bytes] = {}        # in the pool: what its imports printed, by file descriptor
+IMPORT_OUTPUT: dict[int, bytes] = {}  # in the pool: what its imports printed, by file descriptor
 
 
 # ------------------------------------------------------------------------------------------ the pool
@@ -79,14 +80,21 @@ def _child(job: dict, local_rank: int, pgid: int) -> None:
             os.write(fd, IMPORT_OUTPUT.get(fd, b""))
         os.chdir(job["cwd"])
         env = dict(job["env"])
-        if job["launcher"]:          # what DeepSpeed's per-node launch.py sets for each rank
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["master_port"]),
-                       WORLD_SIZE=str(job["ranks"]), CROSS_RANK="0", CROSS_SIZE="1", LOCAL_SIZE=str(job["ranks"]),
-                       RANK=str(local_rank), LOCAL_RANK=str(local_rank),
-                       CUDA_VISIBLE_DEVICES=",".join(map(str, range(job["ranks"]))))
+        if job["launcher"]:  # what DeepSpeed's per-node launch.py sets for each rank
+            env.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(job["master_port"]),
+                WORLD_SIZE=str(job["ranks"]),
+                CROSS_RANK="0",
+                CROSS_SIZE="1",
+                LOCAL_SIZE=str(job["ranks"]),
+                RANK=str(local_rank),
+                LOCAL_RANK=str(local_rank),
+                CUDA_VISIBLE_DEVICES=",".join(map(str, range(job["ranks"]))),
+            )
         os.environ.clear()
         os.environ.update(env)
-        for stream in (sys.stdout, sys.stderr):          # as with ``python -u``: nothing held back
+        for stream in (sys.stdout, sys.stderr):  # as with ``python -u``: nothing held back
             stream.reconfigure(line_buffering=True, write_through=True)
         sys.argv = [job["module"], *([f"--local_rank={local_rank}"] if job["launcher"] else []), *job["args"]]
         try:
@@ -98,7 +106,7 @@ def _child(job: dict, local_rank: int, pgid: int) -> None:
             else:
                 print(exc.code, file=sys.stderr)
                 code = 1
-        except BaseException:       # noqa: BLE001 -- as the interpreter would: the traceback, exit 1
+        except BaseException:  # noqa: BLE001 -- as the interpreter would: the traceback, exit 1
             traceback.print_exc()
             code = 1
         # Python's exit steps, as at the end of a process (threads joined, atexit, streams flushed):
@@ -131,9 +139,9 @@ def _run_job(job: dict, reply) -> int:
         if not pgid:
             pgid = pid
         try:
-            os.setpgid(pid, pgid)    # also here: the group exists before anyone signals it
+            os.setpgid(pid, pgid)  # also here: the group exists before anyone signals it
         except (PermissionError, ProcessLookupError):
-            pass                     # the child did it first (or has exec'd/exited)
+            pass  # the child did it first (or has exec'd/exited)
         pids.append(pid)
     reply({"started": pgid, "pids": pids})
     alive, code, cpu = set(pids), 0, 0.0
@@ -141,7 +149,7 @@ def _run_job(job: dict, reply) -> int:
     while alive:
         flags = os.WNOHANG if deadline is not None else 0
         pid, status, usage = os.wait4(-1, flags)
-        if pid == 0:                                      # terminating the others: give them time
+        if pid == 0:  # terminating the others: give them time
             if time.time() > deadline:
                 _kill_group(pgid, signal.SIGKILL)
                 deadline = float("inf")
@@ -153,7 +161,7 @@ def _run_job(job: dict, reply) -> int:
         cpu += usage.ru_utime + usage.ru_stime
         rc = os.waitstatus_to_exitcode(status)
         if rc != 0 and code == 0:
-            code = rc & 0xFF                              # sys.exit(-9) in launch.py exits 247
+            code = rc & 0xFF  # sys.exit(-9) in launch.py exits 247
             if alive:
                 _kill_group(pgid, signal.SIGTERM)
                 deadline = time.time() + TERMINATE_WAIT_S
@@ -181,12 +189,12 @@ def _preload_capturing_output(modules: list[str]) -> None:
         for fd, captured in ((1, out), (2, err)):
             captured.seek(0)
             IMPORT_OUTPUT[fd] = captured.read()
-    os.write(2, IMPORT_OUTPUT[2])          # and in the pool's log
+    os.write(2, IMPORT_OUTPUT[2])  # and in the pool's log
 
 
 def serve(modules: list[str]) -> None:
     reply_fd = os.dup(1)
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)     # only replies on the protocol's pipe
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # only replies on the protocol's pipe
     replies = os.fdopen(reply_fd, "w", buffering=1)
 
     def reply(message: dict) -> None:
@@ -195,6 +203,7 @@ def serve(modules: list[str]) -> None:
 
     _preload_capturing_output(modules)
     import threading
+
     # fork copies only the calling thread: a thread holding a lock at that moment would leave it
     # held in every rank.
     assert threading.active_count() == 1, [t.name for t in threading.enumerate()]
@@ -215,9 +224,16 @@ class RankPool:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.cwd = cwd
         self.jobs = 0
-        self.proc = subprocess.Popen([sys.executable, __file__, "serve", *preload], cwd=cwd, env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=open(self.folder / "pool.log", "w"), start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "serve", *preload],
+            cwd=cwd,
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(self.folder / "pool.log", "w"),
+            start_new_session=True,
+        )
         ready = self._read(timeout=300)
         assert "ready" in ready, ready
 
@@ -232,15 +248,24 @@ class RankPool:
             raise RuntimeError(f"the rank pool exited ({self.proc.poll()}):\n{log}")
         return json.loads(line)
 
-    def run(self, module: str, args: list[str], env: dict, ranks: int, master_port: int | None,
-            timeout: float) -> subprocess.CompletedProcess:
+    def run(
+        self, module: str, args: list[str], env: dict, ranks: int, master_port: int | None, timeout: float
+    ) -> subprocess.CompletedProcess:
         self.jobs += 1
         out, err = self.folder / f"job{self.jobs}.out", self.folder / f"job{self.jobs}.err"
         for path in (out, err):
             path.write_text("")
-        job = {"module": module, "args": [str(a) for a in args], "env": env, "cwd": str(self.cwd),
-               "ranks": ranks, "launcher": master_port is not None, "master_port": master_port,
-               "stdout": str(out), "stderr": str(err)}
+        job = {
+            "module": module,
+            "args": [str(a) for a in args],
+            "env": env,
+            "cwd": str(self.cwd),
+            "ranks": ranks,
+            "launcher": master_port is not None,
+            "master_port": master_port,
+            "stdout": str(out),
+            "stderr": str(err),
+        }
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
         pgid = self._read(timeout=60)["started"]
@@ -249,8 +274,9 @@ class RankPool:
         except TimeoutError:
             _kill_group(pgid, signal.SIGKILL)
             RANKS_CPU_S["reported"] += self._read(timeout=60)["cpu_s"]
-            raise subprocess.TimeoutExpired(["rank_pool", module, *job["args"]], timeout,
-                                            out.read_text(), err.read_text()) from None
+            raise subprocess.TimeoutExpired(
+                ["rank_pool", module, *job["args"]], timeout, out.read_text(), err.read_text()
+            ) from None
         RANKS_CPU_S["reported"] += done["cpu_s"]
         cmd = [sys.executable, "-m", module, *job["args"]]
         completed = subprocess.CompletedProcess(cmd, done["done"], out.read_text(), err.read_text())

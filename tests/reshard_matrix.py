@@ -18,6 +18,7 @@ Seen with deepspeed 0.19.8, torch 2.13 on the CPU (avx512_bf16): all 512 pairs o
 parameters and moments bit-identical; the next two losses agree within 1.3e-8 / 3.6e-6 relative
 (fp32 -> fp32) and 4.4e-5 (bf16 on either side, whose forward pass itself differs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,16 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pretrain.checkpoint import files  # noqa: E402
-from reshard_worker import (build_engine, eng, full_state, load_any, make_config, reshard,  # noqa: E402
-                            save_checkpoint, train_steps)
+from reshard_worker import (
+    build_engine,
+    eng,
+    full_state,
+    load_any,
+    make_config,
+    reshard,  # noqa: E402
+    save_checkpoint,
+    train_steps,
+)
 
 STEPS = 3
 
@@ -63,8 +72,9 @@ def main() -> int:
             cfg = make_config(stage, precision, opt, 4, f"{args.dir}/{name}")
             engine = build_engine(cfg, info)
             train_steps(engine, cfg, info, 0, STEPS)
-            save_checkpoint(engine, cfg, STEPS, {"step": STEPS}, {files.LAYOUT_FILE: json.dumps(
-                reshard.checkpoint_layout(engine))})
+            save_checkpoint(
+                engine, cfg, STEPS, {"step": STEPS}, {files.LAYOUT_FILE: json.dumps(reshard.checkpoint_layout(engine))}
+            )
             state = full_state(engine)
             losses = train_steps(engine, cfg, info, STEPS, 2)
             if info.rank == 0:

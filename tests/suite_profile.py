@@ -7,6 +7,7 @@ run under slurmd, not under the worker, and are counted by their ``sbatch``/``sr
 The figures go to the terminal summary and, as JSON, to ``$MLM_TEST_PROFILE`` when it is set.
 Imported by conftest.py; works with and without pytest-xdist (the workers send their records to the
 controller, which prints one table)."""
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ import psutil
 import pytest
 
 SUITE_START = time.time()
-BUDGET_S = 60          # a module over this much wall time says why in its docstring
+BUDGET_S = 60  # a module over this much wall time says why in its docstring
 
 
 def _says_why(path) -> bool:
@@ -36,11 +37,16 @@ def process_kind(cmdline: list[str]) -> str | None:
     """What a launched process is, for the table; None for what is not a process worth a column."""
     line = " ".join(cmdline)
     name = os.path.basename(cmdline[0]) if cmdline else ""
-    if "deepspeed.launcher.launch" in line or name == "deepspeed" or "pretrain.launch" in line \
-            or "pretrain/launch" in line or "deepspeed.launcher.runner" in line:
+    if (
+        "deepspeed.launcher.launch" in line
+        or name == "deepspeed"
+        or "pretrain.launch" in line
+        or "pretrain/launch" in line
+        or "deepspeed.launcher.runner" in line
+    ):
         return "launcher"
     if "rank_pool.py" in line:
-        return "pool_fork"       # a job's rank (or module run) forked by tests/rank_pool.py; and the pool
+        return "pool_fork"  # a job's rank (or module run) forked by tests/rank_pool.py; and the pool
     if "pretrain.train" in line or "pretrain.study" in line:
         return "trainer"
     if "data_prep" in line:
@@ -101,7 +107,7 @@ _modules: dict[str, dict] = {}
 
 
 def _cpu() -> tuple[float, float]:
-    from rank_pool import RANKS_CPU_S     # ranks forked by the rank pool: reaped by the pool, not by us
+    from rank_pool import RANKS_CPU_S  # ranks forked by the rank pool: reaped by the pool, not by us
 
     me = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -118,8 +124,10 @@ def pytest_runtest_protocol(item, nextitem):
     own0, kids0 = _cpu()
     yield
     own1, kids1 = _cpu()
-    rec = _modules.setdefault(item.nodeid.split("::")[0], {"wall_s": 0.0, "cpu_worker_s": 0.0, "cpu_children_s": 0.0,
-                                                           "tests": 0, "processes": defaultdict(int)})
+    rec = _modules.setdefault(
+        item.nodeid.split("::")[0],
+        {"wall_s": 0.0, "cpu_worker_s": 0.0, "cpu_children_s": 0.0, "tests": 0, "processes": defaultdict(int)},
+    )
     rec["wall_s"] += time.time() - wall0
     rec["cpu_worker_s"] += own1 - own0
     rec["cpu_children_s"] += kids1 - kids0
@@ -135,7 +143,7 @@ def _plain(records: dict[str, dict]) -> dict[str, dict]:
 
 
 def pytest_sessionfinish(session):
-    if hasattr(session.config, "workeroutput"):          # an xdist worker: hand the records over
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the records over
         session.config.workeroutput["suite_profile"] = json.dumps(_plain(_modules))
 
 
@@ -153,21 +161,29 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     rows = sorted(_plain(_modules).items(), key=lambda kv: -kv[1]["wall_s"])
     tr = terminalreporter
     tr.section("where the suite's time went (tests/suite_profile.py)")
-    tr.write_line(f"{'module':34} {'tests':>5} {'wall s':>7} {'CPU s':>7} {'of it children':>14}  "
-                  + " ".join(f"{k:>9}" for k in kinds))
+    tr.write_line(
+        f"{'module':34} {'tests':>5} {'wall s':>7} {'CPU s':>7} {'of it children':>14}  "
+        + " ".join(f"{k:>9}" for k in kinds)
+    )
     for module, r in rows:
         cpu = r["cpu_worker_s"] + r["cpu_children_s"]
-        tr.write_line(f"{os.path.basename(module):34} {r['tests']:5d} {r['wall_s']:7.1f} {cpu:7.1f} "
-                      f"{r['cpu_children_s']:14.1f}  " + " ".join(f"{r['processes'].get(k, 0):9d}" for k in kinds))
+        tr.write_line(
+            f"{os.path.basename(module):34} {r['tests']:5d} {r['wall_s']:7.1f} {cpu:7.1f} "
+            f"{r['cpu_children_s']:14.1f}  " + " ".join(f"{r['processes'].get(k, 0):9d}" for k in kinds)
+        )
     total_cpu = sum(r["cpu_worker_s"] + r["cpu_children_s"] for _, r in rows)
     total_procs = {k: sum(r["processes"].get(k, 0) for _, r in rows) for k in kinds}
     wall = time.time() - SUITE_START
-    tr.write_line(f"{'all':34} {sum(r['tests'] for _, r in rows):5d} {sum(r['wall_s'] for _, r in rows):7.1f} "
-                  f"{total_cpu:7.1f} {'':14}  " + " ".join(f"{total_procs[k]:9d}" for k in kinds))
+    tr.write_line(
+        f"{'all':34} {sum(r['tests'] for _, r in rows):5d} {sum(r['wall_s'] for _, r in rows):7.1f} "
+        f"{total_cpu:7.1f} {'':14}  " + " ".join(f"{total_procs[k]:9d}" for k in kinds)
+    )
     unexplained = [m for m, r in rows if r["wall_s"] > BUDGET_S and not _says_why(config.rootpath / m)]
     if unexplained:
-        tr.write_line(f"over {BUDGET_S} s of wall time without a 'Time:' paragraph in the module docstring "
-                      f"saying why: {', '.join(os.path.basename(m) for m in unexplained)}")
+        tr.write_line(
+            f"over {BUDGET_S} s of wall time without a 'Time:' paragraph in the module docstring "
+            f"saying why: {', '.join(os.path.basename(m) for m in unexplained)}"
+        )
     tr.write_line(f"suite wall time: {wall:.0f} s ({wall / 60:.1f} min) on {os.cpu_count()} cores")
     out = os.environ.get("MLM_TEST_PROFILE")
     if out:

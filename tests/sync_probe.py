@@ -5,6 +5,7 @@ the start of the next one's. Writes ``{"steps": [[site, ...], ...]}`` as JSON to
 the rest of argv goes to ``pretrain.train``. A site is ``file:function`` of the caller, or
 ``deepspeed`` for DeepSpeed's own; host-side data (``pretrain/data``, the batches' checks) is not
 counted: those tensors never leave the host."""
+
 from __future__ import annotations
 
 import json
@@ -41,6 +42,7 @@ def _counting(name: str):
             if site:
                 steps[-1].append(f"{site}.{name}")
         return original(self, *args, **kwargs)
+
     return read
 
 
@@ -55,6 +57,7 @@ def main() -> int:
     def counted_step(*args, **kwargs):
         steps.append([])
         return step_fn(*args, **kwargs)
+
     train.train_step = counted_step
     code = train.main(argv)
     out.write_text(json.dumps({"steps": steps, "exit": code}))

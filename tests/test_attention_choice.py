@@ -1,4 +1,5 @@
 """The attention kernel chosen by timing (pretrain.runtime.attention) and run by the model (use_attention)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,13 +28,14 @@ def test_every_cpu_candidate_is_timed_and_the_fastest_is_cached(tmp_path):
     assert choice == min(timed, key=timed.get)
     again, why = attention.choose(torch.device("cpu"), torch.float32, SHAPE, path)
     assert again == choice and f"cached in {path}" in why
-    _, why = attention.choose(torch.device("cpu"), torch.float32, (2, *SHAPE[1:]), path)   # another shape
+    _, why = attention.choose(torch.device("cpu"), torch.float32, (2, *SHAPE[1:]), path)  # another shape
     assert why.endswith("measured now") and len(json.loads(path.read_text())) == 2
 
 
 def test_the_choice_is_the_fastest_candidate(tmp_path, monkeypatch):
-    monkeypatch.setattr(attention, "time_candidates",
-                        lambda *a, **k: {"sdpa_flash": 0.030, "sdpa_math": 0.010, "eager": 0.020})
+    monkeypatch.setattr(
+        attention, "time_candidates", lambda *a, **k: {"sdpa_flash": 0.030, "sdpa_math": 0.010, "eager": 0.020}
+    )
     choice, why = attention.choose(torch.device("cpu"), torch.bfloat16, SHAPE, tmp_path / "a.json")
     assert choice == "sdpa_math" and why.startswith("forward+backward sdpa_math 10.0 ms, eager 20.0 ms")
 
@@ -53,8 +55,12 @@ def test_each_choice_runs_its_kernel_with_the_same_loss_and_gradients(rows):  # 
     runs = {}
     for name in ("sdpa_flash", "sdpa_math", "eager"):
         torch.manual_seed(0)
-        model = build_model(dataclasses.replace(TINY, hidden_dropout=0.0, attention_dropout=0.0), VOCAB, SPECIAL,
-                            ImplConfig(attention=name))
+        model = build_model(
+            dataclasses.replace(TINY, hidden_dropout=0.0, attention_dropout=0.0),
+            VOCAB,
+            SPECIAL,
+            ImplConfig(attention=name),
+        )
         assert model.attention == name
         loss, ops = attention_ops(model, m, ids)
         runs[name] = (loss, ops, {n: p.grad.clone() for n, p in model.named_parameters()})
@@ -90,16 +96,16 @@ def test_the_trainer_times_attention_once_and_a_resume_keeps_the_runs_choice(sha
 
     env = {"MLM_PRETRAIN_CACHE": str(tmp_path / "cache")}
     run = tmp_path / "run"
-    common = ("train.max_steps=4", "model.attention_dropout=0")       # dropout on the probabilities: eager
+    common = ("train.max_steps=4", "model.attention_dropout=0")  # dropout on the probabilities: eager
     first = train(shards, run, *common, "train.halt_at_step=2", "train.checkpoint_every=2", env=env)
     assert first.returncode == 0, explain(first)
     chosen = re.search(r"attention: (\w+) \(forward\+backward .* measured now\)", first.stdout).group(1)
     assert chosen in attention.CPU_CANDIDATES and f"attention {chosen}, ZeRO" in first.stdout
     cache = tmp_path / "cache" / "attention.json"
     entries = json.loads(cache.read_text())
-    (key, entry), = entries.items()
+    ((key, entry),) = entries.items()
     other = next(name for name in attention.CPU_CANDIDATES if name != chosen)
-    cache.write_text(json.dumps({key: {**entry, "choice": other}}))      # this machine now times another fastest
+    cache.write_text(json.dumps({key: {**entry, "choice": other}}))  # this machine now times another fastest
 
     resumed = train(shards, run, *common, env=env)
     assert resumed.returncode == 0, explain(resumed)
@@ -115,17 +121,20 @@ def test_a_resume_where_flash_attn_is_missing_continues_with_the_timed_choice(ca
 
     from pretrain.run import keep_attention
 
-    model = build_model(TINY, VOCAB, SPECIAL, ImplConfig(attention="flash_attention_2"))   # sdpa on the CPU
+    model = build_model(TINY, VOCAB, SPECIAL, ImplConfig(attention="flash_attention_2"))  # sdpa on the CPU
     model.use_attention("sdpa_math")
-    run = SimpleNamespace(model=model, state=SimpleNamespace(attention="flash_attention_2"),
-                          cfg=SimpleNamespace(impl=ImplConfig(attention="auto")))
+    run = SimpleNamespace(
+        model=model,
+        state=SimpleNamespace(attention="flash_attention_2"),
+        cfg=SimpleNamespace(impl=ImplConfig(attention="auto")),
+    )
     with caplog.at_level(logging.WARNING, logger="pretrain"):
         keep_attention(run)
     assert "started with flash_attention_2, which cannot run here" in caplog.text
     assert model.attention == run.state.attention == "sdpa_math"
     # and the other way: a flash-attn build resuming a run that chose an SDPA backend runs that backend
     flash_built = build_model(TINY, VOCAB, SPECIAL, ImplConfig())
-    flash_built.config._attn_implementation = "flash_attention_2"      # as built on a GPU with flash-attn
+    flash_built.config._attn_implementation = "flash_attention_2"  # as built on a GPU with flash-attn
     flash_built.use_attention("sdpa_flash")
     assert flash_built.config._attn_implementation == "sdpa" and flash_built.attention == "sdpa_flash"
 

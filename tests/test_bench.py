@@ -3,6 +3,7 @@ CLI and the bare loop end to end, and the GPU smoke script's commands are valid 
 
 Time: about 1-1.5 minutes: each bench script runs end to end as a user runs it (its own
 processes, the bare loop and our CLI side by side)."""
+
 from __future__ import annotations
 
 import json
@@ -34,13 +35,26 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
             continue
         # the real launch path (pretrain.launch: the device list, the allocator, the signal relay)
         assert cmd[1:3] == ["-m", "pretrain.launch"] and cmd[cmd.index("--module") + 1] == "pretrain.train"
-        args = cmd[cmd.index("--module") + 2:]
+        args = cmd[cmd.index("--module") + 2 :]
         overrides = [a.replace("<peak>", "989") for a in args[2:]]
-        cfg = load_config(str(REPO / args[1]), overrides)      # every key exists, every value parses
+        cfg = load_config(str(REPO / args[1]), overrides)  # every key exists, every value parses
         name = cfg.train.out_dir.rsplit("/", 1)[-1]
         launches[name] = (int(cmd[cmd.index("--num_gpus") + 1]), cfg)
-    assert sorted(launches) == ["adamw", "bert-base", "bert-base-nodrop", "compile-fixed", "dropout", "flash-attn",
-                                "halted", "lamb", "modernbert", "nccl-2", "nonfinite", "phase2", "zero3"]
+    assert sorted(launches) == [
+        "adamw",
+        "bert-base",
+        "bert-base-nodrop",
+        "compile-fixed",
+        "dropout",
+        "flash-attn",
+        "halted",
+        "lamb",
+        "modernbert",
+        "nccl-2",
+        "nonfinite",
+        "phase2",
+        "zero3",
+    ]
     nonfinite = launches["nonfinite"][1]
     assert (nonfinite.impl.zero_stage, nonfinite.optim.lr, nonfinite.train.max_nonfinite_in_a_row) == (1, 1e30, 3)
     assert launches["zero3"][1].impl.zero_stage == 3 and launches["phase2"][1].impl.zero_stage == 2
@@ -49,7 +63,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     assert launches["flash-attn"][1].impl.attention == "flash_attention_2"
     assert launches["dropout"][1].model.attention_dropout == 0.1
     assert launches["bert-base"][1].model.hidden_size == 768 and launches["bert-base"][1].impl.device == "cuda"
-    base, nodrop = launches["bert-base"][1], launches["bert-base-nodrop"][1]     # MFU with dropout on and off
+    base, nodrop = launches["bert-base"][1], launches["bert-base-nodrop"][1]  # MFU with dropout on and off
     assert base.model.hidden_dropout == 0.1 and nodrop.model.hidden_dropout == 0.0
     assert base.masking.fixed_count and base.impl.compile
     for name, (gpus, cfg) in launches.items():
@@ -65,7 +79,9 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     assert launches["halted"][1].train.resume == "auto" and launches["halted"][1].impl.zero_stage == 2
     assert [cmd[2:] for cmd in commands if cmd[1:2] == ["bench/gpu_smoke_checks.py"]][1:] == [
         ["nonfinite", "/tmp/gpu_smoke/runs/nonfinite"],
-        ["resumed", "/tmp/gpu_smoke/runs/adamw", "/tmp/gpu_smoke/runs/halted"], ["export", "/tmp/gpu_smoke/runs/lamb"]]
+        ["resumed", "/tmp/gpu_smoke/runs/adamw", "/tmp/gpu_smoke/runs/halted"],
+        ["export", "/tmp/gpu_smoke/runs/lamb"],
+    ]
     (mlm_loss,) = [cmd for cmd in commands if cmd[1:2] == ["bench/mlm_loss.py"]]
     assert mlm_loss[2:6] == ["--device", "cuda", "--precision", "bf16"]
     (checks,) = [cmd for cmd in commands if cmd[1:3] == ["bench/gpu_smoke_checks.py", "paths"]]
@@ -83,13 +99,16 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         assert (type(opt).__name__, bool(opt.defaults.get("fused"))) == (expected, fused), overrides
 
 
-@pytest.mark.parametrize("args, message", [
-    ((), "torch.cuda.is_available() is False"),
-    (("--steps", "x"), "--steps must be a positive integer"),
-    (("--steps", "10"), "--steps must be >= 20"),
-    (("--config", "configs/nope.yaml"), "no such file"),
-    (("--frobnicate",), "unknown argument"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((), "torch.cuda.is_available() is False"),
+        (("--steps", "x"), "--steps must be a positive integer"),
+        (("--steps", "10"), "--steps must be >= 20"),
+        (("--config", "configs/nope.yaml"), "no such file"),
+        (("--frobnicate",), "unknown argument"),
+    ],
+)
 @pytest.mark.slow
 def test_gpu_smoke_refuses_with_a_clear_message(args, message):
     if not args and torch.cuda.is_available():
@@ -104,9 +123,14 @@ def test_smoke_report_drops_the_first_window_and_flags_runs_without_metrics(tmp_
     run = tmp_path / "fused-adam"
     run.mkdir()
     windows = [(10, 100.0, 0.01, 9.0), (20, 3000.0, 0.30, 8.0), (30, 5000.0, 0.50, 7.5)]
-    run.joinpath("metrics.jsonl").write_text("".join(
-        json.dumps({"step": s, "train/loss": loss, "perf/tokens_per_s": tps, "perf/mfu": mfu}) + "\n"
-        for s, tps, mfu, loss in windows) + json.dumps({"step": 30, "eval/loss": 7.4}) + "\n")
+    run.joinpath("metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": s, "train/loss": loss, "perf/tokens_per_s": tps, "perf/mfu": mfu}) + "\n"
+            for s, tps, mfu, loss in windows
+        )
+        + json.dumps({"step": 30, "eval/loss": 7.4})
+        + "\n"
+    )
     text, ok = report([str(run)])
     assert ok and "4,000" in text and "40.0%" in text and "7.500" in text
     text, ok = report([str(run), str(tmp_path / "crashed")])
@@ -117,10 +141,36 @@ def test_smoke_report_drops_the_first_window_and_flags_runs_without_metrics(tmp_
 def test_throughput_bench_runs_our_cli_and_the_bare_loop(shards, tmp_path):
     out = tmp_path / "result.json"
     done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "train_throughput.py"), "--data", str(shards), "--work-dir",
-         str(tmp_path), "--variants", "ours", "bare-fused", "--steps", "3", "--warmup-steps", "1",
-         "--batch-size", "4", "--threads", "1", "--precision", "fp32", "--peak-seconds", "0.1", "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            str(REPO / "bench" / "train_throughput.py"),
+            "--data",
+            str(shards),
+            "--work-dir",
+            str(tmp_path),
+            "--variants",
+            "ours",
+            "bare-fused",
+            "--steps",
+            "3",
+            "--warmup-steps",
+            "1",
+            "--batch-size",
+            "4",
+            "--threads",
+            "1",
+            "--precision",
+            "fp32",
+            "--peak-seconds",
+            "0.1",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["cpu"]["model"] and isinstance(result["cpu"]["native_bf16"], bool)
@@ -135,9 +185,24 @@ def test_throughput_bench_runs_our_cli_and_the_bare_loop(shards, tmp_path):
 
 @pytest.mark.slow
 def test_precision_bench_times_each_configs_step_in_both_precisions():
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "precision_auto.py"), "--configs",
-                           str(REPO / "configs" / "tiny.yaml"), "--threads", "1", "--seq-len", "64", "--repeats", "1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "precision_auto.py"),
+            "--configs",
+            str(REPO / "configs" / "tiny.yaml"),
+            "--threads",
+            "1",
+            "--seq-len",
+            "64",
+            "--repeats",
+            "1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (row,) = [line for line in done.stdout.splitlines() if line.startswith("| tiny ")]
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -167,8 +232,9 @@ def test_the_smoke_tests_resume_check_compares_every_logged_loss(tmp_path):
 
     def run(name: str, losses: dict) -> str:
         (tmp_path / name).mkdir()
-        (tmp_path / name / "metrics.jsonl").write_text("".join(
-            json.dumps({"step": s, "train/loss": v, "perf/mfu": 0.5}) + "\n" for s, v in losses.items()))
+        (tmp_path / name / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": s, "train/loss": v, "perf/mfu": 0.5}) + "\n" for s, v in losses.items())
+        )
         return str(tmp_path / name)
 
     ref = run("ref", {10: 7.5, 20: 7.25})
@@ -182,8 +248,20 @@ def test_the_smoke_tests_resume_check_compares_every_logged_loss(tmp_path):
 
 @pytest.mark.slow
 def test_mlm_loss_bench_prints_both_losses_and_fails_on_a_gap():
-    cmd = [sys.executable, "bench/mlm_loss.py", "--tokens", "40", "--hidden", "8", "--vocab", "97", "--repeats", "1",
-           "--chunk-rows", "7"]
+    cmd = [
+        sys.executable,
+        "bench/mlm_loss.py",
+        "--tokens",
+        "40",
+        "--hidden",
+        "8",
+        "--vocab",
+        "97",
+        "--repeats",
+        "1",
+        "--chunk-rows",
+        "7",
+    ]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "plain (F.linear + F.cross_entropy)" in done.stdout and "fused, 7 rows a chunk" in done.stdout
@@ -198,8 +276,10 @@ def test_step_copies_names_who_asked_for_each_copy():
         torch.empty(3, 5).copy_(x)
         x.to(torch.float64)
     assert sum(counter.calls.values()) == 2
-    kinds = {dtypes: (counter.calls[(dtypes, caller)], counter.elements[(dtypes, caller)], caller)
-             for dtypes, caller in counter.calls}
+    kinds = {
+        dtypes: (counter.calls[(dtypes, caller)], counter.elements[(dtypes, caller)], caller)
+        for dtypes, caller in counter.calls
+    }
     assert sorted(kinds) == ["float32 -> float32", "float32 -> float64"]
     for calls, elements, caller in kinds.values():
         assert (calls, elements) == (1, 15) and "test_step_copies_names_who_asked_for_each_copy" in caller
@@ -209,8 +289,12 @@ def test_smoke_nonfinite_check_wants_the_schedule_held(tmp_path):
     from bench.gpu_smoke_checks import nonfinite
 
     def rows(*lrs):
-        (tmp_path / "metrics.jsonl").write_text("".join(
-            json.dumps({"step": i + 1, "train/lr": lr, "train/nonfinite_skipped": i}) + "\n" for i, lr in enumerate(lrs)))
+        (tmp_path / "metrics.jsonl").write_text(
+            "".join(
+                json.dumps({"step": i + 1, "train/lr": lr, "train/nonfinite_skipped": i}) + "\n"
+                for i, lr in enumerate(lrs)
+            )
+        )
         return str(tmp_path)
 
     assert "train/lr held at 2.5e+29" in nonfinite(rows(2.5e29, 2.5e29, 2.5e29))

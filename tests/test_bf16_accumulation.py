@@ -1,5 +1,6 @@
 """bf16 gradients summed over micro-steps in fp32 (issue 33): at ZeRO 1 that is DeepSpeed's
 BF16_Optimizer, whose checkpoints the trainer must resume exactly and export from its fp32 masters."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,9 +16,18 @@ def test_bf16_zero1_with_accumulation_resumes_exactly_and_exports_its_fp32_maste
     with checkpoint files of its own. A halt and resume at the same layout repeats the uninterrupted
     run's arithmetic, so its losses are equal; the per-layer health metrics read its gradients, and
     the export takes its fp32 masters."""
-    bf16 = ["impl.precision=bf16", "impl.zero_stage=1", "impl.micro_batch_size=4", "train.global_batch_size=16",
-            "train.max_steps=4", "train.log_every=1", "train.health_every=1", "train.eval_every=0",
-            "model.hidden_dropout=0", "model.attention_dropout=0"]
+    bf16 = [
+        "impl.precision=bf16",
+        "impl.zero_stage=1",
+        "impl.micro_batch_size=4",
+        "train.global_batch_size=16",
+        "train.max_steps=4",
+        "train.log_every=1",
+        "train.health_every=1",
+        "train.eval_every=0",
+        "model.hidden_dropout=0",
+        "model.attention_dropout=0",
+    ]
     straight, run = tmp_path / "straight", tmp_path / "resumed"
     first = ok(train(shards, straight, *bf16, ranks=2))
     assert "grad_accum 2" in first.stdout

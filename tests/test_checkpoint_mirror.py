@@ -4,6 +4,7 @@ that cannot be written (exit 2 before start) and one that goes away mid-run (exi
 
 Time: about 1-1.5 minutes: a real S3 server, and a run killed with kill -9 mid-upload
 through DeepSpeed's per-node launcher (its process group is killed, so it is a launch of its own)."""
+
 from __future__ import annotations
 
 import os
@@ -23,27 +24,40 @@ RUN = ["train.log_every=1", "train.eval_every=0", "train.eval_sequences=32", "mo
 
 
 def local_files(tag_folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(tag_folder).as_posix(): p.read_bytes() for p in sorted(tag_folder.rglob("*"))
-            if p.is_file() and p.relative_to(tag_folder).parts[0] != "universal"}
+    return {
+        p.relative_to(tag_folder).as_posix(): p.read_bytes()
+        for p in sorted(tag_folder.rglob("*"))
+        if p.is_file() and p.relative_to(tag_folder).parts[0] != "universal"
+    }
 
 
 def test_every_complete_checkpoint_reaches_the_mirror_whole_and_keep_applies_there(s3_server, shards, tmp_path):
     bucket = s3_server.bucket("mirror")
     out = tmp_path / "run"
-    proc = train(shards, out, *RUN, "train.max_steps=6", "train.checkpoint_every=2", "train.keep_checkpoints=2",
-                 f"train.checkpoint_mirror=s3://{bucket}/runs/a", ranks=2, env=s3_server.aws())
+    proc = train(
+        shards,
+        out,
+        *RUN,
+        "train.max_steps=6",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=2",
+        f"train.checkpoint_mirror=s3://{bucket}/runs/a",
+        ranks=2,
+        env=s3_server.aws(),
+    )
     assert proc.returncode == 0, explain(proc)
     mirrored = s3_server.objects(bucket, "runs/a")
     tags = sorted({name.split("/")[0] for name in mirrored if name.startswith("step")})
-    assert tags == ["step00000004", "step00000006"], sorted(mirrored)     # step 2 pruned, as locally
+    assert tags == ["step00000004", "step00000006"], sorted(mirrored)  # step 2 pruned, as locally
     assert mirrored["latest"] == b"step00000006"
     for tag in tags:
         want = local_files(out / "checkpoints" / tag)
-        assert {k: v for k, v in mirrored.items() if k.startswith(tag + "/")} == \
-               {f"{tag}/{k}": v for k, v in want.items()}
-        assert any(name.startswith("zero_pp_rank_1_") for name in want), sorted(want)   # every rank's files
+        assert {k: v for k, v in mirrored.items() if k.startswith(tag + "/")} == {
+            f"{tag}/{k}": v for k, v in want.items()
+        }
+        assert any(name.startswith("zero_pp_rank_1_") for name in want), sorted(want)  # every rank's files
     export = {p.relative_to(out).as_posix(): p.read_bytes() for p in (out / "hf_final").rglob("*") if p.is_file()}
-    assert {k: v for k, v in mirrored.items() if k.startswith("hf_final/")} == export      # the final export
+    assert {k: v for k, v in mirrored.items() if k.startswith("hf_final/")} == export  # the final export
     assert export["hf_final/EXPORTED_FROM"] == b"step00000006\n"
     said = proc.stdout + proc.stderr
     assert "checkpoint mirror: step00000006 is complete in s3://" in said
@@ -51,34 +65,50 @@ def test_every_complete_checkpoint_reaches_the_mirror_whole_and_keep_applies_the
     assert not [p for p in out.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
 
 
-@pytest.mark.parametrize("mirror,why", [("https://example.com/run", "is read-only"),
-                                        ("gs://bucket/run", "gs://"),
-                                        ("s3://{bucket}/run", "access denied")])
+@pytest.mark.parametrize(
+    "mirror,why",
+    [("https://example.com/run", "is read-only"), ("gs://bucket/run", "gs://"), ("s3://{bucket}/run", "access denied")],
+)
 def test_a_mirror_that_cannot_be_written_is_exit_2_before_any_rank_starts(s3_server, shards, tmp_path, mirror, why):
     url = mirror.format(bucket=s3_server.bucket("denied"))
-    proc = train(shards, tmp_path / "run", *RUN, "train.max_steps=2", f"train.checkpoint_mirror={url}",
-                 env={**s3_server.aws(), "AWS_SECRET_ACCESS_KEY": "wrong"})
+    proc = train(
+        shards,
+        tmp_path / "run",
+        *RUN,
+        "train.max_steps=2",
+        f"train.checkpoint_mirror={url}",
+        env={**s3_server.aws(), "AWS_SECRET_ACCESS_KEY": "wrong"},
+    )
     said = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "train.checkpoint_mirror" in said and why in said, explain(proc)
     assert "Traceback" not in said and not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_a_mirror_gone_mid_run_leaves_the_run_going_and_ends_it_with_exit_6_said_last(own_s3_server, shards,
-                                                                                     tmp_path):
+def test_a_mirror_gone_mid_run_leaves_the_run_going_and_ends_it_with_exit_6_said_last(own_s3_server, shards, tmp_path):
     """The server stopped after the first step: the final checkpoint's upload fails after
     data.remote_timeout_s of retries; the run still finishes and exports locally, and its last line
     and exit code (6) say that the mirror is behind."""
     bucket = own_s3_server.bucket("gone")
     out = tmp_path / "run"
-    cmd = train_cmd(shards, out, *RUN, "train.max_steps=4", "train.checkpoint_every=0", "data.remote_timeout_s=3",
-                    f"train.checkpoint_mirror=s3://{bucket}/run")
-    proc = train_through(cmd, trainer_env(**own_s3_server.aws()), out / "metrics.jsonl", 1, own_s3_server.stop,
-                         timeout=300)
+    cmd = train_cmd(
+        shards,
+        out,
+        *RUN,
+        "train.max_steps=4",
+        "train.checkpoint_every=0",
+        "data.remote_timeout_s=3",
+        f"train.checkpoint_mirror=s3://{bucket}/run",
+    )
+    proc = train_through(
+        cmd, trainer_env(**own_s3_server.aws()), out / "metrics.jsonl", 1, own_s3_server.stop, timeout=300
+    )
     said = proc.stdout + proc.stderr
     assert proc.returncode == 6, said[-3000:]
     assert (out / "checkpoints" / "step00000004" / "COMPLETE").is_file() and (out / "hf_final").is_dir()
-    last = proc.stdout.strip().splitlines()[-1]         # the log's last line
-    assert f"the checkpoint mirror s3://{bucket}/run is behind: the newest checkpoint, step00000004" in last, said[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]  # the log's last line
+    assert f"the checkpoint mirror s3://{bucket}/run is behind: the newest checkpoint, step00000004" in last, said[
+        -3000:
+    ]
     assert "Traceback" not in said
 
 
@@ -86,7 +116,7 @@ def losses(out_dir: Path) -> dict[int, float]:
     import json
 
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}     # the last value of each step
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}  # the last value of each step
 
 
 STEPS = [*RUN, "train.max_steps=6", "train.checkpoint_every=2"]
@@ -142,22 +172,33 @@ def test_a_damaged_mirrored_checkpoint_is_passed_over_for_the_previous_one(s3_se
     again = train(shards, out, *steps, env=s3_server.aws())
     assert again.returncode == 0, explain(again)
     said = again.stdout + again.stderr
-    assert (f"mirrored checkpoint s3://{bucket}/run/step00000004 is damaged: s3://{bucket}/run/step00000004/"
-            f"mp_rank_00_model_states.pt is not the file that was written") in said, said[-3000:]
+    assert (
+        f"mirrored checkpoint s3://{bucket}/run/step00000004 is damaged: s3://{bucket}/run/step00000004/"
+        f"mp_rank_00_model_states.pt is not the file that was written"
+    ) in said, said[-3000:]
     assert f"s3://{bucket}/run/step00000002 downloaded" in said, said[-3000:]
-    assert losses(out) == want              # steps 3 and 4 trained again from step 2, as before
+    assert losses(out) == want  # steps 3 and 4 trained again from step 2, as before
 
 
 def kill_while_step4_uploads(s3_server, shards, out: Path, steps: list[str], bucket: str, also) -> None:
     """A job whose upload of step 4 the test hook holds at 3 files, killed with its process group
     (kill -9) once those are in the bucket and ``also()`` holds."""
     env = trainer_env(**s3_server.aws(), MLM_TEST_MIRROR_STALL="step00000004:3")
-    proc = subprocess.Popen(train_cmd(shards, out, *steps), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        train_cmd(shards, out, *steps),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 300
-        while (len(s3_server.objects(bucket, "run/step00000004")) < 3 or not also()) \
-                and time.monotonic() < deadline and proc.poll() is None:
+        while (
+            (len(s3_server.objects(bucket, "run/step00000004")) < 3 or not also())
+            and time.monotonic() < deadline
+            and proc.poll() is None
+        ):
             time.sleep(0.2)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -181,8 +222,7 @@ def test_a_job_killed_mid_upload_resumes_from_the_previous_mirrored_checkpoint(s
     again = train(shards, out, *steps, env=s3_server.aws())
     assert again.returncode == 0, explain(again)
     said = again.stdout + again.stderr
-    assert f"s3://{bucket}/run/step00000002 downloaded" in said and "step00000004 downloaded" not in said, \
-        said[-3000:]
+    assert f"s3://{bucket}/run/step00000002 downloaded" in said and "step00000004 downloaded" not in said, said[-3000:]
     assert losses(out) == want
     mirrored = s3_server.objects(bucket, "run")
     assert "step00000004/COMPLETE" in mirrored and mirrored["latest"] == b"step00000004"
@@ -194,16 +234,35 @@ def test_continuing_a_finished_run_keeps_its_mirrored_export(s3_server, shards, 
     ``report/``) from the mirror as if they were unfinished checkpoints older than it."""
     bucket = s3_server.bucket("continued")
     out, mirror = tmp_path / "run", f"train.checkpoint_mirror=s3://{bucket}/runs/c"
-    first = train(shards, out, *RUN, "train.max_steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=1",
-                  mirror, ranks=2, env=s3_server.aws())
+    first = train(
+        shards,
+        out,
+        *RUN,
+        "train.max_steps=4",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=1",
+        mirror,
+        ranks=2,
+        env=s3_server.aws(),
+    )
     assert first.returncode == 0, explain(first)
     export = {k: v for k, v in s3_server.objects(bucket, "runs/c").items() if k.startswith("hf_final/")}
     assert export["hf_final/EXPORTED_FROM"] == b"step00000004\n"
-    more = train(shards, out, *RUN, "train.max_steps=8", "train.checkpoint_every=2", "train.keep_checkpoints=1",
-                 "train.halt_at_step=6", mirror, ranks=2, env=s3_server.aws())
+    more = train(
+        shards,
+        out,
+        *RUN,
+        "train.max_steps=8",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=1",
+        "train.halt_at_step=6",
+        mirror,
+        ranks=2,
+        env=s3_server.aws(),
+    )
     assert more.returncode == 0, explain(more)
     mirrored = s3_server.objects(bucket, "runs/c")
-    assert sorted({k.split("/")[0] for k in mirrored if k.startswith("step")}) == ["step00000006"]   # keep=1
+    assert sorted({k.split("/")[0] for k in mirrored if k.startswith("step")}) == ["step00000006"]  # keep=1
     assert {k: v for k, v in mirrored.items() if k.startswith("hf_final/")} == export
 
 
@@ -227,5 +286,6 @@ def test_a_relaunch_after_a_kill_during_the_final_upload_completes_the_mirror(s3
     mirrored = s3_server.objects(bucket, "run")
     assert "step00000004/COMPLETE" in mirrored and mirrored["latest"] == b"step00000004"
     assert mirrored["hf_final/EXPORTED_FROM"] == b"step00000004\n"
-    assert {k[len("hf_final/"):]: v for k, v in mirrored.items() if k.startswith("hf_final/")} == \
-           {p.relative_to(out / "hf_final").as_posix(): p.read_bytes() for p in (out / "hf_final").rglob("*") if p.is_file()}
+    assert {k[len("hf_final/") :]: v for k, v in mirrored.items() if k.startswith("hf_final/")} == {
+        p.relative_to(out / "hf_final").as_posix(): p.read_bytes() for p in (out / "hf_final").rglob("*") if p.is_file()
+    }

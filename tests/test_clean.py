@@ -2,6 +2,7 @@
 should and keeps what it should, the report adds up, bad input is named with exit 2 before anything
 is written, and ``shard`` reads a cleaned folder (its validation split then has no near-copy in
 training). Most runs use one process (``--workers 1``); one compares it with two."""
+
 from __future__ import annotations
 
 import gzip
@@ -17,26 +18,42 @@ from data_prep.clean.quality import first_failure
 from data_prep.clean.settings import QualitySettings
 from s3_server import s3_server  # noqa: F401  (a fixture)
 
-GERMAN = ("Die Stadt liegt am Ufer eines breiten Flusses und hat etwa zwanzigtausend Einwohner. Im Mittelalter "
-          "war der Ort ein wichtiger Handelsplatz für Salz und Getreide. Die Kirche wurde im vierzehnten "
-          "Jahrhundert erbaut und mehrmals erweitert.")
-FRENCH = ("La ville se trouve au bord d'un grand fleuve et compte environ vingt mille habitants. Au Moyen Âge, "
-          "le bourg était un centre important du commerce du sel et du blé.")
-BOILERPLATE = "\n".join(["Home | About | Contact", "This website uses cookies to improve your experience.",
-                         "Accept all cookies", "Please enable JavaScript to view this page.", "Privacy Policy",
-                         "Terms of Use", "Copyright © 2024 example.com. All rights reserved.", "Back to top"])
+GERMAN = (
+    "Die Stadt liegt am Ufer eines breiten Flusses und hat etwa zwanzigtausend Einwohner. Im Mittelalter "
+    "war der Ort ein wichtiger Handelsplatz für Salz und Getreide. Die Kirche wurde im vierzehnten "
+    "Jahrhundert erbaut und mehrmals erweitert."
+)
+FRENCH = (
+    "La ville se trouve au bord d'un grand fleuve et compte environ vingt mille habitants. Au Moyen Âge, "
+    "le bourg était un centre important du commerce du sel et du blé."
+)
+BOILERPLATE = "\n".join(
+    [
+        "Home | About | Contact",
+        "This website uses cookies to improve your experience.",
+        "Accept all cookies",
+        "Please enable JavaScript to view this page.",
+        "Privacy Policy",
+        "Terms of Use",
+        "Copyright © 2024 example.com. All rights reserved.",
+        "Back to top",
+    ]
+)
 
 
-PARAGRAPH = ("The river rises in the northern hills and flows south through farmland, past three market towns and "
-             "an old abbey, before it reaches the sea at a wide estuary. Its valley has been settled since the Bronze "
-             "Age, and the remains of mills, bridges and weirs along its banks show how people used the water for "
-             "power, trade and fishing over many centuries.")
+PARAGRAPH = (
+    "The river rises in the northern hills and flows south through farmland, past three market towns and "
+    "an old abbey, before it reaches the sea at a wide estuary. Its valley has been settled since the Bronze "
+    "Age, and the remains of mills, bridges and weirs along its banks show how people used the water for "
+    "power, trade and fishing over many centuries."
+)
 
 
 def articles(wiki_articles, n: int, start: int = 0) -> list[dict]:
     """``n`` distinct articles of at least 40 words, as records with an id and an extra field."""
-    out = [{"id": f"wiki/{t}", "text": x, "source": "wikipedia"} for t, x in wiki_articles[start:]
-           if len(x.split()) >= 40]
+    out = [
+        {"id": f"wiki/{t}", "text": x, "source": "wikipedia"} for t, x in wiki_articles[start:] if len(x.split()) >= 40
+    ]
     return out[:n]
 
 
@@ -67,8 +84,9 @@ def kept_records(out: Path) -> list[dict]:
 
 
 def removed_records(out: Path) -> list[dict]:
-    return [json.loads(line) for p in sorted((out / "removed").glob("part-*.jsonl"))
-            for line in p.read_text().splitlines()]
+    return [
+        json.loads(line) for p in sorted((out / "removed").glob("part-*.jsonl")) for line in p.read_text().splitlines()
+    ]
 
 
 def test_exact_and_near_duplicates_keep_one_per_cluster_whatever_the_input_order(tmp_path, wiki_articles):
@@ -109,23 +127,48 @@ def test_exact_and_near_duplicates_keep_one_per_cluster_whatever_the_input_order
 def test_distinct_articles_are_all_kept(tmp_path, wiki_articles):
     """Precision: 400 distinct articles, no step on but duplicates: none removed."""
     write_jsonl(tmp_path / "in.jsonl", articles(wiki_articles, 400, start=1000))
-    report = clean("--input", tmp_path / "in.jsonl", "--out", tmp_path / "out", "--languages", "any",
-                   "--set", "quality.enabled=false")
+    report = clean(
+        "--input",
+        tmp_path / "in.jsonl",
+        "--out",
+        tmp_path / "out",
+        "--languages",
+        "any",
+        "--set",
+        "quality.enabled=false",
+    )
     assert report["removed"] == {} and report["totals"]["out"]["documents"] == 400
 
 
-@pytest.mark.parametrize("text, rule", [
-    ("Too short to keep.", "min_words"),
-    ("Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor incididunt.", "lorem_ipsum"),
-    (BOILERPLATE, "boilerplate_lines"),
-    ("\n".join(f"• the item number {i} of this list is about apples and pears." for i in range(12)), "bullet_lines"),
-    ("\n".join(["Breaking news today", "More stories later", "Sports results inside", "Weather and traffic",
-                "Local events this week"] * 2), "terminal_punctuation"),
-    ("Check out these posts #travel #food #music #art #photography today friends", "symbol_ratio"),
-    ("2019 2020 2021 2022 2023 results table 1234 5678 9012 3456", "alpha_words"),
-    ("buy the cheap watches with us " * 12, "top_2gram"),
-    (PARAGRAPH + " " + " ".join(PARAGRAPH.split()[:14]), "duplicate_5grams"),
-])
+@pytest.mark.parametrize(
+    "text, rule",
+    [
+        ("Too short to keep.", "min_words"),
+        ("Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor incididunt.", "lorem_ipsum"),
+        (BOILERPLATE, "boilerplate_lines"),
+        (
+            "\n".join(f"• the item number {i} of this list is about apples and pears." for i in range(12)),
+            "bullet_lines",
+        ),
+        (
+            "\n".join(
+                [
+                    "Breaking news today",
+                    "More stories later",
+                    "Sports results inside",
+                    "Weather and traffic",
+                    "Local events this week",
+                ]
+                * 2
+            ),
+            "terminal_punctuation",
+        ),
+        ("Check out these posts #travel #food #music #art #photography today friends", "symbol_ratio"),
+        ("2019 2020 2021 2022 2023 results table 1234 5678 9012 3456", "alpha_words"),
+        ("buy the cheap watches with us " * 12, "top_2gram"),
+        (PARAGRAPH + " " + " ".join(PARAGRAPH.split()[:14]), "duplicate_5grams"),
+    ],
+)
 def test_each_quality_rule_is_named(text, rule):
     assert first_failure(text, QualitySettings(), english=True) == rule
 
@@ -151,24 +194,41 @@ def test_language_filter_keeps_the_languages_asked_for(tmp_path, wiki_articles):
 
 def test_decontamination_removes_copies_of_held_out_documents(tmp_path, wiki_articles):
     corpus, held = articles(wiki_articles, 50), articles(wiki_articles, 10, start=2000)
-    copies = [{"id": "leak/exact", "text": held[0]["text"].lower()},
-              {"id": "leak/near", "text": change_words(held[1]["text"], 0.03, 5)}]
+    copies = [
+        {"id": "leak/exact", "text": held[0]["text"].lower()},
+        {"id": "leak/near", "text": change_words(held[1]["text"], 0.03, 5)},
+    ]
     write_jsonl(tmp_path / "in.jsonl", corpus + copies)
     write_jsonl(tmp_path / "test-set.jsonl", held)
-    report = clean("--input", tmp_path / "in.jsonl", "--out", tmp_path / "out", "--decontaminate-against",
-                   tmp_path / "test-set.jsonl", "--set", "write_removed=true")
+    report = clean(
+        "--input",
+        tmp_path / "in.jsonl",
+        "--out",
+        tmp_path / "out",
+        "--decontaminate-against",
+        tmp_path / "test-set.jsonl",
+        "--set",
+        "write_removed=true",
+    )
     assert report["removed"]["decontamination"]["documents"] == 2
     assert {r["id"] for r in removed_records(tmp_path / "out") if r["removed_by"] == "decontamination"} == {
-        "leak/exact", "leak/near"}
-    assert len(kept_records(tmp_path / "out")) == 50 - sum(n["documents"] for k, n in report["removed"].items()
-                                                           if k.startswith("quality"))
+        "leak/exact",
+        "leak/near",
+    }
+    assert len(kept_records(tmp_path / "out")) == 50 - sum(
+        n["documents"] for k, n in report["removed"].items() if k.startswith("quality")
+    )
     assert report["decontaminated_against"][0]["path"] == str((tmp_path / "test-set.jsonl").resolve())
 
 
 def test_report_adds_up_and_inspect_shows_it(tmp_path, wiki_articles, capsys):
     base = articles(wiki_articles, 80)
-    records = base + [{**base[5], "id": "dup"}, {"id": "de", "text": GERMAN}, {"id": "bp", "text": BOILERPLATE},
-                      {"id": "short", "text": "Too short."}]
+    records = base + [
+        {**base[5], "id": "dup"},
+        {"id": "de", "text": GERMAN},
+        {"id": "bp", "text": BOILERPLATE},
+        {"id": "short", "text": "Too short."},
+    ]
     write_jsonl(tmp_path / "in.jsonl", records)
     report = clean("--input", tmp_path / "in.jsonl", "--out", tmp_path / "out", "--group-chars", "3000")
     t_in, t_out = report["totals"]["in"], report["totals"]["out"]
@@ -180,10 +240,11 @@ def test_report_adds_up_and_inspect_shows_it(tmp_path, wiki_articles, capsys):
     assert not {"de", "bp", "short", "dup"} & {r["id"] for r in kept_records(tmp_path / "out")}
     assert report["removed"]["exact_duplicate"]["documents"] == 1
     files = [f["documents"] for f in report["files"]]
-    assert len(files) > 2 and sum(files) == t_out["documents"]      # an output file per input group
+    assert len(files) > 2 and sum(files) == t_out["documents"]  # an output file per input group
     assert [f["name"] for f in report["files"]] == sorted(p.name for p in (tmp_path / "out").glob("part-*.jsonl"))
     for f in report["files"]:
         import hashlib
+
         assert hashlib.sha256((tmp_path / "out" / f["name"]).read_bytes()).hexdigest() == f["sha256"]
     printed = capsys.readouterr().out
     assert "documents in" in printed and "removed: language" in printed and "largest duplicate clusters" in printed
@@ -199,7 +260,7 @@ def test_rerun_skips_and_other_settings_rewrite(tmp_path, wiki_articles):
     report = tmp_path / "out" / "report.json"
     stamp = report.stat().st_mtime_ns
     clean(*args)
-    assert report.stat().st_mtime_ns == stamp                              # nothing to do
+    assert report.stat().st_mtime_ns == stamp  # nothing to do
     clean(*args[:-1], "100000000")
     assert sorted(p.name for p in (tmp_path / "out").glob("part-*")) == ["part-s00000-g00000.jsonl"]  # stale gone
 
@@ -220,15 +281,37 @@ def test_parquet_and_txt_inputs_and_outputs(tmp_path, wiki_articles, bert_uncase
 
     texts = [r["text"] for r in articles(wiki_articles, 30)]
     (tmp_path / "in.txt").write_text("\n\n".join(texts + texts[:3]) + "\n", encoding="utf-8")
-    report = clean("--input", tmp_path / "in.txt", "--out", tmp_path / "out", "--format", "parquet",
-                   "--set", "quality.enabled=false")
+    report = clean(
+        "--input",
+        tmp_path / "in.txt",
+        "--out",
+        tmp_path / "out",
+        "--format",
+        "parquet",
+        "--set",
+        "quality.enabled=false",
+    )
     assert report["removed"]["exact_duplicate"]["documents"] == 3
     table = pq.read_table(tmp_path / "out" / "part-s00000-g00000.parquet")
     assert table.column_names == ["text"] and table.num_rows == 30
-    assert main(["shard", "--input", str(tmp_path / "out"), "--tokenizer", str(bert_uncased_dir), "--out",
-                 str(tmp_path / "shards"), "--seq-len", "64"]) == 0
+    assert (
+        main(
+            [
+                "shard",
+                "--input",
+                str(tmp_path / "out"),
+                "--tokenizer",
+                str(bert_uncased_dir),
+                "--out",
+                str(tmp_path / "shards"),
+                "--seq-len",
+                "64",
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((tmp_path / "shards" / "task-00000.json").read_text())
-    assert manifest["totals"]["train"]["documents"] == 30        # report.json is not read as a document
+    assert manifest["totals"]["train"]["documents"] == 30  # report.json is not read as a document
     assert manifest["settings"]["cleaning"][0]["documents_out"] == 30
 
 
@@ -252,8 +335,9 @@ def test_validation_split_has_no_near_copy_in_training(tmp_path, wiki_articles, 
     from data_prep.shard import is_validation
 
     base = articles(wiki_articles, 400)
-    records = base + [{"id": f"{r['id']}/near", "text": change_words(r["text"], 0.02, i)}
-                      for i, r in enumerate(base[:200])]
+    records = base + [
+        {"id": f"{r['id']}/near", "text": change_words(r["text"], 0.02, i)} for i, r in enumerate(base[:200])
+    ]
     write_jsonl(tmp_path / "raw" / "in.jsonl", records)
     fraction, seed = 0.2, 0
 
@@ -262,25 +346,48 @@ def test_validation_split_has_no_near_copy_in_training(tmp_path, wiki_articles, 
         return val, [t for t in texts if not is_validation(t, fraction, seed)]
 
     val, train = split([r["text"] for r in records])
-    assert _near_pairs(val, train) > 5                     # the leak this step exists for
+    assert _near_pairs(val, train) > 5  # the leak this step exists for
     clean("--input", tmp_path / "raw", "--out", tmp_path / "clean")
     kept = [r["text"] for r in kept_records(tmp_path / "clean")]
     val, train = split(kept)
     assert _near_pairs(val, train) == 0
-    assert main(["shard", "--input", str(tmp_path / "clean"), "--tokenizer", str(bert_uncased_dir), "--out",
-                 str(tmp_path / "shards"), "--seq-len", "64", "--validation-fraction", str(fraction)]) == 0
+    assert (
+        main(
+            [
+                "shard",
+                "--input",
+                str(tmp_path / "clean"),
+                "--tokenizer",
+                str(bert_uncased_dir),
+                "--out",
+                str(tmp_path / "shards"),
+                "--seq-len",
+                "64",
+                "--validation-fraction",
+                str(fraction),
+            ]
+        )
+        == 0
+    )
     totals = json.loads((tmp_path / "shards" / "task-00000.json").read_text())["totals"]
     assert (totals["validation"]["documents"], totals["train"]["documents"]) == (len(val), len(train))
 
 
-@pytest.mark.parametrize("case", ["missing", "no-match", "not-utf8", "damaged-gz", "text-field", "held-out",
-                                  "settings"])
+@pytest.mark.parametrize(
+    "case", ["missing", "no-match", "not-utf8", "damaged-gz", "text-field", "held-out", "settings"]
+)
 def test_bad_input_is_named_with_exit_2_and_nothing_written(tmp_path, capsys, case, wiki_articles):
     good = write_jsonl(tmp_path / "good.jsonl", articles(wiki_articles, 5))
     args = ["--input", str(good)]
-    expected = {"missing": "no such file", "no-match": "matches no files", "not-utf8": "not valid UTF-8",
-                "damaged-gz": "gzip", "text-field": "no 'body' field", "held-out": "--decontaminate-against",
-                "settings": "near.bands"}[case]
+    expected = {
+        "missing": "no such file",
+        "no-match": "matches no files",
+        "not-utf8": "not valid UTF-8",
+        "damaged-gz": "gzip",
+        "text-field": "no 'body' field",
+        "held-out": "--decontaminate-against",
+        "settings": "near.bands",
+    }[case]
     if case == "missing":
         args = ["--input", str(tmp_path / "nope.jsonl")]
     elif case == "no-match":
@@ -302,7 +409,7 @@ def test_bad_input_is_named_with_exit_2_and_nothing_written(tmp_path, capsys, ca
     assert main(["clean", *args, "--out", str(out), "--workers", "1"]) == 2
     err = capsys.readouterr().err
     assert expected in err, err
-    if case == "settings":            # every problem at once
+    if case == "settings":  # every problem at once
         assert "nonsense" in err
     assert not out.exists() or not any(out.iterdir())
 
@@ -315,8 +422,11 @@ def test_settings_file_is_the_defaults_and_problems_come_together(tmp_path):
     repo = Path(__file__).resolve().parents[1]
     values = load_yaml(repo / "configs" / "data" / "clean" / "default.yaml")
     assert build_settings({**values, "inputs": ["x"], "out": "y"}) == CleanSettings(inputs=["x"], out="y")
-    changed = build_settings(apply_overrides({"inputs": ["x"], "out": "y"}, ["near.bands=20", "language.keep=en,de",
-                                                                             "quality.enabled=false"]))
+    changed = build_settings(
+        apply_overrides(
+            {"inputs": ["x"], "out": "y"}, ["near.bands=20", "language.keep=en,de", "quality.enabled=false"]
+        )
+    )
     assert (changed.near.bands, changed.language.keep, changed.quality.enabled) == (20, ["en", "de"], False)
     (tmp_path / "bad.yaml").write_text("near: {bands: many, rowz: 3}\nquality: {min_alpha_words: 2}\nextra: 1\n")
     with pytest.raises(DataPrepError) as err:
@@ -332,14 +442,16 @@ def test_a_chance_band_match_between_unrelated_articles_is_not_a_duplicate(tmp_p
     assert len(pair) == 2
     write_jsonl(tmp_path / "in.jsonl", pair)
     assert clean("--input", tmp_path / "in.jsonl", "--out", tmp_path / "checked")["removed"] == {}
-    unchecked = clean("--input", tmp_path / "in.jsonl", "--out", tmp_path / "unchecked",
-                      "--set", "near.min_similarity=0")
+    unchecked = clean(
+        "--input", tmp_path / "in.jsonl", "--out", tmp_path / "unchecked", "--set", "near.min_similarity=0"
+    )
     assert unchecked["removed"]["near_duplicate"]["documents"] == 1
 
 
 @pytest.mark.slow
-def test_inputs_and_output_in_a_bucket_and_over_https(tmp_path, wiki_articles, bert_uncased_dir, monkeypatch,
-                                                      s3_server):
+def test_inputs_and_output_in_a_bucket_and_over_https(
+    tmp_path, wiki_articles, bert_uncased_dir, monkeypatch, s3_server
+):
     """s3:// in, s3:// out, shard from the cleaned prefix (the report is not read as a document);
     an https:// file (the SeaweedFS filer's own HTTP) in, a local folder out: the same documents kept."""
     base = articles(wiki_articles, 40)
@@ -350,16 +462,32 @@ def test_inputs_and_output_in_a_bucket_and_over_https(tmp_path, wiki_articles, b
         monkeypatch.setenv(key, value)
     bucket = server.bucket("clean")
     server.client().put_object(Bucket=bucket, Key="raw/in.jsonl", Body=local.read_bytes())
-    report = clean("--input", f"s3://{bucket}/raw/*.jsonl", "--out", f"s3://{bucket}/clean", "--set",
-                   "quality.enabled=false")
+    report = clean(
+        "--input", f"s3://{bucket}/raw/*.jsonl", "--out", f"s3://{bucket}/clean", "--set", "quality.enabled=false"
+    )
     assert report["totals"]["out"]["documents"] == 40
     assert report["removed"]["exact_duplicate"]["documents"] == 5 and report["removed"]["language"]["documents"] == 1
     listed = {o["Key"] for o in server.client().list_objects_v2(Bucket=bucket, Prefix="clean/")["Contents"]}
-    assert {k for k in listed if not k.startswith("clean/.clean/")} == {"clean/part-s00000-g00000.jsonl",
-                                                                        "clean/report.json"}
+    assert {k for k in listed if not k.startswith("clean/.clean/")} == {
+        "clean/part-s00000-g00000.jsonl",
+        "clean/report.json",
+    }
     # the stages, two tasks, in and out of the bucket: the same objects (work files aside)
-    staged = ["clean", "--input", f"s3://{bucket}/raw/*.jsonl", "--out", f"s3://{bucket}/staged", "--set",
-              "quality.enabled=false", "--workers", "1", "--num-tasks", "2", "--partition", "documents"]
+    staged = [
+        "clean",
+        "--input",
+        f"s3://{bucket}/raw/*.jsonl",
+        "--out",
+        f"s3://{bucket}/staged",
+        "--set",
+        "quality.enabled=false",
+        "--workers",
+        "1",
+        "--num-tasks",
+        "2",
+        "--partition",
+        "documents",
+    ]
     for stage, tasks in (("signatures", (0, 1)), ("clusters", (None,)), ("filter", (0, 1))):
         for t in tasks:
             assert main([*staged, "--stage", stage] + ([] if t is None else ["--task-index", str(t)])) == 0
@@ -367,14 +495,38 @@ def test_inputs_and_output_in_a_bucket_and_over_https(tmp_path, wiki_articles, b
     def objects(prefix):
         client = server.client()
         keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/")["Contents"]]
-        return {k.removeprefix(prefix): client.get_object(Bucket=bucket, Key=k)["Body"].read()
-                for k in keys if "/.clean/" not in k}
+        return {
+            k.removeprefix(prefix): client.get_object(Bucket=bucket, Key=k)["Body"].read()
+            for k in keys
+            if "/.clean/" not in k
+        }
+
     assert objects("staged") == objects("clean")
-    over_https = clean("--input", f"{server.filer}/buckets/{bucket}/raw/in.jsonl", "--out", tmp_path / "https",
-                       "--set", "quality.enabled=false")
+    over_https = clean(
+        "--input",
+        f"{server.filer}/buckets/{bucket}/raw/in.jsonl",
+        "--out",
+        tmp_path / "https",
+        "--set",
+        "quality.enabled=false",
+    )
     assert over_https["totals"] == report["totals"] and over_https["removed"] == report["removed"]
-    assert main(["shard", "--input", f"s3://{bucket}/clean", "--tokenizer", str(bert_uncased_dir), "--out",
-                 str(tmp_path / "shards"), "--seq-len", "64"]) == 0
+    assert (
+        main(
+            [
+                "shard",
+                "--input",
+                f"s3://{bucket}/clean",
+                "--tokenizer",
+                str(bert_uncased_dir),
+                "--out",
+                str(tmp_path / "shards"),
+                "--seq-len",
+                "64",
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((tmp_path / "shards" / "task-00000.json").read_text())
     assert manifest["totals"]["train"]["documents"] == 40
     assert manifest["settings"]["cleaning"][0]["folder"] == f"s3://{bucket}/clean"
@@ -384,7 +536,9 @@ def _staged_corpus(tmp_path, wiki_articles) -> tuple[Path, Path]:
     """Six input files with copies across them, and a held-out file."""
     base = articles(wiki_articles, 240)
     copies = [{**r, "id": r["id"] + "/copy", "text": r["text"].upper()} for r in base[::10]]
-    copies += [{**r, "id": r["id"] + "/near", "text": change_words(r["text"], 0.02, i)} for i, r in enumerate(base[5::10])]
+    copies += [
+        {**r, "id": r["id"] + "/near", "text": change_words(r["text"], 0.02, i)} for i, r in enumerate(base[5::10])
+    ]
     records = base + copies + [{"id": "de", "text": GERMAN}, {"id": "bp", "text": BOILERPLATE}]
     random.Random(0).shuffle(records)
     for f in range(6):
@@ -401,12 +555,22 @@ def test_stages_at_any_task_count_write_the_same_bytes(tmp_path, wiki_articles):
     inputs, held = _staged_corpus(tmp_path, wiki_articles)
     common = ["--input", inputs, "--decontaminate-against", held, "--group-chars", "20000", "--workers", "1"]
     clean(*common, "--out", tmp_path / "k1")
-    for k, partition in ((3, "auto"), (8, "auto"), (2, "documents")):       # auto: files at 3, documents at 8
+    for k, partition in ((3, "auto"), (8, "auto"), (2, "documents")):  # auto: files at 3, documents at 8
         out = tmp_path / f"k{k}-{partition}"
         for stage, tasks in (("signatures", range(k)), ("clusters", [None]), ("filter", range(k))):
             for t in tasks:
-                argv = ["clean", *map(str, common), "--out", str(out), "--stage", stage, "--num-tasks", str(k),
-                        "--partition", partition] + ([] if t is None else ["--task-index", str(t)])
+                argv = [
+                    "clean",
+                    *map(str, common),
+                    "--out",
+                    str(out),
+                    "--stage",
+                    stage,
+                    "--num-tasks",
+                    str(k),
+                    "--partition",
+                    partition,
+                ] + ([] if t is None else ["--task-index", str(t)])
                 assert main(argv) == 0, argv
         assert _folder_bytes(out) == _folder_bytes(tmp_path / "k1"), (k, partition)
     report = json.loads((tmp_path / "k1" / "report.json").read_text())
@@ -446,8 +610,9 @@ def test_a_task_killed_at_any_moment_reruns_to_the_same_bytes(tmp_path, wiki_art
         for s in ("signatures", "clusters"):
             subprocess.run([*staged, "--stage", s], check=True, capture_output=True)
     first = "filter-*.json" if stage == "filter" else "sig-s*.npz"
-    proc = subprocess.Popen([*staged, "--stage", stage], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [*staged, "--stage", stage], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
     deadline = time.monotonic() + 60
     while not list(out.glob(f".clean/*/{first}")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -474,9 +639,24 @@ def test_the_sliced_clusters_stage_decides_as_the_whole_corpus_in_memory_would(t
     from data_prep.clean.settings import NearSettings
 
     inputs, held = _staged_corpus(tmp_path, wiki_articles)
-    clean("--input", inputs, "--out", tmp_path / "out", "--decontaminate-against", held, "--group-chars", "20000",
-          "--set", "write_removed=true", "--languages", "any", "--set", "quality.enabled=false",
-          "--set", "slice_keys=64")
+    clean(
+        "--input",
+        inputs,
+        "--out",
+        tmp_path / "out",
+        "--decontaminate-against",
+        held,
+        "--group-chars",
+        "20000",
+        "--set",
+        "write_removed=true",
+        "--languages",
+        "any",
+        "--set",
+        "quality.enabled=false",
+        "--set",
+        "slice_keys=64",
+    )
     sig_files = sorted((tmp_path / "out").glob(".clean/*/sig-*.npz"))
     loaded = [np.load(p) for p in sig_files]
     keys = np.concatenate([d["keys"] for d in loaded])
@@ -485,20 +665,33 @@ def test_the_sliced_clusters_stage_decides_as_the_whole_corpus_in_memory_would(t
     n, near = len(keys), NearSettings()
     held_text = json.loads(held.read_text())["text"]
     from data_prep.clean.signature import exact_key, minhash, normal_words
+
     words = normal_words(held_text)
     held_sig = minhash(words, near.ngram, near.bands * near.rows, near.seed)[None]
     alive = np.ones(n, bool)
-    hit = clusters.contaminated(sigs, exact, alive, held_sig, np.array([exact_key(words)], dtype="S16"), near.bands,
-                                near.rows, near.min_similarity)
+    hit = clusters.contaminated(
+        sigs,
+        exact,
+        alive,
+        held_sig,
+        np.array([exact_key(words)], dtype="S16"),
+        near.bands,
+        near.rows,
+        near.min_similarity,
+    )
     alive &= ~hit
     _, gone_exact = clusters.exact_groups(exact, keys, alive)
     alive &= ~gone_exact
     _, gone_near = clusters.near_clusters(sigs, keys, alive, near.bands, near.rows, near.min_similarity)
-    expected = {"decontamination": int(hit.sum()), "exact_duplicate": int(gone_exact.sum()),
-                "near_duplicate": int(gone_near.sum())}
+    expected = {
+        "decontamination": int(hit.sum()),
+        "exact_duplicate": int(gone_exact.sum()),
+        "near_duplicate": int(gone_near.sum()),
+    }
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert {k: v["documents"] for k, v in report["removed"].items()} == expected
     assert expected["exact_duplicate"] >= 24 and expected["near_duplicate"] >= 20
     from data_prep.clean.signature import record_key
+
     removed = {record_key({k: v for k, v in r.items() if k != "removed_by"}) for r in removed_records(tmp_path / "out")}
     assert removed == set(keys[hit | gone_exact | gone_near].tolist())

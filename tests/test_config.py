@@ -1,4 +1,5 @@
 """The configuration system: every shipped YAML loads; every problem is reported, all at once."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,11 @@ from pretrain.runtime.engine import deepspeed_config
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 # configs/data/ holds data-prep settings (data_prep.settings); study*.yaml are training configs plus a
 # study section (tests/test_study.py loads them); every other YAML is a training config.
-CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.yaml")
-                 if "data" not in p.relative_to(CONFIG_DIR).parts[:-1] and not p.name.startswith("study"))
+CONFIGS = sorted(
+    p
+    for p in CONFIG_DIR.rglob("*.yaml")
+    if "data" not in p.relative_to(CONFIG_DIR).parts[:-1] and not p.name.startswith("study")
+)
 DATA_PREP_CONFIGS = sorted((CONFIG_DIR / "data").glob("*.yaml"))
 
 
@@ -33,19 +37,19 @@ def test_configs_are_shipped():
 def test_every_shipped_yaml_loads(path, data_dir, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     overrides = [f"data.dir={data_dir}"]
-    if "sources:" in path.read_text():           # a mixture: every source in the test's folder
+    if "sources:" in path.read_text():  # a mixture: every source in the test's folder
         overrides.append(f"data.sources=[{{name: a, dir: {data_dir}, weight: 3}}, {{name: b, dir: {data_dir}}}]")
     cfg = load_config(str(path), overrides)
     assert isinstance(cfg, Config)
     ds = deepspeed_config(cfg, world=1, precision="bf16")
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
     assert ds["zero_optimization"]["stage"] == cfg.impl.zero_stage
-    assert ds["bf16"] == {"enabled": True} and ds["communication_data_type"] == "fp32"     # reduced in fp32
+    assert ds["bf16"] == {"enabled": True} and ds["communication_data_type"] == "fp32"  # reduced in fp32
     # summed over micro-steps in fp32 where DeepSpeed can (ZeRO 1-3); it refuses the mix at stage 0
     assert ds.get("data_types") == ({"grad_accum_dtype": "fp32"} if cfg.impl.zero_stage else None)
     fp32 = deepspeed_config(cfg, world=1, precision="fp32")
     assert "communication_data_type" not in fp32 and "data_types" not in fp32
-    if cfg.impl.zero_stage:      # the buckets: no larger than the model (ZeRO allocates them whole)
+    if cfg.impl.zero_stage:  # the buckets: no larger than the model (ZeRO allocates them whole)
         # an odd parameter count (an odd vocabulary's decoder bias): DeepSpeed asserts an even bucket
         small, large = (deepspeed_config(cfg, 1, "fp32", num_params=n)["zero_optimization"] for n in (1001, 10**9))
         assert (small["reduce_bucket_size"], large["reduce_bucket_size"]) == (1024, 5 * 10**7)
@@ -54,10 +58,11 @@ def test_every_shipped_yaml_loads(path, data_dir, monkeypatch):
 
 def test_composition_and_overrides(data_dir, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg = load_config("configs/large.yaml", [f"data.dir={data_dir}", "optim.lr=3e-4", "impl.zero_stage=3",
-                                              "optim.betas=[0.9, 0.95]"])
-    assert cfg.model.num_layers == 24 and cfg.model.hidden_size == 1024      # large.yaml
-    assert cfg.model.max_position_embeddings == 512                         # inherited from base.yaml
+    cfg = load_config(
+        "configs/large.yaml", [f"data.dir={data_dir}", "optim.lr=3e-4", "impl.zero_stage=3", "optim.betas=[0.9, 0.95]"]
+    )
+    assert cfg.model.num_layers == 24 and cfg.model.hidden_size == 1024  # large.yaml
+    assert cfg.model.max_position_embeddings == 512  # inherited from base.yaml
     assert cfg.optim.lr == 3e-4 and cfg.impl.zero_stage == 3 and cfg.optim.betas == [0.9, 0.95]
     assert cfg.grad_accum_steps() == 4096 // (64 * 2)
 
@@ -70,13 +75,19 @@ def test_all_problems_reported_together(tmp_path, monkeypatch):
         "optim:\n  lr: fast\n  name: sgd\n"
         "train:\n  global_batch_size: 64\n"
         "impl:\n  micro_batch_size: 8\n  zero_stage: 4\n"
-        "colour: blue\n")
+        "colour: blue\n"
+    )
     with pytest.raises(ConfigError) as err:
         load_config(str(bad), ["masking.rate=1.5", "data.dir=/nonexistent"])
     text = str(err.value)
-    for expected in ["model.hiden_dropout: unknown key", "optim.lr: expected a number, got 'fast'",
-                     "optim.name: must be one of 'adamw', 'lamb'", "impl.zero_stage: must be one of 0, 1, 2, 3",
-                     "colour: unknown key", "masking.rate"]:
+    for expected in [
+        "model.hiden_dropout: unknown key",
+        "optim.lr: expected a number, got 'fast'",
+        "optim.name: must be one of 'adamw', 'lamb'",
+        "impl.zero_stage: must be one of 0, 1, 2, 3",
+        "colour: unknown key",
+        "masking.rate",
+    ]:
         assert expected in text, (expected, text)
     # value checks run only once types are right, but all type problems come together
     assert len(err.value.problems) >= 6
@@ -85,8 +96,16 @@ def test_all_problems_reported_together(tmp_path, monkeypatch):
 def test_value_and_batch_problems(tmp_path, data_dir, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError) as err:
-        load_config("configs/tiny.yaml", [f"data.dir={data_dir}", "model.num_heads=3", "masking.rate=0",
-                                          "train.global_batch_size=16", "impl.micro_batch_size=8"])
+        load_config(
+            "configs/tiny.yaml",
+            [
+                f"data.dir={data_dir}",
+                "model.num_heads=3",
+                "masking.rate=0",
+                "train.global_batch_size=16",
+                "impl.micro_batch_size=8",
+            ],
+        )
     text = str(err.value)
     assert "hidden_size (64) must be divisible by num_heads (3)" in text
     assert "rate: must be in (0, 1)" in text
@@ -160,7 +179,7 @@ def test_compile_auto_pays_only_where_measured_to():
 def test_a_deepspeed_older_than_the_floor_is_refused_by_version():
     from pretrain.runtime.engine import deepspeed_problems
 
-    assert deepspeed_problems() == []                      # the installed one
+    assert deepspeed_problems() == []  # the installed one
     assert deepspeed_problems("0.19.8") == deepspeed_problems("0.20.1+cu128") == []
     (problem,) = deepspeed_problems("0.19.7")
     assert "DeepSpeed 0.19.7 is installed" in problem and "deepspeed>=0.19.8" in problem

@@ -1,5 +1,6 @@
 """The run's console (pretrain.tracking.console): third-party chatter to the run folder's file, also for a
 library imported while its output is being redirected."""
+
 from __future__ import annotations
 
 import logging
@@ -15,8 +16,10 @@ from pretrain.tracking import console
 def logging_restored(monkeypatch):
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
-    named = {n: (logging.getLogger(n).handlers[:], logging.getLogger(n).propagate, logging.getLogger(n).level)
-             for n in ("DeepSpeed", "transformers", "mlflow", "pretrain")}
+    named = {
+        n: (logging.getLogger(n).handlers[:], logging.getLogger(n).propagate, logging.getLogger(n).level)
+        for n in ("DeepSpeed", "transformers", "mlflow", "pretrain")
+    }
     monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
     monkeypatch.setattr(console, "_LOG_FILE", None)
     yield
@@ -38,7 +41,7 @@ def test_a_library_imported_under_redirection_logs_to_the_file_afterwards(tmp_pa
     "MPU is not provided") printed a "--- Logging error ---" traceback on every rank instead."""
     path = console.quiet_third_party(str(tmp_path), 0)
     with console.chatter_to_file():
-        library = logging.getLogger("DeepSpeed")          # what DeepSpeed's import does
+        library = logging.getLogger("DeepSpeed")  # what DeepSpeed's import does
         library.propagate = False
         library.addHandler(logging.StreamHandler(stream=sys.stdout))
         library.warning("imported")

@@ -1,4 +1,5 @@
 """pretrain.data over real shard tars: hand-made ones (ShardWriter, known bytes) and data_prep's (``shards``)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,11 @@ from data_prep.common.atomic import write_json_atomic
 from data_prep.common.manifest import FORMAT_VERSION, Manifest, load_manifest
 from data_prep.common.shards import ShardError, ShardWriter, ids_dtype, index_shard, shard_name
 from pretrain.data.stream import (
-    DataError, TokenIdError, TrainStream, check_manifest, index_all_shards,
+    DataError,
+    TokenIdError,
+    TrainStream,
+    check_manifest,
+    index_all_shards,
 )
 from pretrain.eval.heldout import eval_set_batches
 
@@ -25,8 +30,13 @@ UNEVEN = {"train": [1000, 17, 300], "validation": [50, 41]}
 TOKENIZER_SHA = "ab" * 32
 
 
-def write_dataset(root: Path, splits: dict[str, list[int]], vocab: int = VOCAB, seed: int = 0,
-                  poison: tuple[str, int, int] | None = None) -> dict:
+def write_dataset(
+    root: Path,
+    splits: dict[str, list[int]],
+    vocab: int = VOCAB,
+    seed: int = 0,
+    poison: tuple[str, int, int] | None = None,
+) -> dict:
     """Shards of random sequences plus a hand-written manifest; returns {row bytes: (shard, index, starts)}.
     ``poison`` = (shard name, sequence, token id) writes one out-of-range id there."""
     rng = np.random.default_rng(seed)
@@ -42,22 +52,43 @@ def write_dataset(root: Path, splits: dict[str, list[int]], vocab: int = VOCAB, 
             starts = rng.random((n, SEQ_LEN)) < 0.6
             writer = ShardWriter(root / name, max(vocab, poison[2] + 1 if poison else 0))
             for lo in range(0, n, BLOCK):
-                writer.write_block(ids[lo:lo + BLOCK], starts[lo:lo + BLOCK])
+                writer.write_block(ids[lo : lo + BLOCK], starts[lo : lo + BLOCK])
             sha = writer.close()
             for i in range(n):
                 reference[ids[i].astype(np.int64).tobytes()] = (name, i, starts[i])
-            entries.append({"name": name, "split": split, "task": 0, "index": index, "sequences": n,
-                            "blocks": writer.blocks, "tokens": n * SEQ_LEN, "padding": 0,
-                            "bytes": (root / name).stat().st_size, "sha256": sha,
-                            "block_offsets": writer.block_offsets, "block_crc32": writer.block_crc32})
+            entries.append(
+                {
+                    "name": name,
+                    "split": split,
+                    "task": 0,
+                    "index": index,
+                    "sequences": n,
+                    "blocks": writer.blocks,
+                    "tokens": n * SEQ_LEN,
+                    "padding": 0,
+                    "bytes": (root / name).stat().st_size,
+                    "sha256": sha,
+                    "block_offsets": writer.block_offsets,
+                    "block_crc32": writer.block_crc32,
+                }
+            )
     manifest = {
-        "format_version": FORMAT_VERSION, "seq_len": SEQ_LEN, "block_size": BLOCK, "dtype": ids_dtype(vocab).name,
-        "tokenizer": {"path": "tokenizer", "sha256": TOKENIZER_SHA, "vocab_size": vocab, "lowercase": True,
-                      "special_ids": {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103},
-                      "special_tokens": {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]",
-                                         "mask": "[MASK]"}},
-        "num_tasks": 1, "shards": entries,
-        "totals": {s: {"shards": len(v), "sequences": sum(v)} for s, v in splits.items()}, "settings": {},
+        "format_version": FORMAT_VERSION,
+        "seq_len": SEQ_LEN,
+        "block_size": BLOCK,
+        "dtype": ids_dtype(vocab).name,
+        "tokenizer": {
+            "path": "tokenizer",
+            "sha256": TOKENIZER_SHA,
+            "vocab_size": vocab,
+            "lowercase": True,
+            "special_ids": {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103},
+            "special_tokens": {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"},
+        },
+        "num_tasks": 1,
+        "shards": entries,
+        "totals": {s: {"shards": len(v), "sequences": sum(v)} for s, v in splits.items()},
+        "settings": {},
     }
     write_json_atomic(root / "manifest.json", manifest)
     return reference
@@ -93,7 +124,7 @@ def stream(root, manifest, **kw):
 
 def test_batches_decode_to_exactly_the_written_sequences(uneven):
     root, manifest, reference = uneven
-    s = stream(root, manifest)                        # 1 rank x micro-batch 8 x accumulation 4
+    s = stream(root, manifest)  # 1 rank x micro-batch 8 x accumulation 4
     assert s.sequences_in_split == 1317 and s.steps_per_epoch == 1317 // 32 == 41 and s.grad_accum == 4
     assert s.tokens_per_batch == 8 * SEQ_LEN and s.dropped_per_epoch == 1317 - 41 * 32 == 5
     seen, batches = [], iter(s)
@@ -103,12 +134,12 @@ def test_batches_decode_to_exactly_the_written_sequences(uneven):
         assert batch["word_starts"].dtype == torch.bool and batch["word_starts"].shape == (8, SEQ_LEN)
         assert batch["sample_ids"].dtype == torch.int64 and batch["sample_ids"].shape == (8,)
         assert (batch["global_step"], batch["micro_step"], batch["epoch"]) == (j // 4, j % 4, 0)
-        assert batch["has_padding"] is False                          # these shards hold no [PAD]
+        assert batch["has_padding"] is False  # these shards hold no [PAD]
         rows = rows_of(batch, reference)
-        assert rows == [s.describe_sample(i) for i in batch["sample_ids"].tolist()]   # ids name the bytes read
+        assert rows == [s.describe_sample(i) for i in batch["sample_ids"].tolist()]  # ids name the bytes read
         seen += rows
-        assert s.samples_consumed == (j + 1) // 4 * 32                # complete steps only
-    assert len(set(seen)) == len(seen) == 1312                        # one epoch: each sequence at most once
+        assert s.samples_consumed == (j + 1) // 4 * 32  # complete steps only
+    assert len(set(seen)) == len(seen) == 1312  # one epoch: each sequence at most once
     assert {name for name, _ in seen} == {shard_name("train", 0, i) for i in range(3)}
     assert s.state_dict()["epoch"] == 1 and s.global_step == 41
 
@@ -147,12 +178,12 @@ def test_resume_on_other_world_sizes_and_micro_batches_continues_the_same_sample
     manifest = load_manifest(shards)
     whole = TrainStream(shards, manifest, "train", 0, 1, G, G, SEED)
     per_epoch = whole.steps_per_epoch
-    leg = per_epoch // 2 + 1                          # three legs: the second crosses into epoch 1
+    leg = per_epoch // 2 + 1  # three legs: the second crosses into epoch 1
     reference, reference_rows, _ = run_job(shards, manifest, 1, G, 3 * leg)
     legs, rows, state = {}, {}, None
-    for world, micro, workers in ((2, 8, 0), (1, 8, 2), (2, 4, 0)):   # accumulation 2, 4, 4
+    for world, micro, workers in ((2, 8, 0), (1, 8, 2), (2, 4, 0)):  # accumulation 2, 4, 4
         got, got_rows, state = run_job(shards, manifest, world, micro, leg, state, workers)
-        assert sorted(got) == list(range(len(legs), len(legs) + leg))     # continues at the next step
+        assert sorted(got) == list(range(len(legs), len(legs) + leg))  # continues at the next step
         assert state["samples_consumed"] == (len(legs) + leg) * G
         legs.update(got)
         rows.update(got_rows)
@@ -164,8 +195,8 @@ def test_resume_on_other_world_sizes_and_micro_batches_continues_the_same_sample
     epoch0 = np.concatenate([legs[k] for k in range(per_epoch)])
     assert len(np.unique(epoch0)) == len(epoch0) == whole.sequences_in_split - whole.dropped_per_epoch
     epoch1 = np.concatenate([legs[k] for k in range(per_epoch, 3 * leg)])
-    assert len(np.unique(epoch1)) == len(epoch1)                      # new epoch: a fresh pass
-    assert not np.array_equal(epoch1, epoch0[:len(epoch1)])
+    assert len(np.unique(epoch1)) == len(epoch1)  # new epoch: a fresh pass
+    assert not np.array_equal(epoch1, epoch0[: len(epoch1)])
 
 
 def test_a_changed_global_batch_seed_or_data_is_refused(uneven, tmp_path):
@@ -174,13 +205,13 @@ def test_a_changed_global_batch_seed_or_data_is_refused(uneven, tmp_path):
     take(s, 3 * s.grad_accum)
     state = s.state_dict()
     assert state["samples_consumed"] == 96 and state["world"] == 2
-    other = stream(root, manifest, world=4, micro_batch=2)            # other layout, same global batch: fine
+    other = stream(root, manifest, world=4, micro_batch=2)  # other layout, same global batch: fine
     other.load_state_dict(state)
     assert other.global_step == 3
     with pytest.raises(DataError, match=r"global_batch: 32 in the checkpoint, 64 now") as err:
         stream(root, manifest, global_batch=64, seed=8).load_state_dict(state)
     assert "seed: 7 in the checkpoint, 8 now" in str(err.value)
-    copy = tmp_path / "data"                          # the same shards less one: other data
+    copy = tmp_path / "data"  # the same shards less one: other data
     shutil.copytree(root, copy)
     kept = tuple(e for e in manifest.shards if e.name != shard_name("train", 0, 1))
     fewer = dataclasses.replace(manifest, shards=kept)
@@ -195,9 +226,16 @@ def test_a_changed_global_batch_seed_or_data_is_refused(uneven, tmp_path):
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
 def test_any_number_of_workers_yields_the_identical_stream(uneven):
     root, manifest, _ = uneven
-    start = (41 - 2) * 32                             # crosses the epoch boundary
-    runs = [take(stream(root, manifest, rank=1, world=2, micro_batch=8, num_workers=w, prefetch_factor=2,
-                        start_samples=start), 8) for w in (0, 3)]
+    start = (41 - 2) * 32  # crosses the epoch boundary
+    runs = [
+        take(
+            stream(
+                root, manifest, rank=1, world=2, micro_batch=8, num_workers=w, prefetch_factor=2, start_samples=start
+            ),
+            8,
+        )
+        for w in (0, 3)
+    ]
     assert [b["global_step"] for b in runs[0]] == [39, 39, 40, 40, 41, 41, 42, 42]
     assert [b["epoch"] for b in runs[0]] == [0] * 4 + [1] * 4
     for x, y in zip(*runs):
@@ -215,13 +253,13 @@ def test_epochs_reshuffle_deterministically_and_steps_mix_blocks(uneven):
     assert all(np.array_equal(x, b.step_sample_ids(k)) for k, x in enumerate(epoch0))
     assert not np.array_equal(epoch0[0], other_seed.step_sample_ids(0))
     flat0, flat1 = np.concatenate(epoch0), np.concatenate(epoch1)
-    assert len(np.intersect1d(flat0, flat1)) >= 1317 - 2 * 5              # each epoch nearly the whole split
-    first_block = {int(i) // BLOCK for i in epoch0[0]}                    # sample ids in file order: ~block ids
-    assert len(first_block) >= 4                                          # a step mixes a window's blocks
+    assert len(np.intersect1d(flat0, flat1)) >= 1317 - 2 * 5  # each epoch nearly the whole split
+    first_block = {int(i) // BLOCK for i in epoch0[0]}  # sample ids in file order: ~block ids
+    assert len(first_block) >= 4  # a step mixes a window's blocks
     unshuffled = stream(root, manifest, shuffle_window_blocks=0)
     assert np.mean([len({int(i) // BLOCK for i in unshuffled.step_sample_ids(k)}) for k in range(spe)]) < 2
     same_step = sum(len(np.intersect1d(x, y)) for x, y in zip(epoch0, epoch1))
-    assert same_step < 100                                                # a new order, not the old one again
+    assert same_step < 100  # a new order, not the old one again
 
 
 def test_each_rank_reads_about_its_share_of_the_blocks(uneven, monkeypatch):
@@ -266,13 +304,13 @@ def test_resume_seek_reads_only_the_blocks_of_the_first_batch(uneven, monkeypatc
     real_read_span, real_index_shard = shard_reader.read_span, shard_reader.index_shard
     monkeypatch.setattr(shard_reader, "read_span", spy_read_span)
     monkeypatch.setattr(shard_reader, "index_shard", spy_index_shard)
-    s = stream(root, manifest, world=2, rank=1, micro_batch=4, start_samples=(41 + 20) * 32)   # deep in epoch 1
+    s = stream(root, manifest, world=2, rank=1, micro_batch=4, start_samples=(41 + 20) * 32)  # deep in epoch 1
     batch = take(s, 1)[0]
     assert batch["global_step"] == 61 and batch["micro_step"] == 0
     wanted = [s.describe_sample(i) for i in batch["sample_ids"].tolist()]
     assert rows_of(batch, reference) == wanted
     wanted_blocks = {(name, i // BLOCK) for name, i in wanted}
-    assert len(reads) == len(set(reads)) == len(wanted_blocks)      # each needed block once, nothing else
+    assert len(reads) == len(set(reads)) == len(wanted_blocks)  # each needed block once, nothing else
     offsets = {name: index_shard(root / name) for name in {n for n, _ in wanted}}
     assert {(name, offsets[name].index(off)) for name, off in reads} == wanted_blocks
     assert sorted(indexed) == ([] if recorded else sorted({name for name, _ in wanted}))
@@ -286,7 +324,7 @@ def test_has_padding_says_whether_a_batch_holds_pad_tokens(shards):
     for batch in take(s, s.steps_per_epoch):
         assert batch["has_padding"] is bool((batch["input_ids"] == pad).any())
         flags.append(batch["has_padding"])
-    assert 0 < sum(flags) < len(flags) / 4             # only a task's last sequence of a split is padded
+    assert 0 < sum(flags) < len(flags) / 4  # only a task's last sequence of a split is padded
 
 
 def test_an_out_of_range_token_id_names_shard_and_block(tmp_path, shards):
@@ -297,8 +335,10 @@ def test_an_out_of_range_token_id_names_shard_and_block(tmp_path, shards):
         with pytest.raises(TokenIdError) as err:
             for _ in take(stream(tmp_path / "poisoned", manifest, num_workers=workers), 41 * 4):
                 pass
-        assert str(err.value).startswith(str(tmp_path / "poisoned" / bad) + ": block 2 holds token id 30529 "
-                                         "(row 2, sequence 130 of the shard, position 5)"), err.value
+        assert str(err.value).startswith(
+            str(tmp_path / "poisoned" / bad) + ": block 2 holds token id 30529 "
+            "(row 2, sequence 130 of the shard, position 5)"
+        ), err.value
         assert "vocabulary has 30522 ids" in str(err.value) and "Traceback" not in str(err.value)
     # data_prep's shards under a manifest whose vocab_size was edited down: caught in training and evaluation.
     edited = tmp_path / "edited"
@@ -317,13 +357,16 @@ def test_a_damaged_tar_header_is_found_before_any_batch(shards, tmp_path):
     copy = tmp_path / "data"
     shutil.copytree(shards, copy)
     manifest = load_manifest(copy)
-    index_all_shards(copy, manifest, ["train", "validation"])         # intact: no error
+    index_all_shards(copy, manifest, ["train", "validation"])  # intact: no error
     victim = copy / next(e.name for e in manifest.shards_of("train") if e.blocks > 3)
     offsets = index_shard(victim)
-    with open(victim, "r+b") as f:                    # the header of block 2's first member; same size
+    with open(victim, "r+b") as f:  # the header of block 2's first member; same size
         f.seek(offsets[2])
         f.write(b"\xff" * 512)
-    with pytest.raises(ShardError, match=rf"1 shards with unreadable tar headers: {victim}: its tar headers list 2 blocks, the manifest says"):
+    with pytest.raises(
+        ShardError,
+        match=rf"1 shards with unreadable tar headers: {victim}: its tar headers list 2 blocks, the manifest says",
+    ):
         index_all_shards(copy, manifest, ["train"])
     index_all_shards(copy, manifest, ["validation"])  # only the splits asked for
     problems = check_manifest(manifest, copy, splits=("train", "validation"))
@@ -333,15 +376,25 @@ def test_a_damaged_tar_header_is_found_before_any_batch(shards, tmp_path):
 
 def test_manifest_problems_are_all_named(uneven, tmp_path):
     root, manifest, _ = uneven
-    assert check_manifest(manifest, root, splits=("train", "validation"), vocab_size=VOCAB,
-                          tokenizer_sha256=TOKENIZER_SHA, seq_len_max=SEQ_LEN) == []
+    assert (
+        check_manifest(
+            manifest,
+            root,
+            splits=("train", "validation"),
+            vocab_size=VOCAB,
+            tokenizer_sha256=TOKENIZER_SHA,
+            seq_len_max=SEQ_LEN,
+        )
+        == []
+    )
     copy = tmp_path / "data"
     shutil.copytree(root, copy)
     (copy / shard_name("train", 0, 1)).unlink()
     with open(copy / shard_name("train", 0, 2), "r+b") as f:
         f.truncate(4096)
-    problems = check_manifest(manifest, copy, splits=("train", "test"), vocab_size=28996,
-                              tokenizer_sha256="cd" * 32, seq_len_max=8)
+    problems = check_manifest(
+        manifest, copy, splits=("train", "test"), vocab_size=28996, tokenizer_sha256="cd" * 32, seq_len_max=8
+    )
     text = "\n".join(problems)
     assert len(problems) == 6, text
     assert "tokenizer sha256 ababababab" in text and "model's tokenizer is cdcdcdcdcdcd" in text
@@ -350,7 +403,7 @@ def test_manifest_problems_are_all_named(uneven, tmp_path):
     assert "split 'test' has no shards" in text
     assert f"1 shard files missing: {shard_name('train', 0, 1)}" in text
     assert f"{shard_name('train', 0, 2)} (4096 bytes, manifest says" in text
-    assert "max_position_embeddings 8" in check_manifest(manifest, root, max_positions=8)[0]   # train.py's name
+    assert "max_position_embeddings 8" in check_manifest(manifest, root, max_positions=8)[0]  # train.py's name
     # The stream checks files itself (cheaply) and names them before any worker starts.
     with pytest.raises(ShardError, match=shard_name("train", 0, 1)):
         stream(copy, manifest)
@@ -362,15 +415,18 @@ def test_corrupt_block_data_raises_shard_error_naming_it(uneven, tmp_path, check
     copy = tmp_path / "data"
     shutil.copytree(root, copy)
     victim = copy / shard_name("train", 0, 2)
-    with open(victim, "r+b") as f:                    # same size and headers, so only reading can notice
+    with open(victim, "r+b") as f:  # same size and headers, so only reading can notice
         f.seek(ids_payload(victim, 2)[0])
         f.write(b"\0" * 16)
     if not checksums:
         manifest = without_checksums(manifest)
     index_all_shards(copy, manifest, ["train"])
     s = stream(copy, manifest, num_workers=2)
-    said = (rf"^{victim}: block 2: its bytes are not those data prep wrote \(CRC-32" if checksums
-            else rf"^{victim}: block 2 cannot be decoded")
+    said = (
+        rf"^{victim}: block 2: its bytes are not those data prep wrote \(CRC-32"
+        if checksums
+        else rf"^{victim}: block 2 cannot be decoded"
+    )
     with pytest.raises(ShardError, match=said):
         for _ in take(s, 41 * 4):
             pass
@@ -398,19 +454,19 @@ def test_a_block_edited_after_finalize_that_still_decodes_is_never_trained_on(sh
         start, size = ids_payload(victim, 0)
         with open(victim, "r+b") as f:
             f.seek(start)
-            header = f.read(128)                          # the .npy header, then uint16 ids
+            header = f.read(128)  # the .npy header, then uint16 ids
             ids = np.frombuffer(f.read(size - 128), dtype=np.uint16).copy()
             ids[ids > 5] -= 1
             f.seek(start + 128)
             f.write(ids.tobytes())
         assert header.startswith(b"\x93NUMPY")
-    check_manifest(manifest, copy, splits=("train", "validation"))     # sizes and headers: all as recorded
+    check_manifest(manifest, copy, splits=("train", "validation"))  # sizes and headers: all as recorded
     with pytest.raises(ShardError, match=r"train-[\w-]+\.tar: block 0: its bytes are not those data prep wrote"):
         epoch = TrainStream(copy, manifest, "train", 0, 1, 8, 8, SEED)
         take(epoch, epoch.steps_per_epoch)
     with pytest.raises(ShardError, match=r"validation-[\w-]+\.tar: block 0: its bytes are not those"):
         list(eval_set_batches(copy, manifest, "validation", 0, 1, 8, 0))
-    take(TrainStream(copy, without_checksums(manifest), "train", 0, 1, 8, 8, SEED), 3)   # not seen there
+    take(TrainStream(copy, without_checksums(manifest), "train", 0, 1, 8, 8, SEED), 3)  # not seen there
 
 
 def test_too_small_split_is_a_clear_error_not_a_hang(tmp_path):
@@ -430,13 +486,17 @@ def test_eval_set_batches_are_fixed_disjoint_and_in_step_per_rank(uneven):
     for rank in range(world):
         batches = list(eval_set_batches(root, manifest, "validation", rank, world, micro, 0))
         sizes = [len(b["input_ids"]) for b in batches]
-        assert sizes == ([8] * 5 + [5], [8] * 5 + [6])[rank]                  # 91 = 45 + 46, 6 batches each
+        assert sizes == ([8] * 5 + [5], [8] * 5 + [6])[rank]  # 91 = 45 + 46, 6 batches each
         per_rank[rank] = [r for b in batches for r in rows_of(b, reference)]
         ids = torch.cat([b["sample_ids"] for b in batches]).tolist()
-        assert ids == list(range(rank * 45, 45 + rank * 46))                 # file order, rank's contiguous part
-    assert per_rank[0][0] == (shard_name("validation", 0, 0), 0)             # file order, no shuffle
+        assert ids == list(range(rank * 45, 45 + rank * 46))  # file order, rank's contiguous part
+    assert per_rank[0][0] == (shard_name("validation", 0, 0), 0)  # file order, no shuffle
     union = per_rank[0] + per_rank[1]
     assert len(set(union)) == len(union) == 91
-    first = [r for rank in range(world) for b in eval_set_batches(root, manifest, "validation", rank, world, micro, 32)
-             for r in rows_of(b, reference)]
-    assert first == union[:32]                                               # a smaller set: the first sequences
+    first = [
+        r
+        for rank in range(world)
+        for b in eval_set_batches(root, manifest, "validation", rank, world, micro, 32)
+        for r in rows_of(b, reference)
+    ]
+    assert first == union[:32]  # a smaller set: the first sequences

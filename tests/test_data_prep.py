@@ -1,4 +1,5 @@
 """data_prep shard: real Wikipedia text in, shards out; decoded against the tokenizer and a reference packer."""
+
 from __future__ import annotations
 
 import gzip
@@ -26,8 +27,14 @@ GROUP_CHARS = 100_000  # several packing groups per file of the sample corpus
 
 
 def cli(*args, check=True, env=None):
-    proc = subprocess.run([sys.executable, "-m", "data_prep", *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "data_prep", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"data_prep {args} exited {proc.returncode}:\n{proc.stderr}")
     return proc
@@ -88,11 +95,15 @@ def reference_pack(doc_ids, doc_starts, seq_len, cls, sep, pad):
         if stream[p][2]:
             p += 1
             continue
-        piece = stream[p:p + body]
+        piece = stream[p : p + body]
         p += body
         pad_n = body - len(piece)
-        seqs.append(([cls] + [t for t, _, _ in piece] + [sep] + [pad] * pad_n,
-                     [True] + [s for _, s, _ in piece] + [True] * (1 + pad_n)))
+        seqs.append(
+            (
+                [cls] + [t for t, _, _ in piece] + [sep] + [pad] * pad_n,
+                [True] + [s for _, s, _ in piece] + [True] * (1 + pad_n),
+            )
+        )
     return np.array([s[0] for s in seqs]), np.array([s[1] for s in seqs])
 
 
@@ -116,15 +127,23 @@ def wiki_groups(wiki_txt_dir):
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory, wiki_txt_dir, bert_uncased_dir):
-    return shard([wiki_txt_dir / "*.txt"], bert_uncased_dir, tmp_path_factory.mktemp("sharded") / "out",
-                 seq_len=SEQ_LEN, shard_size=256, seed=11, group_chars=GROUP_CHARS)
+    return shard(
+        [wiki_txt_dir / "*.txt"],
+        bert_uncased_dir,
+        tmp_path_factory.mktemp("sharded") / "out",
+        seq_len=SEQ_LEN,
+        shard_size=256,
+        seed=11,
+        group_chars=GROUP_CHARS,
+    )
 
 
 def test_packer_rule_on_a_small_stream():
     # docs of 5, 3, 2, 4 tokens; body = 6 - 2 = 4
     docs = [[10, 11, 12, 13, 14], [20, 21, 22], [30, 31], [40, 41, 42, 43]]
-    enc = Encoded(np.array([t for d in docs for t in d], np.uint32), np.ones(14, bool),
-                  np.array([len(d) for d in docs]))
+    enc = Encoded(
+        np.array([t for d in docs for t in d], np.uint32), np.ones(14, bool), np.array([len(d) for d in docs])
+    )
     p = Packer(6, cls_id=1, sep_id=2, pad_id=0, dtype=np.uint16)
     out = p.add(enc, np.arange(4))
     last = p.finish()
@@ -132,7 +151,7 @@ def test_packer_rule_on_a_small_stream():
     assert got == [
         [1, 10, 11, 12, 13, 2],
         [1, 14, 2, 20, 21, 2],
-        [1, 22, 2, 30, 31, 2],   # doc 2 ends the body: its separator opens nothing, it is dropped
+        [1, 22, 2, 30, 31, 2],  # doc 2 ends the body: its separator opens nothing, it is dropped
         [1, 40, 41, 42, 43, 2],
     ]
     # the stream ended on a body boundary: nothing left to pad; each sequence knows where the stream stands
@@ -155,8 +174,10 @@ def test_shards_equal_the_tokenizer_output_packed(sharded, wiki_groups, hf_token
     for docs in wiki_groups:  # each group packed on its own, groups in order
         enc = hf_tokenizer(docs, add_special_tokens=False, padding=False, truncation=False)
         doc_ids = enc["input_ids"]
-        doc_starts = [[w != (ws[i - 1] if i else None) for i, w in enumerate(ws)]
-                      for ws in (enc.word_ids(i) for i in range(len(docs)))]
+        doc_starts = [
+            [w != (ws[i - 1] if i else None) for i, w in enumerate(ws)]
+            for ws in (enc.word_ids(i) for i in range(len(docs)))
+        ]
         g_ids, g_starts = reference_pack(doc_ids, doc_starts, SEQ_LEN, sp["cls"], sp["sep"], sp["pad"])
         ref_ids.append(g_ids)
         ref_starts.append(g_starts)
@@ -193,7 +214,7 @@ def test_word_start_bits_for_words_split_into_pieces(sharded, bert_uncased_dir):
             words[(a, b, c)] += 1
     (a, b, c), _ = words.most_common(1)[0]
     pos = next(i for i in range(len(flat_ids) - 2) if (flat_ids[i], flat_ids[i + 1], flat_ids[i + 2]) == (a, b, c))
-    assert flat_starts[pos: pos + 3].tolist() == [True, False, False]
+    assert flat_starts[pos : pos + 3].tolist() == [True, False, False]
     # "mesopotamian" is one of the articles' words and splits into two pieces
     enc = tok.encode(["Mesopotamian"])
     assert [inverse[i] for i in enc.ids] == ["mesopotamia", "##n"] and enc.starts.tolist() == [True, False]
@@ -264,10 +285,15 @@ def test_inputs_in_every_format_give_identical_shards(tmp_path, wiki_txt_dir, be
             f.write(p.read_bytes())
     (tmp_path / "one.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ds["text"]))
     digests = {}
-    for name, inp in [("txt", wiki_txt_dir / "*.txt"), ("jsonl", tmp_path / "jsonl"),
-                      ("parquet", tmp_path / "parquet" / "*.parquet"), ("txt.gz", tmp_path / "gz"),
-                      ("saved", tmp_path / "saved"), ("json-array", tmp_path / "array.json"),
-                      ("one-jsonl", tmp_path / "one.jsonl")]:
+    for name, inp in [
+        ("txt", wiki_txt_dir / "*.txt"),
+        ("jsonl", tmp_path / "jsonl"),
+        ("parquet", tmp_path / "parquet" / "*.parquet"),
+        ("txt.gz", tmp_path / "gz"),
+        ("saved", tmp_path / "saved"),
+        ("json-array", tmp_path / "array.json"),
+        ("one-jsonl", tmp_path / "one.jsonl"),
+    ]:
         out = shard([inp], bert_uncased_dir, tmp_path / f"out-{name}", shard_size=10_000)
         m = json.loads((out / "task-00000.json").read_text())
         assert m["totals"]["train"]["documents"] == 1000
@@ -288,15 +314,31 @@ def test_validation_split_is_by_document_and_deterministic(tmp_path, wiki_txt_di
     val_ids, _ = stream_order(out, "validation")
     assert (val_ids == 0).any(axis=1).sum() <= len(m["groups"])  # only a group's last sequence is padded
     again = shard([wiki_txt_dir], bert_uncased_dir, tmp_path / "b", validation_fraction=0.1, seed=5, shard_size=512)
-    assert [e["sha256"] for e in json.loads((again / "task-00000.json").read_text())["shards"]] == \
-           [e["sha256"] for e in m["shards"]]
+    assert [e["sha256"] for e in json.loads((again / "task-00000.json").read_text())["shards"]] == [
+        e["sha256"] for e in m["shards"]
+    ]
 
 
 @pytest.mark.slow
 def test_cli_end_to_end_with_finalize_verify_inspect(tmp_path, wiki_txt_dir, bert_uncased_dir):
     out = tmp_path / "out"
-    proc = cli("shard", "--input", wiki_txt_dir / "*.txt", "--tokenizer", bert_uncased_dir, "--out", out,
-               "--shard-size", 300, "--validation-fraction", 0.05, "--log-every", 0, "--seed", 2)
+    proc = cli(
+        "shard",
+        "--input",
+        wiki_txt_dir / "*.txt",
+        "--tokenizer",
+        bert_uncased_dir,
+        "--out",
+        out,
+        "--shard-size",
+        300,
+        "--validation-fraction",
+        0.05,
+        "--log-every",
+        0,
+        "--seed",
+        2,
+    )
     assert "tokens/s" in proc.stderr and "\r" not in proc.stderr  # plain log lines, not a bar, off a terminal
     assert "manifest.json" in cli("finalize", out).stdout
     m = load_manifest(out)
@@ -323,8 +365,13 @@ def test_trained_tokenizer_loads_with_autotokenizer_and_shards(tmp_path, wiki_tx
 
     cli("tokenizer", "--input", wiki_txt_dir / "*.txt", "--out", tmp_path / "tok", "--vocab-size", 3000, "--lowercase")
     hf = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
-    assert [hf.pad_token, hf.unk_token, hf.cls_token, hf.sep_token, hf.mask_token] == \
-           ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    assert [hf.pad_token, hf.unk_token, hf.cls_token, hf.sep_token, hf.mask_token] == [
+        "[PAD]",
+        "[UNK]",
+        "[CLS]",
+        "[SEP]",
+        "[MASK]",
+    ]
     ids = hf("The Mesopotamian Empire")["input_ids"]
     assert ids[0] == hf.cls_token_id and ids[-1] == hf.sep_token_id and hf.unk_token_id not in ids
     assert hf.decode(ids[1:-1]).startswith("the mesopotamian")

@@ -1,4 +1,5 @@
 """data_prep as a Slurm array job: task partitioning, re-runs, killed tasks, finalize, verify, and errors."""
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,16 @@ GROUP_CHARS = 60_000  # 2 to 3 packing groups per file of the sample corpus
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, wiki_txt_dir, bert_uncased_dir):
-    return run_tasks([wiki_txt_dir], bert_uncased_dir, tmp_path_factory.mktemp("single") / "out", 1,
-                     shard_size=256, validation_fraction=0.1, seed=7, group_chars=GROUP_CHARS)
+    return run_tasks(
+        [wiki_txt_dir],
+        bert_uncased_dir,
+        tmp_path_factory.mktemp("single") / "out",
+        1,
+        shard_size=256,
+        validation_fraction=0.1,
+        seed=7,
+        group_chars=GROUP_CHARS,
+    )
 
 
 def tar_digests(out: Path) -> dict[str, str]:
@@ -62,8 +71,17 @@ def tar_digests(out: Path) -> dict[str, str]:
 @pytest.mark.parametrize("partition", ["files", "documents"])
 def test_any_number_of_tasks_writes_the_same_shards(tmp_path, single, wiki_txt_dir, bert_uncased_dir, partition):
     """The dataset is a function of (input, tokenizer, settings): 3 tasks write the very files 1 task writes."""
-    out = run_tasks([wiki_txt_dir], bert_uncased_dir, tmp_path / "out", 3, shard_size=256,
-                    validation_fraction=0.1, seed=7, partition=partition, group_chars=GROUP_CHARS)
+    out = run_tasks(
+        [wiki_txt_dir],
+        bert_uncased_dir,
+        tmp_path / "out",
+        3,
+        shard_size=256,
+        validation_fraction=0.1,
+        seed=7,
+        partition=partition,
+        group_chars=GROUP_CHARS,
+    )
     m, one = load_manifest(out), load_manifest(single)
     assert m.num_tasks == 3 and one.num_tasks == 1
     # byte for byte: the same shard files, listed in the same order with the same counts
@@ -73,7 +91,8 @@ def test_any_number_of_tasks_writes_the_same_shards(tmp_path, single, wiki_txt_d
     tasks = [json.loads((out / f"task-{i:05d}.json").read_text()) for i in range(3)]
     owned = [tuple(g) for t in tasks for g in t["groups"]]
     assert all(t["groups"] for t in tasks) and len(owned) == len(set(owned)) == len(
-        {(e.source, e.group) for e in one.shards})
+        {(e.source, e.group) for e in one.shards}
+    )
     assert sorted(e["name"] for t in tasks for e in t["shards"]) == sorted(e.name for e in one.shards)
     sources = resolve_inputs([str(wiki_txt_dir)])
     assert resolve_partition(partition, len(sources), 3) == partition
@@ -92,9 +111,32 @@ def test_task_count_does_not_change_the_dataset_through_the_cli(tmp_path, bert_u
     for k in (1, 2, 5):
         out = tmp_path / f"k{k}"
         for i in range(k):
-            assert main(["shard", "--input", str(big), "--tokenizer", str(bert_uncased_dir), "--out", str(out),
-                         "--num-tasks", str(k), "--task-index", str(i), "--group-chars", "100000",
-                         "--shard-size", "200", "--validation-fraction", "0.05", "--seq-len", "64"]) == 0
+            assert (
+                main(
+                    [
+                        "shard",
+                        "--input",
+                        str(big),
+                        "--tokenizer",
+                        str(bert_uncased_dir),
+                        "--out",
+                        str(out),
+                        "--num-tasks",
+                        str(k),
+                        "--task-index",
+                        str(i),
+                        "--group-chars",
+                        "100000",
+                        "--shard-size",
+                        "200",
+                        "--validation-fraction",
+                        "0.05",
+                        "--seq-len",
+                        "64",
+                    ]
+                )
+                == 0
+            )
         assert main(["finalize", str(out)]) == 0
         digests[k] = tar_digests(out)
         assert load_manifest(out).shards == load_manifest(tmp_path / "k1").shards
@@ -105,21 +147,49 @@ def test_task_count_does_not_change_the_dataset_through_the_cli(tmp_path, bert_u
 def test_concurrent_array_tasks_share_one_output_folder(tmp_path, single, wiki_txt_dir, bert_uncased_dir):
     """Three tasks started at once, as Slurm does: they race to install the tokenizer copy."""
     out = tmp_path / "out"
-    procs = [subprocess.Popen([sys.executable, "-m", "data_prep", "shard", "--input", str(wiki_txt_dir),
-                               "--tokenizer", str(bert_uncased_dir), "--out", str(out), "--shard-size", "256",
-                               "--validation-fraction", "0.1", "--seed", "7", "--group-chars", str(GROUP_CHARS)],
-                              cwd=REPO,
-                              stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_ID": str(i)})
-             for i in range(3)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "data_prep",
+                "shard",
+                "--input",
+                str(wiki_txt_dir),
+                "--tokenizer",
+                str(bert_uncased_dir),
+                "--out",
+                str(out),
+                "--shard-size",
+                "256",
+                "--validation-fraction",
+                "0.1",
+                "--seed",
+                "7",
+                "--group-chars",
+                str(GROUP_CHARS),
+            ],
+            cwd=REPO,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_ID": str(i)},
+        )
+        for i in range(3)
+    ]
     for p in procs:
         assert p.wait(timeout=300) == 0, p.stderr.read()
-    proc = subprocess.run([sys.executable, "-m", "data_prep", "finalize", str(out)], cwd=REPO, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "data_prep", "finalize", str(out)], cwd=REPO, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     assert verify(out) == [] and tar_digests(out) == tar_digests(single)
-    assert sorted(p.name for p in out.iterdir() if not p.suffix == ".tar") == \
-           ["manifest.json", "task-00000.json", "task-00001.json", "task-00002.json", "tokenizer"]
+    assert sorted(p.name for p in out.iterdir() if not p.suffix == ".tar") == [
+        "manifest.json",
+        "task-00000.json",
+        "task-00001.json",
+        "task-00002.json",
+        "tokenizer",
+    ]
 
 
 def test_rerun_is_idempotent_and_refuses_other_settings(tmp_path, wiki_txt_dir, bert_uncased_dir):
@@ -158,10 +228,34 @@ def test_kill_after_first_shards_then_rerun_reuses_them(tmp_path, wiki_txt_dir, 
     whole = tmp_path / "whole"
     full = run_shard(settings([wiki_txt_dir], bert_uncased_dir, whole, **kw))
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "data_prep", "shard", "--input", str(wiki_txt_dir),
-                             "--tokenizer", str(bert_uncased_dir), "--out", str(out), "--num-tasks", "1",
-                             "--task-index", "0", "--shard-size", "64", "--validation-fraction", "0.15",
-                             "--seed", "3", "--batch-chars", "20000"], cwd=REPO, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "data_prep",
+            "shard",
+            "--input",
+            str(wiki_txt_dir),
+            "--tokenizer",
+            str(bert_uncased_dir),
+            "--out",
+            str(out),
+            "--num-tasks",
+            "1",
+            "--task-index",
+            "0",
+            "--shard-size",
+            "64",
+            "--validation-fraction",
+            "0.15",
+            "--seed",
+            "3",
+            "--batch-chars",
+            "20000",
+        ],
+        cwd=REPO,
+        stderr=subprocess.DEVNULL,
+    )
     sidecar = out / ".progress-t00000" / "train-s00000-g00000-00002.tar.json"
     deadline = time.time() + 120
     while not sidecar.exists() and proc.poll() is None and time.time() < deadline:
@@ -234,9 +328,10 @@ def test_verify_names_every_bad_shard(tmp_path, wiki_txt_dir, bert_uncased_dir):
     assert any(p.startswith(f"{truncated}:") and "bytes" in p for p in problems)
     assert any(p.startswith(f"{flipped}:") and "sha256" in p for p in problems)
     assert any(p.startswith(f"{missing}:") and "missing" in p for p in problems)
-    proc = subprocess.run([sys.executable, "-m", "data_prep", "verify", str(out)], cwd=REPO,
-                          capture_output=True, text=True)
-    assert proc.returncode == 2            # bad input: the trainer refuses these shards too
+    proc = subprocess.run(
+        [sys.executable, "-m", "data_prep", "verify", str(out)], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 2  # bad input: the trainer refuses these shards too
     assert all(n in proc.stderr for n in (truncated, flipped, missing)) and names[3] not in proc.stderr
 
 
@@ -246,7 +341,7 @@ def _rewrite_shard(out: Path, name: str, edit) -> None:
     from data_prep.common.atomic import write_json_atomic
     from data_prep.common.shards import ShardWriter
 
-    m = load_manifest(out).to_dict()           # edited and written back as JSON
+    m = load_manifest(out).to_dict()  # edited and written back as JSON
     blocks = list(iter_blocks(out / name, m["seq_len"]))
     writer = ShardWriter(out / name, m["tokenizer"]["vocab_size"])
     for b, (ids, starts) in enumerate(blocks):
@@ -254,8 +349,12 @@ def _rewrite_shard(out: Path, name: str, edit) -> None:
         writer.write_block(ids, starts)
     digest = writer.close()
     entry = next(e for e in m["shards"] if e["name"] == name)
-    entry.update(sha256=digest, bytes=(out / name).stat().st_size, block_offsets=writer.block_offsets,
-                 block_crc32=writer.block_crc32)
+    entry.update(
+        sha256=digest,
+        bytes=(out / name).stat().st_size,
+        block_offsets=writer.block_offsets,
+        block_crc32=writer.block_crc32,
+    )
     write_json_atomic(out / "manifest.json", m)
 
 
@@ -267,16 +366,19 @@ def test_verify_checks_ids_and_vocab_size_against_the_tokenizer(tmp_path, wiki_t
 
     def put_bad_id(block, ids):
         if block == 1:
-            ids[3, 7] = 30522      # the first id past bert-base-uncased's vocabulary; uint16 holds it
+            ids[3, 7] = 30522  # the first id past bert-base-uncased's vocabulary; uint16 holds it
             ids[5, 0] = 40000
 
     _rewrite_shard(out, names[2], put_bad_id)
     report = verify_report(out)
     assert report.damaged == [] and len(report.mismatched) == 1, report
-    assert report.mismatched[0] == (f"{names[2]}: block 1, sequence 3, position 7: token id 30522 is outside the "
-                                    "tokenizer's vocabulary of 30522 (2 such id(s) in this shard)")
-    proc = subprocess.run([sys.executable, "-m", "data_prep", "verify", str(out)], cwd=REPO, capture_output=True,
-                          text=True)
+    assert report.mismatched[0] == (
+        f"{names[2]}: block 1, sequence 3, position 7: token id 30522 is outside the "
+        "tokenizer's vocabulary of 30522 (2 such id(s) in this shard)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "data_prep", "verify", str(out)], cwd=REPO, capture_output=True, text=True
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"{names[2]}: block 1, sequence 3" in proc.stderr and names[3] not in proc.stderr
 
@@ -284,16 +386,20 @@ def test_verify_checks_ids_and_vocab_size_against_the_tokenizer(tmp_path, wiki_t
     m = load_manifest(out).to_dict()
     m["tokenizer"]["vocab_size"] = 30000
     (out / "manifest.json").write_text(json.dumps(m))
-    proc = subprocess.run([sys.executable, "-m", "data_prep", "verify", str(out)], cwd=REPO, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "data_prep", "verify", str(out)], cwd=REPO, capture_output=True, text=True
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert f"{out / 'manifest.json'}: vocab_size 30000, but the tokenizer in {out / 'tokenizer'} has 30522 tokens" \
+    assert (
+        f"{out / 'manifest.json'}: vocab_size 30000, but the tokenizer in {out / 'tokenizer'} has 30522 tokens"
         in proc.stderr
+    )
     # a manifest that lost a key the checks need: a message, not a KeyError
     del m["tokenizer"]["special_ids"]
     (out / "manifest.json").write_text(json.dumps(m))
-    proc = subprocess.run([sys.executable, "-m", "data_prep", "verify", str(out)], cwd=REPO, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "data_prep", "verify", str(out)], cwd=REPO, capture_output=True, text=True
+    )
     assert proc.returncode == 2 and "tokenizer.special_ids: missing" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -332,8 +438,25 @@ def test_shipped_data_configs_load_and_run(tmp_path, wiki_txt_dir, bert_uncased_
     with pytest.raises(DataPrepError, match=r"shard_sise: unknown setting(.|\n)*seed: expected int"):
         load_settings_file(bad)
     out = tmp_path / "out"
-    code = main(["shard", "--config", str(files[0]), "--input", str(wiki_txt_dir), "--tokenizer",
-                 str(bert_uncased_dir), "--out", str(out), "--seq-len", "64", "--num-tasks", "1", "--task-index", "0"])
+    code = main(
+        [
+            "shard",
+            "--config",
+            str(files[0]),
+            "--input",
+            str(wiki_txt_dir),
+            "--tokenizer",
+            str(bert_uncased_dir),
+            "--out",
+            str(out),
+            "--seq-len",
+            "64",
+            "--num-tasks",
+            "1",
+            "--task-index",
+            "0",
+        ]
+    )
     assert code == 0
     m = json.loads((out / "task-00000.json").read_text())
     assert m["seq_len"] == 64 and m["settings"]["shard_size"] == load_settings_file(files[0])["shard_size"]
@@ -341,11 +464,38 @@ def test_shipped_data_configs_load_and_run(tmp_path, wiki_txt_dir, bert_uncased_
 
 @pytest.mark.slow
 def test_worker_processes_write_the_same_bytes(tmp_path, wiki_txt_dir, bert_uncased_dir):
-    common = ["shard", "--input", str(wiki_txt_dir), "--tokenizer", str(bert_uncased_dir), "--num-tasks", "1",
-              "--task-index", "0", "--shard-size", "256", "--batch-chars", "50000"]
+    common = [
+        "shard",
+        "--input",
+        str(wiki_txt_dir),
+        "--tokenizer",
+        str(bert_uncased_dir),
+        "--num-tasks",
+        "1",
+        "--task-index",
+        "0",
+        "--shard-size",
+        "256",
+        "--batch-chars",
+        "50000",
+    ]
     for workers in (1, 2):
-        proc = subprocess.run([sys.executable, "-m", "data_prep", *common, "--out", str(tmp_path / f"w{workers}"),
-                               "--workers", str(workers)], cwd=REPO, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "data_prep",
+                *common,
+                "--out",
+                str(tmp_path / f"w{workers}"),
+                "--workers",
+                str(workers),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr
     assert files_digest(tmp_path / "w1") == files_digest(tmp_path / "w2")
 
@@ -384,15 +534,30 @@ def test_errors_name_the_file_line_or_task(tmp_path, capsys, bert_uncased_dir):
     ok.write_text("A real sentence.\n")
     assert "--seq-len 2 is too small" in _error(capsys, base + ["--input", str(ok), "--seq-len", "2"])
     assert "--task-index 5 is out of range for 2 task(s)" in _error(
-        capsys, ["shard", "--tokenizer", tok, "--out", str(tmp_path / "o"), "--input", str(ok),
-                 "--num-tasks", "2", "--task-index", "5"])
+        capsys,
+        [
+            "shard",
+            "--tokenizer",
+            tok,
+            "--out",
+            str(tmp_path / "o"),
+            "--input",
+            str(ok),
+            "--num-tasks",
+            "2",
+            "--task-index",
+            "5",
+        ],
+    )
 
     no_mask = tmp_path / "no_mask_tok"
     _tokenizer_without_mask(no_mask)
     assert f"{no_mask}: tokenizer has no [MASK] token (mask)" in _error(
-        capsys, ["shard", "--tokenizer", str(no_mask), "--out", str(tmp_path / "o2"), "--input", str(ok)])
+        capsys, ["shard", "--tokenizer", str(no_mask), "--out", str(tmp_path / "o2"), "--input", str(ok)]
+    )
     assert "has no tokenizer.json" in _error(
-        capsys, ["shard", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o3"), "--input", str(ok)])
+        capsys, ["shard", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o3"), "--input", str(ok)]
+    )
 
 
 def test_damaged_gzip_input_is_named_with_advice_that_fits(tmp_path, capsys, wiki_txt_dir, bert_uncased_dir):
@@ -411,17 +576,27 @@ def test_damaged_gzip_input_is_named_with_advice_that_fits(tmp_path, capsys, wik
     for name, (data, message) in cases.items():
         path = tmp_path / name
         path.write_bytes(data)
-        for argv in (["shard", "--tokenizer", str(bert_uncased_dir), "--out", str(tmp_path / f"out-{name}"),
-                      "--input", str(path)],
-                     ["tokenizer", "--input", str(path), "--out", str(tmp_path / f"tok-{name}"),
-                      "--vocab-size", "200"]):
+        for argv in (
+            [
+                "shard",
+                "--tokenizer",
+                str(bert_uncased_dir),
+                "--out",
+                str(tmp_path / f"out-{name}"),
+                "--input",
+                str(path),
+            ],
+            ["tokenizer", "--input", str(path), "--out", str(tmp_path / f"tok-{name}"), "--vocab-size", "200"],
+        ):
             err = _error(capsys, argv)
             assert f"{path}: {message}" in err and "UTF-8" not in err, (argv, err)
     # a sound gzip of text in another encoding still gets the encoding advice
     latin = tmp_path / "latin1.txt.gz"
     latin.write_bytes(gzip.compress("first line\n\nsecond doc\ncaf\xe9 au lait\n".encode("latin-1")))
-    err = _error(capsys, ["shard", "--tokenizer", str(bert_uncased_dir), "--out", str(tmp_path / "o-latin"),
-                          "--input", str(latin)])
+    err = _error(
+        capsys,
+        ["shard", "--tokenizer", str(bert_uncased_dir), "--out", str(tmp_path / "o-latin"), "--input", str(latin)],
+    )
     assert f"{latin}: line 4 (byte offset 26): not valid UTF-8" in err and "convert the file to UTF-8" in err
 
 
@@ -448,18 +623,35 @@ def _tokenizer_without_mask(folder: Path) -> None:
 def test_finalize_error_through_the_real_entry_point(tmp_path, wiki_txt_dir, bert_uncased_dir):
     out = tmp_path / "out"
     run_shard(settings([wiki_txt_dir], bert_uncased_dir, out, num_tasks=3, task_index=1))
-    proc = subprocess.run([sys.executable, "-m", "data_prep", "finalize", str(out)], cwd=REPO,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "data_prep", "finalize", str(out)], cwd=REPO, capture_output=True, text=True
+    )
     assert proc.returncode == 2
     assert "incomplete: 2 of 3 tasks have no task manifest (missing task indices: 0, 2)" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "data_prep", "shard", "--input", str(wiki_txt_dir),
-                           "--tokenizer", str(bert_uncased_dir), "--out", str(out)], cwd=REPO, capture_output=True,
-                          text=True, env={**os.environ, "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_ID": "7"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data_prep",
+            "shard",
+            "--input",
+            str(wiki_txt_dir),
+            "--tokenizer",
+            str(bert_uncased_dir),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_ID": "7"},
+    )
     assert proc.returncode == 2 and "task index 7" in proc.stderr and "out of range for 3" in proc.stderr
 
 
-def test_an_input_edited_without_changing_its_size_is_not_taken_for_the_old_one(tmp_path, wiki_txt_dir,
-                                                                               bert_uncased_dir):
+def test_an_input_edited_without_changing_its_size_is_not_taken_for_the_old_one(
+    tmp_path, wiki_txt_dir, bert_uncased_dir
+):
     """Inputs were identified by path and size: an edit that kept the size answered "exists with the
     same settings, nothing to do" and kept shards of the old text. Now by content: a touched but
     unchanged input is still skipped, an edited one refused naming it, and a task written before
@@ -473,15 +665,15 @@ def test_an_input_edited_without_changing_its_size_is_not_taken_for_the_old_one(
     first = run_shard(settings([inputs], bert_uncased_dir, out, shard_size=256))
     assert not first.skipped
     victim = sorted(inputs.glob("*.txt"))[0]
-    os.utime(victim, (1, 1))                                         # touched: same content
+    os.utime(victim, (1, 1))  # touched: same content
     assert run_shard(settings([inputs], bert_uncased_dir, out, shard_size=256)).skipped
     text = victim.read_text()
-    victim.write_text(text.replace("the", "teh", 1))                  # same size, other words
+    victim.write_text(text.replace("the", "teh", 1))  # same size, other words
     assert victim.stat().st_size == len(text.encode())
     with pytest.raises(DataPrepError, match=rf"different settings \(inputs changed since: {victim}\)"):
         run_shard(settings([inputs], bert_uncased_dir, out, shard_size=256))
     victim.write_text(text)
-    task = out / "task-00000.json"                                     # as written before fingerprints
+    task = out / "task-00000.json"  # as written before fingerprints
     raw = json.loads(task.read_text())
     for src in raw["settings"]["sources"]:
         del src["fingerprint"]

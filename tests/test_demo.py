@@ -10,6 +10,7 @@ seeds (0.094 and 0.098 on the uncleaned corpus) against the ~0.083 this test ask
 
 Time: about 2-4 minutes: the README's main job itself, through its real script and launcher,
 data preparation and the 6-layer encoder included."""
+
 from __future__ import annotations
 
 import os
@@ -26,15 +27,33 @@ pytestmark = pytest.mark.slow
 
 def test_demo_learns_and_beats_its_baselines(tmp_path):
     env = {**os.environ, "WORK": str(tmp_path / "data"), "RUN": str(tmp_path / "run"), "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(["bash", "launchers/demo.sh", "train.max_steps=30", "optim.warmup_steps=4", "train.checkpoint_every=0"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        ["bash", "launchers/demo.sh", "train.max_steps=30", "optim.warmup_steps=4", "train.checkpoint_every=0"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
     assert len(re.findall(r"^fill-mask: '.*\[MASK\].*' -> \S+ \(0\.\d\d\)", out, re.M)) == 4
-    acc, unigram = map(float, re.search(r"held-out masked-token accuracy \(15% masking\): ([\d.]+) after 30 steps; "
-                                         r"always guessing the most frequent token: ([\d.]+)", out).groups())
-    probe, random_init = map(float, re.search(r"word-order probe accuracy: ([\d.]+); the same architecture with "
-                                              r"random weights: ([\d.]+)", out).groups())
+    acc, unigram = map(
+        float,
+        re.search(
+            r"held-out masked-token accuracy \(15% masking\): ([\d.]+) after 30 steps; "
+            r"always guessing the most frequent token: ([\d.]+)",
+            out,
+        ).groups(),
+    )
+    probe, random_init = map(
+        float,
+        re.search(
+            r"word-order probe accuracy: ([\d.]+); the same architecture with "
+            r"random weights: ([\d.]+)",
+            out,
+        ).groups(),
+    )
     assert acc > unigram + 0.02, (acc, unigram)
     assert probe > random_init + 0.15, (probe, random_init)
     assert (tmp_path / "run" / "hf_final" / "EXPORTED_FROM").read_text().strip() == "step00000030"

@@ -2,6 +2,7 @@
 and comments name exists: every repository path (``pretrain/...``, ``data_prep/...``, ``launchers/...``,
 ``configs/...``, ``bench/...``, ``tests/...``, ``docs/...``), every ``python -m X`` module and every
 dotted name (``pretrain.<module>.<name>``). Files moved often; a reader who follows a stale path finds nothing."""
+
 from __future__ import annotations
 
 import ast
@@ -18,26 +19,36 @@ DOTTED = re.compile(r"(?<![\w./-])((?:pretrain|data_prep|bench)(?:\.[A-Za-z_]\w*
 MODULE = re.compile(r"python3? -m ([\w.]+)")
 # Paths a text names on purpose although they do not exist: what a test or an example writes.
 NOT_IN_THE_REPO = ("configs/nope.yaml", "configs/no_such.yaml")
-PATTERN_GOES_ON = ("*", "{", "<", "[", "-{")       # tests/test_slurm_*.py, configs/modernbert-{tiny,base}.yaml
+PATTERN_GOES_ON = ("*", "{", "<", "[", "-{")  # tests/test_slurm_*.py, configs/modernbert-{tiny,base}.yaml
 
 
 def documents() -> list[Path]:
-    return [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted((REPO / "docs").glob("*.md")),
-            REPO / "launchers" / "README.md", REPO / "bench" / "README.md"]
+    return [
+        REPO / "README.md",
+        REPO / "BENCHMARKS.md",
+        *sorted((REPO / "docs").glob("*.md")),
+        REPO / "launchers" / "README.md",
+        REPO / "bench" / "README.md",
+    ]
 
 
 def python_files() -> list[Path]:
-    return sorted(p for top in ("pretrain", "data_prep", "bench", "tests", "launchers")
-                  for p in (REPO / top).rglob("*.py"))
+    return sorted(
+        p for top in ("pretrain", "data_prep", "bench", "tests", "launchers") for p in (REPO / top).rglob("*.py")
+    )
 
 
 def docstrings_and_comments(path: Path) -> str:
     """What a reader reads as prose in a module: its docstrings and its comments, not its strings."""
     source = path.read_text()
-    texts = [ast.get_docstring(node) or "" for node in ast.walk(ast.parse(source))
-             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
-    texts += [tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-              if tok.type == tokenize.COMMENT]
+    texts = [
+        ast.get_docstring(node) or ""
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
+    texts += [
+        tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT
+    ]
     return "\n".join(texts)
 
 
@@ -58,7 +69,7 @@ def test_every_repository_path_named_exists():
     for doc, text in prose():
         for match in PATH.finditer(text):
             path = match.group(1).rstrip(".")
-            if path in NOT_IN_THE_REPO or text[match.end():match.end() + 2].startswith(PATTERN_GOES_ON):
+            if path in NOT_IN_THE_REPO or text[match.end() : match.end() + 2].startswith(PATTERN_GOES_ON):
                 continue
             if not (REPO / path).exists():
                 missing.append(f"{doc.relative_to(REPO)}: {path}")
@@ -91,8 +102,10 @@ def test_every_module_and_dotted_name_exists():
     for doc, text in prose():
         for match in MODULE.finditer(text):
             name = match.group(1).rstrip(".")
-            runnable = module_exists(name) and (REPO.joinpath(*name.split(".")).with_suffix(".py").exists()
-                                                or (REPO.joinpath(*name.split(".")) / "__main__.py").exists())
+            runnable = module_exists(name) and (
+                REPO.joinpath(*name.split(".")).with_suffix(".py").exists()
+                or (REPO.joinpath(*name.split(".")) / "__main__.py").exists()
+            )
             if name.split(".")[0] in ("pretrain", "data_prep", "bench") and not runnable:
                 missing.append(f"{doc.relative_to(REPO)}: python -m {name}")
         for match in DOTTED.finditer(text):
@@ -126,7 +139,7 @@ def test_every_link_between_the_documents_leads_somewhere():
     for doc in documents():
         for match in LINK.finditer(doc.read_text()):
             target = match.group(1)
-            if re.match(r"[a-z]+:", target):                     # https:, mailto:
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
                 continue
             file, _, fragment = target.partition("#")
             path = (doc.parent / file).resolve() if file else doc
@@ -137,7 +150,9 @@ def test_every_link_between_the_documents_leads_somewhere():
     assert not broken, "links that lead nowhere:\n" + "\n".join(broken)
 
 
-FROM_IMPORT = re.compile(r"from ((?:pretrain|data_prep|bench)(?:\.\w+)*) import (\w+(?: as \w+)?(?:, *\w+(?: as \w+)?)*)")
+FROM_IMPORT = re.compile(
+    r"from ((?:pretrain|data_prep|bench)(?:\.\w+)*) import (\w+(?: as \w+)?(?:, *\w+(?: as \w+)?)*)"
+)
 
 
 def test_every_import_in_the_scripts_and_documents_resolves():

@@ -1,6 +1,7 @@
 """The downstream probe inside training, through the real launcher: 2 ranks log
 downstream/<task>/{accuracy,macro_f1} at the configured steps (the baselines once, at step 0), and a
 run halted and resumed logs exactly the numbers of the uninterrupted one."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,11 @@ pytestmark = pytest.mark.slow
 
 def probe_rows(out_dir) -> dict[int, dict]:
     rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: {k: v for k, v in r.items() if k.startswith("downstream/")}
-            for r in rows if any(k.startswith("downstream/") for k in r)}
+    return {
+        r["step"]: {k: v for k, v in r.items() if k.startswith("downstream/")}
+        for r in rows
+        if any(k.startswith("downstream/") for k in r)
+    }
 
 
 def test_probe_during_training_is_logged_and_resumes_exactly(shards, tmp_path):
@@ -29,10 +33,15 @@ def test_probe_during_training_is_logged_and_resumes_exactly(shards, tmp_path):
     ok(train(shards, tmp_path / "resumed", *common, ranks=2))
     straight, resumed = probe_rows(tmp_path / "straight"), probe_rows(tmp_path / "resumed")
     assert sorted(straight) == [0, 3, 6]
-    assert set(straight[0]) == {f"downstream/{t}/{b}_{m}" for t in ("word_order", "articles")
-                                for b in ("random_init", "majority") for m in ("accuracy", "macro_f1")}
+    assert set(straight[0]) == {
+        f"downstream/{t}/{b}_{m}"
+        for t in ("word_order", "articles")
+        for b in ("random_init", "majority")
+        for m in ("accuracy", "macro_f1")
+    }
     for step in (3, 6):
-        assert set(straight[step]) == {f"downstream/{t}/{m}" for t in ("word_order", "articles")
-                                       for m in ("accuracy", "macro_f1")}
+        assert set(straight[step]) == {
+            f"downstream/{t}/{m}" for t in ("word_order", "articles") for m in ("accuracy", "macro_f1")
+        }
         assert all(0.0 <= v <= 1.0 for v in straight[step].values())
-    assert resumed == straight                       # the same weights give the same probe, to the bit
+    assert resumed == straight  # the same weights give the same probe, to the bit

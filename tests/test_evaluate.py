@@ -3,6 +3,7 @@ against random init, the trainer's probe API on shards, held-out MLM numbers, an
 
 Time: about 1 minute: the downstream fine-tune and probe train real classifiers on the
 bundled 6-layer encoder (in this process)."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,15 @@ import torch
 
 from conftest import PY, REPO, _run
 from pretrain.config.schema import DownstreamTaskConfig, load_config
-from pretrain.eval.tasks import (TaskError, labelled_task, load_task, read_texts, sample_article_task,
-                                 split_sentences, word_order_task)
+from pretrain.eval.tasks import (
+    TaskError,
+    labelled_task,
+    load_task,
+    read_texts,
+    sample_article_task,
+    split_sentences,
+    word_order_task,
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +35,26 @@ def articles_csv(tmp_path_factory):
 @pytest.mark.slow
 def test_pretrained_encoder_beats_random_init_on_both_tasks(articles_csv, wiki_txt_dir, bert_uncased_dir, tmp_path):
     out = tmp_path / "metrics.json"
-    proc = _run([PY, "-m", "pretrain.evaluate", str(bert_uncased_dir), "--task", str(articles_csv),
-                 "--task", "word_order", "--data", str(wiki_txt_dir), "--max-length", "48",
-                 "--max-examples", "600", "--json", str(out)])
+    proc = _run(
+        [
+            PY,
+            "-m",
+            "pretrain.evaluate",
+            str(bert_uncased_dir),
+            "--task",
+            str(articles_csv),
+            "--task",
+            "word_order",
+            "--data",
+            str(wiki_txt_dir),
+            "--max-length",
+            "48",
+            "--max-examples",
+            "600",
+            "--json",
+            str(out),
+        ]
+    )
     lines = proc.stdout.splitlines()
     assert lines[0].split(" | ")[:4] == ["task      ", "protocol", "accuracy", "macro-F1"], proc.stdout
     assert any(line.startswith("articles ") for line in lines) and any(line.startswith("word_order") for line in lines)
@@ -58,7 +83,7 @@ def test_bag_of_words_stays_at_chance_on_word_order(wiki_articles, articles_csv)
 
     task = word_order_task([t for _, t in wiki_articles[:2000]], max_examples=3000, seed=3)
     assert len(task.test_texts) >= 900 and abs(np.mean(task.train_labels) - 0.5) < 0.05
-    for text, y in zip(task.test_texts[:50], task.test_labels[:50]):   # same words, other order
+    for text, y in zip(task.test_texts[:50], task.test_labels[:50]):  # same words, other order
         assert y in (0, 1) and len(text.split()) >= 6
     # Chance: 0.5 +- 3 standard errors of ~1000 test examples.
     assert abs(bow_accuracy(task) - 0.5) < 0.05
@@ -96,9 +121,16 @@ def test_probe_api_on_the_trainers_held_out_shards(shards, tmp_path):
     assert tasks[0].name == "word_order" and len(tasks[0].train_ids) >= 40 and len(tasks[0].test_ids) >= 12
     assert max(len(x) for x in tasks[0].train_ids) <= 32
     torch.manual_seed(0)
-    encoder = BertModel(BertConfig(vocab_size=manifest.tokenizer.vocab_size, hidden_size=32,
-                                   num_hidden_layers=1, num_attention_heads=2, intermediate_size=64),
-                        add_pooling_layer=False)
+    encoder = BertModel(
+        BertConfig(
+            vocab_size=manifest.tokenizer.vocab_size,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+        ),
+        add_pooling_layer=False,
+    )
     encoder.train()
     rng_before = torch.get_rng_state()
     first = probe_metrics(encoder, tasks, "cpu", batch_size=16)
@@ -111,23 +143,28 @@ def test_probe_api_on_the_trainers_held_out_shards(shards, tmp_path):
     assert [s for s in range(1, 101) if probe_due(s, 30, 25, s == 100)] == [30, 60, 90, 100]
     assert [s for s in range(1, 101) if probe_due(s, 0, 25, s == 100)] == [25, 50, 75, 100]
     base = baseline_metrics(encoder.config, tasks, "cpu")
-    assert set(base) == {f"downstream/word_order/{k}" for k in (
-        "random_init_accuracy", "random_init_macro_f1", "majority_accuracy", "majority_macro_f1")}
+    assert set(base) == {
+        f"downstream/word_order/{k}"
+        for k in ("random_init_accuracy", "random_init_macro_f1", "majority_accuracy", "majority_macro_f1")
+    }
     assert torch.equal(torch.get_rng_state(), rng_before)
 
 
 def test_eval_config_takes_a_list_of_tasks(tmp_path, articles_csv, shards):
     cfg_path = tmp_path / "c.yaml"
-    cfg_path.write_text(f"base: {json.dumps(str(REPO / 'configs' / 'tiny.yaml'))}\n"
-                        f"data: {{dir: {shards}}}\n"
-                        f"eval:\n  downstream_every: 50\n  downstream:\n    - {{path: word_order}}\n"
-                        f"    - {{path: {articles_csv}, name: articles, label_column: label}}\n")
+    cfg_path.write_text(
+        f"base: {json.dumps(str(REPO / 'configs' / 'tiny.yaml'))}\n"
+        f"data: {{dir: {shards}}}\n"
+        f"eval:\n  downstream_every: 50\n  downstream:\n    - {{path: word_order}}\n"
+        f"    - {{path: {articles_csv}, name: articles, label_column: label}}\n"
+    )
     cfg = load_config(str(cfg_path))
     assert [t.path for t in cfg.eval.downstream] == ["word_order", str(articles_csv)]
     assert cfg.eval.downstream_every == 50 and cfg.eval.downstream[1].name == "articles"
     with pytest.raises(Exception) as err:
-        load_config(str(cfg_path), ["eval.downstream=[{path: nowhere.csv, colour: 1}, {path: word_order, "
-                                    "test_fraction: 1.5}]"])
+        load_config(
+            str(cfg_path), ["eval.downstream=[{path: nowhere.csv, colour: 1}, {path: word_order, test_fraction: 1.5}]"]
+        )
     text = str(err.value)
     assert "eval.downstream[0].colour: unknown key" in text and "eval.downstream[1].test_fraction" in text
 
@@ -141,12 +178,20 @@ def test_mlm_eval_of_a_random_export_sits_at_uniform_loss(shards, tmp_path):
     manifest = load_manifest(shards)
     vocab = manifest.tokenizer.vocab_size
     torch.manual_seed(0)
-    BertForMaskedLM(BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                               intermediate_size=64, max_position_embeddings=128)).save_pretrained(tmp_path / "hf")
+    BertForMaskedLM(
+        BertConfig(
+            vocab_size=vocab,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=128,
+        )
+    ).save_pretrained(tmp_path / "hf")
     first = mlm_eval(tmp_path / "hf", shards, batch_size=16, max_batches=4)
     assert abs(first["loss"] - math.log(vocab)) < 0.5
-    assert first["accuracy"] < 0.01 < 0.03 < first["unigram_accuracy"] < 0.2     # "the" is ~5% of English
-    assert mlm_eval(tmp_path / "hf", shards, batch_size=16, max_batches=4) == first   # fixed masks
+    assert first["accuracy"] < 0.01 < 0.03 < first["unigram_accuracy"] < 0.2  # "the" is ~5% of English
+    assert mlm_eval(tmp_path / "hf", shards, batch_size=16, max_batches=4) == first  # fixed masks
 
 
 def test_finetune_protocol_reports_both_baselines(bert_uncased_dir, tmp_path):
@@ -160,8 +205,17 @@ def test_finetune_protocol_reports_both_baselines(bert_uncased_dir, tmp_path):
     m = finetune_metrics(bert_uncased_dir, tasks, "cpu", FinetuneSettings(epochs=3, lr=1e-4, batch_size=8))
     print(m)
     p = "downstream/small/"
-    assert set(m) == {p + k for k in ("finetune_accuracy", "finetune_macro_f1", "finetune_random_init_accuracy",
-                                      "finetune_random_init_macro_f1", "majority_accuracy", "majority_macro_f1")}
+    assert set(m) == {
+        p + k
+        for k in (
+            "finetune_accuracy",
+            "finetune_macro_f1",
+            "finetune_random_init_accuracy",
+            "finetune_random_init_macro_f1",
+            "majority_accuracy",
+            "majority_macro_f1",
+        )
+    }
     assert m[p + "finetune_accuracy"] >= 0.8 > m[p + "majority_accuracy"] + 0.2
     assert m[p + "finetune_accuracy"] > m[p + "finetune_random_init_accuracy"]
     assert torch.equal(torch.get_rng_state(), rng_before)
@@ -206,18 +260,27 @@ def test_bad_task_files_get_named_errors(tmp_path, capsys, bert_uncased_dir):
 
 
 def test_label_folders_and_given_test_file(tmp_path):
-    for label, texts in {"pos": ["good film", "great acting", "loved it"], "neg": ["bad film", "awful", "hated it"]}.items():
+    for label, texts in {
+        "pos": ["good film", "great acting", "loved it"],
+        "neg": ["bad film", "awful", "hated it"],
+    }.items():
         (tmp_path / "train" / label).mkdir(parents=True)
         for i, t in enumerate(texts):
             (tmp_path / "train" / label / f"{i}.txt").write_text(t)
     task = labelled_task(DownstreamTaskConfig(path=str(tmp_path / "train"), test_fraction=0.34, seed=5))
     assert task.label_names == ["neg", "pos"] and len(task.test_texts) == 2 and len(task.train_texts) == 4
-    assert sorted(task.test_labels.tolist()) == [0, 1]          # stratified
+    assert sorted(task.test_labels.tolist()) == [0, 1]  # stratified
     (tmp_path / "test.csv").write_text("review,y\nsplendid,pos\nboring,meh\n")
     (tmp_path / "train.csv").write_text("review,y\ngood,pos\nbad,neg\n")
     with pytest.raises(TaskError, match=r"test\.csv: column 'y' has labels absent .*\['meh'\]"):
-        labelled_task(DownstreamTaskConfig(path=str(tmp_path / "train.csv"), test_path=str(tmp_path / "test.csv"),
-                                           text_column="review", label_column="y"))
+        labelled_task(
+            DownstreamTaskConfig(
+                path=str(tmp_path / "train.csv"),
+                test_path=str(tmp_path / "test.csv"),
+                text_column="review",
+                label_column="y",
+            )
+        )
 
 
 def test_cli_logs_to_an_mlflow_run(tmp_path, articles_csv, bert_uncased_dir, capsys):
@@ -239,6 +302,8 @@ def test_cli_logs_to_an_mlflow_run(tmp_path, articles_csv, bert_uncased_dir, cap
         client.log_metric(run_id, "train/loss", 5.0, step=step)
     assert log_metrics_to_run({"downstream/b/accuracy": 0.5}, run_id, uri) == 12
     assert [m.step for m in client.get_metric_history(run_id, "downstream/b/accuracy")] == [12]
-    assert main([str(bert_uncased_dir), "--task", str(articles_csv), "--mlflow-run-id", "0123abcd",
-                 "--tracking-uri", uri]) == 2
+    assert (
+        main([str(bert_uncased_dir), "--task", str(articles_csv), "--mlflow-run-id", "0123abcd", "--tracking-uri", uri])
+        == 2
+    )
     assert "--mlflow-run-id 0123abcd: not usable" in capsys.readouterr().err

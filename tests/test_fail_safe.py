@@ -5,6 +5,7 @@ input error, ranks die with the launcher that started them, and stale shared mem
 Time: about 2 minutes: what is tested is mostly the launcher's side of failure (``pretrain.launch``:
 exit codes, the last word, ranks that die with it), so those runs go through it for real; the
 damaged-checkpoint runs, the trainer's side alone, fork from the rank pool."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,14 @@ from conftest import REPO, free_port, ids_payload
 from conftest import train as launch
 
 PY = sys.executable
-BASE = ["train.log_every=2", "train.eval_every=0", "train.eval_sequences=32", "model.max_position_embeddings=64",
-        "optim.warmup_steps=2", "impl.compile=false"]
+BASE = [
+    "train.log_every=2",
+    "train.eval_every=0",
+    "train.eval_sequences=32",
+    "model.max_position_embeddings=64",
+    "optim.warmup_steps=2",
+    "impl.compile=false",
+]
 
 
 def env():
@@ -40,11 +47,12 @@ def explain(proc) -> str:
 
 # ------------------------------------------------------------------- item 7: damaged checkpoints
 
+
 @pytest.mark.slow
 def test_a_damaged_latest_checkpoint_is_named_and_the_previous_one_resumed(shards, tmp_path):
     run = tmp_path / "run"
 
-    def train(data_dir, out_dir, *overrides):         # the trainer's side: its ranks from the rank pool
+    def train(data_dir, out_dir, *overrides):  # the trainer's side: its ranks from the rank pool
         return launch(data_dir, out_dir, *BASE, *overrides, ranks=1)
 
     # A killed run's all-reduce buffer (item 5): removed at start-up, as nothing maps it.
@@ -64,16 +72,18 @@ def test_a_damaged_latest_checkpoint_is_named_and_the_previous_one_resumed(shard
     assert listed[optim.split("/", 1)[1]]["size"] == (root / optim).stat().st_size > 10000
     assert "config.yaml" in listed and "tokenizer/tokenizer.json" in listed and "COMPLETE" not in listed
     data = (root / optim).read_bytes()
-    (root / optim).write_bytes(data[:10000])                     # head -c 10000, as the issue does
+    (root / optim).write_bytes(data[:10000])  # head -c 10000, as the issue does
 
     resumed = train(shards, run, "train.max_steps=6", "train.checkpoint_every=2")
     assert resumed.returncode == 0, explain(resumed)
-    assert f"checkpoint {root / 'step00000004'} is damaged: zero_pp_rank_0_mp_rank_00_optim_states.pt has " \
-           f"10000 bytes, {len(data)} were written" in resumed.stderr
+    assert (
+        f"checkpoint {root / 'step00000004'} is damaged: zero_pp_rank_0_mp_rank_00_optim_states.pt has "
+        f"10000 bytes, {len(data)} were written" in resumed.stderr
+    )
     assert f"falling back to the previous complete checkpoint {root / 'step00000002'}" in resumed.stderr
     assert "start: step 2 (resumed from step00000002)" in resumed.stdout, explain(resumed)
 
-    for tag in ("step00000004", "step00000006"):                   # rewritten at step 4, then 6: damage all
+    for tag in ("step00000004", "step00000006"):  # rewritten at step 4, then 6: damage all
         (root / tag / "mp_rank_00_model_states.pt").write_bytes(b"x")
     (root / "step00000002" / "config.yaml").write_text("flipped")
     refused = train(shards, run, "train.max_steps=8")
@@ -89,18 +99,19 @@ def test_checksums_find_a_rewritten_file_and_old_checkpoints_are_taken_as_they_a
     (folder / "tokenizer").mkdir(parents=True)
     (folder / "weights.pt").write_bytes(bytes(range(256)) * 40)
     (folder / "tokenizer" / "vocab.txt").write_text("[PAD]\n[UNK]\n")
-    assert checkpointing.damage(folder) is None                        # no list: an older version's
+    assert checkpointing.damage(folder) is None  # no list: an older version's
     assert "has no file_list.json (written by an older version)" in capsys.readouterr().err
     checkpointing.write_file_list(folder)
     assert checkpointing.damage(folder) is None
     raw = bytearray((folder / "weights.pt").read_bytes())
-    raw[5000] ^= 1                                                     # same size, one bit flipped
+    raw[5000] ^= 1  # same size, one bit flipped
     (folder / "weights.pt").write_bytes(bytes(raw))
-    assert checkpointing.damage(folder, checksums=False) is None      # other ranks check sizes only
+    assert checkpointing.damage(folder, checksums=False) is None  # other ranks check sizes only
     assert checkpointing.damage(folder) == "weights.pt has another sha256 than was written"
     (folder / "tokenizer" / "vocab.txt").unlink()
-    assert checkpointing.damage(folder) == ("tokenizer/vocab.txt is missing; "
-                                            "weights.pt has another sha256 than was written")
+    assert checkpointing.damage(folder) == (
+        "tokenizer/vocab.txt is missing; weights.pt has another sha256 than was written"
+    )
 
 
 def test_resume_takes_the_newest_undamaged_checkpoint_and_refuses_a_damaged_named_one(tmp_path, monkeypatch):
@@ -118,19 +129,21 @@ def test_resume_takes_the_newest_undamaged_checkpoint_and_refuses_a_damaged_name
         checkpointing.write_file_list(folder)
         (folder / checkpointing.COMPLETE).write_text("{}")
     (root / checkpointing.LATEST).write_text("step00000006")
-    (root / "step00000006" / "weights.pt").write_bytes(b"\0" * 1000)     # same size, other bytes
+    (root / "step00000006" / "weights.pt").write_bytes(b"\0" * 1000)  # same size, other bytes
     (root / "step00000004" / "weights.pt").write_bytes(b"\0" * 10)
     assert checkpointing.resume_tag(cfg) == "step00000002"
-    monkeypatch.setenv("RANK", "1")                        # another rank: sizes only, the first rank decides
+    monkeypatch.setenv("RANK", "1")  # another rank: sizes only, the first rank decides
     assert checkpointing.resume_tag(cfg) == "step00000006"
     monkeypatch.setenv("RANK", "0")
     cfg.train.resume = "step00000006"
-    with pytest.raises(ConfigError, match="train.resume='step00000006': the checkpoint .* is damaged: weights.pt "
-                                          "has another sha256"):
+    with pytest.raises(
+        ConfigError, match="train.resume='step00000006': the checkpoint .* is damaged: weights.pt has another sha256"
+    ):
         checkpointing.resume_tag(cfg)
 
 
 # ------------------------------------------------- item 6: a bad token id read by one rank mid-run
+
 
 def _block_only_rank1_reads(data_dir: Path) -> tuple[str, int, int]:
     """(shard path, block index, step) of a block that rank 1 of 2 reads first at that (0-based) step,
@@ -162,11 +175,11 @@ def test_a_token_id_out_of_range_read_by_one_rank_stops_every_rank_with_exit_2(s
     proc = train(data, tmp_path / "run", "train.max_steps=40", "train.log_every=1", ranks=2)
     assert proc.returncode == 2, explain(proc)
     named = f"{path}: block {index} holds token id 30600"
-    assert proc.stderr.count(f"error: [read by rank 1] {named}") == 2, explain(proc)   # printed by both ranks
+    assert proc.stderr.count(f"error: [read by rank 1] {named}") == 2, explain(proc)  # printed by both ranks
     assert "[rank 0] stopping on bad input" in proc.stderr and "[rank 1] stopping on bad input" in proc.stderr
     assert "Traceback" not in proc.stderr and f"step {step + 1} " not in proc.stdout
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(r)["step"] for r in rows] == list(range(1, step + 1))     # the steps before it, logged
+    assert [json.loads(r)["step"] for r in rows] == list(range(1, step + 1))  # the steps before it, logged
     assert np.isfinite(json.loads(rows[-1])["train/loss"])
 
 
@@ -201,23 +214,25 @@ def test_a_bad_block_in_the_evaluation_split_read_by_one_rank_stops_every_rank_w
     path, index = layout.paths[int(layout.block_shard[block])], int(layout.block_index[block])
     _corrupt_last_id(data, path, index, 30600)
 
-    proc = train(data, tmp_path / "run", "train.max_steps=4", "train.eval_every=2", "train.eval_sequences=128",
-                 ranks=2)
+    proc = train(data, tmp_path / "run", "train.max_steps=4", "train.eval_every=2", "train.eval_sequences=128", ranks=2)
     assert proc.returncode == 2, explain(proc)
     named = f"{path}: block {index} holds token id 30600"
-    assert proc.stderr.count(f"error: [read by rank 1] {named}") == 2, explain(proc)   # printed by both ranks
+    assert proc.stderr.count(f"error: [read by rank 1] {named}") == 2, explain(proc)  # printed by both ranks
     assert "[rank 0] stopping on bad input" in proc.stderr and "[rank 1] stopping on bad input" in proc.stderr
     assert "Traceback" not in proc.stderr and "eval/loss" not in proc.stdout, explain(proc)
     # The last word is ours (pretrain.launch); DeepSpeed's launcher line went to its log.
     log = tmp_path / "run" / "third_party-launcher.log"
-    assert proc.stderr.rstrip().splitlines()[-1] == (f"pretrain.launch: exit 2: bad input or settings, named above; "
-                                                     f"nothing was lost (DeepSpeed's launcher log: {log})"), explain(proc)
+    assert proc.stderr.rstrip().splitlines()[-1] == (
+        f"pretrain.launch: exit 2: bad input or settings, named above; "
+        f"nothing was lost (DeepSpeed's launcher log: {log})"
+    ), explain(proc)
     assert "sigkill_handler" not in proc.stdout + proc.stderr and "sigkill_handler" in log.read_text()
     rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "train/loss" in r] == [2]           # the step before it, logged
+    assert [r["step"] for r in rows if "train/loss" in r] == [2]  # the step before it, logged
 
 
 # ------------------------------------------------------------------- item 8: a port in use
+
 
 def test_a_master_port_in_use_is_refused_by_name_before_any_rank_starts(capsys):
     import socket
@@ -228,16 +243,28 @@ def test_a_master_port_in_use_is_refused_by_name_before_any_rank_starts(capsys):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        rc = launch.main(["--num_gpus", "2", "--master_port", str(port), "--module", "pretrain.train",
-                          "--config", "configs/tiny.yaml"])
+        rc = launch.main(
+            [
+                "--num_gpus",
+                "2",
+                "--master_port",
+                str(port),
+                "--module",
+                "pretrain.train",
+                "--config",
+                "configs/tiny.yaml",
+            ]
+        )
     assert rc == 2
     assert f"pretrain.launch: --master_port {port} is already in use on this machine" in capsys.readouterr().err
     from pretrain.runtime.ports import launch_port_problem
-    assert launch_port_problem(["--node_rank", "1", "--master_port", str(port)]) is None   # not the master's node
+
+    assert launch_port_problem(["--node_rank", "1", "--master_port", str(port)]) is None  # not the master's node
     assert "not a port number" in launch_port_problem(["--master_port", "70000"])
 
 
 # ------------------------------------------------------------------- item 5: stale shared memory
+
 
 @pytest.mark.slow
 def test_stale_shared_memory_is_removed_and_what_a_live_process_maps_is_kept(caplog):
@@ -252,14 +279,15 @@ def test_stale_shared_memory_is_removed_and_what_a_live_process_maps_is_kept(cap
     for path in (stale, live, sem):
         with open(path, "wb") as f:
             f.truncate(1 << 16)
-    holds = ("import mmap, sys; f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0); "
-             "print('mapped', flush=True); sys.stdin.read()")
-    holder = subprocess.Popen([PY, "-c", holds, live],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holds = (
+        "import mmap, sys; f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0); "
+        "print('mapped', flush=True); sys.stdin.read()"
+    )
+    holder = subprocess.Popen([PY, "-c", holds, live], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "mapped"
-        patterns = [f"*{tag}*"]                      # never another job's files, whatever their state
-        assert stale_shm.remove_stale(patterns) == []                 # all younger than a minute
+        patterns = [f"*{tag}*"]  # never another job's files, whatever their state
+        assert stale_shm.remove_stale(patterns) == []  # all younger than a minute
         hour_ago = time.time() - 3600
         for path in (stale, live, sem):
             os.utime(path, (hour_ago, hour_ago))
@@ -277,6 +305,7 @@ def test_stale_shared_memory_is_removed_and_what_a_live_process_maps_is_kept(cap
 
 # ------------------------------------------------------- item 4: ranks die with their launcher
 
+
 @pytest.mark.slow
 def test_ranks_die_with_a_launcher_killed_with_sigkill(shards, tmp_path):
     import signal
@@ -284,11 +313,36 @@ def test_ranks_die_with_a_launcher_killed_with_sigkill(shards, tmp_path):
 
     import psutil
 
-    args = ["--config", "configs/tiny.yaml", f"data.dir={shards}", f"train.out_dir={tmp_path}", *BASE,
-            "train.max_steps=100000", "train.log_every=1", "train.checkpoint_every=0"]
-    proc = subprocess.Popen([PY, "-m", "pretrain.launch", "--num_gpus", "2", "--master_port", str(free_port()),
-                             "--module", "pretrain.train", *args], cwd=REPO, env=env(), text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    args = [
+        "--config",
+        "configs/tiny.yaml",
+        f"data.dir={shards}",
+        f"train.out_dir={tmp_path}",
+        *BASE,
+        "train.max_steps=100000",
+        "train.log_every=1",
+        "train.checkpoint_every=0",
+    ]
+    proc = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "pretrain.launch",
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--module",
+            "pretrain.train",
+            *args,
+        ],
+        cwd=REPO,
+        env=env(),
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     metrics, descendants = tmp_path / "metrics.jsonl", []
     try:
         deadline = time.monotonic() + 300
@@ -296,8 +350,8 @@ def test_ranks_die_with_a_launcher_killed_with_sigkill(shards, tmp_path):
             assert proc.poll() is None, "the launch ended early"
             time.sleep(0.5)
         descendants = psutil.Process(proc.pid).children(recursive=True)
-        assert sum("pretrain.train" in " ".join(p.cmdline()) for p in descendants) >= 2   # both ranks
-        os.killpg(proc.pid, signal.SIGKILL)       # `kill -9 -- -PGID`: the launcher's group, not the ranks'
+        assert sum("pretrain.train" in " ".join(p.cmdline()) for p in descendants) >= 2  # both ranks
+        os.killpg(proc.pid, signal.SIGKILL)  # `kill -9 -- -PGID`: the launcher's group, not the ranks'
         proc.wait()
 
         def alive(p):
@@ -305,6 +359,7 @@ def test_ranks_die_with_a_launcher_killed_with_sigkill(shards, tmp_path):
                 return p.status() != psutil.STATUS_ZOMBIE
             except psutil.NoSuchProcess:
                 return False
+
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and any(alive(p) for p in descendants):
             time.sleep(0.5)
@@ -318,6 +373,7 @@ def test_ranks_die_with_a_launcher_killed_with_sigkill(shards, tmp_path):
 
 
 # ------------------------------------------------- items 9, 10: pretrain.evaluate refusals
+
 
 def test_evaluate_refuses_a_model_without_tokenizer_files_and_a_header_only_csv(tmp_path, capsys, bert_uncased_dir):
     from pretrain.eval.cli import main
@@ -334,21 +390,26 @@ def test_evaluate_refuses_a_model_without_tokenizer_files_and_a_header_only_csv(
     task.write_text("text,label\n" + "".join(f"sentence number {i},{'ab'[i % 2]}\n" for i in range(8)))
     model = tmp_path / "export"
     model.mkdir()
-    shutil.copy(Path(bert_uncased_dir) / "config.json", model)          # weights aside: refused before loading
+    shutil.copy(Path(bert_uncased_dir) / "config.json", model)  # weights aside: refused before loading
     assert main([str(model), "--task", str(task)]) == 2
     assert f"{model}: no tokenizer files (none of tokenizer.json, vocab.txt" in capsys.readouterr().err
 
 
 # ------------------------------------------------- item 14: a cancelled variant is interrupted
 
-@pytest.mark.parametrize("status, state", [
-    ({"launches": 1, "wall_s": 9.0, "last_exit": 1, "stopped_by_signal": True}, "interrupted"),   # scancel
-    ({"launches": 1, "wall_s": 9.0, "last_exit": -15}, "interrupted"),       # its launcher killed by SIGTERM
-    ({"launches": 2, "wall_s": 9.0, "last_exit": 137}, "interrupted"),       # SIGKILL, through a shell
-    ({"launches": 1, "wall_s": 9.0, "last_exit": 3}, "interrupted"),         # checkpointed and exited 3
-    ({"launches": 1, "wall_s": 9.0, "last_exit": 2}, "failed"),              # bad input
-    ({"launches": 1, "wall_s": 9.0, "last_exit": 1}, "failed"),              # a crash
-    ({"launches": 0, "wall_s": 0.0}, "not started")])
+
+@pytest.mark.parametrize(
+    "status, state",
+    [
+        ({"launches": 1, "wall_s": 9.0, "last_exit": 1, "stopped_by_signal": True}, "interrupted"),  # scancel
+        ({"launches": 1, "wall_s": 9.0, "last_exit": -15}, "interrupted"),  # its launcher killed by SIGTERM
+        ({"launches": 2, "wall_s": 9.0, "last_exit": 137}, "interrupted"),  # SIGKILL, through a shell
+        ({"launches": 1, "wall_s": 9.0, "last_exit": 3}, "interrupted"),  # checkpointed and exited 3
+        ({"launches": 1, "wall_s": 9.0, "last_exit": 2}, "failed"),  # bad input
+        ({"launches": 1, "wall_s": 9.0, "last_exit": 1}, "failed"),  # a crash
+        ({"launches": 0, "wall_s": 0.0}, "not started"),
+    ],
+)
 def test_study_summary_calls_a_variant_stopped_by_a_signal_interrupted(status, state):
     from types import SimpleNamespace
 
@@ -370,7 +431,10 @@ def test_the_launchers_last_word_says_what_each_exit_code_means(tmp_path):
     log = tmp_path / "l.log"
     assert last_word(3, log).startswith("pretrain.launch: exit 3: checkpointed on a signal; relaunch the same command")
     assert "non-finite" in last_word(4, log) and "spike" in last_word(5, log)
-    assert last_word(1, log) == f"pretrain.launch: exit 1: a rank failed; its error is above (DeepSpeed's launcher log: {log})"
+    assert (
+        last_word(1, log)
+        == f"pretrain.launch: exit 1: a rank failed; its error is above (DeepSpeed's launcher log: {log})"
+    )
 
 
 def test_a_killed_jobs_buffer_goes_at_once_when_nobody_listens_on_its_port():
@@ -386,9 +450,11 @@ def test_a_killed_jobs_buffer_goes_at_once_when_nobody_listens_on_its_port():
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     live_port, dead_port = listener.getsockname()[1], free_port()
-    rank = 90000 + uuid.uuid4().int % 9000          # a rank no real job has: the name is this test's own
-    paths = {port: f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_{rank}"
-             for port in (live_port, dead_port)}
+    rank = 90000 + uuid.uuid4().int % 9000  # a rank no real job has: the name is this test's own
+    paths = {
+        port: f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_{rank}"
+        for port in (live_port, dead_port)
+    }
     try:
         for path in paths.values():
             with open(path, "wb") as f:
@@ -417,10 +483,10 @@ def test_a_rank_releases_only_the_shared_memory_it_maps(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     path.write_bytes(b"\0" * 4096)
     try:
-        release_shared_memory()                       # another job's: not mapped here
+        release_shared_memory()  # another job's: not mapped here
         assert path.exists()
         with open(path, "r+b") as f, mmap.mmap(f.fileno(), 4096):
-            release_shared_memory()                   # this process's own
+            release_shared_memory()  # this process's own
             assert not path.exists()
     finally:
         path.unlink(missing_ok=True)

@@ -2,6 +2,7 @@
 (exit 2, one message), a resume may not change what the run computes, a kill between the final
 checkpoint and its export is finished on the next launch, signals to the launcher's process group
 reach the ranks and its exit code is theirs, and two jobs cannot write one run."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,14 @@ from conftest import train as launch
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
-BASE = ["train.log_every=2", "train.eval_every=0", "train.eval_sequences=32", "train.checkpoint_every=0",
-        "model.max_position_embeddings=64", "optim.warmup_steps=2"]
+BASE = [
+    "train.log_every=2",
+    "train.eval_every=0",
+    "train.eval_sequences=32",
+    "train.checkpoint_every=0",
+    "model.max_position_embeddings=64",
+    "optim.warmup_steps=2",
+]
 
 
 def env():
@@ -41,6 +48,7 @@ def ok(proc):
 def strict_records(path: Path) -> list[dict]:
     def refuse(name):
         raise ValueError(f"non-strict JSON constant {name}")
+
     return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -57,7 +65,7 @@ def test_final_step_grad_norm_at_stage0_is_fresh(finished_run):
     rows = {r["step"]: r for r in strict_records(out / "metrics.jsonl") if "train/grad_norm" in r}
     assert sorted(rows) == [2, 3]
     assert all(r["train/grad_norm"] is not None and r["train/grad_norm"] > 0 for r in rows.values())
-    assert all(0 < r["perf/mfu"] <= 1 for r in rows.values())             # an honest peak, measured in fp32
+    assert all(0 < r["perf/mfu"] <= 1 for r in rows.values())  # an honest peak, measured in fp32
 
 
 def test_a_results_setting_change_is_refused_by_name(finished_run, shards, tmp_path):
@@ -81,9 +89,9 @@ def test_cut_metrics_line_and_non_finite_values_do_not_break_resume(finished_run
     work = tmp_path / "run"
     shutil.copytree(out, work)
     with open(work / "metrics.jsonl", "a") as f:
-        f.write('{"step": 3, "train/loss": 7.1, "perf/mf')            # a kill mid-write, or a full disk
+        f.write('{"step": 3, "train/loss": 7.1, "perf/mf')  # a kill mid-write, or a full disk
     ok(train(shards, work, "train.max_steps=4", "impl.zero_stage=0"))
-    records = strict_records(work / "metrics.jsonl")                  # raises on NaN/Infinity or a cut line
+    records = strict_records(work / "metrics.jsonl")  # raises on NaN/Infinity or a cut line
     assert [r["step"] for r in records if "train/loss" in r] == [2, 3, 4]
 
 
@@ -92,11 +100,12 @@ def test_kill_between_final_checkpoint_and_export_is_finished(finished_run, shar
     work = tmp_path / "run"
     shutil.copytree(out, work)
     assert (work / "hf_final" / "EXPORTED_FROM").read_text().strip() == "step00000003"
-    shutil.rmtree(work / "hf_final")                                  # as if killed before the export
+    shutil.rmtree(work / "hf_final")  # as if killed before the export
     proc = ok(train(shards, work, "train.max_steps=3", "impl.zero_stage=0"))
     assert "has no export yet" in proc.stdout
     assert (work / "hf_final" / "EXPORTED_FROM").read_text().strip() == "step00000003"
     from transformers import AutoModelForMaskedLM
+
     assert AutoModelForMaskedLM.from_pretrained(work / "hf_final").config.vocab_size > 0
     again = ok(train(shards, work, "train.max_steps=3", "impl.zero_stage=0"))
     assert "has no export yet" not in again.stdout
@@ -116,11 +125,14 @@ def test_incomplete_resume_tag_is_input_error(finished_run, shards, tmp_path):
 
 
 # Once: the first rank reports (2 ranks); the settings' checks do not depend on the world size (1 rank).
-@pytest.mark.parametrize("overrides,needle,ranks", [
-    (["impl.precision=fp16"], "fp16 needs a GPU", 2),
-    (["optim.name=lamb", "impl.offload_optimizer=true", "impl.zero_stage=2"], "DeepSpeed's optimiser offload", 1),
-    (["optim.name=lamb", "impl.zero_stage=1"], "LAMB's per-tensor trust ratio", 1),
-])
+@pytest.mark.parametrize(
+    "overrides,needle,ranks",
+    [
+        (["impl.precision=fp16"], "fp16 needs a GPU", 2),
+        (["optim.name=lamb", "impl.offload_optimizer=true", "impl.zero_stage=2"], "DeepSpeed's optimiser offload", 1),
+        (["optim.name=lamb", "impl.zero_stage=1"], "LAMB's per-tensor trust ratio", 1),
+    ],
+)
 def test_bad_settings_are_reported_once_before_any_process_group(shards, tmp_path, overrides, needle, ranks):
     proc = train(shards, tmp_path, "train.max_steps=2", *overrides, ranks=ranks)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -136,10 +148,17 @@ def test_init_from_a_model_of_another_tokenizer_with_the_same_vocab_size_is_refu
     tok = json.loads((tok_dir / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     a, b = sorted(vocab)[200], sorted(vocab)[300]
-    vocab[a], vocab[b] = vocab[b], vocab[a]                            # same size, other ids
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, other ids
     model_dir = tmp_path / "other-model"
-    BertForMaskedLM(BertConfig(vocab_size=manifest["tokenizer"]["vocab_size"], hidden_size=32, num_hidden_layers=1,
-                               num_attention_heads=2, intermediate_size=64)).save_pretrained(model_dir)
+    BertForMaskedLM(
+        BertConfig(
+            vocab_size=manifest["tokenizer"]["vocab_size"],
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+        )
+    ).save_pretrained(model_dir)
     (model_dir / "tokenizer.json").write_text(json.dumps(tok))
     proc = train(shards, tmp_path / "run", "train.max_steps=2", f"model.init_from={model_dir}")
     assert proc.returncode == 2 and "vocabulary differs" in proc.stderr, proc.stderr[-2000:]
@@ -149,7 +168,7 @@ def test_out_of_range_token_id_is_named_and_exits_2(shards, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(shards, data)
     manifest = json.loads((data / "manifest.json").read_text())
-    manifest["tokenizer"]["vocab_size"] = 300                         # edited: ids above it are in the shards
+    manifest["tokenizer"]["vocab_size"] = 300  # edited: ids above it are in the shards
     (data / "manifest.json").write_text(json.dumps(manifest))
     # 1 rank: test_fail_safe stops 2 ranks on an id that one of them reads
     proc = train(data, tmp_path / "run", "train.max_steps=2", "model.max_position_embeddings=64")
@@ -161,19 +180,47 @@ def test_sigterm_to_the_launchers_process_group_checkpoints_and_exits_3(shards, 
     """`kill -TERM -PGID` (a shell or scheduler stopping the job): pretrain.launch passes it to the
     ranks, waits, and exits with their 3; the checkpoint is complete. ZeRO-3 also logs the whole
     parameter count, and a second job on the same run folder is refused while the first holds it."""
-    args = ["--config", "configs/tiny.yaml", f"data.dir={shards}", f"train.out_dir={tmp_path}", *BASE,
-            "train.max_steps=100000", "train.log_every=1", "impl.zero_stage=3", "impl.compile=false"]
-    proc = subprocess.Popen([PY, "-m", "pretrain.launch", "--num_gpus", "2", "--master_port", str(free_port()),
-                             "--module", "pretrain.train", *args], cwd=REPO, env=env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    args = [
+        "--config",
+        "configs/tiny.yaml",
+        f"data.dir={shards}",
+        f"train.out_dir={tmp_path}",
+        *BASE,
+        "train.max_steps=100000",
+        "train.log_every=1",
+        "impl.zero_stage=3",
+        "impl.compile=false",
+    ]
+    proc = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "pretrain.launch",
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--module",
+            "pretrain.train",
+            *args,
+        ],
+        cwd=REPO,
+        env=env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline, metrics = time.monotonic() + 300, tmp_path / "metrics.jsonl"
         while time.monotonic() < deadline and not (
-                metrics.exists() and any(r.get("step", 0) >= 2 for r in strict_records(metrics))):
+            metrics.exists() and any(r.get("step", 0) >= 2 for r in strict_records(metrics))
+        ):
             assert proc.poll() is None, proc.stdout.read()[-3000:]
             time.sleep(0.5)
         from pretrain.checkpoint.store import RunLock
         from pretrain.config.loader import ConfigError
+
         with pytest.raises(ConfigError, match="another job"):
             RunLock(str(tmp_path), wait_s=0.5)
         os.killpg(proc.pid, signal.SIGTERM)
@@ -186,10 +233,12 @@ def test_sigterm_to_the_launchers_process_group_checkpoints_and_exits_3(shards, 
     assert (tmp_path / "checkpoints" / latest / "COMPLETE").is_file()
     params = int(re.search(r"ZeRO 3, (\d+) params", output).group(1))
     from transformers import BertConfig
+
     config = BertConfig.from_json_file(tmp_path / "checkpoints" / latest / "hf_config.json")
     from transformers import BertForMaskedLM
+
     assert params == sum(p.numel() for p in BertForMaskedLM(config).parameters())
-    RunLock(str(tmp_path), wait_s=0.5)                                 # released with the job
+    RunLock(str(tmp_path), wait_s=0.5)  # released with the job
 
 
 def test_other_ranks_report_bad_input_only_when_the_first_rank_has_not(monkeypatch, capsys):

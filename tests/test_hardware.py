@@ -1,4 +1,5 @@
 """Precision from what the hardware really does, and the peak MFU is measured against."""
+
 from __future__ import annotations
 
 import json
@@ -19,18 +20,27 @@ from pretrain.runtime.step_speed import BF16_MARGIN, StepTiming
 @pytest.fixture
 def cpu_bf16(monkeypatch):
     """Fake the CPU capability probe: native bf16 or not."""
+
     def set_native(native: bool):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+
     return set_native
 
 
 class FakeProbe:
     """A step whose two timings are given; counts how often it is measured."""
+
     def __init__(self, fp32_s: float, bf16_s: float, shape: str = "bert L2 H64"):
-        self.timing, self.shape, self.batch, self.seq_len, self.n_masked, self.calls = \
-            StepTiming(fp32_s, bf16_s), shape, 4, 64, 38, 0
+        self.timing, self.shape, self.batch, self.seq_len, self.n_masked, self.calls = (
+            StepTiming(fp32_s, bf16_s),
+            shape,
+            4,
+            64,
+            38,
+            0,
+        )
 
     def measure(self, repeats: int = 3) -> StepTiming:
         self.calls += 1
@@ -50,11 +60,14 @@ def test_auto_is_fp32_where_bf16_is_emulated_without_timing_a_step(cpu_bf16, ste
     assert precision == "fp32" and "emulated" in why and probe.calls == 0
 
 
-@pytest.mark.parametrize("fp32_s, bf16_s, chosen", [
-    (0.60, 1.00, "fp32"),          # Xeon with AVX-512-BF16, no AMX: native, and 1.66x slower
-    (1.00, 0.95, "fp32"),          # faster, by less than the margin
-    (1.33, 1.00, "bf16"),          # Xeon with AMX: the mini step 1.33x faster
-])
+@pytest.mark.parametrize(
+    "fp32_s, bf16_s, chosen",
+    [
+        (0.60, 1.00, "fp32"),  # Xeon with AVX-512-BF16, no AMX: native, and 1.66x slower
+        (1.00, 0.95, "fp32"),  # faster, by less than the margin
+        (1.33, 1.00, "bf16"),  # Xeon with AMX: the mini step 1.33x faster
+    ],
+)
 def test_auto_on_a_native_bf16_cpu_takes_the_faster_step_by_a_margin(cpu_bf16, step_cache, fp32_s, bf16_s, chosen):
     cpu_bf16(True)
     probe = FakeProbe(fp32_s, bf16_s)
@@ -68,7 +81,7 @@ def test_the_step_timing_is_cached_per_model_shape(cpu_bf16, step_cache):
     cpu_bf16(True)
     probe = FakeProbe(1.0, 0.5)
     hardware.resolve_precision("auto", torch.device("cpu"), probe)
-    again = FakeProbe(9.9, 9.9)                     # the same shape: read from the cache, not measured
+    again = FakeProbe(9.9, 9.9)  # the same shape: read from the cache, not measured
     precision, why = hardware.resolve_precision("auto", torch.device("cpu"), again)
     assert precision == "bf16" and again.calls == 0 and f"cached in {step_cache}" in why
     (key,) = json.loads(step_cache.read_text())
@@ -86,10 +99,12 @@ def test_ranks_of_a_node_measure_once(cpu_bf16, step_cache):
         "class Slow(FakeProbe):\n"
         "    def measure(self, repeats=3):\n"
         "        import time; time.sleep(1.5); print('measured', flush=True); return super().measure()\n"
-        "print(hardware.resolve_precision('auto', torch.device('cpu'), Slow(1.0, 0.5))[0])\n")
+        "print(hardware.resolve_precision('auto', torch.device('cpu'), Slow(1.0, 0.5))[0])\n"
+    )
     env = {**os.environ, "PYTHONPATH": f"{Path(__file__).parent}:{Path(__file__).parents[1]}"}
-    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)
+    ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [o.split()[-1] for o in outs] == ["bf16", "bf16"], outs
     assert sum(o.count("measured") for o in outs) == 1, outs
@@ -103,8 +118,12 @@ def test_the_real_step_is_timed_in_both_precisions():
     from pretrain.model.mlm import build_model
 
     special = SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=4, vocab_size=500)
-    model = build_model(ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
-                                    max_position_embeddings=64), 500, special, ImplConfig(precision="fp32"))
+    model = build_model(
+        ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, max_position_embeddings=64),
+        500,
+        special,
+        ImplConfig(precision="fp32"),
+    )
     probe = step_speed.step_probe(model, micro_batch=16, seq_len=64, masking_rate=0.15)
     assert (probe.batch, probe.n_masked) == (step_speed.PROBE_BATCH, round(0.15 * 4 * 64))
     timing = probe.measure(repeats=1)
@@ -119,7 +138,7 @@ def test_auto_is_bf16_where_native_on_a_layout_guessed_before_the_model(cpu_bf16
 
 
 def test_auto_is_fp32_where_torch_dispatches_avx2_kernels_only(cpu_bf16, monkeypatch):
-    cpu_bf16(True)                                    # the CPU has the instructions, torch does not use them
+    cpu_bf16(True)  # the CPU has the instructions, torch does not use them
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert hardware.resolve_precision("auto", torch.device("cpu"))[0] == "fp32"
 
@@ -154,7 +173,7 @@ def test_gpu_peaks_come_from_the_table_for_the_precision_used():
     assert hardware.gpu_table_peak("NVIDIA A100-SXM4-80GB", "fp32")[0] == pytest.approx(19.5)
     assert hardware.gpu_table_peak("NVIDIA L40S", "bf16")[0] == pytest.approx(362.1)
     assert hardware.gpu_table_peak("NVIDIA L4", "bf16")[0] == pytest.approx(121.0)
-    assert hardware.gpu_table_peak("Tesla V100-SXM2-32GB", "bf16") is None      # no bf16 there
+    assert hardware.gpu_table_peak("Tesla V100-SXM2-32GB", "bf16") is None  # no bf16 there
     assert hardware.gpu_table_peak("Some Future GPU", "bf16") is None
 
 
@@ -173,17 +192,17 @@ def test_cpu_peak_is_measured_once_per_machine_threads_and_precision(tmp_path, m
     assert first > 0 and "measured now" in source and calls
     n = len(calls)
     again, source = hardware.peak_tflops(cpu, "fp32", cache_path=cache)
-    assert again == first and "cached" in source and len(calls) == n          # the second start reuses it
+    assert again == first and "cached" in source and len(calls) == n  # the second start reuses it
     key = next(iter(__import__("json").loads(cache.read_text())))
     assert hardware.cpu_info()["model"] in key and f"threads={torch.get_num_threads()}" in key and "fp32" in key
     hardware.peak_tflops(cpu, "bf16", cache_path=cache)
-    assert len(calls) > n                                                       # another precision: measured
+    assert len(calls) > n  # another precision: measured
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1 if threads > 1 else 2)
         m = len(calls)
         hardware.peak_tflops(cpu, "fp32", cache_path=cache)
-        assert len(calls) > m                                                   # other threads: measured
+        assert len(calls) > m  # other threads: measured
     finally:
         torch.set_num_threads(threads)
     assert hardware.peak_tflops(cpu, "fp32", override=12.5) == (12.5, "impl.peak_tflops")
@@ -194,7 +213,7 @@ def test_a_matmul_slower_than_the_timing_budget_is_timed_once(tmp_path, monkeypa
     and one timed matmul, not the 16 that four 0.25 s timings with three warm-ups each would take."""
     calls = []
 
-    def slow_matmul(a, b, out=None):          # 0.3 s of this process's CPU time, as a slow kernel spends
+    def slow_matmul(a, b, out=None):  # 0.3 s of this process's CPU time, as a slow kernel spends
         calls.append(a.shape)
         start = time.process_time()
         while time.process_time() - start < 0.3:
@@ -209,7 +228,7 @@ def test_a_matmul_slower_than_the_timing_budget_is_timed_once(tmp_path, monkeypa
     finally:
         torch.set_num_threads(threads)
     assert "measured now" in source and len(calls) == 2, len(calls)
-    assert tflops == pytest.approx(2.0 * 1024 ** 3 / 0.3 / 1e12, rel=0.3)
+    assert tflops == pytest.approx(2.0 * 1024**3 / 0.3 / 1e12, rel=0.3)
 
 
 def test_an_mfu_above_one_is_reported_naming_the_peak(caplog):
@@ -243,15 +262,16 @@ print(kept, [faults_per_allocation() for _ in range(8)][-1])     # settled after
 """
 
     def steady_faults(mode: str) -> tuple[bool, float]:
-        out = subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True,
-                             check=True).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", probe, mode], capture_output=True, text=True, check=True
+        ).stdout.split()
         return out[0] == "True", float(out[1])
 
     kept, after = steady_faults("keep")
     if not kept:
         pytest.skip("the C library is not glibc")
     _, default = steady_faults("default")
-    assert default > 15_000                              # 80 MB in 4 KiB pages, faulted in each time
+    assert default > 15_000  # 80 MB in 4 KiB pages, faulted in each time
     assert after < 0.05 * default
 
 
@@ -281,7 +301,7 @@ def test_each_rank_takes_a_gpu_that_exists(monkeypatch):
     env = accelerator_env({"CUDA_VISIBLE_DEVICES": "2,3", "DS_ACCELERATOR": "cuda"})
     assert env[GIVEN_DEVICES] == "2,3"
     monkeypatch.setenv(GIVEN_DEVICES, "2,3")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")        # what DeepSpeed's launcher sets
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # what DeepSpeed's launcher sets
     engine._keep_given_devices()
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
 
@@ -303,9 +323,17 @@ def test_a_single_process_run_gets_rendezvous_variables_whatever_the_accelerator
     from pretrain.runtime import engine
 
     for accelerator in (None, "cpu"):
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
-                     "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES"):
-            monkeypatch.setenv(name, "x")          # recorded, so that what prepare_env sets is undone after
+        for name in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "SLURM_PROCID",
+            "DS_ACCELERATOR",
+            "CUDA_VISIBLE_DEVICES",
+        ):
+            monkeypatch.setenv(name, "x")  # recorded, so that what prepare_env sets is undone after
             monkeypatch.delenv(name)
         if accelerator:
             monkeypatch.setenv("DS_ACCELERATOR", accelerator)

@@ -4,6 +4,7 @@ step with several stalls as often. ``tests/sync_probe.py`` runs the real trainer
 those reads counted by call site. On a step that logs nothing, our code reads once, the five numbers
 that decide the update (``pretrain/step.py``); DeepSpeed's own reads (its gradient-norm checks) are
 printed, not asserted."""
+
 from __future__ import annotations
 
 import json
@@ -22,11 +23,30 @@ ONE_READ = ["pretrain/step.py:train_step.tolist"]
 
 def probe(shards, tmp_path, *overrides) -> list[list[str]]:
     out = tmp_path / "reads.json"
-    proc = subprocess.run([PY, "tests/sync_probe.py", str(out), "--config", "configs/tiny.yaml",
-                           f"data.dir={shards}", f"train.out_dir={tmp_path / 'run'}", "tracking.report=false",
-                           f"train.max_steps={STEPS}", f"train.log_every={LOG_EVERY}", "train.eval_every=0",
-                           "train.checkpoint_every=0", "train.eval_sequences=16", "train.spike_guard.enabled=true",
-                           *overrides], cwd=REPO, capture_output=True, text=True, timeout=600, env=trainer_env())
+    proc = subprocess.run(
+        [
+            PY,
+            "tests/sync_probe.py",
+            str(out),
+            "--config",
+            "configs/tiny.yaml",
+            f"data.dir={shards}",
+            f"train.out_dir={tmp_path / 'run'}",
+            "tracking.report=false",
+            f"train.max_steps={STEPS}",
+            f"train.log_every={LOG_EVERY}",
+            "train.eval_every=0",
+            "train.checkpoint_every=0",
+            "train.eval_sequences=16",
+            "train.spike_guard.enabled=true",
+            *overrides,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=trainer_env(),
+    )
     assert proc.returncode == 0, explain(proc)
     return json.loads(out.read_text())["steps"]
 
@@ -37,11 +57,14 @@ def test_a_step_that_logs_nothing_reads_the_device_once(shards, tmp_path):
     assert len(steps) == STEPS
     for number, reads in enumerate(steps, start=1):
         ours = sorted(r for r in reads if not r.startswith("deepspeed/"))
-        print(f"step {number}: ours {dict(Counter(ours))}, DeepSpeed's "
-              f"{dict(Counter(r for r in reads if r.startswith('deepspeed/')))}", file=sys.stderr)
+        print(
+            f"step {number}: ours {dict(Counter(ours))}, DeepSpeed's "
+            f"{dict(Counter(r for r in reads if r.startswith('deepspeed/')))}",
+            file=sys.stderr,
+        )
         if number % LOG_EVERY and number != STEPS:
             assert ours == ONE_READ, (number, reads)
-        else:                                                  # a logged step reads its metrics
+        else:  # a logged step reads its metrics
             assert len(ours) > 1, (number, reads)
 
 

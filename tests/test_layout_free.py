@@ -1,6 +1,7 @@
 """Results that do not depend on the layout (issue 18, items 1 and 2): dropout keyed by each
 sequence's identity, and an evaluation set that is a fixed count of held-out sequences, whose
 eval/loss is bit-identical at any world size and micro-batch given identical weights."""
+
 from __future__ import annotations
 
 import json
@@ -25,24 +26,34 @@ SPECIAL = SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=4, vocab_size=200)
 
 def tiny(arch: str, **dropouts):
     torch.manual_seed(0)
-    cfg = ModelConfig(arch=arch, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                      max_position_embeddings=64, **dropouts)
+    cfg = ModelConfig(
+        arch=arch,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        **dropouts,
+    )
     return build_model(cfg, SPECIAL.vocab_size, SPECIAL, ImplConfig(attention="sdpa", precision="fp32"))
 
 
-@pytest.mark.parametrize("arch,dropouts", [
-    ("bert", {"hidden_dropout": 0.1, "attention_dropout": 0.1}),
-    ("modernbert", {"embedding_dropout": 0.1, "mlp_dropout": 0.1, "attention_dropout": 0.1}),
-])
+@pytest.mark.parametrize(
+    "arch,dropouts",
+    [
+        ("bert", {"hidden_dropout": 0.1, "attention_dropout": 0.1}),
+        ("modernbert", {"embedding_dropout": 0.1, "mlp_dropout": 0.1, "attention_dropout": 0.1}),
+    ],
+)
 def test_dropout_of_a_row_is_the_same_in_any_batch(arch, dropouts):
     model = tiny(arch, **dropouts).eval()
     ids = torch.randint(5, SPECIAL.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
     attention = torch.ones_like(ids, dtype=torch.bool)
-    attention[3, 12:] = False                                 # one padded row
+    attention[3, 12:] = False  # one padded row
     before = model.encode(ids, attention)
     key = keyed_dropout.install(model.hf_model, seed=42)
     sites = [m for m in model.modules() if isinstance(m, keyed_dropout.KeyedDropout)]
-    assert len(sites) >= 7 and not any(m.training for m in model.modules())     # eval mode kept
+    assert len(sites) >= 7 and not any(m.training for m in model.modules())  # eval mode kept
     assert model.hf_model.config._attn_implementation == keyed_dropout.KEYED_ATTENTION
     assert torch.equal(model.encode(ids, attention), before)  # evaluation: no dropout, SDPA's numbers
 
@@ -50,19 +61,23 @@ def test_dropout_of_a_row_is_the_same_in_any_batch(arch, dropouts):
     sample_ids = torch.tensor([70, 71, 72, 73])
     key.set(sample_ids, step=5)
     whole = model.encode(ids, attention)
-    key.set(sample_ids[[3, 0]], step=5)                       # the same rows, another batch and order
+    key.set(sample_ids[[3, 0]], step=5)  # the same rows, another batch and order
     part = model.encode(ids[[3, 0]], attention[[3, 0]])
     assert torch.equal(part, whole[[3, 0]])
-    assert (whole - before).abs().max() > 0.1                 # dropout did act
+    assert (whole - before).abs().max() > 0.1  # dropout did act
     key.set(sample_ids, step=6)
-    assert (model.encode(ids, attention) - whole).abs().max() > 0.1      # a new mask every step
+    assert (model.encode(ids, attention) - whole).abs().max() > 0.1  # a new mask every step
     key.set(sample_ids + 100, step=5)
-    assert (model.encode(ids, attention) - whole).abs().max() > 0.1      # and for every sequence
+    assert (model.encode(ids, attention) - whole).abs().max() > 0.1  # and for every sequence
 
 
-@pytest.mark.parametrize("arch,others", [("bert", {"hidden_dropout": 0.0}),
-                                          ("modernbert", {"mlp_dropout": 0.0, "embedding_dropout": 0.0,
-                                                              "local_attention": 8})])
+@pytest.mark.parametrize(
+    "arch,others",
+    [
+        ("bert", {"hidden_dropout": 0.0}),
+        ("modernbert", {"mlp_dropout": 0.0, "embedding_dropout": 0.0, "local_attention": 8}),
+    ],
+)
 def test_keyed_eager_attention_computes_what_sdpa_does(arch, others):
     """With (almost) nothing dropped, the eager path that training takes for attention-probability
     dropout gives SDPA's numbers: padding and ModernBERT's sliding window masked alike."""
@@ -84,15 +99,18 @@ def test_keyed_dropout_keeps_one_minus_p_and_rescales():
     kept = (out > 0).double().mean().item()
     # 65,536 Bernoulli(0.75) draws: standard error 0.0017, so 0.01 is ~6 sigma
     assert abs(kept - 0.75) < 0.01
-    assert torch.allclose(out[out > 0], torch.tensor(1 / 0.75))          # 0.25 is exact in 16 bits
+    assert torch.allclose(out[out > 0], torch.tensor(1 / 0.75))  # 0.25 is exact in 16 bits
     with pytest.raises(RuntimeError, match="sample ids were not set"):
-        drop(torch.ones(3, 4))                                # 3 rows but 64 ids set
+        drop(torch.ones(3, 4))  # 3 rows but 64 ids set
 
 
-@pytest.mark.parametrize("arch,dropouts", [
-    ("bert", {"hidden_dropout": 0.1, "attention_dropout": 0.1}),
-    ("modernbert", {"embedding_dropout": 0.1, "mlp_dropout": 0.1, "attention_dropout": 0.0}),
-])
+@pytest.mark.parametrize(
+    "arch,dropouts",
+    [
+        ("bert", {"hidden_dropout": 0.1, "attention_dropout": 0.1}),
+        ("modernbert", {"embedding_dropout": 0.1, "mlp_dropout": 0.1, "attention_dropout": 0.0}),
+    ],
+)
 def test_keyed_dropout_traces_once_without_graph_breaks(arch, dropouts):
     """Under torch.compile the dropout sites are part of the one graph (fused with what surrounds
     them), and a new step or batch of sample ids does not trace it again (issue 49, item 1)."""
@@ -102,8 +120,8 @@ def test_keyed_dropout_traces_once_without_graph_breaks(arch, dropouts):
     counters.clear()
     model = tiny(arch, **dropouts).train()
     key = keyed_dropout.install(model.hf_model, seed=1)
-    model.fixed_predictions = True          # the same positions every step: the loss is in the graph too
-    compiled = torch.compile(model, backend="eager")          # dynamo's tracing alone: no inductor build
+    model.fixed_predictions = True  # the same positions every step: the loss is in the graph too
+    compiled = torch.compile(model, backend="eager")  # dynamo's tracing alone: no inductor build
     ids = torch.randint(5, SPECIAL.vocab_size, (4, 16), generator=torch.Generator().manual_seed(3))
     positions = torch.arange(0, 64, 5)
     losses = []
@@ -114,7 +132,7 @@ def test_keyed_dropout_traces_once_without_graph_breaks(arch, dropouts):
         losses.append(loss.item())
     assert dict(counters["graph_break"]) == {}
     assert counters["stats"]["unique_graphs"] == 1
-    assert len(set(losses)) == 3                              # the masks did change per step
+    assert len(set(losses)) == 3  # the masks did change per step
 
 
 @pytest.mark.slow
@@ -125,7 +143,7 @@ def test_compiled_keyed_dropout_drops_the_same_units_as_eager():
     key = keyed_dropout.DropoutKey(seed=3)
     drop = keyed_dropout.KeyedDropout(0.1, "probe", key).train()
     compiled = torch.compile(drop)
-    x = torch.randn(8, 16, 33)                                # odd row length: the last half-hash split
+    x = torch.randn(8, 16, 33)  # odd row length: the last half-hash split
     for step in range(2):
         key.set(torch.arange(8) * 7 + step, step)
         eager, fused = drop(x), compiled(x)
@@ -140,15 +158,24 @@ def _eval_worker(rank, world, port, shards, layouts, out):
         manifest = load_manifest(shards)
         special = SpecialIds.from_manifest(manifest)
         torch.manual_seed(0)
-        model = build_model(ModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                                        max_position_embeddings=64), manifest.tokenizer.vocab_size, special,
-                            ImplConfig(attention="sdpa", precision="fp32"))
+        model = build_model(
+            ModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=64),
+            manifest.tokenizer.vocab_size,
+            special,
+            ImplConfig(attention="sdpa", precision="fp32"),
+        )
         info = SimpleNamespace(rank=rank, world=world, device=torch.device("cpu"))
         results = []
         for micro, sequences in layouts:
-            cfg = load_config("configs/tiny.yaml", [f"data.dir={shards}", f"impl.micro_batch_size={micro}",
-                                                     f"train.eval_sequences={sequences}",
-                                                     f"train.global_batch_size={micro}"])
+            cfg = load_config(
+                "configs/tiny.yaml",
+                [
+                    f"data.dir={shards}",
+                    f"impl.micro_batch_size={micro}",
+                    f"train.eval_sequences={sequences}",
+                    f"train.global_batch_size={micro}",
+                ],
+            )
             results.append(evaluate(model, cfg, special, info))
         if rank == 0:
             out.write_text(json.dumps(results))
@@ -158,7 +185,7 @@ def _eval_worker(rank, world, port, shards, layouts, out):
 
 def eval_at(shards, tmp_path, world, layouts) -> list[dict]:
     out = tmp_path / f"eval_{world}.json"
-    if world == 1:              # in this process: a spawn costs its imports
+    if world == 1:  # in this process: a spawn costs its imports
         _eval_worker(0, 1, free_port(), shards, layouts, out)
     else:
         mp.spawn(_eval_worker, args=(world, free_port(), shards, layouts, out), nprocs=world)
@@ -172,7 +199,7 @@ def test_eval_loss_is_bit_identical_at_any_world_size_and_micro_batch(shards, tm
     two = eval_at(shards, tmp_path, 2, [(4, 13), (5, 13), (13, 13)])
     assert one[0]["eval/loss"] > 1.0
     assert all(r == one[0] for r in two), (one, two)
-    assert one[1] != one[0]                                   # another set, another loss
+    assert one[1] != one[0]  # another set, another loss
 
 
 def test_eval_set_is_the_first_sequences_split_across_ranks(shards):
@@ -191,7 +218,7 @@ def test_eval_set_is_the_first_sequences_split_across_ranks(shards):
 
 def test_deprecated_eval_batches_becomes_a_sequence_count_once(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    (tmp_path / "manifest.json").write_text("{}")          # load_config checks only that there is one
+    (tmp_path / "manifest.json").write_text("{}")  # load_config checks only that there is one
     with pytest.warns(FutureWarning, match="eval_sequences=48"):
         cfg = load_config("configs/tiny.yaml", [f"data.dir={tmp_path}", "train.eval_batches=3"])
     assert (cfg.train.eval_sequences, cfg.train.eval_batches) == (48, None)

@@ -3,6 +3,7 @@
 A real finalized manifest comes back byte for byte through ``Manifest.from_dict(...).to_dict()``, so
 the typed form is the on-disk format; a manifest that lost or mistyped a key is refused with a message
 naming the key, by ``load_manifest`` and by the commands that read it (exit 2, no traceback)."""
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,20 @@ TASKS = 2
 def finalized(tmp_path_factory, wiki_txt_dir, bert_uncased_dir) -> Path:
     out = tmp_path_factory.mktemp("manifest") / "shards"
     for task in range(TASKS):
-        run_shard(ShardSettings(inputs=[str(wiki_txt_dir)], tokenizer=str(bert_uncased_dir), out=str(out),
-                                seq_len=64, shard_size=256, block_size=64, group_chars=100_000, validation_fraction=0.05,
-                                num_tasks=TASKS, task_index=task))
+        run_shard(
+            ShardSettings(
+                inputs=[str(wiki_txt_dir)],
+                tokenizer=str(bert_uncased_dir),
+                out=str(out),
+                seq_len=64,
+                shard_size=256,
+                block_size=64,
+                group_chars=100_000,
+                validation_fraction=0.05,
+                num_tasks=TASKS,
+                task_index=task,
+            )
+        )
     finalize(out)
     return out
 
@@ -39,14 +51,23 @@ def finalized(tmp_path_factory, wiki_txt_dir, bert_uncased_dir) -> Path:
 def test_a_finalized_manifest_round_trips_byte_for_byte(finalized, tmp_path):
     text = (finalized / MANIFEST).read_text()
     manifest = Manifest.from_dict(json.loads(text))
-    write_json_atomic(tmp_path / MANIFEST, manifest.to_dict())         # as finalize writes it
+    write_json_atomic(tmp_path / MANIFEST, manifest.to_dict())  # as finalize writes it
     assert (tmp_path / MANIFEST).read_bytes() == (finalized / MANIFEST).read_bytes()
     assert load_manifest(finalized) == manifest
     # The format finalize has always written: these keys in this order, and the tokenizer and shard
     # entries exactly as the task manifests hold them, key for key.
     raw = json.loads(text)
-    assert list(raw) == ["format_version", "seq_len", "block_size", "dtype", "tokenizer", "num_tasks", "shards",
-                         "totals", "settings"]
+    assert list(raw) == [
+        "format_version",
+        "seq_len",
+        "block_size",
+        "dtype",
+        "tokenizer",
+        "num_tasks",
+        "shards",
+        "totals",
+        "settings",
+    ]
     tasks = [json.loads((finalized / f"task-{i:05d}.json").read_text()) for i in range(TASKS)]
     assert json.dumps(raw["tokenizer"]) == json.dumps(tasks[0]["tokenizer"])
     assert sorted(map(json.dumps, raw["shards"])) == sorted(json.dumps(e) for t in tasks for e in t["shards"])
@@ -66,8 +87,12 @@ def write_broken(folder: Path, finalized: Path) -> Path:
     return folder
 
 
-NAMED = ("seq_len: missing", "block_size: not an integer ('64')", "tokenizer.vocab_size: missing",
-         "shards[1].sha256: not a string (None)")
+NAMED = (
+    "seq_len: missing",
+    "block_size: not an integer ('64')",
+    "tokenizer.vocab_size: missing",
+    "shards[1].sha256: not a string (None)",
+)
 
 
 def test_a_missing_or_mistyped_key_is_named(finalized, tmp_path):
@@ -84,8 +109,9 @@ def test_a_missing_or_mistyped_key_is_named(finalized, tmp_path):
 def test_the_trainer_and_data_prep_refuse_it_with_exit_2(finalized, tmp_path):
     bad = write_broken(tmp_path / "bad", finalized)
     trained = train(bad, tmp_path / "run", "train.max_steps=1")
-    inspected = subprocess.run([sys.executable, "-m", "data_prep", "inspect", str(bad)], cwd=REPO,
-                               capture_output=True, text=True, timeout=300)
+    inspected = subprocess.run(
+        [sys.executable, "-m", "data_prep", "inspect", str(bad)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     for proc in (trained, inspected):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert all(needle in proc.stderr for needle in NAMED), proc.stderr[-3000:]
@@ -101,9 +127,12 @@ def test_block_offsets_are_recorded_checked_and_filled_in_for_older_task_manifes
 
     manifest = load_manifest(finalized)
     for entry in manifest.shards:
-        assert list(entry.block_offsets) == index_shard(finalized / entry.name) and len(entry.block_offsets) == entry.blocks + 1
+        assert (
+            list(entry.block_offsets) == index_shard(finalized / entry.name)
+            and len(entry.block_offsets) == entry.blocks + 1
+        )
     entry = next(e for e in manifest.shards if e.blocks >= 2)
-    span = (finalized / entry.name).read_bytes()[entry.block_offsets[1]:entry.block_offsets[2]]
+    span = (finalized / entry.name).read_bytes()[entry.block_offsets[1] : entry.block_offsets[2]]
     ids, starts = parse_block(span, manifest.seq_len, "block 1")
     want = list(iter_blocks(finalized / entry.name, manifest.seq_len))[1]
     assert (ids == want[0]).all() and (starts == want[1]).all() and ids.shape == (64, manifest.seq_len)
@@ -171,4 +200,7 @@ def test_verify_checks_the_recorded_block_checksums(finalized, tmp_path):
     raw["shards"][0]["block_crc32"][0] ^= 1
     write_json_atomic(copy / MANIFEST, raw)
     (problem,) = verify(copy)
-    assert problem == f"{raw['shards'][0]['name']}: block 0's CRC-32 differs from the manifest's block_crc32 (manifest edited)"
+    assert (
+        problem
+        == f"{raw['shards'][0]['name']}: block 0's CRC-32 differs from the manifest's block_crc32 (manifest edited)"
+    )

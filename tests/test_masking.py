@@ -1,4 +1,5 @@
 """Masking statistics on real tokenized Wikipedia text (bert-base-uncased WordPiece), 128-token rows."""
+
 from __future__ import annotations
 
 import math
@@ -10,11 +11,19 @@ import torch
 from data_prep.common.manifest import FORMAT_VERSION, Manifest
 from data_prep.common.shards import ShardError
 from pretrain.config.schema import MaskingConfig
-from pretrain.model.masking import (IGNORE_INDEX, SpecialIds, eval_masking_config, mask_batch, mask_generator,
-                              mask_seed, random_non_special, span_segments)
+from pretrain.model.masking import (
+    IGNORE_INDEX,
+    SpecialIds,
+    eval_masking_config,
+    mask_batch,
+    mask_generator,
+    mask_seed,
+    random_non_special,
+    span_segments,
+)
 
 SEQ_LEN = 128
-SPECIAL = SpecialIds(pad=0, unk=100, cls=101, sep=102, mask=103, vocab_size=30522)     # bert-base-uncased's
+SPECIAL = SpecialIds(pad=0, unk=100, cls=101, sep=102, mask=103, vocab_size=30522)  # bert-base-uncased's
 
 
 def pack_rows(articles, tok_dir, min_tokens: int, seq_len: int = SEQ_LEN):
@@ -38,7 +47,7 @@ def pack_rows(articles, tok_dir, min_tokens: int, seq_len: int = SEQ_LEN):
     body = seq_len - 2
     rows_ids, rows_starts = [], []
     for k in range(0, len(ids), body):
-        chunk, chunk_starts = ids[k:k + body], starts[k:k + body]
+        chunk, chunk_starts = ids[k : k + body], starts[k : k + body]
         pad = body - len(chunk)
         rows_ids.append([SPECIAL.cls] + chunk + [SPECIAL.sep] + [SPECIAL.pad] * pad)
         rows_starts.append([False] + chunk_starts + [False] * (pad + 1))
@@ -48,7 +57,7 @@ def pack_rows(articles, tok_dir, min_tokens: int, seq_len: int = SEQ_LEN):
 @pytest.fixture(scope="module")
 def rows(wiki_articles, bert_uncased_dir):
     ids, starts = pack_rows(wiki_articles, bert_uncased_dir, min_tokens=130_000)
-    assert ids[-1, -1] == SPECIAL.pad and (ids == SPECIAL.unk).any()      # a padded row, real [UNK]s
+    assert ids[-1, -1] == SPECIAL.pad and (ids == SPECIAL.unk).any()  # a padded row, real [UNK]s
     return ids, starts
 
 
@@ -139,7 +148,7 @@ def observed_span_pmf(words_left, p, k_max):
     k = np.arange(1, k_max + 1)
     pmf = p * (1 - p) ** (k - 1.0)
     pmf[-1] = (1 - p) ** (k_max - 1)
-    at_least = (1 - p) ** (k - 1.0)                          # P(D >= k)
+    at_least = (1 - p) ** (k - 1.0)  # P(D >= k)
     r = np.asarray(words_left)[:, None]
     return np.where(k < r, pmf, 0.0) + np.where(k == r, at_least, 0.0)
 
@@ -161,7 +170,7 @@ def check_lengths(lengths, words_left, p, k_max):
     observed = np.bincount(lengths, minlength=k_max + 1)[1:]
     assert observed.sum() == len(lengths) and len(observed) == k_max
     chi2 = ((observed - expected) ** 2 / expected).sum()
-    assert chi2 < 35, (chi2, observed, expected.round())      # k_max - 1 dof: p < 1e-4 at 35
+    assert chi2 < 35, (chi2, observed, expected.round())  # k_max - 1 dof: p < 1e-4 at 35
     mean_expected = (expected * np.arange(1, k_max + 1)).sum() / expected.sum()
     assert abs(lengths.mean() / mean_expected - 1) < 0.02
     return mean_expected
@@ -171,12 +180,12 @@ def test_span_segments_have_clipped_geometric_lengths(rows):
     ids, starts = rows
     special = SPECIAL.is_special(ids)
     units, unit_special, words_left = unit_layout(ids, starts)
-    first_token = np.r_[0, np.nonzero(np.diff(units))[0] + 1]            # of each unit
+    first_token = np.r_[0, np.nonzero(np.diff(units))[0] + 1]  # of each unit
     for p, k_max in [(0.2, 10), (0.5, 3)]:
         cfg = MaskingConfig(strategy="span", span_geometric_p=p, span_max=k_max)
         seg = span_segments(special, starts, cfg, mask_generator(0, 0, 0, 0)).numpy()
         assert np.array_equal(seg, seg[first_token][units]), "a segment holds whole words"
-        opens = seg[first_token] == first_token                          # unit starts a segment
+        opens = seg[first_token] == first_token  # unit starts a segment
         assert opens[unit_special].all(), "a special token is a segment of its own"
         seg_first_unit = np.nonzero(opens & ~unit_special)[0]
         _, lengths = np.unique(seg[first_token][~unit_special], return_counts=True)
@@ -189,7 +198,7 @@ def test_span_segments_have_clipped_geometric_lengths(rows):
 
 def test_span_strategy_rate_and_runs(rows):
     ids, starts = rows
-    cfg = MaskingConfig(strategy="span", seed=7)              # p 0.2, max 10: mean 4.46 words
+    cfg = MaskingConfig(strategy="span", seed=7)  # p 0.2, max 10: mean 4.46 words
     units, unit_special, words_left = unit_layout(ids, starts)
     sizes = np.bincount(units)
     rates, runs_len, runs_left = [], [], []
@@ -224,12 +233,15 @@ def test_same_seed_same_mask_other_tuple_other_mask(rows):
         cfg = MaskingConfig(strategy=strategy, seed=11)
         a, b = run(ids, starts, cfg, step=4), run(ids, starts, cfg, step=4)
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.positions, b.positions)
-        for other in (run(ids, starts, cfg, step=5), run(ids, starts, cfg, step=4, rank=1),
-                      run(ids, starts, cfg, step=4, micro=1),
-                      run(ids, starts, MaskingConfig(strategy=strategy, seed=12), step=4)):
+        for other in (
+            run(ids, starts, cfg, step=5),
+            run(ids, starts, cfg, step=4, rank=1),
+            run(ids, starts, cfg, step=4, micro=1),
+            run(ids, starts, MaskingConfig(strategy=strategy, seed=12), step=4),
+        ):
             assert not torch.equal(a.positions, other.positions)
     seeds = {mask_seed(0, s, r, i) for s in range(50) for r in range(4) for i in range(4)}
-    assert len(seeds) == 800 and max(seeds) < 2 ** 63
+    assert len(seeds) == 800 and max(seeds) < 2**63
 
 
 def test_random_replacements_uniform_over_non_special():
@@ -247,14 +259,14 @@ def test_random_replacements_uniform_over_non_special():
     allowed_ids = np.setdiff1d(np.arange(30522), SPECIAL.all_special)
     expected = np.bincount(allowed_ids * 100 // 30522, minlength=100) * (1_000_000 / len(allowed_ids))
     chi2 = ((bins - expected) ** 2 / expected).sum()
-    assert chi2 < 150, chi2                                     # 99 dof: p ~ 0.001 at 150
+    assert chi2 < 150, chi2  # 99 dof: p ~ 0.001 at 150
 
 
 def test_fixed_count_static_shapes(rows):
     ids, starts = rows
     cfg = MaskingConfig(fixed_count=True, seed=9)
-    slots = math.ceil(0.15 * SEQ_LEN)                        # 20
-    tail = slice(len(ids) - 32, len(ids))                     # ends with the padded row
+    slots = math.ceil(0.15 * SEQ_LEN)  # 20
+    tail = slice(len(ids) - 32, len(ids))  # ends with the padded row
     assert (ids[tail][-1] == SPECIAL.pad).sum() > 10
     shapes = set()
     for batch in (slice(0, 32), slice(32, 64), tail):
@@ -263,7 +275,7 @@ def test_fixed_count_static_shapes(rows):
         shapes.add((tuple(m.positions.shape), tuple(m.labels.shape)))
         check_common(bid, m, cfg)
         filled = (m.labels != IGNORE_INDEX).view(len(bid), slots).sum(1)
-        ideal = choosable(bid).sum(1).double() * 0.15          # stochastic rounding of this
+        ideal = choosable(bid).sum(1).double() * 0.15  # stochastic rounding of this
         assert torch.all((filled == ideal.floor()) | (filled == ideal.ceil()))
         rows_of = m.positions.view(len(bid), slots) // SEQ_LEN
         assert torch.equal(rows_of, torch.arange(len(bid))[:, None].expand(-1, slots))
@@ -275,19 +287,43 @@ def test_fixed_count_static_shapes(rows):
 
 
 def test_eval_config_ignores_training_settings():
-    ev = eval_masking_config(MaskingConfig(rate=0.4, mask_prob=1.0, random_prob=0.0, strategy="span", seed=77,
-                                           fixed_count=True, dynamic=False))
-    assert (ev.rate, ev.mask_prob, ev.random_prob, ev.strategy, ev.fixed_count, ev.dynamic) == \
-        (0.15, 0.8, 0.1, "token", False, True)
+    ev = eval_masking_config(
+        MaskingConfig(
+            rate=0.4, mask_prob=1.0, random_prob=0.0, strategy="span", seed=77, fixed_count=True, dynamic=False
+        )
+    )
+    assert (ev.rate, ev.mask_prob, ev.random_prob, ev.strategy, ev.fixed_count, ev.dynamic) == (
+        0.15,
+        0.8,
+        0.1,
+        "token",
+        False,
+        True,
+    )
     assert ev.seed == eval_masking_config(MaskingConfig()).seed and not ev.check()
 
 
 def test_special_ids_from_manifest_errors():
     assert SPECIAL.all_special == (0, 100, 101, 102, 103)
-    tokenizer = {"path": "tokenizer", "sha256": "ab" * 32, "vocab_size": 30522, "lowercase": True,
-                 "special_ids": {"pad": 0, "cls": 101, "sep": 102, "mask": 103}, "special_tokens": {}}
-    raw = {"format_version": FORMAT_VERSION, "seq_len": SEQ_LEN, "block_size": 256, "dtype": "uint16",
-           "tokenizer": tokenizer, "num_tasks": 1, "shards": [], "totals": {}, "settings": {}}
+    tokenizer = {
+        "path": "tokenizer",
+        "sha256": "ab" * 32,
+        "vocab_size": 30522,
+        "lowercase": True,
+        "special_ids": {"pad": 0, "cls": 101, "sep": 102, "mask": 103},
+        "special_tokens": {},
+    }
+    raw = {
+        "format_version": FORMAT_VERSION,
+        "seq_len": SEQ_LEN,
+        "block_size": 256,
+        "dtype": "uint16",
+        "tokenizer": tokenizer,
+        "num_tasks": 1,
+        "shards": [],
+        "totals": {},
+        "settings": {},
+    }
     with pytest.raises(ShardError, match=r"tokenizer.special_ids lacks \['unk'\]"):
         Manifest.from_dict(raw)
     tokenizer["special_ids"]["unk"] = 100
@@ -310,7 +346,7 @@ def test_cuda_matches_statistics(rows):
         assert torch.equal(m.input_ids, again.input_ids)
         # static masks are integer arithmetic: the same on the GPU as on the CPU
         static_cfg = MaskingConfig(strategy=strategy, fixed_count=fixed, dynamic=False)
-        sample_ids = torch.arange(len(ids)) + 2 ** 33
+        sample_ids = torch.arange(len(ids)) + 2**33
         on_gpu = mask_batch(ids, starts, SPECIAL, static_cfg, sample_ids=sample_ids.cuda())
         on_cpu = mask_batch(ids.cpu(), starts.cpu(), SPECIAL, static_cfg, sample_ids=sample_ids)
         assert torch.equal(on_gpu.input_ids.cpu(), on_cpu.input_ids)
@@ -326,16 +362,21 @@ def test_decoupled_prediction_and_corruption_rates(rows, dynamic):
     n_tokens = int(choosable(ids).sum())
     assert n_tokens >= 100_000
     sample_ids = torch.arange(len(ids)) * 7919 + 12_345
-    for rate, mask_prob, random_prob in [(0.15, 0.8, 0.1), (0.4, 1.0, 0.0), (0.4, 0.5, 0.0), (0.3, 0.0, 0.0),
-                                         (0.2, 0.3, 0.5)]:
+    for rate, mask_prob, random_prob in [
+        (0.15, 0.8, 0.1),
+        (0.4, 1.0, 0.0),
+        (0.4, 0.5, 0.0),
+        (0.3, 0.0, 0.0),
+        (0.2, 0.3, 0.5),
+    ]:
         cfg = MaskingConfig(rate=rate, mask_prob=mask_prob, random_prob=random_prob, dynamic=dynamic, seed=21)
         m = mask_batch(ids, starts, SPECIAL, cfg, mask_generator(cfg.seed, 0, 0, 0), sample_ids=sample_ids)
         predicted, p_mask, p_rand, p_keep = check_common(ids, m, cfg)
         point = (rate, mask_prob, random_prob)
         assert abs(predicted - rate) < 0.005, point
-        assert abs(predicted * p_mask - rate * mask_prob) < 0.005, point              # became [MASK]
-        assert abs(predicted * p_rand - rate * random_prob) < 0.005, point            # became a random token
-        assert abs(predicted * p_keep - rate * (1 - mask_prob - random_prob)) < 0.005, point   # predicted, visible
+        assert abs(predicted * p_mask - rate * mask_prob) < 0.005, point  # became [MASK]
+        assert abs(predicted * p_rand - rate * random_prob) < 0.005, point  # became a random token
+        assert abs(predicted * p_keep - rate * (1 - mask_prob - random_prob)) < 0.005, point  # predicted, visible
         corrupted = (m.input_ids != ids).sum().item() / n_tokens
         assert abs(corrupted - rate * (mask_prob + random_prob)) < 0.005, point
         if mask_prob == 1.0:
@@ -365,20 +406,25 @@ def test_static_mask_belongs_to_the_sequence_not_to_the_step(rows, strategy, fix
     again_rows = torch.empty_like(ids)
     again_chosen = torch.empty_like(ids, dtype=torch.bool)
     for k, part in enumerate(order.split(40)):
-        torch.manual_seed(100 + k)                           # the global RNG plays no part either
+        torch.manual_seed(100 + k)  # the global RNG plays no part either
         m = static(ids[part], starts[part], cfg, sample_ids[part], step=700 + k, rank=k % 2, micro=k)
         again_rows[part], again_chosen[part] = m.input_ids, chosen_mask(ids[part], m)
     assert torch.equal(again_rows, first.input_ids) and torch.equal(again_chosen, chosen_mask(ids, first))
     # another sequence id, another mask; another masking seed, another mask
     assert not torch.equal(static(ids, starts, cfg, sample_ids + 1).input_ids, first.input_ids)
-    assert not torch.equal(static(ids, starts, MaskingConfig(strategy=strategy, fixed_count=fixed, dynamic=False,
-                                                             seed=4), sample_ids).input_ids, first.input_ids)
+    assert not torch.equal(
+        static(
+            ids, starts, MaskingConfig(strategy=strategy, fixed_count=fixed, dynamic=False, seed=4), sample_ids
+        ).input_ids,
+        first.input_ids,
+    )
     # dynamic masking: the same rows at another step are masked differently
     dyn = MaskingConfig(strategy=strategy, fixed_count=fixed, seed=3)
     a, b = static(ids, starts, dyn, sample_ids, step=1), static(ids, starts, dyn, sample_ids, step=2)
     assert not torch.equal(a.input_ids, b.input_ids)
-    assert torch.equal(static(ids, starts, dyn, sample_ids + 99, step=1).input_ids, a.input_ids), \
+    assert torch.equal(static(ids, starts, dyn, sample_ids + 99, step=1).input_ids, a.input_ids), (
         "dynamic masking ignores sample ids"
+    )
 
 
 @pytest.mark.slow
@@ -392,14 +438,22 @@ def test_static_mask_is_the_same_in_a_fresh_process(rows):
     ids, starts = rows[0][:8], rows[1][:8]
     cfg = MaskingConfig(strategy="span", rate=0.3, dynamic=False, seed=9)
     here = static(ids, starts, cfg, torch.arange(8) * 3).input_ids
-    code = ("import sys, torch; from pretrain.config.schema import MaskingConfig; "
-            "from pretrain.model.masking import SpecialIds, mask_batch; "
-            "ids, starts = torch.tensor(eval(sys.argv[1])), torch.tensor(eval(sys.argv[2])); "
-            f"sp = SpecialIds(pad=0, unk=100, cls=101, sep=102, mask=103, vocab_size=30522); torch.manual_seed(5); "
-            "cfg = MaskingConfig(strategy='span', rate=0.3, dynamic=False, seed=9); "
-            "print(mask_batch(ids, starts, sp, cfg, sample_ids=torch.arange(8) * 3).input_ids.tolist())")
-    out = subprocess.run([sys.executable, "-c", code, str(ids.tolist()), str(starts.tolist())], cwd=REPO,
-                         capture_output=True, text=True, timeout=120, check=True).stdout
+    code = (
+        "import sys, torch; from pretrain.config.schema import MaskingConfig; "
+        "from pretrain.model.masking import SpecialIds, mask_batch; "
+        "ids, starts = torch.tensor(eval(sys.argv[1])), torch.tensor(eval(sys.argv[2])); "
+        f"sp = SpecialIds(pad=0, unk=100, cls=101, sep=102, mask=103, vocab_size=30522); torch.manual_seed(5); "
+        "cfg = MaskingConfig(strategy='span', rate=0.3, dynamic=False, seed=9); "
+        "print(mask_batch(ids, starts, sp, cfg, sample_ids=torch.arange(8) * 3).input_ids.tolist())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(ids.tolist()), str(starts.tolist())],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     assert torch.equal(torch.tensor(eval(out)), here)
 
 
@@ -409,7 +463,7 @@ def test_static_masking_statistics(rows, strategy, fixed):
     positions and across sequences."""
     ids, starts = rows
     cfg = MaskingConfig(strategy=strategy, fixed_count=fixed, dynamic=False, seed=13)
-    sample_ids = torch.arange(len(ids)) + 2 ** 40             # ids beyond 32 bits
+    sample_ids = torch.arange(len(ids)) + 2**40  # ids beyond 32 bits
     m = static(ids, starts, cfg, sample_ids)
     rate, p_mask, p_rand, p_keep = check_common(ids, m, cfg)
     assert abs(rate - 0.15) < (0.002 if fixed else 0.005 if strategy == "token" else 0.01), rate
@@ -428,7 +482,7 @@ def test_static_masking_statistics(rows, strategy, fixed):
         # sequences independent: the same text under two ids overlaps as two independent masks do
         other = chosen_mask(ids, static(ids, starts, cfg, sample_ids + len(ids)))
         overlap = (chosen & other).sum().item() / int(choosable(ids).sum())
-        assert abs(overlap - 0.15 ** 2) < 0.003, overlap
+        assert abs(overlap - 0.15**2) < 0.003, overlap
 
 
 def test_static_masking_needs_sample_ids(rows):

@@ -1,6 +1,7 @@
 """The masking-rate schedule (masking.rate_end): linear from `rate` at step 0 to `rate_end` at the last
 step, a pure function of (step, train.max_steps), measured on real tokenized Wikipedia rows at the
 start and the end of a run, and usable as a study axis beside fixed rates."""
+
 from __future__ import annotations
 
 import math
@@ -32,7 +33,7 @@ def test_rate_is_linear_from_rate_to_rate_end_over_the_run():
     assert rate_at_step(cfg, 333, MAX_STEPS) == pytest.approx(0.3 - 0.15 * 333 / 999, abs=1e-12)
     # A resume with a longer max_steps recomputes the rate for the new end (as the lr schedule does)
     assert rate_at_step(cfg, 999, 2000) == pytest.approx(0.3 - 0.15 * 999 / 1999, abs=1e-12)
-    assert rate_at_step(MaskingConfig(rate=0.3), 999, MAX_STEPS) == 0.3      # no rate_end: fixed
+    assert rate_at_step(MaskingConfig(rate=0.3), 999, MAX_STEPS) == 0.3  # no rate_end: fixed
 
 
 @pytest.mark.parametrize("strategy,fixed", [("token", False), ("token", True), ("whole_word", False)])
@@ -43,13 +44,14 @@ def test_rate_holds_statistically_at_the_start_and_the_end(rows, strategy, fixed
     n = (~SPECIAL.is_special(ids)).sum().item()
     slots = set()
     for step, want in ((0, 0.3), (MAX_STEPS - 1, 0.15)):
-        m = mask_batch(ids, starts, SPECIAL, cfg, sample_ids=sample_ids, step=step,
-                       rate=rate_at_step(cfg, step, MAX_STEPS))
+        m = mask_batch(
+            ids, starts, SPECIAL, cfg, sample_ids=sample_ids, step=step, rate=rate_at_step(cfg, step, MAX_STEPS)
+        )
         # whole words come in clumps of ~1.3 tokens: a looser bound than independent tokens' 4 sigma
         sigma = math.sqrt(want * (1 - want) / n) * (2 if strategy == "whole_word" else 1)
         assert abs(chosen_fraction(ids, m) - want) < 4 * sigma, (step, chosen_fraction(ids, m), want)
         slots.add(m.positions.numel())
-    if fixed:        # static shapes over the whole schedule: the slots of its highest rate
+    if fixed:  # static shapes over the whole schedule: the slots of its highest rate
         assert slots == {ids.shape[0] * math.ceil(0.3 * ids.shape[1])}
 
 
@@ -70,9 +72,16 @@ def test_rate_end_is_checked_and_is_a_study_axis(shards):
     from pretrain.study.plan import load_study
 
     assert MaskingConfig(rate_end=1.5).check() == ["rate_end: must be in (0, 1) or null, got 1.5"]
-    study = load_study(str(REPO / "configs" / "study.yaml"), [
-        f"data.dir={shards}", "model.max_position_embeddings=64", "masking.strategy=token", "masking.rate=0.3",
-        "masking.rate_end=null,0.15"])
+    study = load_study(
+        str(REPO / "configs" / "study.yaml"),
+        [
+            f"data.dir={shards}",
+            "model.max_position_embeddings=64",
+            "masking.strategy=token",
+            "masking.rate=0.3",
+            "masking.rate_end=null,0.15",
+        ],
+    )
     assert [v.name for v in study.variants] == ["rate_end=None", "rate_end=0.15"]
     assert [(v.cfg.masking.rate, v.cfg.masking.rate_end) for v in study.variants] == [(0.3, None), (0.3, 0.15)]
     with pytest.raises(ConfigError, match=r"masking.rate_end: must be in \(0, 1\) or null, got 0.0"):

@@ -5,6 +5,7 @@ is caught by the same measure. The 1,000-step proof on the main job is in BENCHM
 
 Time: about 1.5 minutes: memory levels off only after steps, and the run goes through
 ``pretrain.launch`` for real, since its preloaded allocator is part of what is measured."""
+
 from __future__ import annotations
 
 import json
@@ -19,19 +20,29 @@ from pretrain.runtime import allocator
 
 pytestmark = pytest.mark.slow
 STEPS = 120
-WARM = 40            # allocators and the data loader settle in the first steps
-RUN = ["train.log_every=1", "train.eval_every=0", "train.eval_sequences=32", "model.max_position_embeddings=64",
-       "train.checkpoint_every=0", f"train.max_steps={STEPS}", "tracking.backend=none"]
+WARM = 40  # allocators and the data loader settle in the first steps
+RUN = [
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_sequences=32",
+    "model.max_position_embeddings=64",
+    "train.checkpoint_every=0",
+    f"train.max_steps={STEPS}",
+    "tracking.backend=none",
+]
 
 
 def growth_mb_per_step(out: Path) -> float:
     """The least-squares slope of rank 0's resident memory after the warm-up, in MB per step."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    points = [(r["step"], r["perf/memory_current_gb"] * 1024) for r in rows
-              if "perf/memory_current_gb" in r and r["step"] >= WARM]
+    points = [
+        (r["step"], r["perf/memory_current_gb"] * 1024)
+        for r in rows
+        if "perf/memory_current_gb" in r and r["step"] >= WARM
+    ]
     n = len(points)
     mean_x, mean_y = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    return (sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points))
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +56,22 @@ def tcmalloc():
 @pytest.mark.parametrize("leak_mb", [0, 1])
 def test_resident_memory_levels_off_and_a_leaking_step_is_caught(tcmalloc, shards, tmp_path, leak_mb):
     out = tmp_path / "run"
-    proc = train(shards, out, *RUN, ranks=2, launcher=[PY, "-m", "pretrain.launch"],
-                 env={"MLM_TEST_LEAK_MB_PER_STEP": str(leak_mb)})
+    proc = train(
+        shards,
+        out,
+        *RUN,
+        ranks=2,
+        launcher=[PY, "-m", "pretrain.launch"],
+        env={"MLM_TEST_LEAK_MB_PER_STEP": str(leak_mb)},
+    )
     assert proc.returncode == 0, explain(proc)
-    assert "allocator tcmalloc" in proc.stdout, proc.stdout[-3000:]      # preloaded by the launcher
+    assert "allocator tcmalloc" in proc.stdout, proc.stdout[-3000:]  # preloaded by the launcher
     slope = growth_mb_per_step(out)
     print(f"leak {leak_mb} MB/step: resident memory grew {slope:.3f} MB/step after step {WARM}", file=sys.stderr)
     if leak_mb:
         assert slope > 0.7 * leak_mb, slope
     else:
-        assert abs(slope) < 0.25, slope     # 80 steps: under 20 MB of a ~0.5 GB process (0.05 measured)
+        assert abs(slope) < 0.25, slope  # 80 steps: under 20 MB of a ~0.5 GB process (0.05 measured)
 
 
 def test_the_allocator_is_preloaded_unless_missing_or_declined(monkeypatch, tmp_path):
@@ -62,7 +79,7 @@ def test_the_allocator_is_preloaded_unless_missing_or_declined(monkeypatch, tmp_
     monkeypatch.setattr(allocator, "_search_dirs", lambda: [tmp_path])
     env, problem = allocator.preload({"LD_PRELOAD": "libother.so"})
     assert env["LD_PRELOAD"] == f"{tmp_path}/libtcmalloc_minimal.so.4 libother.so" and problem is None
-    assert allocator.preload(env) == (env, None)                         # already preloaded: left alone
+    assert allocator.preload(env) == (env, None)  # already preloaded: left alone
     assert allocator.preload({"MLM_ALLOCATOR": "system"}) == ({"MLM_ALLOCATOR": "system"}, None)
     env, problem = allocator.preload({"MLM_ALLOCATOR": "nosuch"})
     assert "LD_PRELOAD" not in env and "not one of tcmalloc, jemalloc, system" in problem

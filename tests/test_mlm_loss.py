@@ -1,4 +1,5 @@
 """The fused MLM loss (decoder + cross-entropy in row chunks) against the plain F.linear + F.cross_entropy."""
+
 from __future__ import annotations
 
 import gc
@@ -20,7 +21,7 @@ def inputs(dtype=torch.float32, seed=0):
     bias = torch.randn(V, generator=g) * 0.1
     labels = torch.randint(0, V, (N,), generator=g)
     labels[::6] = IGNORE_INDEX
-    labels[1] = int((hidden[1] @ weight.t() + bias).argmax())      # at least one right guess
+    labels[1] = int((hidden[1] @ weight.t() + bias).argmax())  # at least one right guess
     return [t.to(dtype).requires_grad_() for t in (hidden, weight, bias)] + [labels]
 
 
@@ -64,7 +65,7 @@ def test_fused_bf16_gradients_are_within_bf16_rounding(chunk_rows):
     assert abs(float(fused_low[0] - exact[0])) <= 1e-3 * float(exact[0])
     for name, mine, theirs, truth in zip(("hidden", "weight", "bias"), fused_low[3], plain_low[3], exact[3]):
         assert (mine - truth).norm() <= 1.25 * (theirs - truth).norm(), name
-        assert (mine - truth).norm() <= 2 ** -7 * truth.norm(), name
+        assert (mine - truth).norm() <= 2**-7 * truth.norm(), name
 
 
 def test_under_autocast_fp32_weights_get_fp32_gradients_within_bf16_rounding():
@@ -84,7 +85,7 @@ def test_under_autocast_fp32_weights_get_fp32_gradients_within_bf16_rounding():
     assert abs(float(fused_low[0] - exact[0])) <= 1e-2 * float(exact[0])
     for name, mine, theirs, truth in zip(("hidden", "weight", "bias"), fused_low[3], plain_low[3], exact[3]):
         assert (mine - truth).norm() <= 1.25 * (theirs - truth).norm() + 1e-6 * truth.norm(), name
-        assert (mine - truth).norm() <= 2 ** -6 * truth.norm(), name
+        assert (mine - truth).norm() <= 2**-6 * truth.norm(), name
 
 
 def test_without_grad_no_gradient_is_built_and_want_correct_off_gives_none():
@@ -115,7 +116,7 @@ def kept_full_logits(fn, tensors) -> int:
 
 def test_no_full_logits_are_kept_for_the_backward():
     tensors = inputs()
-    assert kept_full_logits(plain, tensors) >= 1                  # the check sees the plain path's
+    assert kept_full_logits(plain, tensors) >= 1  # the check sees the plain path's
     assert kept_full_logits(lambda *t: fused_linear_cross_entropy(*t, chunk_rows=7), tensors) == 0
 
 
@@ -133,9 +134,15 @@ def test_compiled_keeps_its_chunks_for_a_fixed_count_and_runs_eagerly_for_a_chan
     def loss_and_correct(hidden, weight, bias, labels, fixed_rows=False):
         return fused_linear_cross_entropy(hidden, weight, bias, labels, chunk_rows=7, fixed_rows=fixed_rows)
 
-    def decoder_matmuls():          # the autograd.Function's forward is a subgraph of the captured one
-        return sum(1 for gm in graphs for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
-                   for node in sub.graph.nodes if node.op == "call_function" and "linear" in str(node.target))
+    def decoder_matmuls():  # the autograd.Function's forward is a subgraph of the captured one
+        return sum(
+            1
+            for gm in graphs
+            for sub in gm.modules()
+            if isinstance(sub, torch.fx.GraphModule)
+            for node in sub.graph.nodes
+            if node.op == "call_function" and "linear" in str(node.target)
+        )
 
     torch._dynamo.reset()
     compiled = torch.compile(loss_and_correct, backend=recording)
@@ -143,15 +150,15 @@ def test_compiled_keeps_its_chunks_for_a_fixed_count_and_runs_eagerly_for_a_chan
     for n in (N, N - 9, N - 20):
         tensors = [t.detach()[:n].requires_grad_() if i == 0 else t for i, t in enumerate(full[:3])] + [full[3][:n]]
         eager = loss_and_grads(loss_and_correct, tensors)
-        for fixed in ((True, False) if n == N else (False,)):
+        for fixed in (True, False) if n == N else (False,):
             traced = loss_and_grads(lambda *t: compiled(*t, fixed_rows=fixed), tensors)
             assert torch.allclose(traced[0], eager[0], rtol=1e-6) and torch.equal(traced[2], eager[2])
             for mine, theirs in zip(traced[3], eager[3]):
                 assert (mine - theirs).norm() <= 1e-5 * theirs.norm()
-        if n == N:                  # fixed: 8 chunks of at most 7 rows unrolled; not fixed: none in the graph
+        if n == N:  # fixed: 8 chunks of at most 7 rows unrolled; not fixed: none in the graph
             assert decoder_matmuls() == -(-N // 7)
             graphs.clear()
-    assert decoder_matmuls() == 0                             # changing counts: the loss ran eagerly
+    assert decoder_matmuls() == 0  # changing counts: the loss ran eagerly
 
 
 def test_padding_rows_of_the_decoder_are_never_predicted():
@@ -162,9 +169,13 @@ def test_padding_rows_of_the_decoder_are_never_predicted():
     padded_weight = torch.cat([weight.detach(), torch.randn(pad, H)]).requires_grad_()
     padded_bias = torch.cat([bias.detach(), torch.full((pad,), 50.0)]).requires_grad_()
     for chunk_rows in (7, None):
-        want = loss_and_grads(lambda *t: fused_linear_cross_entropy(*t, chunk_rows=chunk_rows), [hidden, weight, bias, labels])
-        got = loss_and_grads(lambda *t: fused_linear_cross_entropy(*t, chunk_rows=chunk_rows, vocab_size=V),
-                             [hidden, padded_weight, padded_bias, labels])
+        want = loss_and_grads(
+            lambda *t: fused_linear_cross_entropy(*t, chunk_rows=chunk_rows), [hidden, weight, bias, labels]
+        )
+        got = loss_and_grads(
+            lambda *t: fused_linear_cross_entropy(*t, chunk_rows=chunk_rows, vocab_size=V),
+            [hidden, padded_weight, padded_bias, labels],
+        )
         assert torch.allclose(got[0], want[0], rtol=1e-6) and torch.equal(got[2], want[2])
         assert torch.allclose(got[3][0], want[3][0], atol=1e-6)
         assert torch.allclose(got[3][1][:V], want[3][1], atol=1e-6) and not got[3][1][V:].any()

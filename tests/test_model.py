@@ -1,4 +1,5 @@
 """The model with a sparse MLM head, its Hugging Face export, and the FLOP counter."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +24,7 @@ VOCAB = SPECIAL.vocab_size
 def rows(wiki_articles, bert_uncased_dir):
     ids, starts = pack_rows(wiki_articles[:200], bert_uncased_dir, min_tokens=4000)
     assert ids[-1, -1] == SPECIAL.pad
-    return ids[-8:], starts[-8:]                              # 8 rows, the last one padded
+    return ids[-8:], starts[-8:]  # 8 rows, the last one padded
 
 
 def tiny(seed=0, **impl) -> MLMModel:
@@ -35,13 +36,13 @@ def test_sparse_head_equals_dense_head_and_hf_loss(rows):
     ids, m = masked(rows)
     sparse = tiny(sparse_head=True)
     assert_sparse_head_equals_dense(sparse, tiny(sparse_head=False), ids, m, SPECIAL.pad)
-    with torch.no_grad():          # Hugging Face's softmax includes the padding rows: pushed out of it
+    with torch.no_grad():  # Hugging Face's softmax includes the padding rows: pushed out of it
         sparse.hf_model.cls.predictions.bias[VOCAB:] = -1e4
     mine = sparse_mean_loss(sparse, ids, m, SPECIAL.pad)
-    with torch.no_grad():                                     # Hugging Face's own (dense, mean) loss
+    with torch.no_grad():  # Hugging Face's own (dense, mean) loss
         hf = sparse.hf_model(input_ids=m.input_ids, attention_mask=ids != SPECIAL.pad, labels=dense_labels(ids, m)).loss
     assert torch.allclose(mine, hf, rtol=1e-5)
-    assert 0.8 * math.log(VOCAB) < float(hf) < 1.2 * math.log(VOCAB)   # untrained: about ln(V)
+    assert 0.8 * math.log(VOCAB) < float(hf) < 1.2 * math.log(VOCAB)  # untrained: about ln(V)
 
 
 def test_unused_fixed_count_slots_do_not_count(rows):
@@ -86,7 +87,7 @@ def test_padding_is_masked_out_and_sdpa_equals_eager(rows):
     assert eager.hf_model.config._attn_implementation == "eager"
     with torch.no_grad():
         padded, _, _ = model(last_ids, last_ids != SPECIAL.pad, pos, labels)
-        trimmed, _, _ = model(last_ids[:, :real], None, pos, labels)        # no padding at all
+        trimmed, _, _ = model(last_ids[:, :real], None, pos, labels)  # no padding at all
         full_sdpa, _, _ = model(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)
         full_eager, _, _ = eager(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)
     assert torch.allclose(padded, trimmed, rtol=1e-5)
@@ -100,7 +101,7 @@ def test_tied_weights_survive_training_and_export(rows, tmp_path):
     assert hf.cls.predictions.decoder.weight is hf.bert.embeddings.word_embeddings.weight
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
-    for _ in range(8):                                        # overfit one batch: the loss must fall
+    for _ in range(8):  # overfit one batch: the loss must fall
         loss, _, count = model(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)
         (loss / count).backward()
         opt.step()
@@ -144,15 +145,18 @@ def test_init_from_pretrained_encoder(rows, bert_uncased_dir, tmp_path):
     cfg = ModelConfig(init_from=str(bert_uncased_dir))
     model = build_model(cfg, VOCAB, SPECIAL, ImplConfig(), seq_len=128)
     hf = model.hf_model
-    assert (hf.config.num_hidden_layers, hf.config.hidden_size) == (6, 384)   # its architecture wins
+    assert (hf.config.num_hidden_layers, hf.config.hidden_size) == (6, 384)  # its architecture wins
     assert hf.cls.predictions.decoder.weight is hf.bert.embeddings.word_embeddings.weight
     encoder = hf.bert.state_dict()
-    stored = {k: v for k, v in load_file(bert_uncased_dir / "model.safetensors").items()
-              if not k.startswith("pooler.") and not k.endswith("position_ids")}
+    stored = {
+        k: v
+        for k, v in load_file(bert_uncased_dir / "model.safetensors").items()
+        if not k.startswith("pooler.") and not k.endswith("position_ids")
+    }
     assert len(stored) > 90
-    assert hf.config.vocab_size == 30528 and model.vocab_size == VOCAB     # padded to a multiple of 64
+    assert hf.config.vocab_size == 30528 and model.vocab_size == VOCAB  # padded to a multiple of 64
     for name, tensor in stored.items():
-        assert torch.equal(encoder[name][:len(tensor)], tensor), name      # the padding rows follow
+        assert torch.equal(encoder[name][: len(tensor)], tensor), name  # the padding rows follow
     ids, m = masked(rows)
     with torch.no_grad():
         loss, correct, count = model.eval()(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)
@@ -191,14 +195,14 @@ def test_flops_match_torch_flop_counter(rows):
 
 
 def test_flops_near_six_params_tokens_for_bert_base():
-    cfg = BertConfig()                                        # bert-base: 12 x 768, vocab 30522
+    cfg = BertConfig()  # bert-base: 12 x 768, vocab 30522
     with torch.device("meta"):
         params = sum(p.numel() for p in BertForMaskedLM(cfg).parameters())
     dense = mlm_flops_per_sequence(cfg, 128, 128 * 0.15, sparse_head=False)
     # the decoder's H x V matmul stands for the embedding parameters; attention adds L / 6H ~ 3%
     assert 1.0 < dense / (6 * params * 128) < 1.06
     sparse = mlm_flops_per_sequence(cfg, 128, 128 * 0.15, sparse_head=True)
-    saved = 3 * 128 * 0.85 * (2 * 768 ** 2 + 2 * 768 * 30522)
+    saved = 3 * 128 * 0.85 * (2 * 768**2 + 2 * 768 * 30522)
     assert dense - sparse == pytest.approx(saved) and sparse / dense < 0.85
 
 
@@ -216,23 +220,26 @@ def test_compiled_model_keeps_one_graph_for_padded_and_eval_batches(rows):
     from pretrain.runtime.engine import eager_forward
 
     ids, m = masked(rows)
-    full = slice(0, len(ids) - 1)                             # rows packed full: no mask
+    full = slice(0, len(ids) - 1)  # rows packed full: no mask
     n = (len(ids) - 1) * ids.shape[1]
     full_pos, full_labels = m.positions[m.positions < n], m.labels[m.positions < n]
-    torch.manual_seed(0)                                      # no dropout: equal losses to compare
-    model = build_model(dataclasses.replace(TINY, hidden_dropout=0.0, attention_dropout=0.0), VOCAB, SPECIAL,
-                        ImplConfig())
-    model.fixed_predictions = True          # the same positions each time: the loss is traced too
-    reference = [model(m.input_ids[full], None, full_pos, full_labels)[0].detach(),
-                 model(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)[0].detach()]
+    torch.manual_seed(0)  # no dropout: equal losses to compare
+    model = build_model(
+        dataclasses.replace(TINY, hidden_dropout=0.0, attention_dropout=0.0), VOCAB, SPECIAL, ImplConfig()
+    )
+    model.fixed_predictions = True  # the same positions each time: the loss is traced too
+    reference = [
+        model(m.input_ids[full], None, full_pos, full_labels)[0].detach(),
+        model(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)[0].detach(),
+    ]
 
-    class CompiledEngine(torch.nn.Module):                   # what DeepSpeed's engine.compile() leaves
+    class CompiledEngine(torch.nn.Module):  # what DeepSpeed's engine.compile() leaves
         is_compiled = True
 
         def __init__(self, module):
             super().__init__()
             self.module = module
-            self.module.compile(backend="aot_eager")         # graph capture without inductor's codegen
+            self.module.compile(backend="aot_eager")  # graph capture without inductor's codegen
 
         def forward(self, *args):
             return self.module(*args)
@@ -244,7 +251,7 @@ def test_compiled_model_keeps_one_graph_for_padded_and_eval_batches(rows):
         loss, _, _ = engine(m.input_ids[full], None, full_pos, full_labels)
         loss.backward()
     assert counters["stats"]["unique_graphs"] == 1
-    with eager_forward(engine, eager=True):                   # the padded batch
+    with eager_forward(engine, eager=True):  # the padded batch
         padded, _, _ = engine(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)
     padded.backward()
     engine.eval()
@@ -253,7 +260,7 @@ def test_compiled_model_keeps_one_graph_for_padded_and_eval_batches(rows):
     assert counters["stats"]["unique_graphs"] == 1
     assert torch.allclose(loss.detach(), reference[0], rtol=1e-5)
     assert torch.allclose(padded.detach(), reference[1], rtol=1e-5)
-    with eager_forward(engine, eager=False):                  # without the stance: a second graph
+    with eager_forward(engine, eager=False):  # without the stance: a second graph
         engine(m.input_ids, ids != SPECIAL.pad, m.positions, m.labels)
     assert counters["stats"]["unique_graphs"] == 2
     torch._dynamo.reset()
@@ -278,7 +285,7 @@ def test_lamb_is_the_papers_update_unclamped_and_bias_corrected():
 
     torch.manual_seed(0)
     lr, (b1, b2), eps, wd = 1e-2, (0.9, 0.999), 1e-6, 0.01
-    w0 = torch.randn(8, 16) * 100                        # ||w|| / ||update|| ~ 100 / 1
+    w0 = torch.randn(8, 16) * 100  # ||w|| / ||update|| ~ 100 / 1
     grads = [torch.randn(8, 16) for _ in range(3)]
     param = torch.nn.Parameter(w0.clone())
     opt = Lamb([{"params": [param], "weight_decay": wd}], lr=lr, betas=(b1, b2), eps=eps)
@@ -288,7 +295,7 @@ def test_lamb_is_the_papers_update_unclamped_and_bias_corrected():
         opt.step()
         g = g.double()
         m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
-        update = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps) + wd * w
+        update = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps) + wd * w
         ratios.append((w.norm() / update.norm()).item())
         w = w - lr * ratios[-1] * update
         assert torch.allclose(param.detach().double(), w, rtol=1e-5, atol=1e-5), t

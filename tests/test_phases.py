@@ -2,6 +2,7 @@
 ranks, ZeRO 2, another global batch), through the real entry points. Phase 2 starts where phase 1
 ended, its optimiser moments are phase 1's (checked in both checkpoints), MLflow shows phase 2 as
 phase 1's child, and a model too short for the new data or another tokenizer is refused by name."""
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,17 @@ from conftest import PY, _run
 from conftest import train as launch
 
 pytestmark = pytest.mark.slow
-BETAS = (0.9, 0.98)                      # tiny.yaml's (the default)
-COMMON = ["train.log_every=1", "train.eval_every=0", "train.eval_sequences=32", "train.checkpoint_every=0",
-          "optim.warmup_steps=2", "optim.lr=3e-3", "tracking.backend=mlflow", "tracking.system_metrics=false"]
+BETAS = (0.9, 0.98)  # tiny.yaml's (the default)
+COMMON = [
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_sequences=32",
+    "train.checkpoint_every=0",
+    "optim.warmup_steps=2",
+    "optim.lr=3e-3",
+    "tracking.backend=mlflow",
+    "tracking.system_metrics=false",
+]
 
 
 def train(data_dir, out_dir, *overrides, ranks=1):
@@ -28,9 +37,28 @@ def ok(proc):
 
 
 def shard(tokenizer, out: Path, seq_len: int, wiki_txt_dir) -> Path:
-    _run([PY, "-m", "data_prep", "shard", "--input", f"{wiki_txt_dir}/*.txt", "--tokenizer", str(tokenizer),
-          "--out", str(out), "--seq-len", str(seq_len), "--shard-size", "700", "--block-size", "64",
-          "--validation-fraction", "0.05"])
+    _run(
+        [
+            PY,
+            "-m",
+            "data_prep",
+            "shard",
+            "--input",
+            f"{wiki_txt_dir}/*.txt",
+            "--tokenizer",
+            str(tokenizer),
+            "--out",
+            str(out),
+            "--seq-len",
+            str(seq_len),
+            "--shard-size",
+            "700",
+            "--block-size",
+            "64",
+            "--validation-fraction",
+            "0.05",
+        ]
+    )
     _run([PY, "-m", "data_prep", "finalize", str(out)])
     return out
 
@@ -49,11 +77,20 @@ def moments(tag_folder: Path):
 
 @pytest.fixture(scope="module")
 def phases(shards, wiki_txt_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("phases")      # each phase keeps its MLflow store in its out_dir
+    root = tmp_path_factory.mktemp("phases")  # each phase keeps its MLflow store in its out_dir
     data128 = shard(shards.parent / "tok", root / "shards128", 128, wiki_txt_dir)
     ok(train(shards, root / "p1", "train.max_steps=12", "impl.zero_stage=0"))
-    log = ok(train(data128, root / "p2", "train.max_steps=1", "train.global_batch_size=32", "impl.zero_stage=2",
-                   f"train.init_from_checkpoint={root / 'p1' / 'checkpoints'}", ranks=2))
+    log = ok(
+        train(
+            data128,
+            root / "p2",
+            "train.max_steps=1",
+            "train.global_batch_size=32",
+            "impl.zero_stage=2",
+            f"train.init_from_checkpoint={root / 'p1' / 'checkpoints'}",
+            ranks=2,
+        )
+    )
     return root, log
 
 
@@ -63,7 +100,7 @@ def test_phase_two_continues_phase_one_at_a_longer_sequence_length(phases):
     # its own schedule, from step 0 (one step, shorter than its warm-up)
     assert "schedule: linear, lr 1.5e-03 at step 0 -> 3.0e-03 at step 1 (still warming up: optim.warmup_steps=2)" in log
     p1, p2 = train_losses(root / "p1"), train_losses(root / "p2")
-    assert list(p2) == [1]                                                    # its own step counter
+    assert list(p2) == [1]  # its own step counter
     # From scratch the loss starts at ln(4096) = 8.3 (phase 1's first); phase 2 starts near phase 1's end,
     # although positions 64-127 were never trained.
     assert p2[1] < p1[1] - 0.4 and abs(p2[1] - p1[12]) < 0.35, (p1, p2)
@@ -75,9 +112,10 @@ def test_phase_two_starts_from_phase_one_moments(phases):
     element; moments started from zero would break it. Phase 1 ran at world 1 / ZeRO 0, phase 2 at
     world 2 / ZeRO 2."""
     root, _ = phases
-    (m1, step1), (m2, step2) = (moments(root / p / "checkpoints" / tag) for p, tag in
-                                (("p1", "step00000012"), ("p2", "step00000001")))
-    assert (step1, step2) == (12, 13)               # the step count (bias correction) goes on too
+    (m1, step1), (m2, step2) = (
+        moments(root / p / "checkpoints" / tag) for p, tag in (("p1", "step00000012"), ("p2", "step00000001"))
+    )
+    assert (step1, step2) == (12, 13)  # the step count (bias correction) goes on too
     b1, b2 = BETAS
     assert set(m1) == set(m2)
     for name in m1:
@@ -107,12 +145,23 @@ def test_mlflow_shows_phase_two_under_phase_one(phases):
 def test_too_short_a_model_and_another_tokenizer_are_refused_by_name(phases, bert_uncased_dir, wiki_txt_dir):
     root, _ = phases
     data = shard(bert_uncased_dir, root / "shards256-bert", 256, wiki_txt_dir)
-    proc = train(data, root / "p2-refused", "train.max_steps=1", "model.max_position_embeddings=128",
-                 f"train.init_from_checkpoint={root / 'p1' / 'checkpoints' / 'step00000012'}", "tracking.backend=none")
+    proc = train(
+        data,
+        root / "p2-refused",
+        "train.max_steps=1",
+        "model.max_position_embeddings=128",
+        f"train.init_from_checkpoint={root / 'p1' / 'checkpoints' / 'step00000012'}",
+        "tracking.backend=none",
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "its model has max_position_embeddings 128, too short for the data's seq_len 256" in proc.stderr
     assert "was trained on data of another tokenizer" in proc.stderr
-    assert "start: step" not in proc.stdout                     # refused before any process group
-    proc = train(root / "shards128", root / "p2-own", "train.max_steps=1", "tracking.backend=none",
-                 f"train.init_from_checkpoint={root / 'p1'}")
+    assert "start: step" not in proc.stdout  # refused before any process group
+    proc = train(
+        root / "shards128",
+        root / "p2-own",
+        "train.max_steps=1",
+        "tracking.backend=none",
+        f"train.init_from_checkpoint={root / 'p1'}",
+    )
     assert proc.returncode == 2 and "holds no complete checkpoint (give the run's checkpoints folder" in proc.stderr

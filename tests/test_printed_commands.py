@@ -3,6 +3,7 @@ one that printed them, for a run or data folder given as a relative and as an ab
 
 The demo's own last line (``launchers/demo.sh``, an absolute ``RUN``) is checked the same way by
 ``tests/test_demo.py``; the trainer logs the same ``ui_command`` line."""
+
 from __future__ import annotations
 
 import json
@@ -50,13 +51,15 @@ def test_the_mlflow_ui_command_for_a_local_store_shows_the_run(tmp_path, monkeyp
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     shown = served_run(ui_command(uri), run.info.run_id, tmp_path / "ui", elsewhere)
-    assert shown["data"]["metrics"] == [{"key": "train/loss", "value": 7.5, "timestamp": shown["data"]["metrics"][0]
-                                         ["timestamp"], "step": 3}]
+    assert shown["data"]["metrics"] == [
+        {"key": "train/loss", "value": 7.5, "timestamp": shown["data"]["metrics"][0]["timestamp"], "step": 3}
+    ]
 
 
 @pytest.mark.parametrize("absolute", [False, True], ids=["relative", "absolute"])
-def test_the_finalize_command_printed_for_a_folder_without_manifest_finalizes_it(shards, tmp_path, monkeypatch,
-                                                                                 absolute):
+def test_the_finalize_command_printed_for_a_folder_without_manifest_finalizes_it(
+    shards, tmp_path, monkeypatch, absolute
+):
     from data_prep.common.manifest import MANIFEST, load_manifest
     from data_prep.common.shards import ShardError
     from pretrain.config.schema import _data_dir_problems

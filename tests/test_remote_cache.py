@@ -5,6 +5,7 @@ a killed download's leftovers cleaned (issue 48).
 
 Time: about 1.5 minutes: each test runs real 2-rank jobs against the S3 server, two of them 35
 steps into a second epoch, cold and warm or filled and uncached, to compare their losses."""
+
 from __future__ import annotations
 
 
@@ -21,8 +22,9 @@ def bucket_copy(s3_server, shards):
     return copy_to_bucket(s3_server, shards, "cache")
 
 
-def test_a_nodes_ranks_download_each_shard_once_and_a_warm_cache_downloads_none(s3_server, bucket_copy, shards,
-                                                                                 tmp_path):
+def test_a_nodes_ranks_download_each_shard_once_and_a_warm_cache_downloads_none(
+    s3_server, bucket_copy, shards, tmp_path
+):
     """Two ranks with a loader worker each, into a second epoch: each shard downloaded once for the
     node (checked against its sha256, named by it), later reads from the copy; a second run with the
     cache warm downloads nothing and logs the cold run's losses bit for bit (the tests above compare a
@@ -31,9 +33,16 @@ def test_a_nodes_ranks_download_each_shard_once_and_a_warm_cache_downloads_none(
 
     cache = tmp_path / "cache"
     # 64 a step: an epoch of the 1,927 sequences is 30 steps, so 35 go into the second
-    args = ["train.max_steps=35", "train.global_batch_size=64", "train.log_every=1", "train.eval_every=0",
-            "train.checkpoint_every=0", "model.max_position_embeddings=64", "impl.num_workers=1",
-            f"data.cache_dir={cache}"]
+    args = [
+        "train.max_steps=35",
+        "train.global_batch_size=64",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+        "model.max_position_embeddings=64",
+        "impl.num_workers=1",
+        f"data.cache_dir={cache}",
+    ]
     url = f"s3://{bucket_copy}/wiki"
     first = train(url, tmp_path / "cold", *args, ranks=2, env=s3_server.aws())
     assert first.returncode == 0, explain(first)
@@ -50,8 +59,9 @@ def test_a_nodes_ranks_download_each_shard_once_and_a_warm_cache_downloads_none(
     assert len(logged(tmp_path / "cold")) >= 35
 
 
-def test_the_cache_keeps_to_its_limit_by_evicting_the_least_recently_used(s3_server, bucket_copy, tmp_path,
-                                                                          monkeypatch):
+def test_the_cache_keeps_to_its_limit_by_evicting_the_least_recently_used(
+    s3_server, bucket_copy, tmp_path, monkeypatch
+):
     import os
 
     from data_prep.common.manifest import load_manifest
@@ -66,14 +76,15 @@ def test_the_cache_keeps_to_its_limit_by_evicting_the_least_recently_used(s3_ser
     cache = ShardCache(tmp_path / "cache", limit_bytes=a.bytes + b.bytes)
     cache.fetch(store, a)
     cache.fetch(store, b)
-    os.utime(cache.path(a), (1, 1))                      # a: used long ago
+    os.utime(cache.path(a), (1, 1))  # a: used long ago
     assert cache.lookup(b) is not None
-    cache.fetch(store, c)                                # over the limit: a goes, b (used) and c stay
+    cache.fetch(store, c)  # over the limit: a goes, b (used) and c stay
     assert not cache.path(a).exists() and cache.path(b).is_file() and cache.path(c).is_file()
     assert cache.lookup(a) is None
-    cache.fetch(store, c)                                # present: no second download
-    assert [line.split()[2].rsplit("/", 1)[1] for line in (tmp_path / "cache" / "downloads.log").read_text().splitlines()] \
-        == [a.name, b.name, c.name]
+    cache.fetch(store, c)  # present: no second download
+    assert [
+        line.split()[2].rsplit("/", 1)[1] for line in (tmp_path / "cache" / "downloads.log").read_text().splitlines()
+    ] == [a.name, b.name, c.name]
 
 
 @pytest.fixture
@@ -86,8 +97,9 @@ def small_disk(tmp_path):
     def make(kib: int):
         folder = tmp_path / f"disk{len(mounts)}"
         folder.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(folder)],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(folder)], capture_output=True, text=True
+        )
         if done.returncode:
             pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
         mounts.append(folder)
@@ -98,12 +110,18 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
-SHORT = ["train.max_steps=2", "train.log_every=1", "train.eval_every=0", "train.checkpoint_every=0",
-         "model.max_position_embeddings=64"]
+SHORT = [
+    "train.max_steps=2",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.checkpoint_every=0",
+    "model.max_position_embeddings=64",
+]
 
 
 def test_a_full_or_unusable_cache_folder_is_named_before_start_not_blamed_on_the_data(
-        s3_server, bucket_copy, tmp_path, small_disk):
+    s3_server, bucket_copy, tmp_path, small_disk
+):
     """Before: a full cache disk stopped the run at its first block with "block 5 cannot be read (No
     space left on device) ... stopping on bad input", and a cache_dir that is a file with "block cannot
     be decoded (File exists); run data_prep verify". The data was fine."""
@@ -117,36 +135,48 @@ def test_a_full_or_unusable_cache_folder_is_named_before_start_not_blamed_on_the
         proc = train(url, tmp_path / "run", *SHORT, f"data.cache_dir={cache_dir}", ranks=2, env=s3_server.aws())
         out = proc.stdout + proc.stderr
         assert proc.returncode == 2, explain(proc)
-        assert f"data.cache_dir={cache_dir}: {said}; point it at a writable local disk, or " \
-               "data.cache_limit_gb=0 to read every block by range" in out, out[-3000:]
+        assert (
+            f"data.cache_dir={cache_dir}: {said}; point it at a writable local disk, or "
+            "data.cache_limit_gb=0 to read every block by range" in out
+        ), out[-3000:]
         assert "verify" not in out and "block" not in out.replace("every block", "") and "Traceback" not in out
         assert "init_distributed" not in out and not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_a_cache_disk_that_fills_mid_run_is_said_once_and_reads_go_on_by_range(
-        s3_server, bucket_copy, shards, tmp_path, small_disk):
+    s3_server, bucket_copy, shards, tmp_path, small_disk
+):
     """Room for about one shard: the next downloads cannot fit. Each process says so once and reads by
     range from then on; the run logs the losses of a run with the cache off."""
     import json
 
     largest = max(s["bytes"] for s in json.loads((shards / "manifest.json").read_text())["shards"])
     disk = small_disk((largest + 96 * 1024) // 1024)
-    args = ["train.max_steps=35", "train.global_batch_size=64", "train.log_every=1", "train.eval_every=0",
-            "train.checkpoint_every=0", "model.max_position_embeddings=64"]
+    args = [
+        "train.max_steps=35",
+        "train.global_batch_size=64",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+        "model.max_position_embeddings=64",
+    ]
     url = f"s3://{bucket_copy}/wiki"
     filled = train(url, tmp_path / "filled", *args, f"data.cache_dir={disk}", ranks=2, env=s3_server.aws())
     assert filled.returncode == 0, explain(filled)
     said = [line for line in (filled.stdout + filled.stderr).splitlines() if "data.cache_dir:" in line]
-    assert 1 <= len(said) <= 2 and all(f"MiB free, the shard needs" in line and "reads every block by range from "
-                                       f"{url} from now on" in line for line in said), said     # once per rank
+    assert 1 <= len(said) <= 2 and all(
+        f"MiB free, the shard needs" in line and f"reads every block by range from {url} from now on" in line
+        for line in said
+    ), said  # once per rank
     assert len((disk / "downloads.log").read_text().splitlines()) >= 1
     off = train(url, tmp_path / "off", *args, "data.cache_limit_gb=0", ranks=2, env=s3_server.aws())
     assert off.returncode == 0, explain(off)
     assert logged(tmp_path / "filled") == logged(tmp_path / "off")
 
 
-def test_a_killed_downloads_leftovers_are_cleaned_and_count_against_the_limit(s3_server, bucket_copy, shards,
-                                                                             tmp_path, monkeypatch):
+def test_a_killed_downloads_leftovers_are_cleaned_and_count_against_the_limit(
+    s3_server, bucket_copy, shards, tmp_path, monkeypatch
+):
     """A download killed part-way leaves ``.<sha256>.<pid>.tmp``, and every shard once downloaded its
     ``.lock``: before, neither was ever removed nor counted against data.cache_limit_gb. The next
     download on the node removes what no live process holds; a live download's partial file counts."""
@@ -164,18 +194,18 @@ def test_a_killed_downloads_leftovers_are_cleaned_and_count_against_the_limit(s3
     cache_dir = tmp_path / "cache"
     cache_dir.mkdir()
     dead = subprocess.Popen(["true"])
-    dead.wait()                                         # a pid that no live process has
+    dead.wait()  # a pid that no live process has
     leftover = cache_dir / f".{entries[0].sha256}.{dead.pid}.tmp"
     leftover.write_bytes(b"\0" * 5000)
     stale_lock = cache_dir / f".{entries[1].sha256}.lock"
     stale_lock.write_text("")
-    live = cache_dir / f".{entries[2].sha256}.{os.getpid()}.tmp"      # this process: alive
+    live = cache_dir / f".{entries[2].sha256}.{os.getpid()}.tmp"  # this process: alive
     live.write_bytes(b"\0" * entries[3].bytes)
-    cache = ShardCache(cache_dir, limit_bytes=entries[3].bytes + entries[4].bytes + 1000)   # both fit, alone
+    cache = ShardCache(cache_dir, limit_bytes=entries[3].bytes + entries[4].bytes + 1000)  # both fit, alone
     store = open_store(f"s3://{bucket_copy}/wiki")
     cache.fetch(store, entries[3])
     assert not leftover.exists() and not stale_lock.exists() and live.exists()
-    assert (cache_dir / f"{entries[3].sha256}.tar").is_file()     # kept: the one just fetched
-    cache.fetch(store, entries[4])                      # with the live partial file, both cannot fit
+    assert (cache_dir / f"{entries[3].sha256}.tar").is_file()  # kept: the one just fetched
+    cache.fetch(store, entries[4])  # with the live partial file, both cannot fit
     assert not (cache_dir / f"{entries[3].sha256}.tar").exists(), json.dumps(sorted(os.listdir(cache_dir)))
     assert (cache_dir / f"{entries[4].sha256}.tar").is_file()

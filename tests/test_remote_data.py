@@ -3,6 +3,7 @@ tests' real S3 server (SeaweedFS), and `https://`-style through its filer's own 
 
 A block is one ranged GET at the manifest's offsets, checked as a local block is; the same samples
 in the same order, so the per-step losses equal a local run's bit for bit."""
+
 from __future__ import annotations
 
 import io
@@ -18,8 +19,14 @@ from conftest import explain, train
 from s3_server import SECRET
 
 pytestmark = pytest.mark.slow
-RUN = ["train.max_steps=3", "train.log_every=1", "train.eval_every=3", "train.eval_sequences=32",
-       "train.checkpoint_every=0", "model.max_position_embeddings=64"]
+RUN = [
+    "train.max_steps=3",
+    "train.log_every=1",
+    "train.eval_every=3",
+    "train.eval_sequences=32",
+    "train.checkpoint_every=0",
+    "model.max_position_embeddings=64",
+]
 
 
 def logged(out_dir: Path) -> list[tuple[int, str, float]]:
@@ -45,8 +52,9 @@ def local_losses(shards, tmp_path_factory):
 
 
 @pytest.mark.parametrize("scheme", ["s3", "http"])
-def test_two_ranks_reading_a_bucket_log_the_losses_of_the_local_folder(s3_server, bucket_copy, local_losses,
-                                                                       tmp_path, scheme):
+def test_two_ranks_reading_a_bucket_log_the_losses_of_the_local_folder(
+    s3_server, bucket_copy, local_losses, tmp_path, scheme
+):
     url = f"s3://{bucket_copy}/wiki" if scheme == "s3" else f"{s3_server.filer}/buckets/{bucket_copy}/wiki"
     proc = train(url, tmp_path / "run", *RUN, f"data.cache_dir={tmp_path / 'cache'}", ranks=2, env=s3_server.aws())
     assert proc.returncode == 0, explain(proc)
@@ -68,8 +76,7 @@ def test_a_denied_key_is_exit_2_before_any_rank_starts(s3_server, bucket_copy, t
     url = f"s3://{bucket_copy}/wiki"
     proc = train(url, tmp_path / "run", *RUN, ranks=2, env={**s3_server.aws(), "AWS_SECRET_ACCESS_KEY": "wrong"})
     said = proc.stdout + proc.stderr
-    assert proc.returncode == 2 and f"data.dir: {url}/manifest.json: access denied (" in said, \
-        explain(proc)
+    assert proc.returncode == 2 and f"data.dir: {url}/manifest.json: access denied (" in said, explain(proc)
     assert "Traceback" not in said and SECRET not in said and not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -77,11 +84,17 @@ def test_a_shard_object_replaced_with_other_bytes_is_exit_2_naming_it(s3_server,
     bucket = copy_to_bucket(s3_server, shards, "replaced")
     client = s3_server.client()
     victims = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="wiki/train-")["Contents"]]
-    for key in victims:                               # every train shard: whichever is read first
+    for key in victims:  # every train shard: whichever is read first
         data = client.get_object(Bucket=bucket, Key=key)["Body"].read()
         client.put_object(Bucket=bucket, Key=key, Body=data[:1024] + bytes(reversed(data[1024:])))
-    proc = train(f"s3://{bucket}/wiki", tmp_path / "run", *RUN, f"data.cache_dir={tmp_path / 'cache'}", ranks=2,
-                 env=s3_server.aws())
+    proc = train(
+        f"s3://{bucket}/wiki",
+        tmp_path / "run",
+        *RUN,
+        f"data.cache_dir={tmp_path / 'cache'}",
+        ranks=2,
+        env=s3_server.aws(),
+    )
     said = proc.stdout + proc.stderr
     assert proc.returncode == 2, explain(proc)
     assert f"s3://{bucket}/wiki/train-" in said and ": block " in said and "Traceback" not in proc.stderr, said[-3000:]
@@ -94,11 +107,11 @@ def shifted_ids(data: bytes) -> bytes:
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         for member in tar.getmembers():
             if member.name.endswith(".input_ids.npy"):
-                ids = np.load(io.BytesIO(data[member.offset_data:member.offset_data + member.size]))
+                ids = np.load(io.BytesIO(data[member.offset_data : member.offset_data + member.size]))
                 buf = io.BytesIO()
                 np.save(buf, np.where(ids > 5, ids - 1, ids).astype(ids.dtype))
                 assert len(buf.getvalue()) == member.size
-                out[member.offset_data:member.offset_data + member.size] = buf.getvalue()
+                out[member.offset_data : member.offset_data + member.size] = buf.getvalue()
     return bytes(out)
 
 
@@ -116,13 +129,15 @@ def test_a_shard_replaced_by_one_that_still_decodes_is_exit_2_naming_the_block(s
     proc = train(f"s3://{bucket}/wiki", tmp_path / "run", *RUN, *settings, ranks=2, env=s3_server.aws())
     said = proc.stdout + proc.stderr
     assert proc.returncode == 2, explain(proc)
-    assert re.search(rf"s3://{bucket}/wiki/train-[\w-]+\.tar: block \d+: its bytes are not those data prep wrote", said), \
-        said[-3000:]
+    assert re.search(
+        rf"s3://{bucket}/wiki/train-[\w-]+\.tar: block \d+: its bytes are not those data prep wrote", said
+    ), said[-3000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_a_mixture_from_a_bucket_reads_each_micro_batch_ahead_and_gives_the_local_batches(
-        s3_server, two_sources, monkeypatch):
+    s3_server, two_sources, monkeypatch
+):
     """``data.sources`` in a bucket: every block a micro-batch gathers (after the first) was asked for
     by the look-ahead of an earlier one, and the batches are the local folders' bytes for bytes."""
     import numpy as np
@@ -153,7 +168,7 @@ def test_a_mixture_from_a_bucket_reads_each_micro_batch_ahead_and_gives_the_loca
         prefetch(self, blocks)
 
     def checking_gather(self, blocks, rows):
-        if asked:                      # the first micro-batch has nothing before it to ask ahead
+        if asked:  # the first micro-batch has nothing before it to ask ahead
             late.extend(sorted(set(map(int, blocks)) - asked.get(id(self), set())))
         return gather(self, blocks, rows)
 

@@ -16,6 +16,7 @@ schedule restarted from step 0 by 4e-4 at the 3rd.
 
 Time: about 20 s alone; up to a minute under the README's command, where it starts first beside
 the Slurm, study and demo modules: three worlds, stages and precisions each, forked from a rank pool."""
+
 from __future__ import annotations
 
 import os
@@ -28,22 +29,36 @@ from conftest import REPO, free_port, rank_pool
 from pretrain.checkpoint import reshard
 from pretrain.checkpoint import files
 
-slow = pytest.mark.slow      # launches processes
+slow = pytest.mark.slow  # launches processes
 WORKER = "tests.reshard_worker"
 STEPS = 3
 LOSS_RTOL = 5e-5
 
 
-def leg(out_dir: Path, dump: Path, ranks: int, stage: int, *extra: str, precision: str = "fp32",
-        steps: int = STEPS) -> tuple[dict, str]:
-    args = ["--stage", str(stage), "--precision", precision, "--steps", str(steps),
-            "--out-dir", str(out_dir), "--dump", str(dump), *extra]
+def leg(
+    out_dir: Path, dump: Path, ranks: int, stage: int, *extra: str, precision: str = "fp32", steps: int = STEPS
+) -> tuple[dict, str]:
+    args = [
+        "--stage",
+        str(stage),
+        "--precision",
+        precision,
+        "--steps",
+        str(steps),
+        "--out-dir",
+        str(out_dir),
+        "--dump",
+        str(dump),
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     # Forked from a rank pool that imported the worker's own imports (tests/rank_pool.py), under DeepSpeed's
     # per-node launcher's environment for 2 ranks; test_clean_exit goes through that launcher itself.
     proc = rank_pool(preload=(WORKER,)).run(WORKER, args, env, ranks, free_port() if ranks > 1 else None, 300)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(proc.args)} -> {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"{' '.join(proc.args)} -> {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     state = torch.load(dump, weights_only=False)
     # DeepSpeed imports its Muon module for type checks and in ZeRO's gradient partitioning, and that
     # module's torch.compile loads the inductor's compiler (~1 s a rank); with our optimiser it stays out.
@@ -72,25 +87,29 @@ def test_zero2_world2_to_zero0_world1_to_zero3_world2(tmp_path):
     c, c_log = leg(run, tmp_path / "c.pt", 2, 3, "--load", "step00000006")
     ref, _ = leg(tmp_path / "ref", tmp_path / "ref.pt", 2, 2, steps=3 * STEPS)
 
-    assert "checkpoint step00000003 was saved at world 2 / ZeRO 2 / fp32; converting to world 1 / ZeRO 0 / fp32" in b_log
-    assert "checkpoint step00000006 was saved at world 1 / ZeRO 0 / fp32; converting to world 2 / ZeRO 3 / fp32" in c_log
-    for folder in ("step00000003", "step00000006"):        # converted once, kept beside the original
+    assert (
+        "checkpoint step00000003 was saved at world 2 / ZeRO 2 / fp32; converting to world 1 / ZeRO 0 / fp32" in b_log
+    )
+    assert (
+        "checkpoint step00000006 was saved at world 1 / ZeRO 0 / fp32; converting to world 2 / ZeRO 3 / fp32" in c_log
+    )
+    for folder in ("step00000003", "step00000006"):  # converted once, kept beside the original
         assert (run / "checkpoints" / folder / files.UNIVERSAL_DIR / "conversion.json").is_file()
     assert_same_state(a["after"], b["before"])
     assert_same_state(b["after"], c["before"])
     # Schedule, DeepSpeed's counters and the client state continue.
     assert b["lr_before"] == a["lr_after"] and c["lr_before"] == b["lr_after"]
-    assert a["lr_after"] != b["lr_after"] != c["lr_after"]          # still warming up: the lr moves
+    assert a["lr_after"] != b["lr_after"] != c["lr_after"]  # still warming up: the lr moves
     assert (a["global_steps"], b["global_steps"], c["global_steps"]) == (3, 6, 9)
     assert b["client_state"]["step"] == 3 and "world 2 / ZeRO 2" in b["client_state"]["client_note"]
     assert c["client_state"]["step"] == 6 and "world 1 / ZeRO 0" in c["client_state"]["client_note"]
 
     resumed = a["losses"] + b["losses"] + c["losses"]
     assert len(ref["losses"]) == len(resumed) == 3 * STEPS
-    assert a["losses"] == ref["losses"][:STEPS]                     # same layout, same arithmetic
-    assert b["losses"][0] == pytest.approx(ref["losses"][STEPS], rel=1e-12)   # the very weights ref had
+    assert a["losses"] == ref["losses"][:STEPS]  # same layout, same arithmetic
+    assert b["losses"][0] == pytest.approx(ref["losses"][STEPS], rel=1e-12)  # the very weights ref had
     assert resumed == pytest.approx(ref["losses"], rel=LOSS_RTOL, abs=0)
-    assert ref["losses"][0] != pytest.approx(ref["losses"][-1], rel=100 * LOSS_RTOL)   # training moves the loss
+    assert ref["losses"][0] != pytest.approx(ref["losses"][-1], rel=100 * LOSS_RTOL)  # training moves the loss
 
 
 @slow
@@ -109,8 +128,14 @@ def test_bf16_lamb_zero1_world2_to_stage0_world1(tmp_path):
 
 
 def test_unconvertible_layouts_are_refused_before_start():
-    saved = {"world": 2, "zero_stage": 2, "precision": "fp32", "offload_optimizer": False, "optimizer": "AdamW",
-             "param_names_by_group": None}
+    saved = {
+        "world": 2,
+        "zero_stage": 2,
+        "precision": "fp32",
+        "offload_optimizer": False,
+        "optimizer": "AdamW",
+        "param_names_by_group": None,
+    }
     same = reshard.wanted_layout(2, 2, "fp32", False, "adamw")
     assert not reshard.needs_conversion(saved, same) and reshard.check_convertible(saved, same) == []
     assert reshard.check_convertible(saved, reshard.wanted_layout(1, 3, "bf16", False, "adamw")) == []
@@ -141,7 +166,7 @@ def test_a_bf16_export_takes_the_fp32_masters_not_the_bf16_copies(tmp_path, rank
     for name, m in masters.items():
         key = name
         while key.startswith(PREFIXES):
-            key = next(key[len(p):] for p in PREFIXES if key.startswith(p))
+            key = next(key[len(p) :] for p in PREFIXES if key.startswith(p))
         assert exported[key].dtype == torch.float32 and torch.equal(exported[key], m["fp32"]), name
 
 
@@ -150,6 +175,7 @@ def test_a_converted_step_count_lies_where_torch_would_put_it(kind):
     """A converted resume sets AdamW's step count itself; torch's fused and capturable kernels want it on
     the parameter's device (a CPU step beside CUDA parameters stops the first fused update), the others
     on the CPU. The ``meta`` device stands for a GPU: the placement must equal torch's own load_state_dict."""
+
     def adamw():
         param = torch.nn.Parameter(torch.empty(4, device="meta"))
         opt = torch.optim.AdamW([param], **({kind: True} if kind != "foreach" else {}))
@@ -160,8 +186,11 @@ def test_a_converted_step_count_lies_where_torch_would_put_it(kind):
     state["state"] = {0: {"step": torch.tensor(7.0), "exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4)}}
     theirs.load_state_dict(state)
     ours, ours_param = adamw()
-    ours.state[ours_param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(4, device="meta"),
-                              "exp_avg_sq": torch.zeros(4, device="meta")}
+    ours.state[ours_param] = {
+        "step": torch.tensor(0.0),
+        "exp_avg": torch.zeros(4, device="meta"),
+        "exp_avg_sq": torch.zeros(4, device="meta"),
+    }
     reshard.set_step_count(ours, 7)
     want = theirs.state[param]["step"]
     got = ours.state[ours_param]["step"]

@@ -9,6 +9,7 @@ operation) differs; Adam's update normalises gradients, which can lift that to ~
 steps. 1e-3 relative is two orders above that and two below the loss change per step (~0.1), so a
 repeated or skipped batch, or a mask drawn differently, fails it. Dropout is off here; it is keyed by
 sample id too, and tests/test_resume_layout.py resumes a run with dropout on."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,13 @@ from test_faults import ok, train
 
 pytestmark = pytest.mark.slow
 LEG = 4
-SAME = ["model.hidden_dropout=0", "model.attention_dropout=0", "train.log_every=1", "optim.lr=3e-3",
-        "train.global_batch_size=16"]
+SAME = [
+    "model.hidden_dropout=0",
+    "model.attention_dropout=0",
+    "train.log_every=1",
+    "optim.lr=3e-3",
+    "train.global_batch_size=16",
+]
 
 
 def losses(out_dir) -> dict[int, float]:
@@ -38,8 +44,7 @@ def samples_consumed(out_dir, step) -> int:
 @pytest.fixture(scope="module")
 def uninterrupted(shards, tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
-    ok(train(shards, out, *SAME, f"train.max_steps={3 * LEG}", "impl.zero_stage=2", "impl.micro_batch_size=8",
-             ranks=2))
+    ok(train(shards, out, *SAME, f"train.max_steps={3 * LEG}", "impl.zero_stage=2", "impl.micro_batch_size=8", ranks=2))
     return losses(out)
 
 
@@ -47,8 +52,18 @@ def uninterrupted(shards, tmp_path_factory):
 def first_leg(shards, tmp_path_factory):
     """The uninterrupted run's first LEG steps (2 ranks, ZeRO 2, micro-batch 8), halted with a checkpoint."""
     out = tmp_path_factory.mktemp("first_leg")
-    first = ok(train(shards, out, *SAME, f"train.max_steps={3 * LEG}", "impl.zero_stage=2", "impl.micro_batch_size=8",
-                     f"train.halt_at_step={LEG}", ranks=2))
+    first = ok(
+        train(
+            shards,
+            out,
+            *SAME,
+            f"train.max_steps={3 * LEG}",
+            "impl.zero_stage=2",
+            "impl.micro_batch_size=8",
+            f"train.halt_at_step={LEG}",
+            ranks=2,
+        )
+    )
     assert "resumed" not in first.stdout
     return out
 
@@ -56,8 +71,7 @@ def first_leg(shards, tmp_path_factory):
 def test_two_ranks_zero2_then_one_rank_zero0_then_two_ranks_zero3(uninterrupted, first_leg, shards, tmp_path):
     steps = f"train.max_steps={3 * LEG}"
     shutil.copytree(first_leg, tmp_path, dirs_exist_ok=True)
-    second = ok(train(shards, tmp_path, *SAME, steps, "impl.zero_stage=0", f"train.halt_at_step={2 * LEG}",
-                      ranks=1))
+    second = ok(train(shards, tmp_path, *SAME, steps, "impl.zero_stage=0", f"train.halt_at_step={2 * LEG}", ranks=1))
     assert "converting" in (second.stdout + second.stderr).lower(), second.stdout[-3000:]
     third = ok(train(shards, tmp_path, *SAME, steps, "impl.zero_stage=3", ranks=2))
     assert "converting" in (third.stdout + third.stderr).lower()
@@ -71,8 +85,18 @@ def test_two_ranks_zero2_then_one_rank_zero0_then_two_ranks_zero3(uninterrupted,
 def test_micro_batch_8_to_4_continues_on_the_same_samples(uninterrupted, first_leg, shards, tmp_path):
     steps = f"train.max_steps={3 * LEG}"
     shutil.copytree(first_leg, tmp_path, dirs_exist_ok=True)
-    resumed = ok(train(shards, tmp_path, *SAME, steps, "impl.zero_stage=2", "impl.micro_batch_size=4",
-                       f"train.halt_at_step={2 * LEG}", ranks=2))
+    resumed = ok(
+        train(
+            shards,
+            tmp_path,
+            *SAME,
+            steps,
+            "impl.zero_stage=2",
+            "impl.micro_batch_size=4",
+            f"train.halt_at_step={2 * LEG}",
+            ranks=2,
+        )
+    )
     assert "grad_accum 2" in resumed.stdout
     got = losses(tmp_path)
     for step in range(1, 2 * LEG + 1):

@@ -6,6 +6,7 @@ Dropout is keyed by sample id and step, and the evaluation set is a count of seq
 differ from the uninterrupted run only in summation order (other rows per matmul, a gradient
 all-reduce or none): 1e-5 relative, where layout-dependent dropout differed by ~2e-3.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -17,8 +18,15 @@ from test_faults import ok, strict_records, train
 pytestmark = pytest.mark.slow
 STEPS = 8
 # Logged every 3 steps: the halt at step 4 falls inside a log window, the one at 6 on a logged step.
-SAME = ["train.eval_batches=null", "train.eval_sequences=24", "train.log_every=3", f"train.max_steps={STEPS}",
-        "optim.lr=3e-3", "model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
+SAME = [
+    "train.eval_batches=null",
+    "train.eval_sequences=24",
+    "train.log_every=3",
+    f"train.max_steps={STEPS}",
+    "optim.lr=3e-3",
+    "model.hidden_dropout=0.1",
+    "model.attention_dropout=0.1",
+]
 
 
 def rows(out_dir: Path, key: str) -> list[tuple[int, float]]:
@@ -37,15 +45,15 @@ def test_dropout_run_resumed_on_another_layout_logs_the_uninterrupted_run(shards
     metrics = run / "metrics.jsonl"
     text = metrics.read_text()
     assert text.splitlines()[-1].startswith('{"step": 6')
-    metrics.write_text(text[:-40])                # a kill cut the checkpoint step's own line short
+    metrics.write_text(text[:-40])  # a kill cut the checkpoint step's own line short
     ok(train(shards, run, *SAME, "impl.micro_batch_size=4", ranks=1))
-    shutil.rmtree(run / "hf_final")               # killed after the final checkpoint, before its export
+    shutil.rmtree(run / "hf_final")  # killed after the final checkpoint, before its export
     again = ok(train(shards, run, *SAME, "impl.micro_batch_size=4", ranks=1))
     assert "evaluating and exporting it" in again.stdout
     assert (run / "hf_final").is_dir()
 
     got_loss, got_eval = rows(run, "train/loss"), rows(run, "eval/loss")
     assert [s for s, _ in got_loss] == [3, 6, 8]  # step 6 logged again; its window began at step 4
-    assert [s for s, _ in got_eval] == [8]        # one evaluation row, however often step 8 was evaluated
+    assert [s for s, _ in got_eval] == [8]  # one evaluation row, however often step 8 was evaluated
     for (step, want), (_, have) in zip(expected_loss + expected_eval, got_loss + got_eval):
         assert have == pytest.approx(want, rel=1e-5), (step, have, want)

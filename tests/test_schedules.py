@@ -1,6 +1,7 @@
 """Schedules that continue: a run resumed with a longer train.max_steps really trains, under linear,
 cosine and wsd, with the learning rate the documented rule gives (pretrain/model/schedule.py: the
 multiplier is recomputed with the new total), through the real entry point."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,16 @@ from conftest import train as launch
 pytestmark = pytest.mark.slow
 PY = sys.executable
 LR, WARMUP = 3e-3, 2
-BASE = ["train.log_every=1", "train.eval_every=0", "train.eval_sequences=32", "train.checkpoint_every=0",
-        "model.max_position_embeddings=64", f"optim.warmup_steps={WARMUP}", f"optim.lr={LR}",
-        "optim.decay_fraction=0.25"]
+BASE = [
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_sequences=32",
+    "train.checkpoint_every=0",
+    "model.max_position_embeddings=64",
+    f"optim.warmup_steps={WARMUP}",
+    f"optim.lr={LR}",
+    "optim.decay_fraction=0.25",
+]
 
 
 def train(data_dir, out_dir, *overrides):
@@ -45,18 +53,20 @@ def test_a_longer_max_steps_on_resume_trains_at_the_documented_rate(schedule, st
     # loader restores the scheduler too.
     log = train(shards, tmp_path, "train.max_steps=8", *results, f"impl.zero_stage={stage_after}")
     rows = [json.loads(line) for line in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
-    if schedule == "cosine":     # train/mask_rate at step n: the rate step n-1 masked at, over the new total
+    if schedule == "cosine":  # train/mask_rate at step n: the rate step n-1 masked at, over the new total
         rates = {r["step"]: r["train/mask_rate"] for r in rows if "train/mask_rate" in r}
         assert [rates[n] for n in range(5, 9)] == pytest.approx([0.15 + 0.15 * (n - 1) / 7 for n in range(5, 9)])
         # MFU counts the head's FLOPs at the rate each step masked at (one step per log line here)
         from transformers import AutoConfig
 
         from pretrain.model.flops import mlm_flops_per_sequence
+
         config = AutoConfig.from_pretrained(Path(tmp_path) / "hf_final")
         per_seq = {r["step"]: r["perf/mfu"] / r["perf/samples_per_s"] for r in rows if "perf/mfu" in r}
         flops = {n: mlm_flops_per_sequence(config, 64, rates[n] * 64) for n in range(5, 9)}
         assert [per_seq[n] / per_seq[5] for n in range(6, 9)] == pytest.approx(
-            [flops[n] / flops[5] for n in range(6, 9)], rel=1e-6)
+            [flops[n] / flops[5] for n in range(6, 9)], rel=1e-6
+        )
     lr = {r["step"]: r["train/lr"] for r in rows if "train/lr" in r}
     evals = {r["step"]: r["eval/loss"] for r in rows if "eval/loss" in r}
     start_lr = LR * documented_multiplier(schedule, 4, 8)
@@ -65,7 +75,7 @@ def test_a_longer_max_steps_on_resume_trains_at_the_documented_rate(schedule, st
     # train/lr at step n is the rate of the next update (LambdaLR's last lr): n's multiplier.
     for step in range(5, 9):
         assert lr[step] == pytest.approx(LR * documented_multiplier(schedule, step, 8), rel=1e-6), (step, lr)
-    assert all(lr[step] > 0 for step in (5, 6, 7)), lr          # step 8's is the end of the decay, 0
+    assert all(lr[step] > 0 for step in (5, 6, 7)), lr  # step 8's is the end of the decay, 0
     # The held-out loss (fixed examples and masks) at the new end is clearly below where the first
     # job ended; at lr 0 the weights would not move and the two would be equal.
     assert evals[8] < evals[4] - 0.05, evals

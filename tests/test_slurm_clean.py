@@ -2,6 +2,7 @@
 the clusters job and the filter array (issue 51). With one signatures task cancelled, the clusters
 job refuses naming it and the filter array never starts; re-submitting that index with --only (and
 --then-shard) completes the cleaning, byte-identical to a one-process run, and shards it."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,7 @@ def read_log(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else f"<no log {path}>"
 
 
-def test_stages_on_slurm_match_one_process_and_resubmit_a_lost_task(slurm_cluster, corpus, bert_uncased_dir,
-                                                                      tmp_path):
+def test_stages_on_slurm_match_one_process_and_resubmit_a_lost_task(slurm_cluster, corpus, bert_uncased_dir, tmp_path):
     cluster = slurm_cluster
     env = cluster.client_env()
     local = tmp_path / "local"
@@ -52,10 +52,19 @@ def test_stages_on_slurm_match_one_process_and_resubmit_a_lost_task(slurm_cluste
 
     out, logs = tmp_path / "clean", tmp_path / "logs"
     logs.mkdir()
-    r = cluster.run(str(SUBMIT), "--tasks", str(TASKS), "--hold", f"--output={logs}/%x-%A_%a.out", "--",
-                    *clean_args(corpus), "--out", str(out))
+    r = cluster.run(
+        str(SUBMIT),
+        "--tasks",
+        str(TASKS),
+        "--hold",
+        f"--output={logs}/%x-%A_%a.out",
+        "--",
+        *clean_args(corpus),
+        "--out",
+        str(out),
+    )
     sig, clusters_job, filt = map(int, r.stdout.split())
-    cluster.run("scancel", f"{sig}_1")                    # a task lost before it ran
+    cluster.run("scancel", f"{sig}_1")  # a task lost before it ran
     for job in (sig, clusters_job, filt):
         cluster.run("scontrol", "release", str(job))
     tasks = {t.array_task_id: t for t in cluster.wait(sig, timeout=180)}
@@ -64,19 +73,36 @@ def test_stages_on_slurm_match_one_process_and_resubmit_a_lost_task(slurm_cluste
     refused_log = "\n".join(read_log(p) for p in logs.glob(f"mlm-clean-clusters-{clusters_job}_*.out"))
     assert refused.state == "FAILED", f"{refused.state}\n{refused_log}"
     assert re.search(r"task\(s\) 1 of 3 are missing", refused_log) and "--only 1" in refused_log, refused_log
-    assert all(t.state == "CANCELLED" for t in cluster.wait(filt, timeout=60))    # never started
+    assert all(t.state == "CANCELLED" for t in cluster.wait(filt, timeout=60))  # never started
     assert not (out / "report.json").exists()
 
-    r = cluster.run(str(SUBMIT), "--tasks", str(TASKS), "--only", "1", "--cpus-per-task=1",
-                    f"--output={logs}/%x-%A_%a.out", "--", *clean_args(corpus), "--out", str(out),
-                    "--then-shard", "--", "--tokenizer", str(bert_uncased_dir), "--out", str(tmp_path / "shards"),
-                    "--seq-len", "64")
+    r = cluster.run(
+        str(SUBMIT),
+        "--tasks",
+        str(TASKS),
+        "--only",
+        "1",
+        "--cpus-per-task=1",
+        f"--output={logs}/%x-%A_%a.out",
+        "--",
+        *clean_args(corpus),
+        "--out",
+        str(out),
+        "--then-shard",
+        "--",
+        "--tokenizer",
+        str(bert_uncased_dir),
+        "--out",
+        str(tmp_path / "shards"),
+        "--seq-len",
+        "64",
+    )
     (sig, clusters_job, filt), (array, finalize) = [list(map(int, line.split())) for line in r.stdout.splitlines()]
     for job in (sig, clusters_job, filt, array, finalize):
         records = cluster.wait(job, timeout=240)
         logs_text = "\n".join(read_log(p) for p in logs.glob("*.out"))
         assert all(t.ok for t in records), f"{job}: {[(t.state, t.exit_code) for t in records]}\n{logs_text[-4000:]}"
-    assert top_files(out) == top_files(local)             # part files and report.json, byte for byte
+    assert top_files(out) == top_files(local)  # part files and report.json, byte for byte
     manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
     assert manifest["settings"]["cleaning"][0]["documents_out"] == report["totals"]["out"]["documents"]
     assert manifest["totals"]["train"]["documents"] == report["totals"]["out"]["documents"]
@@ -90,7 +116,10 @@ def test_submit_clean_rejects_bad_arguments(slurm_cluster, corpus, tmp_path):
         (["--tasks", "3", "--", *clean_args(corpus)], "must include --out"),
         (["--tasks", "3", "--", *clean_args(corpus), *out, "--stage", "filter"], "set by this script"),
         (["--tasks", "3", "--from", "clusters", "--only", "1", "--", *clean_args(corpus), *out], "--only names"),
-        (["--tasks", "3", "--", *clean_args(corpus), *out, "--then-shard", "--tokenizer", "x"], "--then-shard wants --"),
+        (
+            ["--tasks", "3", "--", *clean_args(corpus), *out, "--then-shard", "--tokenizer", "x"],
+            "--then-shard wants --",
+        ),
     ]
     for argv, message in cases:
         r = slurm_cluster.run(str(SUBMIT), *argv, check=False)

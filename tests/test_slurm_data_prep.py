@@ -3,6 +3,7 @@
 same data prepared locally by a single task (the shards do not depend on the number of tasks); a
 task that never ran makes finalize refuse and name it; re-submitting just that index completes the
 set. Submitted without --cpus-per-task, the tasks must fit the 2-CPU test nodes."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,22 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def shard_args(corpus, bert_uncased_dir) -> list[str]:
     """Everything but --out; small shards so each task writes several."""
-    return ["--input", f"{corpus}/*.txt", "--tokenizer", str(bert_uncased_dir), "--seq-len", "64",
-            "--seed", "7", "--validation-fraction", "0.05", "--shard-size", "64", "--block-size", "16"]
+    return [
+        "--input",
+        f"{corpus}/*.txt",
+        "--tokenizer",
+        str(bert_uncased_dir),
+        "--seq-len",
+        "64",
+        "--seed",
+        "7",
+        "--validation-fraction",
+        "0.05",
+        "--shard-size",
+        "64",
+        "--block-size",
+        "16",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +55,7 @@ def local_reference(shard_args, tmp_path_factory, slurm_cluster) -> Path:
     """The same data prepared here by one task, then finalized."""
     out = tmp_path_factory.mktemp("local") / "shards"
     env = slurm_cluster.client_env()
-    run_python(env, "-m", "data_prep", "shard", *shard_args, "--out", str(out), "--num-tasks", "1",
-               "--task-index", "0")
+    run_python(env, "-m", "data_prep", "shard", *shard_args, "--out", str(out), "--num-tasks", "1", "--task-index", "0")
     run_python(env, "-m", "data_prep", "finalize", str(out))
     return out
 
@@ -60,10 +74,9 @@ def read_log(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else f"<no log {path}>"
 
 
-def test_array_job_matches_local_run_and_resubmits_a_missing_task(slurm_cluster, shard_args, local_reference,
-                                                                  tmp_path):
+def test_array_job_matches_local_run_and_resubmits_a_missing_task(slurm_cluster, shard_args, local_reference, tmp_path):
     cluster = slurm_cluster
-    out, logs = tmp_path / "shards", tmp_path / "logs"          # not made here: the helper makes it
+    out, logs = tmp_path / "shards", tmp_path / "logs"  # not made here: the helper makes it
     reference = shard_hashes(local_reference)
     assert len(reference) > 2 * TASKS, "want several shards per task"
 
@@ -87,7 +100,8 @@ def test_array_job_matches_local_run_and_resubmits_a_missing_task(slurm_cluster,
     assert fin.state == "FAILED" and fin.exit_code != "0:0", f"{fin.state} {fin.exit_code}\n{fin_log}"
     assert re.search(r"missing task indices: 1\b", fin_log), fin_log
     assert sorted(p.name for p in logs.iterdir()) == sorted(
-        [f"prep-{array_job}_0.out", f"prep-{array_job}_2.out", f"mlm-data-finalize-{finalize_job}.out"])
+        [f"prep-{array_job}_0.out", f"prep-{array_job}_2.out", f"mlm-data-finalize-{finalize_job}.out"]
+    )
     assert not (out / "manifest.json").exists()
     # What the two tasks that ran wrote is already byte-identical to the one-task run.
     partial = shard_hashes(out)
@@ -96,16 +110,18 @@ def test_array_job_matches_local_run_and_resubmits_a_missing_task(slurm_cluster,
     assert partial == {n: h for n, h in reference.items() if n in written}
 
     # Re-submit only the missing index; the new finalize completes the set.
-    array_job, finalize_job = submit(cluster, shard_args, out, "--only", "1", "--cpus-per-task=1",
-                                     f"--output={logs}/%x-%j.out")
+    array_job, finalize_job = submit(
+        cluster, shard_args, out, "--only", "1", "--cpus-per-task=1", f"--output={logs}/%x-%j.out"
+    )
     (task1,) = cluster.wait(array_job, timeout=120)
-    assert task1.array_task_id == 1 and task1.ok, \
+    assert task1.array_task_id == 1 and task1.ok, (
         f"{task1.state} {task1.exit_code}\n{read_log(logs / f'mlm-data-prep-{task1.job_id}.out')}"
+    )
     assert "cpus=1 " in read_log(logs / f"mlm-data-prep-{task1.job_id}.out")
     (fin,) = cluster.wait(finalize_job, timeout=120)
     fin_log = read_log(logs / f"mlm-data-finalize-{finalize_job}.out")
     assert fin.ok, f"{fin.state} {fin.exit_code}\n{fin_log}"
-    assert "all shards verified" in fin_log, fin_log      # finalize.sbatch re-hashes every shard
+    assert "all shards verified" in fin_log, fin_log  # finalize.sbatch re-hashes every shard
 
     assert shard_hashes(out) == reference
     ours = json.loads((out / "manifest.json").read_text())
@@ -133,15 +149,25 @@ def test_submit_helper_rejects_bad_arguments(slurm_cluster, shard_args, tmp_path
     assert not (tmp_path / "shards").exists()
 
 
-def test_array_job_writes_to_a_bucket_with_the_submitters_aws_variables(slurm_cluster, s3_server, shard_args,
-                                                                        local_reference, tmp_path):
+def test_array_job_writes_to_a_bucket_with_the_submitters_aws_variables(
+    slurm_cluster, s3_server, shard_args, local_reference, tmp_path
+):
     """`--out s3://...` through the submit helper (issue 34): each task and finalize get the AWS
     variables of the submitting shell (sbatch's --export=ALL) and write the objects a local run writes."""
     bucket = s3_server.bucket("slurm")
     aws = {k: v for k, v in s3_server.env().items() if k.startswith("AWS_")}
     env = slurm_cluster.client_env(**aws)
-    r = slurm_cluster.run(str(SUBMIT), "--tasks", str(TASKS), f"--output={tmp_path}/%x-%j.out", "--",
-                          *shard_args, "--out", f"s3://{bucket}/wiki", env=env)
+    r = slurm_cluster.run(
+        str(SUBMIT),
+        "--tasks",
+        str(TASKS),
+        f"--output={tmp_path}/%x-%j.out",
+        "--",
+        *shard_args,
+        "--out",
+        f"s3://{bucket}/wiki",
+        env=env,
+    )
     array_job, finalize_job = map(int, r.stdout.split())
     assert all(t.ok for t in slurm_cluster.wait(array_job, timeout=180))
     (fin,) = slurm_cluster.wait(finalize_job, timeout=180)

@@ -5,6 +5,7 @@ resumes, and ends with exactly the losses of an uninterrupted job.
 
 Time: about 4-5 minutes of wall time and under 20 s of CPU: a real Slurm cluster (slurmctld and
 two slurmd) schedules, signals, requeues and resumes the jobs, and the test waits for it."""
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ from tests.slurm.cluster import REPO, run_python, slurm_cluster  # noqa: F401  (
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 SBATCH = REPO / "launchers" / "slurm" / "pretrain.sbatch"
-CPU_NODES = ("--gpus-per-node=0", "--cpus-per-task=1")     # the script's defaults are for 8-GPU nodes
+CPU_NODES = ("--gpus-per-node=0", "--cpus-per-task=1")  # the script's defaults are for 8-GPU nodes
 STEPS = 40
 SEQ_LEN = 64
 
@@ -32,25 +33,57 @@ def shards(tmp_path_factory, bert_uncased_dir, slurm_cluster) -> Path:
     root = tmp_path_factory.mktemp("slurm_train_data")
     write_sample_corpus(root / "corpus", "txt", num_files=2, max_docs=400)
     env = slurm_cluster.client_env()
-    for cmd in (["shard", "--input", f"{root}/corpus/*.txt", "--tokenizer", str(bert_uncased_dir),
-                 "--out", str(root / "shards"), "--seq-len", str(SEQ_LEN), "--validation-fraction", "0.05"],
-                ["finalize", str(root / "shards")]):
+    for cmd in (
+        [
+            "shard",
+            "--input",
+            f"{root}/corpus/*.txt",
+            "--tokenizer",
+            str(bert_uncased_dir),
+            "--out",
+            str(root / "shards"),
+            "--seq-len",
+            str(SEQ_LEN),
+            "--validation-fraction",
+            "0.05",
+        ],
+        ["finalize", str(root / "shards")],
+    ):
         run_python(env, "-m", "data_prep", *cmd)
     return root / "shards"
 
 
 def overrides(shards: Path, out_dir: Path) -> list[str]:
     # checkpoint_every=0: the only mid-run checkpoint is the one the signal asks for.
-    return [f"data.dir={shards}", f"train.out_dir={out_dir}", f"train.max_steps={STEPS}", "train.log_every=1",
-            "train.eval_every=0", "train.eval_sequences=32", "train.checkpoint_every=0", "train.keep_checkpoints=0",
-            "impl.micro_batch_size=4", "train.global_batch_size=8", "optim.warmup_steps=4",
-            f"model.max_position_embeddings={SEQ_LEN}", "tracking.backend=none"]
+    return [
+        f"data.dir={shards}",
+        f"train.out_dir={out_dir}",
+        f"train.max_steps={STEPS}",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.eval_sequences=32",
+        "train.checkpoint_every=0",
+        "train.keep_checkpoints=0",
+        "impl.micro_batch_size=4",
+        "train.global_batch_size=8",
+        "optim.warmup_steps=4",
+        f"model.max_position_embeddings={SEQ_LEN}",
+        "tracking.backend=none",
+    ]
 
 
 def submit(cluster, name: str, shards: Path, out_dir: Path, extra=(), env=None, log_dir=None) -> int:
-    return cluster.sbatch(f"--job-name={name}", f"--output={log_dir or out_dir.parent}/{name}-%j.out",
-                          "--time=00:15:00", *CPU_NODES, str(SBATCH), "configs/tiny.yaml", *overrides(shards, out_dir), *extra,
-                          env=env)
+    return cluster.sbatch(
+        f"--job-name={name}",
+        f"--output={log_dir or out_dir.parent}/{name}-%j.out",
+        "--time=00:15:00",
+        *CPU_NODES,
+        str(SBATCH),
+        "configs/tiny.yaml",
+        *overrides(shards, out_dir),
+        *extra,
+        env=env,
+    )
 
 
 def metrics(out_dir: Path) -> list[dict]:
@@ -76,8 +109,9 @@ class Job:
     def record(self, timeout: float = 420):
         if self._record is None:
             (self._record,) = self.cluster.wait(self.id, timeout=timeout)
-            assert self._record.ok, (f"{self.name} job {self.id}: {self._record.state} {self._record.exit_code}\n"
-                                     f"{self.log[-6000:]}")
+            assert self._record.ok, (
+                f"{self.name} job {self.id}: {self._record.state} {self._record.exit_code}\n{self.log[-6000:]}"
+            )
         return self._record
 
     @property
@@ -97,8 +131,11 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_losses(slurm_cluster,
     job = Job(cluster, "interrupted", shards, tmp_path / "run")
 
     # Tell the batch shell, as --signal=B:USR1@grace would, once training is under way.
-    first = cluster.wait_for(lambda: [s for s in losses(job.out_dir) if s >= 3], 300,
-                             f"step 3 in {job.out_dir}/metrics.jsonl\n{job.log[-3000:]}")
+    first = cluster.wait_for(
+        lambda: [s for s in losses(job.out_dir) if s >= 3],
+        300,
+        f"step 3 in {job.out_dir}/metrics.jsonl\n{job.log[-3000:]}",
+    )
     cluster.run("scancel", "--batch", "--signal=USR1", str(job.id))
 
     # The job requeues itself and starts again once Slurm lets it (AuthInfo cred_expire: 15 s here,
@@ -125,7 +162,8 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_losses(slurm_cluster,
     for step in theirs:
         assert ours[step] == pytest.approx(theirs[step], rel=1e-6, abs=1e-6), (step, ours[step], theirs[step])
     assert losses(job.out_dir, "eval/loss")[STEPS] == pytest.approx(
-        losses(reference.out_dir, "eval/loss")[STEPS], rel=1e-6)
+        losses(reference.out_dir, "eval/loss")[STEPS], rel=1e-6
+    )
 
 
 def test_two_node_training_exports_to_hugging_face(slurm_cluster, reference, tmp_path):
@@ -134,7 +172,7 @@ def test_two_node_training_exports_to_hugging_face(slurm_cluster, reference, tmp
     assert record.fields["NumNodes"] == "2" and record.fields["NodeList"] == "n[1-2]", record.fields
     assert "dist_world_size=2" in log and "node_rank=0" in log and "node_rank=1" in log, log[-6000:]
     curve = losses(reference.out_dir)
-    assert len(curve) == STEPS and curve[STEPS] < curve[1] - 0.3, curve     # it learned something
+    assert len(curve) == STEPS and curve[STEPS] < curve[1] - 0.3, curve  # it learned something
 
     out = tmp_path / "hf"
     run_python(slurm_cluster.client_env(), "-m", "pretrain.export", str(reference.out_dir / "checkpoints"), str(out))
@@ -168,10 +206,11 @@ def test_two_node_training_exports_to_hugging_face(slurm_cluster, reference, tmp
     assert loss == pytest.approx(eval_loss, abs=0.35), (loss, eval_loss)
 
 
-
 def test_a_missing_config_fails_the_job_at_once_without_requeue(slurm_cluster, tmp_path):
     log = tmp_path / "bad-%j.out"
-    job_id = slurm_cluster.sbatch(f"--output={log}", *CPU_NODES, str(SBATCH), "configs/no_such.yaml", "train.max_steps=1")
+    job_id = slurm_cluster.sbatch(
+        f"--output={log}", *CPU_NODES, str(SBATCH), "configs/no_such.yaml", "train.max_steps=1"
+    )
     (record,) = slurm_cluster.wait(job_id, timeout=60)
     text = Path(str(log).replace("%j", str(job_id))).read_text()
     assert (record.state, record.exit_code, record.restarts) == ("FAILED", "2:0", 0), record
@@ -189,15 +228,23 @@ def test_a_gpu_config_in_a_job_without_gpus_is_refused_in_one_line(slurm_cluster
     assert (record.state, record.exit_code, record.restarts) == ("FAILED", "2:0", 0), record
     assert f"configs/base.yaml asks for CUDA (impl.device=cuda) but job {refused} has no GPUs" in text, text
     assert "srun" not in text and "deepspeed" not in text and "job=" not in text, text
-    allowed = slurm_cluster.sbatch(f"--output={tmp_path}/cpu-%j.out", *CPU_NODES, str(SBATCH), "configs/base.yaml",
-                                   "impl.device=cpu", f"data.dir={tmp_path}/no_data", "tracking.backend=none")
+    allowed = slurm_cluster.sbatch(
+        f"--output={tmp_path}/cpu-%j.out",
+        *CPU_NODES,
+        str(SBATCH),
+        "configs/base.yaml",
+        "impl.device=cpu",
+        f"data.dir={tmp_path}/no_data",
+        "tracking.backend=none",
+    )
     (record,) = slurm_cluster.wait(allowed, timeout=120)
     text = (tmp_path / f"cpu-{allowed}.out").read_text()
     assert "asks for CUDA" not in text and "job=" in text and record.exit_code == "2:0", text
 
 
-def test_a_job_on_node_local_disks_requeued_onto_empty_ones_resumes_from_the_mirror(slurm_cluster, shards, reference,
-                                                                                    s3_server, tmp_path):
+def test_a_job_on_node_local_disks_requeued_onto_empty_ones_resumes_from_the_mirror(
+    slurm_cluster, shards, reference, s3_server, tmp_path
+):
     """Each node writes train.out_dir to its own disk (the same path, another disk on each node). Told
     to stop (USR1), the job checkpoints, its nodes upload their own ranks' files, and it requeues; its
     nodes' disks are then wiped, as on other nodes. It resumes from the mirror, each node fetching its
@@ -207,10 +254,18 @@ def test_a_job_on_node_local_disks_requeued_onto_empty_ones_resumes_from_the_mir
     mirror = f"s3://{bucket}/run"
     disks = [cluster.node_disk(name) / "run" for name in ("n1", "n2")]
     job_env = cluster.client_env(**s3_server.aws())
-    job = Job(cluster, "nodelocal", shards, cluster.node_local / "run", extra=[f"train.checkpoint_mirror={mirror}"],
-              env=job_env, log_dir=tmp_path)
-    first = cluster.wait_for(lambda: [s for s in losses(disks[0]) if s >= 3], 300,
-                             f"step 3 in {disks[0]}/metrics.jsonl\n{job.log[-3000:]}")
+    job = Job(
+        cluster,
+        "nodelocal",
+        shards,
+        cluster.node_local / "run",
+        extra=[f"train.checkpoint_mirror={mirror}"],
+        env=job_env,
+        log_dir=tmp_path,
+    )
+    first = cluster.wait_for(
+        lambda: [s for s in losses(disks[0]) if s >= 3], 300, f"step 3 in {disks[0]}/metrics.jsonl\n{job.log[-3000:]}"
+    )
     cluster.run("scancel", "--batch", "--signal=USR1", str(job.id))
     cluster.wait_for(lambda: "training step exited with 3" in job.log, 300, f"the stop\n{job.log[-3000:]}")
     stopped = sorted(p.parent.name for p in (disks[0] / "checkpoints").glob("step*/COMPLETE"))
@@ -221,7 +276,7 @@ def test_a_job_on_node_local_disks_requeued_onto_empty_ones_resumes_from_the_mir
         assert [p.name for p in folder.glob("*zero_pp_rank_*")] == [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]
         assert (folder / "COMPLETE").is_file() and (folder / "mp_rank_00_model_states.pt").is_file()
     before = dict(losses(disks[0]))
-    for disk in disks:                   # the requeued job lands on empty disks
+    for disk in disks:  # the requeued job lands on empty disks
         shutil.rmtree(disk)
 
     record = job.record()
@@ -245,10 +300,11 @@ def test_a_job_on_node_local_disks_requeued_onto_empty_ones_resumes_from_the_mir
     assert objects["latest"] == final.encode() and f"{final}/COMPLETE" in objects
     listed = json.loads(objects[f"{final}/file_list.json"])["files"]
     assert {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)} <= set(listed)
-    assert all(objects[f"{final}/{name}"] and len(objects[f"{final}/{name}"]) == want["size"]
-               for name, want in listed.items())
+    assert all(
+        objects[f"{final}/{name}"] and len(objects[f"{final}/{name}"]) == want["size"] for name, want in listed.items()
+    )
     assert objects["hf_final/EXPORTED_FROM"] == f"{final}\n".encode()
-    assert b"<html" in objects["report/report.html"]                     # the run's report too
+    assert b"<html" in objects["report/report.html"]  # the run's report too
     from safetensors.torch import load as load_safetensors
 
     exported = load_safetensors(objects["hf_final/model.safetensors"])
@@ -261,19 +317,27 @@ def test_a_job_on_node_local_disks_requeued_onto_empty_ones_resumes_from_the_mir
     # (another layout: the conversion needs them all) and converts on its own disk.
     for disk in disks:
         shutil.rmtree(disk)
-    longer = Job(cluster, "nodelocal-zero1", shards, cluster.node_local / "run", env=job_env, log_dir=tmp_path,
-                 extra=[f"train.checkpoint_mirror={mirror}", "impl.zero_stage=1", f"train.max_steps={STEPS + 4}"])
+    longer = Job(
+        cluster,
+        "nodelocal-zero1",
+        shards,
+        cluster.node_local / "run",
+        env=job_env,
+        log_dir=tmp_path,
+        extra=[f"train.checkpoint_mirror={mirror}", "impl.zero_stage=1", f"train.max_steps={STEPS + 4}"],
+    )
     longer.record()
     log = longer.log
     assert log.count(f"resuming from the checkpoint mirror: {mirror}/{final} downloaded") == 2, log[-6000:]
     assert "(the files of ranks" not in log and f"(resumed from {final})" in log, log[-6000:]
     for disk in disks:
-        assert (disk / "checkpoints" / final / "universal").is_dir() and \
-               len(list((disk / "checkpoints" / final).glob("zero_pp_rank_*"))) == 2
+        assert (disk / "checkpoints" / final / "universal").is_dir() and len(
+            list((disk / "checkpoints" / final).glob("zero_pp_rank_*"))
+        ) == 2
     more = losses(disks[0])
-    assert sorted(more) == list(range(STEPS, STEPS + 5))           # the checkpoint's step is logged again
+    assert sorted(more) == list(range(STEPS, STEPS + 5))  # the checkpoint's step is logged again
     assert more[STEPS] == pytest.approx(theirs[STEPS], rel=1e-6)
-    assert more[STEPS + 1] == pytest.approx(theirs[STEPS], rel=0.1)       # the trained weights, carried on
+    assert more[STEPS + 1] == pytest.approx(theirs[STEPS], rel=0.1)  # the trained weights, carried on
     assert s3_server.objects(bucket, "run")["hf_final/EXPORTED_FROM"] == f"step{STEPS + 4:08d}\n".encode()
 
     secret = s3_server.env()["AWS_SECRET_ACCESS_KEY"].encode()

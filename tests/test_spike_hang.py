@@ -1,6 +1,7 @@
 """Runs that look after themselves: a loss spike injected by the test-only noise hook is detected,
 rolled back and skipped; a rank blocked by the test-only hang hook makes every rank write its stacks
 and exit 3; the relaunch resumes after the recovery with the uninterrupted run's losses exactly."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,14 @@ from pretrain.runtime.spike_guard import SpikeDetector
 # Data steps 10 and 11 (0-based) are noise: optimiser steps 11 and 12 spike. A checkpoint every 4
 # steps leaves step 8 as the one before the spike.
 NOISE = {"PRETRAIN_TEST_NOISE_STEPS": "10:12"}
-GUARD = ["train.checkpoint_every=4", "train.spike_guard.enabled=true", "train.spike_guard.window=6",
-         "train.spike_guard.min_window=4", "train.spike_guard.sigmas=2", "train.spike_guard.skip_steps=4"]
+GUARD = [
+    "train.checkpoint_every=4",
+    "train.spike_guard.enabled=true",
+    "train.spike_guard.window=6",
+    "train.spike_guard.min_window=4",
+    "train.spike_guard.sigmas=2",
+    "train.spike_guard.skip_steps=4",
+]
 RECOVERY = "loss spike from step 11 to 12: back to step00000008, samples 128 to 192 skipped"
 
 
@@ -28,16 +35,16 @@ def train(data_dir, out_dir, *overrides, ranks=2, check=True, env=None):
 
 def test_detector_needs_consecutive_steps_above_the_line():
     det = SpikeDetector(SpikeGuardConfig(window=4, min_window=4, sigmas=3.0, consecutive=2))
-    for step, loss in enumerate([5.0, 5.2, 4.8, 5.0], start=1):      # mean 5.0, std 0.163: line 5.49
+    for step, loss in enumerate([5.0, 5.2, 4.8, 5.0], start=1):  # mean 5.0, std 0.163: line 5.49
         assert det.observe(step, loss) is None
     assert det.observe(5, 5.6) is None and det.pending == [[5, 5.6]]
-    assert det.observe(6, 5.1) is None and det.pending == []          # one step alone: an ordinary one
-    assert det.history == [4.8, 5.0, 5.6, 5.1]                         # the last window, both included
+    assert det.observe(6, 5.1) is None and det.pending == []  # one step alone: an ordinary one
+    assert det.history == [4.8, 5.0, 5.6, 5.1]  # the last window, both included
     line = det.threshold()
     assert det.observe(7, line + 0.01) is None
-    assert det.observe(8, float("nan")) is None                         # the non-finite skip's business
+    assert det.observe(8, float("nan")) is None  # the non-finite skip's business
     assert det.observe(9, line + 0.02) == (7, 9)
-    again = SpikeDetector(det.cfg, json.loads(json.dumps(det.state_dict())))   # as TrainState holds it
+    again = SpikeDetector(det.cfg, json.loads(json.dumps(det.state_dict())))  # as TrainState holds it
     assert again.history == det.history and again.pending == det.pending
 
 
@@ -51,19 +58,20 @@ def recovered_run(shards, tmp_path_factory):
 @pytest.mark.slow
 def test_spike_is_rolled_back_and_its_samples_skipped(recovered_run):
     out, proc = recovered_run
-    assert proc.stdout.count(RECOVERY) == 1, proc.stdout[-3000:]       # rank 0 only
+    assert proc.stdout.count(RECOVERY) == 1, proc.stdout[-3000:]  # rank 0 only
     assert sorted(losses(out)) == list(range(1, 17))
     state = json.loads((out / "checkpoints" / "step00000016" / "train_state.json").read_text())
-    assert state["skipped_windows"] == [{"spike_from": 11, "spike_to": 12, "checkpoint": "step00000008",
-                                         "samples": [128, 192]}]
-    assert state["data"]["samples_consumed"] == (16 + 4) * 16          # 4 global batches skipped
+    assert state["skipped_windows"] == [
+        {"spike_from": 11, "spike_to": 12, "checkpoint": "step00000008", "samples": [128, 192]}
+    ]
+    assert state["data"]["samples_consumed"] == (16 + 4) * 16  # 4 global batches skipped
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     assert [(e["event"], e["step"], e["text"]) for e in events] == [("spike_recovery", 12, RECOVERY)]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     order = [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
-    assert [s for s, _ in order] == list(range(1, 12)) + list(range(9, 17))   # step 12 spiked: not logged
+    assert [s for s, _ in order] == list(range(1, 12)) + list(range(9, 17))  # step 12 spiked: not logged
     spiked, after = order[10][1], [loss for _, loss in order[11:]]
-    assert max(after) < spiked - 0.3, order                            # no noise after the rollback
+    assert max(after) < spiked - 0.3, order  # no noise after the rollback
 
 
 @pytest.mark.slow
@@ -71,7 +79,7 @@ def test_a_step_export_is_a_loadable_model_of_its_checkpoint(recovered_run):
     from transformers import AutoModelForMaskedLM
 
     out, _ = recovered_run
-    assert sorted(p.name for p in out.glob("hf_*")) == ["hf_final", "hf_step00000008"]   # train.export_every=8
+    assert sorted(p.name for p in out.glob("hf_*")) == ["hf_final", "hf_step00000008"]  # train.export_every=8
     step8 = out / "hf_step00000008"
     assert (step8 / "EXPORTED_FROM").read_text().strip() == "step00000008"
     assert AutoModelForMaskedLM.from_pretrained(step8).config.hidden_size == 64
@@ -81,23 +89,33 @@ def test_a_step_export_is_a_loadable_model_of_its_checkpoint(recovered_run):
 def test_a_hang_writes_every_ranks_stacks_exits_3_and_the_relaunch_resumes_exactly(recovered_run, shards, tmp_path):
     reference, _ = recovered_run
     t0 = time.monotonic()
-    proc = train(shards, tmp_path, *COMMON, *GUARD, "train.hang_timeout_s=10", check=False,
-                 env={**NOISE, "PRETRAIN_TEST_HANG": "1:14"})
+    proc = train(
+        shards,
+        tmp_path,
+        *COMMON,
+        *GUARD,
+        "train.hang_timeout_s=10",
+        check=False,
+        env={**NOISE, "PRETRAIN_TEST_HANG": "1:14"},
+    )
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert time.monotonic() - t0 < 300
     stacks = {r: (tmp_path / f"hang-rank{r}.txt").read_text() for r in (0, 1)}
     assert "hang_for_test" in stacks[1] and "after step 13" in stacks[1]
-    assert "train_step" in stacks[0] and "hang_for_test" not in stacks[0]   # waiting in the collective
-    assert [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()] == \
-        ["spike_recovery", "hang"]
-    train(shards, tmp_path, *COMMON, *GUARD, env=NOISE)          # from step 12, after the recovery
+    assert "train_step" in stacks[0] and "hang_for_test" not in stacks[0]  # waiting in the collective
+    assert [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()] == [
+        "spike_recovery",
+        "hang",
+    ]
+    train(shards, tmp_path, *COMMON, *GUARD, env=NOISE)  # from step 12, after the recovery
     assert losses(tmp_path) == losses(reference)
 
 
 @pytest.mark.slow
 def test_a_spike_past_the_cap_stops_with_exit_5(shards, tmp_path):
-    proc = train(shards, tmp_path, *COMMON, *GUARD, "train.spike_guard.max_recoveries=0", ranks=1, check=False,
-                 env=NOISE)
+    proc = train(
+        shards, tmp_path, *COMMON, *GUARD, "train.spike_guard.max_recoveries=0", ranks=1, check=False, env=NOISE
+    )
     assert proc.returncode == 5, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "stopping: loss spike from step 11 to 12 after 0 recoveries" in proc.stdout
     assert not (Path(tmp_path) / "checkpoints" / "step00000012").exists()
@@ -107,10 +125,22 @@ def test_bad_guard_settings_are_all_reported_before_anything_starts(shards):
     from pretrain.config.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError) as err:
-        load_config("configs/tiny.yaml", [f"data.dir={shards}", "train.spike_guard.window=4",
-                                          "train.spike_guard.min_window=8", "train.spike_guard.sigmas=0",
-                                          "train.hang_timeout_s=-5", "train.health_every=-1"])
+        load_config(
+            "configs/tiny.yaml",
+            [
+                f"data.dir={shards}",
+                "train.spike_guard.window=4",
+                "train.spike_guard.min_window=8",
+                "train.spike_guard.sigmas=0",
+                "train.hang_timeout_s=-5",
+                "train.health_every=-1",
+            ],
+        )
     text = str(err.value)
-    for problem in ("train.spike_guard.min_window (8) must be <= window (4)",
-                    "train.spike_guard.sigmas: must be positive", "train.hang_timeout_s: must be >= 0", "train.health_every: must be >= 0"):
+    for problem in (
+        "train.spike_guard.min_window (8) must be <= window (4)",
+        "train.spike_guard.sigmas: must be positive",
+        "train.hang_timeout_s: must be >= 0",
+        "train.health_every: must be >= 0",
+    ):
         assert problem in text, text

@@ -7,6 +7,7 @@ of its own; the objects are compared byte for byte with a local run of the same 
 
 Time: about 1 minute: a real S3 server, and a data-prep upload killed mid-run as a process of
 its own."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,18 @@ from s3_server import SECRET
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
-SHARD = ["--seq-len", "64", "--shard-size", "64", "--block-size", "16", "--validation-fraction", "0.05",
-         "--num-tasks", "2"]
+SHARD = [
+    "--seq-len",
+    "64",
+    "--shard-size",
+    "64",
+    "--block-size",
+    "16",
+    "--validation-fraction",
+    "0.05",
+    "--num-tasks",
+    "2",
+]
 
 
 def data_prep(*args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess:
@@ -55,9 +66,19 @@ def local_run(corpus, tmp_path_factory):
     text, tokenizer = corpus
     out = tmp_path_factory.mktemp("s3local") / "shards"
     for task in range(2):
-        run_shard(ShardSettings(inputs=[f"{text}/*.txt"], tokenizer=str(tokenizer), out=str(out), seq_len=64,
-                                shard_size=64, block_size=16, validation_fraction=0.05, num_tasks=2,
-                                task_index=task))
+        run_shard(
+            ShardSettings(
+                inputs=[f"{text}/*.txt"],
+                tokenizer=str(tokenizer),
+                out=str(out),
+                seq_len=64,
+                shard_size=64,
+                block_size=16,
+                validation_fraction=0.05,
+                num_tasks=2,
+                task_index=task,
+            )
+        )
     finalize(out)
     return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
 
@@ -69,8 +90,13 @@ def bucket_run(s3_server, corpus):
     bucket = s3_server.bucket("shards")
     url, env = f"s3://{bucket}/run", s3_server.env()
     args = ["shard", "--input", f"{text}/*.txt", "--tokenizer", str(tokenizer), "--out", url, *SHARD]
-    killed = subprocess.Popen([sys.executable, "-m", "data_prep", *args, "--task-index", "0"], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    killed = subprocess.Popen(
+        [sys.executable, "-m", "data_prep", *args, "--task-index", "0"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     client, deadline = s3_server.client(), time.monotonic() + 120
     while time.monotonic() < deadline and killed.poll() is None:
         listed = client.list_objects_v2(Bucket=bucket, Prefix="run/.progress-t00000/").get("Contents", [])
@@ -109,7 +135,7 @@ def test_verify_and_inspect_read_the_bucket_and_name_a_replaced_object(s3_server
     client = s3_server.client()
     victim = "run/train-s00000-g00000-00001.tar"
     original = client.get_object(Bucket=bucket, Key=victim)["Body"].read()
-    client.put_object(Bucket=bucket, Key=victim, Body=bytes(reversed(original)))     # same size, other bytes
+    client.put_object(Bucket=bucket, Key=victim, Body=bytes(reversed(original)))  # same size, other bytes
     try:
         proc = data_prep("verify", url, env=env, check=False)
         assert proc.returncode == 2 and "BAD train-s00000-g00000-00001.tar: sha256 differs" in proc.stderr
@@ -133,23 +159,47 @@ def test_bad_locations_exit_2_naming_the_url_before_any_work(s3_server, corpus, 
     text, tokenizer = corpus
     bucket = s3_server.bucket("denied")
     url = {"unknown bucket": "s3://no-such-bucket-here/run", "unsupported scheme": "gs://bucket/run"}.get(
-        case, f"s3://{bucket}/run")
+        case, f"s3://{bucket}/run"
+    )
     env = s3_server.env()
     if case == "wrong secret":
         env["AWS_SECRET_ACCESS_KEY"] = "not-" + SECRET
     if case == "no credentials":
         env = {k: v for k, v in env.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
         env["AWS_SHARED_CREDENTIALS_FILE"] = env["AWS_CONFIG_FILE"] = str(tmp_path / "none")
-    proc = subprocess.run([sys.executable, "-m", "data_prep", "shard", "--input", f"{text}/*.txt", "--tokenizer",
-                           str(tokenizer), "--out", url, *SHARD, "--task-index", "0"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data_prep",
+            "shard",
+            "--input",
+            f"{text}/*.txt",
+            "--tokenizer",
+            str(tokenizer),
+            "--out",
+            url,
+            *SHARD,
+            "--task-index",
+            "0",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     said = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "Traceback" not in said, said[-3000:]
     assert f"data_prep: error: {url}" in said
-    expected = {"wrong secret": "access denied (SignatureDoesNotMatch)", "unknown bucket": "no such bucket",
-                "no credentials": "no AWS credentials found", "unsupported scheme": "gs:// is not supported"}[case]
+    expected = {
+        "wrong secret": "access denied (SignatureDoesNotMatch)",
+        "unknown bucket": "no such bucket",
+        "no credentials": "no AWS credentials found",
+        "unsupported scheme": "gs:// is not supported",
+    }[case]
     assert expected in said and SECRET not in said
-    assert list(tmp_path.iterdir()) == []              # no local folder named "gs:" or "s3:"
+    assert list(tmp_path.iterdir()) == []  # no local folder named "gs:" or "s3:"
     assert s3_server.objects(bucket) == {}
 
 
@@ -158,19 +208,53 @@ def test_inputs_read_from_a_bucket_glob_give_the_shards_of_local_inputs(s3_serve
     bucket, client = s3_server.bucket("inputs"), s3_server.client()
     for path in sorted(text.glob("*.txt")):
         client.put_object(Bucket=bucket, Key=f"raw/{path.name}", Body=path.read_bytes())
-    client.put_object(Bucket=bucket, Key="raw/notes.md", Body=b"not an input")        # not matched
+    client.put_object(Bucket=bucket, Key="raw/notes.md", Body=b"not an input")  # not matched
     out = tmp_path / "shards"
-    data_prep("shard", "--input", f"s3://{bucket}/raw/*.txt", "--tokenizer", str(tokenizer), "--out", str(out),
-              *SHARD, "--task-index", "0", env=s3_server.env())
-    data_prep("shard", "--input", f"s3://{bucket}/raw/*.txt", "--tokenizer", str(tokenizer), "--out", str(out),
-              *SHARD, "--task-index", "1", env=s3_server.env())
+    data_prep(
+        "shard",
+        "--input",
+        f"s3://{bucket}/raw/*.txt",
+        "--tokenizer",
+        str(tokenizer),
+        "--out",
+        str(out),
+        *SHARD,
+        "--task-index",
+        "0",
+        env=s3_server.env(),
+    )
+    data_prep(
+        "shard",
+        "--input",
+        f"s3://{bucket}/raw/*.txt",
+        "--tokenizer",
+        str(tokenizer),
+        "--out",
+        str(out),
+        *SHARD,
+        "--task-index",
+        "1",
+        env=s3_server.env(),
+    )
     data_prep("finalize", str(out), env=s3_server.env())
     tars = {p.name: p.read_bytes() for p in out.glob("*.tar")}
     assert tars and tars == {k: v for k, v in local_run.items() if k.endswith(".tar")}
     inputs = json.loads((out / "manifest.json").read_text())["settings"]["inputs"]
     assert inputs == [f"s3://{bucket}/raw/*.txt"]
-    missing = data_prep("shard", "--input", f"s3://{bucket}/raw/*.jsonl", "--tokenizer", str(tokenizer), "--out",
-                        str(tmp_path / "none"), *SHARD, "--task-index", "0", env=s3_server.env(), check=False)
+    missing = data_prep(
+        "shard",
+        "--input",
+        f"s3://{bucket}/raw/*.jsonl",
+        "--tokenizer",
+        str(tokenizer),
+        "--out",
+        str(tmp_path / "none"),
+        *SHARD,
+        "--task-index",
+        "0",
+        env=s3_server.env(),
+        check=False,
+    )
     assert missing.returncode == 2 and f"--input 's3://{bucket}/raw/*.jsonl' matches no" in missing.stderr
 
 
@@ -196,7 +280,7 @@ def test_transient_http_errors_are_retried_and_logged_once(tmp_path, caplog):
                 self.send_response(206)
                 self.send_header("Content-Length", str(end - start + 1))
                 self.end_headers()
-                self.wfile.write(body[start:end + 1])
+                self.wfile.write(body[start : end + 1])
 
         def log_message(self, *args):
             pass
@@ -209,7 +293,8 @@ def test_transient_http_errors_are_retried_and_logged_once(tmp_path, caplog):
             assert store.read_range("blob.bin", 10, 25) == body[10:25]
         assert len(answered) == 3
         assert [r.getMessage() for r in caplog.records] == [
-            f"{store.url()}: ranged read failed (HTTPError); retrying with backoff"]
+            f"{store.url()}: ranged read failed (HTTPError); retrying with backoff"
+        ]
         with pytest.raises(StorageError, match=rf"{store.url('gone.bin')}: read failed \(HTTP 404"):
             store.read_bytes("gone.bin")
         assert len(answered) == 4

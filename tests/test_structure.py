@@ -1,6 +1,7 @@
 """The layout docs/layout.md describes: imports point one way, between the project's tiers (the
 shared leaf ``data_prep.common``, then ``data_prep``, then ``pretrain``) and between the units of
 ``pretrain``, and each on-disk format has one owner module that spells its file names."""
+
 from __future__ import annotations
 
 import ast
@@ -12,9 +13,22 @@ PRETRAIN = REPO / "pretrain"
 # Lower tiers never import higher ones: train -> run -> eval, checkpoint, tracking -> model, data, runtime -> config.
 # The top level holds the loop (train, run, step); two runtime modules sit above the checkpoint code
 # they use (the input checks before start, the spike guard's rollback) and count as units of their own.
-TIERS = {"config": 0, "model": 1, "data": 1, "runtime": 1, "checkpoint": 2, "eval": 2, "tracking": 2,
-         "runtime.preflight": 3, "runtime.spike_guard": 3, "report": 3, "step": 3, "study": 4, "run": 4,
-         "train": 4}
+TIERS = {
+    "config": 0,
+    "model": 1,
+    "data": 1,
+    "runtime": 1,
+    "checkpoint": 2,
+    "eval": 2,
+    "tracking": 2,
+    "runtime.preflight": 3,
+    "runtime.spike_guard": 3,
+    "report": 3,
+    "step": 3,
+    "study": 4,
+    "run": 4,
+    "train": 4,
+}
 UPPER_RUNTIME = {"preflight", "spike_guard"}
 # The commands' names (``python -m pretrain.export``, ``.evaluate``, ``.launch``, documented everywhere)
 # only run their package's module.
@@ -40,9 +54,9 @@ def imported_units(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pretrain"):
             parts = node.module.split(".")[1:]
-            if parts:                               # from pretrain.<unit>[...] import <name>: may be a module
+            if parts:  # from pretrain.<unit>[...] import <name>: may be a module
                 units.update(_unit(parts + [a.name]) for a in node.names)
-            else:                                   # from pretrain import x
+            else:  # from pretrain import x
                 units.update(a.name for a in node.names)
         elif isinstance(node, ast.Import):
             units.update(_unit(a.name.split(".")[1:]) for a in node.names if a.name.startswith("pretrain."))
@@ -83,8 +97,15 @@ def test_imports_point_down_and_have_no_cycles():
         visit(unit)
 
 
-CHECKPOINT_NAMES = ["mp_rank_00_model_states.pt", "train_state.json", "hf_config.json", "layout.json",
-                    '"COMPLETE"', '"latest"', '"universal"']
+CHECKPOINT_NAMES = [
+    "mp_rank_00_model_states.pt",
+    "train_state.json",
+    "hf_config.json",
+    "layout.json",
+    '"COMPLETE"',
+    '"latest"',
+    '"universal"',
+]
 
 
 def test_checkpoint_and_shard_file_names_have_one_owner():
@@ -107,7 +128,9 @@ def test_no_function_in_pretrain_is_over_60_lines():
     for path in PRETRAIN.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
-                long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+                long.append(
+                    f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+                )
     assert not long, long
 
 
@@ -120,9 +143,9 @@ LAZY_MARK = "# lazy:"
 def _says_why(lines: list[str], node: ast.stmt, import_starts: dict[int, int]) -> bool:
     """A ``# lazy:`` comment on the import, or in the comment lines above it (or above the run of
     imports it is part of); ``import_starts`` maps each import's last line to its first."""
-    if any(LAZY_MARK in line for line in lines[node.lineno - 1:node.end_lineno]):
+    if any(LAZY_MARK in line for line in lines[node.lineno - 1 : node.end_lineno]):
         return True
-    above = node.lineno - 1                  # 1-based number of the line above
+    above = node.lineno - 1  # 1-based number of the line above
     while above in import_starts or (above >= 1 and lines[above - 1].strip().startswith("#")):
         if above in import_starts:
             above = import_starts[above] - 1
@@ -144,7 +167,7 @@ def function_level_imports(path: Path) -> list[tuple[ast.stmt, set[str]]]:
                 found.append((node, {a.name.split(".")[0] for a in node.names}))
             elif isinstance(node, ast.ImportFrom):
                 found.append((node, {(node.module or "").split(".")[0] if not node.level else "."}))
-    return list({id(node): (node, names) for node, names in found}.values())   # nested functions: once
+    return list({id(node): (node, names) for node, names in found}.values())  # nested functions: once
 
 
 def test_imports_inside_functions_are_heavy_packages_or_say_why():
@@ -159,8 +182,10 @@ def test_imports_inside_functions_are_heavy_packages_or_say_why():
             if packages <= LAZY_THIRD_PARTY or _says_why(lines, node, import_starts):
                 continue
             unexplained.append(f"{path.relative_to(REPO)}:{node.lineno} {lines[node.lineno - 1].strip()}")
-    assert not unexplained, ("imports inside functions: move them to the top of the module, or say why not "
-                             f"with '{LAZY_MARK} ...' above them:\n  " + "\n  ".join(unexplained))
+    assert not unexplained, (
+        "imports inside functions: move them to the top of the module, or say why not "
+        f"with '{LAZY_MARK} ...' above them:\n  " + "\n  ".join(unexplained)
+    )
 
 
 # ------------------------------------------------------------------ the project's top-level tiers
@@ -176,7 +201,7 @@ def project_modules_imported(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[:len(package) - (node.level - 1)]
+                base = package[: len(package) - (node.level - 1)]
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
@@ -206,11 +231,12 @@ def test_the_top_level_tiers_point_down():
 
 
 def test_the_shared_leaf_imports_nothing_else_of_the_project():
-    outside = [f"{path.relative_to(REPO)} imports {module}"
-               for path in (REPO / "data_prep" / "common").rglob("*.py")
-               for module in project_modules_imported(path)
-               if not (module == "data_prep.common" or module.startswith("data_prep.common."))
-               and module != "data_prep"]
+    outside = [
+        f"{path.relative_to(REPO)} imports {module}"
+        for path in (REPO / "data_prep" / "common").rglob("*.py")
+        for module in project_modules_imported(path)
+        if not (module == "data_prep.common" or module.startswith("data_prep.common.")) and module != "data_prep"
+    ]
     assert not outside, outside
 
 
@@ -225,9 +251,15 @@ def test_fault_hooks_are_read_in_one_module_only():
     """The tests' fault injection (``PRETRAIN_TEST_*``, ``MLM_TEST_*``) lives in ``runtime/faults.py``;
     the loop, the step and the mirror each call it once and read no such variable themselves."""
     owner = PRETRAIN / "runtime" / "faults.py"
-    strays = [str(path.relative_to(REPO)) for path in PRETRAIN.rglob("*.py") if path != owner
-              and re.search(r"[\"'](PRETRAIN_TEST_|MLM_TEST_)", path.read_text())]
+    strays = [
+        str(path.relative_to(REPO))
+        for path in PRETRAIN.rglob("*.py")
+        if path != owner and re.search(r"[\"'](PRETRAIN_TEST_|MLM_TEST_)", path.read_text())
+    ]
     assert not strays, strays
-    calls = {str(path.relative_to(REPO)): len(re.findall(r"\bfaults\.\w+\(", path.read_text()))
-             for path in PRETRAIN.rglob("*.py") if path != owner}
+    calls = {
+        str(path.relative_to(REPO)): len(re.findall(r"\bfaults\.\w+\(", path.read_text()))
+        for path in PRETRAIN.rglob("*.py")
+        if path != owner
+    }
     assert {k: v for k, v in calls.items() if v} == {"pretrain/train.py": 1, "pretrain/checkpoint/mirror.py": 1}

@@ -1,4 +1,5 @@
 """MlflowTracker against a real ``mlflow server`` (SQLite store) on loopback, checked through MlflowClient."""
+
 from __future__ import annotations
 
 import logging
@@ -20,7 +21,7 @@ from pretrain.tracking import NullTracker, make_tracker  # noqa: E402
 from pretrain.tracking.mlflow_requests import default_local_store  # noqa: E402
 from pretrain.tracking.mlflow_tracker import MlflowTracker  # noqa: E402
 
-pytestmark = pytest.mark.slow      # every test here launches processes
+pytestmark = pytest.mark.slow  # every test here launches processes
 
 
 def make_cfg(tmp_path, uri: str = "", **tracking) -> Config:
@@ -48,8 +49,14 @@ def loss(step: int) -> float:
 def tiny_bert_dir(tmp_path_factory):
     from transformers import BertConfig, BertForMaskedLM
 
-    config = BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64)
+    config = BertConfig(
+        vocab_size=120,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
     model = BertForMaskedLM(config)
     out = tmp_path_factory.mktemp("tiny_bert")
     model.save_pretrained(out)
@@ -67,8 +74,8 @@ def test_new_run_gets_params_artifacts_and_complete_histories(tmp_path, mlflow_s
     assert isinstance(make_tracker(cfg, rank=1), NullTracker)
     run_id = tracker.start(None, params, {"config.yaml": configlib.dump_yaml(cfg), "deepspeed.json": '{"a": 1}'})
     assert run_id and tracker.run_id == run_id
-    assert rank0_value(run_id) == run_id            # no process group: unchanged
-    steps = range(1, 1201)                            # 2,400 points: several 1,000-metric batches
+    assert rank0_value(run_id) == run_id  # no process group: unchanged
+    steps = range(1, 1201)  # 2,400 points: several 1,000-metric batches
     for s in steps:
         tracker.log_metrics({"train/loss": loss(s), "train/lr": s * 1e-6}, s)
     tracker.log_checkpoint("step_1200", 1200, str(tmp_path / "ckpt" / "step_1200"))
@@ -79,7 +86,7 @@ def test_new_run_gets_params_artifacts_and_complete_histories(tmp_path, mlflow_s
     assert run.info.status == "FINISHED" and run.info.run_name == "tiny"
     experiment = client.get_experiment(run.info.experiment_id)
     assert experiment.name == cfg.tracking.experiment
-    assert experiment.tags.get("mlflow.experimentKind") == "custom_model_development"   # not the GenAI layout
+    assert experiment.tags.get("mlflow.experimentKind") == "custom_model_development"  # not the GenAI layout
     got = run.data.params
     assert len(got) == len(params)
     assert got["optim.lr"] == str(cfg.optim.lr) and got["optim.betas"] == "[0.9, 0.98]"
@@ -95,7 +102,7 @@ def test_new_run_gets_params_artifacts_and_complete_histories(tmp_path, mlflow_s
     dl = tmp_path / "dl"
     dl.mkdir()
     text = open(client.download_artifacts(run_id, "config.yaml", str(dl))).read()
-    assert text == configlib.dump_yaml(cfg)           # the YAML the trainer passed, verbatim
+    assert text == configlib.dump_yaml(cfg)  # the YAML the trainer passed, verbatim
     record = open(client.download_artifacts(run_id, "checkpoints/step_1200.json", str(dl))).read()
     assert '"step": 1200' in record and "step_1200" in record
 
@@ -109,7 +116,7 @@ def test_restarted_tracker_continues_the_run_without_duplicate_steps(tmp_path, m
         if s % 10 == 0:
             first.log_metrics({"eval/loss": loss(s) + 1}, s)
     first.log_checkpoint("step_20", 20, "/ckpt/step_20")
-    first.finish("KILLED")                            # the job died after step 30; last checkpoint 20
+    first.finish("KILLED")  # the job died after step 30; last checkpoint 20
     client = MlflowClient(mlflow_server.uri)
     assert client.get_run(run_id).info.status == "KILLED"
 
@@ -133,7 +140,7 @@ def test_restarted_tracker_continues_the_run_without_duplicate_steps(tmp_path, m
 
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.params == {"optim.lr": "0.0005"}   # params belong to the run's first launch
+    assert run.data.params == {"optim.lr": "0.0005"}  # params belong to the run's first launch
     assert history(client, run_id, "train/loss") == [(s, pytest.approx(loss(s))) for s in range(1, 42)]
     # eval/loss was last logged at 30 before the restart: 30 is not repeated, 40 arrives.
     assert history(client, run_id, "eval/loss") == [(s, pytest.approx(loss(s) + 1)) for s in (10, 20, 30, 40)]
@@ -156,9 +163,9 @@ def test_server_outage_loses_nothing_and_never_blocks(tmp_path, mlflow_server, t
 
     mlflow_server.stop()
     try:
-        late = MlflowTracker(make_cfg(tmp_path / "another_job", mlflow_server.uri))   # its own out_dir: a new run
+        late = MlflowTracker(make_cfg(tmp_path / "another_job", mlflow_server.uri))  # its own out_dir: a new run
         t0 = time.perf_counter()
-        assert late.start(None, {"b": 2}, {"config.yaml": "x: 1\n"}) is None   # no run yet
+        assert late.start(None, {"b": 2}, {"config.yaml": "x: 1\n"}) is None  # no run yet
         assert time.perf_counter() - t0 < 3 * cfg.tracking.retry_seconds
         for s in range(1, 6):
             late.log_metrics({"train/loss": loss(s)}, s)
@@ -170,13 +177,13 @@ def test_server_outage_loses_nothing_and_never_blocks(tmp_path, mlflow_server, t
             if s == 25:
                 tracker.log_checkpoint("step_25", 25, "/ckpt/step_25")
             slowest = max(slowest, time.perf_counter() - t0)
-            time.sleep(0.05)                          # ~1.5 s down: the flusher fails and backs off
+            time.sleep(0.05)  # ~1.5 s down: the flusher fails and backs off
         assert slowest < cfg.tracking.retry_seconds / 4
         t0 = time.perf_counter()
-        tracker.log_model(str(tiny_bert_dir), 40, final=False)   # one try in a known outage, then queued
+        tracker.log_model(str(tiny_bert_dir), 40, final=False)  # one try in a known outage, then queued
         assert time.perf_counter() - t0 < cfg.tracking.retry_seconds
         outage_warnings = [r for r in caplog.records if "unreachable" in r.getMessage()]
-        assert len(outage_warnings) == 2              # once per tracker and outage, not per attempt
+        assert len(outage_warnings) == 2  # once per tracker and outage, not per attempt
         assert any(str(tiny_bert_dir) in r.getMessage() for r in caplog.records)
     finally:
         mlflow_server.start()
@@ -219,8 +226,9 @@ def test_hf_model_folder_round_trips_and_registers(tmp_path, mlflow_server, tiny
 
     client = MlflowClient(mlflow_server.uri)
     assert sorted(a.path for a in client.list_artifacts(run_id, "hf_model")) == ["hf_model/final", "hf_model/step_7"]
-    local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="hf_model/final",
-                                                dst_path=str(tmp_path / "dl"), tracking_uri=mlflow_server.uri)
+    local = mlflow.artifacts.download_artifacts(
+        run_id=run_id, artifact_path="hf_model/final", dst_path=str(tmp_path / "dl"), tracking_uri=mlflow_server.uri
+    )
     loaded = AutoModelForMaskedLM.from_pretrained(local)
     original = AutoModelForMaskedLM.from_pretrained(tiny_bert_dir)
     assert loaded.config.hidden_size == 32
@@ -240,7 +248,7 @@ def test_default_local_store_works_without_a_server(tmp_path, monkeypatch):
     run_id = tracker.start(None, {"model.hidden_size": 32}, {"config.yaml": "model: {}\n"})
     for s in range(1, 21):
         tracker.log_metrics({"train/loss": loss(s)}, s)
-    time.sleep(1.2)                                   # a few system-metric samples
+    time.sleep(1.2)  # a few system-metric samples
     tracker.finish()
 
     uri, artifacts = default_local_store(cfg.train.out_dir)
@@ -250,7 +258,9 @@ def test_default_local_store_works_without_a_server(tmp_path, monkeypatch):
     assert run.info.status == "FINISHED" and run.data.params == {"model.hidden_size": "32"}
     assert history(client, run_id, "train/loss") == [(s, pytest.approx(loss(s))) for s in range(1, 21)]
     assert run.info.artifact_uri.startswith(artifacts)
-    assert (tmp_path / "run" / "mlruns" / "artifacts" / run_id / "artifacts" / "config.yaml").read_text() == "model: {}\n"
+    assert (
+        tmp_path / "run" / "mlruns" / "artifacts" / run_id / "artifacts" / "config.yaml"
+    ).read_text() == "model: {}\n"
     cpu = client.get_metric_history(run_id, "system/cpu_utilization_percentage")
     assert len(cpu) >= 2 and sorted(m.step for m in cpu) == list(range(len(cpu)))
 

@@ -7,6 +7,7 @@ waits on a tracking server that is down.
 
 Time: about 1-1.5 minutes: real MLflow servers are started, stopped and restarted around
 the runs, and one run waits through a server that is down at its start."""
+
 from __future__ import annotations
 
 import json
@@ -30,19 +31,42 @@ from mlflow_server import mlflow_server  # noqa: E402,F401  (a fixture)
 
 pytestmark = pytest.mark.slow
 PY = sys.executable
-BASE = ["train.log_every=1", "train.eval_every=0", "train.eval_sequences=32", "model.max_position_embeddings=64",
-        "optim.warmup_steps=4", "tracking.backend=mlflow"]
+BASE = [
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_sequences=32",
+    "model.max_position_embeddings=64",
+    "optim.warmup_steps=4",
+    "tracking.backend=mlflow",
+]
 
 
 def train_cmd(data_dir, out_dir, uri: str, experiment: str, *overrides, ranks: int) -> list[str]:
-    return launch_cmd(data_dir, out_dir, *BASE, f"tracking.tracking_uri={uri}", f"tracking.experiment={experiment}",
-                      *overrides, ranks=ranks)
+    return launch_cmd(
+        data_dir,
+        out_dir,
+        *BASE,
+        f"tracking.tracking_uri={uri}",
+        f"tracking.experiment={experiment}",
+        *overrides,
+        ranks=ranks,
+    )
 
 
-def train(data_dir, out_dir, uri: str, experiment: str, *overrides, ranks: int = 2,
-          env: dict | None = None) -> subprocess.CompletedProcess:
-    return launch(data_dir, out_dir, *BASE, f"tracking.tracking_uri={uri}", f"tracking.experiment={experiment}",
-                  *overrides, ranks=ranks, env=env, check=True)
+def train(
+    data_dir, out_dir, uri: str, experiment: str, *overrides, ranks: int = 2, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return launch(
+        data_dir,
+        out_dir,
+        *BASE,
+        f"tracking.tracking_uri={uri}",
+        f"tracking.experiment={experiment}",
+        *overrides,
+        ranks=ranks,
+        env=env,
+        check=True,
+    )
 
 
 def jsonl_rows(out_dir) -> list[dict]:
@@ -116,12 +140,12 @@ def test_two_ranks_and_a_resume_make_one_complete_run(shards, tmp_path, mlflow_s
         assert steps and len(steps) == len(set(steps)), (key, steps)
     for key, points in expected.items():
         assert logged_points(client, run_id, key) == sorted(points.items()), key
-    assert not [k for k in run.data.metrics if k.startswith("checkpoint")]   # tags and artifacts instead
+    assert not [k for k in run.data.metrics if k.startswith("checkpoint")]  # tags and artifacts instead
 
     params, tags = run.data.params, run.data.tags
     assert params["model.hidden_size"] == "64" and params["train.global_batch_size"] == "16"
     assert params["derived.world_size"] == "2" and params["derived.grad_accum_steps"] == "1"
-    assert params["train.halt_at_step"] == "6"            # params belong to the run's first launch
+    assert params["train.halt_at_step"] == "6"  # params belong to the run's first launch
     assert tags["env.world_size"] == "2"
     assert tags["checkpoint/latest"] == "step00000012" and tags["checkpoint/latest_step"] == "12"
     assert tags["checkpoint/latest_path"] == str(out / "checkpoints" / "step00000012")
@@ -133,7 +157,8 @@ def test_two_ranks_and_a_resume_make_one_complete_run(shards, tmp_path, mlflow_s
     ds = json.loads(Path(client.download_artifacts(run_id, "deepspeed.json", str(dl))).read_text())
     assert ds["train_batch_size"] == 16 and ds["zero_optimization"]["stage"] == 2
     assert {a.path for a in client.list_artifacts(run_id, "checkpoints")} == {
-        f"checkpoints/step{s:08d}.json" for s in (4, 6, 8, 12)}
+        f"checkpoints/step{s:08d}.json" for s in (4, 6, 8, 12)
+    }
     model_dir = client.download_artifacts(run_id, "hf_model/final", str(dl))
     model = AutoModelForMaskedLM.from_pretrained(model_dir)
     local = AutoModelForMaskedLM.from_pretrained(out / "hf_final")
@@ -149,8 +174,16 @@ def test_server_down_at_start_and_back_mid_run(shards, tmp_path, mlflow_server):
     steps, trigger_step = 250, 5
     experiment, out = f"train-outage-{uuid.uuid4().hex[:8]}", tmp_path / "run"
     log_path = tmp_path / "train.log"
-    cmd = train_cmd(shards, out, mlflow_server.uri, experiment, f"train.max_steps={steps}",
-                    "train.checkpoint_every=0", "tracking.retry_seconds=0.5", ranks=1)
+    cmd = train_cmd(
+        shards,
+        out,
+        mlflow_server.uri,
+        experiment,
+        f"train.max_steps={steps}",
+        "train.checkpoint_every=0",
+        "tracking.retry_seconds=0.5",
+        ranks=1,
+    )
     mlflow_server.stop()
     try:
         with open(log_path, "w") as log_file:
@@ -182,14 +215,16 @@ def test_server_down_at_start_and_back_mid_run(shards, tmp_path, mlflow_server):
     run = only_run(client, experiment)
     run_id = run.info.run_id
     assert run.info.status == "FINISHED"
-    assert run.data.params["train.max_steps"] == str(steps)          # a late-created run still gets them
+    assert run.data.params["train.max_steps"] == str(steps)  # a late-created run still gets them
     expected = expected_points(jsonl_rows(out))
     assert sorted(expected["train/loss"]) == list(range(1, steps + 1))
     for key, points in expected.items():
         assert logged_points(client, run_id, key) == sorted(points.items()), key
     assert run.data.tags["checkpoint/latest"] == f"step{steps:08d}"
     assert {a.path for a in client.list_artifacts(run_id, "hf_model/final")} >= {
-        "hf_model/final/config.json", "hf_model/final/model.safetensors"}
+        "hf_model/final/config.json",
+        "hf_model/final/model.safetensors",
+    }
 
     # Each point carries the time the trainer logged it: a loop that waited on the dead server
     # (MLflow's own HTTP retries alone would take minutes) shows as a gap between steps.
@@ -211,15 +246,23 @@ def test_mlflow_run_id_env_continues_an_existing_run(shards, tmp_path, mlflow_se
 
     configured = f"train-env-configured-{uuid.uuid4().hex[:8]}"
     out = tmp_path / "run"
-    train(shards, out, mlflow_server.uri, configured, "train.max_steps=3", "train.checkpoint_every=0",
-          ranks=1, env=trainer_env(MLFLOW_RUN_ID=existing))
+    train(
+        shards,
+        out,
+        mlflow_server.uri,
+        configured,
+        "train.max_steps=3",
+        "train.checkpoint_every=0",
+        ranks=1,
+        env=trainer_env(MLFLOW_RUN_ID=existing),
+    )
 
     assert only_run(client, home).info.run_id == existing
     exp = client.get_experiment_by_name(configured)
     assert exp is None or not client.search_runs([exp.experiment_id])
     run = client.get_run(existing)
     assert run.info.status == "FINISHED"
-    assert run.data.params == {}                      # params belong to the launch that created the run
+    assert run.data.params == {}  # params belong to the launch that created the run
     losses = expected_points(jsonl_rows(out))["train/loss"]
     assert logged_points(client, existing, "train/loss") == [(1, 123.0), (2, losses[2]), (3, losses[3])]
     assert checkpoint_run_id(out, 3) == existing
@@ -236,13 +279,33 @@ def test_cleaned_data_trains_and_the_run_says_what_cleaning_it_had(shards, wiki_
     data_prep("clean", "--input", tmp_path / "raw", "--out", tmp_path / "clean", "--workers", "1")
     report = json.loads((tmp_path / "clean" / "report.json").read_text())
     assert report["removed"]["exact_duplicate"]["documents"] >= 25
-    data_prep("shard", "--input", tmp_path / "clean", "--tokenizer", shards.parent / "tok", "--out",
-              tmp_path / "shards", "--seq-len", "64", "--block-size", "64", "--validation-fraction", "0.05")
+    data_prep(
+        "shard",
+        "--input",
+        tmp_path / "clean",
+        "--tokenizer",
+        shards.parent / "tok",
+        "--out",
+        tmp_path / "shards",
+        "--seq-len",
+        "64",
+        "--block-size",
+        "64",
+        "--validation-fraction",
+        "0.05",
+    )
     data_prep("finalize", tmp_path / "shards")
 
     experiment = f"train-clean-{uuid.uuid4().hex[:8]}"
-    train(tmp_path / "shards", tmp_path / "run", mlflow_server.uri, experiment, "train.max_steps=3",
-          "train.checkpoint_every=0", ranks=1)
+    train(
+        tmp_path / "shards",
+        tmp_path / "run",
+        mlflow_server.uri,
+        experiment,
+        "train.max_steps=3",
+        "train.checkpoint_every=0",
+        ranks=1,
+    )
     params = only_run(MlflowClient(mlflow_server.uri), experiment).data.params
     assert params["data/clean/documents_in"] == str(report["totals"]["in"]["documents"])
     assert params["data/clean/documents_out"] == str(report["totals"]["out"]["documents"])

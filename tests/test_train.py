@@ -8,6 +8,7 @@ stop at four stages and precisions (bf16 is emulated on an AVX2-only CPU, 50x sl
 runs stop after four steps), two short runs with an odd vocabulary, two exports, and the SIGUSR1 run
 through the ``deepspeed`` command for real; the others fork their ranks from the rank pool
 (tests/rank_pool.py)."""
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,6 @@ STEPS = 16
 HEALTH_EVERY = 4
 
 
-
 def train(data_dir, out_dir, *overrides, ranks=2, check=True):
     return launch(data_dir, out_dir, *overrides, ranks=ranks, check=check)
 
@@ -40,9 +40,16 @@ def losses(out_dir) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
-COMMON = [f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_sequences=32",
-          "train.checkpoint_every=0", "model.max_position_embeddings=64", "optim.warmup_steps=4",
-          "optim.lr=3e-3"]
+COMMON = [
+    f"train.max_steps={STEPS}",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_sequences=32",
+    "train.checkpoint_every=0",
+    "model.max_position_embeddings=64",
+    "optim.warmup_steps=4",
+    "optim.lr=3e-3",
+]
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +79,7 @@ def test_every_zero_stage_trains_and_agrees(reference_runs, shards, tmp_path):
             assert runs[stage][s] == pytest.approx(runs[0][s], rel=2e-3, abs=2e-3), (stage, s)
 
 
-@pytest.mark.parametrize("stage", [3])      # ZeRO 0/2 resume: test_sigusr1_*, test_resume_anywhere
+@pytest.mark.parametrize("stage", [3])  # ZeRO 0/2 resume: test_sigusr1_*, test_resume_anywhere
 def test_resume_is_exact(stage, reference_runs, shards, tmp_path):
     """N steps, stop, resume to 2N: the same losses as 2N uninterrupted steps (fp32, to 1e-6)."""
     half = STEPS // 2
@@ -80,7 +87,7 @@ def test_resume_is_exact(stage, reference_runs, shards, tmp_path):
     assert sorted(losses(tmp_path)) == list(range(1, half + 1))
     ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
     assert ckpts == [f"step{half:08d}"]
-    train(shards, tmp_path, *COMMON, f"impl.zero_stage={stage}")      # train.resume=auto
+    train(shards, tmp_path, *COMMON, f"impl.zero_stage={stage}")  # train.resume=auto
     resumed, uninterrupted = losses(tmp_path), losses(reference_runs[stage])
     assert sorted(resumed) == list(range(1, STEPS + 1))
     for s in range(1, STEPS + 1):
@@ -95,7 +102,11 @@ def test_export_loads_and_fills_masks(reference_runs, tmp_path):
         run([PY, "-m", "pretrain.export", str(reference_runs[stage] / "checkpoints"), str(out)])
         model = AutoModelForMaskedLM.from_pretrained(out)
         assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
-        assert model.config.vocab_size == model.get_input_embeddings().weight.shape[0] == len(AutoTokenizer.from_pretrained(out))
+        assert (
+            model.config.vocab_size
+            == model.get_input_embeddings().weight.shape[0]
+            == len(AutoTokenizer.from_pretrained(out))
+        )
         assert model.cls.predictions.bias.shape[0] == model.config.vocab_size
         answers = pipeline("fill-mask", model=str(out))("the city is in the [MASK] of france.")
         assert len(answers) == 5 and all(0.0 <= a["score"] <= 1.0 for a in answers)
@@ -104,8 +115,9 @@ def test_export_loads_and_fills_masks(reference_runs, tmp_path):
 
 
 def test_bad_input_fails_before_any_process_group(shards, tmp_path, bert_uncased_dir):
-    proc = train(shards, tmp_path, "impl.zero_stage=5", "optim.lr=-1", "model.hidden_size=65", "colour=red",
-                 ranks=1, check=False)
+    proc = train(
+        shards, tmp_path, "impl.zero_stage=5", "optim.lr=-1", "model.hidden_size=65", "colour=red", ranks=1, check=False
+    )
     assert proc.returncode == 2
     for expected in ["impl.zero_stage", "optim.lr", "hidden_size (65) must be divisible", "colour: unknown key"]:
         assert expected in proc.stderr, (expected, proc.stderr)
@@ -116,18 +128,32 @@ def test_bad_input_fails_before_any_process_group(shards, tmp_path, bert_uncased
     assert proc.returncode == 2 and "has vocab_size 30522, the data's tokenizer 4096" in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("stage,precision", [(2, "fp32"), (0, "bf16"), (1, "bf16"), (3, "bf16")],
-                         ids=["zero2-fp32", "zero0-bf16", "zero1-bf16", "zero3-bf16"])
+@pytest.mark.parametrize(
+    "stage,precision",
+    [(2, "fp32"), (0, "bf16"), (1, "bf16"), (3, "bf16")],
+    ids=["zero2-fp32", "zero0-bf16", "zero1-bf16", "zero3-bf16"],
+)
 def test_nonfinite_losses_skip_steps_then_stop_cleanly(shards, tmp_path, stage, precision):
     """An absurd learning rate blows the weights up after one update: every later loss is
     non-finite, each such step is skipped on every rank without moving the learning-rate schedule,
     and after max_nonfinite_in_a_row the run stops with its own exit code, leaving the last complete
     checkpoint loadable. Each stage and precision has DeepSpeed's own optimiser wrapper (ZeRO 1 bf16
     with fp32 accumulation is its BF16_Optimizer, the setting of configs/base.yaml): each must skip."""
-    proc = train(shards, tmp_path, "train.max_steps=40", "train.log_every=1", "train.eval_every=0",
-                 "train.checkpoint_every=1", "optim.lr=1e30", "optim.warmup_steps=8", f"impl.zero_stage={stage}",
-                 f"impl.precision={precision}", "train.max_nonfinite_in_a_row=3", "model.max_position_embeddings=64",
-                 check=False)
+    proc = train(
+        shards,
+        tmp_path,
+        "train.max_steps=40",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.checkpoint_every=1",
+        "optim.lr=1e30",
+        "optim.warmup_steps=8",
+        f"impl.zero_stage={stage}",
+        f"impl.precision={precision}",
+        "train.max_nonfinite_in_a_row=3",
+        "model.max_position_embeddings=64",
+        check=False,
+    )
     assert proc.returncode == 4, proc.stderr[-3000:]
     assert "3 non-finite losses in a row" in proc.stdout + proc.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -148,18 +174,46 @@ def test_an_odd_vocabulary_trains_at_zero_1_and_2(wiki_txt_dir, tmp_path):
     from it must still be even, which DeepSpeed asserts at ZeRO 1 and 2."""
     from conftest import data_prep
 
-    data_prep("tokenizer", "--input", f"{wiki_txt_dir}/*.txt", "--out", tmp_path / "tok", "--vocab-size", "3001",
-              "--lowercase")
-    data_prep("shard", "--input", f"{wiki_txt_dir}/wiki-00.txt", "--tokenizer", tmp_path / "tok", "--out",
-              tmp_path / "shards", "--seq-len", "64", "--shard-size", "400", "--validation-fraction", "0")
+    data_prep(
+        "tokenizer",
+        "--input",
+        f"{wiki_txt_dir}/*.txt",
+        "--out",
+        tmp_path / "tok",
+        "--vocab-size",
+        "3001",
+        "--lowercase",
+    )
+    data_prep(
+        "shard",
+        "--input",
+        f"{wiki_txt_dir}/wiki-00.txt",
+        "--tokenizer",
+        tmp_path / "tok",
+        "--out",
+        tmp_path / "shards",
+        "--seq-len",
+        "64",
+        "--shard-size",
+        "400",
+        "--validation-fraction",
+        "0",
+    )
     data_prep("finalize", tmp_path / "shards")
     assert json.loads((tmp_path / "shards" / "manifest.json").read_text())["tokenizer"]["vocab_size"] % 2 == 1
     short = ["train.max_steps=2", "train.log_every=1", "train.eval_every=0", "model.max_position_embeddings=64"]
-    for stage in (1, 2):              # unpadded (model.vocab_multiple=1): the parameter count stays odd
+    for stage in (1, 2):  # unpadded (model.vocab_multiple=1): the parameter count stays odd
         out = tmp_path / f"zero{stage}"
         halt = ["train.halt_at_step=1"] if stage == 1 else []
-        train(tmp_path / "shards", out, *short, "train.checkpoint_every=0", f"impl.zero_stage={stage}",
-              "model.vocab_multiple=1", *halt)
+        train(
+            tmp_path / "shards",
+            out,
+            *short,
+            "train.checkpoint_every=0",
+            f"impl.zero_stage={stage}",
+            "model.vocab_multiple=1",
+            *halt,
+        )
     # A checkpoint written before model.vocab_multiple existed (unpadded, the key absent from its
     # config) resumes with its own rows under today's default.
     from data_prep.common.shards import sha256_file
@@ -169,7 +223,7 @@ def test_an_odd_vocabulary_trains_at_zero_1_and_2(wiki_txt_dir, tmp_path):
     text = saved.read_text()
     line = re.search(r"^ +vocab_multiple: 1\n", text, re.M).group(0)
     saved.write_text(text.replace(line, ""))
-    listing = saved.parent / FILE_LIST                        # the sizes and checksums it was written with
+    listing = saved.parent / FILE_LIST  # the sizes and checksums it was written with
     files = json.loads(listing.read_text())
     files["files"]["config.yaml"] = {"size": saved.stat().st_size, "sha256": sha256_file(saved)}
     listing.write_text(json.dumps(files))
@@ -195,19 +249,33 @@ def test_sigusr1_checkpoints_and_resume_matches(reference_runs, shards, tmp_path
 
     import psutil
 
-    args = ["--config", "configs/tiny.yaml", f"data.dir={shards}", f"train.out_dir={tmp_path}", *COMMON,
-            "impl.zero_stage=2"]
+    args = [
+        "--config",
+        "configs/tiny.yaml",
+        f"data.dir={shards}",
+        f"train.out_dir={tmp_path}",
+        *COMMON,
+        "impl.zero_stage=2",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    launcher = subprocess.Popen([DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "--module",
-                                 "pretrain.train", *args], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = subprocess.Popen(
+        [DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), "--module", "pretrain.train", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics_file = tmp_path / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3):
         assert launcher.poll() is None, launcher.stdout.read()
         time.sleep(0.2)
-    ranks = [p for p in psutil.Process(launcher.pid).children(recursive=True)
-             if "pretrain.train" in p.cmdline() and "deepspeed.launcher.launch" not in p.cmdline()]
+    ranks = [
+        p
+        for p in psutil.Process(launcher.pid).children(recursive=True)
+        if "pretrain.train" in p.cmdline() and "deepspeed.launcher.launch" not in p.cmdline()
+    ]
     assert len(ranks) == 2
     for p in ranks:
         p.send_signal(signal.SIGUSR1)
@@ -224,7 +292,7 @@ def test_sigusr1_checkpoints_and_resume_matches(reference_runs, shards, tmp_path
 
 # ------------------------------------------------------------------------------ per-layer health
 STAGES = (0, 2, 3)
-GROUPS = ["embeddings", "layer_00", "layer_01", "head"]      # tiny.yaml: 2 encoder layers
+GROUPS = ["embeddings", "layer_00", "layer_01", "head"]  # tiny.yaml: 2 encoder layers
 KINDS = ("grad_norm", "param_norm", "update_ratio")
 
 
@@ -233,9 +301,14 @@ def health_runs(reference_runs):
     out = {}
     for stage in STAGES:
         rows = [json.loads(line) for line in (reference_runs[stage] / "metrics.jsonl").read_text().splitlines()]
-        out[stage] = ({r["step"]: {k: v for k, v in r.items() if k.startswith("health/")}
-                       for r in rows if any(k.startswith("health/") for k in r)},
-                      (reference_runs[stage] / "console.txt").read_text())
+        out[stage] = (
+            {
+                r["step"]: {k: v for k, v in r.items() if k.startswith("health/")}
+                for r in rows
+                if any(k.startswith("health/") for k in r)
+            },
+            (reference_runs[stage] / "console.txt").read_text(),
+        )
     return out
 
 
@@ -246,7 +319,7 @@ def test_every_layer_has_health_metrics_every_n_steps(health_runs):
         assert sorted(row) == sorted(f"health/{g}/{k}" for g in GROUPS for k in KINDS), step
         for g in GROUPS:
             assert row[f"health/{g}/grad_norm"] > 0 and row[f"health/{g}/param_norm"] > 0
-            if step <= STEPS // 2:     # the lr decays linearly to 0 at the last step
+            if step <= STEPS // 2:  # the lr decays linearly to 0 at the last step
                 # AdamW at lr ~3e-3 moves each weight by about lr: a ratio of 1e-4 to 1e-1, not 0 nor 1.
                 assert 1e-4 < row[f"health/{g}/update_ratio"] < 0.1, (step, g, row)
     # The head holds the 4096-token output bias and the embeddings the 4096 x 64 table.
@@ -258,8 +331,11 @@ def test_the_console_shows_our_lines_with_the_time_left_and_a_summary(health_run
     for noise in ("FutureWarning", "LOAD REPORT", "corrupted", "Reconstructed fp32 state dict", "gcc "):
         assert noise not in console, noise
     assert re.search(r" INFO step 4 loss=\S+ .*tokens_per_s=\S+ .* left=0m\d\ds\n", console), console[-3000:]
-    assert re.search(rf" INFO done: {STEPS} steps, {STEPS * 1024:,} tokens in \dm\d\ds; train/loss \d\.\d+, "
-                     r"eval/loss \d\.\d+\n  checkpoints: .*\n  export: .*hf_final", console), console[-3000:]
+    assert re.search(
+        rf" INFO done: {STEPS} steps, {STEPS * 1024:,} tokens in \dm\d\ds; train/loss \d\.\d+, "
+        r"eval/loss \d\.\d+\n  checkpoints: .*\n  export: .*hf_final",
+        console,
+    ), console[-3000:]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -278,8 +354,17 @@ def test_train_accuracy_is_the_logged_steps_own_whatever_the_log_cadence(shards,
     accuracy = {}
     for every in (1, 4):
         out = tmp_path / f"every{every}"
-        launch(shards, out, "train.max_steps=8", f"train.log_every={every}", "train.eval_every=0",
-               "train.checkpoint_every=0", "optim.lr=3e-3", "optim.warmup_steps=2", check=True)
+        launch(
+            shards,
+            out,
+            "train.max_steps=8",
+            f"train.log_every={every}",
+            "train.eval_every=0",
+            "train.checkpoint_every=0",
+            "optim.lr=3e-3",
+            "optim.warmup_steps=2",
+            check=True,
+        )
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         accuracy[every] = {r["step"]: r["train/accuracy"] for r in rows if "train/accuracy" in r}
     assert sorted(accuracy[4]) == [4, 8] and sorted(accuracy[1]) == list(range(1, 9))

@@ -10,6 +10,7 @@ multiprocessing's spawn or forkserver, in its setup (a fixture it asks for) or i
 that point with a message that says so. A fork (a DataLoader's workers) copies this process and is
 allowed. A fixture that an earlier slow test built is not seen, but the fast tier runs without those
 and sees it. Imported by conftest.py."""
+
 from __future__ import annotations
 
 import multiprocessing.popen_forkserver
@@ -19,7 +20,7 @@ import subprocess
 
 import pytest
 
-_running: list = [None]          # the item being set up, run or torn down, and whether it may launch
+_running: list = [None]  # the item being set up, run or torn down, and whether it may launch
 _original_init = subprocess.Popen.__init__
 
 
@@ -33,7 +34,8 @@ def _refuse_unmarked(shown: str):
         raise UnmarkedProcess(
             f"{item.nodeid} starts a process ({shown[:160]}) but is not marked slow: mark it "
             "@pytest.mark.slow, or keep it in this process (the fast tier, pytest -m 'not slow', "
-            "launches nothing)")
+            "launches nothing)"
+        )
 
 
 def _guarded_init(self, args, *rest, **kwargs):

@@ -3,6 +3,7 @@
 Every decision here depends on the set of documents, not on their order or on how many tasks read
 them: a cluster is a connected component, and it keeps the member with the smallest ``record_key``.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -38,7 +39,7 @@ def _buckets(band: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order, np.all(ranked[1:] == ranked[:-1], axis=1)
 
 
-BUCKET_REACH = 16     # a bucket member is paired with the next 16 in its bucket (all of a smaller bucket)
+BUCKET_REACH = 16  # a bucket member is paired with the next 16 in its bucket (all of a smaller bucket)
 
 
 def neighbour_pairs(sorted_keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -71,7 +72,7 @@ def band_pairs(signatures: np.ndarray, bands: int, rows: int, min_similarity: fl
     drops the rare pair of unrelated documents that share one band by chance)."""
     pairs = []
     for b in range(bands):
-        order, same = _buckets(signatures[:, b * rows:(b + 1) * rows])
+        order, same = _buckets(signatures[:, b * rows : (b + 1) * rows])
         if same.any():
             pairs.append(neighbour_pairs(np.concatenate([[0], np.cumsum(~same)]), order))
     if not pairs:
@@ -93,8 +94,9 @@ def components(n: int, pairs: np.ndarray) -> np.ndarray:
     return connected_components(graph, directed=False)[1]
 
 
-def near_clusters(signatures: np.ndarray, keys: np.ndarray, alive: np.ndarray, bands: int,
-                  rows: int, min_similarity: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+def near_clusters(
+    signatures: np.ndarray, keys: np.ndarray, alive: np.ndarray, bands: int, rows: int, min_similarity: float = 0.0
+) -> tuple[np.ndarray, np.ndarray]:
     """(representative per document, removed mask): LSH over the ``alive`` documents' signatures;
     each connected component keeps its smallest ``keys`` member."""
     n = len(keys)
@@ -114,8 +116,16 @@ def near_clusters(signatures: np.ndarray, keys: np.ndarray, alive: np.ndarray, b
     return rep, removed
 
 
-def contaminated(signatures: np.ndarray, exact: np.ndarray, alive: np.ndarray, held_signatures: np.ndarray,
-                 held_exact: np.ndarray, bands: int, rows: int, min_similarity: float = 0.0) -> np.ndarray:
+def contaminated(
+    signatures: np.ndarray,
+    exact: np.ndarray,
+    alive: np.ndarray,
+    held_signatures: np.ndarray,
+    held_exact: np.ndarray,
+    bands: int,
+    rows: int,
+    min_similarity: float = 0.0,
+) -> np.ndarray:
     """Mask of ``alive`` documents equal to a held-out one after normalisation, or an LSH candidate of
     one that agrees with it on ``min_similarity`` of all values (a direct match, not through other
     documents)."""
@@ -129,9 +139,9 @@ def contaminated(signatures: np.ndarray, exact: np.ndarray, alive: np.ndarray, h
         bucket = np.empty(len(order), np.int64)
         bucket[order] = np.concatenate([[0], np.cumsum(~same)])
         held_in = {}
-        for j, bkt in enumerate(bucket[len(idx):].tolist()):
+        for j, bkt in enumerate(bucket[len(idx) :].tolist()):
             held_in.setdefault(bkt, []).append(j)
-        for k in np.flatnonzero(np.isin(bucket[:len(idx)], bucket[len(idx):])):
+        for k in np.flatnonzero(np.isin(bucket[: len(idx)], bucket[len(idx) :])):
             doc = idx[k]
             if hit[doc]:
                 continue

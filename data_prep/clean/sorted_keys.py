@@ -14,6 +14,7 @@ Documents are named by a global id: the group's offset (groups in input order) p
 the group. Band hashes can collide (two different bands, one hash: about one pair in 2^64 per band);
 the agreement check on the full signatures (``near.min_similarity``) drops such a pair.
 """
+
 from __future__ import annotations
 
 import io
@@ -34,7 +35,7 @@ def band_hashes(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
     with np.errstate(over="ignore"):
         for b in range(bands):
             h = np.full(n, np.uint64(b) * _M1, np.uint64)
-            for v in signatures[:, b * rows:(b + 1) * rows].T.astype(np.uint64):
+            for v in signatures[:, b * rows : (b + 1) * rows].T.astype(np.uint64):
                 h = (h ^ v) * _M2
                 h ^= h >> np.uint64(31)
             h = (h ^ (h >> np.uint64(30))) * _M3
@@ -49,8 +50,9 @@ def key_file(group_tag: str, array: str) -> str:
     return f"keys-{group_tag}.{array}.npy"
 
 
-def group_keys(exact: np.ndarray, keys: np.ndarray, signatures: np.ndarray | None, alive: np.ndarray,
-               bands: int, rows: int) -> dict[str, bytes]:
+def group_keys(
+    exact: np.ndarray, keys: np.ndarray, signatures: np.ndarray | None, alive: np.ndarray, bands: int, rows: int
+) -> dict[str, bytes]:
     """The alive documents' keys, sorted (see the module docstring), as ``.npy`` bytes by array name
     (one file each, so that the clusters stage can map them and read only the slices it needs)."""
     docs = np.flatnonzero(alive).astype(np.uint32)
@@ -84,9 +86,10 @@ def _slice(sorted_row: np.ndarray, lo: int, hi: int) -> slice:
 @dataclass
 class KeyFiles:
     """Every group's key arrays, memory-mapped (``load(i)``: group i's arrays by name), and its offset."""
+
     load: callable
-    offsets: np.ndarray          # global id of each group's first document
-    release: callable = lambda: None    # after each slice: unmap, so that mapped pages leave the process
+    offsets: np.ndarray  # global id of each group's first document
+    release: callable = lambda: None  # after each slice: unmap, so that mapped pages leave the process
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -128,7 +131,7 @@ def exact_duplicates(files: KeyFiles, ranges: int, gone: np.ndarray) -> tuple[np
 def band_candidates(files: KeyFiles, bands: int, ranges: int, gone: np.ndarray) -> np.ndarray:
     """(i, j) global-id pairs, i < j, with an equal band hash; each member paired with the next
     ``BUCKET_REACH`` members of its bucket (in global-id order), as ``clusters.band_pairs`` does."""
-    found = np.zeros((0, 2), np.int64)        # distinct pairs so far: a pair sharing many bands is kept once
+    found = np.zeros((0, 2), np.int64)  # distinct pairs so far: a pair sharing many bands is kept once
     for b in range(bands):
         pairs = []
         for lo, hi in _range_bounds(ranges):
@@ -154,8 +157,9 @@ def band_candidates(files: KeyFiles, bands: int, ranges: int, gone: np.ndarray) 
     return found
 
 
-def clusters_of(pairs: np.ndarray, rows: np.ndarray, ident: np.ndarray, members: np.ndarray,
-                min_similarity: float) -> tuple[np.ndarray, np.ndarray]:
+def clusters_of(
+    pairs: np.ndarray, rows: np.ndarray, ident: np.ndarray, members: np.ndarray, min_similarity: float
+) -> tuple[np.ndarray, np.ndarray]:
     """(removed global ids, their representatives) of the near-duplicate clusters: candidate pairs
     that agree on ``min_similarity`` of their signature values (``rows``, one per sorted ``members``)
     joined into connected components, each keeping its member with the smallest identity

@@ -5,6 +5,7 @@ Write to a temporary name unique to this process and thread in the same folder, 
 leaves at worst a stray ``*.tmp*`` file, never a truncated target. Both ``data_prep`` (shards'
 manifests, progress records) and ``pretrain`` (checkpoint markers, run ids, caches) use it.
 """
+
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """Commands printed for a user to copy: each is quoted for a POSIX shell and names the interpreter
 (or the console script beside it) that is running now, so that it works when pasted into the same
 shell whether or not the virtual environment is activated and whether paths are relative or absolute."""
+
 from __future__ import annotations
 
 import os

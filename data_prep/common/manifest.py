@@ -43,6 +43,7 @@ still decodes (CRC-32 from zlib: about 0.4 GB/s on one loaded core of this proje
 well under the cost of reading the block). Manifests written before it have none; ``data_prep
 finalize`` on the folder again adds them.
 """
+
 from __future__ import annotations
 
 import copy
@@ -63,7 +64,7 @@ MANIFEST = "manifest.json"
 
 # Read once, checked once: every reader gets these types, never the raw dict.
 
-SPECIAL_ROLES = ("pad", "unk", "cls", "sep", "mask")    # the tokenizer's special ids, all in every manifest
+SPECIAL_ROLES = ("pad", "unk", "cls", "sep", "mask")  # the tokenizer's special ids, all in every manifest
 _PROBLEMS_SHOWN = 20
 _KIND_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "an object", list: "a list"}
 
@@ -94,6 +95,7 @@ class _AsJson:
     def to_dict(self) -> dict:
         """The JSON object, keys in the order data prep writes them; absent optional keys stay absent.
         Nested dicts are copies: a caller that edits the result (tests, tools) leaves this object alone."""
+
         def plain(value):
             if isinstance(value, _AsJson):
                 return value.to_dict()
@@ -107,21 +109,22 @@ class _AsJson:
 @dataclass(frozen=True)
 class ShardEntry(_AsJson):
     """One element of the manifest's ``shards``."""
+
     name: str
     split: str
-    source: int | None     # input source and packing group (data_prep.groups); None in manifests written
-    group: int | None      # before packing groups, whose entries named the array task instead
+    source: int | None  # input source and packing group (data_prep.groups); None in manifests written
+    group: int | None  # before packing groups, whose entries named the array task instead
     index: int
     sequences: int
     blocks: int
-    tokens: int            # sequences x seq_len - padding
+    tokens: int  # sequences x seq_len - padding
     padding: int
     bytes: int
     sha256: str
-    block_offsets: tuple[int, ...] | None = None     # blocks + 1 byte offsets; None in older manifests
-    block_crc32: tuple[int, ...] | None = None       # blocks CRC-32s of those spans; None in older manifests
+    block_offsets: tuple[int, ...] | None = None  # blocks + 1 byte offsets; None in older manifests
+    block_crc32: tuple[int, ...] | None = None  # blocks CRC-32s of those spans; None in older manifests
     _TEXT_KEYS: ClassVar[tuple[str, ...]] = ("name", "split", "sha256")
-    _LIST_KEYS: ClassVar[tuple[str, ...]] = ("block_offsets", "block_crc32")   # the others are integers
+    _LIST_KEYS: ClassVar[tuple[str, ...]] = ("block_offsets", "block_crc32")  # the others are integers
     _OPTIONAL_KEYS: ClassVar[tuple[str, ...]] = ("source", "group", "block_offsets", "block_crc32")
 
     @classmethod
@@ -130,14 +133,19 @@ class ShardEntry(_AsJson):
             return None
         before = len(problems)
         kind = {**{k: str for k in cls._TEXT_KEYS}, **{k: list for k in cls._LIST_KEYS}}
-        values = {f.name: _field(raw, f.name, kind.get(f.name, int), where, problems,
-                                 required=f.name not in cls._OPTIONAL_KEYS) for f in fields(cls)}
+        values = {
+            f.name: _field(
+                raw, f.name, kind.get(f.name, int), where, problems, required=f.name not in cls._OPTIONAL_KEYS
+            )
+            for f in fields(cls)
+        }
         if len(problems) == before and values["block_offsets"] is not None:
             values["block_offsets"] = _block_offsets(values, where, problems)
         if len(problems) == before and values["block_crc32"] is not None:
             crcs = values["block_crc32"]
             if len(crcs) != values["blocks"] or not all(
-                    isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2 ** 32 for c in crcs):
+                isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**32 for c in crcs
+            ):
                 problems.append(f"{where}block_crc32: not {values['blocks']} CRC-32 values")
             values["block_crc32"] = tuple(crcs)
         return cls(**values) if len(problems) == before else None
@@ -146,11 +154,17 @@ class ShardEntry(_AsJson):
 def _block_offsets(values: dict, where: str, problems: list[str]) -> tuple[int, ...] | None:
     """``blocks + 1`` increasing integers within the shard's bytes, or a problem naming the entry."""
     offsets = values["block_offsets"]
-    if (len(offsets) != values["blocks"] + 1
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            or any(b <= a for a, b in zip(offsets, offsets[1:])) or offsets[0] < 0 or offsets[-1] > values["bytes"]):
-        problems.append(f"{where}block_offsets: not {values['blocks'] + 1} increasing byte offsets within "
-                        f"its {values['bytes']} bytes")
+    if (
+        len(offsets) != values["blocks"] + 1
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or any(b <= a for a, b in zip(offsets, offsets[1:]))
+        or offsets[0] < 0
+        or offsets[-1] > values["bytes"]
+    ):
+        problems.append(
+            f"{where}block_offsets: not {values['blocks'] + 1} increasing byte offsets within "
+            f"its {values['bytes']} bytes"
+        )
         return None
     return tuple(offsets)
 
@@ -158,11 +172,12 @@ def _block_offsets(values: dict, where: str, problems: list[str]) -> tuple[int, 
 @dataclass(frozen=True)
 class TokenizerInfo(_AsJson):
     """The manifest's ``tokenizer``: the copy beside the shards (``path``, relative to the data folder)."""
+
     path: str
-    sha256: str                    # tokenizer_sha256 of that folder
+    sha256: str  # tokenizer_sha256 of that folder
     vocab_size: int
     lowercase: bool
-    special_ids: dict[str, int]    # an id for each of SPECIAL_ROLES
+    special_ids: dict[str, int]  # an id for each of SPECIAL_ROLES
     special_tokens: dict[str, str]
 
     @classmethod
@@ -170,8 +185,14 @@ class TokenizerInfo(_AsJson):
         if (raw := _object(raw, where, problems)) is None:
             return None
         before = len(problems)
-        kinds = {"path": str, "sha256": str, "vocab_size": int, "lowercase": bool, "special_ids": dict,
-                 "special_tokens": dict}
+        kinds = {
+            "path": str,
+            "sha256": str,
+            "vocab_size": int,
+            "lowercase": bool,
+            "special_ids": dict,
+            "special_tokens": dict,
+        }
         values = {key: _field(raw, key, kind, where, problems) for key, kind in kinds.items()}
         ids = values["special_ids"]
         if ids is not None and (lacking := [r for r in SPECIAL_ROLES if not isinstance(ids.get(r), int)]):
@@ -186,15 +207,16 @@ class TokenizerInfo(_AsJson):
 @dataclass(frozen=True)
 class Manifest(_AsJson):
     """``manifest.json`` (the module docstring), checked: ``from_dict`` refuses a missing or mistyped key."""
+
     format_version: int
     seq_len: int
     block_size: int
-    dtype: str                               # of input_ids: ids_dtype(tokenizer.vocab_size)
+    dtype: str  # of input_ids: ids_dtype(tokenizer.vocab_size)
     tokenizer: TokenizerInfo
     num_tasks: int
-    shards: tuple[ShardEntry, ...]           # by split (train first), then source, group, index
-    totals: dict[str, dict[str, int]]        # per split: shards, sequences, tokens, padding, documents
-    settings: dict                           # the resolved data-prep settings
+    shards: tuple[ShardEntry, ...]  # by split (train first), then source, group, index
+    totals: dict[str, dict[str, int]]  # per split: shards, sequences, tokens, padding, documents
+    settings: dict  # the resolved data-prep settings
 
     @classmethod
     def from_dict(cls, raw, where: str = MANIFEST) -> Manifest:
@@ -204,19 +226,35 @@ class Manifest(_AsJson):
         if raw.get("format_version") != FORMAT_VERSION:
             raise ShardError(f"{where}: format_version {raw.get('format_version')!r}, this code reads {FORMAT_VERSION}")
         problems: list[str] = []
-        values = {key: _field(raw, key, kind, "", problems) for key, kind in (
-            ("format_version", int), ("seq_len", int), ("block_size", int), ("dtype", str), ("tokenizer", dict),
-            ("num_tasks", int), ("shards", list), ("totals", dict), ("settings", dict))}
+        values = {
+            key: _field(raw, key, kind, "", problems)
+            for key, kind in (
+                ("format_version", int),
+                ("seq_len", int),
+                ("block_size", int),
+                ("dtype", str),
+                ("tokenizer", dict),
+                ("num_tasks", int),
+                ("shards", list),
+                ("totals", dict),
+                ("settings", dict),
+            )
+        }
         if values["tokenizer"] is not None:
             values["tokenizer"] = TokenizerInfo.read(values["tokenizer"], "tokenizer.", problems)
         if values["shards"] is not None:
-            values["shards"] = tuple(ShardEntry.read(entry, f"shards[{i}].", problems)
-                                     for i, entry in enumerate(values["shards"]))
-        problems += [f"totals.{split}: not {_KIND_NAMES[dict]}" for split, t in (values["totals"] or {}).items()
-                     if not isinstance(t, dict)]
+            values["shards"] = tuple(
+                ShardEntry.read(entry, f"shards[{i}].", problems) for i, entry in enumerate(values["shards"])
+            )
+        problems += [
+            f"totals.{split}: not {_KIND_NAMES[dict]}"
+            for split, t in (values["totals"] or {}).items()
+            if not isinstance(t, dict)
+        ]
         if problems:
-            shown = problems[:_PROBLEMS_SHOWN] + ([f"... and {len(problems) - _PROBLEMS_SHOWN} more"]
-                                                  if len(problems) > _PROBLEMS_SHOWN else [])
+            shown = problems[:_PROBLEMS_SHOWN] + (
+                [f"... and {len(problems) - _PROBLEMS_SHOWN} more"] if len(problems) > _PROBLEMS_SHOWN else []
+            )
             raise ShardError(f"{where}: not a data_prep manifest:\n  " + "\n  ".join(shown))
         return cls(**values)
 

@@ -19,6 +19,7 @@ each split of a group may end in ``[PAD]`` tokens.
 
 What the manifest records about each shard: ``data_prep.common.manifest``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,7 +35,7 @@ import numpy as np
 if TYPE_CHECKING:
     from data_prep.common.manifest import ShardEntry
 
-TAR_BLOCK = tarfile.BLOCKSIZE          # 512: a tar header, and the unit member data is padded to
+TAR_BLOCK = tarfile.BLOCKSIZE  # 512: a tar header, and the unit member data is padded to
 IDS_EXT = "input_ids.npy"
 WORD_STARTS_EXT = "word_starts.npy"
 DEFAULT_BLOCK_SIZE = 256
@@ -80,8 +81,8 @@ class ShardWriter:
         self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
         self.blocks = 0
         self.sequences = 0
-        self.block_offsets: list[int] = []      # the manifest's block_offsets, complete after close()
-        self.block_crc32: list[int] = []        # and its block_crc32
+        self.block_offsets: list[int] = []  # the manifest's block_offsets, complete after close()
+        self.block_crc32: list[int] = []  # and its block_crc32
 
     def _add(self, name: str, payload: bytes) -> None:
         info = tarfile.TarInfo(name)
@@ -103,14 +104,15 @@ class ShardWriter:
 
     def close(self) -> str:
         """Finish, fsync, rename into place; returns the shard's sha256."""
-        self.block_offsets.append(self._tar.offset)     # the end of the last block, before tar's end marker
+        self.block_offsets.append(self._tar.offset)  # the end of the last block, before tar's end marker
         self._tar.close()
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        with open(self.tmp, "rb") as f:                  # the bytes as written (from the page cache)
-            self.block_crc32 = [block_checksum(f.read(end - start))
-                                for start, end in zip(self.block_offsets, self.block_offsets[1:])]
+        with open(self.tmp, "rb") as f:  # the bytes as written (from the page cache)
+            self.block_crc32 = [
+                block_checksum(f.read(end - start)) for start, end in zip(self.block_offsets, self.block_offsets[1:])
+            ]
         os.replace(self.tmp, self.path)
         return sha256_file(self.path)
 
@@ -138,8 +140,10 @@ def check_block(entry: ShardEntry, index: int, span: bytes, where: str) -> None:
         return
     got = block_checksum(span)
     if got != entry.block_crc32[index]:
-        raise ShardError(f"{where}: its bytes are not those data prep wrote (CRC-32 {got:08x}, the manifest's "
-                         f"{entry.block_crc32[index]:08x}): the shard was replaced or edited after finalize")
+        raise ShardError(
+            f"{where}: its bytes are not those data prep wrote (CRC-32 {got:08x}, the manifest's "
+            f"{entry.block_crc32[index]:08x}): the shard was replaced or edited after finalize"
+        )
 
 
 def block_sizes(shard_entry: ShardEntry, block_size: int) -> list[int]:
@@ -173,8 +177,9 @@ def index_shard(path: str | os.PathLike, data: bytes | None = None) -> list[int]
         ids, starts = members[k], members[k + 1]
         key, _, ext = ids.name.partition(".")
         if ext != IDS_EXT or starts.name != f"{key}.{WORD_STARTS_EXT}":
-            raise ShardError(f"{path}: members {ids.name!r} and {starts.name!r} are not one block's "
-                             f"{IDS_EXT} and {WORD_STARTS_EXT}")
+            raise ShardError(
+                f"{path}: members {ids.name!r} and {starts.name!r} are not one block's {IDS_EXT} and {WORD_STARTS_EXT}"
+            )
         offsets.append(ids.offset)
     if len(members) % 2:
         raise ShardError(f"{path}: incomplete block {members[-1].name!r} (truncated shard?)")
@@ -190,16 +195,18 @@ def parse_block(span: bytes, seq_len: int, where: str) -> tuple[np.ndarray, np.n
     payloads, keys, pos = [], [], 0
     for ext in (IDS_EXT, WORD_STARTS_EXT):
         try:
-            info = tarfile.TarInfo.frombuf(span[pos:pos + TAR_BLOCK], tarfile.ENCODING, "surrogateescape")
+            info = tarfile.TarInfo.frombuf(span[pos : pos + TAR_BLOCK], tarfile.ENCODING, "surrogateescape")
         except tarfile.TarError as exc:
             raise ShardError(f"{where}: no {ext} tar header at byte {pos} of the block ({exc})") from exc
         key, _, got = info.name.partition(".")
-        data = span[pos + TAR_BLOCK:pos + TAR_BLOCK + info.size]
+        data = span[pos + TAR_BLOCK : pos + TAR_BLOCK + info.size]
         if got != ext:
             raise ShardError(f"{where}: member {info.name!r} where the block's {ext} should be")
         if len(data) != info.size:
-            raise ShardError(f"{where}: member {info.name!r} of {info.size} bytes runs past the block's "
-                             f"{len(span)} bytes (truncated read?)")
+            raise ShardError(
+                f"{where}: member {info.name!r} of {info.size} bytes runs past the block's "
+                f"{len(span)} bytes (truncated read?)"
+            )
         payloads.append(data)
         keys.append(key)
         pos += TAR_BLOCK + -(-info.size // TAR_BLOCK) * TAR_BLOCK

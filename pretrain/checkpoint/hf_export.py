@@ -9,6 +9,7 @@ shards were made with (copied into every checkpoint). Both architectures export:
 comes from ``model_type`` in the checkpoint's ``hf_config.json`` (``BertForMaskedLM`` or
 ``ModernBertForMaskedLM``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,8 +85,9 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
         tag = latest_complete_tag(root)
         if tag:
             return root, tag
-    raise FileNotFoundError(f"{path}: no complete checkpoint here (expected a tag folder with {COMPLETE}, "
-                            f"or a folder holding such tags)")
+    raise FileNotFoundError(
+        f"{path}: no complete checkpoint here (expected a tag folder with {COMPLETE}, or a folder holding such tags)"
+    )
 
 
 def fp32_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
@@ -94,7 +96,7 @@ def fp32_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
     masters); DeepSpeed's zero_to_fp32 reads neither BF16_Optimizer's files nor stage 0."""
     folder = root / tag
     layout = read_layout(folder)
-    if layout is None:                 # written before layout.json: ZeRO's own files, stages 1-3
+    if layout is None:  # written before layout.json: ZeRO's own files, stages 1-3
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
@@ -111,7 +113,7 @@ def hf_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for key, value in state.items():
         while key.startswith(PREFIXES):
-            key = next(key[len(p):] for p in PREFIXES if key.startswith(p))
+            key = next(key[len(p) :] for p in PREFIXES if key.startswith(p))
         out[key] = value.float() if value.is_floating_point() else value
     return out
 
@@ -123,8 +125,9 @@ def hf_masked_lm(hf_config_json: str | Path):
     fields = json.loads(Path(hf_config_json).read_text())
     model_type = fields.pop("model_type", None)
     if model_type not in ("bert", "modernbert"):
-        raise RuntimeError(f"{hf_config_json}: model_type {model_type!r} is not one this trainer makes "
-                           "('bert' or 'modernbert')")
+        raise RuntimeError(
+            f"{hf_config_json}: model_type {model_type!r} is not one this trainer makes ('bert' or 'modernbert')"
+        )
     # SDPA runs everywhere; a run trained with flash attention exports the same weights.
     config = AutoConfig.for_model(model_type, **fields)
     return AutoModelForMaskedLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
@@ -157,8 +160,9 @@ def export_checkpoint(root: str | Path, tag: str | None, out_dir: str | Path, we
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in tied_parameter_names(model)]
     if missing or unexpected:
-        raise RuntimeError(f"{folder}: weights do not match the model config: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
+        raise RuntimeError(
+            f"{folder}: weights do not match the model config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     model.tie_weights()
     tokens = _tokenizer_vocab_size(folder)
     if tokens is not None and model.config.vocab_size > tokens:
@@ -178,8 +182,9 @@ def export_checkpoint(root: str | Path, tag: str | None, out_dir: str | Path, we
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pretrain.export", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m pretrain.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("checkpoint", help="checkpoint root, run folder, or one tag folder")
     p.add_argument("out_dir")
     args = p.parse_args(argv)

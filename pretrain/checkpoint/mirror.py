@@ -24,6 +24,7 @@ is logged and the run goes on; the next checkpoint is uploaded as usual. A run t
 its uploads; if the newest local checkpoint is then not in the mirror, it says so and exits with
 ``MIRROR_BEHIND`` (pretrain.runtime.exit_codes).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,15 +43,23 @@ from typing import Optional
 from data_prep.common.atomic import write_atomic
 from data_prep.common.shards import sha256_file
 from data_prep.common.storage import StorageError, Store, open_store
-from pretrain.checkpoint.files import (COMPLETE, EXPORT_SOURCE, FILE_LIST, LATEST, LAYOUT_FILE, NODE_LISTINGS, is_tag,
-                                      rank_of_file)
+from pretrain.checkpoint.files import (
+    COMPLETE,
+    EXPORT_SOURCE,
+    FILE_LIST,
+    LATEST,
+    LAYOUT_FILE,
+    NODE_LISTINGS,
+    is_tag,
+    rank_of_file,
+)
 from pretrain.checkpoint.nodes import NodeLayout, needed_by
 from pretrain.runtime.exit_codes import MIRROR_BEHIND
 from pretrain.runtime import faults
 
 log = logging.getLogger("pretrain")
-NODE_WAIT_S = 1800.0     # the other nodes upload as much as the first, at the same time: a node gone quiet
-NODE_POLL_S = 0.5        # that long is dead (and so is the job), or its failure was not even writable
+NODE_WAIT_S = 1800.0  # the other nodes upload as much as the first, at the same time: a node gone quiet
+NODE_POLL_S = 0.5  # that long is dead (and so is the job), or its failure was not even writable
 
 
 def mirror_problems(url: str) -> list[str]:
@@ -61,8 +70,9 @@ def mirror_problems(url: str) -> list[str]:
     try:
         store = open_store(url)
         if url.startswith(("http://", "https://")):
-            return [f"train.checkpoint_mirror={url}: an http(s) location is read-only; use s3://bucket/prefix "
-                    "or a folder"]
+            return [
+                f"train.checkpoint_mirror={url}: an http(s) location is read-only; use s3://bucket/prefix or a folder"
+            ]
         store.check(write=True)
     except StorageError as exc:
         return [f"train.checkpoint_mirror: {exc}"]
@@ -71,8 +81,11 @@ def mirror_problems(url: str) -> list[str]:
 
 def mirrored_tags(store: Store) -> list[str]:
     """Tags with ``COMPLETE`` in the mirror, oldest first."""
-    return sorted(name.split("/")[0] for name in store.list() if name.count("/") == 1
-                  and name.endswith("/" + COMPLETE) and is_tag(name.split("/")[0]))
+    return sorted(
+        name.split("/")[0]
+        for name in store.list()
+        if name.count("/") == 1 and name.endswith("/" + COMPLETE) and is_tag(name.split("/")[0])
+    )
 
 
 class CheckpointMirror:
@@ -89,7 +102,7 @@ class CheckpointMirror:
         self._lock = threading.Lock()
         self.newest_mirrored: Optional[str] = None
         self.failed: list[str] = []
-        self.behind: dict[str, str] = {}         # folders (the export, the report) whose upload failed
+        self.behind: dict[str, str] = {}  # folders (the export, the report) whose upload failed
 
     def catch_up(self, root: Path, export: Path) -> None:
         """At start: what an earlier job of this run left on local disk only (stopped during an upload)
@@ -98,15 +111,25 @@ class CheckpointMirror:
         export ``export`` (whose marker, written last, names its checkpoint). They then count in
         ``wait``'s "behind" line like this job's own uploads."""
         try:
-            local = sorted(p.name for p in root.iterdir() if is_tag(p.name) and (p / COMPLETE).is_file()) \
-                if root.is_dir() else []
+            local = (
+                sorted(p.name for p in root.iterdir() if is_tag(p.name) and (p / COMPLETE).is_file())
+                if root.is_dir()
+                else []
+            )
             if local and local[-1] not in mirrored_tags(self.store):
-                log.warning("checkpoint mirror: %s is complete here but not in %s (a job stopped during its "
-                            "upload): uploading it", local[-1], self.url)
+                log.warning(
+                    "checkpoint mirror: %s is complete here but not in %s (a job stopped during its "
+                    "upload): uploading it",
+                    local[-1],
+                    self.url,
+                )
                 self.upload(root / local[-1])
             marker = export / EXPORT_SOURCE
-            if self.nodes.rank == 0 and marker.is_file() and \
-                    self.store.read_text(f"{export.name}/{EXPORT_SOURCE}") != marker.read_text():
+            if (
+                self.nodes.rank == 0
+                and marker.is_file()
+                and self.store.read_text(f"{export.name}/{EXPORT_SOURCE}") != marker.read_text()
+            ):
                 log.warning("checkpoint mirror: %s is not in %s as it is here: uploading it", export.name, self.url)
                 self.upload_folder(export, last=EXPORT_SOURCE)
         except (StorageError, OSError) as exc:
@@ -124,14 +147,14 @@ class CheckpointMirror:
         try:
             self._put_folder(folder, tag)
         except (StorageError, OSError) as exc:
-            if not folder.is_dir() and self._superseded(tag):   # keep_checkpoints removed it; a newer one follows
+            if not folder.is_dir() and self._superseded(tag):  # keep_checkpoints removed it; a newer one follows
                 log.info("checkpoint mirror: %s was replaced locally before its upload ended; skipped", tag)
             else:
                 self._failed(tag, str(exc))
             return
         self.newest_mirrored = max(tag, self.newest_mirrored or "")
         if self.nodes.rank != 0:
-            return                       # the first rank completes the tag and prunes
+            return  # the first rank completes the tag and prunes
         log.info("checkpoint mirror: %s is complete in %s", tag, self.store.url(tag))
         try:
             self._prune()
@@ -147,7 +170,7 @@ class CheckpointMirror:
         listed = json.loads((folder / FILE_LIST).read_text())["files"]
         for done, name in enumerate(sorted(listed), 1):
             self.store.put_file(folder / name, f"{tag}/{name}", listed[name]["sha256"], keep_local=True)
-            faults.mirror_upload(tag, done)           # test-only
+            faults.mirror_upload(tag, done)  # test-only
         if not self.nodes.shared:
             listed = {**listed, **self._other_nodes_files(tag)}
         self.store.write_bytes(f"{tag}/{FILE_LIST}", (json.dumps({"files": listed}, indent=1) + "\n").encode())
@@ -177,8 +200,9 @@ class CheckpointMirror:
             name = f"{tag}/{NODE_LISTINGS}/rank{leader:05d}.json"
             while (text := self.store.read_text(name)) is None:
                 if time.monotonic() > deadline:
-                    raise StorageError(f"the node of rank {leader} did not upload its shards of {tag} "
-                                       f"within {NODE_WAIT_S:.0f}s")
+                    raise StorageError(
+                        f"the node of rank {leader} did not upload its shards of {tag} within {NODE_WAIT_S:.0f}s"
+                    )
                 time.sleep(NODE_POLL_S)
             listing = json.loads(text)
             if "failed" in listing:
@@ -213,8 +237,13 @@ class CheckpointMirror:
 
     def _failed(self, tag: str, why: str) -> None:
         self.failed.append(tag)
-        log.warning("checkpoint mirror: uploading %s to %s failed (%s); training goes on, the mirror is "
-                    "behind until a later checkpoint uploads", tag, self.store.url(tag), why)
+        log.warning(
+            "checkpoint mirror: uploading %s to %s failed (%s); training goes on, the mirror is "
+            "behind until a later checkpoint uploads",
+            tag,
+            self.store.url(tag),
+            why,
+        )
 
     def _prune(self) -> None:
         """Complete tags past ``keep``, and unfinished ones older than the newest complete tag (an
@@ -224,7 +253,7 @@ class CheckpointMirror:
         tags = {name.split("/")[0] for name in names if "/" in name and is_tag(name.split("/")[0])}
         complete = sorted(t for t in tags if f"{t}/{COMPLETE}" in names)
         drop = [t for t in sorted(tags) if t not in complete and complete and t < complete[-1]]
-        drop += complete[:-self.keep] if self.keep else []
+        drop += complete[: -self.keep] if self.keep else []
         for tag in drop:
             self.store.delete_folder(tag)
 
@@ -237,11 +266,12 @@ class CheckpointMirror:
         newest = max(self._queued, default=None)
         if newest is not None and newest != self.newest_mirrored:
             there = self.newest_mirrored or "no checkpoint of this run's jobs"
-            return (f"the checkpoint mirror {self.url} is behind: the newest checkpoint, {newest}, is only on "
-                    f"local disk ({there} is the newest uploaded)")
+            return (
+                f"the checkpoint mirror {self.url} is behind: the newest checkpoint, {newest}, is only on "
+                f"local disk ({there} is the newest uploaded)"
+            )
         if self.behind:
-            return (f"the checkpoint mirror {self.url} is behind: {', '.join(self.behind.values())} only on "
-                    "local disk")
+            return f"the checkpoint mirror {self.url} is behind: {', '.join(self.behind.values())} only on local disk"
         return None
 
 
@@ -255,8 +285,9 @@ def wait_for_mirror(mirror: Optional[CheckpointMirror], exit_code: int) -> int:
     return exit_code or MIRROR_BEHIND
 
 
-def fetch_newer(url: str, root: Path, tag: Optional[str] = None, ranks: Optional[range] = None,
-                running: Optional[dict] = None) -> Optional[str]:
+def fetch_newer(
+    url: str, root: Path, tag: Optional[str] = None, ranks: Optional[range] = None, running: Optional[dict] = None
+) -> Optional[str]:
     """Download into ``root`` the newest complete mirrored checkpoint (or ``tag``) unless ``root``
     already holds it (as far as this node's ``ranks`` need) or a newer one; returns the tag downloaded,
     or None. Once per node: the first process to take the lock downloads, the others then find the
@@ -270,7 +301,7 @@ def fetch_newer(url: str, root: Path, tag: Optional[str] = None, ranks: Optional
         candidates = [t for t in reversed(mirrored_tags(store)) if (tag is None or t == tag)]
         for candidate in candidates:
             if tag is None and local and local[-1] > candidate:
-                return None                         # the local copy is newer
+                return None  # the local copy is newer
             try:
                 listed = json.loads(store.read_bytes(f"{candidate}/{FILE_LIST}"))["files"]
                 layout = json.loads(store.read_bytes(f"{candidate}/{LAYOUT_FILE}"))
@@ -284,9 +315,11 @@ def fetch_newer(url: str, root: Path, tag: Optional[str] = None, ranks: Optional
             problem = _download(store, candidate, root / candidate, {n: listed[n] for n in needed})
             if problem is None:
                 write_atomic(root / LATEST, max(candidate, local[-1] if local else ""))
-                _say(f"resuming from the checkpoint mirror: {store.url(candidate)} downloaded into "
-                     f"{root / candidate}" + (f" (the files of ranks {ranks.start}-{ranks.stop - 1})" if same and ranks
-                                              else ""))
+                _say(
+                    f"resuming from the checkpoint mirror: {store.url(candidate)} downloaded into "
+                    f"{root / candidate}"
+                    + (f" (the files of ranks {ranks.start}-{ranks.stop - 1})" if same and ranks else "")
+                )
                 return candidate
             _say(f"mirrored checkpoint {store.url(candidate)} is damaged: {problem}; trying the previous one")
         return None
@@ -314,8 +347,9 @@ def _download(store: Store, tag: str, folder: Path, wanted: dict) -> Optional[st
             written.append(part)
             store.download(f"{tag}/{name}", part)
             if part.stat().st_size != want["size"] or sha256_file(part) != want["sha256"]:
-                raise ValueError(f"{store.url(f'{tag}/{name}')} is not the file that was written (size or "
-                                 "sha256 differs)")
+                raise ValueError(
+                    f"{store.url(f'{tag}/{name}')} is not the file that was written (size or sha256 differs)"
+                )
             os.replace(part, target)
             written[-1] = target
         present = json.loads((folder / FILE_LIST).read_text())["files"] if complete else {}

@@ -10,6 +10,7 @@ a complete record of what its ranks need; rank 0's ``COMPLETE`` comes last, afte
 needs every rank's shards in one place (an export) gathers them over the process group instead, and
 a requeue onto other nodes finds them in ``train.checkpoint_mirror``.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,8 @@ from pretrain.checkpoint.files import SHARED_PROBE, rank_of_file
 @dataclass(frozen=True)
 class NodeLayout:
     rank: int
-    shared: bool                 # every rank sees rank 0's train.out_dir
-    leaders: tuple[int, ...]     # the first rank of each node, ascending (ranks are numbered node by node)
+    shared: bool  # every rank sees rank 0's train.out_dir
+    leaders: tuple[int, ...]  # the first rank of each node, ascending (ranks are numbered node by node)
     world: int
 
     @property

@@ -17,6 +17,7 @@ group starts (``init_checkpoint_problems``): no complete checkpoint there, anoth
 learned position embeddings shorter than the new data's sequence length, another tokenizer, an
 optimiser whose moments do not carry over, and the run's own checkpoints folder.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +39,7 @@ from pretrain.runtime import engine as eng
 log = logging.getLogger("pretrain")
 
 KEY = "train.init_from_checkpoint"
-CONVERTED_DIR = "init_from_checkpoint"      # inside this run's out_dir, removed after loading
+CONVERTED_DIR = "init_from_checkpoint"  # inside this run's out_dir, removed after loading
 
 
 def resolve(path: str) -> tuple[Path, str]:
@@ -50,7 +51,11 @@ def resolve(path: str) -> tuple[Path, str]:
     tag = checkpointing.latest_complete_tag(folder)
     if tag is None:
         what = "does not exist" if not folder.exists() else "holds no complete checkpoint"
-        hint = " (give the run's checkpoints folder, e.g. runs/phase1/checkpoints)" if (folder / "checkpoints").is_dir() else ""
+        hint = (
+            " (give the run's checkpoints folder, e.g. runs/phase1/checkpoints)"
+            if (folder / "checkpoints").is_dir()
+            else ""
+        )
         raise configlib.ConfigError([f"{KEY}={path!r}: {what}{hint}"])
     return folder, tag
 
@@ -82,13 +87,17 @@ def init_checkpoint_problems(cfg, manifest: Manifest) -> list[str]:
         problems.append(f"{where} holds a {model.get('model_type')!r} model, but model.arch is {cfg.model.arch!r}")
     positions = model.get("max_position_embeddings", 0)
     if model.get("model_type") == "bert" and positions < manifest.seq_len:
-        problems.append(f"{where}: its model has max_position_embeddings {positions}, too short for the data's "
-                        f"seq_len {manifest.seq_len} (BERT's learned positions are parameters of that size: "
-                        f"train phase 1 with model.max_position_embeddings >= {manifest.seq_len})")
+        problems.append(
+            f"{where}: its model has max_position_embeddings {positions}, too short for the data's "
+            f"seq_len {manifest.seq_len} (BERT's learned positions are parameters of that size: "
+            f"train phase 1 with model.max_position_embeddings >= {manifest.seq_len})"
+        )
     saved_manifest = checkpointing.saved_manifest(root, tag)
     if saved_manifest is None or saved_manifest.tokenizer.sha256 != manifest.tokenizer.sha256:
-        problems.append(f"{where} was trained on data of another tokenizer than {cfg.data.dir}'s: prepare this "
-                        f"phase's data with the tokenizer of the checkpoint (its folder's tokenizer/)")
+        problems.append(
+            f"{where} was trained on data of another tokenizer than {cfg.data.dir}'s: prepare this "
+            f"phase's data with the tokenizer of the checkpoint (its folder's tokenizer/)"
+        )
     problems += _layout_problems(cfg, root / tag, where)
     return problems
 
@@ -98,8 +107,9 @@ def model_shape_file(cfg, resume_from: str | None) -> str | None:
     ``model.*`` (as with model.init_from); a resumed new phase reads its own checkpoint's copy."""
     if not cfg.train.init_from_checkpoint:
         return None
-    root, tag = (checkpointing.checkpoint_root(cfg), resume_from) if resume_from else \
-        resolve(cfg.train.init_from_checkpoint)
+    root, tag = (
+        (checkpointing.checkpoint_root(cfg), resume_from) if resume_from else resolve(cfg.train.init_from_checkpoint)
+    )
     return str(root / tag / files.HF_CONFIG_FILE)
 
 
@@ -152,8 +162,12 @@ def start_from(engine, cfg, converts: bool | None = None) -> dict[str, Any]:
     if dist.get_rank() == 0:
         shutil.rmtree(out.parent, ignore_errors=True)
     state = _saved(root, tag, files.STATE_FILE) or {}
-    return {"phase.init_from_checkpoint": str((root / tag).resolve()), "phase.init_from_tag": tag,
-            "phase.init_from_step": state.get("step"), "phase.init_from_run_id": state.get("run_id") or ""}
+    return {
+        "phase.init_from_checkpoint": str((root / tag).resolve()),
+        "phase.init_from_tag": tag,
+        "phase.init_from_step": state.get("step"),
+        "phase.init_from_run_id": state.get("run_id") or "",
+    }
 
 
 def tracked_under(cfg, origin: dict):

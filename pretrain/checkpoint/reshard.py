@@ -17,6 +17,7 @@ checkpoint), ``read_layout(folder)``, ``check_convertible(saved, wanted)`` (befo
 starts) and ``load_resharded(engine, root, tag, saved)`` (instead of ``engine.load_checkpoint``
 when ``needs_conversion(saved, checkpoint_layout(engine))``).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,11 +37,20 @@ from pretrain.runtime import hardware
 log = logging.getLogger("pretrain")
 
 
-_DONE = "conversion.json"              # written last into the universal folder
-MOMENTS = ("exp_avg", "exp_avg_sq")    # AdamW's and our LAMB's state besides "step"
+_DONE = "conversion.json"  # written last into the universal folder
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's and our LAMB's state besides "step"
 # Keys of a DeepSpeed model-states file that are DeepSpeed's, not the client's (as engine.load_checkpoint).
-_DEEPSPEED_KEYS = {"module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler",
-                   "random_ltd", "lr_scheduler", "optimizer"}
+_DEEPSPEED_KEYS = {
+    "module",
+    "skipped_steps",
+    "global_steps",
+    "dp_world_size",
+    "mp_world_size",
+    "data_sampler",
+    "random_ltd",
+    "lr_scheduler",
+    "optimizer",
+}
 # The parts of a layout that change how state is stored; the rest is informative.
 _LAYOUT_KEYS = ("world", "zero_stage", "precision", "offload_optimizer")
 
@@ -95,8 +105,13 @@ def checkpoint_layout(engine) -> dict[str, Any]:
 def wanted_layout(world: int, zero_stage: int, precision: str, offload_optimizer: bool, optimizer: str) -> dict:
     """The layout a run will have, known from its config before any process group starts
     (``precision`` resolved: fp32 | bf16 | fp16; ``optimizer``: ``optim.name``)."""
-    return {"world": world, "zero_stage": zero_stage, "precision": precision,
-            "offload_optimizer": offload_optimizer, "optimizer": optimizer}
+    return {
+        "world": world,
+        "zero_stage": zero_stage,
+        "precision": precision,
+        "offload_optimizer": offload_optimizer,
+        "optimizer": optimizer,
+    }
 
 
 def config_layout(cfg) -> dict:
@@ -122,8 +137,15 @@ def needs_conversion(saved: dict, running: dict) -> bool:
     return any(saved[k] != running[k] for k in _LAYOUT_KEYS)
 
 
-_OPTIMIZER_FAMILY = {"AdamW": "adamw", "FusedAdam": "adamw", "DeepSpeedCPUAdam": "adamw", "Lamb": "lamb",
-                     "FusedLamb": "lamb", "adamw": "adamw", "lamb": "lamb"}
+_OPTIMIZER_FAMILY = {
+    "AdamW": "adamw",
+    "FusedAdam": "adamw",
+    "DeepSpeedCPUAdam": "adamw",
+    "Lamb": "lamb",
+    "FusedLamb": "lamb",
+    "adamw": "adamw",
+    "lamb": "lamb",
+}
 
 
 def check_convertible(saved: dict, wanted: dict) -> list[str]:
@@ -134,13 +156,17 @@ def check_convertible(saved: dict, wanted: dict) -> list[str]:
         return problems
     families = [_OPTIMIZER_FAMILY.get(o, o) for o in (saved.get("optimizer"), wanted.get("optimizer"))]
     if families[0] != families[1]:
-        problems.append(f"optimizer {saved.get('optimizer')} was saved, {wanted.get('optimizer')} is configured: "
-                        "moments of one optimiser do not resume another")
+        problems.append(
+            f"optimizer {saved.get('optimizer')} was saved, {wanted.get('optimizer')} is configured: "
+            "moments of one optimiser do not resume another"
+        )
     if not needs_conversion(saved, wanted):
         return problems
     if "fp16" in (saved["precision"], wanted["precision"]):
-        problems.append(f"precision fp16 (saved {saved['precision']}, wanted {wanted['precision']}): its "
-                        "loss-scaler state is not converted; only fp32 and bf16 change layout")
+        problems.append(
+            f"precision fp16 (saved {saved['precision']}, wanted {wanted['precision']}): its "
+            "loss-scaler state is not converted; only fp32 and bf16 change layout"
+        )
     if saved["zero_stage"] == 0 and not saved.get("param_names_by_group"):
         problems.append("the layout file has no param_names_by_group, needed to read a ZeRO 0 checkpoint")
     return problems
@@ -153,9 +179,9 @@ def _load(path: Path) -> dict:
 
 def _group_state(base: Any, group: int) -> tuple[dict, dict]:
     """(state, hyperparameters) of flat group ``group`` in a saved base-optimiser state."""
-    if isinstance(base, dict):                       # torch state_dict: state keyed by group index
+    if isinstance(base, dict):  # torch state_dict: state keyed by group index
         return base["state"].get(group, {}), {k: v for k, v in base["param_groups"][group].items() if k != "params"}
-    return base[group], {}                           # DeepSpeed's "elastic" list of per-group states
+    return base[group], {}  # DeepSpeed's "elastic" list of per-group states
 
 
 def _consolidate_flat_partitions(optim_files: list[Path], shapes: dict) -> tuple[dict, Any, list[dict]]:
@@ -174,9 +200,12 @@ def _consolidate_flat_partitions(optim_files: list[Path], shapes: dict) -> tuple
             for name, where in mapping.items():
                 for key, tensor in flat.items():
                     pieces.setdefault(name, {}).setdefault(key, []).append(
-                        tensor.flatten().narrow(0, where.start, where.numel))
-    params = {name: {key: torch.cat(parts).reshape(shapes[name]) for key, parts in by_key.items()}
-              for name, by_key in pieces.items()}
+                        tensor.flatten().narrow(0, where.start, where.numel)
+                    )
+    params = {
+        name: {key: torch.cat(parts).reshape(shapes[name]) for key, parts in by_key.items()}
+        for name, by_key in pieces.items()
+    }
     return params, step, hyper
 
 
@@ -204,8 +233,10 @@ def _consolidate_zero3(folder: Path) -> tuple[dict, Any, list[dict]]:
                     pieces.setdefault(name, {}).setdefault(key, []).append(tensor.flatten().narrow(0, offset, mine))
                 shapes[name] = shape
                 offset += part
-    params = {name: {key: torch.cat(parts).reshape(shapes[name]) for key, parts in by_key.items()}
-              for name, by_key in pieces.items()}
+    params = {
+        name: {key: torch.cat(parts).reshape(shapes[name]) for key, parts in by_key.items()}
+        for name, by_key in pieces.items()
+    }
     return params, step, hyper
 
 
@@ -243,9 +274,10 @@ def consolidate(folder: Path, layout: dict) -> tuple[dict, Any, list[dict], dict
             params, step, hyper = _consolidate_unpartitioned(model_states, layout)
     shards = len(rank_files(folder, "optim_states.pt"))
     if shards and shards != layout["world"]:
-        raise ReshardError(f"{folder}: {LAYOUT_FILE} says world {layout['world']}, but {shards} optimiser "
-                           "shard files are there")
-    if step is None:                                 # DeepSpeed's fused kernels count steps per group
+        raise ReshardError(
+            f"{folder}: {LAYOUT_FILE} says world {layout['world']}, but {shards} optimiser shard files are there"
+        )
+    if step is None:  # DeepSpeed's fused kernels count steps per group
         step = next((h["step"] for h in hyper if "step" in h), None)
     missing = sorted(set(layout["param_shapes"]) - set(params))
     if missing:
@@ -265,17 +297,17 @@ def _write_universal(out: Path, params: dict, step: Any, hyper: list[dict], mode
         if step is not None:
             torch.save(step, zero / name / "step.pt")
     global_state = {
-        "param_groups": hyper,                                        # read by ZeRO 1/2 and BF16
-        "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": hyper},   # read by ZeRO 3
+        "param_groups": hyper,  # read by ZeRO 1/2 and BF16
+        "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": hyper},  # read by ZeRO 3
         "ds_version": deepspeed.__version__,
     }
     torch.save(global_state, zero / "optimizer_state.pt")
-    torch.save({k: v for k, v in model_states.items() if k != "module" and k != "optimizer"},
-               out / "model_states.pt")
+    torch.save({k: v for k, v in model_states.items() if k != "module" and k != "optimizer"}, out / "model_states.pt")
 
 
-def ensure_universal(tag_folder: Path, saved: dict, out: Optional[Path] = None,
-                     converts: Optional[bool] = None) -> Path:
+def ensure_universal(
+    tag_folder: Path, saved: dict, out: Optional[Path] = None, converts: Optional[bool] = None
+) -> Path:
     """The consolidated folder (``out``, by default cached inside the tag folder), written once per
     folder by the rank that ``converts`` (rank 0 by default), atomically, while the others wait; a
     failure there is raised on every rank instead of leaving them at a barrier."""
@@ -285,14 +317,14 @@ def ensure_universal(tag_folder: Path, saved: dict, out: Optional[Path] = None,
     failure = None
     if converts and not (out / _DONE).is_file():
         try:
-            for stale in out.parent.glob(f"{out.name}.tmp*"):     # from a conversion that crashed
+            for stale in out.parent.glob(f"{out.name}.tmp*"):  # from a conversion that crashed
                 shutil.rmtree(stale, ignore_errors=True)
             tmp = out.parent / f"{out.name}.tmp{os.getpid()}"
             tmp.mkdir()
             params, step, hyper, model_states = consolidate(tag_folder, saved)
             _write_universal(tmp, params, step, hyper, model_states)
             (tmp / _DONE).write_text(json.dumps({"from": saved}, indent=1) + "\n")
-            shutil.rmtree(out, ignore_errors=True)      # an incomplete one (no _DONE) cannot be trusted
+            shutil.rmtree(out, ignore_errors=True)  # an incomplete one (no _DONE) cannot be trusted
             os.replace(tmp, out)
         except Exception as e:  # noqa: BLE001  (re-raised on every rank below)
             failure = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
@@ -327,9 +359,11 @@ def set_step_count(optimizer: torch.optim.Optimizer, count: int) -> None:
             state = optimizer.state.get(param)
             if not state:
                 continue
-            state["step"] = (torch.tensor(float(count), dtype=torch.float32,
-                                          device=param.device if on_device else "cpu")
-                             if tensor_steps else count)
+            state["step"] = (
+                torch.tensor(float(count), dtype=torch.float32, device=param.device if on_device else "cpu")
+                if tensor_steps
+                else count
+            )
 
 
 def _restore_hyperparameters(groups: list[dict], saved: list[dict]) -> None:
@@ -355,7 +389,9 @@ def _load_unpartitioned(engine, universal: Path) -> None:
                 module_params[name].copy_(fp32)
                 if masters is not None:
                     masters[g][i].copy_(fp32)
-                entry = {k: _load(zero / name / f"{k}.pt")["param"] for k in MOMENTS if (zero / name / f"{k}.pt").is_file()}
+                entry = {
+                    k: _load(zero / name / f"{k}.pt")["param"] for k in MOMENTS if (zero / name / f"{k}.pt").is_file()
+                }
                 if (zero / name / "step.pt").is_file():
                     entry["step"] = _load(zero / name / "step.pt")
                 if entry:
@@ -371,14 +407,15 @@ def _load_partitioned(engine, universal: Path) -> None:
     opt = engine.optimizer
     if hasattr(opt, "checkpoint_event_prologue"):
         opt.checkpoint_event_prologue()
-    opt.load_state_dict(None, load_optimizer_states=True, load_from_fp32_weights=True,
-                        checkpoint_folder=str(universal))
+    opt.load_state_dict(None, load_optimizer_states=True, load_from_fp32_weights=True, checkpoint_folder=str(universal))
     if hasattr(opt, "checkpoint_event_epilogue"):
         opt.checkpoint_event_epilogue()
     if engine.zero_optimization_stage() < 3:
-        opt.update_lp_params()                    # the module's weights from the fp32 masters just set
+        opt.update_lp_params()  # the module's weights from the fp32 masters just set
     # ZeRO 3's universal loader gives every group the hyperparameters of the first (its weight decay too)
-    _restore_hyperparameters(opt.optimizer.param_groups, _load(universal / "zero" / "optimizer_state.pt")["param_groups"])
+    _restore_hyperparameters(
+        opt.optimizer.param_groups, _load(universal / "zero" / "optimizer_state.pt")["param_groups"]
+    )
     _set_step(opt.optimizer, universal)
 
 
@@ -400,7 +437,8 @@ def load_resharded(engine, root: Path, tag: str, saved: dict, converts: Optional
     if problems:
         raise ReshardError(f"checkpoint {tag}: " + "; ".join(problems))
     if set(saved["param_shapes"]) != set(running["param_shapes"]) or any(
-            list(saved["param_shapes"][n]) != running["param_shapes"][n] for n in saved["param_shapes"]):
+        list(saved["param_shapes"][n]) != running["param_shapes"][n] for n in saved["param_shapes"]
+    ):
         raise ReshardError(f"checkpoint {tag}: its parameters' names or shapes differ from the model's")
     if dist.get_rank() == 0:
         log.info("checkpoint %s was saved at %s; converting to %s", tag, describe(saved), describe(running))

@@ -10,6 +10,7 @@ taken instead.
 Which checkpoint a run resumes from is decided here *before* any process group starts
 (``resume_tag``), so a bad ``train.resume`` is an input error (exit 2), not a traceback on every rank.
 """
+
 from __future__ import annotations
 
 import errno
@@ -34,10 +35,18 @@ from data_prep.common.shards import ShardError, sha256_file
 from data_prep.common.storage import StorageError
 from pretrain.checkpoint import mirror, reshard
 from pretrain.checkpoint.nodes import NodeLayout, env_node_ranks
-from pretrain.checkpoint.files import COMPLETE, CONFIG_FILE, FILE_LIST, LATEST, LAYOUT_FILE, LOCK_FILE, is_tag, tag_for_step
+from pretrain.checkpoint.files import (
+    COMPLETE,
+    CONFIG_FILE,
+    FILE_LIST,
+    LATEST,
+    LAYOUT_FILE,
+    LOCK_FILE,
+    is_tag,
+    tag_for_step,
+)
 from pretrain.config.schema import Config
 from pretrain.config.loader import ConfigError
-
 
 
 def checkpoint_root(cfg: Config) -> Path:
@@ -69,18 +78,27 @@ def resume_tag(cfg: Config) -> Optional[str]:
     checksums = os.environ.get("RANK", "0") == "0"
     if cfg.train.resume == "none":
         return None
-    if cfg.train.checkpoint_mirror:     # a newer checkpoint there (or the one asked for) comes local first
+    if cfg.train.checkpoint_mirror:  # a newer checkpoint there (or the one asked for) comes local first
         try:
-            mirror.fetch_newer(cfg.train.checkpoint_mirror, root, None if cfg.train.resume == "auto" else
-                               cfg.train.resume, env_node_ranks(), running_layout(cfg))
+            mirror.fetch_newer(
+                cfg.train.checkpoint_mirror,
+                root,
+                None if cfg.train.resume == "auto" else cfg.train.resume,
+                env_node_ranks(),
+                running_layout(cfg),
+            )
         except StorageError as exc:
             raise ConfigError([f"train.checkpoint_mirror: {exc}"]) from None
     if cfg.train.resume == "auto":
         return usable_latest_tag(root, checksums)
     tag = cfg.train.resume
     if not (root / tag / COMPLETE).is_file():
-        raise ConfigError([f"train.resume={tag!r}: {root / tag} is not a complete checkpoint (complete ones: "
-                           f"{', '.join(complete_tags(root)) or 'none'})"])
+        raise ConfigError(
+            [
+                f"train.resume={tag!r}: {root / tag} is not a complete checkpoint (complete ones: "
+                f"{', '.join(complete_tags(root)) or 'none'})"
+            ]
+        )
     problem = damage(root / tag, checksums)
     if problem:
         raise ConfigError([f"train.resume={tag!r}: the checkpoint {root / tag} is damaged: {problem}"])
@@ -90,8 +108,11 @@ def resume_tag(cfg: Config) -> Optional[str]:
 def running_layout(cfg: Config) -> dict:
     """What of the job's layout is known before it starts: a mirrored checkpoint of the same needs
     only each node's own ranks' files (another one is converted on every node, from all of them)."""
-    known = {"world": int(os.environ.get("WORLD_SIZE", "1")), "zero_stage": cfg.impl.zero_stage,
-             "offload_optimizer": cfg.impl.offload_optimizer}
+    known = {
+        "world": int(os.environ.get("WORLD_SIZE", "1")),
+        "zero_stage": cfg.impl.zero_stage,
+        "offload_optimizer": cfg.impl.offload_optimizer,
+    }
     return {**known, "precision": cfg.impl.precision} if cfg.impl.precision != "auto" else known
 
 
@@ -109,9 +130,11 @@ def ensure_on_every_node(cfg: Config, tag: str, layout: NodeLayout) -> None:
             except StorageError as exc:
                 problem = f"rank {layout.rank}: {exc}"
         if problem is None and not (root / tag / COMPLETE).is_file():
-            problem = (f"the node of rank {layout.rank} has no checkpoint {tag} in its train.out_dir ({root}) "
-                       + ("and the checkpoint mirror has none either" if cfg.train.checkpoint_mirror else
-                          "(node-local disks: set train.checkpoint_mirror to resume on other nodes)"))
+            problem = f"the node of rank {layout.rank} has no checkpoint {tag} in its train.out_dir ({root}) " + (
+                "and the checkpoint mirror has none either"
+                if cfg.train.checkpoint_mirror
+                else "(node-local disks: set train.checkpoint_mirror to resume on other nodes)"
+            )
     problems: list = [None] * layout.world
     dist.all_gather_object(problems, problem)
     if any(problems):
@@ -133,8 +156,13 @@ def usable_latest_tag(root: Path, checksums: bool = True) -> Optional[str]:
             return tag
         damaged.append(f"{root / tag}: {problem}")
         _say(f"checkpoint {root / tag} is damaged: {problem}")
-    raise ConfigError(damaged + [f"no usable checkpoint in {root}: restore the damaged files, or start afresh "
-                                 f"with train.resume=none or another train.out_dir"])
+    raise ConfigError(
+        damaged
+        + [
+            f"no usable checkpoint in {root}: restore the damaged files, or start afresh "
+            f"with train.resume=none or another train.out_dir"
+        ]
+    )
 
 
 def _say(message: str) -> None:
@@ -146,12 +174,14 @@ def _say(message: str) -> None:
 def write_file_list(folder: Path) -> None:
     """Size and sha256 of every file in ``folder`` (but the list and COMPLETE), so that damage
     (a truncated or rewritten shard) is found before loading, not as a traceback on every rank."""
-    paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != COMPLETE
-                   and p.relative_to(folder).as_posix() != FILE_LIST)
-    with ThreadPoolExecutor(max_workers=4) as pool:      # hashlib releases the GIL on large reads
+    paths = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and p.name != COMPLETE and p.relative_to(folder).as_posix() != FILE_LIST
+    )
+    with ThreadPoolExecutor(max_workers=4) as pool:  # hashlib releases the GIL on large reads
         digests = list(pool.map(sha256_file, paths))
-    files = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": d}
-             for p, d in zip(paths, digests)}
+    files = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": d} for p, d in zip(paths, digests)}
     write_atomic(folder / FILE_LIST, json.dumps({"files": files}, indent=1) + "\n")
 
 
@@ -198,8 +228,15 @@ def saved_manifest(root: Path, tag: str) -> Optional[Manifest]:
         return None
 
 
-def save(engine, cfg: Config, step: int, client_state: dict, side_files: dict[str, str],
-         copy_dirs: dict[str, Path], nodes: NodeLayout) -> str:
+def save(
+    engine,
+    cfg: Config,
+    step: int,
+    client_state: dict,
+    side_files: dict[str, str],
+    copy_dirs: dict[str, Path],
+    nodes: NodeLayout,
+) -> str:
     """Write checkpoint ``step`` on every rank; returns its tag once it is complete. On node-local
     disks every node's first rank completes its own folder, rank 0 last."""
     root = checkpoint_root(cfg)
@@ -210,7 +247,7 @@ def save(engine, cfg: Config, step: int, client_state: dict, side_files: dict[st
     dist.barrier()
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     dist.barrier()
-    layout = reshard.checkpoint_layout(engine)      # lets another world size or ZeRO stage load it
+    layout = reshard.checkpoint_layout(engine)  # lets another world size or ZeRO stage load it
     side_files = {**side_files, LAYOUT_FILE: json.dumps(layout)}
     if nodes.writes_folder and nodes.rank != 0:
         _complete(root, tag, step, side_files, copy_dirs, cfg.train.keep_checkpoints)
@@ -222,8 +259,9 @@ def save(engine, cfg: Config, step: int, client_state: dict, side_files: dict[st
     return tag
 
 
-def _complete(root: Path, tag: str, step: int, side_files: dict[str, str], copy_dirs: dict[str, Path],
-              keep: int) -> None:
+def _complete(
+    root: Path, tag: str, step: int, side_files: dict[str, str], copy_dirs: dict[str, Path], keep: int
+) -> None:
     """The side files beside DeepSpeed's, the file list, COMPLETE, ``latest``; then the oldest go."""
     folder = root / tag
     for name, text in side_files.items():
@@ -245,8 +283,9 @@ def load(engine, cfg: Config, tag: str, nodes: NodeLayout) -> dict:
     saved = reshard.read_layout(root / tag)
     if saved is not None and reshard.needs_conversion(saved, reshard.checkpoint_layout(engine)):
         return reshard.load_resharded(engine, root, tag, saved, converts=nodes.writes_folder)
-    path, client_state = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
+    path, client_state = engine.load_checkpoint(
+        str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {root / tag}")
     return client_state or {}
@@ -282,19 +321,26 @@ class RunLock:
                 fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES):   # not "held": no POSIX locks here
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):  # not "held": no POSIX locks here
                     os.close(self._fd)
-                    raise ConfigError([f"train.out_dir={out_dir}: cannot lock {path} ({exc}); this filesystem "
-                                       "may not support POSIX locks (some NFS and Lustre mounts): put "
-                                       "train.out_dir on one that does"]) from exc
+                    raise ConfigError(
+                        [
+                            f"train.out_dir={out_dir}: cannot lock {path} ({exc}); this filesystem "
+                            "may not support POSIX locks (some NFS and Lustre mounts): put "
+                            "train.out_dir on one that does"
+                        ]
+                    ) from exc
                 holder = path.read_text().strip() or "another process"
                 if time.monotonic() >= deadline:
                     os.close(self._fd)
-                    raise ConfigError([f"train.out_dir={out_dir}: another job ({holder}) is writing this run; "
-                                       f"waited {wait_s:.0f}s for it to finish"])
+                    raise ConfigError(
+                        [
+                            f"train.out_dir={out_dir}: another job ({holder}) is writing this run; "
+                            f"waited {wait_s:.0f}s for it to finish"
+                        ]
+                    )
                 if not announced:
-                    print(f"train.out_dir={out_dir} is locked by {holder}: waiting up to {wait_s:.0f}s",
-                          flush=True)
+                    print(f"train.out_dir={out_dir} is locked by {holder}: waiting up to {wait_s:.0f}s", flush=True)
                     announced = True
                 time.sleep(1.0)
         os.ftruncate(self._fd, 0)

@@ -1,6 +1,7 @@
 """``python -m pretrain.config get KEY CONFIG [dotted.key=value ...]``: one setting as a run would see
 it (the YAML, its ``base:`` files, the overrides, the schema's default), without checking the rest.
 For launch scripts that must act on a setting before any rank starts (launchers/slurm/pretrain.sbatch)."""
+
 from __future__ import annotations
 
 import sys

@@ -4,6 +4,7 @@ One schema (the dataclasses) is the only source of truth. Loading collects *ever
 keys, wrong types, bad values, inconsistent combinations) and raises them together in one
 :class:`ConfigError`, before any work (or process group) starts.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -166,7 +167,7 @@ def load_yaml(path: str | Path) -> dict:
 def build(cls: type[T], data: dict, overrides: list[str] = (), source: str = "config") -> T:
     """Build ``cls`` from a mapping plus overrides; every problem is reported at once."""
     problems: list[str] = []
-    overridden: dict[str, str] = {}         # dotted key -> the override that set it
+    overridden: dict[str, str] = {}  # dotted key -> the override that set it
     for text in overrides:
         try:
             keys, value = parse_override(text)
@@ -184,8 +185,9 @@ def build(cls: type[T], data: dict, overrides: list[str] = (), source: str = "co
     if obj is not None:
         problems.extend(validate(obj))
     if problems:
-        raise ConfigError([_attribute(p, overridden) for p in problems],
-                          f"{source} with overrides" if overridden else source)
+        raise ConfigError(
+            [_attribute(p, overridden) for p in problems], f"{source} with overrides" if overridden else source
+        )
     return obj
 
 

@@ -1,5 +1,6 @@
 """What the model is and how it learns: the architecture (``model``), the masking and the optimiser
 settings of the schema (``pretrain.config.schema`` assembles them with the rest)."""
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,16 @@ from typing import Literal, Optional
 # separate embedding/MLP dropouts (none by default).
 ARCH_DEFAULTS: dict[str, dict[str, object]] = {
     "bert": {"hidden_dropout": 0.1, "attention_dropout": 0.1, "layer_norm_eps": 1e-12},
-    "modernbert": {"attention_dropout": 0.0, "layer_norm_eps": 1e-5, "embedding_dropout": 0.0, "mlp_dropout": 0.0,
-                   "global_attn_every_n_layers": 3, "local_attention": 128, "rope_theta": 160_000.0,
-                   "local_rope_theta": 10_000.0},
+    "modernbert": {
+        "attention_dropout": 0.0,
+        "layer_norm_eps": 1e-5,
+        "embedding_dropout": 0.0,
+        "mlp_dropout": 0.0,
+        "global_attn_every_n_layers": 3,
+        "local_attention": 128,
+        "rope_theta": 160_000.0,
+        "local_rope_theta": 10_000.0,
+    },
 }
 ARCH_SPECIFIC = sorted({name for table in ARCH_DEFAULTS.values() for name in table})
 
@@ -32,7 +40,7 @@ class ModelConfig:
     hidden_size: int = 256
     num_layers: int = 4
     num_heads: int = 4
-    intermediate_size: int = 1024      # ModernBERT: the width of each GeGLU half (its Wi is H x 2I)
+    intermediate_size: int = 1024  # ModernBERT: the width of each GeGLU half (its Wi is H x 2I)
     max_position_embeddings: int = 512
     initializer_range: float = 0.02
     # Embedding and decoder rows rounded up to a multiple of this (bert-base-uncased's 30,522 -> 30,528,
@@ -42,15 +50,15 @@ class ModelConfig:
     vocab_multiple: int = 64
     # Left unset (null), the fields below take the arch's value from ARCH_DEFAULTS. One that does
     # not apply to the chosen arch is refused by name rather than silently ignored.
-    attention_dropout: Optional[float] = None      # both: on attention probabilities (ModernBERT: and its output)
-    layer_norm_eps: Optional[float] = None         # both (ModernBERT's norm_eps)
-    hidden_dropout: Optional[float] = None         # bert: embeddings, attention output, FFN output
-    embedding_dropout: Optional[float] = None      # modernbert
-    mlp_dropout: Optional[float] = None            # modernbert: inside the GeGLU, before its output matmul
-    global_attn_every_n_layers: Optional[int] = None   # modernbert: layer i is global when i % n == 0
-    local_attention: Optional[int] = None          # modernbert: window of the local layers (|i - j| <= window/2)
-    rope_theta: Optional[float] = None             # modernbert: rotary base of the global layers
-    local_rope_theta: Optional[float] = None       # modernbert: rotary base of the local layers
+    attention_dropout: Optional[float] = None  # both: on attention probabilities (ModernBERT: and its output)
+    layer_norm_eps: Optional[float] = None  # both (ModernBERT's norm_eps)
+    hidden_dropout: Optional[float] = None  # bert: embeddings, attention output, FFN output
+    embedding_dropout: Optional[float] = None  # modernbert
+    mlp_dropout: Optional[float] = None  # modernbert: inside the GeGLU, before its output matmul
+    global_attn_every_n_layers: Optional[int] = None  # modernbert: layer i is global when i % n == 0
+    local_attention: Optional[int] = None  # modernbert: window of the local layers (|i - j| <= window/2)
+    rope_theta: Optional[float] = None  # modernbert: rotary base of the global layers
+    local_rope_theta: Optional[float] = None  # modernbert: rotary base of the local layers
 
     def __post_init__(self):
         for name, value in ARCH_DEFAULTS.get(self.arch, {}).items():
@@ -63,21 +71,34 @@ class ModelConfig:
         for name in ARCH_SPECIFIC:
             if name not in applies and getattr(self, name) is not None:
                 owners = " and ".join(a for a, table in ARCH_DEFAULTS.items() if name in table)
-                hint = {"hidden_dropout": " (ModernBERT has embedding_dropout, attention_dropout and mlp_dropout)",
-                        "embedding_dropout": " (BERT has one hidden_dropout)",
-                        "mlp_dropout": " (BERT has one hidden_dropout)"}.get(name, "")
+                hint = {
+                    "hidden_dropout": " (ModernBERT has embedding_dropout, attention_dropout and mlp_dropout)",
+                    "embedding_dropout": " (BERT has one hidden_dropout)",
+                    "mlp_dropout": " (BERT has one hidden_dropout)",
+                }.get(name, "")
                 p.append(f"{name}: applies to arch {owners} only, not {self.arch!r}{hint}; remove it")
-        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings",
-                     "vocab_multiple",
-                     "global_attn_every_n_layers", "local_attention", "rope_theta", "local_rope_theta"):
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "vocab_multiple",
+            "global_attn_every_n_layers",
+            "local_attention",
+            "rope_theta",
+            "local_rope_theta",
+        ):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 p.append(f"{name}: must be positive, got {value}")
         if self.num_heads > 0 and self.hidden_size % self.num_heads:
             p.append(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
         if self.arch == "modernbert" and self.local_attention is not None and self.local_attention % 2:
-            p.append(f"local_attention: must be even (a token sees local_attention/2 on each side), "
-                     f"got {self.local_attention}")
+            p.append(
+                f"local_attention: must be even (a token sees local_attention/2 on each side), "
+                f"got {self.local_attention}"
+            )
         for name in ("hidden_dropout", "attention_dropout", "embedding_dropout", "mlp_dropout"):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value < 1.0:
@@ -96,8 +117,10 @@ class ModelConfig:
         except (OSError, ValueError) as exc:
             return [f"init_from: {self.init_from}/config.json unreadable ({exc})"]
         if model_type != self.arch:
-            return [f"init_from: {self.init_from} holds a {model_type!r} model, but arch is {self.arch!r} "
-                    f"(set model.arch: {model_type})"]
+            return [
+                f"init_from: {self.init_from} holds a {model_type!r} model, but arch is {self.arch!r} "
+                f"(set model.arch: {model_type})"
+            ]
         return []
 
 
@@ -107,14 +130,14 @@ class MaskingConfig:
     # are predicted (the loss covers them); of those, mask_prob become [MASK], random_prob a random
     # token and the rest stay visible, so rate x (mask_prob + random_prob) of the tokens are
     # corrupted. BERT's 80/10/10 is mask_prob 0.8, random_prob 0.1; 100/0/0 is mask_prob 1, random_prob 0.
-    rate: float = 0.15                 # fraction of non-special tokens selected for prediction
+    rate: float = 0.15  # fraction of non-special tokens selected for prediction
     # A masking-rate schedule (Yang et al. 2023): linear from `rate` at step 0 to `rate_end` at the last
     # step of train.max_steps (pretrain.model.masking.rate_at_step); null keeps `rate` throughout.
     rate_end: Optional[float] = None
-    mask_prob: float = 0.8             # of the selected: replaced by [MASK]
-    random_prob: float = 0.1           # of the selected: replaced by a random non-special token; rest unchanged
+    mask_prob: float = 0.8  # of the selected: replaced by [MASK]
+    random_prob: float = 0.1  # of the selected: replaced by a random non-special token; rest unchanged
     strategy: Literal["token", "whole_word", "span"] = "token"
-    span_geometric_p: float = 0.2      # SpanBERT: span length ~ Geometric(p), clipped to span_max
+    span_geometric_p: float = 0.2  # SpanBERT: span length ~ Geometric(p), clipped to span_max
     span_max: int = 10
     # Static shapes (torch.compile / CUDA graphs): ceil(rate * L) slots per row, filled with the
     # stochastically rounded rate x the row's non-special tokens; unused slots get label -100.
@@ -153,7 +176,7 @@ class OptimConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 100
     schedule: Literal["linear", "cosine", "constant", "wsd"] = "linear"
-    min_lr_ratio: float = 0.0          # the lr decays to lr * min_lr_ratio at train.max_steps
+    min_lr_ratio: float = 0.0  # the lr decays to lr * min_lr_ratio at train.max_steps
     # wsd (warmup-stable-decay): the decay takes the last decay_steps steps, or decay_fraction of
     # train.max_steps when decay_steps is 0 (pretrain/model/schedule.py; a longer run decays at its new end).
     decay_steps: int = 0
@@ -174,8 +197,9 @@ class OptimConfig:
         if not 0 <= self.min_lr_ratio <= 1:
             p.append(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
         if self.decay_steps < 0 or not 0 < self.decay_fraction <= 1:
-            p.append(f"decay_steps must be >= 0 and decay_fraction in (0, 1], got {self.decay_steps}, "
-                     f"{self.decay_fraction}")
+            p.append(
+                f"decay_steps must be >= 0 and decay_fraction in (0, 1], got {self.decay_steps}, {self.decay_fraction}"
+            )
         if self.fresh_params_lr_multiplier <= 0:
             p.append(f"fresh_params_lr_multiplier: must be positive, got {self.fresh_params_lr_multiplier}")
         if self.grad_clip < 0:

@@ -5,6 +5,7 @@ change only *speed* (``impl``: ZeRO stage, precision, micro-batch, workers, comp
 does. The DeepSpeed JSON is derived from this (``pretrain.runtime.engine.deepspeed_config``), never kept
 beside it.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ from data_prep.common.manifest import MANIFEST
 from data_prep.common.storage import StorageError, is_url, open_store
 from pretrain.config.objective import MaskingConfig, ModelConfig, OptimConfig
 
-COMPILE_AUTO_MIN_STEPS = 500     # compile's start-up paid back after 50-150 steps on mini (bench/)
+COMPILE_AUTO_MIN_STEPS = 500  # compile's start-up paid back after 50-150 steps on mini (bench/)
 
 
 def _finalize(folder: str) -> str:
@@ -32,7 +33,7 @@ def _data_dir_problems(folder: str) -> list[str]:
     if is_url(folder):
         try:
             found = open_store(folder).stat(MANIFEST) is not None
-        except StorageError as exc:                    # unsupported scheme, no access, no such bucket
+        except StorageError as exc:  # unsupported scheme, no access, no such bucket
             return [f"dir: {exc}"]
         return [] if found else [f"dir: {folder!r} has no {MANIFEST} ({_finalize(folder)})"]
     if not os.path.isfile(os.path.join(folder, MANIFEST)):
@@ -43,9 +44,10 @@ def _data_dir_problems(folder: str) -> list[str]:
 @dataclass
 class SourceConfig:
     """One corpus of a mixture (``pretrain.data.mixture``): a data_prep folder and its share of every step."""
-    name: str = ""                     # metric keys data/<name>/tokens, eval/<name>/loss
+
+    name: str = ""  # metric keys data/<name>/tokens, eval/<name>/loss
     dir: str = ""
-    weight: float = 1.0                # relative; normalised over the sources
+    weight: float = 1.0  # relative; normalised over the sources
 
     def check(self) -> list[str]:
         p = []
@@ -64,7 +66,7 @@ class DataConfig:
     dir: str = ""
     train_split: str = "train"
     eval_split: str = "validation"
-    seed: int = 1234           # shard/block order per epoch comes from (seed, epoch)
+    seed: int = 1234  # shard/block order per epoch comes from (seed, epoch)
     # A data.dir URL (s3://, https://) whose store fails transiently (connection errors, 5xx, throttling)
     # is retried this long; then the run ends with exit 3 (requeue), the last checkpoint untouched.
     remote_timeout_s: float = 300.0
@@ -81,8 +83,12 @@ class DataConfig:
             self.dir = self.sources[0].dir
 
     def check(self) -> list[str]:
-        timeout = [] if self.remote_timeout_s > 0 else [f"remote_timeout_s: must be positive, got {self.remote_timeout_s}"]
-        timeout += [] if self.cache_limit_gb >= 0 else [f"cache_limit_gb: must be 0 (off) or more, got {self.cache_limit_gb}"]
+        timeout = (
+            [] if self.remote_timeout_s > 0 else [f"remote_timeout_s: must be positive, got {self.remote_timeout_s}"]
+        )
+        timeout += (
+            [] if self.cache_limit_gb >= 0 else [f"cache_limit_gb: must be 0 (off) or more, got {self.cache_limit_gb}"]
+        )
         if self.sources:
             return timeout + self._sources_problems()
         return timeout + _data_dir_problems(self.dir)
@@ -92,8 +98,10 @@ class DataConfig:
         names = [s.name for s in self.sources]
         p = [f"sources: name {n!r} used twice" for n in sorted({n for n in names if names.count(n) > 1})]
         if self.dir and self.dir != self.sources[0].dir:
-            p.append(f"dir: {self.dir!r} with sources: the run's tokenizer comes from the first source "
-                     f"({self.sources[0].dir!r}); leave dir empty or give a one-source run without sources")
+            p.append(
+                f"dir: {self.dir!r} with sources: the run's tokenizer comes from the first source "
+                f"({self.sources[0].dir!r}); leave dir empty or give a one-source run without sources"
+            )
         return p
 
 
@@ -103,17 +111,21 @@ class SpikeGuardConfig:
     the mean of the last ``window`` steps, ``consecutive`` steps in a row. The run goes back to the
     last complete checkpoint from before the spike and skips the samples from there to past it
     (at least ``skip_steps`` global batches). See pretrain/runtime/spike_guard.py."""
+
     enabled: bool = False
-    window: int = 100                  # recent steps the mean and spread are taken over
-    min_window: int = 20               # no verdict before this many steps are in the window
+    window: int = 100  # recent steps the mean and spread are taken over
+    min_window: int = 20  # no verdict before this many steps are in the window
     sigmas: float = 6.0
     consecutive: int = 2
-    skip_steps: int = 200              # global batches skipped from the reloaded position, at least
-    max_recoveries: int = 5            # another spike after this many recoveries stops the run (exit 5)
+    skip_steps: int = 200  # global batches skipped from the reloaded position, at least
+    max_recoveries: int = 5  # another spike after this many recoveries stops the run (exit 5)
 
     def check(self) -> list[str]:
-        p = [f"{n}: must be >= 1, got {getattr(self, n)}"
-             for n in ("window", "min_window", "consecutive", "skip_steps") if getattr(self, n) < 1]
+        p = [
+            f"{n}: must be >= 1, got {getattr(self, n)}"
+            for n in ("window", "min_window", "consecutive", "skip_steps")
+            if getattr(self, n) < 1
+        ]
         if self.min_window > self.window:
             p.append(f"min_window ({self.min_window}) must be <= window ({self.window})")
         if self.sigmas <= 0:
@@ -125,24 +137,24 @@ class SpikeGuardConfig:
 
 @dataclass
 class TrainConfig:
-    global_batch_size: int = 256       # sequences per optimiser step, all ranks and micro-steps together
+    global_batch_size: int = 256  # sequences per optimiser step, all ranks and micro-steps together
     max_steps: int = 1000
-    seed: int = 42                     # model init and dropout
+    seed: int = 42  # model init and dropout
     out_dir: str = "runs/default"
-    resume: str = "auto"               # auto (latest complete checkpoint if any) | none | a checkpoint tag
+    resume: str = "auto"  # auto (latest complete checkpoint if any) | none | a checkpoint tag
     log_every: int = 10
-    eval_every: int = 200              # 0 disables periodic evaluation (one still runs at the end)
+    eval_every: int = 200  # 0 disables periodic evaluation (one still runs at the end)
     # Held-out sequences per evaluation, the same at any world size and micro-batch (the first N of
     # the split; 0 or more than it holds = the whole split). See pretrain/eval/heldout.py.
     eval_sequences: int = 1024
     eval_batches: Optional[int] = None  # deprecated: micro-batches per rank; converted to eval_sequences
-    checkpoint_every: int = 500        # 0: only at the end
-    keep_checkpoints: int = 3          # older complete checkpoints are deleted; 0 keeps all
+    checkpoint_every: int = 500  # 0: only at the end
+    keep_checkpoints: int = 3  # older complete checkpoints are deleted; 0 keeps all
     # Every complete checkpoint also uploaded, in the background, to s3://bucket/prefix or a folder on
     # another filesystem (pretrain/checkpoint/mirror.py); keep_checkpoints applies there too. "": off.
     checkpoint_mirror: str = ""
-    max_nonfinite_in_a_row: int = 5    # that many skipped non-finite steps in a row stop the run
-    export_every: int = 0              # Hugging Face export every N steps (0: only at the end)
+    max_nonfinite_in_a_row: int = 5  # that many skipped non-finite steps in a row stop the run
+    export_every: int = 0  # Hugging Face export every N steps (0: only at the end)
     # A new phase of an earlier run (BERT's 512-token phase 2): a checkpoints folder (its latest complete
     # checkpoint) or one tag folder in it. Model weights and optimiser moments come from there; data,
     # batch, schedule, masking and the step counter (from 0) are this run's (pretrain/checkpoint/phases.py).
@@ -154,7 +166,7 @@ class TrainConfig:
     # No step finished for this long: every rank writes its stacks to the run folder and the job
     # exits 3 (requeue). 0: automatic, max(300 s, 20 x the median step time); -1: off.
     hang_timeout_s: float = 0.0
-    health_every: int = 0              # per-layer grad/param/update norms every N steps; 0 = off
+    health_every: int = 0  # per-layer grad/param/update norms every N steps; 0 = off
 
     def check(self) -> list[str]:
         p = []
@@ -163,8 +175,15 @@ class TrainConfig:
         for name in ("global_batch_size", "max_steps", "log_every"):
             if getattr(self, name) <= 0:
                 p.append(f"{name}: must be positive, got {getattr(self, name)}")
-        for name in ("eval_every", "eval_sequences", "checkpoint_every", "keep_checkpoints", "export_every",
-                     "halt_at_step", "health_every"):
+        for name in (
+            "eval_every",
+            "eval_sequences",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "export_every",
+            "halt_at_step",
+            "health_every",
+        ):
             if getattr(self, name) < 0:
                 p.append(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.max_nonfinite_in_a_row < 1:
@@ -177,7 +196,8 @@ class TrainConfig:
 @dataclass
 class ImplConfig:
     """Settings that change speed and memory, never the numbers a run converges to."""
-    micro_batch_size: int = 32         # per rank; accumulation = global / (micro * world)
+
+    micro_batch_size: int = 32  # per rank; accumulation = global / (micro * world)
     zero_stage: Literal[0, 1, 2, 3] = 2
     # auto: bf16 where the device computes it natively (CUDA sm80+, CPUs with AVX-512-BF16 or AMX),
     # else fp32. An emulated bf16 (AVX2 CPUs) runs ~50x slower than fp32. See pretrain/runtime/hardware.py.
@@ -188,9 +208,10 @@ class ImplConfig:
     # sdpa: PyTorch picks the SDPA kernel; sdpa_<backend>: that one (the math path for inputs it cannot
     # take); eager: Hugging Face's explicit attention. flash_attention_2 asked for where it cannot run
     # falls back to sdpa with a warning (pretrain.model.mlm.attention_implementation).
-    attention: Literal["auto", "flash_attention_2", "sdpa", "sdpa_flash", "sdpa_math", "sdpa_efficient",
-                       "sdpa_cudnn", "eager"] = "auto"
-    sparse_head: bool = True           # the MLM head only at masked positions
+    attention: Literal[
+        "auto", "flash_attention_2", "sdpa", "sdpa_flash", "sdpa_math", "sdpa_efficient", "sdpa_cudnn", "eager"
+    ] = "auto"
+    sparse_head: bool = True  # the MLM head only at masked positions
     # The decoder and the cross-entropy fused in row chunks, no [N, V] log-softmax kept
     # (pretrain.model.mlm_loss); false: the plain F.linear + F.cross_entropy. Needs sparse_head.
     fused_mlm_loss: bool = True
@@ -206,8 +227,8 @@ class ImplConfig:
     # but the heap fragments and grows past the working set (demo rank 0: 2.3 -> 5.9 GB in 160 steps);
     # false for glibc's default. Ignored under tcmalloc or jemalloc, which keep freed memory anyway.
     keep_freed_cpu_memory: bool = True
-    offload_optimizer: bool = False    # ZeRO-Offload of optimiser states to CPU memory
-    num_workers: int = 2               # data loader worker processes per rank
+    offload_optimizer: bool = False  # ZeRO-Offload of optimiser states to CPU memory
+    num_workers: int = 2  # data loader worker processes per rank
     prefetch_factor: int = 4
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
     # Where to train. auto: the GPUs if CUDA sees any, else the CPU. cuda: a run meant for GPUs; none
@@ -216,7 +237,7 @@ class ImplConfig:
     # MFU's denominator per process. 0: the GPU table, else a matmul measured once per machine
     # and cached (pretrain/runtime/hardware.py).
     peak_tflops: float = 0.0
-    deepspeed: dict = field(default_factory=dict)   # extra keys merged into the derived DeepSpeed JSON
+    deepspeed: dict = field(default_factory=dict)  # extra keys merged into the derived DeepSpeed JSON
 
     def check(self) -> list[str]:
         p = []
@@ -232,30 +253,31 @@ class ImplConfig:
 @dataclass
 class TrackingConfig:
     backend: Literal["mlflow", "none"] = "mlflow"
-    tracking_uri: str = ""             # "" -> $MLFLOW_TRACKING_URI, else a local store in train.out_dir
+    tracking_uri: str = ""  # "" -> $MLFLOW_TRACKING_URI, else a local store in train.out_dir
     experiment: str = "mlm-pretrain"
     run_name: str = ""
-    register_model: str = ""           # register the final export under this Model Registry name
+    register_model: str = ""  # register the final export under this Model Registry name
     system_metrics: bool = True
-    report: bool = True                # write report/ (HTML + PNGs) at the end of a run and log it
-    retry_seconds: float = 2.0         # at most this long per attempt when the server is unreachable
-    parent_run_id: str = ""            # make the run a child of this one (pretrain.study sets it)
+    report: bool = True  # write report/ (HTML + PNGs) at the end of a run and log it
+    retry_seconds: float = 2.0  # at most this long per attempt when the server is unreachable
+    parent_run_id: str = ""  # make the run a child of this one (pretrain.study sets it)
 
 
 @dataclass
 class DownstreamTaskConfig:
     """One downstream task (``pretrain.eval.tasks``): a labelled CSV/TSV/JSONL file or label-folder,
     or ``path: word_order``, the built-in task made from held-out text."""
-    name: str = ""                     # metric key downstream/<name>/...; default: the file's stem
-    path: str = ""                     # a labelled file or folder, or "word_order"
+
+    name: str = ""  # metric key downstream/<name>/...; default: the file's stem
+    path: str = ""  # a labelled file or folder, or "word_order"
     text_column: str = "text"
     label_column: str = "label"
-    test_path: str = ""                # "": a stratified test split of `path`, drawn with `seed`
+    test_path: str = ""  # "": a stratified test split of `path`, drawn with `seed`
     test_fraction: float = 0.25
-    text_path: str = ""                # word_order only: raw text (.txt/.jsonl); "": data.dir's eval split
-    shuffle_window: int = 3            # word_order only: words are shuffled inside windows this long
-    max_examples: int = 2000           # per split, a seeded subsample above this (0: all)
-    max_length: int = 128              # tokens per example
+    text_path: str = ""  # word_order only: raw text (.txt/.jsonl); "": data.dir's eval split
+    shuffle_window: int = 3  # word_order only: words are shuffled inside windows this long
+    max_examples: int = 2000  # per split, a seeded subsample above this (0: all)
+    max_length: int = 128  # tokens per example
     seed: int = 0
 
     def check(self) -> list[str]:
@@ -282,17 +304,19 @@ class EvalConfig:
     # A linear probe on frozen mean-pooled features of the trainer's own weights, logged as
     # downstream/<task>/{accuracy,macro_f1} (pretrain.eval.downstream.probe_metrics).
     downstream: list[DownstreamTaskConfig] = field(default_factory=list)
-    downstream_every: int = 0          # steps between probes; 0: with every train.eval_every evaluation
+    downstream_every: int = 0  # steps between probes; 0: with every train.eval_every evaluation
     downstream_batch_size: int = 32
 
     def check(self) -> list[str]:
         p = []
         if self.downstream_every < 0 or self.downstream_batch_size <= 0:
-            p.append(f"downstream_every must be >= 0 and downstream_batch_size > 0, got "
-                     f"{self.downstream_every}, {self.downstream_batch_size}")
+            p.append(
+                f"downstream_every must be >= 0 and downstream_batch_size > 0, got "
+                f"{self.downstream_every}, {self.downstream_batch_size}"
+            )
         names = [t.name or os.path.splitext(os.path.basename(t.path))[0] for t in self.downstream]
         p += [f"downstream: task name {n!r} used twice" for n in sorted({n for n in names if names.count(n) > 1})]
-        return p      # each task's own check() runs through configlib.validate
+        return p  # each task's own check() runs through configlib.validate
 
 
 @dataclass
@@ -319,11 +343,15 @@ class Config:
         if self.train.init_from_checkpoint and self.model.init_from:
             problems.append("train.init_from_checkpoint and model.init_from both give initial weights; keep one")
         if self.optim.name == "lamb" and self.impl.zero_stage > 0:
-            problems.append("optim.name=lamb needs impl.zero_stage=0: ZeRO hands the optimiser flat partitions, "
-                            "so LAMB's per-tensor trust ratio would be computed per partition (other results)")
+            problems.append(
+                "optim.name=lamb needs impl.zero_stage=0: ZeRO hands the optimiser flat partitions, "
+                "so LAMB's per-tensor trust ratio would be computed per partition (other results)"
+            )
         if self.optim.name == "lamb" and self.impl.offload_optimizer:
-            problems.append("optim.name=lamb with impl.offload_optimizer=true: DeepSpeed's optimiser offload "
-                            "runs Adam only; use optim.name=adamw or turn the offload off")
+            problems.append(
+                "optim.name=lamb with impl.offload_optimizer=true: DeepSpeed's optimiser offload "
+                "runs Adam only; use optim.name=adamw or turn the offload off"
+            )
         return problems
 
     def compile_now(self, steps_left: int, device_type: str, precision: str) -> bool:
@@ -342,15 +370,17 @@ def batch_size_problems(global_batch: int, micro_batch: int, world: int) -> list
     if global_batch <= 0 or micro_batch <= 0 or world <= 0:
         return []
     if global_batch % (micro_batch * world):
-        return [f"train.global_batch_size ({global_batch}) must be a multiple of impl.micro_batch_size "
-                f"({micro_batch}) x world size ({world}) = {micro_batch * world}"]
+        return [
+            f"train.global_batch_size ({global_batch}) must be a multiple of impl.micro_batch_size "
+            f"({micro_batch}) x world size ({world}) = {micro_batch * world}"
+        ]
     return []
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
 
     cfg = configlib.load(Config, path, overrides)
-    convert_eval_batches(cfg)       # the deprecated train.eval_batches, once, with this layout
+    convert_eval_batches(cfg)  # the deprecated train.eval_batches, once, with this layout
     return cfg
 
 
@@ -361,9 +391,13 @@ def convert_eval_batches(cfg) -> None:
         return
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sequences = cfg.train.eval_batches * cfg.impl.micro_batch_size * world
-    warnings.warn(f"train.eval_batches is deprecated: use train.eval_sequences (the sequences evaluated, "
-                  f"at any layout). {cfg.train.eval_batches} micro-batches x {cfg.impl.micro_batch_size} x "
-                  f"world {world} = train.eval_sequences={sequences}", FutureWarning, stacklevel=2)
+    warnings.warn(
+        f"train.eval_batches is deprecated: use train.eval_sequences (the sequences evaluated, "
+        f"at any layout). {cfg.train.eval_batches} micro-batches x {cfg.impl.micro_batch_size} x "
+        f"world {world} = train.eval_sequences={sequences}",
+        FutureWarning,
+        stacklevel=2,
+    )
     cfg.train.eval_sequences, cfg.train.eval_batches = sequences, None
 
 
@@ -379,9 +413,17 @@ def schedule_problems(cfg) -> list[str]:
         return []
     decay = wsd_decay_steps(o, cfg.train.max_steps)
     if decay < 1:
-        return [(f"optim.decay_steps: wsd needs a decay of at least 1 step (decay_steps {o.decay_steps}, "
-                 f"decay_fraction {o.decay_fraction} of train.max_steps {cfg.train.max_steps})")]
+        return [
+            (
+                f"optim.decay_steps: wsd needs a decay of at least 1 step (decay_steps {o.decay_steps}, "
+                f"decay_fraction {o.decay_fraction} of train.max_steps {cfg.train.max_steps})"
+            )
+        ]
     if o.warmup_steps + decay > cfg.train.max_steps:
-        return [(f"optim.schedule=wsd: warmup_steps ({o.warmup_steps}) + decay ({decay} steps) exceed "
-                 f"train.max_steps ({cfg.train.max_steps})")]
+        return [
+            (
+                f"optim.schedule=wsd: warmup_steps ({o.warmup_steps}) + decay ({decay} steps) exceed "
+                f"train.max_steps ({cfg.train.max_steps})"
+            )
+        ]
     return []

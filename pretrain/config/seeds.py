@@ -1,4 +1,5 @@
 """Seeds derived from where the run is, so that a resumed run draws exactly what it would have."""
+
 from __future__ import annotations
 
 import hashlib

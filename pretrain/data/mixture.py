@@ -27,6 +27,7 @@ Micro-batches carry the keys of ``pretrain.data.stream``'s (less ``epoch``: each
 runs ``pretrain.data.stream.TrainStream`` unchanged (its checkpoints stay valid); both are a
 ``pretrain.data.stream.Stream`` and read through one worker loop (``_WorkerLoop``).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,18 +41,16 @@ import numpy as np
 import torch
 
 from data_prep.common.manifest import Manifest, load_manifest
-from pretrain.data.stream import (MAIN, DataError, Stream, _open_split, _Plan, _WorkerLoop, cached,
-                                  checked_position)
+from pretrain.data.stream import MAIN, DataError, Stream, _open_split, _Plan, _WorkerLoop, cached, checked_position
 from pretrain.config.seeds import derive_seed
 from pretrain.data.shard_reader import BlockReader
-
 
 
 @dataclass(frozen=True)
 class Source:
     name: str
     dir: str
-    share: float       # normalised weight
+    share: float  # normalised weight
 
 
 def resolve_sources(data_cfg) -> list[Source]:
@@ -87,8 +86,12 @@ def min_share_problems(cfg) -> list[str]:
     if not is_mixture(cfg):
         return []
     g = cfg.train.global_batch_size
-    return [f"data.sources[{s.name}]: weight share {s.share:.4g} x train.global_batch_size {g} < 1 sequence per "
-            f"step; raise its weight or the global batch" for s in resolve_sources(cfg.data) if s.share * g < 1]
+    return [
+        f"data.sources[{s.name}]: weight share {s.share:.4g} x train.global_batch_size {g} < 1 sequence per "
+        f"step; raise its weight or the global batch"
+        for s in resolve_sources(cfg.data)
+        if s.share * g < 1
+    ]
 
 
 # ------------------------------------------------------------------------------------ one source's order
@@ -119,8 +122,8 @@ class _SourceCursor:
             pieces = []
             for w in range(first, last + 1):
                 perm = cached(self._windows, (epoch, w), lambda w=w: p.window_order(epoch, w), self.keep_windows)
-                pieces.append(perm[max(lo - w * p.window, 0):hi - w * p.window])
-            offsets = np.sort(pieces[0] if first == last else np.concatenate(pieces))   # block order, as pretrain.data
+                pieces.append(perm[max(lo - w * p.window, 0) : hi - w * p.window])
+            offsets = np.sort(pieces[0] if first == last else np.concatenate(pieces))  # block order, as pretrain.data
         else:
             offsets = np.arange(lo, hi)
         perm, ends, starts = self._order(epoch)
@@ -149,6 +152,7 @@ class _SourceCursor:
 @dataclass(frozen=True)
 class _MixPlan:
     """Which sequences of which source each global step holds; no rank, world or micro-batch in it."""
+
     plans: tuple[_Plan, ...]
     shares: np.ndarray
     global_batch: int
@@ -234,8 +238,13 @@ class _MixtureDataset(_WorkerLoop):
             ids, starts = pieces[0]
         else:
             ids, starts = torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
-        return {"input_ids": ids, "word_starts": starts, "sample_ids": torch.from_numpy(sample_ids[lo:hi]),
-                "has_padding": padded, "source": torch.from_numpy(source[lo:hi])}
+        return {
+            "input_ids": ids,
+            "word_starts": starts,
+            "sample_ids": torch.from_numpy(sample_ids[lo:hi]),
+            "has_padding": padded,
+            "source": torch.from_numpy(source[lo:hi]),
+        }
 
     def _step(self, cursors, firsts: list[np.ndarray], k: int) -> tuple:
         """Step ``k`` with what every micro-batch of it needs: each source's part, the sample ids and
@@ -254,12 +263,26 @@ class MixtureStream(Stream):
     """One rank's infinite, deterministic stream of micro-batches from several sources; the same
     interface and resume rules as ``pretrain.data.stream.TrainStream`` (``samples_consumed`` is the position)."""
 
-    def __init__(self, sources: list[Source], manifests: list[Manifest], split: str, rank: int, world: int,
-                 micro_batch: int, global_batch: int, seed: int, num_workers: int = 0, prefetch_factor: int = 2,
-                 *, shuffle_window_blocks: int = 8):
+    def __init__(
+        self,
+        sources: list[Source],
+        manifests: list[Manifest],
+        split: str,
+        rank: int,
+        world: int,
+        micro_batch: int,
+        global_batch: int,
+        seed: int,
+        num_workers: int = 0,
+        prefetch_factor: int = 2,
+        *,
+        shuffle_window_blocks: int = 8,
+    ):
         if global_batch % (micro_batch * world) or not 0 <= rank < world:
-            raise DataError(f"MixtureStream: global_batch {global_batch} is not a multiple of micro_batch "
-                            f"{micro_batch} x world {world}, or rank {rank} is outside it")
+            raise DataError(
+                f"MixtureStream: global_batch {global_batch} is not a multiple of micro_batch "
+                f"{micro_batch} x world {world}, or rank {rank} is outside it"
+            )
         plans = []
         for i, (src, manifest) in enumerate(zip(sources, manifests)):
             _, layout = _open_split(src.dir, manifest, split)
@@ -297,26 +320,43 @@ class MixtureStream(Stream):
         return whole._step(self._plan.cursors(), _sample_id_firsts(self._plan), k)[2]
 
     def describe(self) -> str:
-        return "; ".join(f"{s.name}: {n} sequences, share {s.share:.3f}" for s, n in
-                         zip(self.sources, self.source_sequences())) + (
+        return "; ".join(
+            f"{s.name}: {n} sequences, share {s.share:.3f}" for s, n in zip(self.sources, self.source_sequences())
+        ) + (
             f"; {self.global_batch} sequences a step ({self.world} ranks x micro-batch {self.micro_batch} x "
-            f"accumulation {self.grad_accum})")
+            f"accumulation {self.grad_accum})"
+        )
 
     # -- resume
     def _fingerprints(self) -> dict[str, list]:
-        return {s.name: [round(s.share, 12), p.layout.sequences,
-                         hashlib.sha256(json.dumps(p.layout.shards_signature).encode()).hexdigest()[:16]]
-                for s, p in zip(self.sources, self._plan.plans)}
+        return {
+            s.name: [
+                round(s.share, 12),
+                p.layout.sequences,
+                hashlib.sha256(json.dumps(p.layout.shards_signature).encode()).hexdigest()[:16],
+            ]
+            for s, p in zip(self.sources, self._plan.plans)
+        }
 
     def state_dict(self) -> dict:
-        return {"samples_consumed": self.samples_consumed, "global_batch": self.global_batch, "seed": self.seed,
-                "split": self.split, "shuffle_window_blocks": self.shuffle_window_blocks,
-                "sources": self._fingerprints(), "world": self.world, "micro_batch": self.micro_batch}
+        return {
+            "samples_consumed": self.samples_consumed,
+            "global_batch": self.global_batch,
+            "seed": self.seed,
+            "split": self.split,
+            "shuffle_window_blocks": self.shuffle_window_blocks,
+            "sources": self._fingerprints(),
+            "world": self.world,
+            "micro_batch": self.micro_batch,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at ``state["samples_consumed"]``; another source, weight or data is refused by name."""
-        changed = [f"{k}: {state.get(k)!r} in the checkpoint, {getattr(self, k)!r} now"
-                   for k in ("global_batch", "seed", "split", "shuffle_window_blocks") if state.get(k) != getattr(self, k)]
+        changed = [
+            f"{k}: {state.get(k)!r} in the checkpoint, {getattr(self, k)!r} now"
+            for k in ("global_batch", "seed", "split", "shuffle_window_blocks")
+            if state.get(k) != getattr(self, k)
+        ]
         saved, mine = state.get("sources"), self._fingerprints()
         if not isinstance(saved, dict):
             changed.append("the checkpoint was trained on one source (data.dir), this run is a mixture")
@@ -324,22 +364,27 @@ class MixtureStream(Stream):
             changed += [f"source {n!r}: only in the checkpoint" for n in saved if n not in mine]
             changed += [f"source {n!r}: not in the checkpoint" for n in mine if n not in saved]
             for n in sorted(set(saved) & set(mine)):
-                what = [label for label, a, b in zip(("weight share", "sequences", "shards"), saved[n], mine[n])
-                        if a != b]
+                what = [
+                    label for label, a, b in zip(("weight share", "sequences", "shards"), saved[n], mine[n]) if a != b
+                ]
                 if what:
                     changed.append(f"source {n!r}: {', '.join(what)} changed ({saved[n]} -> {mine[n]})")
         if changed:
-            raise DataError("the mixture's checkpointed position does not apply to this run (" + "; ".join(changed)
-                            + "): the same sequences in the same order need the same sources, weights, "
-                            "global batch and data seed")
+            raise DataError(
+                "the mixture's checkpointed position does not apply to this run ("
+                + "; ".join(changed)
+                + "): the same sequences in the same order need the same sources, weights, "
+                "global batch and data seed"
+            )
         self.samples_consumed = checked_position(state, self.global_batch)
 
     def metrics(self, step: int, max_steps: int) -> dict:
         """Per-source tokens consumed (sequence slots x length, as train/tokens_seen), epochs so far and
         epochs the run reaches by ``max_steps``."""
         out = {}
-        for src, count, n, final in zip(self.sources, self.consumed(step), self.source_sequences(),
-                                        self.consumed(max_steps)):
+        for src, count, n, final in zip(
+            self.sources, self.consumed(step), self.source_sequences(), self.consumed(max_steps)
+        ):
             out[f"data/{src.name}/tokens"] = int(count) * self.seq_len
             out[f"data/{src.name}/epochs"] = float(count) / n
             out[f"data/{src.name}/epochs_at_max_steps"] = float(final) / n
@@ -347,9 +392,13 @@ class MixtureStream(Stream):
 
     def plan_lines(self, max_steps: int) -> list[str]:
         final = self.consumed(max_steps)
-        return [(f"{s.name}: {n} sequences, share of the steps {s.share:.3f} ({int(c)} sequences by step "
-                 f"{max_steps}), epochs at step {max_steps}: {c / n:.3f}")
-                for s, n, c in zip(self.sources, self.source_sequences(), final)]
+        return [
+            (
+                f"{s.name}: {n} sequences, share of the steps {s.share:.3f} ({int(c)} sequences by step "
+                f"{max_steps}), epochs at step {max_steps}: {c / n:.3f}"
+            )
+            for s, n, c in zip(self.sources, self.source_sequences(), final)
+        ]
 
     def dataset(self, start: int) -> _MixtureDataset:
         return _MixtureDataset(self._plan, self.rank, self.world, self.micro_batch, self.grad_accum, start)
@@ -359,5 +408,7 @@ class MixtureStream(Stream):
 
 
 def source_manifests(cfg, first: Manifest | None = None) -> list[Manifest]:
-    return [first if (first is not None and i == 0) else load_manifest(s.dir)
-            for i, s in enumerate(resolve_sources(cfg.data))]
+    return [
+        first if (first is not None and i == 0) else load_manifest(s.dir)
+        for i, s in enumerate(resolve_sources(cfg.data))
+    ]

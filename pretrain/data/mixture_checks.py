@@ -8,6 +8,7 @@ resume is refused by source name (``resume_problems``).
 
 prints each source's sequences, share of the steps and epochs at ``train.max_steps``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,10 +21,12 @@ from pretrain.data import make_train_stream
 from pretrain.data.mixture import is_mixture, min_share_problems, resolve_sources
 from pretrain.data.shard_reader import check_manifest
 
-_SHARED = (("seq_len", lambda m: m.seq_len),
-           ("tokenizer sha256", lambda m: m.tokenizer.sha256),
-           ("vocab_size", lambda m: m.tokenizer.vocab_size),
-           ("special ids", lambda m: m.tokenizer.special_ids))
+_SHARED = (
+    ("seq_len", lambda m: m.seq_len),
+    ("tokenizer sha256", lambda m: m.tokenizer.sha256),
+    ("vocab_size", lambda m: m.tokenizer.vocab_size),
+    ("special ids", lambda m: m.tokenizer.special_ids),
+)
 
 
 def mixture_problems(cfg: Config, first_manifest: Manifest) -> list[str]:
@@ -42,18 +45,23 @@ def mixture_problems(cfg: Config, first_manifest: Manifest) -> list[str]:
             problems.append(f"{where}: {exc}")
             continue
         splits = [cfg.data.train_split] + ([cfg.data.eval_split] if manifest.has_split(cfg.data.eval_split) else [])
-        problems += [f"{where}: {p}" for p in check_manifest(
-            manifest, src.dir, max_positions=cfg.model.max_position_embeddings, splits=splits)]
+        problems += [
+            f"{where}: {p}"
+            for p in check_manifest(manifest, src.dir, max_positions=cfg.model.max_position_embeddings, splits=splits)
+        ]
         for label, get in _SHARED:
             if get(manifest) != get(first_manifest):
-                problems.append(f"{where}: {label} {get(manifest)!r} differs from the first source "
-                                f"{first.name!r} ({get(first_manifest)!r}); all sources must be prepared with "
-                                f"the same tokenizer and --seq-len")
+                problems.append(
+                    f"{where}: {label} {get(manifest)!r} differs from the first source "
+                    f"{first.name!r} ({get(first_manifest)!r}); all sources must be prepared with "
+                    f"the same tokenizer and --seq-len"
+                )
     return problems
 
 
 def resume_problems(before: dict, now: dict, tag: str) -> list[str]:
     """The checkpoint's sources and weights against this run's, by source name (flattened configs)."""
+
     def table(flat: dict) -> dict[str, tuple]:
         sources = flat.get("data.sources") or []
         if not sources:
@@ -63,7 +71,7 @@ def resume_problems(before: dict, now: dict, tag: str) -> list[str]:
 
     old, new = table(before), table(now)
     if len(old) == 1 and len(new) == 1:
-        return []        # one source: its data is checked by the manifest and the stream's fingerprint
+        return []  # one source: its data is checked by the manifest and the stream's fingerprint
     problems = [f"data.sources: {n!r} was a source of checkpoint {tag}, not of this run" for n in old if n not in new]
     problems += [f"data.sources: {n!r} is not a source of checkpoint {tag}" for n in new if n not in old]
     for n in [n for n in new if n in old]:
@@ -72,7 +80,9 @@ def resume_problems(before: dict, now: dict, tag: str) -> list[str]:
         if old[n][0] != new[n][0]:
             problems.append(f"data.sources[{n}]: dir {old[n][0]!r} in checkpoint {tag}, {new[n][0]!r} now")
     if list(old) != list(new) and not problems:
-        problems.append(f"data.sources: the order of the sources changed since checkpoint {tag} (it seeds their orders)")
+        problems.append(
+            f"data.sources: the order of the sources changed since checkpoint {tag} (it seeds their orders)"
+        )
     return problems
 
 
@@ -84,19 +94,22 @@ def plan(cfg: Config, world: int = 1) -> list[str]:
     if problems:
         raise ConfigError(problems, "data")
     micro = cfg.train.global_batch_size // world if cfg.train.global_batch_size % world == 0 else 1
-    cfg.impl.micro_batch_size = micro        # the plan does not depend on how a step is cut
+    cfg.impl.micro_batch_size = micro  # the plan does not depend on how a step is cut
     stream = make_train_stream(cfg, manifest, 0, world)
-    return [f"{cfg.train.max_steps} steps of {cfg.train.global_batch_size} sequences of {stream.seq_len} tokens",
-            *stream.plan_lines(cfg.train.max_steps)]
+    return [
+        f"{cfg.train.max_steps} steps of {cfg.train.global_batch_size} sequences of {stream.seq_len} tokens",
+        *stream.plan_lines(cfg.train.max_steps),
+    ]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pretrain.data plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m pretrain.data plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("verb", choices=["plan"])
     p.add_argument("--config", required=True, help="YAML file (see configs/)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. train.max_steps=1000")
-    args = p.parse_intermixed_args(argv)     # the verb, --config and overrides in any order
+    args = p.parse_intermixed_args(argv)  # the verb, --config and overrides in any order
     try:
         lines = plan(load_config(args.config, args.overrides))
     except (ConfigError, ShardError) as exc:

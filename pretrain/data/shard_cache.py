@@ -18,6 +18,7 @@ not writable or has no room for a shard is refused before any process group star
 ``data.cache_dir`` (``cache_dir_problems``); one that fails later (its disk filled by something else)
 raises ``CacheUnusable``, and the reader says so once and reads by range from then on.
 """
+
 from __future__ import annotations
 
 import errno
@@ -37,7 +38,7 @@ from data_prep.common.storage import StorageError
 log = logging.getLogger("pretrain")
 ENV_DIR, ENV_GB = "MLM_DATA_CACHE_DIR", "MLM_DATA_CACHE_GB"
 DOWNLOADS_LOG = "downloads.log"
-_TOUCH_EVERY_S = 60.0          # a shard's last use, for eviction, is kept to this precision
+_TOUCH_EVERY_S = 60.0  # a shard's last use, for eviction, is kept to this precision
 
 
 class CacheUnusable(OSError):
@@ -90,7 +91,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:                 # another user's live process
+    except PermissionError:  # another user's live process
         return True
     return True
 
@@ -105,7 +106,7 @@ class ShardCache:
         limit_gb = float(os.environ.get(ENV_GB) or 0)
         if limit_gb <= 0:
             return None
-        return cls(Path(os.environ.get(ENV_DIR) or default_dir()), int(limit_gb * 2 ** 30))
+        return cls(Path(os.environ.get(ENV_DIR) or default_dir()), int(limit_gb * 2**30))
 
     def path(self, entry: ShardEntry) -> Path:
         return self.root / f"{entry.sha256}.tar"
@@ -120,9 +121,9 @@ class ShardCache:
             self._touched[entry.sha256] = now
             try:
                 os.utime(path)
-            except FileNotFoundError:           # evicted just now by another process
+            except FileNotFoundError:  # evicted just now by another process
                 return None
-            except OSError as exc:              # a read-only or failing cache disk
+            except OSError as exc:  # a read-only or failing cache disk
                 raise CacheUnusable(exc.errno, f"{self.root}: {exc.strerror or exc}") from exc
         return path
 
@@ -138,22 +139,26 @@ class ShardCache:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                return                          # another process of this node is downloading it
+                return  # another process of this node is downloading it
             path = self.path(entry)
             if path.is_file():
                 return
             free = shutil.disk_usage(self.root).free
             if free < entry.bytes:
-                raise CacheUnusable(errno.ENOSPC, f"{self.root}: {free / 2**20:.1f} MiB free, the shard needs "
-                                                  f"{entry.bytes / 2**20:.1f} MiB")
+                raise CacheUnusable(
+                    errno.ENOSPC,
+                    f"{self.root}: {free / 2**20:.1f} MiB free, the shard needs {entry.bytes / 2**20:.1f} MiB",
+                )
             tmp = self.root / f".{entry.sha256}.{os.getpid()}.tmp"
             try:
                 store.download(entry.name, tmp)
                 if tmp.stat().st_size != entry.bytes or sha256_file(tmp) != entry.sha256:
-                    raise ShardError(f"{store.url(entry.name)}: downloaded whole, it is not the shard the "
-                                     "manifest lists (size or sha256 differs; replaced after data prep?)")
+                    raise ShardError(
+                        f"{store.url(entry.name)}: downloaded whole, it is not the shard the "
+                        "manifest lists (size or sha256 differs; replaced after data prep?)"
+                    )
                 os.replace(tmp, path)
-                with open(self.root / DOWNLOADS_LOG, "a") as f:   # one short append: whole lines across processes
+                with open(self.root / DOWNLOADS_LOG, "a") as f:  # one short append: whole lines across processes
                     f.write(f"{entry.sha256} {entry.bytes} {store.url(entry.name)}\n")
             except StorageError as exc:
                 # A local write that failed inside the download (the disk filled meanwhile) is reported
@@ -184,7 +189,7 @@ class ShardCache:
             else:
                 tmp.unlink(missing_ok=True)
         for lock_path in self.root.glob(".*.lock"):
-            sha = lock_path.name[1:-len(".lock")]
+            sha = lock_path.name[1 : -len(".lock")]
             if sha == "evict" or (self.root / f"{sha}.tar").exists():
                 continue
             try:

@@ -11,6 +11,7 @@ checks each decoded block once: its shape and dtype against the manifest, and ev
 the vocabulary size (a corrupt shard or an edited ``vocab_size`` otherwise trains for a while and
 dies in the embedding lookup with an ``IndexError`` naming nothing).
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,20 +27,26 @@ import torch
 
 from data_prep.common.commands import location, python_command
 from data_prep.common.manifest import MANIFEST, Manifest, ShardEntry
-from data_prep.common.shards import (ShardError, block_sizes, check_block, ids_dtype, index_shard, parse_block,
-                                     read_span)
+from data_prep.common.shards import ShardError, block_sizes, check_block, ids_dtype, index_shard, parse_block, read_span
 from data_prep.common.storage import StorageError, Store, StoreUnavailable, open_store
 from pretrain.data.shard_cache import CacheUnusable, ShardCache
 
-__all__ = ["DataError", "ShardError", "TokenIdError", "check_manifest", "index_all_shards", "SplitLayout",
-           "BlockReader"]
+__all__ = [
+    "DataError",
+    "ShardError",
+    "TokenIdError",
+    "check_manifest",
+    "index_all_shards",
+    "SplitLayout",
+    "BlockReader",
+]
 
-_MAX_NAMED = 10            # problems name at most this many shards, then give a count
-_OPEN_FILES = 16           # file handles kept open per reader
+_MAX_NAMED = 10  # problems name at most this many shards, then give a count
+_OPEN_FILES = 16  # file handles kept open per reader
 _INDEX_THREADS = 8
-READ_AHEAD_THREADS = 8     # ranged GETs in flight per reader (a remote store only)
+READ_AHEAD_THREADS = 8  # ranged GETs in flight per reader (a remote store only)
 log = logging.getLogger("pretrain")
-_cache_warned = False      # this process has said that its node cache is unusable
+_cache_warned = False  # this process has said that its node cache is unusable
 
 
 class DataError(ValueError):
@@ -52,8 +59,9 @@ class TokenIdError(ShardError):
 
 def _named(count_label: str, items: list[str], where, hint: str = "") -> str:
     more = f" and {len(items) - _MAX_NAMED} more" if len(items) > _MAX_NAMED else ""
-    return (f"{where}: {len(items)} {count_label}: {', '.join(items[:_MAX_NAMED])}{more}"
-            + (f" ({hint})" if hint else ""))
+    return f"{where}: {len(items)} {count_label}: {', '.join(items[:_MAX_NAMED])}{more}" + (
+        f" ({hint})" if hint else ""
+    )
 
 
 # ------------------------------------------------------------------------------------ manifest
@@ -64,11 +72,15 @@ def _shard_index(path: str, entry: ShardEntry) -> np.ndarray:
     against the manifest's where it records them."""
     offsets = index_shard(path)
     if len(offsets) != entry.blocks + 1:
-        raise ShardError(f"{path}: its tar headers list {len(offsets) - 1} blocks, the manifest says {entry.blocks} "
-                         f"(a damaged header, or rewritten after finalize; run data_prep verify)")
+        raise ShardError(
+            f"{path}: its tar headers list {len(offsets) - 1} blocks, the manifest says {entry.blocks} "
+            f"(a damaged header, or rewritten after finalize; run data_prep verify)"
+        )
     if entry.block_offsets is not None and tuple(offsets) != entry.block_offsets:
-        raise ShardError(f"{path}: its tar headers put the blocks elsewhere than the manifest's block_offsets "
-                         f"(rewritten after finalize; run data_prep verify)")
+        raise ShardError(
+            f"{path}: its tar headers put the blocks elsewhere than the manifest's block_offsets "
+            f"(rewritten after finalize; run data_prep verify)"
+        )
     return np.asarray(offsets, dtype=np.int64)
 
 
@@ -101,15 +113,16 @@ def _shard_sizes(store: Store, entries: Sequence[ShardEntry]) -> dict[str, Optio
         return {e.name: (p.stat().st_size if (p := store.local_dir / e.name).is_file() else None) for e in entries}
     try:
         listed = store.list()
-    except StorageError:                                   # https: no listing
+    except StorageError:  # https: no listing
         with ThreadPoolExecutor(max_workers=_INDEX_THREADS) as pool:
             infos = list(pool.map(lambda e: store.stat(e.name), entries))
         return {e.name: (i.size if i else None) for e, i in zip(entries, infos)}
     return {e.name: listed.get(e.name) for e in entries}
 
 
-def _shard_file_problems(manifest: Manifest, data_dir: str | os.PathLike,
-                         splits: Sequence[str]) -> tuple[list[str], list[ShardEntry]]:
+def _shard_file_problems(
+    manifest: Manifest, data_dir: str | os.PathLike, splits: Sequence[str]
+) -> tuple[list[str], list[ShardEntry]]:
     """Missing, wrong-size or inconsistent shard files; and the sound entries of ``splits`` (all if none)."""
     problems: list[str] = []
     missing, wrong_size, inconsistent, sound, unindexed = [], [], [], [], []
@@ -134,20 +147,32 @@ def _shard_file_problems(manifest: Manifest, data_dir: str | os.PathLike,
         if not splits or entry.split in splits:
             sound.append(entry)
     for label, items, hint in (
-            ("shard files missing", missing, "restore them or re-run data_prep"),
-            ("shards without block_offsets in the manifest", unindexed, "a remote reader needs them: run "
-             f"`{python_command('data_prep', 'finalize', location(data_dir))}` again, which records them"),
-            ("shard files of the wrong size", wrong_size, "truncated or rewritten; run data_prep verify"),
-            ("shard entries inconsistent", inconsistent, "")):
+        ("shard files missing", missing, "restore them or re-run data_prep"),
+        (
+            "shards without block_offsets in the manifest",
+            unindexed,
+            "a remote reader needs them: run "
+            f"`{python_command('data_prep', 'finalize', location(data_dir))}` again, which records them",
+        ),
+        ("shard files of the wrong size", wrong_size, "truncated or rewritten; run data_prep verify"),
+        ("shard entries inconsistent", inconsistent, ""),
+    ):
         if items:
             problems.append(_named(label, items, store.url(), hint))
     return problems, sound
 
 
-def check_manifest(manifest: Manifest, data_dir: str | os.PathLike, *, splits: Sequence[str] = (),
-                   vocab_size: Optional[int] = None, tokenizer_sha256: Optional[str] = None,
-                   seq_len_max: Optional[int] = None, max_positions: Optional[int] = None,
-                   index_tars: bool = True) -> list[str]:
+def check_manifest(
+    manifest: Manifest,
+    data_dir: str | os.PathLike,
+    *,
+    splits: Sequence[str] = (),
+    vocab_size: Optional[int] = None,
+    tokenizer_sha256: Optional[str] = None,
+    seq_len_max: Optional[int] = None,
+    max_positions: Optional[int] = None,
+    index_tars: bool = True,
+) -> list[str]:
     """Every reason the data in ``data_dir`` cannot feed this model, as readable lines (empty: fine).
 
     ``vocab_size`` is the tokenizer's (unpadded) vocabulary the model was built for,
@@ -162,8 +187,10 @@ def check_manifest(manifest: Manifest, data_dir: str | os.PathLike, *, splits: S
     problems: list[str] = []
     data_vocab, data_sha256, seq_len = manifest.tokenizer.vocab_size, manifest.tokenizer.sha256, manifest.seq_len
     if tokenizer_sha256 is not None and data_sha256 != tokenizer_sha256:
-        problems.append(f"{where}: the data was tokenized with tokenizer sha256 {data_sha256[:12]}..., "
-                        f"the model's tokenizer is {tokenizer_sha256[:12]}... (re-run data_prep with the model's tokenizer)")
+        problems.append(
+            f"{where}: the data was tokenized with tokenizer sha256 {data_sha256[:12]}..., "
+            f"the model's tokenizer is {tokenizer_sha256[:12]}... (re-run data_prep with the model's tokenizer)"
+        )
     if vocab_size is not None and data_vocab != vocab_size:
         problems.append(f"{where}: tokenizer.vocab_size is {data_vocab}, the model's vocabulary is {vocab_size}")
     if seq_len_max is not None and seq_len > seq_len_max:
@@ -179,7 +206,7 @@ def check_manifest(manifest: Manifest, data_dir: str | os.PathLike, *, splits: S
     except StorageError as exc:
         return problems + [str(exc)]
     problems += shard_problems
-    if index_tars and open_store(data_dir).local_dir is not None:     # remote: offsets from the manifest
+    if index_tars and open_store(data_dir).local_dir is not None:  # remote: offsets from the manifest
         problems += _index_problems(data_dir, sound)
     return problems
 
@@ -198,8 +225,8 @@ class SplitLayout:
         self.block_size = manifest.block_size
         self.vocab_size = manifest.tokenizer.vocab_size
         self.pad_id = manifest.tokenizer.pad_id
-        self.store = open_store(data_dir)         # picklable: a worker makes its own client
-        self.paths = [self.store.url(s.name) for s in entries]      # for messages; files where local
+        self.store = open_store(data_dir)  # picklable: a worker makes its own client
+        self.paths = [self.store.url(s.name) for s in entries]  # for messages; files where local
         self.shard_blocks = [s.blocks for s in entries]
         self.shard_entries = entries
         # What a resumed stream must find unchanged: names, counts and content hashes of the split's shards.
@@ -224,8 +251,10 @@ class SplitLayout:
         """(shard file name, sequence index within that shard) of a sample id."""
         block = int(np.searchsorted(self.block_first, sample_id, side="right")) - 1
         row = int(sample_id - self.block_first[block])
-        return (os.path.basename(self.paths[self.block_shard[block]]),
-                int(self.block_index[block]) * self.block_size + row)
+        return (
+            os.path.basename(self.paths[self.block_shard[block]]),
+            int(self.block_index[block]) * self.block_size + row,
+        )
 
 
 class BlockReader:
@@ -278,8 +307,9 @@ class BlockReader:
         path = self.layout.paths[shard]
         if shard not in self._indexes:
             entry = self.layout.shard_entries[shard]
-            self._indexes[shard] = (np.asarray(entry.block_offsets, dtype=np.int64) if entry.block_offsets
-                                    else _shard_index(path, entry))
+            self._indexes[shard] = (
+                np.asarray(entry.block_offsets, dtype=np.int64) if entry.block_offsets else _shard_index(path, entry)
+            )
         try:
             f = open(path, "rb")
         except OSError as exc:
@@ -301,7 +331,7 @@ class BlockReader:
         try:
             ids, starts = future.result() if future is not None else self._read(shard, index)
         except StoreUnavailable:
-            raise                                    # the store is down, not the data bad: exit 3 upstream
+            raise  # the store is down, not the data bad: exit 3 upstream
         except StorageError as exc:
             raise ShardError(f"{path}: block {index} cannot be read ({exc})") from exc
         except ShardError as exc:
@@ -309,15 +339,18 @@ class BlockReader:
         except (ValueError, OSError, EOFError) as exc:
             raise ShardError(f"{path}: block {index} cannot be decoded ({exc}); run data_prep verify") from exc
         if ids.shape != (n, lay.seq_len) or starts.shape != (n, lay.seq_len) or ids.dtype.kind != "u":
-            raise ShardError(f"{path}: block {index} has input_ids {ids.dtype}{list(ids.shape)}, "
-                             f"expected unsigned [{n}, {lay.seq_len}] from the manifest")
+            raise ShardError(
+                f"{path}: block {index} has input_ids {ids.dtype}{list(ids.shape)}, "
+                f"expected unsigned [{n}, {lay.seq_len}] from the manifest"
+            )
         if ids.size and int(ids.max()) >= lay.vocab_size:
             row, col = (int(x) for x in np.argwhere(ids >= lay.vocab_size)[0])
             raise TokenIdError(
                 f"{path}: block {index} holds token id {int(ids[row, col])} (row {row}, sequence "
                 f"{index * lay.block_size + row} of the shard, position {col}) but the vocabulary has "
                 f"{lay.vocab_size} ids: the shard is corrupt or manifest.json's tokenizer.vocab_size was "
-                f"edited (run data_prep verify)")
+                f"edited (run data_prep verify)"
+            )
         self._blocks[b] = (ids, starts)
         self._cached_rows += n
         while self._cached_rows > self.cache_sequences and len(self._blocks) > 1:
@@ -332,7 +365,7 @@ class BlockReader:
         entry = lay.shard_entries[shard]
         where = f"{lay.paths[shard]}: block {index}"
         if lay.store.local_dir is None:
-            offsets = entry.block_offsets                          # checked present by check_manifest
+            offsets = entry.block_offsets  # checked present by check_manifest
             try:
                 fd = self._cached_fd(shard) if self._cache is not None else None
             except CacheUnusable as exc:
@@ -344,7 +377,7 @@ class BlockReader:
                 span = lay.store.read_range(entry.name, offsets[index], offsets[index + 1])
         else:
             f = self._file(shard)
-            start, end = (int(x) for x in self._indexes[shard][index:index + 2])
+            start, end = (int(x) for x in self._indexes[shard][index : index + 2])
             span = read_span(f, start, end)
         check_block(entry, index, span, where)
         return parse_block(span, lay.seq_len, where)
@@ -354,7 +387,7 @@ class BlockReader:
         its failure, a replaced object or the store down, is raised here on a later read)."""
         with self._lock:
             fd, cache = self._cached_fds.get(shard), self._cache
-            if fd is not None or cache is None:        # (another thread gave the cache up meanwhile)
+            if fd is not None or cache is None:  # (another thread gave the cache up meanwhile)
                 return fd
             fetch = self._fetches.get(shard)
             if fetch is not None and fetch.done() and isinstance(fetch.exception(), CacheUnusable):
@@ -367,13 +400,14 @@ class BlockReader:
                 try:
                     self._cached_fds[shard] = fd = os.open(path, os.O_RDONLY)
                     return fd
-                except FileNotFoundError:           # evicted between lookup and open
+                except FileNotFoundError:  # evicted between lookup and open
                     pass
             if fetch is None or (fetch.done() and fetch.exception() is None):
                 if self._downloads is None:
                     self._downloads = ThreadPoolExecutor(1, thread_name_prefix="shard-download")
                 self._fetches[shard] = self._downloads.submit(
-                    cache.fetch, self.layout.store, self.layout.shard_entries[shard])
+                    cache.fetch, self.layout.store, self.layout.shard_entries[shard]
+                )
             return None
 
     def _give_up_cache(self, exc: CacheUnusable) -> None:
@@ -382,15 +416,19 @@ class BlockReader:
         self._cache = None
         if not _cache_warned:
             _cache_warned = True
-            log.warning("data.cache_dir: %s; this process reads every block by range from %s from now on "
-                        "(slower, the same data)", exc.strerror or exc, self.layout.store.url())
+            log.warning(
+                "data.cache_dir: %s; this process reads every block by range from %s from now on "
+                "(slower, the same data)",
+                exc.strerror or exc,
+                self.layout.store.url(),
+            )
 
     def gather(self, blocks: np.ndarray, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Rows ``rows[i]`` of blocks ``blocks[i]`` as an int64 [B, L] and a bool [B, L] tensor, and
         whether any of them holds padding (computed here, so the trainer needs no device sync to know)."""
         ids = np.empty((len(blocks), self.layout.seq_len), dtype=np.int64)
         starts = np.empty((len(blocks), self.layout.seq_len), dtype=bool)
-        self.prefetch(np.unique(blocks))             # a remote micro-batch's blocks arrive together
+        self.prefetch(np.unique(blocks))  # a remote micro-batch's blocks arrive together
         for b in np.unique(blocks):
             sel = np.flatnonzero(blocks == b)
             block_ids, block_starts = self.block(int(b))

@@ -48,6 +48,7 @@ Every micro-batch is ``{"input_ids": int64 [mb, L], "word_starts": bool [mb, L],
 int64 [mb] (index of the sequence in the split: shards by name, blocks and rows in file order),
 "has_padding": bool, "global_step": k, "micro_step": i, "epoch": e}``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -64,17 +65,29 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from data_prep.common.manifest import Manifest, load_manifest
 from data_prep.common.storage import StoreUnavailable
 from pretrain.data.shard_reader import (
-    BlockReader, DataError, ShardError, SplitLayout, TokenIdError, check_manifest, index_all_shards,
+    BlockReader,
+    DataError,
+    ShardError,
+    SplitLayout,
+    TokenIdError,
+    check_manifest,
+    index_all_shards,
 )
 
 __all__ = [
-    "DataError", "ShardError", "TokenIdError", "check_manifest", "index_all_shards", "Stream", "TrainStream",
+    "DataError",
+    "ShardError",
+    "TokenIdError",
+    "check_manifest",
+    "index_all_shards",
+    "Stream",
+    "TrainStream",
 ]
 
 # Seed domains, so that the block order of an epoch and the window shuffles never share a stream.
 _BLOCK_ORDER, _WINDOW_ORDER = 0, 1
-READ_AHEAD = 4     # micro-batches a worker fetches ahead from a remote store (blocks in flight: BlockReader)
-MAIN = "main"      # the name of the one source that data.dir alone is
+READ_AHEAD = 4  # micro-batches a worker fetches ahead from a remote store (blocks in flight: BlockReader)
+MAIN = "main"  # the name of the one source that data.dir alone is
 
 
 def _open_split(data_dir, manifest: Optional[Manifest], split) -> tuple[Manifest, SplitLayout]:
@@ -102,10 +115,11 @@ def cached(cache: OrderedDict, key, make, keep: int):
 @dataclass(frozen=True)
 class _Plan:
     """Which sequences each global step holds; a pure function of its fields (no rank, world or micro-batch)."""
+
     layout: SplitLayout
     global_batch: int
     seed: int
-    window: int                # sequences per shuffle window; 0: no shuffle
+    window: int  # sequences per shuffle window; 0: no shuffle
 
     @property
     def steps_per_epoch(self) -> int:
@@ -152,7 +166,7 @@ class _PlanCursor:
             pieces = []
             for w in range(p0 // p.window, (p1 - 1) // p.window + 1):
                 perm = cached(self._windows, (epoch, w), lambda: p.window_order(epoch, w), self._keep_windows)
-                pieces.append(perm[max(p0 - w * p.window, 0):p1 - w * p.window])
+                pieces.append(perm[max(p0 - w * p.window, 0) : p1 - w * p.window])
             offsets = np.sort(np.concatenate(pieces))
         else:
             offsets = np.arange(p0, p1)
@@ -170,7 +184,7 @@ class _RankSlice:
     def take(self, step: tuple[np.ndarray, np.ndarray], micro_step: int) -> tuple[np.ndarray, np.ndarray]:
         share = len(step[0]) // self.world
         lo = self.rank * share + micro_step * self.micro_batch
-        return step[0][lo:lo + self.micro_batch], step[1][lo:lo + self.micro_batch]
+        return step[0][lo : lo + self.micro_batch], step[1][lo : lo + self.micro_batch]
 
 
 class _WorkerLoop(IterableDataset):
@@ -178,20 +192,28 @@ class _WorkerLoop(IterableDataset):
     w of W yields j = start + w (mod W), and from a remote store fetches the blocks of its next
     ``READ_AHEAD`` micro-batches while it works. A subclass says what a planner, a prefetch and a
     micro-batch are."""
+
     grad_accum: int
     start: int
     remote: bool
 
-    def readers(self) -> list[BlockReader]: raise NotImplementedError
-    def planner(self): raise NotImplementedError
-    def prefetch(self, readers: list[BlockReader], planner, k: int, i: int) -> None: raise NotImplementedError
-    def batch_at(self, readers: list[BlockReader], planner, k: int, i: int) -> dict: raise NotImplementedError
+    def readers(self) -> list[BlockReader]:
+        raise NotImplementedError
+
+    def planner(self):
+        raise NotImplementedError
+
+    def prefetch(self, readers: list[BlockReader], planner, k: int, i: int) -> None:
+        raise NotImplementedError
+
+    def batch_at(self, readers: list[BlockReader], planner, k: int, i: int) -> dict:
+        raise NotImplementedError
 
     def __iter__(self):
         info = get_worker_info()
         w, num = (info.id, info.num_workers) if info is not None else (0, 1)
         readers, planner = self.readers(), self.planner()
-        ahead = self.planner() if self.remote else None     # its own planner: it runs steps ahead
+        ahead = self.planner() if self.remote else None  # its own planner: it runs steps ahead
         try:
             j = self.start + w
             ahead_j = j
@@ -202,7 +224,7 @@ class _WorkerLoop(IterableDataset):
                 k, i = divmod(j, self.grad_accum)
                 yield {**self.batch_at(readers, planner, k, i), "global_step": k, "micro_step": i}
                 j += num
-        except Exception as exc:       # not ``except ShardError``: that name may be gone at interpreter exit
+        except Exception as exc:  # not ``except ShardError``: that name may be gone at interpreter exit
             if info is None or not isinstance(exc, (ShardError, StoreUnavailable)):
                 raise
             # Re-raised by the main process as the same type with the bare message: the DataLoader's
@@ -233,15 +255,20 @@ class _TrainDataset(_WorkerLoop):
     def batch_at(self, readers: list[BlockReader], planner: _PlanCursor, k: int, i: int) -> dict:
         blocks, rows = self.part.take(planner.step(k), i)
         input_ids, word_starts, has_padding = readers[0].gather(blocks, rows)
-        return {"input_ids": input_ids, "word_starts": word_starts,
-                "sample_ids": torch.from_numpy(self.plan.layout.block_first[blocks] + rows),
-                "has_padding": has_padding, "epoch": k // self.plan.steps_per_epoch}
+        return {
+            "input_ids": input_ids,
+            "word_starts": word_starts,
+            "sample_ids": torch.from_numpy(self.plan.layout.block_first[blocks] + rows),
+            "has_padding": has_padding,
+            "epoch": k // self.plan.steps_per_epoch,
+        }
 
 
 class Stream:
     """What the trainer reads: one rank's infinite, deterministic micro-batches from a global sample
     position (``samples_consumed``, a multiple of ``global_batch``), one source (``TrainStream``) or
     several (``pretrain.data.mixture.MixtureStream``). Iterating again restarts at that position."""
+
     global_batch: int
     grad_accum: int
     num_workers: int
@@ -278,14 +305,36 @@ class TrainStream(Stream):
     infinite: one iterator serves a whole run, so DataLoader workers start once.
     """
 
-    def __init__(self, data_dir: str | os.PathLike, manifest: Optional[Manifest], split: str, rank: int, world: int,
-                 micro_batch: int, global_batch: int, seed: int, num_workers: int = 0, prefetch_factor: int = 2,
-                 *, start_samples: int = 0, shuffle_window_blocks: int = 8):
-        bad = [f"{name} must be >= {low}, got {value}" for name, value, low in (
-            ("world", world, 1), ("micro_batch", micro_batch, 1), ("global_batch", global_batch, 1),
-            ("seed", seed, 0), ("num_workers", num_workers, 0), ("prefetch_factor", prefetch_factor, 1),
-            ("start_samples", start_samples, 0), ("shuffle_window_blocks", shuffle_window_blocks, 0))
-            if value < low]
+    def __init__(
+        self,
+        data_dir: str | os.PathLike,
+        manifest: Optional[Manifest],
+        split: str,
+        rank: int,
+        world: int,
+        micro_batch: int,
+        global_batch: int,
+        seed: int,
+        num_workers: int = 0,
+        prefetch_factor: int = 2,
+        *,
+        start_samples: int = 0,
+        shuffle_window_blocks: int = 8,
+    ):
+        bad = [
+            f"{name} must be >= {low}, got {value}"
+            for name, value, low in (
+                ("world", world, 1),
+                ("micro_batch", micro_batch, 1),
+                ("global_batch", global_batch, 1),
+                ("seed", seed, 0),
+                ("num_workers", num_workers, 0),
+                ("prefetch_factor", prefetch_factor, 1),
+                ("start_samples", start_samples, 0),
+                ("shuffle_window_blocks", shuffle_window_blocks, 0),
+            )
+            if value < low
+        ]
         if not 0 <= rank < max(world, 1):
             bad.append(f"rank must be in [0, {world}), got {rank}")
         if not bad and global_batch % (micro_batch * world):
@@ -297,8 +346,10 @@ class TrainStream(Stream):
         self.manifest, layout = _open_split(data_dir, manifest, split)
         self._plan = _Plan(layout, global_batch, seed, shuffle_window_blocks * layout.block_size)
         if self._plan.steps_per_epoch == 0:
-            raise DataError(f"split {split!r} of {data_dir} has {layout.sequences} sequences: too few for "
-                            f"one global batch of {global_batch} (prepare more data or lower train.global_batch_size)")
+            raise DataError(
+                f"split {split!r} of {data_dir} has {layout.sequences} sequences: too few for "
+                f"one global batch of {global_batch} (prepare more data or lower train.global_batch_size)"
+            )
         self._part = _RankSlice(rank, world, micro_batch)
         self.split, self.rank, self.world, self.micro_batch, self.seed = split, rank, world, micro_batch, seed
         self.global_batch, self.shuffle_window_blocks = global_batch, shuffle_window_blocks
@@ -340,10 +391,12 @@ class TrainStream(Stream):
 
     def describe(self) -> str:
         lay = self._plan.layout
-        return (f"{self.split}: {lay.sequences} sequences of {lay.seq_len} tokens in {lay.num_blocks} blocks of "
-                f"{len(lay.paths)} shards; {self.steps_per_epoch} steps of {self.global_batch} per epoch "
-                f"({self.world} ranks x micro-batch {self.micro_batch} x accumulation {self.grad_accum}); "
-                f"{self.dropped_per_epoch} sequences dropped per epoch")
+        return (
+            f"{self.split}: {lay.sequences} sequences of {lay.seq_len} tokens in {lay.num_blocks} blocks of "
+            f"{len(lay.paths)} shards; {self.steps_per_epoch} steps of {self.global_batch} per epoch "
+            f"({self.world} ranks x micro-batch {self.micro_batch} x accumulation {self.grad_accum}); "
+            f"{self.dropped_per_epoch} sequences dropped per epoch"
+        )
 
     def step_sample_ids(self, k: int) -> np.ndarray:
         """Sample ids of all ``G`` sequences of global step ``k`` (all ranks), in block order."""
@@ -359,27 +412,45 @@ class TrainStream(Stream):
 
     def state_dict(self) -> dict:
         """The position and what it means; ``world`` and ``micro_batch`` are for the record only."""
-        return {"samples_consumed": self.samples_consumed, "global_batch": self.global_batch, "seed": self.seed,
-                "split": self.split, "sequences_in_split": self.sequences_in_split,
-                "split_fingerprint": self.split_fingerprint(), "shuffle_window_blocks": self.shuffle_window_blocks,
-                "epoch": self.epoch, "world": self.world, "micro_batch": self.micro_batch}
+        return {
+            "samples_consumed": self.samples_consumed,
+            "global_batch": self.global_batch,
+            "seed": self.seed,
+            "split": self.split,
+            "sequences_in_split": self.sequences_in_split,
+            "split_fingerprint": self.split_fingerprint(),
+            "shuffle_window_blocks": self.shuffle_window_blocks,
+            "epoch": self.epoch,
+            "world": self.world,
+            "micro_batch": self.micro_batch,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at ``state["samples_consumed"]``, under any world size and micro-batch. A state of
         another global batch, seed, split, data or shuffle window is refused, naming every difference."""
         mine = self.state_dict()
-        changed = [f"{k}: {state.get(k)!r} in the checkpoint, {mine[k]!r} now" for k in self._MUST_MATCH
-                   if state.get(k) != mine[k]]
+        changed = [
+            f"{k}: {state.get(k)!r} in the checkpoint, {mine[k]!r} now"
+            for k in self._MUST_MATCH
+            if state.get(k) != mine[k]
+        ]
         if changed:
-            raise DataError("the data stream's checkpointed position does not apply to this run ("
-                            + "; ".join(changed) + "): the same sequences in the same order need the same "
-                            "global batch, data seed, split and shards")
+            raise DataError(
+                "the data stream's checkpointed position does not apply to this run ("
+                + "; ".join(changed)
+                + "): the same sequences in the same order need the same "
+                "global batch, data seed, split and shards"
+            )
         self.samples_consumed = checked_position(state, self.global_batch)
 
     def plan_lines(self, max_steps: int) -> list[str]:
-        n = self.sequences_in_split      # less the tail each epoch drops
-        return [(f"{MAIN}: {n} sequences, share of the steps 1.000, epochs at step {max_steps}: "
-                 f"{max_steps / self.steps_per_epoch:.3f}")]
+        n = self.sequences_in_split  # less the tail each epoch drops
+        return [
+            (
+                f"{MAIN}: {n} sequences, share of the steps 1.000, epochs at step {max_steps}: "
+                f"{max_steps / self.steps_per_epoch:.3f}"
+            )
+        ]
 
     def dataset(self, start: int) -> _TrainDataset:
         return _TrainDataset(self._plan, self._part, self.grad_accum, start, self._cache_sequences)
@@ -388,8 +459,9 @@ class TrainStream(Stream):
 def checked_position(state: dict, global_batch: int) -> int:
     consumed = state.get("samples_consumed")
     if not isinstance(consumed, int) or consumed < 0 or consumed % global_batch:
-        raise DataError(f"the data stream's samples_consumed {consumed!r} is not a multiple of the global "
-                        f"batch {global_batch}")
+        raise DataError(
+            f"the data stream's samples_consumed {consumed!r} is not a multiple of the global batch {global_batch}"
+        )
     return consumed
 
 
@@ -397,9 +469,13 @@ def ordered_batches(stream, dataset, start: int) -> Iterator[dict]:
     """``dataset``'s micro-batches from ``stream.num_workers`` workers, checked to come in order (the
     worker round-robin is what makes resume exact); keeps ``stream.samples_consumed`` up to date."""
     workers = stream.num_workers
-    loader = DataLoader(dataset, batch_size=None, num_workers=workers,
-                        prefetch_factor=stream.prefetch_factor if workers else None,
-                        pin_memory=torch.cuda.is_available())
+    loader = DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=workers,
+        prefetch_factor=stream.prefetch_factor if workers else None,
+        pin_memory=torch.cuda.is_available(),
+    )
     expected = start
     for batch in loader:
         if "failure" in batch:

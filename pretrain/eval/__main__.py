@@ -1,4 +1,5 @@
 """``python -m pretrain.eval`` (also ``python -m pretrain.evaluate``)."""
+
 import sys
 
 from pretrain.eval.cli import main

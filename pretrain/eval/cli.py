@@ -14,6 +14,7 @@ given MLflow run. Bad input: a message and exit code 2.
 ``mlm_eval`` gives the held-out MLM loss and accuracy of an export at the trainer's fixed
 evaluation masking (15%, 80/10/10, fixed seed), with the unigram baseline beside them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,7 @@ from data_prep.common.storage import StorageError, is_url, open_store
 from pretrain.checkpoint.hf_export import export_checkpoint, resolve_checkpoint
 from pretrain.config.schema import DownstreamTaskConfig
 from pretrain.data.stream import check_manifest
-from pretrain.eval.downstream import (FinetuneSettings, baseline_metrics, finetune_metrics, prepare_tasks,
-                                      probe_metrics)
+from pretrain.eval.downstream import FinetuneSettings, baseline_metrics, finetune_metrics, prepare_tasks, probe_metrics
 from pretrain.eval.heldout import eval_set_batches, figures, score
 from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.eval.tasks import WORD_ORDER, TaskError
@@ -59,16 +59,27 @@ def unigram_token(data_dir: str | Path, manifest: Manifest, split: str = "train"
     return int(counts.argmax())
 
 
-def mlm_eval(hf_dir: str | Path, data_dir: str | Path, batch_size: int = 32, max_batches: int = 0,
-             split: str = "validation", device: str | torch.device = "cpu") -> dict[str, float]:
+def mlm_eval(
+    hf_dir: str | Path,
+    data_dir: str | Path,
+    batch_size: int = 32,
+    max_batches: int = 0,
+    split: str = "validation",
+    device: str | torch.device = "cpu",
+) -> dict[str, float]:
     """{"loss", "accuracy", "unigram_accuracy"} of the export in ``hf_dir`` on ``split`` of a
     data_prep folder (see ``mlm_eval_model``)."""
     from transformers import AutoModelForMaskedLM
 
     manifest = load_manifest(data_dir)
     hf_model = AutoModelForMaskedLM.from_pretrained(str(hf_dir), dtype=torch.float32).to(device)
-    problems = check_manifest(manifest, data_dir, splits=(split,), vocab_size=hf_model.config.vocab_size,
-                              seq_len_max=hf_model.config.max_position_embeddings)
+    problems = check_manifest(
+        manifest,
+        data_dir,
+        splits=(split,),
+        vocab_size=hf_model.config.vocab_size,
+        seq_len_max=hf_model.config.max_position_embeddings,
+    )
     if problems:
         raise TaskError("\n".join(problems))
     out = mlm_eval_model(hf_model, data_dir, manifest, batch_size, max_batches, split, device)
@@ -83,8 +94,15 @@ def _eval_set(data_dir, manifest: Manifest, batch_size: int, max_batches: int, s
 
 
 @torch.no_grad()
-def mlm_eval_model(hf_model, data_dir: str | Path, manifest: Manifest, batch_size: int = 32, max_batches: int = 0,
-                   split: str = "validation", device: str | torch.device = "cpu") -> dict[str, float]:
+def mlm_eval_model(
+    hf_model,
+    data_dir: str | Path,
+    manifest: Manifest,
+    batch_size: int = 32,
+    max_batches: int = 0,
+    split: str = "validation",
+    device: str | torch.device = "cpu",
+) -> dict[str, float]:
     """{"loss", "accuracy"} of a Hugging Face masked LM in memory, scored by the trainer's own
     evaluation loop (``pretrain.eval.heldout.score``: its masks keyed by each sequence's id, its
     fixed-point sums), so losses compare across runs, trainers, batch sizes and world sizes."""
@@ -94,8 +112,13 @@ def mlm_eval_model(hf_model, data_dir: str | Path, manifest: Manifest, batch_siz
     special = SpecialIds.from_manifest(manifest)
     was_training = hf_model.training
     model = MLMModel(hf_model.eval(), sparse_head=True)
-    sums, _ = score(model, _eval_set(data_dir, manifest, batch_size, max_batches, split), special,
-                    eval_masking_config(), torch.device(device))      # a read error raises (one process)
+    sums, _ = score(
+        model,
+        _eval_set(data_dir, manifest, batch_size, max_batches, split),
+        special,
+        eval_masking_config(),
+        torch.device(device),
+    )  # a read error raises (one process)
     sums = sums[:4].tolist()
     hf_model.train(was_training)
     out = figures("mlm", sums)
@@ -104,8 +127,14 @@ def mlm_eval_model(hf_model, data_dir: str | Path, manifest: Manifest, batch_siz
     return {"loss": out["mlm/loss"], "accuracy": out["mlm/accuracy"]}
 
 
-def unigram_accuracy(data_dir, manifest: Manifest, batch_size: int = 32, max_batches: int = 0,
-                     split: str = "validation", device: str | torch.device = "cpu") -> float:
+def unigram_accuracy(
+    data_dir,
+    manifest: Manifest,
+    batch_size: int = 32,
+    max_batches: int = 0,
+    split: str = "validation",
+    device: str | torch.device = "cpu",
+) -> float:
     """Accuracy of always guessing the training split's most frequent token at the evaluation masks."""
     top = unigram_token(data_dir, manifest)
     special, masking = SpecialIds.from_manifest(manifest), eval_masking_config()
@@ -113,7 +142,9 @@ def unigram_accuracy(data_dir, manifest: Manifest, batch_size: int = 32, max_bat
     for batch in _eval_set(data_dir, manifest, batch_size, max_batches, split):
         if batch["filler"]:
             continue
-        m = mask_batch(batch["input_ids"], batch["word_starts"], special, masking, sample_ids=batch["sample_ids"], step=0)
+        m = mask_batch(
+            batch["input_ids"], batch["word_starts"], special, masking, sample_ids=batch["sample_ids"], step=0
+        )
         hits, count = hits + int((m.labels == top).sum()), count + m.labels.numel()
     return hits / max(count, 1)
 
@@ -122,8 +153,14 @@ def unigram_accuracy(data_dir, manifest: Manifest, batch_size: int = 32, max_bat
 
 
 # A model folder holds at least one of these when AutoTokenizer can load its real vocabulary.
-TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
-                   "vocab.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+)
 
 
 def resolve_model(path: str | Path, stack: ExitStack) -> Path:
@@ -132,42 +169,70 @@ def resolve_model(path: str | Path, stack: ExitStack) -> Path:
     if (path / "config.json").is_file():
         if not any((path / name).is_file() for name in TOKENIZER_FILES):
             # AutoTokenizer would quietly build a 5-token tokenizer from the config: chance-level scores.
-            raise TaskError(f"{path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); copy the "
-                            f"tokenizer the model was trained with beside it (pretrain.export writes them)")
+            raise TaskError(
+                f"{path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); copy the "
+                f"tokenizer the model was trained with beside it (pretrain.export writes them)"
+            )
         return path
     try:
         root, tag = resolve_checkpoint(path)
     except FileNotFoundError as exc:
-        raise TaskError(f"{path}: neither a Hugging Face model folder (no config.json) nor a trainer "
-                        f"checkpoint ({exc})") from exc
+        raise TaskError(
+            f"{path}: neither a Hugging Face model folder (no config.json) nor a trainer checkpoint ({exc})"
+        ) from exc
     out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="eval-export-")))
     return export_checkpoint(root, tag, out)
 
 
-def evaluate_model(model_dir: str | Path, specs: list[DownstreamTaskConfig], protocol: str = "probe",
-                   data_dir: Optional[str] = None, device: str = "cpu", batch_size: int = 32,
-                   finetune: Optional[FinetuneSettings] = None) -> dict[str, float]:
+def evaluate_model(
+    model_dir: str | Path,
+    specs: list[DownstreamTaskConfig],
+    protocol: str = "probe",
+    data_dir: Optional[str] = None,
+    device: str = "cpu",
+    batch_size: int = 32,
+    finetune: Optional[FinetuneSettings] = None,
+) -> dict[str, float]:
     """Every task's metrics with both baselines, keyed ``downstream/<task>/...``."""
     from transformers import AutoModel
 
     tasks = prepare_tasks(specs, model_dir, data_dir)
     if protocol == "finetune":
         return finetune_metrics(model_dir, tasks, device, finetune or FinetuneSettings())
-    no_pooler = {"add_pooling_layer": False} if json.loads((Path(model_dir) / "config.json").read_text()).get(
-        "model_type") == "bert" else {}                       # ModernBertModel has no pooler to leave out
+    no_pooler = (
+        {"add_pooling_layer": False}
+        if json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") == "bert"
+        else {}
+    )  # ModernBertModel has no pooler to leave out
     encoder = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32, **no_pooler).to(device)
-    return {**probe_metrics(encoder, tasks, device, batch_size), **baseline_metrics(encoder.config, tasks, device,
-                                                                                   batch_size)}
+    return {
+        **probe_metrics(encoder, tasks, device, batch_size),
+        **baseline_metrics(encoder.config, tasks, device, batch_size),
+    }
 
 
 def format_results(metrics: dict[str, float], protocol: str) -> str:
     key = "finetune_" if protocol == "finetune" else ""
     names = list(dict.fromkeys(k.split("/")[1] for k in metrics))
-    header = ["task", "protocol", "accuracy", "macro-F1", "random-init acc", "random-init F1", "majority acc",
-              "majority F1"]
-    rows = [[n, protocol] + [f"{metrics[f'downstream/{n}/{p}{m}']:.4f}"
-                             for p in (key, f"{key}random_init_" if key else "random_init_", "majority_")
-                             for m in ("accuracy", "macro_f1")] for n in names]
+    header = [
+        "task",
+        "protocol",
+        "accuracy",
+        "macro-F1",
+        "random-init acc",
+        "random-init F1",
+        "majority acc",
+        "majority F1",
+    ]
+    rows = [
+        [n, protocol]
+        + [
+            f"{metrics[f'downstream/{n}/{p}{m}']:.4f}"
+            for p in (key, f"{key}random_init_" if key else "random_init_", "majority_")
+            for m in ("accuracy", "macro_f1")
+        ]
+        for n in names
+    ]
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     lines = [" | ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in [header] + rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
@@ -178,11 +243,16 @@ def format_results(metrics: dict[str, float], protocol: str) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m pretrain.evaluate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m pretrain.evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("model", help="a Hugging Face export folder or a trainer checkpoint")
-    p.add_argument("--task", action="append", required=True,
-                   help="a labelled .csv/.tsv/.jsonl file or label-folder, or 'word_order' (repeatable)")
+    p.add_argument(
+        "--task",
+        action="append",
+        required=True,
+        help="a labelled .csv/.tsv/.jsonl file or label-folder, or 'word_order' (repeatable)",
+    )
     p.add_argument("--protocol", choices=["probe", "finetune"], default="probe")
     p.add_argument("--text-column", default="text")
     p.add_argument("--label-column", default="label")
@@ -199,8 +269,9 @@ def parse_args(argv=None):
     p.add_argument("--json", help="also write the metrics to this file")
     p.add_argument("--mlflow-run-id", help="log the metrics to this MLflow run")
     p.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI)")
-    p.add_argument("--step", type=int, default=None,
-                   help="MLflow step to log the metrics at (default: the run's last logged step)")
+    p.add_argument(
+        "--step", type=int, default=None, help="MLflow step to log the metrics at (default: the run's last logged step)"
+    )
     return p.parse_args(argv)
 
 
@@ -216,9 +287,15 @@ def task_specs(args) -> list[DownstreamTaskConfig]:
     specs = []
     data_is_shards = bool(args.data) and _is_shard_folder(args.data)
     for path in args.task:
-        spec = DownstreamTaskConfig(path=path, text_column=args.text_column, label_column=args.label_column,
-                                    test_fraction=args.test_fraction, max_examples=args.max_examples,
-                                    max_length=args.max_length, seed=args.seed)
+        spec = DownstreamTaskConfig(
+            path=path,
+            text_column=args.text_column,
+            label_column=args.label_column,
+            test_fraction=args.test_fraction,
+            max_examples=args.max_examples,
+            max_length=args.max_length,
+            seed=args.seed,
+        )
         if path == WORD_ORDER:
             spec.name = WORD_ORDER
             if args.data and not data_is_shards:
@@ -239,7 +316,7 @@ def main(argv=None) -> int:
     import datasets
     import transformers
 
-    transformers.utils.logging.set_verbosity_error()       # load reports would bury the table
+    transformers.utils.logging.set_verbosity_error()  # load reports would bury the table
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
     try:
@@ -252,8 +329,9 @@ def main(argv=None) -> int:
         data_dir = args.data if args.data and _is_shard_folder(args.data) else None
         with ExitStack() as stack:
             model_dir = resolve_model(args.model, stack)
-            settings = FinetuneSettings(epochs=args.finetune_epochs, lr=args.finetune_lr,
-                                        batch_size=args.finetune_batch_size, seed=args.seed)
+            settings = FinetuneSettings(
+                epochs=args.finetune_epochs, lr=args.finetune_lr, batch_size=args.finetune_batch_size, seed=args.seed
+            )
             metrics = evaluate_model(model_dir, specs, args.protocol, data_dir, args.device, args.batch_size, settings)
     except (TaskError, ShardError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

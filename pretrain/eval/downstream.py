@@ -10,6 +10,7 @@ Each reports accuracy and macro-F1 beside two baselines computed in the same cal
 architecture with random (seeded) weights, put through the same protocol, and the majority class of
 the training split. Nothing here touches the global RNG (seeded work runs under ``fork_rng``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,6 +31,7 @@ _BASELINE_SEED = 1234
 @dataclass
 class PreparedTask:
     """A task tokenized once: lists of token ids per example (unpadded) and int labels."""
+
     name: str
     train_ids: list[list[int]]
     train_labels: np.ndarray
@@ -47,12 +49,23 @@ def tokenize_task(task: TaskSplits, tokenizer, max_length: int) -> PreparedTask:
     def enc(texts):
         return tokenizer(list(texts), truncation=True, max_length=max_length, padding=False)["input_ids"]
 
-    return PreparedTask(task.name, enc(task.train_texts), task.train_labels, enc(task.test_texts),
-                        task.test_labels, task.label_names, tokenizer.pad_token_id or 0)
+    return PreparedTask(
+        task.name,
+        enc(task.train_texts),
+        task.train_labels,
+        enc(task.test_texts),
+        task.test_labels,
+        task.label_names,
+        tokenizer.pad_token_id or 0,
+    )
 
 
-def prepare_tasks(specs: Sequence[DownstreamTaskConfig], tokenizer_dir: str | Path, data_dir: Optional[str] = None,
-                  manifest: Optional[Manifest] = None) -> list[PreparedTask]:
+def prepare_tasks(
+    specs: Sequence[DownstreamTaskConfig],
+    tokenizer_dir: str | Path,
+    data_dir: Optional[str] = None,
+    manifest: Optional[Manifest] = None,
+) -> list[PreparedTask]:
     """Load and tokenize every task once (at start-up). ``tokenizer_dir``: the model's tokenizer,
     e.g. ``tokenizer_dir(manifest, data.dir)``. Raises ``TaskError`` naming the file."""
     from transformers import AutoTokenizer
@@ -97,20 +110,21 @@ def _batches(ids: list[list[int]], batch_size: int, pad_id: int):
     """Padded batches in order of length (less padding), with the examples' original indices."""
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     for s in range(0, len(order), batch_size):
-        idx = order[s:s + batch_size]
+        idx = order[s : s + batch_size]
         yield idx, _pad([ids[i] for i in idx], pad_id)
 
 
 def _pad(seqs: list[list[int]], pad_id: int) -> torch.Tensor:
     x = torch.full((len(seqs), max(len(q) for q in seqs)), pad_id, dtype=torch.long)
     for r, q in enumerate(seqs):
-        x[r, :len(q)] = torch.tensor(q)
+        x[r, : len(q)] = torch.tensor(q)
     return x
 
 
 @torch.no_grad()
-def pooled_features(encoder: torch.nn.Module, ids: list[list[int]], device, batch_size: int = 32,
-                    pad_id: int = 0) -> np.ndarray:
+def pooled_features(
+    encoder: torch.nn.Module, ids: list[list[int]], device, batch_size: int = 32, pad_id: int = 0
+) -> np.ndarray:
     """[N, H] fp32: last hidden states averaged over the non-padding tokens. ``encoder`` is a
     ``BertModel`` (the ``.bert`` of a ``BertForMaskedLM``) in eval mode."""
     out: Optional[np.ndarray] = None
@@ -126,8 +140,9 @@ def pooled_features(encoder: torch.nn.Module, ids: list[list[int]], device, batc
     return out
 
 
-def fit_probe(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, num_classes: int,
-              c: float = 1.0) -> np.ndarray:
+def fit_probe(
+    train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray, num_classes: int, c: float = 1.0
+) -> np.ndarray:
     """Predicted test labels of a logistic regression on standardised features (deterministic)."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import StandardScaler
@@ -144,8 +159,9 @@ def probe_task(encoder: torch.nn.Module, task: PreparedTask, device, batch_size:
     return scores(task.test_labels, fit_probe(train_x, task.train_labels, test_x, task.num_classes), task.num_classes)
 
 
-def probe_metrics(encoder: torch.nn.Module, tasks: Sequence[PreparedTask], device, batch_size: int = 32,
-                  prefix: str = "downstream") -> dict[str, float]:
+def probe_metrics(
+    encoder: torch.nn.Module, tasks: Sequence[PreparedTask], device, batch_size: int = 32, prefix: str = "downstream"
+) -> dict[str, float]:
     """``{prefix}/<task>/accuracy`` and ``{prefix}/<task>/macro_f1`` of a probe on ``encoder``'s
     current weights. Deterministic given the weights; leaves the model in the mode it found it and
     the global RNG untouched. At ZeRO-3 call it on every rank inside
@@ -177,8 +193,9 @@ def random_like(config, seed: int = _BASELINE_SEED) -> torch.nn.Module:
         return AutoModel.from_config(config).eval()
 
 
-def baseline_metrics(config, tasks: Sequence[PreparedTask], device, batch_size: int = 32,
-                     prefix: str = "downstream") -> dict[str, float]:
+def baseline_metrics(
+    config, tasks: Sequence[PreparedTask], device, batch_size: int = 32, prefix: str = "downstream"
+) -> dict[str, float]:
     """The two baselines: ``{prefix}/<task>/random_init_{accuracy,macro_f1}`` (the probe on the same
     architecture with random weights) and ``majority_{accuracy,macro_f1}``. Compute once per run."""
     model = random_like(config).to(device)
@@ -208,17 +225,18 @@ def finetune_task(model: torch.nn.Module, task: PreparedTask, device, settings: 
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     steps = settings.epochs * -(-len(task.train_ids) // settings.batch_size)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, steps // 10))
-                                              * max(0.0, 1 - s / steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, steps // 10)) * max(0.0, 1 - s / steps)
+    )
     labels = torch.as_tensor(task.train_labels)
     gen = np.random.default_rng(settings.seed)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(settings.seed)                      # dropout
+        torch.manual_seed(settings.seed)  # dropout
         model.train()
         for _ in range(settings.epochs):
             order = gen.permutation(len(task.train_ids))
             for s in range(0, len(order), settings.batch_size):
-                idx = order[s:s + settings.batch_size]
+                idx = order[s : s + settings.batch_size]
                 x = _pad([task.train_ids[i] for i in idx], task.pad_id).to(device)
                 y = labels[idx].to(device)
                 loss = model(input_ids=x, attention_mask=x != task.pad_id, labels=y).loss
@@ -236,8 +254,13 @@ def finetune_task(model: torch.nn.Module, task: PreparedTask, device, settings: 
     return scores(task.test_labels, pred, task.num_classes)
 
 
-def finetune_metrics(model_dir: str | Path, tasks: Sequence[PreparedTask], device,
-                     settings: FinetuneSettings = FinetuneSettings(), prefix: str = "downstream") -> dict[str, float]:
+def finetune_metrics(
+    model_dir: str | Path,
+    tasks: Sequence[PreparedTask],
+    device,
+    settings: FinetuneSettings = FinetuneSettings(),
+    prefix: str = "downstream",
+) -> dict[str, float]:
     """Fine-tune the export in ``model_dir`` and, identically, the same config with random weights;
     ``{prefix}/<task>/finetune_{accuracy,macro_f1}``, ``..._random_init_...`` and ``majority_...``."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
@@ -246,9 +269,10 @@ def finetune_metrics(model_dir: str | Path, tasks: Sequence[PreparedTask], devic
     for task in tasks:
         config = AutoConfig.from_pretrained(str(model_dir), num_labels=task.num_classes)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(settings.seed)       # the new classifier head
-            trained = AutoModelForSequenceClassification.from_pretrained(str(model_dir), config=config,
-                                                                         dtype=torch.float32)
+            torch.manual_seed(settings.seed)  # the new classifier head
+            trained = AutoModelForSequenceClassification.from_pretrained(
+                str(model_dir), config=config, dtype=torch.float32
+            )
             torch.manual_seed(_BASELINE_SEED)
             random = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
         for key, model in (("finetune", trained), ("finetune_random_init", random)):

@@ -17,6 +17,7 @@ deprecated) is converted once to a sequence count with the layout the config sta
 A mixture is scored per source (``eval/<name>/loss``, ``eval/<name>/accuracy``: the first N of each
 source's evaluation split) and over all those sequences together (``eval/loss``, ``eval/accuracy``).
 """
+
 from __future__ import annotations
 
 import math
@@ -38,7 +39,7 @@ from pretrain.runtime import bad_input
 from pretrain.runtime import engine as eng
 from pretrain.runtime.bad_input import BAD_INPUT_KEY, OUTAGE_KEY
 
-LOSS_UNIT = 2.0 ** -24      # fixed-point resolution of a token's loss: far below what a log shows
+LOSS_UNIT = 2.0**-24  # fixed-point resolution of a token's loss: far below what a log shows
 
 
 def rank_part(total: int, rank: int, world: int) -> tuple[int, int]:
@@ -46,8 +47,16 @@ def rank_part(total: int, rank: int, world: int) -> tuple[int, int]:
     return total * rank // world, total * (rank + 1) // world
 
 
-def eval_set_batches(data_dir: str | os.PathLike, manifest: Manifest | None, split: str, rank: int, world: int,
-                     micro_batch: int, sequences: int, keep_in_step: bool = False) -> Iterator[dict]:
+def eval_set_batches(
+    data_dir: str | os.PathLike,
+    manifest: Manifest | None,
+    split: str,
+    rank: int,
+    world: int,
+    micro_batch: int,
+    sequences: int,
+    keep_in_step: bool = False,
+) -> Iterator[dict]:
     """This rank's batches of the evaluation set; the same count on every rank. A batch with
     ``"filler": True`` only keeps the rank in step with the others: its results must be dropped.
     A block that cannot be read raises ``ShardError``; with ``keep_in_step`` it becomes a filler
@@ -63,20 +72,28 @@ def eval_set_batches(data_dir: str | os.PathLike, manifest: Manifest | None, spl
             pos = np.arange(start + b * micro_batch, min(start + (b + 1) * micro_batch, end))
             filler = pos.size == 0
             if filler:
-                pos = np.zeros(1, dtype=np.int64)       # any real sequence will do
+                pos = np.zeros(1, dtype=np.int64)  # any real sequence will do
             j = np.searchsorted(ends, pos, side="right")
             try:
                 input_ids, word_starts, _ = reader.gather(j, pos - (ends[j] - layout.block_len[j]))
             except (ShardError, StoreUnavailable) as exc:
                 if not keep_in_step:
                     raise
-                yield {"input_ids": torch.ones(1, layout.seq_len, dtype=torch.long),
-                       "word_starts": torch.zeros(1, layout.seq_len, dtype=torch.bool),
-                       "sample_ids": torch.zeros(1, dtype=torch.long), "filler": True, BAD_INPUT_KEY: str(exc),
-                       OUTAGE_KEY: isinstance(exc, StoreUnavailable)}
+                yield {
+                    "input_ids": torch.ones(1, layout.seq_len, dtype=torch.long),
+                    "word_starts": torch.zeros(1, layout.seq_len, dtype=torch.bool),
+                    "sample_ids": torch.zeros(1, dtype=torch.long),
+                    "filler": True,
+                    BAD_INPUT_KEY: str(exc),
+                    OUTAGE_KEY: isinstance(exc, StoreUnavailable),
+                }
                 continue
-            yield {"input_ids": input_ids, "word_starts": word_starts, "sample_ids": torch.from_numpy(pos),
-                   "filler": filler}
+            yield {
+                "input_ids": input_ids,
+                "word_starts": word_starts,
+                "sample_ids": torch.from_numpy(pos),
+                "filler": filler,
+            }
     finally:
         reader.close()
 
@@ -101,8 +118,9 @@ def score(engine, batches: Iterator[dict], special: SpecialIds, masking, device)
             unreadable = unreadable or batch[BAD_INPUT_KEY]
         ids = batch["input_ids"].to(device)
         # Masks keyed by sample id: a sequence gets the same mask in any batch.
-        m = mask_batch(ids, batch["word_starts"].to(device), special, masking,
-                       sample_ids=batch["sample_ids"].to(device), step=0)
+        m = mask_batch(
+            ids, batch["word_starts"].to(device), special, masking, sample_ids=batch["sample_ids"].to(device), step=0
+        )
         with eng.eager_forward(engine, eager=True):
             out = engine(m.input_ids, ids != special.pad, m.positions, m.labels, per_token=True)
         if not batch["filler"]:
@@ -115,8 +133,10 @@ def figures(prefix: str, sums: list[int]) -> dict:
     units, correct, count, nonfinite = sums
     if not count:
         return {}
-    return {f"{prefix}/loss": float("nan") if nonfinite else units * LOSS_UNIT / count,
-            f"{prefix}/accuracy": correct / count}
+    return {
+        f"{prefix}/loss": float("nan") if nonfinite else units * LOSS_UNIT / count,
+        f"{prefix}/accuracy": correct / count,
+    }
 
 
 @torch.no_grad()
@@ -131,8 +151,16 @@ def evaluate(engine, cfg, special: SpecialIds, info) -> dict:
         manifest = load_manifest(source.dir)
         if not manifest.has_split(cfg.data.eval_split):
             continue
-        batches = eval_set_batches(source.dir, manifest, cfg.data.eval_split, info.rank, info.world,
-                                   cfg.impl.micro_batch_size, cfg.train.eval_sequences, keep_in_step=True)
+        batches = eval_set_batches(
+            source.dir,
+            manifest,
+            cfg.data.eval_split,
+            info.rank,
+            info.world,
+            cfg.impl.micro_batch_size,
+            cfg.train.eval_sequences,
+            keep_in_step=True,
+        )
         names.append(source.name)
         row, error = score(engine, batches, special, masking, info.device)
         rows.append(row)
@@ -141,7 +169,7 @@ def evaluate(engine, cfg, special: SpecialIds, info) -> dict:
     if not rows:
         return {}
     sums = torch.stack(rows)
-    dist.all_reduce(sums)                   # integers: the same result in any order
+    dist.all_reduce(sums)  # integers: the same result in any order
     if sums[:, 4].sum() > 0:
         outage = bool(sums[:, 5].sum() > 0)
         bad_input.report_messages(unreadable, info.rank, outage)

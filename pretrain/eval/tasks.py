@@ -13,6 +13,7 @@ with its words shuffled inside consecutive windows of ``shuffle_window`` words (
 distribution of word multisets, so any bag-of-words model stays at chance; a model scores above
 chance only by reading order.
 """
+
 from __future__ import annotations
 
 import csv
@@ -33,8 +34,7 @@ from pretrain.model.masking import SpecialIds
 
 WORD_ORDER = "word_order"
 WORD_ORDER_LABELS = ("original", "shuffled")
-_FORMATS = {".csv": ("csv", {}), ".tsv": ("csv", {"delimiter": "\t"}), ".jsonl": ("json", {}),
-            ".json": ("json", {})}
+_FORMATS = {".csv": ("csv", {}), ".tsv": ("csv", {"delimiter": "\t"}), ".jsonl": ("json", {}), ".json": ("json", {})}
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
@@ -46,7 +46,7 @@ class TaskError(ValueError):
 class TaskSplits:
     name: str
     train_texts: list[str]
-    train_labels: np.ndarray      # int64 class indices into label_names
+    train_labels: np.ndarray  # int64 class indices into label_names
     test_texts: list[str]
     test_labels: np.ndarray
     label_names: list[str]
@@ -59,8 +59,9 @@ class TaskSplits:
 # ------------------------------------------------------------------------------ labelled files
 
 
-def read_labelled(path: str | Path, text_column: str = "text",
-                  label_column: str = "label") -> tuple[list[str], list[str]]:
+def read_labelled(
+    path: str | Path, text_column: str = "text", label_column: str = "label"
+) -> tuple[list[str], list[str]]:
     """(texts, labels as strings) from a CSV/TSV/JSONL file or a folder of per-label subfolders."""
     path = Path(path)
     if path.is_dir():
@@ -69,10 +70,12 @@ def read_labelled(path: str | Path, text_column: str = "text",
         raise TaskError(f"{path}: no such file or folder")
     fmt = _FORMATS.get(path.suffix.lower())
     if fmt is None:
-        raise TaskError(f"{path}: unknown task format {path.suffix!r} (expected .csv, .tsv, .jsonl or a folder "
-                        "with one subfolder of .txt files per label)")
+        raise TaskError(
+            f"{path}: unknown task format {path.suffix!r} (expected .csv, .tsv, .jsonl or a folder "
+            "with one subfolder of .txt files per label)"
+        )
     if not _has_rows(path, **fmt[1]):
-        raise TaskError(f"{path}: no rows")        # datasets would say "Instruction 'train' corresponds to no data!"
+        raise TaskError(f"{path}: no rows")  # datasets would say "Instruction 'train' corresponds to no data!"
     import datasets
 
     builder, options = fmt
@@ -80,12 +83,16 @@ def read_labelled(path: str | Path, text_column: str = "text",
         ds = datasets.load_dataset(builder, data_files=str(path), split="train", keep_in_memory=True, **options)
     except Exception as exc:  # datasets raises many types for a malformed file
         cause = exc.__cause__ or exc
-        raise TaskError(f"{path}: cannot be read as {path.suffix[1:].upper()} ({type(cause).__name__}: "
-                        f"{str(cause).splitlines()[0] if str(cause) else ''})") from exc
+        raise TaskError(
+            f"{path}: cannot be read as {path.suffix[1:].upper()} ({type(cause).__name__}: "
+            f"{str(cause).splitlines()[0] if str(cause) else ''})"
+        ) from exc
     missing = [c for c in (text_column, label_column) if c not in ds.column_names]
     if missing:
-        raise TaskError(f"{path}: no column {', '.join(repr(c) for c in missing)} (columns: {ds.column_names}); "
-                        "set the text/label column names")
+        raise TaskError(
+            f"{path}: no column {', '.join(repr(c) for c in missing)} (columns: {ds.column_names}); "
+            "set the text/label column names"
+        )
     texts, labels = ds[text_column], ds[label_column]
     for i, (t, y) in enumerate(zip(texts, labels)):
         if not isinstance(t, str) or not t.strip():
@@ -163,8 +170,10 @@ def labelled_task(spec: DownstreamTaskConfig) -> TaskSplits:
     if spec.test_path:
         unseen = sorted(set(test_labels) - set(names))
         if unseen:
-            raise TaskError(f"{spec.test_path}: column {spec.label_column!r} has labels absent from the training "
-                            f"file {spec.path}: {unseen[:5]}")
+            raise TaskError(
+                f"{spec.test_path}: column {spec.label_column!r} has labels absent from the training "
+                f"file {spec.path}: {unseen[:5]}"
+            )
         train_texts, train_y = texts, y
         test_y = _encode_labels(test_labels, names)
     else:
@@ -195,34 +204,43 @@ def locally_shuffled(words: list[str], window: int, rng: np.random.Generator) ->
     some window holds two different words."""
     out = list(words)
     for start in range(0, len(out), window):
-        chunk = out[start:start + window]
+        chunk = out[start : start + window]
         if len(set(chunk)) < 2:
             continue
         while True:
             perm = [chunk[i] for i in rng.permutation(len(chunk))]
             if perm != chunk:
                 break
-        out[start:start + window] = perm
+        out[start : start + window] = perm
     return out
 
 
-def word_order_task(texts: Iterable[str], *, name: str = WORD_ORDER, max_examples: int = 2000,
-                    test_fraction: float = 0.25, shuffle_window: int = 3, seed: int = 0) -> TaskSplits:
+def word_order_task(
+    texts: Iterable[str],
+    *,
+    name: str = WORD_ORDER,
+    max_examples: int = 2000,
+    test_fraction: float = 0.25,
+    shuffle_window: int = 3,
+    seed: int = 0,
+) -> TaskSplits:
     """Sentences of ``texts`` (as written, or locally shuffled), balanced, seeded; see the module doc."""
     sentences = [s for t in texts for s in split_sentences(t)]
     sentences = [s for s in dict.fromkeys(sentences) if len(set(s.split())) >= 2]
     rng = np.random.default_rng(seed)
     total = len(sentences) if max_examples <= 0 else min(len(sentences), int(max_examples / (1 - test_fraction)))
     if total < 20:
-        raise TaskError(f"{name}: only {len(sentences)} usable sentences (6 to 40 words) in the held-out text; "
-                        "the word-order task needs at least 20")
+        raise TaskError(
+            f"{name}: only {len(sentences)} usable sentences (6 to 40 words) in the held-out text; "
+            "the word-order task needs at least 20"
+        )
     chosen = [sentences[i] for i in rng.permutation(len(sentences))[:total]]
     labels = rng.permutation(np.arange(total) % 2).astype(np.int64)
-    examples = [" ".join(locally_shuffled(s.split(), shuffle_window, rng)) if y else s
-                for s, y in zip(chosen, labels)]
+    examples = [" ".join(locally_shuffled(s.split(), shuffle_window, rng)) if y else s for s, y in zip(chosen, labels)]
     n_test = max(2, round(test_fraction * total))
-    return TaskSplits(name, examples[n_test:], labels[n_test:], examples[:n_test], labels[:n_test],
-                      list(WORD_ORDER_LABELS))
+    return TaskSplits(
+        name, examples[n_test:], labels[n_test:], examples[:n_test], labels[:n_test], list(WORD_ORDER_LABELS)
+    )
 
 
 def read_texts(path: str | Path) -> list[str]:
@@ -245,8 +263,9 @@ def read_texts(path: str | Path) -> list[str]:
     return docs
 
 
-def held_out_sentences(data_dir: str | Path, manifest: Optional[Manifest] = None, split: str = "validation",
-                       max_sequences: int = 8192) -> list[str]:
+def held_out_sentences(
+    data_dir: str | Path, manifest: Optional[Manifest] = None, split: str = "validation", max_sequences: int = 8192
+) -> list[str]:
     """Whole sentences decoded from a data_prep folder's held-out split. A row holds pieces of
     documents between special tokens; a piece that touches the row's [CLS] or final [SEP] may be cut
     mid-sentence by packing, so its sentence on that side is dropped."""
@@ -261,39 +280,53 @@ def held_out_sentences(data_dir: str | Path, manifest: Optional[Manifest] = None
         for row in batch["input_ids"].numpy():
             cut = np.flatnonzero(np.isin(row, special.all_special))
             row_end = cut[-1] if row[cut[-1]] == special.sep else len(row)
-            if row[cut[-1]] == special.pad:      # the split's last row: [CLS] body [SEP] [PAD]...
+            if row[cut[-1]] == special.pad:  # the split's last row: [CLS] body [SEP] [PAD]...
                 row_end = cut[np.searchsorted(cut, np.flatnonzero(row == special.pad)[0]) - 1]
             for a, b in zip(cut[:-1], cut[1:]):
                 if b - a < 4 or b > row_end:
                     continue
-                parts = _SENTENCE_END.split(tokenizer.decode(row[a + 1:b].tolist()).strip())
-                sentences += parts[1 if a == cut[0] else 0:len(parts) - 1 if b == row_end else len(parts)]
+                parts = _SENTENCE_END.split(tokenizer.decode(row[a + 1 : b].tolist()).strip())
+                sentences += parts[1 if a == cut[0] else 0 : len(parts) - 1 if b == row_end else len(parts)]
             seen += 1
         if seen >= max_sequences:
             break
     return sentences
 
 
-def word_order_from_data(data_dir: str | Path, spec: DownstreamTaskConfig, manifest: Optional[Manifest] = None,
-                         split: str = "validation") -> TaskSplits:
-    return word_order_task(held_out_sentences(data_dir, manifest, split), name=spec.name or WORD_ORDER,
-                           max_examples=spec.max_examples, test_fraction=spec.test_fraction,
-                           shuffle_window=spec.shuffle_window, seed=spec.seed)
+def word_order_from_data(
+    data_dir: str | Path, spec: DownstreamTaskConfig, manifest: Optional[Manifest] = None, split: str = "validation"
+) -> TaskSplits:
+    return word_order_task(
+        held_out_sentences(data_dir, manifest, split),
+        name=spec.name or WORD_ORDER,
+        max_examples=spec.max_examples,
+        test_fraction=spec.test_fraction,
+        shuffle_window=spec.shuffle_window,
+        seed=spec.seed,
+    )
 
 
-def load_task(spec: DownstreamTaskConfig, data_dir: Optional[str] = None,
-              manifest: Optional[Manifest] = None) -> TaskSplits:
+def load_task(
+    spec: DownstreamTaskConfig, data_dir: Optional[str] = None, manifest: Optional[Manifest] = None
+) -> TaskSplits:
     """A task from its config: ``path: word_order`` uses ``spec.text_path`` (raw text) or else the
     held-out split of ``data_dir``; any other path is a labelled file or folder."""
     if spec.path != WORD_ORDER:
         return labelled_task(spec)
     if spec.text_path:
-        return word_order_task(read_texts(spec.text_path), name=spec.name or WORD_ORDER,
-                               max_examples=spec.max_examples, test_fraction=spec.test_fraction,
-                               shuffle_window=spec.shuffle_window, seed=spec.seed)
+        return word_order_task(
+            read_texts(spec.text_path),
+            name=spec.name or WORD_ORDER,
+            max_examples=spec.max_examples,
+            test_fraction=spec.test_fraction,
+            shuffle_window=spec.shuffle_window,
+            seed=spec.seed,
+        )
     if not data_dir:
-        raise TaskError(f"task {spec.name or WORD_ORDER!r}: the word-order task needs held-out text: "
-                        "set text_path, or give a data_prep folder (--data / data.dir)")
+        raise TaskError(
+            f"task {spec.name or WORD_ORDER!r}: the word-order task needs held-out text: "
+            "set text_path, or give a data_prep folder (--data / data.dir)"
+        )
     return word_order_from_data(data_dir, spec, manifest)
 
 

@@ -19,6 +19,7 @@ definition): what the model needs, not what the hardware executed, so activation
 would not raise it, and SDPA computing a local layer's masked-out scores (flash attention skips
 them) does not either.
 """
+
 from __future__ import annotations
 
 import time
@@ -48,8 +49,8 @@ def attention_layer_windows(config) -> list[int | None]:
     if _arch(config) == "bert":
         return [None] * layers
     half = int(_get(config, "local_attention")) // 2
-    types = getattr(config, "layer_types", None)     # HF ModernBertConfig
-    if types is None:                                 # our ModelConfig
+    types = getattr(config, "layer_types", None)  # HF ModernBertConfig
+    if types is None:  # our ModelConfig
         every = int(_get(config, "global_attn_every_n_layers"))
         types = ["full_attention" if i % every == 0 else "sliding_attention" for i in range(layers)]
     return [half if t == "sliding_attention" else None for t in types]
@@ -60,12 +61,13 @@ def attended_pairs(seq_len: int, half_window: int | None) -> int:
     ``half_window`` away (None: all of them)."""
     if half_window is None or half_window >= seq_len - 1:
         return seq_len * seq_len
-    w = half_window             # each token itself, plus w neighbours per side minus those past the ends
+    w = half_window  # each token itself, plus w neighbours per side minus those past the ends
     return seq_len * (2 * w + 1) - w * (w + 1)
 
 
-def mlm_flops_per_sequence(config, seq_len: int, num_predicted_per_seq: float, sparse_head: bool = True,
-                           vocab_size: int | None = None) -> float:
+def mlm_flops_per_sequence(
+    config, seq_len: int, num_predicted_per_seq: float, sparse_head: bool = True, vocab_size: int | None = None
+) -> float:
     """Training FLOPs (forward + backward) for one sequence of ``seq_len`` tokens of which
     ``num_predicted_per_seq`` (may be fractional: an average) go through a sparse head. ``config``:
     our ``ModelConfig`` or a Hugging Face ``BertConfig`` / ``ModernBertConfig``."""
@@ -77,15 +79,21 @@ def mlm_flops_per_sequence(config, seq_len: int, num_predicted_per_seq: float, s
     length = float(seq_len)
     layers = 0.0
     for half_window in attention_layer_windows(config):
-        layers += (8 * length * h * h + 4 * attended_pairs(seq_len, half_window) * h
-                   + ffn_matmuls * 2 * length * h * inter)
+        layers += (
+            8 * length * h * h + 4 * attended_pairs(seq_len, half_window) * h + ffn_matmuls * 2 * length * h * inter
+        )
     head_tokens = float(num_predicted_per_seq) if sparse_head else length
     head = head_tokens * (2 * h * h + 2 * h * int(vocab))
     return 3.0 * (layers + head)
 
 
-def measure_matmul_peak_tflops(device: torch.device | str, dtype: torch.dtype = torch.float32,
-                               seconds: float = 1.0, size: int | None = None, clock: str = "cpu") -> float:
+def measure_matmul_peak_tflops(
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+    seconds: float = 1.0,
+    size: int | None = None,
+    clock: str = "cpu",
+) -> float:
     """Achievable dense-matmul throughput (TFLOP/s) of ``device`` in ``dtype``: square matmuls
     (4096 on a GPU, 1024 on a CPU) timed for about ``seconds`` after a warm-up.
 
@@ -107,7 +115,7 @@ def measure_matmul_peak_tflops(device: torch.device | str, dtype: torch.dtype = 
             torch.cuda.synchronize(device)
 
     warm_up = now()
-    for _ in range(3):                              # cuBLAS heuristics, CPU thread pool start-up
+    for _ in range(3):  # cuBLAS heuristics, CPU thread pool start-up
         torch.matmul(a, b, out=out)
         sync()
         if (now() - warm_up) / threads >= seconds:  # one matmul outlasts the budget (bf16 emulated: ~2 s)
@@ -121,4 +129,4 @@ def measure_matmul_peak_tflops(device: torch.device | str, dtype: torch.dtype = 
         sync()
         iters += batch
         elapsed = (now() - start) / threads
-    return 2.0 * n ** 3 * iters / elapsed / 1e12
+    return 2.0 * n**3 * iters / elapsed / 1e12

@@ -26,6 +26,7 @@ dropout on, *training* runs the attention eagerly (the probabilities materialise
 memory); evaluation, and any run with ``attention_dropout: 0`` (ModernBERT's and MosaicBERT's choice,
 the GPU recipes here), keeps SDPA or flash attention.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,7 +40,7 @@ from pretrain.config.seeds import derive_seed
 
 log = logging.getLogger("pretrain")
 KEYED_ATTENTION = "keyed_sdpa"
-ATTENTION_CLASSES = ("BertSelfAttention", "ModernBertAttention")     # those that call the attention function
+ATTENTION_CLASSES = ("BertSelfAttention", "ModernBertAttention")  # those that call the attention function
 _COLUMN_SALT = 0x2F1D7A3B
 
 
@@ -55,7 +56,7 @@ class DropoutKey:
         self.row_keys: torch.Tensor | None = None
 
     def set(self, sample_ids: torch.Tensor, step: int) -> None:
-        head = _absorb(0x9E3779B9, derive_seed("dropout", self.seed, int(step)))       # a Python int
+        head = _absorb(0x9E3779B9, derive_seed("dropout", self.seed, int(step)))  # a Python int
         ids = sample_ids.long()
         self.row_keys = _absorb(torch.full_like(ids, head), ids)
 
@@ -65,7 +66,7 @@ _column_cache: dict = {}
 
 def _column_hashes(n: int, device: torch.device) -> torch.Tensor:
     """[n] int64: the hash of each position in a row, the same for every row, site and step."""
-    if torch.compiler.is_compiling():          # traced: computed inside the fused kernel
+    if torch.compiler.is_compiling():  # traced: computed inside the fused kernel
         return _mix32(torch.arange(n, device=device) + _COLUMN_SALT)
     key = (n, device)
     if key not in _column_cache:
@@ -81,7 +82,7 @@ def keep_mask(row_keys: torch.Tensor, site_id: int, shape: torch.Size, dropped: 
     high half: half the hashing, p to within 2**-16."""
     rows, per_row = shape[0], shape[1:].numel()
     half = (per_row + 1) // 2
-    site_keys = _mix32(row_keys ^ site_id)                                    # [B]
+    site_keys = _mix32(row_keys ^ site_id)  # [B]
     h = _mix32(site_keys[:, None] ^ _column_hashes(half, row_keys.device)[None, :])
     # (h >> 16) >= d  <=>  h >= d << 16: one comparison fewer
     keep = torch.stack([(h & 0xFFFF) >= dropped, h >= dropped << 16], dim=-1).reshape(rows, 2 * half)
@@ -107,10 +108,12 @@ class KeyedDropout(nn.Module):
             return x * 0.0
         keys = self.key.row_keys
         if keys is None or keys.shape[0] != x.shape[0]:
-            raise RuntimeError(f"dropout site {self.site}: the batch's sample ids were not set for this input "
-                               f"of {x.shape[0]} rows (DropoutKey.set before the forward)")
+            raise RuntimeError(
+                f"dropout site {self.site}: the batch's sample ids were not set for this input "
+                f"of {x.shape[0]} rows (DropoutKey.set before the forward)"
+            )
         keep = keep_mask(keys, self.site_id, x.shape, self.dropped)
-        scale = 65536.0 / (65536 - self.dropped)                  # unbiased for the p drawn
+        scale = 65536.0 / (65536 - self.dropped)  # unbiased for the p drawn
         return torch.where(keep, x * scale, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
@@ -121,11 +124,10 @@ def keyed_attention(module, query, key, value, attention_mask, dropout: float = 
 
     drop = getattr(module, "keyed_prob_dropout", None)
     if not module.training or dropout == 0.0 or drop is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
     scaling = query.size(-1) ** -0.5 if scaling is None else scaling
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:        # the SDPA mask format: True where a query may attend
+    if attention_mask is not None:  # the SDPA mask format: True where a query may attend
         if attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
         else:
@@ -145,14 +147,15 @@ def _register_attention() -> None:
 def install(hf_model: nn.Module, seed: int) -> DropoutKey:
     """Replace every dropout of ``hf_model`` by a keyed one; returns the key to set per micro-batch."""
     config = hf_model.config
-    attention_dropout = float(getattr(config, "attention_probs_dropout_prob", None) or
-                              getattr(config, "attention_dropout", 0.0) or 0.0)
+    attention_dropout = float(
+        getattr(config, "attention_probs_dropout_prob", None) or getattr(config, "attention_dropout", 0.0) or 0.0
+    )
     key = DropoutKey(seed)
     for name, parent in list(hf_model.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if isinstance(child, nn.Dropout) and child.p > 0:       # p = 0: an identity, left to torch
+            if isinstance(child, nn.Dropout) and child.p > 0:  # p = 0: an identity, left to torch
                 keyed = KeyedDropout(child.p, f"{name}.{child_name}", key)
-                keyed.train(child.training)        # a swapped module must not switch eval mode off
+                keyed.train(child.training)  # a swapped module must not switch eval mode off
                 setattr(parent, child_name, keyed)
         if attention_dropout > 0 and type(parent).__name__ in ATTENTION_CLASSES:
             prob = KeyedDropout(attention_dropout, f"{name}.attention_probs", key)
@@ -161,8 +164,10 @@ def install(hf_model: nn.Module, seed: int) -> DropoutKey:
     if attention_dropout > 0:
         _register_attention()
         if config._attn_implementation != KEYED_ATTENTION:
-            log.info("model.attention_dropout=%g: training attention runs eagerly with keyed dropout on the "
-                     "probabilities (SDPA and flash kernels cannot key theirs); evaluation keeps SDPA",
-                     attention_dropout)
+            log.info(
+                "model.attention_dropout=%g: training attention runs eagerly with keyed dropout on the "
+                "probabilities (SDPA and flash kernels cannot key theirs); evaluation keeps SDPA",
+                attention_dropout,
+            )
         config._attn_implementation = KEYED_ATTENTION
     return key

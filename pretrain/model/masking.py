@@ -62,6 +62,7 @@ Host syncs: without ``fixed_count`` the number of chosen tokens is data-dependen
 ``positions`` with ``nonzero`` waits for the device once per call. With ``fixed_count`` nothing
 waits. Everything else is device tensors and the given generator.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -74,8 +75,8 @@ from data_prep.common.manifest import SPECIAL_ROLES, Manifest
 from pretrain.config.seeds import derive_seed
 from pretrain.config.schema import MaskingConfig
 
-IGNORE_INDEX = -100                      # label of an unused fixed_count slot (torch's CE default)
-EVAL_MASK_SEED = 20_250_101              # evaluation masks never depend on the training config
+IGNORE_INDEX = -100  # label of an unused fixed_count slot (torch's CE default)
+EVAL_MASK_SEED = 20_250_101  # evaluation masks never depend on the training config
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class SpecialIds:
     sep: int
     mask: int
     vocab_size: int
-    all_special: tuple[int, ...] = field(init=False)   # sorted, unique; never chosen nor drawn
+    all_special: tuple[int, ...] = field(init=False)  # sorted, unique; never chosen nor drawn
 
     def __post_init__(self):
         ids = tuple(sorted({self.pad, self.unk, self.cls, self.sep, self.mask}))
@@ -113,10 +114,10 @@ class SpecialIds:
 
 @dataclass
 class MaskedBatch:
-    input_ids: torch.Tensor     # [B, L] int64, the model's input
-    positions: torch.Tensor     # [N] int64, flat indices into B*L, ascending
-    labels: torch.Tensor        # [N] int64, original ids there (IGNORE_INDEX for unused fixed_count slots)
-    num_masked: torch.Tensor    # 0-d int64 on the device: labels that count (== N without fixed_count)
+    input_ids: torch.Tensor  # [B, L] int64, the model's input
+    positions: torch.Tensor  # [N] int64, flat indices into B*L, ascending
+    labels: torch.Tensor  # [N] int64, original ids there (IGNORE_INDEX for unused fixed_count slots)
+    num_masked: torch.Tensor  # 0-d int64 on the device: labels that count (== N without fixed_count)
 
 
 # ---------------------------------------------------------------------------- random numbers
@@ -175,7 +176,7 @@ class _HashDraws:
         self.seed, self.ids, self.seq_len = int(seed), sample_ids, seq_len
 
     def _row_keys(self, kind: int) -> torch.Tensor:
-        head = _absorb(_absorb(0x9E3779B9, self.seed & ((1 << 64) - 1)), kind)   # Python ints
+        head = _absorb(_absorb(0x9E3779B9, self.seed & ((1 << 64) - 1)), kind)  # Python ints
         return _absorb(torch.full_like(self.ids, head), self.ids)
 
     def _hash(self, kind: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -187,8 +188,9 @@ class _HashDraws:
         return _uniform24(self._hash(kind, rows, torch.arange(length, device=self.ids.device)[None, :]))
 
     def rows(self, kind: int, b: int) -> torch.Tensor:
-        h = self._hash(kind, torch.arange(b, device=self.ids.device), torch.zeros(b, dtype=torch.long,
-                                                                                  device=self.ids.device))
+        h = self._hash(
+            kind, torch.arange(b, device=self.ids.device), torch.zeros(b, dtype=torch.long, device=self.ids.device)
+        )
         return h.double() * (1.0 / (1 << 32))
 
     def at(self, kind: int, flat_positions: torch.Tensor) -> torch.Tensor:
@@ -204,8 +206,9 @@ def mask_seed(seed: int, step: int, rank: int, micro_step: int) -> int:
     return derive_seed("mlm-mask", seed, step, rank, micro_step)
 
 
-def mask_generator(seed: int, step: int, rank: int, micro_step: int,
-                   device: torch.device | str = "cpu") -> torch.Generator:
+def mask_generator(
+    seed: int, step: int, rank: int, micro_step: int, device: torch.device | str = "cpu"
+) -> torch.Generator:
     gen = torch.Generator(device=torch.device(device))
     gen.manual_seed(mask_seed(seed, step, rank, micro_step))
     return gen
@@ -227,8 +230,15 @@ def eval_masking_config(cfg: MaskingConfig | None = None) -> MaskingConfig:
     training uses, so eval losses compare across runs with different masking settings.
     Variable-count selection (not fixed_count) so the eval masks do not depend on that speed switch
     either."""
-    return MaskingConfig(rate=0.15, mask_prob=0.8, random_prob=0.1, strategy="token",
-                         fixed_count=False, dynamic=True, seed=EVAL_MASK_SEED)
+    return MaskingConfig(
+        rate=0.15,
+        mask_prob=0.8,
+        random_prob=0.1,
+        strategy="token",
+        fixed_count=False,
+        dynamic=True,
+        seed=EVAL_MASK_SEED,
+    )
 
 
 def _to_non_special(r: torch.Tensor, special: SpecialIds) -> torch.Tensor:
@@ -238,29 +248,39 @@ def _to_non_special(r: torch.Tensor, special: SpecialIds) -> torch.Tensor:
     return r
 
 
-def random_non_special(n: int, special: SpecialIds, generator: torch.Generator,
-                       device: torch.device) -> torch.Tensor:
+def random_non_special(n: int, special: SpecialIds, generator: torch.Generator, device: torch.device) -> torch.Tensor:
     """``n`` ids uniform over the vocabulary minus the special ids."""
-    r = torch.randint(0, special.vocab_size - len(special.all_special), (n,), generator=generator,
-                      device=device)
+    r = torch.randint(0, special.vocab_size - len(special.all_special), (n,), generator=generator, device=device)
     return _to_non_special(r, special)
 
 
-def _check_inputs(input_ids: torch.Tensor, word_starts: torch.Tensor, cfg: MaskingConfig,
-                  sample_ids: torch.Tensor | None) -> None:
+def _check_inputs(
+    input_ids: torch.Tensor, word_starts: torch.Tensor, cfg: MaskingConfig, sample_ids: torch.Tensor | None
+) -> None:
     if input_ids.dim() != 2 or word_starts.shape != input_ids.shape:
-        raise ValueError(f"mask_batch: expected input_ids and word_starts of one shape [B, L], got "
-                         f"{tuple(input_ids.shape)} and {tuple(word_starts.shape)}")
+        raise ValueError(
+            f"mask_batch: expected input_ids and word_starts of one shape [B, L], got "
+            f"{tuple(input_ids.shape)} and {tuple(word_starts.shape)}"
+        )
     if cfg.fixed_count and cfg.strategy != "token":
-        raise ValueError(f"masking.fixed_count works with strategy 'token' only (got {cfg.strategy!r}): "
-                         "whole words and spans cannot fill an exact token count without bias")
+        raise ValueError(
+            f"masking.fixed_count works with strategy 'token' only (got {cfg.strategy!r}): "
+            "whole words and spans cannot fill an exact token count without bias"
+        )
     if sample_ids is not None and sample_ids.shape != (input_ids.shape[0],):
-        raise ValueError(f"mask_batch: sample_ids must have shape [{input_ids.shape[0]}] (one stable id per row), "
-                         f"got {tuple(sample_ids.shape)}")
+        raise ValueError(
+            f"mask_batch: sample_ids must have shape [{input_ids.shape[0]}] (one stable id per row), "
+            f"got {tuple(sample_ids.shape)}"
+        )
 
 
-def _draws(ids: torch.Tensor, cfg: MaskingConfig, generator: torch.Generator | None,
-           sample_ids: torch.Tensor | None, step: int | None):
+def _draws(
+    ids: torch.Tensor,
+    cfg: MaskingConfig,
+    generator: torch.Generator | None,
+    sample_ids: torch.Tensor | None,
+    step: int | None,
+):
     """Keyed draws (a hash of seed, sample id, position: the same for a row wherever it lands), or a
     generator's for callers without sample ids."""
     if not cfg.dynamic or (sample_ids is not None and step is not None):
@@ -273,10 +293,16 @@ def _draws(ids: torch.Tensor, cfg: MaskingConfig, generator: torch.Generator | N
     return _GeneratorDraws(generator, ids.device)
 
 
-def mask_batch(input_ids: torch.Tensor, word_starts: torch.Tensor, special: SpecialIds,
-               cfg: MaskingConfig, generator: torch.Generator | None = None,
-               sample_ids: torch.Tensor | None = None, step: int | None = None,
-               rate: float | None = None) -> MaskedBatch:
+def mask_batch(
+    input_ids: torch.Tensor,
+    word_starts: torch.Tensor,
+    special: SpecialIds,
+    cfg: MaskingConfig,
+    generator: torch.Generator | None = None,
+    sample_ids: torch.Tensor | None = None,
+    step: int | None = None,
+    rate: float | None = None,
+) -> MaskedBatch:
     """Choose ``cfg.rate`` of the tokens per ``cfg.strategy`` (the prediction targets), then replace
     mask_prob of them by [MASK], random_prob by a random non-special id, and keep the rest visible.
     ``input_ids`` is not modified.
@@ -304,17 +330,22 @@ def mask_batch(input_ids: torch.Tensor, word_starts: torch.Tensor, special: Spec
         num_masked = valid.sum()
     else:
         chosen = {"token": _choose_tokens, "whole_word": _choose_words, "span": _choose_spans}[cfg.strategy](
-            special_tok, word_starts.bool(), cfg, draws)
-        positions = chosen.reshape(-1).nonzero().squeeze(1)        # host sync: N is data-dependent
+            special_tok, word_starts.bool(), cfg, draws
+        )
+        positions = chosen.reshape(-1).nonzero().squeeze(1)  # host sync: N is data-dependent
         labels = flat_ids[positions]
         valid = None
         num_masked = torch.tensor(positions.numel(), device=ids.device)
 
     action = draws.at(_ACTION, positions)
-    replacement = _to_non_special(draws.ids_at(_REPLACEMENT, positions, special.vocab_size - len(special.all_special)),
-                                  special)
-    new = torch.where(action < cfg.mask_prob, torch.full_like(labels, special.mask),
-                      torch.where(action < cfg.mask_prob + cfg.random_prob, replacement, flat_ids[positions]))
+    replacement = _to_non_special(
+        draws.ids_at(_REPLACEMENT, positions, special.vocab_size - len(special.all_special)), special
+    )
+    new = torch.where(
+        action < cfg.mask_prob,
+        torch.full_like(labels, special.mask),
+        torch.where(action < cfg.mask_prob + cfg.random_prob, replacement, flat_ids[positions]),
+    )
     if valid is not None:
         new = torch.where(valid, new, flat_ids[positions])
     masked = flat_ids.clone()
@@ -347,8 +378,7 @@ def _choose_words(special_tok, word_starts, cfg, draws):
     return ((u[start] < cfg.rate) & ~special_tok.reshape(-1)).view_as(special_tok)
 
 
-def span_segments(special_tok: torch.Tensor, word_starts: torch.Tensor, cfg: MaskingConfig,
-                  draws) -> torch.Tensor:
+def span_segments(special_tok: torch.Tensor, word_starts: torch.Tensor, cfg: MaskingConfig, draws) -> torch.Tensor:
     """Flat index of the first token of each token's candidate span (see the module docstring).
     ``draws``: a torch.Generator, or the draw source ``mask_batch`` made."""
     device = special_tok.device
@@ -360,9 +390,9 @@ def span_segments(special_tok: torch.Tensor, word_starts: torch.Tensor, cfg: Mas
     first_after_boundary = first_after_boundary.reshape(-1)
     u = draws.tokens(_SPAN_CUT, special_tok.shape).reshape(-1)
     random_cut = word_start & (first_after_boundary | (u < cfg.span_geometric_p))
-    word_no = torch.cumsum(word_start.long(), 0)              # same for every piece of a word
+    word_no = torch.cumsum(word_start.long(), 0)  # same for every piece of a word
     last_cut = torch.cummax(torch.where(random_cut, word_no, torch.zeros_like(word_no)), 0).values
-    since = word_no - last_cut                                # words since the last random cut
+    since = word_no - last_cut  # words since the last random cut
     clip_cut = word_start & (since > 0) & (since % cfg.span_max == 0)
     cut = random_cut | clip_cut | special_tok.reshape(-1)
     idx = torch.arange(cut.numel(), device=device)
@@ -373,7 +403,7 @@ def _choose_spans(special_tok, word_starts, cfg, draws):
     seg = span_segments(special_tok, word_starts, cfg, draws)
     u = draws.tokens(_SPAN_COIN, special_tok.shape).reshape(-1)
     if cfg.rate <= 0.25:
-        q = (1.0 - (1.0 - 4.0 * cfg.rate) ** 0.5) / 2.0        # q (1 - q) = rate
+        q = (1.0 - (1.0 - 4.0 * cfg.rate) ** 0.5) / 2.0  # q (1 - q) = rate
         coin = u < q
         prev_seg = seg[(seg - 1).clamp(min=0)]
         chosen_seg = coin[seg] & ~(coin[prev_seg] & (seg > 0))
@@ -387,10 +417,10 @@ def _choose_fixed(special_tok, flat_ids, rate, draws, slot_rate):
     slots = min(length, max(1, math.ceil(slot_rate * length - 1e-9)))
     choosable = (~special_tok).sum(1)
     dither = draws.rows(_FIXED_DITHER, b)
-    fill = torch.floor(choosable.double() * rate + dither).long().clamp(max=slots)   # [B]
+    fill = torch.floor(choosable.double() * rate + dither).long().clamp(max=slots)  # [B]
     scores = draws.tokens(_FIXED_SCORE, special_tok.shape)
-    scores = scores.masked_fill(special_tok, -1.0)            # specials rank last, never filled
-    top = scores.topk(slots, dim=1).indices                   # best first: slot j is filled iff j < fill
+    scores = scores.masked_fill(special_tok, -1.0)  # specials rank last, never filled
+    top = scores.topk(slots, dim=1).indices  # best first: slot j is filled iff j < fill
     filled = torch.arange(slots, device=top.device)[None, :] < fill[:, None]
     order = top.argsort(dim=1)
     top, filled = top.gather(1, order), filled.gather(1, order)

@@ -14,6 +14,7 @@ positions are gathered first ([N, H]) and only those go through the head. Modern
 ``sparse_prediction`` option does the same with a boolean mask, whose data-dependent shape makes the
 host wait for the device; the gather by ``positions`` does not.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,14 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import (AutoConfig, BertConfig, BertForMaskedLM, ModernBertConfig, ModernBertForMaskedLM,
-                          PreTrainedModel)
+from transformers import (
+    AutoConfig,
+    BertConfig,
+    BertForMaskedLM,
+    ModernBertConfig,
+    ModernBertForMaskedLM,
+    PreTrainedModel,
+)
 
 from pretrain.config.schema import ImplConfig, ModelConfig
 from pretrain.model.masking import IGNORE_INDEX, SpecialIds
@@ -32,8 +39,12 @@ from pretrain.model.mlm_loss import fused_linear_cross_entropy, mask_padding
 log = logging.getLogger("pretrain")
 MASKED_LM_CLASSES = {"bert": BertForMaskedLM, "modernbert": ModernBertForMaskedLM}
 # impl.attention's names for one SDPA backend (MLMModel.use_attention, pretrain.runtime.attention).
-SDPA_BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_math": SDPBackend.MATH,
-                 "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+SDPA_BACKENDS = {
+    "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+    "sdpa_math": SDPBackend.MATH,
+    "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+}
 # What runs where the chosen backend cannot take an input (flash on CUDA: a padding mask, ModernBERT's
 # sliding-window mask, fp32): the memory-efficient kernel takes any mask in any dtype, cuDNN's
 # many, and the math path (fp32 [B, H, L, L] scores) only what no other can. The CPU has flash and math only.
@@ -47,8 +58,13 @@ def sdpa_chain(name: str) -> list:
 
 
 class MLMModel(torch.nn.Module):
-    def __init__(self, hf_model: PreTrainedModel, sparse_head: bool = True, fused_loss: bool = True,
-                 vocab_size: int | None = None):
+    def __init__(
+        self,
+        hf_model: PreTrainedModel,
+        sparse_head: bool = True,
+        fused_loss: bool = True,
+        vocab_size: int | None = None,
+    ):
         super().__init__()
         arch = hf_model.config.model_type
         if arch not in MASKED_LM_CLASSES:
@@ -65,7 +81,7 @@ class MLMModel(torch.nn.Module):
         self.fixed_predictions = False
         # SDPA backends in priority order (use_attention); None: PyTorch's own choice.
         self.sdpa_backends: list | None = None
-        self.attention = hf_model.config._attn_implementation     # what use_attention last set
+        self.attention = hf_model.config._attn_implementation  # what use_attention last set
         # Names of parameters that model.init_from did not provide; the optimiser may give them a
         # higher learning rate (optim.fresh_params_lr_multiplier). Empty for a model built fresh.
         self.fresh_parameters: set[str] = set()
@@ -81,11 +97,11 @@ class MLMModel(torch.nn.Module):
         training it runs its own eager attention, and SDPA with these backends in evaluation."""
         built = self.config._attn_implementation
         if name == built and built not in ("sdpa", "eager"):
-            self.attention = name                # flash_attention_2 or keyed dropout's, kept as built
+            self.attention = name  # flash_attention_2 or keyed dropout's, kept as built
             return
         if name not in (*SDPA_BACKENDS, "sdpa", "eager"):
             raise ValueError(f"unknown attention {name!r}")
-        if built in ("sdpa", "eager", "flash_attention_2"):   # (a resume keeps an SDPA choice where flash-attn is)
+        if built in ("sdpa", "eager", "flash_attention_2"):  # (a resume keeps an SDPA choice where flash-attn is)
             self.config._attn_implementation = "eager" if name == "eager" else "sdpa"
         self.sdpa_backends = sdpa_chain(name) if name in SDPA_BACKENDS else None
         self.attention = name
@@ -112,9 +128,15 @@ class MLMModel(torch.nn.Module):
         """The head's last layer, H -> V; its weight is the word embeddings'."""
         return self.hf_model.get_output_embeddings()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                positions: torch.Tensor, labels: torch.Tensor, per_token: bool = False,
-                want_correct: bool = True):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        positions: torch.Tensor,
+        labels: torch.Tensor,
+        per_token: bool = False,
+        want_correct: bool = True,
+    ):
         """``attention_mask``: [B, L], False at padding; None means the batch has no padding, and no
         mask is built (SDPA then runs its unmasked fast path on the global layers).
         ``positions``: [N] flat indices into B*L; ``labels``: [N] ids (IGNORE_INDEX: not counted).
@@ -134,7 +156,7 @@ class MLMModel(torch.nn.Module):
             logits = self.head(hidden.reshape(-1, hidden.size(-1)).index_select(0, positions))
         else:
             logits = self.head(hidden).reshape(-1, self.config.vocab_size).index_select(0, positions)
-        logits = mask_padding(logits.float(), self.vocab_size)    # one fp32 copy serves the loss and the accuracy
+        logits = mask_padding(logits.float(), self.vocab_size)  # one fp32 copy serves the loss and the accuracy
         counted = labels != IGNORE_INDEX
         if per_token:
             token_loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
@@ -149,8 +171,14 @@ class MLMModel(torch.nn.Module):
         picked = self.head_transform(hidden.reshape(-1, hidden.size(-1)).index_select(0, positions))
         decoder = self.decoder
         loss_sum, token_loss, correct = fused_linear_cross_entropy(
-            picked, decoder.weight, decoder.bias, labels, want_correct=want_correct or per_token,
-            vocab_size=self.vocab_size, fixed_rows=self.fixed_predictions)
+            picked,
+            decoder.weight,
+            decoder.bias,
+            labels,
+            want_correct=want_correct or per_token,
+            vocab_size=self.vocab_size,
+            fixed_rows=self.fixed_predictions,
+        )
         counted = labels != IGNORE_INDEX
         if per_token:
             return token_loss, correct, counted
@@ -165,7 +193,7 @@ def attention_implementation(impl: ImplConfig) -> str:
     package and 16-bit weights; anywhere else (a CPU, ``impl.precision: fp32``) SDPA runs instead,
     with a warning when flash attention was asked for by name."""
     wanted = impl.attention
-    if wanted.startswith("sdpa_"):             # one SDPA backend: MLMModel.use_attention
+    if wanted.startswith("sdpa_"):  # one SDPA backend: MLMModel.use_attention
         return "sdpa"
     if wanted not in ("auto", "flash_attention_2"):
         return wanted
@@ -189,11 +217,18 @@ def attention_implementation(impl: ImplConfig) -> str:
 
 def _shared_sizes(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, attention: str) -> dict:
     """The Hugging Face config keys that both architectures name alike."""
-    return dict(vocab_size=vocab_size, hidden_size=model_cfg.hidden_size, num_hidden_layers=model_cfg.num_layers,
-                num_attention_heads=model_cfg.num_heads, intermediate_size=model_cfg.intermediate_size,
-                max_position_embeddings=model_cfg.max_position_embeddings,
-                initializer_range=model_cfg.initializer_range, pad_token_id=special.pad,
-                tie_word_embeddings=True, attn_implementation=attention)
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=model_cfg.hidden_size,
+        num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_heads,
+        intermediate_size=model_cfg.intermediate_size,
+        max_position_embeddings=model_cfg.max_position_embeddings,
+        initializer_range=model_cfg.initializer_range,
+        pad_token_id=special.pad,
+        tie_word_embeddings=True,
+        attn_implementation=attention,
+    )
 
 
 def bert_config(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, attention: str) -> BertConfig:
@@ -206,8 +241,7 @@ def bert_config(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, at
     )
 
 
-def modernbert_config(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds,
-                      attention: str) -> ModernBertConfig:
+def modernbert_config(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, attention: str) -> ModernBertConfig:
     return ModernBertConfig(
         **_shared_sizes(model_cfg, vocab_size, special, attention),
         norm_eps=model_cfg.layer_norm_eps,
@@ -216,8 +250,10 @@ def modernbert_config(model_cfg: ModelConfig, vocab_size: int, special: SpecialI
         mlp_dropout=model_cfg.mlp_dropout,
         global_attn_every_n_layers=model_cfg.global_attn_every_n_layers,
         local_attention=model_cfg.local_attention,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": model_cfg.rope_theta},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": model_cfg.local_rope_theta}},
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": model_cfg.rope_theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": model_cfg.local_rope_theta},
+        },
         bos_token_id=special.cls,
         cls_token_id=special.cls,
         eos_token_id=special.sep,
@@ -240,15 +276,21 @@ def _pretrained(model_cfg: ModelConfig, vocab_size: int, attention: str):
         raise ValueError("model." + "; model.".join(problems))
     found = AutoConfig.from_pretrained(folder, local_files_only=True)
     if found.vocab_size != vocab_size:
-        raise ValueError(f"model.init_from: {folder!r} has vocab_size {found.vocab_size}, but the data's "
-                         f"manifest says {vocab_size}: prepare the data with that model's tokenizer")
+        raise ValueError(
+            f"model.init_from: {folder!r} has vocab_size {found.vocab_size}, but the data's "
+            f"manifest says {vocab_size}: prepare the data with that model's tokenizer"
+        )
     hf_model, loading = MASKED_LM_CLASSES[model_cfg.arch].from_pretrained(
-        folder, attn_implementation=attention, dtype=torch.float32, local_files_only=True,
-        output_loading_info=True)
+        folder, attn_implementation=attention, dtype=torch.float32, local_files_only=True, output_loading_info=True
+    )
     fresh = set(loading["missing_keys"])
-    if fresh:     # one line instead of transformers' load report
-        log.info("model.init_from: %d weight tensors are not in %s and start fresh (%s)", len(fresh), folder,
-                 ", ".join(sorted({k.rsplit(".", 1)[0] for k in fresh})[:4]) + (", ..." if len(fresh) > 4 else ""))
+    if fresh:  # one line instead of transformers' load report
+        log.info(
+            "model.init_from: %d weight tensors are not in %s and start fresh (%s)",
+            len(fresh),
+            folder,
+            ", ".join(sorted({k.rsplit(".", 1)[0] for k in fresh})[:4]) + (", ..." if len(fresh) > 4 else ""),
+        )
     return hf_model, fresh
 
 
@@ -257,16 +299,22 @@ def _new_model(model_cfg: ModelConfig, rows: int, special: SpecialIds, attention
     if shape_from:
         config = MASKED_LM_CLASSES[model_cfg.arch].config_class.from_json_file(shape_from)
         config._attn_implementation = attention
-        if model_cfg.arch == "modernbert":      # rotary positions: no parameter, a longer context may follow
+        if model_cfg.arch == "modernbert":  # rotary positions: no parameter, a longer context may follow
             config.max_position_embeddings = max(config.max_position_embeddings, model_cfg.max_position_embeddings)
     else:
         config = CONFIG_BUILDERS[model_cfg.arch](model_cfg, rows, special, attention)
     return MASKED_LM_CLASSES[model_cfg.arch](config)
 
 
-def build_model(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, impl: ImplConfig,
-                seq_len: int | None = None, shape_from: str | None = None,
-                vocab_rows: int | None = None) -> MLMModel:
+def build_model(
+    model_cfg: ModelConfig,
+    vocab_size: int,
+    special: SpecialIds,
+    impl: ImplConfig,
+    seq_len: int | None = None,
+    shape_from: str | None = None,
+    vocab_rows: int | None = None,
+) -> MLMModel:
     """A fresh encoder of ``model_cfg.arch`` from ``model_cfg`` (seed torch first for a deterministic
     init), or, with ``model_cfg.init_from``, a local HF checkpoint of that architecture whose own
     shape wins (a checkpoint without an MLM head, such as a plain ``BertModel``, gets a freshly
@@ -297,6 +345,7 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, special: SpecialIds, im
     # What init_from did not provide (e.g. the MLM head of an encoder saved without one): the
     # optimiser may give these a higher learning rate (optim.fresh_params_lr_multiplier).
     tied = {id(hf_model.get_input_embeddings().weight)}
-    model.fresh_parameters = {name for name, p in model.named_parameters()
-                              if name.removeprefix("hf_model.") in fresh and id(p) not in tied}
+    model.fresh_parameters = {
+        name for name, p in model.named_parameters() if name.removeprefix("hf_model.") in fresh and id(p) not in tied
+    }
     return model

@@ -18,6 +18,7 @@ so the scale factor of the caller (1 / predicted tokens, a loss scale) applies t
 The decoder's gradient is summed over chunks in fp32, so the bf16 result differs from the plain
 path's only by rounding.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,7 +29,7 @@ from pretrain.model.masking import IGNORE_INDEX
 # Rows per chunk so that a chunk's fp32 logits take about this many bytes: on a CPU, 128 to 614 rows
 # of a 30k vocabulary measured alike and 64 slower (bench/mlm_loss.py); on a GPU, chunks large enough
 # that the decoder's matmuls run at full speed, and no [N, V] tensor for a large batch.
-CHUNK_BYTES = {"cpu": 32 * 2 ** 20, "cuda": 512 * 2 ** 20}
+CHUNK_BYTES = {"cpu": 32 * 2**20, "cuda": 512 * 2**20}
 
 
 def rows_per_chunk(vocab_size: int, device: torch.device) -> int:
@@ -116,22 +117,30 @@ class _Grads:
         if self.needs[0]:
             torch.mm(grad_logits, weight, out=self.hidden[rows])
         if self.needs[1]:
-            if self.weight is None:              # one chunk (the usual case on a CPU): no fp32 round trip
+            if self.weight is None:  # one chunk (the usual case on a CPU): no fp32 round trip
                 self.weight = grad_logits.t() @ x
             elif self.weight.dtype == x.dtype == torch.float32:
                 self.weight.addmm_(grad_logits.t(), x)
-            else:                                # chunks of 16-bit products summed in fp32
+            else:  # chunks of 16-bit products summed in fp32
                 self.weight = self.weight.float().add_(grad_logits.t() @ x)
 
     def scaled(self, factor: torch.Tensor):
         def scale(grad, dtype):
             return None if grad is None else grad.mul_(factor).to(dtype)
+
         return tuple(scale(g, d) for g, d in zip((self.hidden, self.weight, self.bias), self.dtypes))
 
 
-def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                               labels: torch.Tensor, want_correct: bool = True, chunk_rows: int | None = None,
-                               vocab_size: int | None = None, fixed_rows: bool = False):
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    want_correct: bool = True,
+    chunk_rows: int | None = None,
+    vocab_size: int | None = None,
+    fixed_rows: bool = False,
+):
     """The MLM loss of ``hidden`` [N, H] under the decoder ``weight`` [V, H] and ``bias`` [V] against
     ``labels`` [N] (IGNORE_INDEX: not counted).
 
@@ -158,9 +167,15 @@ def _fused(hidden, weight, bias, labels, want_correct: bool, chunk_rows: int | N
     # build the gradients inside the forward, which autocast does not reach (out=), get equal dtypes.
     dtype = torch.get_autocast_dtype(device)
     with torch.autocast(device, enabled=False):
-        return _FusedLinearCrossEntropy.apply(hidden.to(dtype), weight.to(dtype),
-                                              None if bias is None else bias.to(dtype), labels, want_correct, rows,
-                                              vocab_size)
+        return _FusedLinearCrossEntropy.apply(
+            hidden.to(dtype),
+            weight.to(dtype),
+            None if bias is None else bias.to(dtype),
+            labels,
+            want_correct,
+            rows,
+            vocab_size,
+        )
 
 
 _eager = torch.compiler.disable(_fused)

@@ -10,6 +10,7 @@
 * ``make_skippable``: lets the loop veto one update (a non-finite loss on some rank).
 * ``WarmupDecay``, ``lr_schedule``: from ``pretrain.model.schedule``.
 """
+
 from __future__ import annotations
 
 import types
@@ -19,7 +20,7 @@ import torch
 
 from pretrain.config.schema import Config
 
-if TYPE_CHECKING:                      # the model module imports transformers: not needed here at run time
+if TYPE_CHECKING:  # the model module imports transformers: not needed here at run time
     from pretrain.model.mlm import MLMModel
 
 
@@ -69,14 +70,21 @@ def build_optimizer(model: MLMModel, cfg: Config) -> torch.optim.Optimizer:
         members = [(n, p) for n, p in model.named_parameters() if p.requires_grad and (n in fresh_names) == fresh]
         decay = [p for n, p in members if p.ndim >= 2]
         no_decay = [p for n, p in members if p.ndim < 2]
-        groups += [g for g in ({"params": decay, "weight_decay": o.weight_decay, "lr": lr},
-                               {"params": no_decay, "weight_decay": 0.0, "lr": lr}) if g["params"]]
+        groups += [
+            g
+            for g in (
+                {"params": decay, "weight_decay": o.weight_decay, "lr": lr},
+                {"params": no_decay, "weight_decay": 0.0, "lr": lr},
+            )
+            if g["params"]
+        ]
     fused = cfg.impl.fused_optimizer is True or cfg.impl.fused_optimizer == "auto"
     kw = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     if o.name == "adamw":
         if cfg.impl.offload_optimizer:
             # lazy: DeepSpeed's op loader, only under offload
             from deepspeed.ops.adam import DeepSpeedCPUAdam
+
             opt = DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
         else:
             # torch's fused kernel (CUDA, CPU) updates all tensors in one pass, with no build step.
@@ -106,4 +114,3 @@ def make_skippable(opt: torch.optim.Optimizer) -> None:
 
     # a bound method: torch's LR schedulers wrap ``optimizer.step`` and expect one
     opt.step = types.MethodType(step, opt)
-

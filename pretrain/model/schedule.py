@@ -17,6 +17,7 @@ going and decays before the new end. LambdaLR saves a callable object's attribut
 dict, and loading a checkpoint put the old total back (the run then trained at lr 0); so after every
 load the schedule is set from the config again.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,7 +32,7 @@ class WarmupDecay:
 
     def __init__(self, warmup: int, total: int, schedule: str, min_ratio: float, decay_steps: int = 0):
         self.warmup, self.total, self.schedule, self.min_ratio = warmup, total, schedule, min_ratio
-        self.decay_steps = decay_steps          # wsd only: the length of the final decay
+        self.decay_steps = decay_steps  # wsd only: the length of the final decay
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
@@ -68,9 +69,11 @@ def continue_schedule(scheduler, cfg) -> str:
         group["lr"] = lr
     scheduler._last_lr = list(lrs)
     o = cfg.optim
-    end = o.lr * current(cfg.train.max_steps)       # the rate where the run ends (warm-up may outlast a short run)
-    line = (f"schedule: {o.schedule}, lr {_lr(o.lr * current(step))} at step {step} -> {_lr(end)} at step "
-            f"{cfg.train.max_steps}")
+    end = o.lr * current(cfg.train.max_steps)  # the rate where the run ends (warm-up may outlast a short run)
+    line = (
+        f"schedule: {o.schedule}, lr {_lr(o.lr * current(step))} at step {step} -> {_lr(end)} at step "
+        f"{cfg.train.max_steps}"
+    )
     if o.warmup_steps > cfg.train.max_steps:
         line += f" (still warming up: optim.warmup_steps={o.warmup_steps})"
     if o.schedule == "wsd":

@@ -1,4 +1,5 @@
 """``python -m pretrain.report RUN_DIR``."""
+
 import sys
 
 from pretrain.report.page import main

@@ -10,6 +10,7 @@ grew (the update was skipped), and a spike recovery, recognised by any of
 ``train/spike_recoveries`` growing (a cumulative count), a metric under ``spike/`` in the row, or
 a row ``"event": "spike_recovery"``.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,11 @@ def events(rows: list[dict]) -> dict[str, list[int]]:
             out["non-finite skip"].append(step)
             skipped = n
         n = r.get("train/spike_recoveries")
-        spike = (n is not None and n > recoveries) or r.get("event") == "spike_recovery" \
+        spike = (
+            (n is not None and n > recoveries)
+            or r.get("event") == "spike_recovery"
             or any(k.startswith("spike/") for k in r)
+        )
         if n is not None:
             recoveries = max(recoveries, n)
         if spike and step not in out["spike recovery"]:
@@ -84,8 +88,13 @@ def loss_figure(rows: list[dict], tok_per_step: float | None):
     styles = {"non-finite skip": ("C3", ":"), "spike recovery": ("C4", "--")}
     for name, marks in events(rows).items():
         for i, s in enumerate(marks):
-            ax.axvline(s * scale, color=styles[name][0], ls=styles[name][1], lw=1.2,
-                       label=f"{name} ({len(marks)})" if i == 0 else None)
+            ax.axvline(
+                s * scale,
+                color=styles[name][0],
+                ls=styles[name][1],
+                lw=1.2,
+                label=f"{name} ({len(marks)})" if i == 0 else None,
+            )
     ax.set_xlabel("training tokens seen" if tok_per_step else "step")
     ax.set_ylabel("MLM loss")
     lr_steps, lr = series(rows, "train/lr")
@@ -161,8 +170,13 @@ def grad_norm_heatmap(rows: list[dict]):
         return None
     fig = Figure(figsize=(FIG_SIZE[0], max(2.5, 0.3 * len(layers) + 1.5)))
     ax = fig.subplots()
-    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
-                      norm=LogNorm(vmin=min(finite), vmax=max(max(finite), min(finite) * 1.0001)))
+    image = ax.imshow(
+        grid,
+        aspect="auto",
+        interpolation="nearest",
+        cmap="viridis",
+        norm=LogNorm(vmin=min(finite), vmax=max(max(finite), min(finite) * 1.0001)),
+    )
     ax.set_yticks(range(len(layers)), layers, fontsize=7)
     ticks = sorted({0, len(steps) - 1, *range(0, len(steps), max(1, len(steps) // 8))})
     ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=7)
@@ -189,13 +203,24 @@ def probe_figure(rows: list[dict]):
     for i, task in enumerate(tasks):
         steps, acc = series(rows, f"downstream/{task}/accuracy")
         ax.plot(steps, acc, "o-", ms=4, color=f"C{i}", label=f"{task}: probe")
-        bases = sorted({k for r in rows for k in r if k.startswith(f"downstream/{task}/") and k.endswith("_accuracy")
-                        and not k.endswith("/accuracy")})
+        bases = sorted(
+            {
+                k
+                for r in rows
+                for k in r
+                if k.startswith(f"downstream/{task}/") and k.endswith("_accuracy") and not k.endswith("/accuracy")
+            }
+        )
         for j, key in enumerate(bases):
             _, values = series(rows, key)
             if values:
-                ax.axhline(values[-1], color=f"C{i}", ls=["--", ":", "-."][j % 3], lw=1,
-                           label=f"{task}: {key.split('/')[-1].removesuffix('_accuracy')}")
+                ax.axhline(
+                    values[-1],
+                    color=f"C{i}",
+                    ls=["--", ":", "-."][j % 3],
+                    lw=1,
+                    label=f"{task}: {key.split('/')[-1].removesuffix('_accuracy')}",
+                )
     ax.set_xlabel("step")
     ax.set_ylabel("accuracy")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -204,10 +229,15 @@ def probe_figure(rows: list[dict]):
 
 def all_figures(rows: list[dict], tok_per_step: float | None) -> list[tuple[str, str, object]]:
     """(file stem, caption, figure) for every figure the rows can draw, in report order."""
-    made = [("loss", "Loss against tokens seen, with the learning rate; skips and recoveries marked",
-             loss_figure(rows, tok_per_step)),
-            ("throughput", "Throughput and model FLOPs utilisation", throughput_figure(rows)),
-            ("eval_sources", "Evaluation per data source", source_eval_figure(rows, tok_per_step)),
-            ("grad_norm_layers", "Gradient norm per layer over steps", grad_norm_heatmap(rows)),
-            ("probes", "Downstream probes with their baselines", probe_figure(rows))]
+    made = [
+        (
+            "loss",
+            "Loss against tokens seen, with the learning rate; skips and recoveries marked",
+            loss_figure(rows, tok_per_step),
+        ),
+        ("throughput", "Throughput and model FLOPs utilisation", throughput_figure(rows)),
+        ("eval_sources", "Evaluation per data source", source_eval_figure(rows, tok_per_step)),
+        ("grad_norm_layers", "Gradient norm per layer over steps", grad_norm_heatmap(rows)),
+        ("probes", "Downstream probes with their baselines", probe_figure(rows)),
+    ]
     return [m for m in made if m[2] is not None]

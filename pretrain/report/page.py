@@ -9,6 +9,7 @@ and Hugging Face exports on disk, and the MLflow run id. The trainer makes it at
 
 Exit codes: 0 written, 2 not a run folder (no ``metrics.jsonl``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ class NotARunFolder(Exception):
 def run_facts(run_dir: Path, config: dict | None = None, manifest: Manifest | None = None) -> dict:
     """Everything the report shows besides the figures. ``config``/``manifest`` default to the
     copies saved with the latest complete checkpoint."""
-    root = run_dir / "checkpoints"       # checkpointing.checkpoint_root: always out_dir/checkpoints
+    root = run_dir / "checkpoints"  # checkpointing.checkpoint_root: always out_dir/checkpoints
     tag = latest_complete_tag(root)
     if config is None and tag:
         config = yaml.safe_load((root / tag / CONFIG_FILE).read_text())
@@ -49,9 +50,15 @@ def run_facts(run_dir: Path, config: dict | None = None, manifest: Manifest | No
         manifest = saved_manifest(root, tag)
     run_id_file = run_dir / "mlflow_run_id"
     exports = sorted(p.name for p in run_dir.glob("hf_*") if p.is_dir() and (p / "config.json").is_file())
-    return {"config": config, "manifest": manifest, "checkpoint_root": root, "checkpoints": complete_tags(root),
-            "latest_checkpoint": tag, "exports": exports,
-            "mlflow_run_id": run_id_file.read_text().strip() if run_id_file.is_file() else None}
+    return {
+        "config": config,
+        "manifest": manifest,
+        "checkpoint_root": root,
+        "checkpoints": complete_tags(root),
+        "latest_checkpoint": tag,
+        "exports": exports,
+        "mlflow_run_id": run_id_file.read_text().strip() if run_id_file.is_file() else None,
+    }
 
 
 def _png_bytes(fig) -> bytes:
@@ -65,10 +72,19 @@ def _summary_rows(rows: list[dict], facts: dict) -> list[tuple[str, str]]:
         values = [r[key] for r in rows if r.get(key) is not None]
         return values[-1] if values else None
 
-    out = [("steps", str(max((r.get("step", 0) for r in rows), default=0))),
-           ("tokens seen", _num(last("train/tokens_seen")))]
-    for key in ("train/loss", "eval/loss", "eval/accuracy", "perf/tokens_per_s", "perf/mfu",
-                "train/nonfinite_skipped", "train/spike_recoveries"):
+    out = [
+        ("steps", str(max((r.get("step", 0) for r in rows), default=0))),
+        ("tokens seen", _num(last("train/tokens_seen"))),
+    ]
+    for key in (
+        "train/loss",
+        "eval/loss",
+        "eval/accuracy",
+        "perf/tokens_per_s",
+        "perf/mfu",
+        "train/nonfinite_skipped",
+        "train/spike_recoveries",
+    ):
         if last(key) is not None:
             out.append((f"final {key}", _num(last(key))))
     if facts["mlflow_run_id"]:
@@ -91,8 +107,11 @@ def _num(v) -> str:
 def _manifest_rows(manifest: Manifest | None) -> list[tuple[str, str]]:
     if manifest is None:
         return [("manifest", "not found (no complete checkpoint yet)")]
-    out = [("sequence length", str(manifest.seq_len)), ("vocab size", str(manifest.tokenizer.vocab_size)),
-           ("tokenizer sha256", manifest.tokenizer.sha256[:16])]
+    out = [
+        ("sequence length", str(manifest.seq_len)),
+        ("vocab size", str(manifest.tokenizer.vocab_size)),
+        ("tokenizer sha256", manifest.tokenizer.sha256[:16]),
+    ]
     for split, totals in sorted(manifest.totals.items()):
         out.append((f"{split} split", ", ".join(f"{_num(v)} {k}" for k, v in totals.items())))
     return out
@@ -100,18 +119,28 @@ def _manifest_rows(manifest: Manifest | None) -> list[tuple[str, str]]:
 
 def _place_rows(run_dir: Path, facts: dict) -> list[tuple[str, str]]:
     cks = facts["checkpoints"]
-    out = [("run folder", str(run_dir.resolve())),
-           ("checkpoints", f"{facts['checkpoint_root']} ({len(cks)} complete"
-                           + (f": {cks[0]} … {cks[-1]}" if len(cks) > 1 else f": {cks[0]}" if cks else "") + ")"),
-           ("latest checkpoint", facts["latest_checkpoint"] or "none")]
-    out += [(f"export {name}", str((run_dir / name).resolve())) for name in facts["exports"]] or \
-        [("export", "none yet")]
+    out = [
+        ("run folder", str(run_dir.resolve())),
+        (
+            "checkpoints",
+            f"{facts['checkpoint_root']} ({len(cks)} complete"
+            + (f": {cks[0]} … {cks[-1]}" if len(cks) > 1 else f": {cks[0]}" if cks else "")
+            + ")",
+        ),
+        ("latest checkpoint", facts["latest_checkpoint"] or "none"),
+    ]
+    out += [(f"export {name}", str((run_dir / name).resolve())) for name in facts["exports"]] or [
+        ("export", "none yet")
+    ]
     return out
 
 
 def _table(rows: list[tuple[str, str]]) -> str:
-    return "<table>" + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
-                               for k, v in rows) + "</table>"
+    return (
+        "<table>"
+        + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
+        + "</table>"
+    )
 
 
 STYLE = """body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}
@@ -121,23 +150,37 @@ th{color:#555;font-weight:normal}figure{margin:1em 0}img{max-width:100%}figcapti
 pre{background:#f6f6f6;padding:1em;font-size:.8em;overflow:auto;max-height:40em}"""
 
 
-def render_html(title: str, figures: list[tuple[str, str, bytes]], rows: list[dict], run_dir: Path,
-                facts: dict, mlflow_url: str | None = None) -> str:
-    figs = "".join(f'<figure id="{stem}"><img alt="{html.escape(caption)}" src="data:image/png;base64,'
-                   f'{base64.b64encode(png).decode()}"><figcaption>{html.escape(caption)}</figcaption></figure>'
-                   for stem, caption, png in figures) or "<p>No metrics to draw yet.</p>"
+def render_html(
+    title: str,
+    figures: list[tuple[str, str, bytes]],
+    rows: list[dict],
+    run_dir: Path,
+    facts: dict,
+    mlflow_url: str | None = None,
+) -> str:
+    figs = (
+        "".join(
+            f'<figure id="{stem}"><img alt="{html.escape(caption)}" src="data:image/png;base64,'
+            f'{base64.b64encode(png).decode()}"><figcaption>{html.escape(caption)}</figcaption></figure>'
+            for stem, caption, png in figures
+        )
+        or "<p>No metrics to draw yet.</p>"
+    )
     config = yaml.safe_dump(facts["config"], sort_keys=False) if facts["config"] else "not found"
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
-            f"<p>Made {time.strftime('%Y-%m-%d %H:%M:%S %Z')} from {html.escape(str(run_dir / 'metrics.jsonl'))}."
-            f"</p>{_table(_summary_rows(rows, facts))}{_link(mlflow_url)}<h2>Figures</h2>{figs}"
-            f"<h2>Where things are</h2>{_table(_place_rows(run_dir, facts))}"
-            f"<h2>Data</h2>{_table(_manifest_rows(facts['manifest']))}"
-            f"<h2>Resolved config</h2><pre>{html.escape(config)}</pre></body></html>")
+    return (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
+        f"<p>Made {time.strftime('%Y-%m-%d %H:%M:%S %Z')} from {html.escape(str(run_dir / 'metrics.jsonl'))}."
+        f"</p>{_table(_summary_rows(rows, facts))}{_link(mlflow_url)}<h2>Figures</h2>{figs}"
+        f"<h2>Where things are</h2>{_table(_place_rows(run_dir, facts))}"
+        f"<h2>Data</h2>{_table(_manifest_rows(facts['manifest']))}"
+        f"<h2>Resolved config</h2><pre>{html.escape(config)}</pre></body></html>"
+    )
 
 
-def write_report(run_dir: Path, config: dict | None = None, manifest: Manifest | None = None,
-                 mlflow_url: str | None = None) -> Path:
+def write_report(
+    run_dir: Path, config: dict | None = None, manifest: Manifest | None = None, mlflow_url: str | None = None
+) -> Path:
     """Write ``run_dir/report/`` (report.html and one PNG per figure); returns the folder."""
     # lazy: pulls in matplotlib (~0.5 s); the trainer imports this module, but only its rank 0 draws, at the end
     from pretrain.report.figures import all_figures, tokens_per_step
@@ -172,8 +215,9 @@ def report_at_end(cfg, manifest: Manifest, tracker) -> Optional[Path]:
         start, cpu = time.perf_counter(), time.process_time()
         out = write_report(Path(cfg.train.out_dir), configlib.to_dict(cfg), manifest, tracker.run_url)
         tracker.log_artifacts(str(out), REPORT_DIR)
-        log.info("report: %s (%.1fs, %.1fs CPU)", out / "report.html", time.perf_counter() - start,
-                 time.process_time() - cpu)
+        log.info(
+            "report: %s (%.1fs, %.1fs CPU)", out / "report.html", time.perf_counter() - start, time.process_time() - cpu
+        )
         return out
     except Exception as exc:  # noqa: BLE001 - see the docstring
         log.warning("report: could not be written (%s: %s); training is unaffected", type(exc).__name__, exc)
@@ -181,8 +225,9 @@ def report_at_end(cfg, manifest: Manifest, tracker) -> Optional[Path]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pretrain.report", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m pretrain.report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("run_dir", type=Path, help="a run folder (train.out_dir)")
     args = p.parse_args(argv)
     try:

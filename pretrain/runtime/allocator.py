@@ -20,6 +20,7 @@ the ranks run with the C library's malloc. ``LD_PRELOAD`` must be set before a p
 launchers set it for the ranks: ``pretrain.launch`` (``launchers/local.sh``, ``demo.sh``) itself, the
 Slurm script through ``eval "$(python -m pretrain.runtime.allocator)"`` on each node.
 """
+
 from __future__ import annotations
 
 import os
@@ -70,15 +71,18 @@ def preload(env: dict) -> tuple[dict, Optional[str]]:
     if wanted == "system":
         return env, None
     if wanted not in LIBRARIES:
-        return env, (f"{ALLOCATOR_ENV}={wanted!r} is not one of tcmalloc, jemalloc, system: using the C "
-                     "library's malloc")
+        return env, (
+            f"{ALLOCATOR_ENV}={wanted!r} is not one of tcmalloc, jemalloc, system: using the C library's malloc"
+        )
     present = env.get("LD_PRELOAD", "")
     if any(name in present for names in LIBRARIES.values() for name in names):
         return env, None
     library = find(wanted)
     if library is None:
-        return env, (f"{wanted} not found (apt-get install {PACKAGES[wanted]}, or {ALLOCATOR_ENV}=system to "
-                     "silence this): the ranks use the C library's malloc, which holds more memory as a run goes")
+        return env, (
+            f"{wanted} not found (apt-get install {PACKAGES[wanted]}, or {ALLOCATOR_ENV}=system to "
+            "silence this): the ranks use the C library's malloc, which holds more memory as a run goes"
+        )
     return {**env, "LD_PRELOAD": f"{library} {present}".strip()}, None
 
 

@@ -16,6 +16,7 @@ ModernBERT's local layers with their sliding-window mask (where flash falls back
 by their share of the layers. The choice is recorded in the checkpoint, and a resumed run keeps it
 at any layout, so that a resume computes with the same kernel.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,9 @@ def _eager(q, k, v, mask=None):
 
 def _sdpa(name: str) -> Callable:
     def run(q, k, v, mask=None):
-        with sdpa_kernel(sdpa_chain(name), set_priority=True):     # as MLMModel.encode runs it
+        with sdpa_kernel(sdpa_chain(name), set_priority=True):  # as MLMModel.encode runs it
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
     return run
 
 
@@ -67,9 +69,15 @@ def local_layers(config) -> tuple[Optional[int], float]:
     return window, sum(1 for i in range(layers) if i % every) / layers
 
 
-def time_candidates(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int],
-                    candidates: tuple[str, ...], repeats: int = 3, window: Optional[int] = None,
-                    local_share: float = 0.0) -> dict[str, float]:
+def time_candidates(
+    device: torch.device,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int, int],
+    candidates: tuple[str, ...],
+    repeats: int = 3,
+    window: Optional[int] = None,
+    local_share: float = 0.0,
+) -> dict[str, float]:
     """Seconds of one forward + backward of each candidate on random [batch, heads, seq, head_dim]
     inputs, the best of ``repeats`` after one untimed run; a candidate this device cannot run is left
     out. With a ``window``, the mean over the layers: ``local_share`` of them under its mask."""
@@ -96,7 +104,7 @@ def time_candidates(device: torch.device, dtype: torch.dtype, shape: tuple[int, 
                     if i:
                         best = min(best, time.perf_counter() - start)
                 total += share * best
-        except RuntimeError as exc:           # e.g. "No available kernel" for this device or dtype
+        except RuntimeError as exc:  # e.g. "No available kernel" for this device or dtype
             log.debug("attention candidate %s cannot run here: %s", name, exc)
             continue
         timings[name] = total
@@ -107,8 +115,14 @@ def cache_path() -> Path:
     return default_cache_path().with_name("attention.json")
 
 
-def choose(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int],
-           path: Optional[Path] = None, window: Optional[int] = None, local_share: float = 0.0) -> tuple[str, str]:
+def choose(
+    device: torch.device,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int, int],
+    path: Optional[Path] = None,
+    window: Optional[int] = None,
+    local_share: float = 0.0,
+) -> tuple[str, str]:
     """(the fastest candidate, what says so): cached per device, threads, dtype, shape and (ModernBERT)
     sliding window and share of local layers."""
     if device.type == "cuda":
@@ -134,11 +148,14 @@ def choose(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int,
 
 
 def _summary(ms: dict) -> str:
-    return "forward+backward " + ", ".join(f"{name} {value:.1f} ms" for name, value in sorted(ms.items(), key=lambda kv: kv[1]))
+    return "forward+backward " + ", ".join(
+        f"{name} {value:.1f} ms" for name, value in sorted(ms.items(), key=lambda kv: kv[1])
+    )
 
 
-def resolve(model, wanted: str, device: torch.device, dtype: torch.dtype, micro_batch: int,
-            seq_len: int) -> tuple[str, str]:
+def resolve(
+    model, wanted: str, device: torch.device, dtype: torch.dtype, micro_batch: int, seq_len: int
+) -> tuple[str, str]:
     """(the attention ``model`` should use, why) for ``impl.attention`` = ``wanted``: timed here for
     ``auto`` where Hugging Face runs SDPA or eager attention; flash_attention_2 and keyed dropout's
     attention (``model.attention_dropout`` > 0: training runs it eagerly) are kept as they are."""
@@ -150,5 +167,10 @@ def resolve(model, wanted: str, device: torch.device, dtype: torch.dtype, micro_
     config = model.config
     heads = config.num_attention_heads
     window, local_share = local_layers(config)
-    return choose(device, dtype, (micro_batch, heads, seq_len, config.hidden_size // heads),
-                  window=window, local_share=local_share)
+    return choose(
+        device,
+        dtype,
+        (micro_batch, heads, seq_len, config.hidden_size // heads),
+        window=window,
+        local_share=local_share,
+    )

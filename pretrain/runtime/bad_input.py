@@ -15,6 +15,7 @@ then, on this path only, every rank gathers the messages and prints them.
 A store that stays unavailable past ``data.remote_timeout_s`` (``StoreUnavailable``) takes the same
 path with a higher flag: every rank stops with exit 3 (requeue) instead, the checkpoint untouched.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,9 +29,9 @@ from data_prep.common.shards import ShardError
 from data_prep.common.storage import StoreUnavailable
 from pretrain.model.masking import SpecialIds
 
-BAD_INPUT_KEY = "bad_input"     # in a placeholder micro-batch: what this rank failed to read
-OUTAGE_KEY = "store_unavailable"     # ... and whether because the data's store was down (exit 3, not 2)
-BAD_INPUT, OUTAGE = 1.0, 2.0         # a step's failure level, max-reduced over the ranks
+BAD_INPUT_KEY = "bad_input"  # in a placeholder micro-batch: what this rank failed to read
+OUTAGE_KEY = "store_unavailable"  # ... and whether because the data's store was down (exit 3, not 2)
+BAD_INPUT, OUTAGE = 1.0, 2.0  # a step's failure level, max-reduced over the ranks
 
 # How long a rank other than the first waits before it reports bad input itself (below).
 OTHER_RANKS_REPORT_AFTER_S = 10.0
@@ -52,10 +53,14 @@ def next_micro_batches(batches, count: int, special: SpecialIds, micro_batch: in
     try:
         return [next(batches) for _ in range(count)]
     except (ShardError, StoreUnavailable) as exc:
-        placeholder = {"input_ids": torch.full((micro_batch, seq_len), special.cls, dtype=torch.long),
-                       "word_starts": torch.zeros(micro_batch, seq_len, dtype=torch.bool),
-                       "sample_ids": torch.zeros(micro_batch, dtype=torch.long), "has_padding": False,
-                       BAD_INPUT_KEY: str(exc), OUTAGE_KEY: isinstance(exc, StoreUnavailable)}
+        placeholder = {
+            "input_ids": torch.full((micro_batch, seq_len), special.cls, dtype=torch.long),
+            "word_starts": torch.zeros(micro_batch, seq_len, dtype=torch.bool),
+            "sample_ids": torch.zeros(micro_batch, dtype=torch.long),
+            "has_padding": False,
+            BAD_INPUT_KEY: str(exc),
+            OUTAGE_KEY: isinstance(exc, StoreUnavailable),
+        }
         return [placeholder] * count
 
 
@@ -78,7 +83,7 @@ def report_messages(mine: str | None, rank: int, outage: bool = False) -> None:
     for source, message in enumerate(messages):
         if message is not None:
             print(f"error: [read by rank {source}] {message}", file=sys.stderr, flush=True)
-    why = (": the data's store is unavailable (exit 3, requeue)" if outage else " on bad input (exit 2)")
+    why = ": the data's store is unavailable (exit 3, requeue)" if outage else " on bad input (exit 2)"
     print(f"[rank {rank}] stopping{why}; the last complete checkpoint is untouched", file=sys.stderr, flush=True)
 
 

@@ -4,6 +4,7 @@ shards on disk, whole weights at ZeRO-3.
 The model (``pretrain.model.mlm``) is single-device code; the optimisers are in ``pretrain.model.optim``, and
 what makes a checkpoint complete and resumable is in ``pretrain.checkpoint.store``.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -54,7 +55,7 @@ def _map_slurm_env() -> None:
 def _keep_given_devices() -> None:
     given = os.environ.get(GIVEN_DEVICES, "")
     if given and os.environ.get("CUDA_VISIBLE_DEVICES") != given:
-        os.environ["CUDA_VISIBLE_DEVICES"] = given       # before torch initialises CUDA (it is lazy)
+        os.environ["CUDA_VISIBLE_DEVICES"] = given  # before torch initialises CUDA (it is lazy)
 
 
 def cuda_index(local_rank: int, device_count: int) -> int:
@@ -63,8 +64,10 @@ def cuda_index(local_rank: int, device_count: int) -> int:
     if device_count == 1:
         return 0
     if local_rank >= device_count:
-        raise RuntimeError(f"local rank {local_rank} but only {device_count} GPUs are visible "
-                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        raise RuntimeError(
+            f"local rank {local_rank} but only {device_count} GPUs are visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+        )
     return local_rank
 
 
@@ -79,15 +82,20 @@ def prepare_env() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=os.environ.get("MASTER_PORT", str(port)),
+        )
 
 
 def train_on_cpu() -> None:
     """A CPU run on a machine with GPUs (``impl.device=cpu``, or DeepSpeed told ``cpu``): torch sees
     no GPU either, so that nothing picks CUDA paths (pinned memory, flash attention, NCCL). Before
     torch first asks CUDA for its devices."""
-    os.environ["DS_ACCELERATOR"] = "cpu"           # read at DeepSpeed's first get_accelerator()
+    os.environ["DS_ACCELERATOR"] = "cpu"  # read at DeepSpeed's first get_accelerator()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
@@ -96,8 +104,9 @@ def import_deepspeed():
     every rank's start-up, for a feature this trainer does not use. mlflow stays importable after."""
     if "deepspeed" in sys.modules or "mlflow" in sys.modules:
         import deepspeed
+
         return deepspeed
-    sys.modules["mlflow"] = None          # a None entry makes `import mlflow` fail, quietly, there
+    sys.modules["mlflow"] = None  # a None entry makes `import mlflow` fail, quietly, there
     try:
         import deepspeed
     finally:
@@ -139,13 +148,16 @@ def deepspeed_problems(installed: str | None = None) -> list[str]:
     numbers = tuple(int(part) for part in re.findall(r"\d+", installed)[:3])
     if numbers < DEEPSPEED_FLOOR:
         floor = ".".join(map(str, DEEPSPEED_FLOOR))
-        return [f"DeepSpeed {installed} is installed; this trainer needs {floor} or newer (older BF16 "
-                f"optimisers crash on a non-finite step instead of skipping it): pip install 'deepspeed>={floor}'"]
+        return [
+            f"DeepSpeed {installed} is installed; this trainer needs {floor} or newer (older BF16 "
+            f"optimisers crash on a non-finite step instead of skipping it): pip install 'deepspeed>={floor}'"
+        ]
     return []
 
 
-def deepspeed_config(cfg: Config, world: int, precision: str, node_local: bool = False,
-                     num_params: int | None = None) -> dict:
+def deepspeed_config(
+    cfg: Config, world: int, precision: str, node_local: bool = False, num_params: int | None = None
+) -> dict:
     """The DeepSpeed JSON, derived from our config: nothing in it is set by hand elsewhere.
     ``node_local``: each node's first rank also writes the model states rank 0 writes (train.out_dir
     on node-local disks, pretrain.checkpoint.nodes). ``num_params``: the model's size, which caps the
@@ -161,8 +173,12 @@ def deepspeed_config(cfg: Config, world: int, precision: str, node_local: bool =
         # DeepSpeed asserts an even all-gather bucket, and a vocabulary such as RoBERTa's 50,265 makes
         # the parameter count odd.
         bucket = -(-int(min(5e7, num_params)) // 64) * 64 if num_params else int(5e7)
-        zero.update(contiguous_gradients=True, overlap_comm=torch.cuda.is_available(),
-                    reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+        zero.update(
+            contiguous_gradients=True,
+            overlap_comm=torch.cuda.is_available(),
+            reduce_bucket_size=bucket,
+            allgather_bucket_size=bucket,
+        )
     if cfg.impl.zero_stage == 3:
         # The MLM head is gathered on every step; keeping small params resident avoids re-gathering.
         zero.update(stage3_param_persistence_threshold=int(1e5), stage3_gather_16bit_weights_on_model_save=False)
@@ -174,7 +190,7 @@ def deepspeed_config(cfg: Config, world: int, precision: str, node_local: bool =
         "gradient_accumulation_steps": cfg.grad_accum_steps(world),
         "gradient_clipping": cfg.optim.grad_clip,
         "zero_optimization": zero,
-        "steps_per_print": 10 ** 9,      # we log ourselves
+        "steps_per_print": 10**9,  # we log ourselves
         "wall_clock_breakdown": False,
         # a client optimiser other than Adam (our LAMB on CPU) under ZeRO
         "zero_allow_untested_optimizer": True,
@@ -209,8 +225,11 @@ def initialize(model: torch.nn.Module, cfg: Config, info: DistInfo, precision: s
         for param in model.decoder.parameters():
             deepspeed.zero.register_external_parameter(model, param)
     engine, _, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=build_optimizer(model, cfg), config=ds_config,
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+        model=model,
+        optimizer=build_optimizer(model, cfg),
+        config=ds_config,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
+    )
     return engine, scheduler, ds_config, inner_optimizer(engine)
 
 
@@ -224,14 +243,16 @@ class _NotMuon:
     is an instance of it, and calling it (a Muon update) is an error."""
 
     def __init__(self, *args, **kwargs):
-        raise RuntimeError("DeepSpeed's Muon optimiser is not available in a pretrain.train run: "
-                           "the optimiser is the trainer's own (optim.name)")
+        raise RuntimeError(
+            "DeepSpeed's Muon optimiser is not available in a pretrain.train run: "
+            "the optimiser is the trainer's own (optim.name)"
+        )
 
 
 def _muon_attribute(name: str):
-    if name.startswith("__"):          # what the import machinery and introspection look for
+    if name.startswith("__"):  # what the import machinery and introspection look for
         raise AttributeError(name)
-    return _NotMuon                    # any name a DeepSpeed version imports from these modules
+    return _NotMuon  # any name a DeepSpeed version imports from these modules
 
 
 def _skip_muon_import() -> None:
@@ -249,7 +270,7 @@ def local_grad_norm(engine) -> float:
     """Global L2 norm of the (already all-reduced) gradients, for ZeRO stage 0 where every rank
     holds them all; call after the boundary backward and before ``engine.step()``."""
     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0     # torch 2.6+, the floor
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0  # torch 2.6+, the floor
 
 
 def inner_optimizer(engine) -> torch.optim.Optimizer:
@@ -260,8 +281,10 @@ def inner_optimizer(engine) -> torch.optim.Optimizer:
         seen.append(type(opt).__name__)
         opt = getattr(opt, "optimizer", None)
         if opt is None:
-            raise RuntimeError(f"our optimiser is not inside DeepSpeed's wrappers ({' > '.join(seen)}): "
-                               "non-finite steps could not be skipped")
+            raise RuntimeError(
+                f"our optimiser is not inside DeepSpeed's wrappers ({' > '.join(seen)}): "
+                "non-finite steps could not be skipped"
+            )
     return opt
 
 
@@ -274,7 +297,7 @@ def eager_forward(engine, eager: bool):
     compilation inside the run for a handful of batches; eagerly they cost no compilation at all.
     Eager and compiled compute the same maths, so resume stays exact either way."""
     if not eager or not getattr(engine, "is_compiled", False) or not hasattr(torch.compiler, "set_stance"):
-        return contextlib.nullcontext()     # torch < 2.6 has no stance: it recompiles, as before
+        return contextlib.nullcontext()  # torch < 2.6 has no stance: it recompiles, as before
     return torch.compiler.set_stance("force_eager")
 
 
@@ -306,7 +329,7 @@ def full_fp32_weights(engine, keep: bool) -> dict[str, torch.Tensor]:
     persistent = set(module.state_dict().keys())
     state = {}
     for name, param in module.named_parameters():
-        full = safe_get_full_fp32_param(param)      # None without a ZeRO/BF16 master: the weight itself
+        full = safe_get_full_fp32_param(param)  # None without a ZeRO/BF16 master: the weight itself
         if keep:
             state[name] = (param.detach() if full is None else full).float().cpu().clone()
     if keep:
@@ -330,8 +353,10 @@ def release_shared_memory() -> None:
     Unlinking our own segment at exit is safe: peers mapped it at start, and mappings outlive names.
     Only one this process maps: a rank that failed before creating its own (its master port taken by
     another job, say) would otherwise remove that job's live segment by name, and its peers wait forever."""
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{os.environ.get('RANK', '0')}")
+    name = (
+        f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+        f"{os.environ.get('MASTER_PORT', '')}_{os.environ.get('RANK', '0')}"
+    )
     try:
         with open("/proc/self/maps") as maps:
             if not any(line.rstrip("\n").endswith(" " + name) for line in maps):
@@ -355,7 +380,7 @@ def end_process(code: int) -> NoReturn:
     Python's own exit steps still run, in its order: non-daemon threads joined with their exit hooks
     (concurrent.futures'), atexit handlers (MLflow's, logging's), standard streams flushed. Only the
     teardown after them is skipped: every file the run writes is closed by then."""
-    threading._shutdown()   # private, but it is exactly Py_FinalizeEx's first step
+    threading._shutdown()  # private, but it is exactly Py_FinalizeEx's first step
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

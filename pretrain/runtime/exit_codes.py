@@ -1,12 +1,15 @@
 """The trainer's exit codes, what launchers and schedulers act on (`pretrain.launch` says what each
 means after a non-zero exit; `launchers/slurm/pretrain.sbatch` requeues on REQUEUE)."""
+
 from __future__ import annotations
 
 BAD_INPUT, REQUEUE, NONFINITE, SPIKES, MIRROR_BEHIND = 2, 3, 4, 5, 6
 
-MEANINGS = {BAD_INPUT: "bad input or settings, named above; nothing was lost",
-            REQUEUE: "checkpointed on a signal; relaunch the same command to resume (a requeue)",
-            NONFINITE: "too many non-finite losses in a row; the last complete checkpoint is untouched",
-            SPIKES: "loss spikes past train.spike_guard's limit; the last complete checkpoint is untouched",
-            MIRROR_BEHIND: "the run ended as asked, but its newest checkpoint did not reach train.checkpoint_mirror "
-                           "(named above): it is only on local disk"}
+MEANINGS = {
+    BAD_INPUT: "bad input or settings, named above; nothing was lost",
+    REQUEUE: "checkpointed on a signal; relaunch the same command to resume (a requeue)",
+    NONFINITE: "too many non-finite losses in a row; the last complete checkpoint is untouched",
+    SPIKES: "loss spikes past train.spike_guard's limit; the last complete checkpoint is untouched",
+    MIRROR_BEHIND: "the run ended as asked, but its newest checkpoint did not reach train.checkpoint_mirror "
+    "(named above): it is only on local disk",
+}

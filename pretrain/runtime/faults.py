@@ -14,6 +14,7 @@ site: the loop calls ``at_step`` after reading a step's data, the checkpoint mir
 - ``MLM_TEST_MIRROR_STALL=<tag>:<n>``: the mirror's upload of checkpoint ``tag`` blocks after ``n``
   files, so that a test can kill -9 the job with an upload half done.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,18 +34,19 @@ _leaked: list = []
 @dataclass(frozen=True)
 class Faults:
     noise_steps: Optional[tuple[int, int]] = None
-    hang: Optional[tuple[int, int]] = None          # (rank, step)
+    hang: Optional[tuple[int, int]] = None  # (rank, step)
     leak_mb: float = 0.0
-    mirror_stall: Optional[str] = None              # "<tag>:<n>"
+    mirror_stall: Optional[str] = None  # "<tag>:<n>"
 
     @classmethod
     def from_environ(cls) -> "Faults":
         def pair(name: str) -> Optional[tuple[int, int]]:
             value = os.environ.get(name)
-            return tuple(int(x) for x in value.split(":")) if value else None   # type: ignore[return-value]
+            return tuple(int(x) for x in value.split(":")) if value else None  # type: ignore[return-value]
 
-        return cls(pair(NOISE_ENV), pair(HANG_ENV), float(os.environ.get(LEAK_ENV) or 0),
-                   os.environ.get(STALL_ENV) or None)
+        return cls(
+            pair(NOISE_ENV), pair(HANG_ENV), float(os.environ.get(LEAK_ENV) or 0), os.environ.get(STALL_ENV) or None
+        )
 
 
 @functools.cache

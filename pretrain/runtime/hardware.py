@@ -20,6 +20,7 @@ it got (so a busy machine does not lower it), measured once per machine and cach
 so that the MFU scale does not move across restarts on a busy machine. ``impl.peak_tflops``
 overrides both.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -50,7 +51,7 @@ GPU_PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
     ("H200", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),
     ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0}),
     ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 51.2}),
-    ("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),       # SXM, and GH200
+    ("H100", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),  # SXM, and GH200
     ("H800", {"bf16": 989.4, "fp16": 989.4, "fp32": 66.9}),
     ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
     ("A800", {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}),
@@ -83,8 +84,13 @@ def cpu_info() -> dict:
         pass
     relevant = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma"))
     native = _cpu_native_bf16(flags)
-    return {"model": model, "flags": relevant, "native_bf16": native,
-            "torch_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+    return {
+        "model": model,
+        "flags": relevant,
+        "native_bf16": native,
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def _cpu_native_bf16(flags: set[str]) -> bool:
@@ -112,8 +118,10 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
         if info["native_bf16"]:
             have = [f for f in info["flags"] if f in ("avx512_bf16", "amx_bf16", "amx_tile")]
             return True, f"{info['model']} has {', '.join(have) or 'native bf16'}"
-        return False, (f"{info['model']} (torch's {info['torch_capability']} kernels) has no native bf16 "
-                       "(AVX-512-BF16 or AMX): it would be emulated")
+        return False, (
+            f"{info['model']} (torch's {info['torch_capability']} kernels) has no native bf16 "
+            "(AVX-512-BF16 or AMX): it would be emulated"
+        )
     return False, f"unknown device type {device.type!r}"
 
 
@@ -124,8 +132,9 @@ def bf16_slowdown(device: torch.device, size: int = 256, seconds: float = 0.1) -
     return fp32 / max(bf16, 1e-12)
 
 
-def auto_precision(device: torch.device, probe: Optional[StepProbe] = None,
-                   cache_path: Optional[Path] = None) -> tuple[str, str]:
+def auto_precision(
+    device: torch.device, probe: Optional[StepProbe] = None, cache_path: Optional[Path] = None
+) -> tuple[str, str]:
     """What ``impl.precision=auto`` picks on ``device``, and why. On a CPU with native bf16 it times
     ``probe`` (the run's model) in both precisions; without a probe (a layout guessed before any
     model exists) it says bf16 there, unmeasured."""
@@ -138,23 +147,27 @@ def auto_precision(device: torch.device, probe: Optional[StepProbe] = None,
         return "bf16", f"auto: bf16, {why} (step not measured)"
     timing, source = step_timing(probe, cache_path)
     choice = timing.choice()
-    return choice, (f"auto: {choice}, {why}; the model's step measured {timing.fp32_s:.3f} s in fp32 and "
-                    f"{timing.bf16_s:.3f} s in bf16 ({timing.speedup:.2f}x; bf16 needs {BF16_MARGIN:.2f}x), {source}")
+    return choice, (
+        f"auto: {choice}, {why}; the model's step measured {timing.fp32_s:.3f} s in fp32 and "
+        f"{timing.bf16_s:.3f} s in bf16 ({timing.speedup:.2f}x; bf16 needs {BF16_MARGIN:.2f}x), {source}"
+    )
 
 
 def step_timing(probe: StepProbe, cache_path: Optional[Path] = None) -> tuple[StepTiming, str]:
     """The probe's timing from the cache, or measured now and cached (one process at a time)."""
     path = cache_path or default_cache_path().with_name("step_precision.json")
-    key = (f"cpu|{cpu_info()['model']}|threads={torch.get_num_threads()}|torch={torch.__version__}|{probe.shape}"
-           f"|batch={probe.batch}|seq={probe.seq_len}|masked={probe.n_masked}")
+    key = (
+        f"cpu|{cpu_info()['model']}|threads={torch.get_num_threads()}|torch={torch.__version__}|{probe.shape}"
+        f"|batch={probe.batch}|seq={probe.seq_len}|masked={probe.n_masked}"
+    )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path.with_suffix(".lock"), "a")
-    except OSError as exc:                            # a read-only home must not stop training
+    except OSError as exc:  # a read-only home must not stop training
         log.warning("could not cache the step timing in %s: %s", path, exc)
         return probe.measure(), "measured now, not cached"
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)              # another rank of this node may be measuring it
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another rank of this node may be measuring it
         found = read_cache(path).get(key)
         if found:
             return StepTiming(found["fp32_s"], found["bf16_s"]), f"measured {found['when']}, cached in {path}"
@@ -174,8 +187,12 @@ def resolve_precision(wanted: str, device: torch.device, probe: Optional[StepPro
         native, why = native_bf16(device)
         if not native:
             slower = bf16_slowdown(device)
-            log.warning("impl.precision=bf16 on a CPU without native bf16 (%s): a bf16 matmul measured %.1fx "
-                        "slower than fp32 here; impl.precision=auto would pick fp32", why, slower)
+            log.warning(
+                "impl.precision=bf16 on a CPU without native bf16 (%s): a bf16 matmul measured %.1fx "
+                "slower than fp32 here; impl.precision=auto would pick fp32",
+                why,
+                slower,
+            )
             return "bf16", f"bf16 as configured; emulated, {slower:.1f}x slower than fp32"
     return wanted, f"{wanted} as configured"
 
@@ -193,13 +210,17 @@ def device_problems(impl) -> list[str]:
     if torch.cuda.is_available():
         return []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    where = (f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "no CUDA_VISIBLE_DEVICES") + \
-        (f", Slurm job {os.environ['SLURM_JOB_ID']}: was it submitted with --gpus-per-node?"
-         if "SLURM_JOB_ID" in os.environ else "")
+    where = (f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "no CUDA_VISIBLE_DEVICES") + (
+        f", Slurm job {os.environ['SLURM_JOB_ID']}: was it submitted with --gpus-per-node?"
+        if "SLURM_JOB_ID" in os.environ
+        else ""
+    )
     out = []
     if impl.device == "cuda":
-        out.append(f"impl.device=cuda, but torch sees no CUDA GPU here (torch {torch.__version__}, {where}); "
-                   "impl.device=cpu to train on the CPU")
+        out.append(
+            f"impl.device=cuda, but torch sees no CUDA GPU here (torch {torch.__version__}, {where}); "
+            "impl.device=cpu to train on the CPU"
+        )
     if impl.dist_backend == "nccl":
         out.append(f"impl.dist_backend=nccl needs CUDA GPUs, and torch sees none here ({where}); use auto or gloo")
     return out
@@ -214,12 +235,14 @@ def gpu_table_peak(name: str, precision: str) -> Optional[tuple[float, str]]:
 
 def default_cache_path() -> Path:
     root = os.environ.get("MLM_PRETRAIN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mlm-pretrain")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mlm-pretrain"
+    )
     return Path(root) / "peak_tflops.json"
 
 
-def peak_tflops(device: torch.device, precision: str, override: float = 0.0,
-                cache_path: Optional[Path] = None) -> tuple[float, str]:
+def peak_tflops(
+    device: torch.device, precision: str, override: float = 0.0, cache_path: Optional[Path] = None
+) -> tuple[float, str]:
     """(peak TFLOP/s of one process in ``precision``, where the number comes from)."""
     if override > 0:
         return override, "impl.peak_tflops"
@@ -241,7 +264,7 @@ def peak_tflops(device: torch.device, precision: str, override: float = 0.0,
     # on an AVX2 CPU: ~2 s per 1024^3 matmul, 37 s for the 16 that four timings took).
     size = 4096 if device.type == "cuda" else 1024
     timings = [measure_matmul_peak_tflops(device, DTYPES[precision], seconds=0.25, size=size)]
-    while len(timings) < 4 and 2.0 * size ** 3 / (timings[0] * 1e12) < 0.25:
+    while len(timings) < 4 and 2.0 * size**3 / (timings[0] * 1e12) < 0.25:
         timings.append(measure_matmul_peak_tflops(device, DTYPES[precision], seconds=0.25, size=size))
     value = max(timings)
     add_to_cache(path, key, {"tflops": value, "when": time.strftime("%Y-%m-%d %H:%M:%S")}, "the measured peak")
@@ -253,7 +276,7 @@ def add_to_cache(path: Path, key: str, record: dict, what: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(read_cache(path) | {key: record}, indent=1, sort_keys=True))
-    except OSError as exc:                            # a read-only home must not stop training
+    except OSError as exc:  # a read-only home must not stop training
         log.warning("could not cache %s in %s: %s", what, path, exc)
 
 
@@ -274,8 +297,13 @@ class MfuCheck:
     def __call__(self, mfu: float) -> float:
         if mfu > 1.0 and not self.warned:
             self.warned = True
-            log.warning("MFU %.2f is above 1: the peak %.3f TFLOP/s (%s) is too low for this machine; set "
-                        "impl.peak_tflops, or delete the cached value to re-measure", mfu, self.peak, self.source)
+            log.warning(
+                "MFU %.2f is above 1: the peak %.3f TFLOP/s (%s) is too low for this machine; set "
+                "impl.peak_tflops, or delete the cached value to re-measure",
+                mfu,
+                self.peak,
+                self.source,
+            )
         return mfu
 
 
@@ -318,4 +346,4 @@ def peak_memory_gb(device) -> float:
     """The process's peak memory: allocated on a GPU, resident on a CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

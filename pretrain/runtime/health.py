@@ -11,6 +11,7 @@ Metric names group in the MLflow UI: ``health/layer_03/grad_norm``, ``health/emb
 ``health/head/update_ratio``. A layer whose gradient norm is zero, not finite, or 100x its own recent
 median gets a warning in the log.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,8 @@ import torch.distributed as dist
 
 log = logging.getLogger("pretrain")
 _LAYER = re.compile(r"\.layers?\.(\d+)\.")
-RECENT = 20                  # health samples a layer's median grad norm is taken over
-JUMP = 100.0                 # this many times its recent median: a warning
+RECENT = 20  # health samples a layer's median grad norm is taken over
+JUMP = 100.0  # this many times its recent median: a warning
 
 
 def group_of(name: str) -> str:
@@ -54,13 +55,13 @@ def _local_fragments(param, mode: str, grads: bool = True):
 
         return safe_get_local_fp32_param(param), safe_get_local_grad(param) if grads else None
     mapping = getattr(param, "_hp_mapping", None)
-    if mapping is None:                     # no part of it in this rank's partition
+    if mapping is None:  # no part of it in this rank's partition
         return None, None
     weights = mapping.get_hp_fragment()
     if not grads:
         return weights, None
     grad = mapping.get_lp_grad_fragment(param._index_in_param_group).flatten()
-    if grad.numel() != weights.numel():     # a full-size accumulation buffer: this rank's slice of it
+    if grad.numel() != weights.numel():  # a full-size accumulation buffer: this rank's slice of it
         grad = grad.narrow(0, mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel)
     return weights, grad
 
@@ -80,8 +81,11 @@ class LayerHealth:
         self.params = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
         self.mode = _mode([p for _, p in self.params], stage)
         names = {group_of(n) for n, _ in self.params}
-        self.groups = (["embeddings"] if "embeddings" in names else []) + sorted(
-            g for g in names if g.startswith("layer_")) + (["head"] if "head" in names else [])
+        self.groups = (
+            (["embeddings"] if "embeddings" in names else [])
+            + sorted(g for g in names if g.startswith("layer_"))
+            + (["head"] if "head" in names else [])
+        )
         self.index = [self.groups.index(group_of(n)) for n, _ in self.params]
         self.recent = {g: deque(maxlen=RECENT) for g in self.groups}
         self._sums = None
@@ -110,7 +114,7 @@ class LayerHealth:
             if old is not None:
                 sums[2, g] += torch.dist(_local_fragments(p, self.mode, grads=False)[0].float(), old).double() ** 2
         self._before = []
-        if self.mode != "whole":             # partitions: each rank holds a part of every sum
+        if self.mode != "whole":  # partitions: each rank holds a part of every sum
             dist.all_reduce(sums)
         grad, param, update = sums.sqrt().tolist()
         metrics = {}
@@ -124,9 +128,15 @@ class LayerHealth:
     def _warn(self, name: str, norm: float, step: int) -> None:
         recent = self.recent[name]
         median = statistics.median(recent) if len(recent) >= 3 else None
-        problem = ("is not finite" if not math.isfinite(norm) else "is zero" if norm == 0.0
-                   else f"is {norm / median:.0f}x its recent median {median:.3g}"
-                   if median and norm > JUMP * median else None)
+        problem = (
+            "is not finite"
+            if not math.isfinite(norm)
+            else "is zero"
+            if norm == 0.0
+            else f"is {norm / median:.0f}x its recent median {median:.3g}"
+            if median and norm > JUMP * median
+            else None
+        )
         if problem and dist.get_rank() == 0:
             log.warning("step %d: %s gradient norm %s (%.4g)", step, name, problem, norm)
         if math.isfinite(norm):

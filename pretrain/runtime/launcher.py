@@ -22,6 +22,7 @@ code = 2``, 300+ characters) after the trainer's own message. The ranks' output 
 line by line; DeepSpeed's launcher lines go to ``<train.out_dir>/third_party-launcher.log``, and a
 non-zero exit ends with one line that says what the code means (``pretrain.runtime.exit_codes``).
 """
+
 from __future__ import annotations
 
 import os
@@ -119,7 +120,7 @@ def last_word(code: int, log_path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    beside = os.path.join(os.path.dirname(sys.executable), "deepspeed")     # this environment's own
+    beside = os.path.join(os.path.dirname(sys.executable), "deepspeed")  # this environment's own
     deepspeed = beside if os.access(beside, os.X_OK) else shutil.which("deepspeed")
     if deepspeed is None:
         print("pretrain.launch: no `deepspeed` launcher in this environment", file=sys.stderr)
@@ -132,8 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"pretrain.launch: {problem}", file=sys.stderr, flush=True)
     # Its ranks die with this process, killed however (pretrain.runtime.lifeline).
-    launcher = subprocess.Popen([deepspeed, *quiet_by_default(argv)], start_new_session=True,
-                                env=lifeline.launcher_env(env), stdout=subprocess.PIPE)
+    launcher = subprocess.Popen(
+        [deepspeed, *quiet_by_default(argv)],
+        start_new_session=True,
+        env=lifeline.launcher_env(env),
+        stdout=subprocess.PIPE,
+    )
     log_path = launcher_log(argv)
     output = threading.Thread(target=pass_output, args=(launcher.stdout, log_path), daemon=True)
     output.start()
@@ -145,13 +150,16 @@ def main(argv: list[str] | None = None) -> int:
         name = signal.Signals(signum).name
         if signum == signal.SIGINT:
             interrupts += 1
-            if interrupts > 1:            # a second Ctrl-C: stop now, the last checkpoint stays
+            if interrupts > 1:  # a second Ctrl-C: stop now, the last checkpoint stays
                 print("pretrain.launch: second SIGINT: killing the ranks", file=sys.stderr, flush=True)
                 os.killpg(launcher.pid, signal.SIGKILL)
                 return
         ranks = ranks_of(launcher.pid)
-        print(f"pretrain.launch: {name}: passed on to {len(ranks)} ranks; waiting for them to checkpoint",
-              file=sys.stderr, flush=True)
+        print(
+            f"pretrain.launch: {name}: passed on to {len(ranks)} ranks; waiting for them to checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
         for proc in ranks:
             try:
                 proc.send_signal(signal.SIGUSR1 if signum == signal.SIGINT else signum)
@@ -164,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             code = launcher.wait()
             break
-        except InterruptedError:          # a signal arrived: keep waiting for the ranks' verdict
+        except InterruptedError:  # a signal arrived: keep waiting for the ranks' verdict
             continue
-    output.join(timeout=10)               # what the ranks printed last comes before our line
+    output.join(timeout=10)  # what the ranks printed last comes before our line
     if code:
         print(last_word(code, log_path), file=sys.stderr, flush=True)
     return code

@@ -8,6 +8,7 @@ the ranks can: the launcher names itself in ``LAUNCHER_ENV`` and each rank watch
 killing itself once it is gone. DeepSpeed's ``launch.py`` then sees its ranks dead and exits, and
 its runner after it. The last complete checkpoint stays usable, as after any kill.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ import threading
 
 import psutil
 
-LAUNCHER_ENV = "MLM_PRETRAIN_LAUNCHER"    # "host:pid:create_time" of the process that launched the ranks
+LAUNCHER_ENV = "MLM_PRETRAIN_LAUNCHER"  # "host:pid:create_time" of the process that launched the ranks
 POLL_S = 1.0
 
 
@@ -36,8 +37,7 @@ def watch_launcher() -> bool:
     if not rest or host != socket.gethostname():
         return False
     pid, _, created = rest.partition(":")
-    threading.Thread(target=_watch, args=(int(pid), float(created)), name="launcher-lifeline",
-                     daemon=True).start()
+    threading.Thread(target=_watch, args=(int(pid), float(created)), name="launcher-lifeline", daemon=True).start()
     return True
 
 
@@ -55,8 +55,11 @@ def _watch(pid: int, created: float) -> None:
     while _alive(pid, created):
         stop.wait(POLL_S)
     try:
-        print(f"[rank {os.environ.get('RANK', '?')}] the launcher (pid {pid}) is gone: stopping",
-              file=sys.stderr, flush=True)
-    except (OSError, ValueError):           # its stderr may have gone with it
+        print(
+            f"[rank {os.environ.get('RANK', '?')}] the launcher (pid {pid}) is gone: stopping",
+            file=sys.stderr,
+            flush=True,
+        )
+    except (OSError, ValueError):  # its stderr may have gone with it
         pass
     os.kill(os.getpid(), signal.SIGKILL)

@@ -1,11 +1,12 @@
 """The rendezvous port, checked before any rank starts: one in use is an input error (exit 2 naming
 it), not a C++ traceback from every rank's TCPStore."""
+
 from __future__ import annotations
 
 import errno
 import socket
 
-DEEPSPEED_DEFAULT_PORT = 29500       # what DeepSpeed's launcher uses without --master_port
+DEEPSPEED_DEFAULT_PORT = 29500  # what DeepSpeed's launcher uses without --master_port
 _LOCAL = {"", "localhost", "127.0.0.1", "::1", "0.0.0.0"}
 
 
@@ -27,8 +28,10 @@ def port_problem(port: int) -> str | None:
             s.bind(("", port))
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                return (f"--master_port {port} is already in use on this machine (another job's rendezvous?): "
-                        f"pick another port, or leave MASTER_PORT unset for launchers/local.sh to pick a free one")
+                return (
+                    f"--master_port {port} is already in use on this machine (another job's rendezvous?): "
+                    f"pick another port, or leave MASTER_PORT unset for launchers/local.sh to pick a free one"
+                )
             return f"--master_port {port}: cannot listen on it ({exc.strerror})"
     return None
 

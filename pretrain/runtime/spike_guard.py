@@ -8,6 +8,7 @@ losses equal the uninterrupted run's.
 
 The tests make a spike with ``PRETRAIN_TEST_NOISE_STEPS`` (``pretrain/runtime/faults.py``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,7 +52,7 @@ class SpikeDetector:
     def observe(self, step: int, loss: float) -> tuple[int, int] | None:
         """Feed step ``step``'s loss; returns (first, last) spiking step once a spike is confirmed."""
         if not math.isfinite(loss):
-            return None                      # the non-finite skip handles these
+            return None  # the non-finite skip handles these
         line = self.threshold()
         if line is not None and loss > line:
             self.pending.append([step, loss])
@@ -61,7 +62,7 @@ class SpikeDetector:
         for value in [p[1] for p in self.pending] + [loss]:
             self.history.append(value)
         self.pending = []
-        del self.history[:-self.cfg.window]
+        del self.history[: -self.cfg.window]
         return None
 
 
@@ -90,13 +91,17 @@ class SpikeGuard:
         tag = self.checkpoint_before(first)
         where = f"loss spike from step {first} to {last}"
         if len(done) >= self.cfg.max_recoveries:
-            raise SpikesExhausted(f"{where} after {len(done)} recoveries (train.spike_guard.max_recoveries="
-                                  f"{self.cfg.max_recoveries}); the checkpoints are untouched. Lower optim.lr, "
-                                  "raise warmup or look at the data of those steps.")
+            raise SpikesExhausted(
+                f"{where} after {len(done)} recoveries (train.spike_guard.max_recoveries="
+                f"{self.cfg.max_recoveries}); the checkpoints are untouched. Lower optim.lr, "
+                "raise warmup or look at the data of those steps."
+            )
         if tag is None:
-            raise SpikesExhausted(f"{where}, and no complete checkpoint from before step {first} to go back "
-                                  "to; set train.checkpoint_every lower")
-        batches.close()                                          # stops its DataLoader workers
+            raise SpikesExhausted(
+                f"{where}, and no complete checkpoint from before step {first} to go back "
+                "to; set train.checkpoint_every lower"
+            )
+        batches.close()  # stops its DataLoader workers
         spike_end = stream.samples_consumed
         state.load_state_dict(checkpointing.load(engine, cfg, tag, nodes)[STATE_KEY])
         stream.load_state_dict(state.data)
@@ -107,8 +112,7 @@ class SpikeGuard:
         stream.samples_consumed = end
         message = f"{where}: back to {tag}, samples {start} to {end} skipped"
         if dist.get_rank() == 0:
-            log.warning("%s (recovery %d of at most %d)", message, len(state.skipped_windows),
-                        self.cfg.max_recoveries)
+            log.warning("%s (recovery %d of at most %d)", message, len(state.skipped_windows), self.cfg.max_recoveries)
         self.tracker.log_event("spike_recovery", message, last)
         self.tracker.rewind(state.step)
         # A cumulative count: a chart in MLflow, and the report marks the step where it grows.

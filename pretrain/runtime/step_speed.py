@@ -13,6 +13,7 @@ Timed by the process's CPU seconds per thread, as the matmul peak is (``pretrain
 busy machine slows both precisions, not the comparison. The two alternate, and each keeps its
 fastest repeat.
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,7 +25,7 @@ import torch
 # bf16 must beat fp32 by this much to be chosen: it rounds every activation and gradient to 8
 # mantissa bits, which a few percent of speed does not pay for.
 BF16_MARGIN = 1.10
-PROBE_BATCH = 4         # sequences per timed step: enough for full-size matmuls, seconds even for BERT-large
+PROBE_BATCH = 4  # sequences per timed step: enough for full-size matmuls, seconds even for BERT-large
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class StepTiming:
 class StepProbe:
     """What to time: ``model`` (fp32, as built for the run) at ``batch`` x ``seq_len`` with
     ``n_masked`` predicted positions. ``shape`` names it in the cache."""
+
     model: torch.nn.Module
     batch: int
     seq_len: int
@@ -59,9 +61,11 @@ def step_probe(model: torch.nn.Module, micro_batch: int, seq_len: int, masking_r
     """A run's step to time: its model at its sequence length and masking rate, ``PROBE_BATCH``
     sequences at most."""
     mc = model.config
-    shape = (f"{mc.model_type} L{mc.num_hidden_layers} H{mc.hidden_size} A{mc.num_attention_heads} "
-             f"I{mc.intermediate_size} V{mc.vocab_size} attn={mc._attn_implementation} "
-             f"sparse={getattr(model, 'sparse_head', True)}")
+    shape = (
+        f"{mc.model_type} L{mc.num_hidden_layers} H{mc.hidden_size} A{mc.num_attention_heads} "
+        f"I{mc.intermediate_size} V{mc.vocab_size} attn={mc._attn_implementation} "
+        f"sparse={getattr(model, 'sparse_head', True)}"
+    )
     batch = min(micro_batch, PROBE_BATCH)
     return StepProbe(model, batch, seq_len, round(masking_rate * batch * seq_len), shape)
 
@@ -95,7 +99,7 @@ def time_step(model: torch.nn.Module, batch: int, seq_len: int, n_masked: int, r
     try:
         for m in models.values():
             m.train()
-            _one_step(m, inputs)                 # warm-up: thread pool, kernel choice, allocator
+            _one_step(m, inputs)  # warm-up: thread pool, kernel choice, allocator
         for _ in range(repeats):
             for name, m in models.items():
                 best[name] = min(best.get(name, float("inf")), _one_step(m, inputs))

@@ -13,6 +13,7 @@ larger allowance instead, since they legitimately take longer than a step.
 
 The tests make a rank hang with ``PRETRAIN_TEST_HANG`` (``pretrain/runtime/faults.py``).
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -30,8 +31,8 @@ from pretrain.runtime import exit_codes
 log = logging.getLogger("pretrain")
 EXIT_REQUEUE = exit_codes.REQUEUE
 FLOOR_S, FACTOR = 300.0, 20.0
-WARMUP_STEPS = 3                 # steps timed with the start-up allowance, not the step timeout
-GRACE_S = 5.0                    # after writing its stacks, a rank waits so that its peers write theirs
+WARMUP_STEPS = 3  # steps timed with the start-up allowance, not the step timeout
+GRACE_S = 5.0  # after writing its stacks, a rank waits so that its peers write theirs
 
 
 class HangWatchdog:
@@ -63,7 +64,7 @@ class HangWatchdog:
         """A step finished: what follows until the next one (logging, evaluation, checkpoints, a
         recovery) is not a step, and gets the larger allowance."""
         self.step, self.steps_seen = step, self.steps_seen + 1
-        if self.steps_seen > 1:            # the first step holds start-up work
+        if self.steps_seen > 1:  # the first step holds start-up work
             self.step_times.append(seconds)
         self.allow()
 
@@ -84,12 +85,16 @@ class HangWatchdog:
         path = self.out_dir / f"hang-rank{self.rank}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
-            f.write(f"rank {self.rank}: no step finished within {waited:.0f}s after step {self.step}; "
-                    f"Python stacks of every thread:\n")
+            f.write(
+                f"rank {self.rank}: no step finished within {waited:.0f}s after step {self.step}; "
+                f"Python stacks of every thread:\n"
+            )
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
-        message = (f"hang: no step finished within {waited:.0f}s after step {self.step}; stacks in "
-                   f"{self.out_dir}/hang-rank*.txt; exiting {EXIT_REQUEUE} to be requeued from the last checkpoint")
+        message = (
+            f"hang: no step finished within {waited:.0f}s after step {self.step}; stacks in "
+            f"{self.out_dir}/hang-rank*.txt; exiting {EXIT_REQUEUE} to be requeued from the last checkpoint"
+        )
         print(f"[rank {self.rank}] {message}", file=sys.stderr, flush=True)
         if self.rank == 0:
             self._tell_tracker(message)
@@ -98,9 +103,11 @@ class HangWatchdog:
 
     def _tell_tracker(self, message: str) -> None:
         """Bounded: a tracker stuck like the rank itself must not keep the job from requeueing."""
+
         def send():
             self.tracker.log_event("hang", message, self.step)
             self.tracker.finish("KILLED")
+
         sender = threading.Thread(target=send, daemon=True)
         sender.start()
         sender.join(timeout=30)

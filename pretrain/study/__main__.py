@@ -1,4 +1,5 @@
 """``python -m pretrain.study``."""
+
 import sys
 
 from pretrain.study.runner import main

@@ -17,6 +17,7 @@ Every variant gets the same config except for its grid values, plus what the stu
 its own ``train.out_dir`` under the study folder, ``train.resume=auto`` and the tracking keys.
 All variants are built and checked before anything runs; every problem is reported at once.
 """
+
 from __future__ import annotations
 
 import copy
@@ -40,10 +41,10 @@ RESERVED_KEYS = ("train.out_dir", "train.resume", "tracking.run_name", "tracking
 
 @dataclass
 class StudySection:
-    name: str = ""                     # "" -> the config file's name
-    out_dir: str = ""                  # "" -> runs/study-<name>
-    ranks: int = 1                     # ranks per variant (local: processes; Slurm: one node's GPUs)
-    grid: dict = field(default_factory=dict)   # dotted key -> list of values
+    name: str = ""  # "" -> the config file's name
+    out_dir: str = ""  # "" -> runs/study-<name>
+    ranks: int = 1  # ranks per variant (local: processes; Slurm: one node's GPUs)
+    grid: dict = field(default_factory=dict)  # dotted key -> list of values
 
     def check(self) -> list[str]:
         p = []
@@ -64,8 +65,8 @@ class StudySection:
 @dataclass
 class Variant:
     index: int
-    name: str                          # folder and MLflow run name, from the grid values
-    values: dict[str, Any]             # grid key -> this variant's value
+    name: str  # folder and MLflow run name, from the grid values
+    values: dict[str, Any]  # grid key -> this variant's value
     cfg: Config
 
     @property
@@ -78,7 +79,7 @@ class Study:
     section: StudySection
     config_path: str
     dir: Path
-    shared: dict[str, Any]             # command-line values every variant shares
+    shared: dict[str, Any]  # command-line values every variant shares
     variants: list[Variant]
 
     @property
@@ -154,7 +155,7 @@ def load_study(config_path: str, args: list[str] = ()) -> Study:
     names: dict[str, dict] = {}
     keys = list(section.grid)
     world_before = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(section.ranks)          # Config.check reads the world size from here
+    os.environ["WORLD_SIZE"] = str(section.ranks)  # Config.check reads the world size from here
     try:
         for index, combo in enumerate(itertools.product(*(section.grid[k] for k in keys))):
             values = dict(zip(keys, combo))
@@ -163,8 +164,13 @@ def load_study(config_path: str, args: list[str] = ()) -> Study:
                 problems.append(f"variants {names[name]} and {values} get the same folder name {name!r}")
             names[name] = values
             variant_data = copy.deepcopy(data)
-            for key, value in {**shared, **values, "train.out_dir": str(study_dir / name),
-                               "train.resume": "auto", "tracking.run_name": name}.items():
+            for key, value in {
+                **shared,
+                **values,
+                "train.out_dir": str(study_dir / name),
+                "train.resume": "auto",
+                "tracking.run_name": name,
+            }.items():
                 _set(variant_data, key, value)
             try:
                 cfg = configlib.build(Config, variant_data, source=name)
@@ -190,8 +196,13 @@ def _data_problems(variants: list[Variant]) -> list[str]:
     problems, seen = [], set()
     for v in variants:
         cfg = v.cfg
-        key = (cfg.data.dir, cfg.data.train_split, cfg.data.eval_split, cfg.model.max_position_embeddings,
-               cfg.model.init_from)
+        key = (
+            cfg.data.dir,
+            cfg.data.train_split,
+            cfg.data.eval_split,
+            cfg.model.max_position_embeddings,
+            cfg.model.init_from,
+        )
         if key in seen:
             continue
         seen.add(key)
@@ -201,11 +212,17 @@ def _data_problems(variants: list[Variant]) -> list[str]:
             problems.append(f"data.dir: {exc}")
             continue
         has_eval = manifest.has_split(cfg.data.eval_split)
-        problems += [f"{cfg.data.dir}/manifest.json: {p}" for p in check_manifest(
-            manifest, cfg.data.dir, max_positions=cfg.model.max_position_embeddings,
-            splits=[cfg.data.train_split] + ([cfg.data.eval_split] if has_eval else []))]
+        problems += [
+            f"{cfg.data.dir}/manifest.json: {p}"
+            for p in check_manifest(
+                manifest,
+                cfg.data.dir,
+                max_positions=cfg.model.max_position_embeddings,
+                splits=[cfg.data.train_split] + ([cfg.data.eval_split] if has_eval else []),
+            )
+        ]
         if cfg.model.init_from:
-            from pretrain.runtime.preflight import init_from_problems   # lazy: torch, as above
+            from pretrain.runtime.preflight import init_from_problems  # lazy: torch, as above
 
             problems += init_from_problems(cfg, manifest)
     return problems
@@ -213,9 +230,14 @@ def _data_problems(variants: list[Variant]) -> list[str]:
 
 def describe(study: Study) -> dict:
     """The plan as plain data (written to the study folder and logged to the parent run)."""
-    return {"name": study.section.name, "config": study.config_path, "ranks": study.section.ranks,
-            "grid": study.section.grid, "shared": study.shared,
-            "variants": [{"index": v.index, "name": v.name, "values": v.values} for v in study.variants]}
+    return {
+        "name": study.section.name,
+        "config": study.config_path,
+        "ranks": study.section.ranks,
+        "grid": study.section.grid,
+        "shared": study.shared,
+        "variants": [{"index": v.index, "name": v.name, "values": v.values} for v in study.variants],
+    }
 
 
 def with_tracking(cfg: Config, tracking_uri: str, parent_run_id: str) -> Config:

@@ -18,6 +18,7 @@ runs ``--summarize``.
 Exit codes: 0 every variant finished; 1 some variant failed (the summary shows which); 2 bad input
 (nothing started); 3 interrupted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ from pretrain.study.summary import variant_state
 from pretrain.tracking.mlflow_parent import SET_FOR_THIS_PROCESS_ONLY, ParentRun
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 3
-STATUS_FILE = "study_status.json"          # per variant: launches, wall time, last exit code
+STATUS_FILE = "study_status.json"  # per variant: launches, wall time, last exit code
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -97,9 +98,17 @@ def launch_command(config_file: Path, ranks: int) -> list[str]:
     if ranks == 1:
         return [sys.executable, "-u", "-m", "pretrain.train", "--config", str(config_file)]
     deepspeed = Path(sys.executable).with_name("deepspeed")
-    return [str(deepspeed) if deepspeed.is_file() else "deepspeed", "--num_gpus", str(ranks),
-            "--master_port", os.environ.get("MASTER_PORT") or str(_free_port()),
-            "--module", "pretrain.train", "--config", str(config_file)]
+    return [
+        str(deepspeed) if deepspeed.is_file() else "deepspeed",
+        "--num_gpus",
+        str(ranks),
+        "--master_port",
+        os.environ.get("MASTER_PORT") or str(_free_port()),
+        "--module",
+        "pretrain.train",
+        "--config",
+        str(config_file),
+    ]
 
 
 def run_variant(study: Study, variant: Variant, parent: ParentRun, interrupt: Interrupt) -> str:
@@ -118,44 +127,61 @@ def run_variant(study: Study, variant: Variant, parent: ParentRun, interrupt: In
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // ranks)))
     status = read_status(variant)
     cmd = launch_command(config_file, ranks)
-    from pretrain.checkpoint.store import checkpoint_root, latest_complete_tag   # lazy: torch, as in is_finished
+    from pretrain.checkpoint.store import checkpoint_root, latest_complete_tag  # lazy: torch, as in is_finished
 
     tag = latest_complete_tag(checkpoint_root(cfg))
-    print(f"study: {variant.name}: {f'resuming from {tag}' if tag else 'starting'} "
-          f"({' '.join(cmd)}; log {variant.out_dir / 'train.log'})", flush=True)
+    print(
+        f"study: {variant.name}: {f'resuming from {tag}' if tag else 'starting'} "
+        f"({' '.join(cmd)}; log {variant.out_dir / 'train.log'})",
+        flush=True,
+    )
     start = time.monotonic()
     with open(variant.out_dir / "train.log", "ab") as log_file:
-        child = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=lifeline.launcher_env(env),
-                                 start_new_session=True, preexec_fn=_ignore_usr1)
+        child = subprocess.Popen(
+            cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=lifeline.launcher_env(env),
+            start_new_session=True,
+            preexec_fn=_ignore_usr1,
+        )
         interrupt.child = child
-        if interrupt.requested:            # the signal came while the launch was being set up
+        if interrupt.requested:  # the signal came while the launch was being set up
             os.killpg(child.pid, signal.SIGUSR1)
         rc = child.wait()
         interrupt.child = None
     # A signal to the study (scancel, a preemption) stops the variant: whatever DeepSpeed's launcher
     # then exits with (1 after its own SIGTERM handler), the variant resumes from its last checkpoint.
-    status = {"launches": status["launches"] + 1, "wall_s": status["wall_s"] + time.monotonic() - start,
-              "last_exit": rc, "stopped_by_signal": interrupt.requested}
+    status = {
+        "launches": status["launches"] + 1,
+        "wall_s": status["wall_s"] + time.monotonic() - start,
+        "last_exit": rc,
+        "stopped_by_signal": interrupt.requested,
+    }
     _write_atomic(variant.out_dir / STATUS_FILE, json.dumps(status) + "\n")
     state = "finished" if rc == 0 and is_finished(variant) else variant_state(status)
-    print(f"study: {variant.name}: {state} (exit {rc}, {status['wall_s']:.0f}s in {status['launches']} "
-          f"launch(es))", flush=True)
+    print(
+        f"study: {variant.name}: {state} (exit {rc}, {status['wall_s']:.0f}s in {status['launches']} launch(es))",
+        flush=True,
+    )
     return state
 
 
 def summarize(study: Study, parent: ParentRun) -> list[Path]:
     files = summary.write_summary(study, read_status, is_finished)
     table = summary.summary_table(study, read_status, is_finished)[0]
-    parent.log_summary(files, summary.comparison_metrics(table),
-                       summary.comparison_note(table, (study.dir / "summary.md").read_text()))
+    parent.log_summary(
+        files, summary.comparison_metrics(table), summary.comparison_note(table, (study.dir / "summary.md").read_text())
+    )
     print(f"study: summary in {study.dir / 'summary.md'}", flush=True)
     print((study.dir / "summary.md").read_text(), flush=True)
     return files
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m pretrain.study", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m pretrain.study", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", required=True, help="a study YAML (configs/study.yaml) or any training YAML")
     p.add_argument("args", nargs="*", help="key=value (shared), key=v1,v2 (a grid axis), study.key=value")
     mode = p.add_mutually_exclusive_group()
@@ -170,8 +196,13 @@ def main(argv=None) -> int:
     try:
         study = load_study(args.config, args.args)
         if args.variant_index is not None and not 0 <= args.variant_index < len(study.variants):
-            raise ConfigError([f"--variant-index {args.variant_index}: the study has {len(study.variants)} "
-                               f"variants (0..{len(study.variants) - 1})"], args.config)
+            raise ConfigError(
+                [
+                    f"--variant-index {args.variant_index}: the study has {len(study.variants)} "
+                    f"variants (0..{len(study.variants) - 1})"
+                ],
+                args.config,
+            )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -181,8 +212,11 @@ def main(argv=None) -> int:
     try:
         parent.open(describe(study))
     except Exception as exc:  # noqa: BLE001 - server down, refused, bad URI: nothing has started yet
-        print(f"error: MLflow at {parent.uri}: cannot open the study's run ({str(exc).splitlines()[0][:300]}); "
-              "start the server, fix tracking.tracking_uri, or set tracking.backend=none", file=sys.stderr)
+        print(
+            f"error: MLflow at {parent.uri}: cannot open the study's run ({str(exc).splitlines()[0][:300]}); "
+            "start the server, fix tracking.tracking_uri, or set tracking.backend=none",
+            file=sys.stderr,
+        )
         return EXIT_BAD_INPUT
     if args.prepare:
         for v in study.variants:
@@ -202,17 +236,16 @@ def main(argv=None) -> int:
         if interrupt.requested:
             break
         states[variant.name] = run_variant(study, variant, parent, interrupt)
-    if args.variant_index is not None:          # one Slurm array task: the summary job closes the parent
+    if args.variant_index is not None:  # one Slurm array task: the summary job closes the parent
         state = states.get(chosen[0].name, "interrupted")
         return {"finished": 0, "failed": EXIT_FAILED}.get(state, EXIT_INTERRUPTED)
     if interrupt.requested or "interrupted" in states.values():
-        return EXIT_INTERRUPTED                 # the parent run stays RUNNING: the next run continues it
+        return EXIT_INTERRUPTED  # the parent run stays RUNNING: the next run continues it
     summarize(study, parent)
     failed = [name for name, state in states.items() if state != "finished"]
     parent.close("FAILED" if failed else "FINISHED")
     if failed:
-        print(f"study: variants that did not finish: {', '.join(failed)} (logs: <variant>/train.log)",
-              file=sys.stderr)
+        print(f"study: variants that did not finish: {', '.join(failed)} (logs: <variant>/train.log)", file=sys.stderr)
     return EXIT_FAILED if failed else 0
 
 

@@ -6,6 +6,7 @@ always masks 15% of tokens, 80/10/10, with a fixed seed, so these compare across
 every ``downstream/*`` metric any variant logged (probe and labelled tasks, with their baselines),
 training tokens/s (median of the logged windows) and wall time. A metric a variant lacks shows "-".
 """
+
 from __future__ import annotations
 
 import csv
@@ -29,7 +30,7 @@ def read_metrics(out_dir: Path) -> list[dict]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
-            continue                    # a line cut short by a kill
+            continue  # a line cut short by a kill
     return rows
 
 
@@ -54,9 +55,13 @@ def variant_state(status: dict) -> str:
 def variant_row(variant, rows: list[dict], status: dict, finished: bool) -> dict:
     steps = max((r["step"] for r in rows), default=0)
     tokens_per_s = [r["perf/tokens_per_s"] for r in rows if "perf/tokens_per_s" in r]
-    row = {"variant": variant.name, **{k: v for k, v in variant.values.items()},
-           "status": "finished" if finished else variant_state(status),
-           "steps": steps, "tokens_seen": _last(rows, "train/tokens_seen")}
+    row = {
+        "variant": variant.name,
+        **{k: v for k, v in variant.values.items()},
+        "status": "finished" if finished else variant_state(status),
+        "steps": steps,
+        "tokens_seen": _last(rows, "train/tokens_seen"),
+    }
     for key in sorted({k for r in rows for k in r if k.startswith(("eval/", "downstream/"))}):
         row[key] = _last(rows, key)
     row["tokens_per_s"] = statistics.median(tokens_per_s) if tokens_per_s else None
@@ -75,8 +80,9 @@ def eval_curve(rows: list[dict]) -> tuple[list[float], list[float]]:
 
 def columns(table: list[dict], grid_keys: list[str]) -> list[str]:
     metric_keys = sorted({k for row in table for k in row if k.startswith(("eval/", "downstream/"))})
-    evals = [k for k in FIRST_EVAL if k in metric_keys] + [k for k in metric_keys if k.startswith("eval/")
-                                                           and k not in FIRST_EVAL]
+    evals = [k for k in FIRST_EVAL if k in metric_keys] + [
+        k for k in metric_keys if k.startswith("eval/") and k not in FIRST_EVAL
+    ]
     downstream = [k for k in metric_keys if k.startswith("downstream/")]
     return ["variant", *grid_keys, "status", "steps", "tokens_seen", *evals, *downstream, "tokens_per_s", "wall_s"]
 
@@ -137,8 +143,14 @@ def plot_probe_accuracy(path: Path, table: list[dict], title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = sorted({k.split("/")[1] for row in table for k in row
-                    if k.startswith("downstream/") and k.endswith("/accuracy") and row[k] is not None})
+    tasks = sorted(
+        {
+            k.split("/")[1]
+            for row in table
+            for k in row
+            if k.startswith("downstream/") and k.endswith("/accuracy") and row[k] is not None
+        }
+    )
     fig, ax = plt.subplots(figsize=(max(6, 1.5 + len(table) * max(len(tasks), 1) * 0.5) + 3, 5))
     width = 0.8 / max(len(table), 1)
     shown = []
@@ -150,21 +162,29 @@ def plot_probe_accuracy(path: Path, table: list[dict], title: str) -> None:
                 ax.bar(x, value, width, color=f"C{i}", label=row["variant"] if t == 0 else None)
                 ax.text(x, value, f"{value:.3f}", fontsize=7, ha="center", va="bottom")
                 shown.append(value)
-        for key in sorted({k for row in table for k in row if k.startswith(f"downstream/{task}/")
-                           and k.endswith("_accuracy")}):
+        for key in sorted(
+            {k for row in table for k in row if k.startswith(f"downstream/{task}/") and k.endswith("_accuracy")}
+        ):
             base = next((row[key] for row in table if row.get(key) is not None), None)
             if base is not None:
                 ax.hlines(base, t - 0.45, t + 0.45, colors="k", linestyles="dashed")
-                ax.text(t + 0.45, base, key.split("/")[-1].removesuffix("_accuracy"), fontsize=7, va="bottom",
-                        ha="right")
+                ax.text(
+                    t + 0.45, base, key.split("/")[-1].removesuffix("_accuracy"), fontsize=7, va="bottom", ha="right"
+                )
                 shown.append(base)
     if tasks:
         ax.set_xticks(range(len(tasks)), tasks)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.set_ylim(max(0.0, min(shown) - 0.05), min(1.0, max(shown) + 0.05))
     else:
-        ax.text(0.5, 0.5, "no downstream/<task>/accuracy metric in any variant", ha="center", va="center",
-                transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            "no downstream/<task>/accuracy metric in any variant",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
         ax.set_xticks([])
     ax.set_ylabel("final probe accuracy")
     ax.set_title(title)
@@ -173,7 +193,7 @@ def plot_probe_accuracy(path: Path, table: list[dict], title: str) -> None:
     plt.close(fig)
 
 
-COMPARE = "compare"          # its section sorts before the measures' (eval_*, probe_*) on the chart page
+COMPARE = "compare"  # its section sorts before the measures' (eval_*, probe_*) on the chart page
 
 
 def comparison_metrics(table: list[dict]) -> list[tuple[str, float, int]]:
@@ -190,11 +210,12 @@ def comparison_metrics(table: list[dict]) -> list[tuple[str, float, int]]:
             if value is None or not isinstance(value, (int, float)):
                 continue
             probe = re.match(r"^downstream/([^/]+)/(accuracy|(random_init|majority)_accuracy)$", key)
-            measure = key.replace("/", "_") if key in FIRST_EVAL else f"probe_{probe.group(1)}_accuracy" \
-                if probe else None
+            measure = (
+                key.replace("/", "_") if key in FIRST_EVAL else f"probe_{probe.group(1)}_accuracy" if probe else None
+            )
             if measure is None:
                 continue
-            if probe and probe.group(3):          # a baseline: the same for every variant
+            if probe and probe.group(3):  # a baseline: the same for every variant
                 if step == 0:
                     out.append((f"{measure}/baseline {probe.group(3)}", float(value), 0))
                 continue
@@ -225,11 +246,13 @@ def write_summary(study, read_status: Callable, is_finished: Callable) -> list[P
     cols = columns(table, study.grid_keys)
     out = study.dir
     md = out / "summary.md"
-    md.write_text(f"# Study {study.section.name}\n\nGrid: "
-                  + (", ".join(f"`{k}` in {v}" for k, v in study.section.grid.items()) or "none")
-                  + f"; {study.section.ranks} rank(s) per variant; config `{study.config_path}`.\n"
-                  "Eval metrics at 15% token masking (80/10/10, fixed seed) whatever the variant trains with.\n\n"
-                  + to_markdown(table, cols))
+    md.write_text(
+        f"# Study {study.section.name}\n\nGrid: "
+        + (", ".join(f"`{k}` in {v}" for k, v in study.section.grid.items()) or "none")
+        + f"; {study.section.ranks} rank(s) per variant; config `{study.config_path}`.\n"
+        "Eval metrics at 15% token masking (80/10/10, fixed seed) whatever the variant trains with.\n\n"
+        + to_markdown(table, cols)
+    )
     write_csv(out / "summary.csv", table, cols)
     plot_eval_loss(out / "eval_loss.png", curves, f"{study.section.name}: eval loss")
     plot_probe_accuracy(out / "probe_accuracy.png", table, f"{study.section.name}: final probe accuracy")

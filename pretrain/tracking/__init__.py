@@ -1,6 +1,7 @@
 """Experiment tracking, on rank 0 only: the interface and a no-op (``base``), the ``metrics.jsonl``
 writer (``jsonl``), and MLflow (``mlflow_tracker``, with the requests it may send in
 ``mlflow_requests``; imported only when used)."""
+
 from __future__ import annotations
 
 import sys
@@ -34,19 +35,21 @@ def run_params(cfg, world: int, precision: str, manifest: Manifest) -> dict:
 
     train_totals = manifest.totals.get("train", {})
     params = configlib.flatten(configlib.to_dict(cfg))
-    params.update({
-        "derived.world_size": world,
-        "derived.grad_accum_steps": cfg.grad_accum_steps(world),
-        "derived.precision": precision,
-        "data.seq_len": manifest.seq_len,
-        "data.vocab_size": manifest.tokenizer.vocab_size,
-        "data.tokenizer_sha256": manifest.tokenizer.sha256,
-        "data.train_tokens": train_totals.get("tokens"),
-        "data.train_sequences": train_totals.get("sequences"),
-        "data.train_shards": train_totals.get("shards"),
-        "launch.command": " ".join(sys.argv),
-        "launch.torch": torch.__version__,
-    })
+    params.update(
+        {
+            "derived.world_size": world,
+            "derived.grad_accum_steps": cfg.grad_accum_steps(world),
+            "derived.precision": precision,
+            "data.seq_len": manifest.seq_len,
+            "data.vocab_size": manifest.tokenizer.vocab_size,
+            "data.tokenizer_sha256": manifest.tokenizer.sha256,
+            "data.train_tokens": train_totals.get("tokens"),
+            "data.train_sequences": train_totals.get("sequences"),
+            "data.train_shards": train_totals.get("shards"),
+            "launch.command": " ".join(sys.argv),
+            "launch.torch": torch.__version__,
+        }
+    )
     params.update(source_params(cfg))
     params.update(cleaning_params(manifest))
     return params
@@ -75,9 +78,13 @@ def source_params(cfg) -> dict:
     for source in resolve_sources(cfg.data):
         manifest = load_manifest(source.dir)
         train = manifest.totals.get("train", {})
-        out.update({f"data.sources.{source.name}.tokenizer_sha256": manifest.tokenizer.sha256,
-                    f"data.sources.{source.name}.train_sequences": train.get("sequences"),
-                    f"data.sources.{source.name}.train_tokens": train.get("tokens"),
-                    f"data.sources.{source.name}.share": round(source.share, 6)})
+        out.update(
+            {
+                f"data.sources.{source.name}.tokenizer_sha256": manifest.tokenizer.sha256,
+                f"data.sources.{source.name}.train_sequences": train.get("sequences"),
+                f"data.sources.{source.name}.train_tokens": train.get("tokens"),
+                f"data.sources.{source.name}.share": round(source.share, 6),
+            }
+        )
         totals = {k: v + (train.get(k) or 0) for k, v in totals.items()}
     return out | {f"data.train_{k}": v for k, v in totals.items()}

@@ -1,4 +1,5 @@
 """The tracker interface, the no-op, and a fan-out to several trackers."""
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -9,7 +10,7 @@ class Tracker:
     raise because a server is unreachable: implementations buffer and retry."""
 
     run_id: Optional[str] = None
-    run_url: str | None = None        # where a person watches the run (MLflow's classic run page)
+    run_url: str | None = None  # where a person watches the run (MLflow's classic run page)
 
     def start(self, run_id: Optional[str], params: dict[str, Any], artifacts: dict[str, str]) -> Optional[str]:
         """Open (run_id given: continue) the job's run; log ``params`` (flat) and text ``artifacts``

@@ -6,6 +6,7 @@ go to ``<out_dir>/third_party-rank<N>.log`` instead; their errors still reach th
 warnings from anything that is not known chatter. Also here: the time left in the progress line and
 the summary at the end of a run.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,7 +46,7 @@ def quiet_third_party(out_dir: str, rank: int) -> Path:
     for handler in root.handlers:
         handler.addFilter(_ConsoleFilter())
     root.addHandler(to_file)
-    root.setLevel(logging.INFO)              # third-party INFO reaches the file, not the console
+    root.setLevel(logging.INFO)  # third-party INFO reaches the file, not the console
     logging.getLogger("pretrain").setLevel(logging.INFO if rank == 0 else logging.WARNING)
     _route_library_loggers()
     _warnings_to(logging.getLogger("py.warnings"))
@@ -81,10 +82,11 @@ def silence_transformers_load_report() -> None:
     ``pretrain.model`` says in one line which weights start fresh instead."""
     try:
         from transformers.utils import logging as hf_logging
+
         hf_logging.disable_default_handler()
         hf_logging.enable_propagation()
-        hf_logging.disable_progress_bar()          # "Loading weights" bars on every rank
-    except ImportError:           # pragma: no cover - transformers is a dependency
+        hf_logging.disable_progress_bar()  # "Loading weights" bars on every rank
+    except ImportError:  # pragma: no cover - transformers is a dependency
         pass
 
 
@@ -120,6 +122,7 @@ def chatter_to_file():
 def metrics_line(metrics: dict) -> str:
     """``key=value`` pairs for a log line; train/ and perf/ go without saying, eval/ and the rest keep
     their group."""
+
     def short(key: str) -> str:
         group, _, name = key.partition("/")
         return name if group in ("train", "perf") and name else key
@@ -142,9 +145,11 @@ def summary(state, cfg, wall_s: float, last_metrics: dict, tracker) -> str:
     """The end-of-run summary: what was done, where it is."""
     out = Path(cfg.train.out_dir)
     losses = ", ".join(f"{k} {v:.4f}" for k, v in last_metrics.items() if k in ("train/loss", "eval/loss"))
-    lines = [f"done: {state.step} steps, {state.tokens_seen:,} tokens in {time_left(1, wall_s)}"
-             + (f"; {losses}" if losses else ""),
-             f"  checkpoints: {out / 'checkpoints'}"]
+    lines = [
+        f"done: {state.step} steps, {state.tokens_seen:,} tokens in {time_left(1, wall_s)}"
+        + (f"; {losses}" if losses else ""),
+        f"  checkpoints: {out / 'checkpoints'}",
+    ]
     if (out / "hf_final").is_dir():
         lines.append(f"  export: {out / 'hf_final'}")
     if state.skipped_windows:

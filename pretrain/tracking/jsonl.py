@@ -1,6 +1,7 @@
 """``metrics.jsonl`` in the run folder: one strict-JSON object per logged step, the record that
 needs no server. On resume it keeps only the steps up to the checkpoint, so it reads as one
 uninterrupted run; a last line cut short by a kill or a full disk is dropped, not fatal."""
+
 from __future__ import annotations
 
 import json
@@ -46,7 +47,7 @@ class JsonlTracker(Tracker):
         self.path = out_dir / "metrics.jsonl"
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
         write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-        self._held = {}         # per metric: the last step the file holds
+        self._held = {}  # per metric: the last step the file holds
         for r in kept:
             self._held.update(dict.fromkeys((k for k in r if k != "step"), r.get("step", 0)))
         self._file = open(self.path, "a")

@@ -1,6 +1,7 @@
 """Metrics from a command that is not a training run (``python -m pretrain.evaluate``) into an MLflow
 run that already exists, e.g. the training run of the export being evaluated. Unlike the trainer's
 tracker this waits on the server: the command has nothing else to do, and its user asked for it."""
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,9 @@ def run_problem(run_id: str, tracking_uri: str = "") -> Optional[str]:
     return None
 
 
-def log_metrics_to_run(metrics: dict[str, float], run_id: str, tracking_uri: str = "",
-                       step: Optional[int] = None) -> int:
+def log_metrics_to_run(
+    metrics: dict[str, float], run_id: str, tracking_uri: str = "", step: Optional[int] = None
+) -> int:
     """The finite ``metrics`` at ``step`` (default: the run's last step, where a training run's final
     export was scored), in one request (MLflow refuses NaN). Returns the step used."""
     from mlflow import MlflowClient

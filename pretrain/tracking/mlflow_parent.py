@@ -1,5 +1,6 @@
 """A study's parent run in MLflow: the variants' runs are its children, and it holds the comparison
 (per-variant metrics, the summary as its description and artifacts)."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,8 @@ from pathlib import Path
 from data_prep.common.atomic import write_atomic
 from pretrain.tracking.mlflow_ui import quiet_mlflow_links, run_url
 
-PARENT_ID_FILE = "mlflow_parent_run_id"     # in the study folder
-SET_FOR_THIS_PROCESS_ONLY: list[str] = []    # environment variables the variants must not inherit
+PARENT_ID_FILE = "mlflow_parent_run_id"  # in the study folder
+SET_FOR_THIS_PROCESS_ONLY: list[str] = []  # environment variables the variants must not inherit
 
 
 class ParentRun:
@@ -29,7 +30,7 @@ class ParentRun:
 
             self.uri = base.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
             self.artifact_root = None
-            if not self.uri:            # one local store for the whole study, not one per variant
+            if not self.uri:  # one local store for the whole study, not one per variant
                 self.uri, self.artifact_root = default_local_store(str(self.study_dir))
             self.experiment = base.tracking.experiment
 
@@ -58,23 +59,29 @@ class ParentRun:
                         self.client.update_run(self.run_id, status="RUNNING")
                     return self.run_id
             except MlflowException:
-                pass                    # deleted, or another store: start a new parent run
+                pass  # deleted, or another store: start a new parent run
         exp = self.client.get_experiment_by_name(self.experiment)
         if exp is None:
             try:
                 exp_id = self.client.create_experiment(self.experiment, artifact_location=self.artifact_root)
-            except MlflowException:     # created meanwhile by another process
+            except MlflowException:  # created meanwhile by another process
                 exp_id = self.client.get_experiment_by_name(self.experiment).experiment_id
         else:
             exp_id = exp.experiment_id
         # MLflow 3's UI shows an experiment without this tag in its GenAI layout.
         self.client.set_experiment_tag(exp_id, "mlflow.experimentKind", "custom_model_development")
-        run = self.client.create_run(exp_id, run_name=f"study-{self.name}",
-                                     tags={"study.name": self.name, "study.kind": "parent"})
+        run = self.client.create_run(
+            exp_id, run_name=f"study-{self.name}", tags={"study.name": self.name, "study.kind": "parent"}
+        )
         self.run_id = run.info.run_id
-        params = {"study.name": plan["name"], "study.ranks": plan["ranks"], "study.variants": len(plan["variants"]),
-                  "study.config": plan["config"], **{f"study.grid.{k}": json.dumps(v) for k, v in plan["grid"].items()},
-                  **{f"study.shared.{k}": json.dumps(v) for k, v in plan["shared"].items()}}
+        params = {
+            "study.name": plan["name"],
+            "study.ranks": plan["ranks"],
+            "study.variants": len(plan["variants"]),
+            "study.config": plan["config"],
+            **{f"study.grid.{k}": json.dumps(v) for k, v in plan["grid"].items()},
+            **{f"study.shared.{k}": json.dumps(v) for k, v in plan["shared"].items()},
+        }
         from mlflow.entities import Param
 
         self.client.log_batch(self.run_id, params=[Param(k[:250], str(v)[:6000]) for k, v in params.items()])
@@ -93,7 +100,7 @@ class ParentRun:
         # A fixed timestamp: a re-run's summary re-sends identical points, which the store drops.
         metrics = [Metric(k, v, 0, step) for k, v, step in comparison]
         for i in range(0, len(metrics), 1000):
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
         self.client.log_batch(self.run_id, tags=[RunTag("mlflow.note.content", note[:5000])])
         print(f"study: compare the variants at {self.url()}", flush=True)
 

@@ -2,6 +2,7 @@
 be, how long an HTTP call may take and whether a failed one is worth retrying, and the tags that
 record what produced a run. The buffering and the background sender are in ``mlflow_tracker``.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,11 +27,11 @@ log = logging.getLogger(__name__)
 MAX_METRICS_PER_BATCH = 1000
 MAX_PARAMS_TAGS_PER_BATCH = 100
 MAX_ENTITIES_PER_BATCH = 1000
-MAX_BATCH_BYTES = 500_000          # the server refuses log-batch bodies over 1 MB; stay well under
+MAX_BATCH_BYTES = 500_000  # the server refuses log-batch bodies over 1 MB; stay well under
 MAX_PARAM_VAL_LENGTH = 6000
 MAX_TAG_VAL_LENGTH = 8000
 
-METRIC_NAME = re.compile(r"^[A-Za-z0-9_\-. :/]{1,250}$")   # what the server accepts
+METRIC_NAME = re.compile(r"^[A-Za-z0-9_\-. :/]{1,250}$")  # what the server accepts
 _HTTP_ENV_SET_BY_US: dict[str, str] = {}
 
 
@@ -56,8 +57,10 @@ def limit_http_retries(request_timeout_s: float) -> None:
     """MLflow's HTTP client by default retries a refused request for minutes with a 120 s timeout;
     the flusher does its own retrying, so each request should fail fast. These are process-wide
     environment variables (MLflow reads them per request); values a user exported are kept."""
-    wanted = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
-              "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(request_timeout_s)))}
+    wanted = {
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": str(max(1, math.ceil(request_timeout_s))),
+    }
     for name, value in wanted.items():
         current = os.environ.get(name)
         if current is None or _HTTP_ENV_SET_BY_US.get(name) == current:
@@ -70,7 +73,7 @@ def longer_http_timeout(seconds: int):
     name = "MLFLOW_HTTP_REQUEST_TIMEOUT"
     before = os.environ.get(name)
     if before is not None and _HTTP_ENV_SET_BY_US.get(name) != before:
-        yield                                   # the user chose a timeout: keep it
+        yield  # the user chose a timeout: keep it
         return
     os.environ[name] = str(seconds)
     try:
@@ -93,8 +96,12 @@ def retriable(exc: BaseException) -> bool:
 
 def short_reason(exc: BaseException) -> str:
     text = str(exc)
-    for needle, reason in (("Connection refused", "connection refused"), ("timed out", "timed out"),
-                           ("Name or service not known", "unknown host"), ("RemoteDisconnected", "disconnected")):
+    for needle, reason in (
+        ("Connection refused", "connection refused"),
+        ("timed out", "timed out"),
+        ("Name or service not known", "unknown host"),
+        ("RemoteDisconnected", "disconnected"),
+    ):
         if needle in text:
             return reason
     return text.splitlines()[0][:200] if text else type(exc).__name__
@@ -110,9 +117,13 @@ def param_value(v: Any) -> str:
 
 def environment_tags(world_size: int) -> dict[str, str]:
     """What produced the run: package versions, git commit, launch command, world size."""
-    tags = {"env.python": sys.version.split()[0], "env.hostname": socket.gethostname(),
-            "env.world_size": str(world_size), "env.launch_command": shlex.join(sys.argv)[:MAX_TAG_VAL_LENGTH],
-            "mlflow.source.name": sys.argv[0] if sys.argv and sys.argv[0] else "python"}
+    tags = {
+        "env.python": sys.version.split()[0],
+        "env.hostname": socket.gethostname(),
+        "env.world_size": str(world_size),
+        "env.launch_command": shlex.join(sys.argv)[:MAX_TAG_VAL_LENGTH],
+        "mlflow.source.name": sys.argv[0] if sys.argv and sys.argv[0] else "python",
+    }
     for pkg in ("torch", "deepspeed", "transformers", "mlflow", "datasets", "tokenizers"):
         try:
             tags[f"env.{pkg}"] = metadata.version(pkg)
@@ -120,15 +131,20 @@ def environment_tags(world_size: int) -> dict[str, str]:
             tags[f"env.{pkg}"] = "not installed"
     repo = Path(__file__).resolve().parents[2]
     try:
-        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
-                                text=True, timeout=10)
+        commit = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
         if commit.returncode == 0:
             tags["mlflow.source.git.commit"] = commit.stdout.strip()
-            dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=10)
+            dirty = subprocess.run(
+                ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             tags["env.git_dirty"] = str(bool(dirty.stdout.strip())).lower()
     except (OSError, subprocess.SubprocessError):
-        pass                                    # no git here: the commit is simply not recorded
+        pass  # no git here: the commit is simply not recorded
     return tags
 
 
@@ -161,9 +177,13 @@ def experiment_id(call, client, name: str, artifact_root: Optional[str]) -> str:
     if exp is None:
         try:
             # Without this tag MLflow 3's UI opens the experiment in its GenAI layout.
-            return call(client.create_experiment, name, artifact_location=artifact_root,
-                        tags={"mlflow.experimentKind": "custom_model_development"})
-        except MlflowException as exc:   # created meanwhile by another job
+            return call(
+                client.create_experiment,
+                name,
+                artifact_location=artifact_root,
+                tags={"mlflow.experimentKind": "custom_model_development"},
+            )
+        except MlflowException as exc:  # created meanwhile by another job
             exp = call(client.get_experiment_by_name, name)
             if exp is None:
                 raise exc
@@ -180,5 +200,6 @@ def last_logged_steps(call, client, run) -> dict[str, int]:
     objs = getattr(run.data, "_metric_objs", None)
     if objs is not None:
         return {m.key: int(m.step) for m in objs}
-    return {key: max(int(m.step) for m in call(client.get_metric_history, run.info.run_id, key))
-            for key in run.data.metrics}
+    return {
+        key: max(int(m.step) for m in call(client.get_metric_history, run.info.run_id, key)) for key in run.data.metrics
+    }

@@ -3,6 +3,7 @@ as MLflow's own monitor names them. MLflow's monitor thread stops for good at th
 request and sends directly, so only its samplers are used here: the samples go through the
 tracker's buffer, which survives a server outage.
 """
+
 from __future__ import annotations
 
 import logging
@@ -13,8 +14,9 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 
-def start_system_metrics(run_id: str, tracking_uri: str, enqueue: Callable[[list], None],
-                         stop: threading.Event, first_step: int) -> None:
+def start_system_metrics(
+    run_id: str, tracking_uri: str, enqueue: Callable[[list], None], stop: threading.Event, first_step: int
+) -> None:
     """Sample in a daemon thread until ``stop`` is set; each aggregate goes to ``enqueue`` as
     ``("metric", name, value, ts_ms, step)`` items, steps counting on from ``first_step``."""
     try:
@@ -25,8 +27,9 @@ def start_system_metrics(run_id: str, tracking_uri: str, enqueue: Callable[[list
     except Exception as exc:  # noqa: BLE001 - optional; never worth failing a run over
         log.info("MLflow: system metrics off (%s)", exc)
         return
-    threading.Thread(target=_sample, args=(monitor, enqueue, stop, first_step), name="mlflow-system-metrics",
-                     daemon=True).start()
+    threading.Thread(
+        target=_sample, args=(monitor, enqueue, stop, first_step), name="mlflow-system-metrics", daemon=True
+    ).start()
 
 
 def _sample(monitor, enqueue: Callable[[list], None], stop: threading.Event, step: int) -> None:

@@ -14,6 +14,7 @@ checkpoint.
 Only ``log_model`` (Hugging Face export upload) and ``finish`` (final flush) wait, and both are
 bounded.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -38,19 +39,30 @@ from pretrain.tracking.base import Tracker
 from pretrain.tracking.mlflow_ui import quiet_mlflow_links
 from pretrain.tracking.mlflow_ui import run_url as classic_run_url
 from pretrain.tracking.mlflow_ui import ui_command
-from pretrain.tracking.mlflow_requests import (MAX_ENTITIES_PER_BATCH, MAX_METRICS_PER_BATCH,
-                                               MAX_TAG_VAL_LENGTH, METRIC_NAME,
-                                               environment_tags, experiment_id, last_logged_steps,
-                                               limit_http_retries, longer_http_timeout, one_request, param_value,
-                                               resolve_tracking_uri, retriable, short_reason)
+from pretrain.tracking.mlflow_requests import (
+    MAX_ENTITIES_PER_BATCH,
+    MAX_METRICS_PER_BATCH,
+    MAX_TAG_VAL_LENGTH,
+    METRIC_NAME,
+    environment_tags,
+    experiment_id,
+    last_logged_steps,
+    limit_http_retries,
+    longer_http_timeout,
+    one_request,
+    param_value,
+    resolve_tracking_uri,
+    retriable,
+    short_reason,
+)
 from pretrain.tracking.mlflow_system import start_system_metrics
 
 log = logging.getLogger(__name__)
 
-FLUSH_INTERVAL_S = 1.0             # how often the buffer is sent while the server is up
-MAX_BACKOFF_S = 30.0               # an outage is retried at least this often
-MAX_BUFFERED = 2_000_000           # ~200 MB of points; beyond it new points are dropped (with a warning)
-UPLOAD_TIMEOUT_S = 60              # per-socket-operation timeout while uploading a model folder
+FLUSH_INTERVAL_S = 1.0  # how often the buffer is sent while the server is up
+MAX_BACKOFF_S = 30.0  # an outage is retried at least this often
+MAX_BUFFERED = 2_000_000  # ~200 MB of points; beyond it new points are dropped (with a warning)
+UPLOAD_TIMEOUT_S = 60  # per-socket-operation timeout while uploading a model folder
 UPLOAD_ATTEMPTS = 3
 
 
@@ -81,12 +93,12 @@ class MlflowTracker(Tracker):
         # | ("text", artifact_file, content) | ("dir", local_dir, artifact_path)
         # | ("register", model_name, artifact_path, local_dir) | ("terminate", status)
         self._queue: deque = deque()
-        self._closing = threading.Event()       # finish() was called: flush now, retry often
+        self._closing = threading.Event()  # finish() was called: flush now, retry often
         self._first_attempt_done = threading.Event()
         self._stop_sampler = threading.Event()
         self._want_run: Optional[str] = None
         self._init: tuple[dict, dict] = ({}, {})
-        self._last_step: dict[str, int] = {}    # per metric: the largest step the run already held
+        self._last_step: dict[str, int] = {}  # per metric: the largest step the run already held
         self._skipped_resumed = 0
         self._outage_since: Optional[float] = None
         self._dropped_full = False
@@ -94,7 +106,7 @@ class MlflowTracker(Tracker):
         self._bad_keys: set[str] = set()
         self._thread: Optional[threading.Thread] = None
         self._finished = False
-        self._stopped = False                   # the flusher gave up (finish() timed out, or a bug)
+        self._stopped = False  # the flusher gave up (finish() timed out, or a bug)
 
     # ---------------------------------------------------------------- the trainer's side
     def start(self, run_id: Optional[str], params: dict[str, Any], artifacts: dict[str, str]) -> Optional[str]:
@@ -124,26 +136,32 @@ class MlflowTracker(Tracker):
             except (TypeError, ValueError):
                 log.warning("MLflow: metric %r = %r at step %s is not a number; skipped", key, value, step)
                 continue
-            if math.isfinite(value):                 # a NaN point would break the UI's charts
+            if math.isfinite(value):  # a NaN point would break the UI's charts
                 points.append(("metric", key, value, now, int(step)))
         self._enqueue(points)
 
     def log_checkpoint(self, tag: str, step: int, path: str) -> None:
         record = {"tag": tag, "step": int(step), "path": str(path), "time": time.time()}
         # No metric: a "checkpoint" chart section would sort first on MLflow's chart page.
-        self._enqueue([
-            ("tag", "checkpoint/latest", str(tag)),
-            ("tag", "checkpoint/latest_step", str(int(step))),
-            ("tag", "checkpoint/latest_path", str(path)[:MAX_TAG_VAL_LENGTH]),
-            # One small file per checkpoint: listing checkpoints/ is the index, with nothing to
-            # read back and rewrite after a restart.
-            ("text", f"checkpoints/{tag}.json", json.dumps(record, indent=1)),
-        ])
+        self._enqueue(
+            [
+                ("tag", "checkpoint/latest", str(tag)),
+                ("tag", "checkpoint/latest_step", str(int(step))),
+                ("tag", "checkpoint/latest_path", str(path)[:MAX_TAG_VAL_LENGTH]),
+                # One small file per checkpoint: listing checkpoints/ is the index, with nothing to
+                # read back and rewrite after a restart.
+                ("text", f"checkpoints/{tag}.json", json.dumps(record, indent=1)),
+            ]
+        )
 
     def log_event(self, name: str, text: str, step: int) -> None:
         # A tag per kind (the latest) and a text file per event (all of them, in order).
-        self._enqueue([("tag", f"event/{name}", f"step {int(step)}: {text}"[:MAX_TAG_VAL_LENGTH]),
-                       ("text", f"events/{int(time.time() * 1000)}-{name}.txt", f"step {int(step)}: {text}\n")])
+        self._enqueue(
+            [
+                ("tag", f"event/{name}", f"step {int(step)}: {text}"[:MAX_TAG_VAL_LENGTH]),
+                ("text", f"events/{int(time.time() * 1000)}-{name}.txt", f"step {int(step)}: {text}\n"),
+            ]
+        )
 
     def log_model(self, hf_dir: str, step: int, final: bool) -> None:
         """Uploads now (bounded retries; one try during a known outage). What fails is queued and
@@ -165,8 +183,12 @@ class MlflowTracker(Tracker):
                     log.info("MLflow: upload of %s failed (%s); retrying in %.1fs", hf_dir, exc, delay)
                     time.sleep(delay)
                     delay *= 2
-        log.warning("MLflow: %s not reachable; uploading %s as %s is left to the background (keep the "
-                    "folder until then)", self.tracking_uri, hf_dir, artifact_path)
+        log.warning(
+            "MLflow: %s not reachable; uploading %s as %s is left to the background (keep the folder until then)",
+            self.tracking_uri,
+            hf_dir,
+            artifact_path,
+        )
         self._enqueue(ops)
 
     def log_artifacts(self, local_dir: str, artifact_path: str) -> None:
@@ -187,14 +209,21 @@ class MlflowTracker(Tracker):
         self._thread.join(timeout=self.final_flush_seconds)
         self._stopped = True
         if self._skipped_resumed:
-            log.info("MLflow: %d re-run points were not logged again (the run already held those steps)",
-                     self._skipped_resumed)
+            log.info(
+                "MLflow: %d re-run points were not logged again (the run already held those steps)",
+                self._skipped_resumed,
+            )
         if self._thread.is_alive():
             with self._cond:
                 left = len(self._queue)
-            log.warning("MLflow: %d buffered items could not be sent to %s within %.0fs and are lost "
-                        "(run %s stays RUNNING there)", left, self.tracking_uri, self.final_flush_seconds,
-                        self.run_id)
+            log.warning(
+                "MLflow: %d buffered items could not be sent to %s within %.0fs and are lost "
+                "(run %s stays RUNNING there)",
+                left,
+                self.tracking_uri,
+                self.final_flush_seconds,
+                self.run_id,
+            )
 
     def _at_exit(self) -> None:
         # The trainer calls finish(); this only covers an exit that skipped it.
@@ -212,8 +241,11 @@ class MlflowTracker(Tracker):
             if len(self._queue) + len(items) > MAX_BUFFERED and not force:
                 if not self._dropped_full:
                     self._dropped_full = True
-                    log.warning("MLflow: %d items buffered for %s; dropping new ones until it is reachable",
-                                len(self._queue), self.tracking_uri)
+                    log.warning(
+                        "MLflow: %d items buffered for %s; dropping new ones until it is reachable",
+                        len(self._queue),
+                        self.tracking_uri,
+                    )
                 return
             self._queue.extend(items)
             if len(self._queue) >= MAX_METRICS_PER_BATCH:
@@ -237,8 +269,11 @@ class MlflowTracker(Tracker):
                         self._first_attempt_done.set()
                 done = self._drain()
                 if self._outage_since is not None:
-                    log.warning("MLflow: %s reachable again after %.0fs; buffered data sent",
-                                self.tracking_uri, time.time() - self._outage_since)
+                    log.warning(
+                        "MLflow: %s reachable again after %.0fs; buffered data sent",
+                        self.tracking_uri,
+                        time.time() - self._outage_since,
+                    )
                     self._outage_since = None
                 delay = self.retry_seconds
                 if done:
@@ -251,9 +286,14 @@ class MlflowTracker(Tracker):
                     self._outage_since = time.time()
                     with self._cond:
                         n = len(self._queue)
-                    log.warning("MLflow: tracking server %s unreachable (%s); training continues, %d items "
-                                "buffered in memory, retrying every <=%.0fs", self.tracking_uri,
-                                exc, n, MAX_BACKOFF_S)
+                    log.warning(
+                        "MLflow: tracking server %s unreachable (%s); training continues, %d items "
+                        "buffered in memory, retrying every <=%.0fs",
+                        self.tracking_uri,
+                        exc,
+                        n,
+                        MAX_BACKOFF_S,
+                    )
                 if self._closing.is_set():
                     time.sleep(min(self.retry_seconds, 1.0))
                 else:
@@ -341,8 +381,9 @@ class MlflowTracker(Tracker):
         except _Unreachable:
             raise
         except MlflowException as exc:
-            log.warning("MLflow: run %s not found on %s (%s); starting a new run",
-                        self._want_run, self.tracking_uri, exc)
+            log.warning(
+                "MLflow: run %s not found on %s (%s); starting a new run", self._want_run, self.tracking_uri, exc
+            )
         if run is not None and run.info.lifecycle_stage != "active":
             log.warning("MLflow: run %s was deleted; starting a new run", self._want_run)
             run = None
@@ -357,17 +398,30 @@ class MlflowTracker(Tracker):
             if run.info.status != "RUNNING":
                 self._call(self.client.update_run, run.info.run_id, status="RUNNING")
             self._last_step = last_logged_steps(self._call, self.client, run)
-            log.info("MLflow: continuing run %s (%d metrics already logged, up to step %s)", run.info.run_id,
-                     len(self._last_step), max(self._last_step.values(), default=None))
+            log.info(
+                "MLflow: continuing run %s (%d metrics already logged, up to step %s)",
+                run.info.run_id,
+                len(self._last_step),
+                max(self._last_step.values(), default=None),
+            )
         else:
             exp_id = experiment_id(self._call, self.client, self.cfg.tracking.experiment, self._artifact_root)
             parent = self.cfg.tracking.parent_run_id
-            run = self._call(self.client.create_run, exp_id, run_name=self.cfg.tracking.run_name or None,
-                             tags={"mlflow.parentRunId": parent} if parent else None)
+            run = self._call(
+                self.client.create_run,
+                exp_id,
+                run_name=self.cfg.tracking.run_name or None,
+                tags={"mlflow.parentRunId": parent} if parent else None,
+            )
             init += [("param", k[:250], param_value(v)) for k, v in flatten(params).items()]
             init += [("text", name, content) for name, content in artifacts.items()]
-            log.info("MLflow: run %s (%s) in experiment %r at %s", run.info.run_id, run.info.run_name,
-                     self.cfg.tracking.experiment, self.tracking_uri)
+            log.info(
+                "MLflow: run %s (%s) in experiment %r at %s",
+                run.info.run_id,
+                run.info.run_name,
+                self.cfg.tracking.experiment,
+                self.tracking_uri,
+            )
         self.run_url = classic_run_url(self.tracking_uri, run.info.experiment_id, run.info.run_id)
         log.info("MLflow: watch the run at %s", self.run_url)
         init += [("tag", k, v) for k, v in environment_tags(self.cfg.world_size()).items()]
@@ -379,8 +433,13 @@ class MlflowTracker(Tracker):
             log.info("MLflow: local store; view it with %s", ui_command(self.tracking_uri))
         if self.cfg.tracking.system_metrics:
             steps = [s for k, s in self._last_step.items() if k.startswith("system/")]
-            start_system_metrics(self.run_id, self.tracking_uri, self._enqueue, self._stop_sampler,
-                                 first_step=max(steps) + 1 if steps else 0)
+            start_system_metrics(
+                self.run_id,
+                self.tracking_uri,
+                self._enqueue,
+                self._stop_sampler,
+                first_step=max(steps) + 1 if steps else 0,
+            )
 
     # A checkpoint written while the server was unreachable holds no run id; this file, written as
     # soon as the run exists, lets the next launch of the same job continue that run.

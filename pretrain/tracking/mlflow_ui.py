@@ -11,6 +11,7 @@ Links. MLflow 3 opens an experiment in its GenAI layout whatever the experiment'
 mode comes from the URL (``?workflowType=machine_learning`` after the hash route) or the browser's
 storage. Every link we print carries it; MLflow's own "View run" lines (without it) are turned off.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ from urllib.parse import urlparse
 from data_prep.common.commands import script_command
 
 CLASSIC_VIEW = "workflowType=machine_learning"
-LOCAL_UI = "http://127.0.0.1:5000"      # where `mlflow ui` serves a local store by default
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store by default
 
 
 def ui_base(tracking_uri: str) -> str:

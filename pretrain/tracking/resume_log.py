@@ -11,6 +11,7 @@ Two things a checkpoint carries for this (``TrainState.log_window`` and ``TrainS
   already hold), so re-logging is harmless when nothing was lost, and a relaunch that evaluates the
   final checkpoint again (killed before its export) writes no second ``eval/loss`` row.
 """
+
 from __future__ import annotations
 
 import torch

@@ -16,6 +16,7 @@ pytest: ``from tests.slurm.cluster import slurm_cluster`` in a test module, then
 By hand: ``python tests/slurm/cluster.py up`` prints the exports for the client commands,
 ``python tests/slurm/cluster.py down LAB`` stops it.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -32,13 +33,35 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests"))      # also when run as a script (``python tests/slurm/cluster.py up``)
+sys.path.insert(0, str(REPO / "tests"))  # also when run as a script (``python tests/slurm/cluster.py up``)
 from apt import apt_install, can_install  # noqa: E402
+
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
-BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "sinfo", "scancel",
-            "munged", "mungekey", "unshare", "mount")
-TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                   "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+BINARIES = (
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "srun",
+    "scontrol",
+    "squeue",
+    "sinfo",
+    "scancel",
+    "munged",
+    "mungekey",
+    "unshare",
+    "mount",
+)
+TERMINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 
 
 class ClusterUnavailable(RuntimeError):
@@ -64,12 +87,15 @@ def ensure_installed() -> None:
     if not missing:
         return
     if not can_install():
-        raise ClusterUnavailable(f"Slurm binaries missing ({', '.join(missing)}); installing "
-                                 f"{' '.join(PACKAGES)} needs root and apt-get")
+        raise ClusterUnavailable(
+            f"Slurm binaries missing ({', '.join(missing)}); installing {' '.join(PACKAGES)} needs root and apt-get"
+        )
     done = apt_install(*PACKAGES)
     if done.returncode != 0:
-        raise ClusterUnavailable(f"`apt-get install {' '.join(PACKAGES)}` failed ({done.returncode}):\n"
-                                 f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        raise ClusterUnavailable(
+            f"`apt-get install {' '.join(PACKAGES)}` failed ({done.returncode}):\n"
+            f"{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
     still = [b for b in BINARIES if shutil.which(b) is None]
     if still:
         raise ClusterUnavailable(f"after apt-get install, still missing: {', '.join(still)}")
@@ -92,11 +118,12 @@ def run_python(env: dict, *args: str, timeout: float = 300) -> None:
 @dataclass
 class JobRecord:
     """One job (or one array element) as ``scontrol show job`` reports it."""
+
     job_id: int
     array_job_id: int | None
     array_task_id: int | None
     state: str
-    exit_code: str            # "rc:signal", e.g. "0:0", "1:0", "0:15"
+    exit_code: str  # "rc:signal", e.g. "0:0", "1:0", "0:15"
     restarts: int
     fields: dict
 
@@ -112,15 +139,17 @@ def _parse_show_job(text: str) -> list[JobRecord]:
             continue
         # Values have no spaces except in a few free-text fields we do not read (Command has none here).
         fields = dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", line))
-        out.append(JobRecord(
-            job_id=int(fields["JobId"]),
-            array_job_id=int(fields["ArrayJobId"]) if "ArrayJobId" in fields else None,
-            array_task_id=int(fields["ArrayTaskId"]) if fields.get("ArrayTaskId", "").isdigit() else None,
-            state=fields.get("JobState", "?"),
-            exit_code=fields.get("ExitCode", "?"),
-            restarts=int(fields.get("Restarts", "0") or 0),
-            fields=fields,
-        ))
+        out.append(
+            JobRecord(
+                job_id=int(fields["JobId"]),
+                array_job_id=int(fields["ArrayJobId"]) if "ArrayJobId" in fields else None,
+                array_task_id=int(fields["ArrayTaskId"]) if fields.get("ArrayTaskId", "").isdigit() else None,
+                state=fields.get("JobState", "?"),
+                exit_code=fields.get("ExitCode", "?"),
+                restarts=int(fields.get("Restarts", "0") or 0),
+                fields=fields,
+            )
+        )
     return out
 
 
@@ -166,7 +195,7 @@ class SlurmCluster:
             TORCH_EXTENSIONS_DIR=env.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions")),
         )
         for k in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and k != "SLURM_CONF"]:
-            del env[k]   # a pytest itself running inside a Slurm job must not leak its job into ours
+            del env[k]  # a pytest itself running inside a Slurm job must not leak its job into ours
         env.update(extra)
         return env
 
@@ -189,21 +218,35 @@ class SlurmCluster:
             "ClusterName=mlmtest",
             f"SlurmctldHost={socket.gethostname().split('.')[0]}(127.0.0.1)",
             f"SlurmctldPort={self.ctld_port}",
-            "SlurmUser=root", "SlurmdUser=root",
+            "SlurmUser=root",
+            "SlurmdUser=root",
             # cred_expire also sets how long a requeued job waits before it may start again
             # (default 120 s); 15 s keeps the requeue test short and still lets the nodes clean up.
-            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket},cred_expire=15",
-            f"StateSaveLocation={lab}/spool/ctld", f"SlurmdSpoolDir={lab}/spool/slurmd-%n",
-            f"SlurmctldPidFile={lab}/run/slurmctld.pid", f"SlurmdPidFile={lab}/run/slurmd-%n.pid",
-            f"SlurmctldLogFile={lab}/log/slurmctld.log", f"SlurmdLogFile={lab}/log/slurmd-%n.log",
-            "SlurmctldDebug=info", "SlurmdDebug=info",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={self.munge_socket},cred_expire=15",
+            f"StateSaveLocation={lab}/spool/ctld",
+            f"SlurmdSpoolDir={lab}/spool/slurmd-%n",
+            f"SlurmctldPidFile={lab}/run/slurmctld.pid",
+            f"SlurmdPidFile={lab}/run/slurmd-%n.pid",
+            f"SlurmctldLogFile={lab}/log/slurmctld.log",
+            f"SlurmdLogFile={lab}/log/slurmd-%n.log",
+            "SlurmctldDebug=info",
+            "SlurmdDebug=info",
             # No cgroups on a CI container: track processes by parentage, no task confinement.
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
-            "SchedulerType=sched/backfill", "MpiDefault=none",
-            "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "SchedulerType=sched/backfill",
+            "MpiDefault=none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
             "JobCompType=jobcomp/none",
-            "ReturnToService=2", "SlurmdTimeout=60", "InactiveLimit=0", "KillWait=10",
+            "ReturnToService=2",
+            "SlurmdTimeout=60",
+            "InactiveLimit=0",
+            "KillWait=10",
             # Finished jobs stay visible to `scontrol show job` long enough for the tests to read them.
             "MinJobAge=600",
             # The scheduler wakes on events; a short interval keeps dependent/requeued jobs snappy.
@@ -211,13 +254,18 @@ class SlurmCluster:
         ]
         for name, port in zip(self.node_names, self.node_ports):
             # RealMemory: without it a node has 1 MB and any --mem is refused.
-            lines.append(f"NodeName={name} NodeHostname={name} NodeAddr=127.0.0.1 Port={port} "
-                         f"CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN")
+            lines.append(
+                f"NodeName={name} NodeHostname={name} NodeAddr=127.0.0.1 Port={port} "
+                f"CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN"
+            )
         lines.append(f"PartitionName=debug Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
         # A hosts file for the nodes' private mount namespaces: our node names resolve to loopback.
-        base = [ln for ln in Path("/etc/hosts").read_text().splitlines()
-                if not any(re.search(rf"\s{n}(\s|$)", ln) for n in self.node_names)]
+        base = [
+            ln
+            for ln in Path("/etc/hosts").read_text().splitlines()
+            if not any(re.search(rf"\s{n}(\s|$)", ln) for n in self.node_names)
+        ]
         base += [f"127.0.0.1\t{n}" for n in self.node_names]
         (self.lab / "etc" / "hosts").write_text("\n".join(base) + "\n")
 
@@ -225,14 +273,21 @@ class SlurmCluster:
         m = self.lab / "munge"
         for d, mode in (("", 0o755), ("run", 0o755), ("etc", 0o700), ("log", 0o700), ("lib", 0o700)):
             (m / d).mkdir(parents=True, exist_ok=True)
-            os.chmod(m / d, mode)   # munged refuses a world-readable key dir and needs a readable socket dir
+            os.chmod(m / d, mode)  # munged refuses a world-readable key dir and needs a readable socket dir
         key = m / "etc" / "munge.key"
         if not key.exists():
             self._daemon(["mungekey", "--create", f"--keyfile={key}", "--bits=1024"])
         os.chmod(key, 0o600)
-        self._daemon(["munged", f"--key-file={key}", f"--socket={self.munge_socket}",
-                      f"--pid-file={m}/run/munged.pid", f"--log-file={m}/log/munged.log",
-                      f"--seed-file={m}/lib/munged.seed"])
+        self._daemon(
+            [
+                "munged",
+                f"--key-file={key}",
+                f"--socket={self.munge_socket}",
+                f"--pid-file={m}/run/munged.pid",
+                f"--log-file={m}/log/munged.log",
+                f"--seed-file={m}/lib/munged.seed",
+            ]
+        )
         self._wait(lambda: self.munge_socket.exists(), 10, "munged socket", m / "log" / "munged.log")
 
     def _daemon(self, cmd: list[str]) -> None:
@@ -240,7 +295,9 @@ class SlurmCluster:
         with open(self.lab / "log" / "start.log", "ab") as log:
             r = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, timeout=60)
         if r.returncode != 0:
-            raise ClusterUnavailable(f"`{' '.join(cmd)}` exited {r.returncode}:\n{_tail(self.lab / 'log' / 'start.log')}")
+            raise ClusterUnavailable(
+                f"`{' '.join(cmd)}` exited {r.returncode}:\n{_tail(self.lab / 'log' / 'start.log')}"
+            )
 
     def _wait(self, ok, timeout: float, what: str, log: Path | None = None) -> None:
         deadline = time.monotonic() + timeout
@@ -257,21 +314,32 @@ class SlurmCluster:
 
     def start(self) -> "SlurmCluster":
         self.lab.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.lab, 0o755)   # munged wants every directory above its socket searchable by all
+        os.chmod(self.lab, 0o755)  # munged wants every directory above its socket searchable by all
         (self.lab / "log").mkdir(exist_ok=True)
         self._write_conf()
         self._start_munge()
-        self.started = True   # from here on, stop() has something to clean up
+        self.started = True  # from here on, stop() has something to clean up
         self._daemon(["slurmctld", "-f", str(self.conf), "-c", "-i"])
         hosts = self.lab / "etc" / "hosts"
         self.node_local.mkdir(exist_ok=True)
         for name in self.node_names:
             self.node_disk(name).mkdir(parents=True, exist_ok=True)
-            self._daemon(["unshare", "--mount", "--uts", "--propagation", "private", "bash", "-c",
-                          f"mount --bind {hosts} /etc/hosts && mount --bind {self.node_disk(name)} {self.node_local} "
-                          f"&& hostname {name} && exec slurmd -f {self.conf} -N {name}"])
-        self._wait(lambda: self.idle_nodes() == self.nodes, 30, f"{self.nodes} idle nodes",
-                   self.lab / "log" / "slurmctld.log")
+            self._daemon(
+                [
+                    "unshare",
+                    "--mount",
+                    "--uts",
+                    "--propagation",
+                    "private",
+                    "bash",
+                    "-c",
+                    f"mount --bind {hosts} /etc/hosts && mount --bind {self.node_disk(name)} {self.node_local} "
+                    f"&& hostname {name} && exec slurmd -f {self.conf} -N {name}",
+                ]
+            )
+        self._wait(
+            lambda: self.idle_nodes() == self.nodes, 30, f"{self.nodes} idle nodes", self.lab / "log" / "slurmctld.log"
+        )
         return self
 
     def _pid_files(self) -> list[Path]:
@@ -289,7 +357,7 @@ class SlurmCluster:
             while time.monotonic() < deadline and self.run("squeue", "-h", check=False, timeout=10).stdout.strip():
                 time.sleep(0.5)
         except subprocess.TimeoutExpired:
-            pass   # no controller to ask: stop the daemons anyway
+            pass  # no controller to ask: stop the daemons anyway
         for pid_file in self._pid_files():
             try:
                 pid = int(pid_file.read_text().split()[0])
@@ -328,9 +396,12 @@ class SlurmCluster:
                 return recs
             time.sleep(poll)
         recs = self.jobs(job_id)
-        raise TimeoutError(f"job {job_id} not finished after {timeout:.0f} s: "
-                           + ", ".join(f"{r.job_id}:{r.state}({r.fields.get('Reason')})" for r in recs)
-                           + "\n" + self.diagnostics())
+        raise TimeoutError(
+            f"job {job_id} not finished after {timeout:.0f} s: "
+            + ", ".join(f"{r.job_id}:{r.state}({r.fields.get('Reason')})" for r in recs)
+            + "\n"
+            + self.diagnostics()
+        )
 
     def wait_for(self, predicate, timeout: float, what: str, poll: float = 0.2):
         deadline = time.monotonic() + timeout
@@ -359,12 +430,13 @@ def acquire(nodes: int = 2) -> SlurmCluster:
     if _shared["cluster"] is None:
         try:
             if os.geteuid() != 0:
-                raise ClusterUnavailable("needs root (slurmd runs as root; the simulated nodes need "
-                                         "mount and UTS namespaces)")
+                raise ClusterUnavailable(
+                    "needs root (slurmd runs as root; the simulated nodes need mount and UTS namespaces)"
+                )
             ensure_installed()
-            lab = Path(tempfile.mkdtemp(prefix="mlmslurm-", dir="/tmp"))   # short: unix socket paths are capped
+            lab = Path(tempfile.mkdtemp(prefix="mlmslurm-", dir="/tmp"))  # short: unix socket paths are capped
             cluster = SlurmCluster(lab, nodes)
-            atexit.register(cluster.stop)   # also when pytest dies between fixture set-up and teardown
+            atexit.register(cluster.stop)  # also when pytest dies between fixture set-up and teardown
             try:
                 cluster.start()
             except BaseException:
@@ -403,7 +475,7 @@ try:
             yield cluster
         finally:
             release()
-except ImportError:   # the CLI below works without pytest
+except ImportError:  # the CLI below works without pytest
     pass
 
 

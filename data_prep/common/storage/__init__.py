@@ -19,15 +19,37 @@ from __future__ import annotations
 
 import os
 
-from data_prep.common.storage.base import (SCHEME, ObjectInfo, StorageError, Store, StoreUnavailable,
-                                           attempt_timeouts, is_url, retry_window_s, set_retry_window,
-                                           sha256_bytes)
+from data_prep.common.storage.base import (
+    SCHEME,
+    ObjectInfo,
+    StorageError,
+    Store,
+    StoreUnavailable,
+    attempt_timeouts,
+    is_url,
+    retry_window_s,
+    set_retry_window,
+    sha256_bytes,
+)
 from data_prep.common.storage.http_store import HttpStore
 from data_prep.common.storage.local_store import LocalStore
 from data_prep.common.storage.s3_store import S3Store
 
-__all__ = ["HttpStore", "LocalStore", "ObjectInfo", "S3Store", "StorageError", "Store", "StoreUnavailable",
-           "attempt_timeouts", "is_url", "open_store", "retry_window_s", "set_retry_window", "sha256_bytes"]
+__all__ = [
+    "HttpStore",
+    "LocalStore",
+    "ObjectInfo",
+    "S3Store",
+    "StorageError",
+    "Store",
+    "StoreUnavailable",
+    "attempt_timeouts",
+    "is_url",
+    "open_store",
+    "retry_window_s",
+    "set_retry_window",
+    "sha256_bytes",
+]
 
 
 def open_store(location: str | os.PathLike) -> Store:
@@ -43,6 +65,8 @@ def open_store(location: str | os.PathLike) -> Store:
     if kind in ("https", "http"):
         return HttpStore(text)
     if kind == "file":
-        return LocalStore(text[len("file://"):])
-    raise StorageError(f"{text}: the scheme {kind}:// is not supported (use a local path, s3://bucket/prefix, "
-                       "or https://host/prefix to read)")
+        return LocalStore(text[len("file://") :])
+    raise StorageError(
+        f"{text}: the scheme {kind}:// is not supported (use a local path, s3://bucket/prefix, "
+        "or https://host/prefix to read)"
+    )

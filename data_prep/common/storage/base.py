@@ -1,6 +1,7 @@
 """What every store is: the ``Store`` interface, its errors, and how transient failures are retried.
 A ``StorageError`` is bad input (exit 2 naming the URL); ``StoreUnavailable`` a store that stayed down
 past the retry window (the trainer exits 3, requeue)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,7 +16,7 @@ from typing import Callable, Optional
 
 log = logging.getLogger("data_prep")
 
-RETRY_ENV = "MLM_STORE_RETRY_S"     # how long transient failures are retried (the trainer sets data.remote_timeout_s)
+RETRY_ENV = "MLM_STORE_RETRY_S"  # how long transient failures are retried (the trainer sets data.remote_timeout_s)
 DEFAULT_RETRY_S = 30.0
 SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -40,11 +41,12 @@ def sha256_bytes(data: bytes) -> str:
 @dataclass(frozen=True)
 class ObjectInfo:
     size: int
-    sha256: Optional[str]           # recorded at upload (S3) or None where not known without reading
+    sha256: Optional[str]  # recorded at upload (S3) or None where not known without reading
 
 
 class Store:
     """A folder of named objects. Names are relative, '/'-separated; ``url(name)`` is for messages."""
+
     root: str
 
     def url(self, name: str = "") -> str:
@@ -55,17 +57,31 @@ class Store:
         """The folder itself where the store is local, else None."""
         return None
 
-    def read_bytes(self, name: str) -> bytes: raise NotImplementedError
-    def read_range(self, name: str, start: int, end: int) -> bytes: raise NotImplementedError
-    def stat(self, name: str) -> Optional[ObjectInfo]: raise NotImplementedError
-    def list(self, prefix: str = "") -> dict[str, int]: raise NotImplementedError
-    def write_bytes(self, name: str, data: bytes) -> None: raise NotImplementedError
+    def read_bytes(self, name: str) -> bytes:
+        raise NotImplementedError
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        raise NotImplementedError
+
+    def stat(self, name: str) -> Optional[ObjectInfo]:
+        raise NotImplementedError
+
+    def list(self, prefix: str = "") -> dict[str, int]:
+        raise NotImplementedError
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        raise NotImplementedError
+
     def put_file(self, local: Path, name: str, sha256: str, keep_local: bool = False) -> None:
         """Publish the complete file ``local`` as ``name`` whole (the object appears only complete);
         ``local`` is consumed unless ``keep_local``."""
         raise NotImplementedError
-    def delete(self, names: list[str]) -> None: raise NotImplementedError
-    def check(self, write: bool) -> None: raise NotImplementedError
+
+    def delete(self, names: list[str]) -> None:
+        raise NotImplementedError
+
+    def check(self, write: bool) -> None:
+        raise NotImplementedError
 
     def delete_folder(self, prefix: str) -> None:
         """Every object under ``prefix/``."""
@@ -114,16 +130,17 @@ def with_retries(store: "Store", name: str, what: str, call: Callable, transient
     while True:
         try:
             return call()
-        except Exception as exc:      # noqa: BLE001 -- classified just below
+        except Exception as exc:  # noqa: BLE001 -- classified just below
             if not transient(exc):
                 raise
             waited = time.monotonic() - started
             if waited >= retry_window_s():
-                raise StoreUnavailable(f"{store.url(name)}: {what} failed for {waited:.0f} s "
-                                       f"({type(exc).__name__}: {exc}); the store looks unavailable") from None
+                raise StoreUnavailable(
+                    f"{store.url(name)}: {what} failed for {waited:.0f} s "
+                    f"({type(exc).__name__}: {exc}); the store looks unavailable"
+                ) from None
             if not getattr(store, "_retry_logged", False):
                 store._retry_logged = True
                 log.warning("%s: %s failed (%s); retrying with backoff", store.url(), what, type(exc).__name__)
-            time.sleep(min(16.0, 0.5 * 2 ** attempt, max(0.05, retry_window_s() - waited))
-                       * (0.5 + random.random() / 2))
+            time.sleep(min(16.0, 0.5 * 2**attempt, max(0.05, retry_window_s() - waited)) * (0.5 + random.random() / 2))
             attempt += 1

@@ -1,4 +1,5 @@
 """``https://host/prefix`` (and ``http://``), read only: ranged reads need a server that honours Range."""
+
 from __future__ import annotations
 
 import urllib.error
@@ -26,6 +27,7 @@ class HttpStore(Store):
         def fetch():
             with urllib.request.urlopen(request, timeout=min(60.0, attempt_timeouts()[1])) as response:
                 return response.status, dict(response.headers), response.read()
+
         try:
             return with_retries(self, name, what, fetch, transient)
         except urllib.error.HTTPError as exc:
@@ -41,8 +43,10 @@ class HttpStore(Store):
     def read_range(self, name: str, start: int, end: int) -> bytes:
         status, _, data = self._open(name, "ranged read", {"Range": f"bytes={start}-{end - 1}"})
         if status != 206 or len(data) != end - start:
-            raise StorageError(f"{self.url(name)}: the server answered a range request with HTTP {status} and "
-                               f"{len(data)} bytes (it must honour Range: bytes={start}-{end - 1})")
+            raise StorageError(
+                f"{self.url(name)}: the server answered a range request with HTTP {status} and "
+                f"{len(data)} bytes (it must honour Range: bytes={start}-{end - 1})"
+            )
         return data
 
     def stat(self, name: str) -> Optional[ObjectInfo]:
@@ -55,8 +59,10 @@ class HttpStore(Store):
         return ObjectInfo(int(size), None)
 
     def list(self, prefix: str = "") -> dict[str, int]:
-        raise StorageError(f"{self.url(prefix)}: an https:// folder cannot be listed; only data with a "
-                           "manifest.json can be read from one")
+        raise StorageError(
+            f"{self.url(prefix)}: an https:// folder cannot be listed; only data with a "
+            "manifest.json can be read from one"
+        )
 
     def _read_only(self, name: str, *_):
         raise StorageError(f"{self.url(name)}: https:// locations are read only")

@@ -1,4 +1,5 @@
 """A local folder as a store: atomic writes, renames into place."""
+
 from __future__ import annotations
 
 import os
