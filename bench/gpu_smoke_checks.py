@@ -58,9 +58,9 @@ def paths(config: str, shards: str) -> str:
     from data_prep.common.manifest import load_manifest
     from pretrain.config.schema import load_config
     from pretrain.data.stream import TrainStream
-    from pretrain.model.optim import build_optimizer
     from pretrain.model.masking import SpecialIds, mask_batch
     from pretrain.model.mlm import build_model
+    from pretrain.model.optim import build_optimizer
 
     device = torch.device("cuda", 0)
     manifest = load_manifest(shards)

@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pretrain.runtime.health import LayerHealth  # noqa: E402
 from pretrain.model.masking import SpecialIds  # noqa: E402
 from pretrain.model.mlm import build_model  # noqa: E402
+from pretrain.runtime.health import LayerHealth  # noqa: E402
 
 
 class _Holder:  # LayerHealth reads engine.module only
@@ -78,8 +78,8 @@ def main() -> None:
 
 
 def _config(path: str, data_dir: str):
-    from pretrain.config.schema import Config
     from pretrain.config.loader import build, load_yaml
+    from pretrain.config.schema import Config
 
     data = load_yaml(path)
     data.setdefault("data", {})["dir"] = data_dir  # only the model and impl groups are used

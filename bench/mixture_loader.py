@@ -30,10 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import ensure_sample_shards, format_table
-from data_prep.sample_corpus import bert_uncased_dir
 from data_prep.common.manifest import load_manifest
-from pretrain.data.stream import TrainStream
+from data_prep.sample_corpus import bert_uncased_dir
 from pretrain.data.mixture import MixtureStream, Source
+from pretrain.data.stream import TrainStream
 
 SLICES = (("a", ["wiki-00.txt", "wiki-01.txt"], 0.5), ("b", ["wiki-02.txt"], 0.3), ("c", ["wiki-03.txt"], 0.2))
 

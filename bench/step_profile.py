@@ -53,8 +53,8 @@ class Setup:
 
 
 def _load(config: Path, overrides: list[str]):
-    from pretrain.runtime import engine as eng
     from pretrain.config.schema import load_config
+    from pretrain.runtime import engine as eng
 
     if not dist.is_initialized():  # once per process: DeepSpeed caches the world group
         eng.prepare_env()
@@ -66,12 +66,12 @@ def build(config: Path, overrides: list[str], shards: Path, *, bare: bool = Fals
     """Ours (DeepSpeed engine) or the bare loop's pieces (model + torch AdamW + LambdaLR).
     ``impl.fused_optimizer`` picks the bare loop's AdamW kernel too (false: foreach, else fused)."""
     from data_prep.common.manifest import load_manifest
-    from pretrain.runtime import engine as eng
-    from pretrain.runtime import hardware
     from pretrain.data.stream import TrainStream
     from pretrain.model.masking import SpecialIds
     from pretrain.model.mlm import build_model
     from pretrain.model.schedule import lr_schedule
+    from pretrain.runtime import engine as eng
+    from pretrain.runtime import hardware
 
     cfg, info = _load(config, overrides)
     manifest = load_manifest(shards)
@@ -109,9 +109,9 @@ PHASES = ["data", "mask", "all_reduce", "forward", "backward", "step"]
 def timed_step(s: Setup, step: int) -> list[float]:
     """One optimiser step of one micro-batch, the calls of ``pretrain.train.train_step`` in the same
     order, each timed; returns the phases' seconds."""
-    from pretrain.runtime import engine as eng
-    from pretrain.model.masking import mask_batch
     from pretrain.config.seeds import derive_seed
+    from pretrain.model.masking import mask_batch
+    from pretrain.runtime import engine as eng
 
     t = [_clock()]
     batch = next(s.batches)
@@ -329,8 +329,8 @@ def encoder_lead(config, overrides, shards, repeats, compiled: bool = False) -> 
 
 def small_costs(s: Setup, repeats: int) -> list[list]:
     """Per-micro-step costs outside the model: seeding, masking, the two collectives, data."""
-    from pretrain.model.masking import mask_batch, mask_generator
     from pretrain.config.seeds import derive_seed
+    from pretrain.model.masking import mask_batch, mask_generator
 
     batch = next(s.batches)
     fixed = type(s.cfg.masking)(**{**vars(s.cfg.masking), "fixed_count": True})

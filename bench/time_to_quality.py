@@ -213,8 +213,8 @@ def run_ours(args, shards: Path) -> dict:
             f"ours: pretrain.train exited {proc.returncode}; command:\n  {' '.join(cmd)}\n"
             f"{(out / 'stdout.log').read_text()[-3000:]}"
         )
-    from pretrain.eval.cli import mlm_eval
     from pretrain.checkpoint.hf_export import export_checkpoint, resolve_checkpoint
+    from pretrain.eval.cli import mlm_eval
 
     _, tag = resolve_checkpoint(out / "checkpoints")
     export_checkpoint(out / "checkpoints", tag, out / "hf")
@@ -295,8 +295,8 @@ def crossing(curve: list[dict], target: float, key: str) -> float:
 def score(hf_dir: str, shards: Path, tasks, batch_size: int, device: str) -> dict:
     from transformers import AutoModel
 
-    from pretrain.eval.downstream import probe_metrics
     from pretrain.eval.cli import mlm_eval
+    from pretrain.eval.downstream import probe_metrics
 
     mlm = mlm_eval(hf_dir, shards, batch_size=batch_size, device=device)
     encoder = AutoModel.from_pretrained(hf_dir, add_pooling_layer=False).to(device)

@@ -339,8 +339,8 @@ def run_reference(variant: str, args, plan: Plan, shards: Path) -> Measurement:
 
 
 def table(rows: list[Row], args, plan: Plan, peak: float, cpu_peak: float, manifest: Manifest) -> str:
-    from pretrain.config.schema import MaskingConfig, ModelConfig
     from pretrain.config.loader import load_yaml
+    from pretrain.config.schema import MaskingConfig, ModelConfig
     from pretrain.model.flops import mlm_flops_per_sequence
 
     raw = load_yaml(plan.config)

@@ -12,9 +12,10 @@ import dataclasses
 import logging
 import sys
 
-from .errors import DataPrepError
 from data_prep.common.shards import ShardError
 from data_prep.common.storage import StorageError
+
+from .errors import DataPrepError
 
 _SHARD_FLAGS = {  # ShardSettings field -> (flag, type, help)
     "tokenizer": ("--tokenizer", str, "local tokenizer folder (tokenizer.json), e.g. from `data_prep tokenizer`"),

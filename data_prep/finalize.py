@@ -8,13 +8,14 @@ import fnmatch
 import json
 import os
 
-from .errors import DataPrepError
-from .settings import SPLITS
-from .shard import TASK_MANIFEST_GLOB, shard_order, task_manifest_name
 from data_prep.common.atomic import json_bytes
 from data_prep.common.manifest import FORMAT_VERSION, MANIFEST, Manifest, files_sha256
 from data_prep.common.shards import ShardError, block_checksums, index_shard
 from data_prep.common.storage import Store, open_store, sha256_bytes
+
+from .errors import DataPrepError
+from .settings import SPLITS
+from .shard import TASK_MANIFEST_GLOB, shard_order, task_manifest_name
 
 _TOTAL_KEYS = ("shards", "sequences", "tokens", "padding", "documents")
 

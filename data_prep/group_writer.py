@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .groups import GroupKey
-from .packing import Packed, Packer, shard_permutation
-from .settings import SPLITS, ShardSettings
 from data_prep.common.atomic import json_bytes
 from data_prep.common.shards import ShardWriter, shard_name
 from data_prep.common.storage import Store, sha256_bytes
+
+from .groups import GroupKey
+from .packing import Packed, Packer, shard_permutation
+from .settings import SPLITS, ShardSettings
 from .tokenizer import Encoded, LoadedTokenizer
 
 

@@ -44,8 +44,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .errors import DataPrepError
 from data_prep.common.storage import is_url, open_store
+
+from .errors import DataPrepError
 
 _KINDS = {".txt": "txt", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 _GZIP_OK = {"txt", "jsonl", "json"}

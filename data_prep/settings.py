@@ -13,8 +13,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import DataPrepError
 from data_prep.common.shards import DEFAULT_BLOCK_SIZE
+
+from .errors import DataPrepError
 
 SPLITS = ("train", "validation")
 SPEED_ONLY = ("workers", "batch_chars", "log_every")

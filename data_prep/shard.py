@@ -32,6 +32,11 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from data_prep.common.atomic import json_bytes
+from data_prep.common.manifest import FORMAT_VERSION
+from data_prep.common.shards import ids_dtype
+from data_prep.common.storage import Store, open_store
+
 from .clean.report import cleaning_of
 from .errors import DataPrepError
 from .group_writer import GroupWriter, SplitResume, files_by_group, finished_group, kept_shards, remove_group_leftovers
@@ -39,10 +44,6 @@ from .groups import GroupKey, ReadCount, iter_owned_documents
 from .progress import Progress
 from .reader import ReadOptions, resolve_inputs, resolve_partition, task_sources
 from .settings import SPLITS, ShardSettings, settings_sha256
-from data_prep.common.atomic import json_bytes
-from data_prep.common.manifest import FORMAT_VERSION
-from data_prep.common.shards import ids_dtype
-from data_prep.common.storage import Store, open_store
 from .tokenizer import Encoded, LoadedTokenizer, load_tokenizer, publish_tokenizer
 
 log = logging.getLogger("data_prep")

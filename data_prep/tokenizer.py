@@ -21,9 +21,10 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from .errors import DataPrepError
 from data_prep.common.manifest import SPECIAL_ROLES, tokenizer_sha256
 from data_prep.tokenizer_cache import TOKENIZER_FILES
+
+from .errors import DataPrepError
 
 BERT_SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 # What is copied next to the shards (and hashed): the files a Hugging Face tokenizer loads from, never weights.

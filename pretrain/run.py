@@ -14,8 +14,8 @@ from typing import Any, Optional
 import torch
 
 from data_prep.common.manifest import Manifest
-from pretrain.checkpoint import phases
 from pretrain.checkpoint import nodes as checkpoint_nodes
+from pretrain.checkpoint import phases
 from pretrain.checkpoint import store as checkpointing
 from pretrain.checkpoint.hf_export import final_export_dir
 from pretrain.checkpoint.mirror import CheckpointMirror
@@ -24,7 +24,6 @@ from pretrain.config import loader as configlib
 from pretrain.config.schema import Config
 from pretrain.data import make_train_stream, mixture
 from pretrain.eval.downstream import probe_metrics
-from pretrain.tracking import console
 from pretrain.model import keyed_dropout
 from pretrain.model.flops import mlm_flops_per_sequence
 from pretrain.model.masking import SpecialIds
@@ -34,7 +33,7 @@ from pretrain.runtime import allocator, attention, hardware
 from pretrain.runtime import engine as eng
 from pretrain.runtime.step_speed import step_probe
 from pretrain.step import StopSignal
-from pretrain.tracking import make_tracker, resume_log, run_params
+from pretrain.tracking import console, make_tracker, resume_log, run_params
 
 log = logging.getLogger("pretrain")
 

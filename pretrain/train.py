@@ -31,32 +31,33 @@ import torch.distributed as dist
 
 from data_prep import stale_shm
 from data_prep.common import storage
-from pretrain.data import shard_cache
 from data_prep.common.shards import ShardError
 from data_prep.tokenizer_cache import tokenizer_dir
-from pretrain.tracking import console
 from pretrain.checkpoint import files
 from pretrain.checkpoint import store as checkpointing
 from pretrain.checkpoint.hf_export import export_and_log, exported_from, final_export_dir
 from pretrain.checkpoint.mirror import wait_for_mirror
 from pretrain.checkpoint.state import STATE_KEY
 from pretrain.config.schema import ConfigError, load_config
+from pretrain.data import shard_cache
 from pretrain.eval.downstream import baseline_metrics, prepare_tasks, probe_due
 from pretrain.eval.heldout import evaluate  # a fixed set of held-out sequences, at any layout
 from pretrain.eval.tasks import TaskError
-from pretrain.runtime.exit_codes import BAD_INPUT as EXIT_BAD_INPUT, NONFINITE as EXIT_NONFINITE
-from pretrain.runtime.exit_codes import REQUEUE as EXIT_REQUEUE, SPIKES as EXIT_SPIKES
 from pretrain.model.masking import rate_at_step
-from pretrain.runtime.preflight import check_inputs
 from pretrain.report.page import report_at_end
 from pretrain.run import Run, build_run
 from pretrain.runtime import bad_input, faults, hardware, lifeline
 from pretrain.runtime import engine as eng
+from pretrain.runtime.exit_codes import BAD_INPUT as EXIT_BAD_INPUT
+from pretrain.runtime.exit_codes import NONFINITE as EXIT_NONFINITE
+from pretrain.runtime.exit_codes import REQUEUE as EXIT_REQUEUE
+from pretrain.runtime.exit_codes import SPIKES as EXIT_SPIKES
 from pretrain.runtime.health import LayerHealth
-from pretrain.runtime.watchdog import HangWatchdog
+from pretrain.runtime.preflight import check_inputs
 from pretrain.runtime.spike_guard import SpikeGuard, SpikesExhausted
+from pretrain.runtime.watchdog import HangWatchdog
 from pretrain.step import StepResult, StopSignal, ThroughputWindow, train_step
-from pretrain.tracking import resume_log
+from pretrain.tracking import console, resume_log
 
 log = logging.getLogger("pretrain")
 

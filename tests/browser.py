@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
 from apt import apt_install, can_install
 
 FLAGS = [

@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-from s3_server import own_s3_server, s3_server  # noqa: F401 -- S3 servers for any test that asks
+
 import suite_profile
 import tiers
+from s3_server import own_s3_server, s3_server  # noqa: F401 -- S3 servers for any test that asks
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable

@@ -55,9 +55,10 @@ def _preload(modules: list[str]) -> None:
     import deepspeed.utils.zero_to_fp32  # noqa: F401
     import mlflow  # noqa: F401
     import mlflow.tracking  # noqa: F401
+    import torch.distributed  # noqa: F401
+
     import pretrain.export  # noqa: F401
     import pretrain.train  # noqa: F401
-    import torch.distributed  # noqa: F401
 
 
 def _child(job: dict, local_rank: int, pgid: int) -> None:

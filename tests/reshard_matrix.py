@@ -22,8 +22,8 @@ parameters and moments bit-identical; the next two losses agree within 1.3e-8 / 
 from __future__ import annotations
 
 import argparse
-import json
 import itertools
+import json
 import sys
 import traceback
 from pathlib import Path

@@ -26,17 +26,13 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pretrain.checkpoint import store as checkpointing  # noqa: E402
-
-from pretrain.config import loader as configlib
-
-from pretrain.runtime import engine as eng
-
 from pretrain.checkpoint import nodes, reshard
+from pretrain.checkpoint import store as checkpointing  # noqa: E402
+from pretrain.config import loader as configlib
 from pretrain.config.schema import Config  # noqa: E402
 from pretrain.model.masking import SpecialIds  # noqa: E402
 from pretrain.model.mlm import build_model  # noqa: E402
-
+from pretrain.runtime import engine as eng
 
 VOCAB, SEQ_LEN, MASK_ID, MASK_RATE = 512, 32, 4, 0.15
 SPECIAL = SpecialIds(pad=0, unk=1, cls=2, sep=3, mask=MASK_ID, vocab_size=VOCAB)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from test_faults import ok, train
 from test_resume_layout import rows
 
@@ -39,6 +40,7 @@ def test_bf16_zero1_with_accumulation_resumes_exactly_and_exports_its_fp32_maste
     step4 = straight / "checkpoints" / "step00000004"
     assert sorted(p.name for p in step4.glob("*optim_states.pt"))[0].startswith("bf16_zero_pp_rank_0")
     from safetensors.torch import load_file
+
     from pretrain.checkpoint.hf_export import fp32_state_dict
 
     exported = load_file(straight / "hf_final" / "model.safetensors")

@@ -6,16 +6,16 @@ training). Most runs use one process (``--workers 1``); one compares it with two
 from __future__ import annotations
 
 import gzip
-import os
 import json
+import os
 import random
 from pathlib import Path
 
 import pytest
 
-from data_prep.cli import main
 from data_prep.clean.quality import first_failure
 from data_prep.clean.settings import QualitySettings
+from data_prep.cli import main
 from s3_server import s3_server  # noqa: F401  (a fixture)
 
 GERMAN = (

@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from data_prep.common.manifest import load_manifest
+from data_prep.common.shards import iter_blocks
 from data_prep.packing import Packer, shard_permutation
 from data_prep.reader import ReadOptions, iter_source, iter_task_documents, resolve_inputs
 from data_prep.settings import ShardSettings
 from data_prep.shard import run_shard
-from data_prep.common.manifest import load_manifest
-from data_prep.common.shards import iter_blocks
 from data_prep.tokenizer import Encoded, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

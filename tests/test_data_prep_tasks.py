@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from data_prep.cli import main
+from data_prep.common.manifest import load_manifest
+from data_prep.common.shards import iter_blocks
 from data_prep.errors import DataPrepError
 from data_prep.finalize import finalize
 from data_prep.reader import resolve_inputs, resolve_partition
 from data_prep.settings import ShardSettings, load_settings_file
 from data_prep.shard import run_shard
-from data_prep.common.manifest import load_manifest
-from data_prep.common.shards import iter_blocks
 from data_prep.verify import verify, verify_report
 
 REPO = Path(__file__).resolve().parents[1]

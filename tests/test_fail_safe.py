@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from conftest import REPO, free_port, ids_payload
 from conftest import train as launch
 

@@ -13,6 +13,7 @@ import sys
 from collections import Counter
 
 import pytest
+
 from conftest import PY, REPO, explain, trainer_env
 
 pytestmark = pytest.mark.slow

@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import free_port
 
+from conftest import free_port
 from data_prep.common.manifest import load_manifest
-from pretrain.model import keyed_dropout
 from pretrain.config.schema import ImplConfig, ModelConfig, load_config
 from pretrain.eval.heldout import eval_set_batches, evaluate
+from pretrain.model import keyed_dropout
 from pretrain.model.masking import SpecialIds
 from pretrain.model.mlm import build_model
 

@@ -13,14 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import train
 
+from conftest import train
 from data_prep.common.atomic import write_json_atomic
+from data_prep.common.manifest import MANIFEST, Manifest, load_manifest
+from data_prep.common.shards import ShardError
 from data_prep.finalize import finalize
 from data_prep.settings import ShardSettings
 from data_prep.shard import run_shard
-from data_prep.common.manifest import MANIFEST, Manifest, load_manifest
-from data_prep.common.shards import ShardError
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = 2

@@ -442,7 +442,7 @@ def test_static_mask_is_the_same_in_a_fresh_process(rows):
         "import sys, torch; from pretrain.config.schema import MaskingConfig; "
         "from pretrain.model.masking import SpecialIds, mask_batch; "
         "ids, starts = torch.tensor(eval(sys.argv[1])), torch.tensor(eval(sys.argv[2])); "
-        f"sp = SpecialIds(pad=0, unk=100, cls=101, sep=102, mask=103, vocab_size=30522); torch.manual_seed(5); "
+        "sp = SpecialIds(pad=0, unk=100, cls=101, sep=102, mask=103, vocab_size=30522); torch.manual_seed(5); "
         "cfg = MaskingConfig(strategy='span', rate=0.3, dynamic=False, seed=9); "
         "print(mask_batch(ids, starts, sp, cfg, sample_ids=torch.arange(8) * 3).input_ids.tolist())"
     )

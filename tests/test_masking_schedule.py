@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+
 from conftest import REPO
 from pretrain.config.schema import MaskingConfig
 from pretrain.model.masking import IGNORE_INDEX, mask_batch, rate_at_step

@@ -13,12 +13,12 @@ from collections import Counter, defaultdict
 
 import numpy as np
 import pytest
-from conftest import REPO, _run, free_port, rank_pool, run_module, trainer_env
-from mlflow_server import mlflow_server  # noqa: F401  (a fixture)
 
+from conftest import REPO, _run, free_port, rank_pool, run_module, trainer_env
 from data_prep.common.manifest import load_manifest
-from pretrain.data.stream import DataError
+from mlflow_server import mlflow_server  # noqa: F401  (a fixture)
 from pretrain.data.mixture import MixtureStream, Source, apportion
+from pretrain.data.stream import DataError
 
 PY = sys.executable
 G, SEED = 32, 11

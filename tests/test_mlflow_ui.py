@@ -11,12 +11,12 @@ import pytest
 
 pytest.importorskip("mlflow")
 
-from browser import page_text
 from mlflow.tracking import MlflowClient
-from mlflow_server import mlflow_server  # noqa: F401  (a fixture)
-from test_tracking_mlflow import make_cfg
 
+from browser import page_text
+from mlflow_server import mlflow_server  # noqa: F401  (a fixture)
 from pretrain.tracking.mlflow_tracker import MlflowTracker
+from test_tracking_mlflow import make_cfg
 
 pytestmark = pytest.mark.slow
 

@@ -7,14 +7,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO
 from conftest import _run as run  # python -m ... through the rank pool
 from conftest import train as launch
 from pretrain.config.schema import ConfigError, ImplConfig, ModelConfig, load_config

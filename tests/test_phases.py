@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import PY, _run
 from conftest import train as launch
 

@@ -8,7 +8,6 @@ steps into a second epoch, cold and warm or filled and uncached, to compare thei
 
 from __future__ import annotations
 
-
 import pytest
 
 from conftest import explain, train
@@ -165,7 +164,7 @@ def test_a_cache_disk_that_fills_mid_run_is_said_once_and_reads_go_on_by_range(
     assert filled.returncode == 0, explain(filled)
     said = [line for line in (filled.stdout + filled.stderr).splitlines() if "data.cache_dir:" in line]
     assert 1 <= len(said) <= 2 and all(
-        f"MiB free, the shard needs" in line and f"reads every block by range from {url} from now on" in line
+        "MiB free, the shard needs" in line and f"reads every block by range from {url} from now on" in line
         for line in said
     ), said  # once per rank
     assert len((disk / "downloads.log").read_text().splitlines()) >= 1

@@ -68,6 +68,7 @@ def test_a_store_gone_for_good_ends_the_run_with_exit_3_naming_it(own_s3_server,
     """The server stopped mid-run: reads are retried for data.remote_timeout_s, then every process
     ends, exit 3 (requeue), naming the object; the last checkpoint stays the one to resume."""
     import psutil
+
     from conftest import train_cmd, train_through, trainer_env
 
     bucket = copy_to_bucket(own_s3_server, shards, "outage")

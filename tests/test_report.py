@@ -17,9 +17,10 @@ import pytest
 
 pytest.importorskip("mlflow")
 
+from mlflow.tracking import MlflowClient
+
 from browser import decoded_images, screenshot
 from conftest import run_module
-from mlflow.tracking import MlflowClient
 from mlflow_server import mlflow_server  # noqa: F401  (a fixture)
 from test_tracking_train import only_run, train
 

@@ -26,8 +26,7 @@ import pytest
 import torch
 
 from conftest import REPO, free_port, rank_pool
-from pretrain.checkpoint import reshard
-from pretrain.checkpoint import files
+from pretrain.checkpoint import files, reshard
 
 slow = pytest.mark.slow  # launches processes
 WORKER = "tests.reshard_worker"

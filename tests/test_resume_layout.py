@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from test_faults import ok, strict_records, train
 
 pytestmark = pytest.mark.slow

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import train as launch
 
 pytestmark = pytest.mark.slow

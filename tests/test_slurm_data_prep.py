@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.cluster import REPO, run_python, slurm_cluster  # noqa: F401  (the fixture)
 from data_prep.common.shards import sha256_file
+from tests.slurm.cluster import REPO, run_python, slurm_cluster  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 SUBMIT = REPO / "launchers" / "slurm" / "submit_data_prep.sh"

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from conftest import run_module
-
 from s3_server import SECRET
 
 pytestmark = pytest.mark.slow

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from pretrain.config.loader import ConfigError
 from mlflow_server import mlflow_server  # noqa: F401  (a fixture)
+from pretrain.config.loader import ConfigError
 from tests.slurm.cluster import slurm_cluster  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.slow
@@ -239,8 +239,8 @@ def test_summary_picks_up_downstream_metrics_and_marks_the_missing(shards, tmp_p
     without; the table shows '-' where a metric is absent, the probe plot draws the bars."""
     import matplotlib.image
 
-    from pretrain.study.runner import is_finished, read_status
     from pretrain.study.plan import load_study
+    from pretrain.study.runner import is_finished, read_status
     from pretrain.study.summary import write_summary
 
     study = load_study(

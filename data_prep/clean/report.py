@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 
-from ..errors import DataPrepError
 from data_prep.common.storage import open_store
+
+from ..errors import DataPrepError
 
 REPORT = "report.json"
 FORMAT = "data_prep-clean"

@@ -44,11 +44,12 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.common.atomic import json_bytes
+from data_prep.common.storage import StorageError, Store, open_store
+
 from ..errors import DataPrepError
 from ..groups import GroupKey, ReadCount, iter_owned_documents
 from ..reader import ReadOptions, Source, iter_source_records, resolve_inputs, resolve_partition
 from ..settings import settings_sha256
-from data_prep.common.storage import StorageError, Store, open_store
 from . import clusters
 from .report import FORMAT, REMOVED_FIELD, REPORT, VERSION, format_table, is_part, one_line, part_name, read_report
 from .settings import CleanSettings

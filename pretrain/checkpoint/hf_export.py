@@ -24,13 +24,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from pretrain.tracking import console
 from data_prep.common.manifest import load_manifest
 from data_prep.common.shards import ShardError
 from pretrain.checkpoint.files import COMPLETE, EXPORT_SOURCE, FINAL_EXPORT, HF_CONFIG_FILE, TOKENIZER_DIR
 from pretrain.checkpoint.reshard import consolidate, read_layout
 from pretrain.checkpoint.store import checkpoint_root, latest_complete_tag, tag_for_step
 from pretrain.runtime import engine as eng
+from pretrain.tracking import console
 
 log = logging.getLogger("pretrain")
 PREFIXES = ("module.", "_orig_mod.", "hf_model.")

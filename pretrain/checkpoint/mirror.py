@@ -54,8 +54,8 @@ from pretrain.checkpoint.files import (
     rank_of_file,
 )
 from pretrain.checkpoint.nodes import NodeLayout, needed_by
-from pretrain.runtime.exit_codes import MIRROR_BEHIND
 from pretrain.runtime import faults
+from pretrain.runtime.exit_codes import MIRROR_BEHIND
 
 log = logging.getLogger("pretrain")
 NODE_WAIT_S = 1800.0  # the other nodes upload as much as the first, at the same time: a node gone quiet

@@ -34,7 +34,6 @@ from data_prep.common.manifest import Manifest, load_manifest
 from data_prep.common.shards import ShardError, sha256_file
 from data_prep.common.storage import StorageError
 from pretrain.checkpoint import mirror, reshard
-from pretrain.checkpoint.nodes import NodeLayout, env_node_ranks
 from pretrain.checkpoint.files import (
     COMPLETE,
     CONFIG_FILE,
@@ -45,8 +44,9 @@ from pretrain.checkpoint.files import (
     is_tag,
     tag_for_step,
 )
-from pretrain.config.schema import Config
+from pretrain.checkpoint.nodes import NodeLayout, env_node_ranks
 from pretrain.config.loader import ConfigError
+from pretrain.config.schema import Config
 
 
 def checkpoint_root(cfg: Config) -> Path:

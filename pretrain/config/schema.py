@@ -13,11 +13,11 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from pretrain.config import loader as configlib
-from pretrain.config.loader import ConfigError  # noqa: F401  (re-exported)
 from data_prep.common.commands import location, python_command
 from data_prep.common.manifest import MANIFEST
 from data_prep.common.storage import StorageError, is_url, open_store
+from pretrain.config import loader as configlib
+from pretrain.config.loader import ConfigError  # noqa: F401  (re-exported)
 from pretrain.config.objective import MaskingConfig, ModelConfig, OptimConfig
 
 COMPILE_AUTO_MIN_STEPS = 500  # compile's start-up paid back after 50-150 steps on mini (bench/)

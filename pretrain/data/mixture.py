@@ -41,9 +41,9 @@ import numpy as np
 import torch
 
 from data_prep.common.manifest import Manifest, load_manifest
-from pretrain.data.stream import MAIN, DataError, Stream, _open_split, _Plan, _WorkerLoop, cached, checked_position
 from pretrain.config.seeds import derive_seed
 from pretrain.data.shard_reader import BlockReader
+from pretrain.data.stream import MAIN, DataError, Stream, _open_split, _Plan, _WorkerLoop, cached, checked_position
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ import json
 import logging
 import sys
 import tempfile
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Optional
 
 import numpy as np
@@ -38,8 +38,8 @@ from pretrain.config.schema import DownstreamTaskConfig
 from pretrain.data.stream import check_manifest
 from pretrain.eval.downstream import FinetuneSettings, baseline_metrics, finetune_metrics, prepare_tasks, probe_metrics
 from pretrain.eval.heldout import eval_set_batches, figures, score
-from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.eval.tasks import WORD_ORDER, TaskError
+from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.tracking.mlflow_existing import log_metrics_to_run, run_problem
 
 log = logging.getLogger("pretrain")

@@ -35,8 +35,8 @@ import zlib
 import torch
 from torch import nn
 
-from pretrain.model.masking import _absorb, _mix32
 from pretrain.config.seeds import derive_seed
+from pretrain.model.masking import _absorb, _mix32
 
 log = logging.getLogger("pretrain")
 KEYED_ATTENTION = "keyed_sdpa"

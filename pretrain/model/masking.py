@@ -72,8 +72,8 @@ from dataclasses import dataclass, field
 import torch
 
 from data_prep.common.manifest import SPECIAL_ROLES, Manifest
-from pretrain.config.seeds import derive_seed
 from pretrain.config.schema import MaskingConfig
+from pretrain.config.seeds import derive_seed
 
 IGNORE_INDEX = -100  # label of an unused fixed_count slot (torch's CE default)
 EVAL_MASK_SEED = 20_250_101  # evaluation masks never depend on the training config

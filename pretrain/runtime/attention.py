@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
 from pretrain.model.mlm import sdpa_chain
 from pretrain.runtime.hardware import add_to_cache, cpu_info, default_cache_path, read_cache

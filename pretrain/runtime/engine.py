@@ -23,9 +23,9 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from pretrain.config.schema import Config, batch_size_problems
 from pretrain.config import loader as configlib
 from pretrain.config.loader import ConfigError
+from pretrain.config.schema import Config, batch_size_problems
 from pretrain.model.optim import build_optimizer
 from pretrain.model.schedule import lr_schedule
 from pretrain.runtime.launcher import GIVEN_DEVICES

@@ -39,8 +39,7 @@ import psutil
 
 from pretrain.config import loader as configlib
 from pretrain.config.schema import TrainConfig
-from pretrain.runtime import exit_codes
-from pretrain.runtime import allocator, lifeline, ports
+from pretrain.runtime import allocator, exit_codes, lifeline, ports
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # The GPUs the scheduler gave the job, kept for the ranks (``engine.prepare_env``): DeepSpeed's

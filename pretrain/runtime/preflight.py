@@ -15,23 +15,21 @@ import os
 from pathlib import Path
 from typing import Optional
 
-
 from data_prep.common.commands import location, python_command
 from data_prep.common.manifest import Manifest, load_manifest
 from data_prep.common.storage import open_store
 from data_prep.tokenizer_cache import tokenizer_dir
 from pretrain.checkpoint import files, reshard
 from pretrain.checkpoint import store as checkpointing
+from pretrain.checkpoint.mirror import mirror_problems
+from pretrain.checkpoint.phases import init_checkpoint_problems
 from pretrain.config import loader as configlib
-from pretrain.runtime import engine, hardware
-from pretrain.config.schema import Config
 from pretrain.config.loader import ConfigError
-from pretrain.data import mixture_checks
-from pretrain.data import make_train_stream
+from pretrain.config.schema import Config
+from pretrain.data import make_train_stream, mixture_checks
 from pretrain.data.shard_cache import cache_dir_problems
 from pretrain.data.stream import DataError, check_manifest
-from pretrain.checkpoint.phases import init_checkpoint_problems
-from pretrain.checkpoint.mirror import mirror_problems
+from pretrain.runtime import engine, hardware
 
 # Groups and keys whose change would make the resumed run a different experiment.
 RESULTS_GROUPS = ("model", "masking", "optim")

@@ -32,8 +32,8 @@ from typing import Any
 from data_prep.common.manifest import load_manifest
 from data_prep.common.shards import ShardError
 from pretrain.config import loader as configlib
-from pretrain.config.schema import Config
 from pretrain.config.loader import ConfigError
+from pretrain.config.schema import Config
 
 # Keys the study sets per variant; a grid or a shared override on them would break the bookkeeping.
 RESERVED_KEYS = ("train.out_dir", "train.resume", "tracking.run_name", "tracking.parent_run_id")

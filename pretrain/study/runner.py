@@ -31,10 +31,10 @@ import sys
 import time
 from pathlib import Path
 
+from data_prep.common.atomic import write_atomic
 from pretrain.checkpoint.files import COMPLETE
 from pretrain.config import loader as configlib
 from pretrain.config.loader import ConfigError
-from data_prep.common.atomic import write_atomic
 from pretrain.runtime import lifeline
 from pretrain.study import summary
 from pretrain.study.plan import Study, Variant, describe, load_study, with_tracking

@@ -36,9 +36,6 @@ from mlflow.tracking import MlflowClient
 from data_prep.common.atomic import write_atomic
 from pretrain.config.loader import flatten
 from pretrain.tracking.base import Tracker
-from pretrain.tracking.mlflow_ui import quiet_mlflow_links
-from pretrain.tracking.mlflow_ui import run_url as classic_run_url
-from pretrain.tracking.mlflow_ui import ui_command
 from pretrain.tracking.mlflow_requests import (
     MAX_ENTITIES_PER_BATCH,
     MAX_METRICS_PER_BATCH,
@@ -56,6 +53,8 @@ from pretrain.tracking.mlflow_requests import (
     short_reason,
 )
 from pretrain.tracking.mlflow_system import start_system_metrics
+from pretrain.tracking.mlflow_ui import quiet_mlflow_links, ui_command
+from pretrain.tracking.mlflow_ui import run_url as classic_run_url
 
 log = logging.getLogger(__name__)
 

@@ -82,9 +82,11 @@ class S3Store(Store):
         from botocore.exceptions import (
             BotoCoreError,
             ClientError,
-            ConnectionError as BotoConnectionError,
             NoCredentialsError,
             PartialCredentialsError,
+        )
+        from botocore.exceptions import (
+            ConnectionError as BotoConnectionError,
         )
 
         def unwrapped(exc: BaseException) -> BaseException:
