@@ -13,28 +13,9 @@ def make_train_stream(
     cfg, manifest: Manifest, rank: int, world: int, num_workers: int = 0, prefetch_factor: int = 2
 ) -> Stream:
     """The run's training stream: ``TrainStream`` for ``data.dir``, ``MixtureStream`` for ``data.sources``."""
+    args = (cfg.data.train_split, rank, world, cfg.impl.micro_batch_size, cfg.train.global_batch_size, cfg.data.seed)
     if not is_mixture(cfg):
-        return TrainStream(
-            cfg.data.dir,
-            manifest,
-            cfg.data.train_split,
-            rank,
-            world,
-            cfg.impl.micro_batch_size,
-            cfg.train.global_batch_size,
-            cfg.data.seed,
-            num_workers,
-            prefetch_factor,
-        )
+        return TrainStream(cfg.data.dir, manifest, *args, num_workers, prefetch_factor)
     return MixtureStream(
-        resolve_sources(cfg.data),
-        source_manifests(cfg, manifest),
-        cfg.data.train_split,
-        rank,
-        world,
-        cfg.impl.micro_batch_size,
-        cfg.train.global_batch_size,
-        cfg.data.seed,
-        num_workers,
-        prefetch_factor,
+        resolve_sources(cfg.data), source_manifests(cfg, manifest), *args, num_workers, prefetch_factor
     )
