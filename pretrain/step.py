@@ -97,11 +97,14 @@ def train_step(
     level = bad_input.failure_level(micro_batches)
     sums = torch.zeros(4, dtype=torch.float64, device=device)
     grad_norm = None
+    # Compiled, the argmax is taken every step: a bool that turns on at logged steps would trace a
+    # second graph (a recompile at the first logged step) for the price of one reduction per chunk.
+    want_correct = logged or bool(getattr(engine, "is_compiled", False))
     for i, (m, attention_mask, tokens, sample_ids) in enumerate(masked):
         # Dropout keyed like the masks, by each row's sample id and the step (model/keyed_dropout.py).
         engine.module.dropout_key.set(sample_ids, run.state.step)
         with eng.eager_forward(engine, eager=attention_mask is not None):
-            loss_sum, correct, count = engine(m.input_ids, attention_mask, m.positions, m.labels, want_correct=logged)
+            loss_sum, correct, count = engine(m.input_ids, attention_mask, m.positions, m.labels, want_correct=want_correct)
         sums[:3] += torch.stack([loss_sum.detach().double(), correct.double(), count.double()])
         sums[3] += tokens
         engine.backward(loss_sum * scale)

@@ -78,8 +78,8 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     # the halted run resumes at ZeRO 2 in its own folder; then its losses and the lamb export are checked
     assert launches["halted"][1].train.resume == "auto" and launches["halted"][1].impl.zero_stage == 2
     assert [cmd[2:] for cmd in commands if cmd[1:2] == ["bench/gpu_smoke_checks.py"]][1:] == [
-        ["nonfinite", "/tmp/gpu_smoke/runs/nonfinite"],
         ["resumed", "/tmp/gpu_smoke/runs/adamw", "/tmp/gpu_smoke/runs/halted"],
+        ["nonfinite", "/tmp/gpu_smoke/runs/nonfinite"],
         ["export", "/tmp/gpu_smoke/runs/lamb"],
     ]
     (mlm_loss,) = [cmd for cmd in commands if cmd[1:2] == ["bench/mlm_loss.py"]]
