@@ -104,7 +104,9 @@ def train_step(
         # Dropout keyed like the masks, by each row's sample id and the step (model/keyed_dropout.py).
         engine.module.dropout_key.set(sample_ids, run.state.step)
         with eng.eager_forward(engine, eager=attention_mask is not None):
-            loss_sum, correct, count = engine(m.input_ids, attention_mask, m.positions, m.labels, want_correct=want_correct)
+            loss_sum, correct, count = engine(
+                m.input_ids, attention_mask, m.positions, m.labels, want_correct=want_correct
+            )
         sums[:3] += torch.stack([loss_sum.detach().double(), correct.double(), count.double()])
         sums[3] += tokens
         engine.backward(loss_sum * scale)

@@ -7,9 +7,11 @@ processes, the bare loop and our CLI side by side)."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -115,6 +117,87 @@ def test_gpu_smoke_refuses_with_a_clear_message(args, message):
         pytest.skip("this machine has a GPU")
     done = subprocess.run([str(SMOKE), *args], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr, (done.returncode, done.stderr)
+
+
+# A stand-in for the GPU machine's interpreter: CUDA "available", one GPU, each pretrain.launch run
+# sleeping FAKE_RUN_S and writing a plausible metrics.jsonl (the nonfinite run exits 4, as a real one);
+# the report is the real one, through this machine's interpreter. Every launch is logged to FAKE_LOG.
+STAND_IN = """#!/usr/bin/env bash
+case "$*" in
+  *torch.cuda.is_available*) exit 0 ;;
+  *device_count*) echo 1 ;;
+  *"gpu_smoke_checks.py peak"*) printf '989.4\\tstand-in (test)\\n' ;;
+  *"gpu_smoke_checks.py report"*) exec "$REAL_PY" "${@}" ;;
+  *"-m pretrain.launch"*)
+    for a in "$@"; do case "$a" in train.out_dir=*) out=${a#train.out_dir=} ;; esac; done
+    echo "${out##*/}" >>"$FAKE_LOG"
+    sleep "$FAKE_RUN_S"
+    for step in 10 20 30 40 50; do
+      echo "{\\"step\\": $step, \\"train/loss\\": 8.5, \\"perf/tokens_per_s\\": 400000.0, \\"perf/mfu\\": 0.011}" >>"$out/metrics.jsonl"
+    done
+    case "$*" in *optim.lr=1e30*) exit 4 ;; esac ;;
+esac
+exit 0
+"""
+
+
+@pytest.mark.slow
+def test_gpu_smoke_fits_its_budget(shards, tmp_path):
+    """Issue 60, item 1: with runs of 40 s and --budget-s 180 the summary prints inside the budget,
+    nothing is FAILED, what did not fit says skipped (never killed), and a second lease given the
+    first one's results.txt runs only the units left."""
+    stand_in, log, work = tmp_path / "python", tmp_path / "launched.txt", tmp_path / "work"
+    stand_in.write_text(STAND_IN)
+    stand_in.chmod(0o755)
+
+    def lease(run_s: int, *args: str) -> tuple[subprocess.CompletedProcess, float, list[str]]:
+        log.write_text("")
+        env = {
+            **os.environ,
+            "PYTHON": str(stand_in),
+            "REAL_PY": sys.executable,
+            "FAKE_LOG": str(log),
+            "FAKE_RUN_S": str(run_s),
+        }
+        t0 = time.monotonic()
+        done = subprocess.run(
+            [str(SMOKE), "--data", str(shards), "--work-dir", str(work), *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=400,
+            env=env,
+        )
+        return done, time.monotonic() - t0, log.read_text().split()
+
+    first, took, launched = lease(40, "--budget-s", "180")
+    assert first.returncode == 0 and "FAILED" not in first.stdout + first.stderr, first.stdout + first.stderr
+    assert took < 180, took
+    lines = first.stdout.splitlines()
+    runs = {}
+    for line in lines:
+        if line.startswith(("ok      run ", "skipped run ", "FAILED  run ")):
+            runs.setdefault(line.split()[2], set()).add(line.split()[0])
+    # everything that ran was launched and finished; everything else says skipped
+    assert {n for n, how in runs.items() if "ok" in how} == set(launched), (runs, launched)
+    assert launched[:2] == ["adamw", "halted"] and "bert-base" not in launched  # ~150 s: did not fit
+    assert all(how == {"skipped"} for n, how in runs.items() if n not in launched), runs
+    left = first.stdout.split("gpu_smoke: nothing failed; not done yet: ")[1].splitlines()[0].split()
+    assert "bert-base" in left and "adamw" not in left, left
+    done_first = {
+        line.split()[1] for line in (work / "results.txt").read_text().splitlines() if line.startswith("done")
+    }
+    assert {"paths", "mlm-loss", "adamw", "resume"} <= done_first and "bert-base" not in done_first, done_first
+
+    results = tmp_path / "lease1-results.txt"  # carried to the next machine
+    results.write_text((work / "results.txt").read_text())
+    second, _, launched2 = lease(1, "--budget-s", "600", "--resume-from", str(results))
+    assert second.returncode == 0 and "FAILED" not in second.stdout + second.stderr, second.stdout + second.stderr
+    assert "run times from" in second.stdout and "mini 40 s" in second.stdout  # the first lease's costs
+    # nothing done runs again, but adamw: phase 2 starts from its checkpoint, which the new machine lacks
+    assert set(launched) & set(launched2) <= {"adamw"}, (launched, launched2)
+    assert "bert-base" in launched2 and "lamb" in launched2, launched2
+    assert second.stdout.rstrip().endswith("gpu_smoke: all GPU paths ran"), second.stdout[-2000:]
 
 
 def test_smoke_report_drops_the_first_window_and_flags_runs_without_metrics(tmp_path):

@@ -13,6 +13,7 @@ import sys
 from collections import Counter
 
 import pytest
+import torch
 
 from conftest import PY, REPO, explain, trainer_env
 
@@ -74,3 +75,63 @@ def test_masking_without_a_fixed_count_reads_once_per_micro_batch(shards, tmp_pa
     steps = probe(shards, tmp_path, "masking.fixed_count=false")
     ours = sorted(r for r in steps[0] if not r.startswith("deepspeed/"))
     assert ours == sorted(ONE_READ + ["pretrain/model/masking.py:mask_batch.nonzero"] * 2), steps[0]
+
+
+def test_a_compiled_step_is_traced_once_logged_or_not(shards, tmp_path):
+    """One graph for the compiled step (issue 60, item 4): the accuracy's argmax is taken on every step
+    when compiled, so the first logged step does not trace a second graph (on an H100 a BERT-base
+    compile took 45 s)."""
+    out = tmp_path / "graphs.json"
+    proc = subprocess.run(
+        [
+            PY,
+            "tests/graph_probe.py",
+            str(out),
+            "--config",
+            "configs/tiny.yaml",
+            f"data.dir={shards}",
+            f"train.out_dir={tmp_path / 'run'}",
+            "tracking.report=false",
+            f"train.max_steps={STEPS}",
+            f"train.log_every={LOG_EVERY}",
+            "train.eval_every=0",
+            "train.checkpoint_every=0",
+            "masking.fixed_count=true",
+            "impl.compile=true",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=trainer_env(),
+    )
+    assert proc.returncode == 0, explain(proc)
+    found = json.loads(out.read_text())
+    assert len(found["graphs"]) == STEPS and found["graphs"][0] >= 1, found
+    # logged steps (3 and 6) trace nothing new: the count after step 1 holds to the end
+    assert found["graphs"] == [found["graphs"][0]] * STEPS, found
+
+
+def test_deepspeeds_nonfinite_norm_mask_queues_a_fill_instead_of_a_copy(monkeypatch):
+    """DeepSpeed marks a non-finite gradient norm as -1 with ``torch.tensor(-1.0, device=...)``: on CUDA a
+    copy from host memory that waits for the queued kernels, once a step (issue 60, item 6). The engine
+    module puts a scalar fill in its place in every module that imported it, with the same result."""
+    import importlib
+
+    from pretrain.runtime import engine as eng
+
+    modules = [importlib.import_module(name) for name in eng.NONFINITE_NORM_USERS]
+    for module in modules:
+        monkeypatch.setattr(module, "mask_nan_or_inf_with_val_inplace", module.mask_nan_or_inf_with_val_inplace)
+    theirs = modules[0].mask_nan_or_inf_with_val_inplace
+    eng._mask_nonfinite_norm_on_the_device()
+    assert all(m.mask_nan_or_inf_with_val_inplace is eng._mask_nonfinite_in_place for m in modules)
+    norms = torch.tensor([3.5, float("nan"), float("inf"), -float("inf"), 0.0])
+    expected, ours = norms.clone(), norms.clone()
+    theirs(expected, device="cpu")
+    created = []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: created.append(a) or real_tensor(*a, **k))
+    eng._mask_nonfinite_in_place(ours, device="cpu")
+    assert torch.equal(ours, expected) and ours.tolist() == [3.5, -1.0, -1.0, -1.0, 0.0]
+    assert created == []  # no tensor made from a host value
