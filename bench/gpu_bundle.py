@@ -9,14 +9,14 @@ folders (64 MiB in all). So, here, with PyPI:
 
 writes ``.gpu_bundle/``: ``wheels/`` (DeepSpeed built here as a pure-Python wheel with no compiled ops,
 at the version installed here, and the wheels of its dependencies that the GPU machine lacks, for
-CPython 3.12 on manylinux x86-64, pinned to the versions installed here) and ``shards-seq128/`` (the
+CPython 3.12 on manylinux x86-64, pinned to the versions installed here) and ``shards-seq128-val0.05/`` (the
 embedded Wikipedia sample, bert-base-uncased vocabulary, through the real ``data_prep``), and prints
 their size. There, in the repository root with ``.gpu_bundle`` carried beside it, one command:
 
     python3 bench/gpu_bundle.py run [-- GPU_SMOKE_ARGS...]
 
 unpacks the wheels into ``.gpu_bundle/site`` (no pip, no index: a wheel is a zip archive) and runs
-``bench/gpu_smoke.sh --data .gpu_bundle/shards-seq128`` with that folder on ``PYTHONPATH`` and its
+``bench/gpu_smoke.sh --data .gpu_bundle/shards-seq128-val0.05`` with that folder on ``PYTHONPATH`` and its
 ``bin`` (DeepSpeed's launcher) on ``PATH``; tracking is off in every smoke run.
 """
 
@@ -32,10 +32,11 @@ from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# DeepSpeed's run-time dependencies that the GPU machine lacks (torch, numpy, packaging, psutil and
-# tqdm it has). pydantic's own: pydantic-core (compiled, per Python), annotated-types, typing-inspection,
+# DeepSpeed's run-time dependencies that the GPU machine lacks (torch, numpy, packaging and tqdm it
+# has), and psutil. pydantic's own: pydantic-core (compiled, per Python), annotated-types, typing-inspection,
 # and a typing-extensions new enough for them.
 DEPENDENCIES = (
+    "psutil",  # imported by DeepSpeed and our launcher; the machine has it, but nothing says it must
     "einops",
     "hjson",
     "msgpack",
@@ -49,7 +50,8 @@ DEPENDENCIES = (
 )
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 CARRY_LIMIT_MB = 64  # the device tool's limit for the working tree and carried folders together
-SHARDS = "shards-seq128"
+VALIDATION_FRACTION = 0.05  # a held-out split, so that evaluation runs (compiled) on the GPU too
+SHARDS = f"shards-seq128-val{VALIDATION_FRACTION}"
 
 
 def _pip(*args: str) -> None:
@@ -110,7 +112,7 @@ def prepare(out: Path, python_version: str) -> int:
     sys.path.insert(0, str(REPO))
     from bench.common import ensure_sample_shards
 
-    shards = ensure_sample_shards(out)
+    shards = ensure_sample_shards(out, validation_fraction=VALIDATION_FRACTION)
     shutil.rmtree(out / "corpus", ignore_errors=True)  # the text: sharded, not needed there
     bundle_mb, tree_mb = _size_mb(out), _tracked_tree_mb()
     for path in sorted(wheels.iterdir()):

@@ -223,8 +223,13 @@ if selected adamw; then adamw; close adamw adamw; fi
 # BERT-base at sequence 128 (configs/base.yaml: compiled, fused AdamW, ZeRO 1, fixed-count masking, BERT's
 # hidden dropout 0.1): its MFU is the figure to set beside the anchors' (NVIDIA's BERT phase 1: about 45%
 # of an A100's bf16 peak).
+# It also evaluates the held-out split at its last step, compiled (after the last timed window).
 if selected bert-base; then
-  RUN_CONFIG=configs/base.yaml run bert-base 1 impl.micro_batch_size="$MICRO"; close bert-base bert-base
+  RUN_CONFIG=configs/base.yaml run bert-base 1 impl.micro_batch_size="$MICRO" train.eval_every="$STEPS" \
+    train.eval_sequences=512
+  if ran bert-base; then check heldout heldout "$WORK/runs/bert-base"
+  else record "skipped check heldout (needs the bert-base run)"; fi
+  close bert-base check:heldout
 fi
 # A halt at mid-run and a resume at another ZeRO stage (the checkpoint converted on load, AdamW's step
 # count put where the fused kernel wants it): the losses of the uninterrupted adamw run (run here first

@@ -5,6 +5,7 @@ GPU-only code paths, and the tokens/s + MFU table read from each run's ``metrics
     python bench/gpu_smoke_checks.py paths CONFIG SHARDS  # fused AdamW, LAMB, flash SDPA on cuda:0
     python bench/gpu_smoke_checks.py resumed REF RUN      # RUN's losses after a halt and resume = REF's
     python bench/gpu_smoke_checks.py nonfinite RUN        # RUN skipped its non-finite steps, schedule held
+    python bench/gpu_smoke_checks.py heldout RUN          # RUN evaluated its held-out split: finite loss
     python bench/gpu_smoke_checks.py export RUN           # RUN/hf_final loads (fp32) and fills a mask
     python bench/gpu_smoke_checks.py report RUN_DIR...    # one row per run
 """
@@ -12,6 +13,7 @@ GPU-only code paths, and the tokens/s + MFU table read from each run's ``metrics
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -143,6 +145,16 @@ def nonfinite(run_dir: str) -> str:
     return f"nonfinite: {skipped} non-finite steps skipped, train/lr held at {lrs[0]:.3g} through them"
 
 
+def heldout(run_dir: str) -> str:
+    """The run evaluated its held-out split (compiled, at its last step): a finite loss and an accuracy."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [r for r in rows if "eval/loss" in r]
+    if not evals or not all(math.isfinite(r["eval/loss"]) and 0 <= r["eval/accuracy"] <= 1 for r in evals):
+        raise SystemExit(f"heldout: no finite eval/loss with an eval/accuracy in {run_dir}/metrics.jsonl: {evals}")
+    last = evals[-1]
+    return f"heldout: step {last['step']}: eval/loss {last['eval/loss']:.3f}, eval/accuracy {last['eval/accuracy']:.4f}"
+
+
 def export(run_dir: str) -> str:
     """The run's final export loads in transformers with fp32 weights and fills a mask."""
     import torch
@@ -204,6 +216,8 @@ if __name__ == "__main__":
         print(resumed(*rest))
     elif command == "nonfinite":
         print(nonfinite(*rest))
+    elif command == "heldout":
+        print(heldout(*rest))
     elif command == "export":
         print(export(*rest))
     elif command == "report":
@@ -212,6 +226,6 @@ if __name__ == "__main__":
         sys.exit(0 if all_ok else 1)
     else:
         sys.exit(
-            f"unknown command {command!r}: peak | paths CONFIG SHARDS | resumed REF RUN | nonfinite RUN | export RUN | "
+            f"unknown command {command!r}: peak | paths CONFIG SHARDS | resumed REF RUN | nonfinite RUN | heldout RUN | export RUN | "
             "report RUN_DIR..."
         )

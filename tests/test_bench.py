@@ -80,6 +80,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     # the halted run resumes at ZeRO 2 in its own folder; then its losses and the lamb export are checked
     assert launches["halted"][1].train.resume == "auto" and launches["halted"][1].impl.zero_stage == 2
     assert [cmd[2:] for cmd in commands if cmd[1:2] == ["bench/gpu_smoke_checks.py"]][1:] == [
+        ["heldout", "/tmp/gpu_smoke/runs/bert-base"],
         ["resumed", "/tmp/gpu_smoke/runs/adamw", "/tmp/gpu_smoke/runs/halted"],
         ["nonfinite", "/tmp/gpu_smoke/runs/nonfinite"],
         ["export", "/tmp/gpu_smoke/runs/lamb"],
@@ -383,3 +384,18 @@ def test_smoke_nonfinite_check_wants_the_schedule_held(tmp_path):
     assert "train/lr held at 2.5e+29" in nonfinite(rows(2.5e29, 2.5e29, 2.5e29))
     with pytest.raises(SystemExit, match="the schedule moved"):
         nonfinite(rows(2.5e29, 3.75e29, 5e29))
+
+
+def test_smoke_heldout_check_wants_a_finite_evaluation(tmp_path):
+    from bench.gpu_smoke_checks import heldout
+
+    def rows(*evals):
+        lines = [{"step": 10, "train/loss": 9.0}] + [{"step": 50, "eval/loss": x, "eval/accuracy": 0.05} for x in evals]
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        return str(tmp_path)
+
+    assert "eval/loss 9.125, eval/accuracy 0.0500" in heldout(rows(9.125))
+    with pytest.raises(SystemExit, match="no finite eval/loss"):
+        heldout(rows())  # the run never evaluated (no validation split)
+    with pytest.raises(SystemExit, match="no finite eval/loss"):
+        heldout(rows(float("nan")))
