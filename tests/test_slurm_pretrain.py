@@ -342,3 +342,40 @@ def test_a_job_on_node_local_disks_requeued_onto_empty_ones_resumes_from_the_mir
 
     secret = s3_server.env()["AWS_SECRET_ACCESS_KEY"].encode()
     assert not [p for root in (tmp_path, *disks) for p in root.rglob("*") if p.is_file() and secret in p.read_bytes()]
+
+
+def test_a_crashed_node_ends_the_job_at_once_with_its_exit_code(slurm_cluster, shards, tmp_path):
+    """Issue 60, item 2: rank 1 (node n2) exits 1 before step 15 while rank 0 waits for it, as a rank
+    waits in an NCCL collective for a peer that died (here it blocks: gloo would notice the closed
+    socket by itself). Before, rank 0's hang watchdog exited 3 after hang_timeout_s, srun returned the
+    highest code, 3, and the job requeued into the same crash for ever. Now n2's launcher ends every
+    node's ranks at once and the job fails with n2's code, named in its log, not requeued."""
+    env = slurm_cluster.client_env(PRETRAIN_TEST_CRASH="1:15", PRETRAIN_TEST_HANG="0:15")
+    job = Job(slurm_cluster, "crashed", shards, tmp_path / "run", ["train.hang_timeout_s=60"], env=env)
+    (record,) = slurm_cluster.wait(job.id, timeout=180)
+    log = job.log
+    assert (record.state, record.exit_code, record.restarts) == ("FAILED", "1:0", 0), (
+        f"{record.state} {record.exit_code} restarts={record.restarts}\n{log[-1200:]}"
+    )
+    assert "[rank 1] PRETRAIN_TEST_CRASH: exiting 1 before step 15" in log, log[-4000:]
+    assert "launcher on node 1 (n2): ranks exited 1" in log, log[-4000:]
+    assert "node 1 (n2) exited 1: the job ends with it, not requeued" in log, log[-4000:]
+    assert "requeueing job" not in log and "hang: no step finished" not in log, log[-4000:]
+    # rank 0 was ended long before its 60 s watchdog: it wrote no stacks
+    assert not list(job.out_dir.glob("hang-rank*.txt"))
+
+
+def test_requeues_after_hangs_are_capped(slurm_cluster, shards, tmp_path):
+    """A rank that hangs at every start (a bad node kept in the allocation) exits 3 through the hang
+    watchdog, which requeues; with MAX_UNPLANNED_REQUEUES=1 the second hang ends the job instead of
+    a third start. Requeues asked for by USR1 are not counted (the test above)."""
+    env = slurm_cluster.client_env(PRETRAIN_TEST_HANG="1:12", MAX_UNPLANNED_REQUEUES="1")
+    job = Job(slurm_cluster, "hangs", shards, tmp_path / "run", ["train.hang_timeout_s=20"], env=env)
+    (record,) = slurm_cluster.wait(job.id, timeout=300)
+    log = job.log
+    assert (record.state, record.exit_code, record.restarts) == ("FAILED", "3:0", 1), (
+        f"{record.state} {record.exit_code} restarts={record.restarts}\n{log[-1200:]}"
+    )
+    assert "exit 3 without a USR1 (a hang or an outage): requeue 1 of at most 1" in log, log[-4000:]
+    assert "exit 3 without a USR1 for the 2-th time (MAX_UNPLANNED_REQUEUES=1)" in log, log[-4000:]
+    assert log.count("requeueing job") == 1, log[-4000:]

@@ -9,6 +9,8 @@ site: the loop calls ``at_step`` after reading a step's data, the checkpoint mir
   skips are the noisy ones and a resumed run draws the same noise (``tests/test_spike_hang.py``).
 - ``PRETRAIN_TEST_HANG=RANK:STEP``: that rank blocks before optimiser step STEP (1-based), as a rank
   stuck in I/O would (the hang watchdog's test).
+- ``PRETRAIN_TEST_CRASH=RANK:STEP``: that rank exits 1 at once before optimiser step STEP, as a rank
+  lost to a GPU error or the out-of-memory killer would (a multi-node job must end, not requeue).
 - ``MLM_TEST_LEAK_MB_PER_STEP=MB``: every step keeps MB more memory, the leak ``tests/test_memory.py``
   must catch.
 - ``MLM_TEST_MIRROR_STALL=<tag>:<n>``: the mirror's upload of checkpoint ``tag`` blocks after ``n``
@@ -26,7 +28,7 @@ from typing import Optional
 
 import torch
 
-NOISE_ENV, HANG_ENV = "PRETRAIN_TEST_NOISE_STEPS", "PRETRAIN_TEST_HANG"
+NOISE_ENV, HANG_ENV, CRASH_ENV = "PRETRAIN_TEST_NOISE_STEPS", "PRETRAIN_TEST_HANG", "PRETRAIN_TEST_CRASH"
 LEAK_ENV, STALL_ENV = "MLM_TEST_LEAK_MB_PER_STEP", "MLM_TEST_MIRROR_STALL"
 _leaked: list = []
 
@@ -37,6 +39,7 @@ class Faults:
     hang: Optional[tuple[int, int]] = None  # (rank, step)
     leak_mb: float = 0.0
     mirror_stall: Optional[str] = None  # "<tag>:<n>"
+    crash: Optional[tuple[int, int]] = None  # (rank, step)
 
     @classmethod
     def from_environ(cls) -> "Faults":
@@ -45,7 +48,11 @@ class Faults:
             return tuple(int(x) for x in value.split(":")) if value else None  # type: ignore[return-value]
 
         return cls(
-            pair(NOISE_ENV), pair(HANG_ENV), float(os.environ.get(LEAK_ENV) or 0), os.environ.get(STALL_ENV) or None
+            pair(NOISE_ENV),
+            pair(HANG_ENV),
+            float(os.environ.get(LEAK_ENV) or 0),
+            os.environ.get(STALL_ENV) or None,
+            pair(CRASH_ENV),
         )
 
 
@@ -61,6 +68,9 @@ def at_step(micro_batches: list[dict], special, rank: int, step: int) -> None:
         _noise(micro_batches, special, *f.noise_steps)
     if f.hang == (rank, step):
         hang_for_test(rank, step)
+    if f.crash == (rank, step):
+        print(f"[rank {rank}] {CRASH_ENV}: exiting 1 before step {step}", file=sys.stderr, flush=True)
+        os._exit(1)  # no clean-up, no checkpoint: as a process the kernel or a GPU error ends
     if f.leak_mb:
         _leaked.append(torch.ones(int(f.leak_mb * 2**20) // 4))
 
