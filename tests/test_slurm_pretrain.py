@@ -3,7 +3,10 @@ trains across both nodes and its checkpoint exports to Hugging Face; a job told 
 mid-run (what `--signal=B:USR1@grace` does before the time limit) checkpoints, requeues itself,
 resumes, and ends with exactly the losses of an uninterrupted job.
 
-Time: about 4-5 minutes of wall time and under 20 s of CPU: a real Slurm cluster (slurmctld and
+A node that crashes ends the job at once with its code (no requeue loop), and requeues after hangs
+are capped.
+
+Time: about 6-7 minutes of wall time and under 30 s of CPU: a real Slurm cluster (slurmctld and
 two slurmd) schedules, signals, requeues and resumes the jobs, and the test waits for it."""
 
 from __future__ import annotations
