@@ -151,6 +151,58 @@ def test_compiled_keyed_dropout_drops_the_same_units_as_eager():
         assert abs((eager == 0).double().mean().item() - 0.1) < 0.02
 
 
+def _saved_for_backward(forward) -> tuple[int, list]:
+    """Bytes autograd keeps for the backward of ``forward()`` (compiled regions included), and the
+    shapes and dtypes of the bool tensors among them."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = forward()
+    loss.backward()
+    return sum(t.numel() * t.element_size() for t in saved), [
+        (tuple(t.shape), t.dtype) for t in saved if t.dtype == torch.bool
+    ]
+
+
+@pytest.mark.parametrize("backend", [None, pytest.param("inductor", marks=pytest.mark.slow)])
+def test_keyed_dropout_keeps_only_its_keys_for_the_backward(backend):
+    """Issue 60, item 3: a dropout site's backward recomputes its mask from the [B] row keys; before,
+    each site kept a bool mask of its input's size (and, compiled, the partitioner saved it too, since
+    the backward's mask and the forward's were one expression). The gradients are those of
+    ``where(keep, x * scale, 0)`` through autograd, bit for bit."""
+    torch._dynamo.reset()
+    ids = torch.randint(5, SPECIAL.vocab_size, (16, 64), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(0, 16 * 64, 7)
+
+    def saved(dropout: float) -> int:
+        model = tiny("bert", hidden_dropout=dropout, attention_dropout=0.0).train()
+        key = keyed_dropout.install(model.hf_model, seed=1)
+        model.fixed_predictions = True
+        forward = torch.compile(model, backend=backend) if backend else model
+        key.set(torch.arange(16), step=1)
+        total, bools = _saved_for_backward(lambda: forward(ids, None, positions, ids.reshape(-1)[positions])[0])
+        assert bools == [], bools
+        return total
+
+    # 5 sites of 16 x 64 x 32 would keep 163,840 bytes of masks; the keys are 16 int64 per site
+    assert saved(0.1) - saved(0.0) <= 5 * 16 * 8, (saved(0.1), saved(0.0))
+
+    key = keyed_dropout.DropoutKey(seed=3)
+    drop = keyed_dropout.KeyedDropout(0.1, "probe", key).train()
+    key.set(torch.arange(8) * 7, step=2)
+    x = torch.randn(8, 16, 33, requires_grad=True)
+    upstream = torch.randn(8, 16, 33)
+    (ours,) = torch.autograd.grad(drop(x), x, upstream)
+    keep = keyed_dropout.keep_mask(key.row_keys, drop.site_id, x.shape, drop.dropped)
+    scale = 65536.0 / (65536 - drop.dropped)
+    (theirs,) = torch.autograd.grad(torch.where(keep, x * scale, torch.zeros(())), x, upstream)
+    assert torch.equal(ours, theirs)
+
+
 def _eval_worker(rank, world, port, shards, layouts, out):
     """Evaluates the same initial weights with each (micro-batch, sequences) of ``layouts``."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -89,6 +89,35 @@ def keep_mask(row_keys: torch.Tensor, site_id: int, shape: torch.Size, dropped: 
     return keep[:, :per_row].reshape(shape)
 
 
+class _KeyedDropoutFunction(torch.autograd.Function):
+    """``where(keep, x * scale, 0)`` whose backward recomputes ``keep`` from the row keys instead of
+    keeping it: autograd's own ``where`` saves the bool mask (and, compiled, the int64 hash it came
+    from) per site for the backward; here only the [B] keys are saved. Recomputing costs one more hash
+    per element in the backward, on data already in registers when fused."""
+
+    @staticmethod
+    def forward(ctx, x, row_keys, site_id: int, dropped: int, scale: float):
+        ctx.save_for_backward(row_keys)
+        ctx.site_id, ctx.dropped, ctx.scale = site_id, dropped, scale
+        keep = keep_mask(row_keys, site_id, x.shape, dropped)
+        return torch.where(keep, x * scale, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (row_keys,) = ctx.saved_tensors
+        # Compiled, the forward and the backward are one joint graph whose common subexpressions are
+        # merged: the same ops on the same keys would be the forward's mask, which the partitioner
+        # then saves. `| 0` (the same keys, another op) keeps the recomputation apart.
+        keep = keep_mask(row_keys | 0, ctx.site_id, grad.shape, ctx.dropped)
+        return (
+            torch.where(keep, grad * ctx.scale, torch.zeros((), dtype=grad.dtype, device=grad.device)),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
 class KeyedDropout(nn.Module):
     """``nn.Dropout`` whose mask for row b is a function of the row's sample id (see the module doc)."""
 
@@ -112,9 +141,8 @@ class KeyedDropout(nn.Module):
                 f"dropout site {self.site}: the batch's sample ids were not set for this input "
                 f"of {x.shape[0]} rows (DropoutKey.set before the forward)"
             )
-        keep = keep_mask(keys, self.site_id, x.shape, self.dropped)
         scale = 65536.0 / (65536 - self.dropped)  # unbiased for the p drawn
-        return torch.where(keep, x * scale, torch.zeros((), dtype=x.dtype, device=x.device))
+        return _KeyedDropoutFunction.apply(x, keys, self.site_id, self.dropped, scale)
 
 
 def keyed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
