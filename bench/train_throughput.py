@@ -132,6 +132,10 @@ VARIANTS: dict[str, Variant] = {
         "ours, eager, impl.fused_optimizer=false (torch foreach AdamW)", "ours", ("impl.fused_optimizer=false",)
     ),
     "ours-nodrop": Variant("ours, eager, no dropout", "ours", NO_DROPOUT),
+    "ours-drop": Variant("ours, eager, hidden dropout 0.1 (keyed)", "ours", ("model.hidden_dropout=0.1",)),
+    "ours-compile-drop": Variant(
+        "ours, torch.compile, hidden dropout 0.1 (keyed)", "ours", ("impl.compile=true", "model.hidden_dropout=0.1")
+    ),
     # What per-layer health (pretrain/runtime/health.py) costs: compare with ours / ours-zero1.
     "ours-health10": Variant("ours, eager, train.health_every=10", "ours", ("train.health_every=10",)),
     "ours-zero1-health10": Variant(
@@ -168,6 +172,7 @@ class Measurement:
     # CPU seconds the run got in the timed window / (wall seconds x threads): near 1 on an idle
     # machine (OpenMP threads spin while waiting), lower when other processes took cores.
     cpu_share: float = float("nan")
+    memory_gb: float = float("nan")  # ours only: the trainer's perf/memory_gb, its peak
 
 
 @dataclass
@@ -280,6 +285,7 @@ def run_ours(variant: str, args, plan: Plan, shards: Path, peak: float) -> Measu
         load_after=load_average(),
         startup_s=t0 - started,
         cpu_share=(c1 - c0) / (t1 - t0) / args.threads,
+        memory_gb=max((r.get("perf/memory_gb", float("nan")) for r in windows), default=float("nan")),
     )
     if not args.keep:
         shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
@@ -370,6 +376,7 @@ def table(rows: list[Row], args, plan: Plan, peak: float, cpu_peak: float, manif
                 f"{plan.batch_size * args.grad_accum * seq_len / tps:.3f}",
                 "-" if m.metrics_tokens_per_s != m.metrics_tokens_per_s else f"{m.metrics_tokens_per_s:,.0f}",
                 f"{m.final_loss:.3f}",
+                "-" if m.memory_gb != m.memory_gb else f"{m.memory_gb:.3f}",
                 f"{m.startup_s:.0f}",
                 f"{100 * m.cpu_share:.0f}%",
                 f"{per_cpu_s:,.0f}",
@@ -388,6 +395,7 @@ def table(rows: list[Row], args, plan: Plan, peak: float, cpu_peak: float, manif
             "s/step",
             "trainer's own tokens/s",
             "loss",
+            "trainer's peak memory GB",
             "start-up s",
             "CPU share",
             "tokens per CPU-s",
@@ -408,6 +416,9 @@ def ratios(rows: list[Row], seq_len: int, seqs_per_step: int) -> list[str]:
             if ref in tps and name != ref and (ref == "hf" or name.startswith("ours")):
                 lines.append(f"{name} / {ref} = {tps[name] / tps[ref]:.2f}x")
     best = {r.variant: max(r.runs, key=lambda m: m.sequences / m.seconds) for r in rows}
+    for dropped, plain in (("ours-drop", "ours-nodrop"), ("ours-compile-drop", "ours-compile")):
+        if dropped in tps and plain in tps:
+            lines.append(f"what dropout 0.1 costs: {dropped} / {plain} = {tps[dropped] / tps[plain]:.2f}x")
     for eager, compiled in (("ours", "ours-compile"), ("bare-fused", "bare-compile")):
         if eager in best and compiled in best:
             e, c = best[eager], best[compiled]
