@@ -430,7 +430,11 @@ def test_the_launchers_last_word_says_what_each_exit_code_means(tmp_path):
     assert launcher_log([*argv, f"train.out_dir={tmp_path / 'over'}"]) == tmp_path / "over" / "third_party-launcher.log"
     assert launcher_log(["--config", str(tmp_path / "missing.yaml")]).parent == Path(tempfile.gettempdir())
     log = tmp_path / "l.log"
-    assert last_word(3, log).startswith("pretrain.launch: exit 3: checkpointed on a signal; relaunch the same command")
+    assert last_word(3, log).startswith(
+        "pretrain.launch: exit 3: stopped to be relaunched: on a signal (after a checkpoint), or after a hang or a "
+        "store outage (nothing new checkpointed"
+    )
+    assert "resumes from the last complete checkpoint" in last_word(3, log)
     assert "non-finite" in last_word(4, log) and "spike" in last_word(5, log)
     assert (
         last_word(1, log)

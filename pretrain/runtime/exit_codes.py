@@ -7,7 +7,9 @@ BAD_INPUT, REQUEUE, NONFINITE, SPIKES, MIRROR_BEHIND = 2, 3, 4, 5, 6
 
 MEANINGS = {
     BAD_INPUT: "bad input or settings, named above; nothing was lost",
-    REQUEUE: "checkpointed on a signal; relaunch the same command to resume (a requeue)",
+    REQUEUE: "stopped to be relaunched: on a signal (after a checkpoint), or after a hang or a store outage "
+    "(nothing new checkpointed; the lines above say which); relaunch the same command: it resumes from the "
+    "last complete checkpoint (a requeue)",
     NONFINITE: "too many non-finite losses in a row; the last complete checkpoint is untouched",
     SPIKES: "loss spikes past train.spike_guard's limit; the last complete checkpoint is untouched",
     MIRROR_BEHIND: "the run ended as asked, but its newest checkpoint did not reach train.checkpoint_mirror "
