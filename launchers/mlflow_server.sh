@@ -22,6 +22,18 @@ while [ $# -gt 0 ]; do
         *) echo "mlflow_server.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
+# The project's interpreter, whatever PATH holds: $PYTHON, else the .venv beside this script (what
+# launchers/setup_env.sh makes), else python3 on PATH; it must import mlflow before anything is printed.
+src=${BASH_SOURCE[0]}
+[[ "$src" == */* ]] || src=./$src
+here=$(cd "${src%/*}" && pwd)
+py=${PYTHON:-$here/../.venv/bin/python}
+[ -x "$py" ] || py=$(command -v python3 || command -v python || true)
+if [ -z "$py" ] || ! "$py" -c "import mlflow" 2>/dev/null; then
+    echo "mlflow_server.sh: no Python with mlflow (tried \$PYTHON, $here/../.venv/bin/python, python3 on PATH):" \
+         "run launchers/setup_env.sh first, or set PYTHON to an interpreter that has it" >&2
+    exit 2
+fi
 mkdir -p "$dir/artifacts"
 dir=$(cd "$dir" && pwd)
 # The job runner serves MLflow's GenAI features (a dozen worker processes); training needs none of it.
@@ -45,6 +57,6 @@ Store:            $dir/mlflow.db (artifacts in $dir/artifacts)
 Point training at it with:
     export MLFLOW_TRACKING_URI=http://$shown:$port
 EOF
-exec python -m mlflow server --backend-store-uri "sqlite:///$dir/mlflow.db" \
+exec "$py" -m mlflow server --backend-store-uri "sqlite:///$dir/mlflow.db" \
     --artifacts-destination "$dir/artifacts" --serve-artifacts \
     --host "$host" --port "$port" --workers "${MLFLOW_WORKERS:-2}"

@@ -184,6 +184,7 @@ def test_server_outage_loses_nothing_and_never_blocks(tmp_path, mlflow_server, t
         assert time.perf_counter() - t0 < cfg.tracking.retry_seconds
         outage_warnings = [r for r in caplog.records if "unreachable" in r.getMessage()]
         assert len(outage_warnings) == 2  # once per tracker and outage, not per attempt
+        assert all("lost if the run ends before the server is back" in r.getMessage() for r in outage_warnings)
         assert any(str(tiny_bert_dir) in r.getMessage() for r in caplog.records)
     finally:
         mlflow_server.start()
@@ -281,3 +282,84 @@ def test_same_out_dir_continues_its_run_even_without_a_checkpointed_id(mlflow_se
     client = MlflowClient(mlflow_server.uri)
     assert [step for step, _ in history(client, run_id, "train/loss")] == [1, 2]
     assert len(client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment).experiment_id])) == 1
+
+
+@pytest.mark.slow
+def test_the_server_launcher_runs_as_a_user_runs_it(tmp_path):
+    """Issue 61, item 2: `bash launchers/mlflow_server.sh` from another directory with a bare PATH (no
+    virtualenv on it) ran `python -m mlflow`, printed its UI line and died; the trainer's buffered
+    metrics were then lost. It now runs the project's interpreter, serves, and takes a metric."""
+    import os
+    import signal
+    import subprocess
+    import urllib.request
+
+    from conftest import REPO, free_port
+
+    port = free_port()
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc = subprocess.Popen(
+        ["bash", str(REPO / "launchers" / "mlflow_server.sh"), "--dir", "store", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not answer in 90 s"
+                time.sleep(0.5)
+        client = MlflowClient(f"http://127.0.0.1:{port}")
+        run = client.create_run(client.create_experiment("launcher"))
+        client.log_metric(run.info.run_id, "train/loss", 2.5, step=1)
+        assert [m.value for m in client.get_metric_history(run.info.run_id, "train/loss")] == [2.5]
+        assert (tmp_path / "store" / "mlflow.db").is_file()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    # a machine without the project's environment is told so, before anything is printed
+    bare = subprocess.run(
+        ["/bin/bash", str(REPO / "launchers" / "mlflow_server.sh"), "--port", str(port)],
+        cwd=tmp_path,
+        env={**env, "PYTHON": "/nonexistent/python", "PATH": str(tmp_path / "empty")},
+        capture_output=True,
+        text=True,
+    )
+    assert (bare.returncode, bare.stdout) == (2, ""), (bare.returncode, bare.stdout, bare.stderr)
+    assert "mlflow_server.sh: no Python with mlflow" in bare.stderr and "setup_env.sh" in bare.stderr, bare.stderr
+
+
+def test_a_server_that_never_answers_is_said_again_with_what_would_be_lost(tmp_path, caplog, monkeypatch):
+    """A run pointed at a server that is not running buffers its metrics for the whole run: said at the
+    first failure and again every REMIND_EVERY_S (here 1 s) with the count, not only at the end."""
+    from conftest import free_port
+    from pretrain.tracking import mlflow_tracker
+
+    monkeypatch.setattr(mlflow_tracker, "REMIND_EVERY_S", 1.0)
+    monkeypatch.setattr(mlflow_tracker, "MAX_BACKOFF_S", 0.5)
+    caplog.set_level(logging.WARNING, logger="pretrain.tracking.mlflow_tracker")
+    tracker = MlflowTracker(make_cfg(tmp_path, f"http://127.0.0.1:{free_port()}", retry_seconds=0.2))
+    tracker.start(None, {"a": 1}, {})
+    for s in range(1, 6):
+        tracker.log_metrics({"train/loss": loss(s)}, s)
+    deadline = time.monotonic() + 20
+    while not any("still unreachable" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+        time.sleep(0.2)
+    tracker.final_flush_seconds = 1.0
+    tracker.finish("FINISHED")
+    reminder = next(r.getMessage() for r in caplog.records if "still unreachable" in r.getMessage())
+    assert "items buffered, lost if the run ends before it is back" in reminder, reminder

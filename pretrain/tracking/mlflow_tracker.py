@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 
 FLUSH_INTERVAL_S = 1.0  # how often the buffer is sent while the server is up
 MAX_BACKOFF_S = 30.0  # an outage is retried at least this often
+REMIND_EVERY_S = 600.0  # an outage that lasts is said again, with what would be lost
 MAX_BUFFERED = 2_000_000  # ~200 MB of points; beyond it new points are dropped (with a warning)
 UPLOAD_TIMEOUT_S = 60  # per-socket-operation timeout while uploading a model folder
 UPLOAD_ATTEMPTS = 3
@@ -100,6 +101,7 @@ class MlflowTracker(Tracker):
         self._last_step: dict[str, int] = {}  # per metric: the largest step the run already held
         self._skipped_resumed = 0
         self._outage_since: Optional[float] = None
+        self._reminded_at = 0.0
         self._dropped_full = False
         self._rejected = 0
         self._bad_keys: set[str] = set()
@@ -285,13 +287,27 @@ class MlflowTracker(Tracker):
                     self._outage_since = time.time()
                     with self._cond:
                         n = len(self._queue)
+                    self._reminded_at = self._outage_since
                     log.warning(
                         "MLflow: tracking server %s unreachable (%s); training continues, %d items "
-                        "buffered in memory, retrying every <=%.0fs",
+                        "buffered in memory, retrying every <=%.0fs; what is buffered is lost if the run "
+                        "ends before the server is back (metrics.jsonl in train.out_dir keeps every metric)",
                         self.tracking_uri,
                         exc,
                         n,
                         MAX_BACKOFF_S,
+                    )
+                elif time.time() - self._reminded_at >= REMIND_EVERY_S:
+                    self._reminded_at = time.time()
+                    with self._cond:
+                        n = len(self._queue)
+                    log.warning(
+                        "MLflow: tracking server %s still unreachable after %.0f min: %d items buffered, "
+                        "lost if the run ends before it is back (is the server running? "
+                        "launchers/mlflow_server.sh)",
+                        self.tracking_uri,
+                        (time.time() - self._outage_since) / 60,
+                        n,
                     )
                 if self._closing.is_set():
                     time.sleep(min(self.retry_seconds, 1.0))
