@@ -114,7 +114,8 @@ class SpikeGuard:
         if dist.get_rank() == 0:
             log.warning("%s (recovery %d of at most %d)", message, len(state.skipped_windows), self.cfg.max_recoveries)
         self.tracker.log_event("spike_recovery", message, last)
-        self.tracker.rewind(state.step)
+        # The steps from the checkpoint to the spike train again; every store keeps their first values
+        # (the spike stays on the curves) and one row per step.
         # A cumulative count: a chart in MLflow, and the report marks the step where it grows.
         self.tracker.log_metrics({"train/spike_recoveries": len(state.skipped_windows)}, last)
         return iter(stream)

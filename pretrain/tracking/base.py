@@ -32,9 +32,6 @@ class Tracker:
     def log_event(self, name: str, text: str, step: int) -> None:
         """Something a person should find on the run: a spike recovery, a hang (a tag ``event/<name>``)."""
 
-    def rewind(self, step: int) -> None:
-        """Training went back to ``step`` (a spike recovery): the steps after it are logged again."""
-
     def finish(self, status: str = "FINISHED") -> None:
         """Flush everything buffered and close the run (status: FINISHED, FAILED or KILLED)."""
 
@@ -80,10 +77,6 @@ class TrackerGroup(Tracker):
     def log_event(self, name, text, step):
         for t in self.trackers:
             t.log_event(name, text, step)
-
-    def rewind(self, step):
-        for t in self.trackers:
-            t.rewind(step)
 
     def finish(self, status="FINISHED"):
         for t in self.trackers:

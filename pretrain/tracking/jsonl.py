@@ -53,8 +53,9 @@ class JsonlTracker(Tracker):
         self._file = open(self.path, "a")
 
     def log_metrics(self, metrics: dict, step: int) -> None:
-        # Each metric once per step, as MLflow keeps it: a relaunch re-logs the checkpoint step's
-        # metrics, and evaluates a final checkpoint killed before its export again.
+        # Each metric once per step, the first value, as MLflow keeps it (it cannot delete a point): a
+        # relaunch re-logs the checkpoint step's metrics, evaluates a final checkpoint killed before its
+        # export again, and a spike recovery trains the steps after its checkpoint again.
         metrics = {k: v for k, v in metrics.items() if step > self._held.get(k, -1)}
         if not metrics:
             return
@@ -62,9 +63,6 @@ class JsonlTracker(Tracker):
         record = {"step": step, **{k: strict_json_value(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
-
-    def rewind(self, step: int) -> None:
-        self._held = {k: min(s, step) for k, s in self._held.items()}
 
     def log_event(self, name: str, text: str, step: int) -> None:
         """Events go to ``events.jsonl`` beside the metrics (the report marks them on the curves)."""
