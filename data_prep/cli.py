@@ -224,7 +224,15 @@ def _clean_settings(args):
         values.setdefault("language", {})
         values["language"] = {**values["language"], "keep": [] if args.languages == ["any"] else args.languages}
     values = apply_overrides(values, args.set)
-    return build_settings(values, where=args.config or "data_prep clean")
+    from .clean.run import input_problems
+
+    def patterns(key: str) -> list[str]:
+        given = values.get(key) or []
+        return [given] if isinstance(given, str) else [p for p in given if isinstance(p, str)]
+
+    # The inputs' problems with the settings', all in one error, before anything is written.
+    found = input_problems(patterns("inputs"), patterns("decontaminate_against"), encoding=args.stage is None)
+    return build_settings(values, where=args.config or "data_prep clean", also=found)
 
 
 def _clean_task(args) -> tuple[int, int]:

@@ -29,6 +29,7 @@ Neither changes the shards: they are cut by packing groups, which do not depend 
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import dataclasses
 import fnmatch
@@ -300,6 +301,26 @@ def _not_utf8(path: str, lineno: int, offset: int, exc: UnicodeDecodeError) -> D
     return DataPrepError(
         f"{path}: line {lineno} (byte offset {offset}): not valid UTF-8 ({exc.reason}); convert the file to UTF-8"
     )
+
+
+def encoding_problem(source: "Source", limit: int = 1 << 20) -> str | None:
+    """Why a local text source (txt, jsonl, json) is not UTF-8 in its first ``limit`` bytes, or None:
+    a check before any work, so that every such input is named at once; damage further in is still
+    found when the file is read."""
+    if source.kind not in ("txt", "jsonl", "json") or is_url(source.path):
+        return None
+    try:
+        with _open_binary(source.path) as f:
+            data = f.read(limit)
+    except _GZIP_ERRORS as exc:
+        return _gzip_problem(source.path, exc)
+    except OSError as exc:
+        return f"{source.path}: cannot read ({exc.strerror or exc})"
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=len(data) < limit)
+    except UnicodeDecodeError as exc:
+        return str(_not_utf8(source.path, data.count(b"\n", 0, exc.start) + 1, exc.start, exc))
+    return None
 
 
 def _decode_line(raw: bytes, path: str, lineno: int, offset: int) -> str:

@@ -374,7 +374,7 @@ def test_validation_split_has_no_near_copy_in_training(tmp_path, wiki_articles, 
 
 
 @pytest.mark.parametrize(
-    "case", ["missing", "no-match", "not-utf8", "damaged-gz", "text-field", "held-out", "settings"]
+    "case", ["missing", "no-match", "not-utf8", "damaged-gz", "text-field", "held-out", "settings", "empty"]
 )
 def test_bad_input_is_named_with_exit_2_and_nothing_written(tmp_path, capsys, case, wiki_articles):
     good = write_jsonl(tmp_path / "good.jsonl", articles(wiki_articles, 5))
@@ -387,6 +387,7 @@ def test_bad_input_is_named_with_exit_2_and_nothing_written(tmp_path, capsys, ca
         "text-field": "no 'body' field",
         "held-out": "--decontaminate-against",
         "settings": "near.bands",
+        "empty": "no documents",
     }[case]
     if case == "missing":
         args = ["--input", str(tmp_path / "nope.jsonl")]
@@ -405,13 +406,36 @@ def test_bad_input_is_named_with_exit_2_and_nothing_written(tmp_path, capsys, ca
         args += ["--decontaminate-against", str(tmp_path / "test-set.jsonl")]
     elif case == "settings":
         args += ["--set", "near.bands=0", "--set", "quality.max_short_lines=2", "--set", "nonsense.x=1"]
+    elif case == "empty":
+        (tmp_path / "empty.txt").write_bytes(b"")
+        args = ["--input", str(tmp_path / "empty.txt")]
     out = tmp_path / "out"
     assert main(["clean", *args, "--out", str(out), "--workers", "1"]) == 2
     err = capsys.readouterr().err
     assert expected in err, err
     if case == "settings":  # every problem at once
         assert "nonsense" in err
-    assert not out.exists() or not any(out.iterdir())
+    assert not out.exists()  # found before the folder is made, or the folder this run made removed
+
+
+def test_every_bad_input_is_named_in_one_run(tmp_path, capsys, wiki_articles):
+    """Issue 61, item 4: a glob that matches nothing, a missing held-out file, a non-UTF-8 input and a
+    bad --set were named one per run; now all four in one error, with exit 2 and no --out folder."""
+    good = write_jsonl(tmp_path / "good.jsonl", articles(wiki_articles, 5))
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9 au lait\n")
+    out = tmp_path / "out"
+    args = ["--input", str(good), str(tmp_path / "nomatch-*.txt"), str(tmp_path / "bad.txt")]
+    args += ["--decontaminate-against", str(tmp_path / "test-set.jsonl"), "--set", "near.bands=abc"]
+    assert main(["clean", *args, "--out", str(out), "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    for expected in (
+        "near.bands: expected int, got 'abc'",
+        "nomatch-*.txt' matches no files",
+        "bad.txt: line 1 (byte offset 3): not valid UTF-8",
+        "test-set.jsonl': no such file",
+    ):
+        assert expected in err, err
+    assert not out.exists()
 
 
 def test_settings_file_is_the_defaults_and_problems_come_together(tmp_path):

@@ -36,6 +36,7 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -48,7 +49,14 @@ from data_prep.common.storage import StorageError, Store, open_store
 
 from ..errors import DataPrepError
 from ..groups import GroupKey, ReadCount, iter_owned_documents
-from ..reader import ReadOptions, Source, iter_source_records, resolve_inputs, resolve_partition
+from ..reader import (
+    ReadOptions,
+    Source,
+    encoding_problem,
+    iter_source_records,
+    resolve_inputs,
+    resolve_partition,
+)
 from ..settings import settings_sha256
 from . import clusters
 from .report import FORMAT, REMOVED_FIELD, REPORT, VERSION, format_table, is_part, one_line, part_name, read_report
@@ -96,6 +104,27 @@ class _Job:
         return iter_owned_documents(
             self.sources, self.partition, num_tasks, task, self.opts, self.s.group_chars, count, records=True
         )
+
+
+def input_problems(inputs: list[str], heldout: list[str], encoding: bool = True) -> list[str]:
+    """Every problem of the inputs and the held-out files, each named, before anything is written: a
+    pattern that matches nothing, a file that is not there, and (``encoding``: the one-process run; a
+    Slurm task reads only its own files) text that is not UTF-8 in its first MiB."""
+    problems = []
+    for flag, patterns in (("--input", inputs), ("--decontaminate-against", heldout)):
+        for pattern in patterns:
+            if flag != "--input" and not glob.has_magic(pattern) and "://" not in pattern:
+                if not os.path.exists(os.path.expanduser(pattern)):
+                    problems.append(f"--decontaminate-against {pattern!r}: no such file")
+                    continue
+            try:
+                sources = resolve_inputs([pattern])
+            except (DataPrepError, StorageError) as exc:
+                problems.append(str(exc) if flag == "--input" else f"{flag}: {exc}")
+                continue
+            if encoding:
+                problems += [p for p in map(encoding_problem, sources) if p]
+    return problems
 
 
 def _resolve_heldout(patterns: list[str]) -> list[Source]:
@@ -596,7 +625,19 @@ def run_clean(s: CleanSettings, stage: str | None = None, num_tasks: int = 1, ta
     """One stage of task ``task`` of ``num_tasks``, or (``stage`` None) all three in this process.
     Raises ``DataPrepError`` on bad input or settings before anything is written."""
     t0 = time.perf_counter()
+    new_folder = stage is None and "://" not in s.out and not os.path.exists(os.path.expanduser(s.out))
     job = _job(s, num_tasks)
+    try:
+        return _run_stages(job, stage, num_tasks, task, t0)
+    except DataPrepError:
+        # Bad input found while reading (an empty file, damage past the first MiB): a folder this run
+        # made holds nothing of use, so nothing is left behind.
+        if new_folder:
+            shutil.rmtree(os.path.expanduser(s.out), ignore_errors=True)
+        raise
+
+
+def _run_stages(job: _Job, stage: str | None, num_tasks: int, task: int, t0: float) -> CleanResult:
     previous = _finished(job)
     if previous is not None:
         log.info("clean: %s exists with the same settings and inputs, nothing to do", job.store.url(REPORT))

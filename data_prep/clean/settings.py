@@ -206,7 +206,7 @@ def _coerce(value, default, where: str, problems: list[str]):
     return default
 
 
-def build_settings(values: dict, where: str = "settings") -> CleanSettings:
+def build_settings(values: dict, where: str = "settings", also: list[str] | None = None) -> CleanSettings:
     """``CleanSettings`` from a nested mapping (a YAML file, flags, ``--set`` pairs merged); unknown
     keys and wrong types all reported in one error."""
     problems: list[str] = []
@@ -232,7 +232,7 @@ def build_settings(values: dict, where: str = "settings") -> CleanSettings:
         else:
             kwargs[key] = _coerce(value, getattr(defaults, key), key, problems)
     settings = CleanSettings(**kwargs)
-    problems += settings.problems()
+    problems += settings.problems() + list(also or [])
     if problems:
         raise DataPrepError(f"{where}:\n  " + "\n  ".join(problems))
     return settings
