@@ -9,7 +9,8 @@ what they share. Everything resumable is one ``TrainState``. Exit codes: 0 done,
 any process group starts, or read mid-run: then on every rank), 3 checkpointed after SIGUSR1/SIGTERM
 (requeue me) or after a hang (``train.hang_timeout_s``: no checkpoint, the last one resumes), 4 too
 many non-finite losses, 5 a loss spike past ``train.spike_guard.max_recoveries`` (or with no
-checkpoint before it).
+checkpoint before it), 6 the run ended as asked but its newest checkpoint did not reach
+``train.checkpoint_mirror``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import gc
 
 if __name__ == "__main__":
     gc.disable()  # while torch, transformers and DeepSpeed load: see start_up_done
+    # A rank dies with the launcher that started it, also while the imports below take seconds.
+    from pretrain.runtime.lifeline import watch_launcher
+
+    watch_launcher()
 
 import argparse
 import dataclasses

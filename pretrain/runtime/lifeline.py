@@ -5,13 +5,16 @@ signal to their process group reaches them alone, see ``pretrain.launch``). The 
 ``kill -9`` of that group left DeepSpeed's launcher and every rank training on, unattended,
 re-parented to PID 1. DeepSpeed's two launcher processes cannot be changed to watch their parent;
 the ranks can: the launcher names itself in ``LAUNCHER_ENV`` and each rank watches that process,
-killing itself once it is gone. DeepSpeed's ``launch.py`` then sees its ranks dead and exits, and
-its runner after it. The last complete checkpoint stays usable, as after any kill.
+killing itself once it is gone: told by the kernel (a pidfd), and from the rank's first import on
+(``pretrain/train.py`` starts the watch before torch is imported), so a rank killed during its
+start-up goes too. DeepSpeed's ``launch.py`` then sees its ranks dead and exits, and its runner
+after it. The last complete checkpoint stays usable, as after any kill.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import sys
@@ -20,7 +23,8 @@ import threading
 import psutil
 
 LAUNCHER_ENV = "MLM_PRETRAIN_LAUNCHER"  # "host:pid:create_time" of the process that launched the ranks
-POLL_S = 1.0
+POLL_S = 0.2  # only where the kernel has no pidfd
+_watching = False
 
 
 def launcher_env(env: dict) -> dict:
@@ -33,9 +37,13 @@ def watch_launcher() -> bool:
     """In a rank: kill this process when the launcher named in the environment is gone. Nothing
     without one (plain ``deepspeed``, ``srun``: Slurm ends the whole job) or on another node (the
     name means nothing there). True when watching."""
+    global _watching
+    if _watching:
+        return True
     host, _, rest = os.environ.get(LAUNCHER_ENV, "").partition(":")
     if not rest or host != socket.gethostname():
         return False
+    _watching = True
     pid, _, created = rest.partition(":")
     threading.Thread(target=_watch, args=(int(pid), float(created)), name="launcher-lifeline", daemon=True).start()
     return True
@@ -50,10 +58,26 @@ def _alive(pid: int, created: float) -> bool:
         return False
 
 
+def _wait_for_exit(pid: int, created: float) -> None:
+    """Return once the launcher has exited: at once through a pidfd (Linux 5.3+: readable when the
+    process ends, no polling), else by polling every POLL_S."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd here: poll
+        while _alive(pid, created):
+            threading.Event().wait(POLL_S)
+        return
+    try:
+        if _alive(pid, created):  # the pid still names our launcher, not a later process given it
+            select.select([fd], [], [])
+    finally:
+        os.close(fd)
+
+
 def _watch(pid: int, created: float) -> None:
-    stop = threading.Event()
-    while _alive(pid, created):
-        stop.wait(POLL_S)
+    _wait_for_exit(pid, created)
     try:
         print(
             f"[rank {os.environ.get('RANK', '?')}] the launcher (pid {pid}) is gone: stopping",
