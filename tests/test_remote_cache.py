@@ -196,6 +196,8 @@ def test_a_killed_downloads_leftovers_are_cleaned_and_count_against_the_limit(
     dead.wait()  # a pid that no live process has
     leftover = cache_dir / f".{entries[0].sha256}.{dead.pid}.tmp"
     leftover.write_bytes(b"\0" * 5000)
+    boto_leftover = cache_dir / f".{entries[0].sha256}.{dead.pid}.tmp.7a3F09bC"  # boto3's, written before
+    boto_leftover.write_bytes(b"\0" * 5000)
     stale_lock = cache_dir / f".{entries[1].sha256}.lock"
     stale_lock.write_text("")
     live = cache_dir / f".{entries[2].sha256}.{os.getpid()}.tmp"  # this process: alive
@@ -203,7 +205,7 @@ def test_a_killed_downloads_leftovers_are_cleaned_and_count_against_the_limit(
     cache = ShardCache(cache_dir, limit_bytes=entries[3].bytes + entries[4].bytes + 1000)  # both fit, alone
     store = open_store(f"s3://{bucket_copy}/wiki")
     cache.fetch(store, entries[3])
-    assert not leftover.exists() and not stale_lock.exists() and live.exists()
+    assert not leftover.exists() and not boto_leftover.exists() and not stale_lock.exists() and live.exists()
     assert (cache_dir / f"{entries[3].sha256}.tar").is_file()  # kept: the one just fetched
     cache.fetch(store, entries[4])  # with the live partial file, both cannot fit
     assert not (cache_dir / f"{entries[3].sha256}.tar").exists(), json.dumps(sorted(os.listdir(cache_dir)))

@@ -178,9 +178,11 @@ class ShardCache:
         was killed (``.<sha256>.<pid>.tmp``), and the lock of a shard no longer cached that nobody holds.
         Returns the bytes of the downloads still in progress (they count against the limit)."""
         in_progress = 0
-        for tmp in self.root.glob(".*.tmp"):
+        # ``.<sha256>.<pid>.tmp``, and ``.<sha256>.<pid>.tmp.<random>``: boto3's own partial file, which
+        # a download before this version wrote beside ours.
+        for tmp in [*self.root.glob(".*.tmp"), *self.root.glob(".*.tmp.*")]:
             try:
-                pid = int(tmp.name.rsplit(".", 2)[-2])
+                pid = int(tmp.name.split(".tmp", 1)[0].rsplit(".", 1)[-1])
                 size = tmp.stat().st_size
             except (ValueError, FileNotFoundError):
                 continue

@@ -179,9 +179,14 @@ class S3Store(Store):
         from boto3.s3.transfer import TransferConfig
 
         config = TransferConfig(multipart_threshold=MULTIPART_BYTES, multipart_chunksize=MULTIPART_BYTES)
-        self._call(
-            name, "download", lambda: self.client.download_file(self.bucket, self._key(name), str(local), Config=config)
-        )
+
+        def into_local():
+            # Into ``local`` itself: download_file would write beside it, under a random name of its
+            # own that the caller's clean-up (the node cache's) cannot know, and a kill left it for good.
+            with open(local, "wb") as f:
+                self.client.download_fileobj(self.bucket, self._key(name), f, Config=config)
+
+        self._call(name, "download", into_local)
 
     def write_bytes(self, name: str, data: bytes) -> None:
         self._call(
