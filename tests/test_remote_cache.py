@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import explain, train
+from conftest import REPO, explain, train
 from test_remote_data import copy_to_bucket, logged
 
 pytestmark = pytest.mark.slow
@@ -210,3 +210,86 @@ def test_a_killed_downloads_leftovers_are_cleaned_and_count_against_the_limit(
     cache.fetch(store, entries[4])  # with the live partial file, both cannot fit
     assert not (cache_dir / f"{entries[3].sha256}.tar").exists(), json.dumps(sorted(os.listdir(cache_dir)))
     assert (cache_dir / f"{entries[4].sha256}.tar").is_file()
+
+
+class _ThrottleProxy:
+    """127.0.0.1:port -> the S3 server, its answers passed on at about ``bytes_per_s``: a download
+    slow enough to be killed half-way."""
+
+    def __init__(self, upstream_port: int, bytes_per_s: int):
+        import asyncio
+        import threading
+
+        self.port, chunk = 0, 16384
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def pump(reader, writer, throttle):
+            try:
+                while data := await reader.read(chunk):
+                    writer.write(data)
+                    await writer.drain()
+                    if throttle:
+                        await asyncio.sleep(len(data) / bytes_per_s)
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                writer.close()
+
+        async def handle(client_r, client_w):
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", upstream_port)
+            await asyncio.gather(pump(client_r, up_w, False), pump(up_r, client_w, True))
+
+        async def start():
+            server = await asyncio.start_server(handle, "127.0.0.1", 0)
+            self.port = server.sockets[0].getsockname()[1]
+            ready.set()
+            await server.serve_forever()
+
+        threading.Thread(target=lambda: loop.run_until_complete(start()), daemon=True).start()
+        assert ready.wait(10)
+
+
+def test_a_download_killed_half_way_leaves_only_the_caches_partial_file(s3_server, tmp_path):
+    """Issue 61, item 3: kill -9 of a process in the middle of a slow download into the node cache.
+    boto3's download_file wrote to ``<target>.<random>``, which the cache's clean-up never knew: it
+    stayed for good. Now the only leftover is the cache's own ``.<sha256>.<pid>.tmp``, and the next
+    process's clean-up removes it."""
+    import hashlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from urllib.parse import urlparse
+
+    from pretrain.data.shard_cache import ShardCache
+
+    blob = os.urandom(2 << 20)
+    sha = hashlib.sha256(blob).hexdigest()
+    client = s3_server.client()
+    client.create_bucket(Bucket="slow")
+    client.put_object(Bucket="slow", Key="d/big.tar", Body=blob)
+    proxy = _ThrottleProxy(urlparse(s3_server.endpoint).port, bytes_per_s=256 << 10)  # ~8 s for 2 MiB
+    cache_dir = tmp_path / "cache"
+    script = (
+        "import sys, types\n"
+        "from data_prep.common.storage import open_store\n"
+        "from pretrain.data.shard_cache import ShardCache\n"
+        f"entry = types.SimpleNamespace(name='big.tar', sha256='{sha}', bytes={len(blob)})\n"
+        f"ShardCache({str(cache_dir)!r}, limit_bytes=1 << 30).fetch(open_store('s3://slow/d'), entry)\n"
+    )
+    env = {**os.environ, **s3_server.aws(), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"}
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env)
+    partial = []
+    deadline = time.monotonic() + 60
+    while not partial:  # some bytes arrived: the download is under way
+        assert proc.poll() is None and time.monotonic() < deadline, "the download ended or never began"
+        partial = [p for p in cache_dir.glob(".*") if ".tmp" in p.name and p.stat().st_size > 0]
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    left = sorted(p.name for p in cache_dir.iterdir() if not p.name.endswith(".lock"))
+    assert left == [f".{sha}.{proc.pid}.tmp"], left  # the cache's own name, nothing of boto3's
+    ShardCache(cache_dir, limit_bytes=1 << 30).clean()
+    assert not [p for p in cache_dir.iterdir() if ".tmp" in p.name], sorted(os.listdir(cache_dir))
