@@ -171,7 +171,7 @@ def test_two_ranks_and_a_resume_make_one_complete_run(shards, tmp_path, mlflow_s
 def test_server_down_at_start_and_back_mid_run(shards, tmp_path, mlflow_server):
     """The server is down when the job starts and comes back while it trains: the loop never
     waits, the run is created late, and every point logged meanwhile arrives."""
-    steps, trigger_step = 250, 5
+    steps, trigger_step = 600, 5  # long enough to train on after a server slow to come back under load
     experiment, out = f"train-outage-{uuid.uuid4().hex[:8]}", tmp_path / "run"
     log_path = tmp_path / "train.log"
     cmd = train_cmd(
