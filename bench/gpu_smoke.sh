@@ -186,18 +186,23 @@ close() {  # close UNIT NEEDED...: the unit is done when everything it needed fi
   if ran "$@"; then record "done    $unit"; fi
 }
 
-check() {  # check NAME ARGS... : one of bench/gpu_smoke_checks.py's checks, its lines, FAILED on error
-  local name=$1; shift
-  echo "+ $PY bench/gpu_smoke_checks.py $*"
+check_with() {  # check_with NAME MIN_S SCRIPT ARGS...: a Python check (MIN_S left to start it), FAILED on error
+  local name=$1 min_s=$2; shift 2
+  echo "+ $PY $*"
   [ "$DRY_RUN" = 1 ] && return 0
-  if [ $(($(left_s) - RESERVE)) -lt 10 ]; then
+  if [ $(($(left_s) - RESERVE)) -lt "$min_s" ]; then
     record "skipped check $name (--budget-s $BUDGET spent)"; return 0
   fi
-  if timeout -k 5 $(($(left_s) - RESERVE)) "$PY" bench/gpu_smoke_checks.py "$@"; then
+  if timeout -k 5 $(($(left_s) - RESERVE)) "$PY" "$@"; then
     record "ok      check $name"; DONE+=("check:$name")
   else
     FAILED+=("$name"); record "FAILED  check $name"
   fi
+}
+
+check() {  # check NAME ARGS... : one of bench/gpu_smoke_checks.py's checks
+  local name=$1; shift
+  check_with "$name" 10 bench/gpu_smoke_checks.py "$@"
 }
 
 # The order: what a first GPU run is most likely to break, and what the lease is for, first; so a lease
@@ -209,13 +214,8 @@ check() {  # check NAME ARGS... : one of bench/gpu_smoke_checks.py's checks, its
 if selected paths; then check paths paths "$CONFIG" "$DATA"; close paths check:paths; fi
 # 128 x 512 tokens at 15%: a BERT-base phase-2 micro-batch's predicted tokens, at its hidden size.
 if selected mlm-loss; then
-  MLM_LOSS=(bench/mlm_loss.py --device cuda --precision bf16 --tokens 9830 --hidden 768 --chunk-rows 1024 9830)
-  echo "+ $PY ${MLM_LOSS[*]}"
-  if [ "$DRY_RUN" = 1 ]; then :
-  elif [ $(($(left_s) - RESERVE)) -lt 30 ]; then record "skipped check mlm-loss (--budget-s $BUDGET spent)"
-  elif timeout -k 5 $(($(left_s) - RESERVE)) "$PY" "${MLM_LOSS[@]}"; then
-    record "ok      check mlm-loss"; DONE+=("check:mlm-loss")
-  else FAILED+=("mlm-loss"); record "FAILED  check mlm-loss"; fi
+  check_with mlm-loss 30 bench/mlm_loss.py --device cuda --precision bf16 --tokens 9830 --hidden 768 \
+    --chunk-rows 1024 9830
   close mlm-loss check:mlm-loss
 fi
 adamw() { run adamw 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=1; }

@@ -23,12 +23,13 @@ STEPS, LOG_EVERY = 6, 3
 ONE_READ = ["pretrain/step.py:train_step.tolist"]
 
 
-def probe(shards, tmp_path, *overrides) -> list[list[str]]:
-    out = tmp_path / "reads.json"
+def run_probe(script: str, shards, tmp_path, *overrides) -> dict:
+    """``tests/<script>`` running the real trainer on ``configs/tiny.yaml`` for STEPS steps; its JSON."""
+    out = tmp_path / "probe.json"
     proc = subprocess.run(
         [
             PY,
-            "tests/sync_probe.py",
+            f"tests/{script}",
             str(out),
             "--config",
             "configs/tiny.yaml",
@@ -39,8 +40,6 @@ def probe(shards, tmp_path, *overrides) -> list[list[str]]:
             f"train.log_every={LOG_EVERY}",
             "train.eval_every=0",
             "train.checkpoint_every=0",
-            "train.eval_sequences=16",
-            "train.spike_guard.enabled=true",
             *overrides,
         ],
         cwd=REPO,
@@ -50,7 +49,13 @@ def probe(shards, tmp_path, *overrides) -> list[list[str]]:
         env=trainer_env(),
     )
     assert proc.returncode == 0, explain(proc)
-    return json.loads(out.read_text())["steps"]
+    return json.loads(out.read_text())
+
+
+def probe(shards, tmp_path, *overrides) -> list[list[str]]:
+    return run_probe(
+        "sync_probe.py", shards, tmp_path, "train.eval_sequences=16", "train.spike_guard.enabled=true", *overrides
+    )["steps"]
 
 
 def test_a_step_that_logs_nothing_reads_the_device_once(shards, tmp_path):
@@ -81,32 +86,7 @@ def test_a_compiled_step_is_traced_once_logged_or_not(shards, tmp_path):
     """One graph for the compiled step (issue 60, item 4): the accuracy's argmax is taken on every step
     when compiled, so the first logged step does not trace a second graph (on an H100 a BERT-base
     compile took 45 s)."""
-    out = tmp_path / "graphs.json"
-    proc = subprocess.run(
-        [
-            PY,
-            "tests/graph_probe.py",
-            str(out),
-            "--config",
-            "configs/tiny.yaml",
-            f"data.dir={shards}",
-            f"train.out_dir={tmp_path / 'run'}",
-            "tracking.report=false",
-            f"train.max_steps={STEPS}",
-            f"train.log_every={LOG_EVERY}",
-            "train.eval_every=0",
-            "train.checkpoint_every=0",
-            "masking.fixed_count=true",
-            "impl.compile=true",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=trainer_env(),
-    )
-    assert proc.returncode == 0, explain(proc)
-    found = json.loads(out.read_text())
+    found = run_probe("graph_probe.py", shards, tmp_path, "masking.fixed_count=true", "impl.compile=true")
     assert len(found["graphs"]) == STEPS and found["graphs"][0] >= 1, found
     # logged steps (3 and 6) trace nothing new: the count after step 1 holds to the end
     assert found["graphs"] == [found["graphs"][0]] * STEPS, found

@@ -117,6 +117,15 @@ class Job:
             )
         return self._record
 
+    def ended(self, timeout: float, expected: tuple[str, str, int]) -> str:
+        """Waits for a job expected to end as (state, exit code, restarts); its log."""
+        (record,) = self.cluster.wait(self.id, timeout=timeout)
+        log = self.log
+        assert (record.state, record.exit_code, record.restarts) == expected, (
+            f"{record.state} {record.exit_code} restarts={record.restarts}\n{log[-1200:]}"
+        )
+        return log
+
     @property
     def log(self) -> str:
         path = self.log_dir / f"{self.name}-{self.id}.out"
@@ -355,11 +364,7 @@ def test_a_crashed_node_ends_the_job_at_once_with_its_exit_code(slurm_cluster, s
     node's ranks at once and the job fails with n2's code, named in its log, not requeued."""
     env = slurm_cluster.client_env(PRETRAIN_TEST_CRASH="1:15", PRETRAIN_TEST_HANG="0:15")
     job = Job(slurm_cluster, "crashed", shards, tmp_path / "run", ["train.hang_timeout_s=60"], env=env)
-    (record,) = slurm_cluster.wait(job.id, timeout=180)
-    log = job.log
-    assert (record.state, record.exit_code, record.restarts) == ("FAILED", "1:0", 0), (
-        f"{record.state} {record.exit_code} restarts={record.restarts}\n{log[-1200:]}"
-    )
+    log = job.ended(180, ("FAILED", "1:0", 0))
     assert "[rank 1] PRETRAIN_TEST_CRASH: exiting 1 before step 15" in log, log[-4000:]
     assert "launcher on node 1 (n2): ranks exited 1" in log, log[-4000:]
     assert "node 1 (n2) exited 1: the job ends with it, not requeued" in log, log[-4000:]
@@ -374,11 +379,7 @@ def test_requeues_after_hangs_are_capped(slurm_cluster, shards, tmp_path):
     a third start. Requeues asked for by USR1 are not counted (the test above)."""
     env = slurm_cluster.client_env(PRETRAIN_TEST_HANG="1:12", MAX_UNPLANNED_REQUEUES="1")
     job = Job(slurm_cluster, "hangs", shards, tmp_path / "run", ["train.hang_timeout_s=20"], env=env)
-    (record,) = slurm_cluster.wait(job.id, timeout=300)
-    log = job.log
-    assert (record.state, record.exit_code, record.restarts) == ("FAILED", "3:0", 1), (
-        f"{record.state} {record.exit_code} restarts={record.restarts}\n{log[-1200:]}"
-    )
+    log = job.ended(300, ("FAILED", "3:0", 1))
     assert "exit 3 without a USR1 (a hang or an outage): requeue 1 of at most 1" in log, log[-4000:]
     assert "exit 3 without a USR1 for the 2-th time (MAX_UNPLANNED_REQUEUES=1)" in log, log[-4000:]
     assert log.count("requeueing job") == 1, log[-4000:]

@@ -113,10 +113,10 @@ def input_problems(inputs: list[str], heldout: list[str], encoding: bool = True)
     problems = []
     for flag, patterns in (("--input", inputs), ("--decontaminate-against", heldout)):
         for pattern in patterns:
-            if flag != "--input" and not glob.has_magic(pattern) and "://" not in pattern:
-                if not os.path.exists(os.path.expanduser(pattern)):
-                    problems.append(f"--decontaminate-against {pattern!r}: no such file")
-                    continue
+            missing = _missing_heldout(pattern) if flag != "--input" else None
+            if missing:
+                problems.append(missing)
+                continue
             try:
                 sources = resolve_inputs([pattern])
             except (DataPrepError, StorageError) as exc:
@@ -127,10 +127,16 @@ def input_problems(inputs: list[str], heldout: list[str], encoding: bool = True)
     return problems
 
 
+def _missing_heldout(pattern: str) -> str | None:
+    if not glob.has_magic(pattern) and "://" not in pattern and not os.path.exists(os.path.expanduser(pattern)):
+        return f"--decontaminate-against {pattern!r}: no such file"
+    return None
+
+
 def _resolve_heldout(patterns: list[str]) -> list[Source]:
     for p in patterns:
-        if not glob.has_magic(p) and not os.path.exists(os.path.expanduser(p)) and "://" not in p:
-            raise DataPrepError(f"--decontaminate-against {p!r}: no such file")
+        if missing := _missing_heldout(p):
+            raise DataPrepError(missing)
     try:
         return resolve_inputs(patterns) if patterns else []
     except (DataPrepError, StorageError) as exc:

@@ -89,6 +89,10 @@ def keep_mask(row_keys: torch.Tensor, site_id: int, shape: torch.Size, dropped: 
     return keep[:, :per_row].reshape(shape)
 
 
+def _scaled_where(keep: torch.Tensor, t: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.where(keep, t * scale, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
 class _KeyedDropoutFunction(torch.autograd.Function):
     """``where(keep, x * scale, 0)`` whose backward recomputes ``keep`` from the row keys instead of
     keeping it: autograd's own ``where`` saves the bool mask (and, compiled, the int64 hash it came
@@ -99,8 +103,7 @@ class _KeyedDropoutFunction(torch.autograd.Function):
     def forward(ctx, x, row_keys, site_id: int, dropped: int, scale: float):
         ctx.save_for_backward(row_keys)
         ctx.site_id, ctx.dropped, ctx.scale = site_id, dropped, scale
-        keep = keep_mask(row_keys, site_id, x.shape, dropped)
-        return torch.where(keep, x * scale, torch.zeros((), dtype=x.dtype, device=x.device))
+        return _scaled_where(keep_mask(row_keys, site_id, x.shape, dropped), x, scale)
 
     @staticmethod
     def backward(ctx, grad):
@@ -109,13 +112,7 @@ class _KeyedDropoutFunction(torch.autograd.Function):
         # merged: the same ops on the same keys would be the forward's mask, which the partitioner
         # then saves. `| 0` (the same keys, another op) keeps the recomputation apart.
         keep = keep_mask(row_keys | 0, ctx.site_id, grad.shape, ctx.dropped)
-        return (
-            torch.where(keep, grad * ctx.scale, torch.zeros((), dtype=grad.dtype, device=grad.device)),
-            None,
-            None,
-            None,
-            None,
-        )
+        return _scaled_where(keep, grad, ctx.scale), None, None, None, None
 
 
 class KeyedDropout(nn.Module):
