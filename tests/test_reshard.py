@@ -207,3 +207,26 @@ def test_step_counts_of_the_other_kernels():
     lamb.state[lamb_param] = {"step": 1}
     reshard.set_step_count(lamb, 9)
     assert lamb.state[lamb_param]["step"] == 9
+
+
+def test_every_state_gets_its_own_step_count_even_outside_the_groups():
+    """ZeRO 3 takes each sub-group's fp32 partition out of its optimiser group between steps, and its
+    universal loader gives all partitions one shared step tensor, which AdamW then advanced once per
+    sub-group: a conversion into ZeRO 3 counted two steps a step (issue 61, item 1)."""
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    opt = torch.optim.AdamW([{"params": [params[0]]}, {"params": [params[1]], "weight_decay": 0.0}])
+    shared = torch.tensor(3.0)
+    for p in params:
+        opt.state[p] = {"step": shared, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    for group in opt.param_groups:  # as ZeRO 3 leaves them between steps
+        group["params"] = []
+    reshard.set_step_count(opt, 7)
+    steps = [opt.state[p]["step"] for p in params]
+    assert [s.item() for s in steps] == [7.0, 7.0]
+    assert steps[0] is not steps[1] and shared.item() == 3.0
+    for p, group in zip(params, opt.param_groups):  # one step, as ZeRO 3 takes it, sub-group by sub-group
+        group["params"] = [p]
+        p.grad = torch.ones_like(p)
+        opt.step()
+        group["params"] = []
+    assert [opt.state[p]["step"].item() for p in params] == [8.0, 8.0]

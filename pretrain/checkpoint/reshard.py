@@ -346,24 +346,29 @@ def set_step_count(optimizer: torch.optim.Optimizer, count: int) -> None:
     """Each kernel counts steps its own way: torch's Adam(W) a float tensor per parameter, DeepSpeed's
     fused kernels an int per group, DeepSpeedCPUAdam and our LAMB an int per parameter. torch's tensor
     goes where its own ``load_state_dict`` puts it: beside the parameter for a fused or capturable
-    group (the fused CUDA kernel refuses a CPU step), on the CPU otherwise."""
+    group (the fused CUDA kernel refuses a CPU step), on the CPU otherwise.
+
+    Every state entry gets its own count, including those of parameters outside ``param_groups``:
+    ZeRO 3 puts each sub-group's fp32 partition into its group only for the step, and its universal
+    loader gives all of them one shared step tensor, which torch's kernels then advance in place once
+    per sub-group (two groups: the count ran two steps a step, and Adam's bias correction drifted)."""
     if type(optimizer).__name__ in ("FusedAdam", "FusedLamb"):
         for group in optimizer.param_groups:
             group["step"] = count
         return
     # torch's AdamW subclasses Adam only from 2.7; both refuse a step that is not a tensor
     tensor_steps = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
-    for group in optimizer.param_groups:
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    for param, state in optimizer.state.items():
+        if not state:
+            continue
+        group = group_of.get(id(param), optimizer.param_groups[0])  # ZeRO 3: the flags are every group's
         on_device = bool(group.get("fused") or group.get("capturable"))
-        for param in group["params"]:
-            state = optimizer.state.get(param)
-            if not state:
-                continue
-            state["step"] = (
-                torch.tensor(float(count), dtype=torch.float32, device=param.device if on_device else "cpu")
-                if tensor_steps
-                else count
-            )
+        state["step"] = (
+            torch.tensor(float(count), dtype=torch.float32, device=param.device if on_device else "cpu")
+            if tensor_steps
+            else count
+        )
 
 
 def _restore_hyperparameters(groups: list[dict], saved: list[dict]) -> None:
