@@ -48,6 +48,11 @@ class ModelConfig:
     # The extra rows are never predicted (outside the softmax and the argmax); the export has the
     # tokenizer's size. 1: no padding. A resume keeps its checkpoint's rows.
     vocab_multiple: int = 64
+    # Which tokens a token attends to in a packed row (d0 [SEP] d1 [SEP] ...): all of the row's
+    # (RoBERTa's FULL-SENTENCES), or only its own document's, with positions restarting per document
+    # (DOC-SENTENCES; packed BERT's and ModernBERT's per-document attention). The documents are
+    # found from the separators (pretrain.model.documents), so any shard trains either way.
+    attention_scope: Literal["row", "document"] = "row"
     # Left unset (null), the fields below take the arch's value from ARCH_DEFAULTS. One that does
     # not apply to the chosen arch is refused by name rather than silently ignored.
     attention_dropout: Optional[float] = None  # both: on attention probabilities (ModernBERT: and its output)

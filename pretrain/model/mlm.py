@@ -33,6 +33,8 @@ from transformers import (
 )
 
 from pretrain.config.schema import ImplConfig, ModelConfig
+from pretrain.model import documents as docs
+from pretrain.model.keyed_dropout import KEYED_ATTENTION
 from pretrain.model.masking import IGNORE_INDEX, SpecialIds
 from pretrain.model.mlm_loss import fused_linear_cross_entropy, mask_padding
 
@@ -64,6 +66,8 @@ class MLMModel(torch.nn.Module):
         sparse_head: bool = True,
         fused_loss: bool = True,
         vocab_size: int | None = None,
+        attention_scope: str = "row",
+        sep_id: int | None = None,
     ):
         super().__init__()
         arch = hf_model.config.model_type
@@ -85,6 +89,13 @@ class MLMModel(torch.nn.Module):
         # Names of parameters that model.init_from did not provide; the optimiser may give them a
         # higher learning rate (optim.fresh_params_lr_multiplier). Empty for a model built fresh.
         self.fresh_parameters: set[str] = set()
+        # model.attention_scope: "document" keeps attention inside each packed document, found from
+        # the [SEP]s of the row (pretrain.model.documents), positions restarting per document.
+        if attention_scope not in ("row", "document"):
+            raise ValueError(f"attention_scope must be row or document, got {attention_scope!r}")
+        if attention_scope == "document" and sep_id is None:
+            raise ValueError("attention_scope document needs the [SEP] id that ends each document")
+        self.attention_scope, self.sep_id = attention_scope, sep_id
 
     @property
     def config(self):
@@ -107,9 +118,35 @@ class MLMModel(torch.nn.Module):
         self.attention = name
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """[B, L, H] final hidden states (ModernBERT's include its final norm)."""
+        """[B, L, H] final hidden states (ModernBERT's include its final norm). In document scope the
+        padding mask is not needed: padding is a group of its own that no document sees."""
+        if self.attention_scope == "document":
+            inputs = self._document_inputs(input_ids)
+        else:
+            inputs = {"attention_mask": attention_mask}
         with sdpa_kernel(self.sdpa_backends, set_priority=True) if self.sdpa_backends else nullcontext():
-            return self.hf_model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            return self.hf_model.base_model(input_ids=input_ids, **inputs).last_hidden_state
+
+    def _document_inputs(self, input_ids: torch.Tensor) -> dict:
+        """Masks and position ids that keep each token inside its document (pretrain.model.documents),
+        in the form the built attention takes: a boolean mask for SDPA (and keyed dropout's
+        attention), an additive one for Hugging Face's eager attention; ModernBERT gets one per kind
+        of layer, its local layers' within their window."""
+        documents = docs.document_ids(input_ids, self.sep_id)
+        built = self.config._attn_implementation
+        if built not in ("sdpa", "eager", KEYED_ATTENTION):
+            raise NotImplementedError(f"model.attention_scope=document with attention {built!r}")
+        dtype = self.hf_model.get_input_embeddings().weight.dtype
+
+        def mask(window=None):
+            allowed = docs.same_document(documents, window)
+            return docs.as_additive(allowed, dtype) if built == "eager" else allowed
+
+        if self.arch == "modernbert":
+            attention_mask = {"full_attention": mask(), "sliding_attention": mask(self.config.sliding_window)}
+        else:
+            attention_mask = mask()
+        return {"attention_mask": attention_mask, "position_ids": docs.document_positions(documents)}
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """MLM logits for hidden states of any leading shape."""
@@ -339,7 +376,14 @@ def build_model(
     if hf_model.get_output_embeddings().weight is not hf_model.get_input_embeddings().weight:
         raise RuntimeError("the MLM decoder is not tied to the word embeddings (tie_word_embeddings=False?)")
     log.info("model: %s, attention %s", model_cfg.arch, attention)
-    model = MLMModel(hf_model, sparse_head=impl.sparse_head, fused_loss=impl.fused_mlm_loss, vocab_size=vocab_size)
+    model = MLMModel(
+        hf_model,
+        sparse_head=impl.sparse_head,
+        fused_loss=impl.fused_mlm_loss,
+        vocab_size=vocab_size,
+        attention_scope=model_cfg.attention_scope,
+        sep_id=special.sep,
+    )
     if impl.attention in SDPA_BACKENDS:
         model.use_attention(impl.attention)
     # What init_from did not provide (e.g. the MLM head of an encoder saved without one): the

@@ -1,0 +1,162 @@
+"""``model.attention_scope: document``: attention that stays inside each document of a packed row, with
+positions restarting per document (pretrain/model/documents.py), on both architectures and every
+attention the CPU runs; the export scores a document alone as the trained model scored it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForMaskedLM
+
+from pretrain.config.schema import ImplConfig, ModelConfig
+from pretrain.model import documents as docs
+from pretrain.model.mlm import build_model
+from tests.test_masking import SPECIAL
+
+CLS, SEP, PAD = SPECIAL.cls, SPECIAL.sep, SPECIAL.pad
+SEQ = 64
+ARCHS = {
+    "bert": dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, max_position_embeddings=SEQ),
+    # a window narrower than the documents, so the local layers' mask is the window and the document
+    "modernbert": dict(
+        arch="modernbert",
+        hidden_size=64,
+        num_layers=3,
+        num_heads=4,
+        intermediate_size=96,
+        max_position_embeddings=SEQ,
+        local_attention=8,
+    ),
+}
+
+
+def model(arch: str, scope: str, attention: str = "sdpa", seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(**ARCHS[arch], attention_scope=scope)
+    return build_model(cfg, SPECIAL.vocab_size, SPECIAL, ImplConfig(attention=attention)).eval()
+
+
+@pytest.fixture(scope="module")
+def documents(wiki_articles, bert_uncased_dir) -> list[list[int]]:
+    """Real text: the first 7 to 30 tokens of successive articles, documents of uneven lengths."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(bert_uncased_dir / "tokenizer.json"))
+    tok.no_truncation()
+    encoded = tok.encode_batch([text for _, text in wiki_articles[:12]], add_special_tokens=False)
+    return [enc.ids[: 7 + (i * 5) % 24] for i, enc in enumerate(encoded)]
+
+
+def pack(documents: list[list[int]], seq_len: int = SEQ) -> torch.Tensor:
+    """One row as data prep packs it: [CLS] d0 [SEP] d1 [SEP] ... [SEP] [PAD]..."""
+    body = [t for d in documents for t in (*d, SEP)][:-1]
+    row = [CLS, *body, SEP]
+    assert len(row) <= seq_len
+    return torch.tensor([row + [PAD] * (seq_len - len(row))])
+
+
+def spans(row: torch.Tensor) -> list[range]:
+    """Each document's positions in a row made by ``pack``: from after the previous [SEP] to its own."""
+    seps = (row[0] == SEP).nonzero().flatten().tolist()
+    return [range(0 if i == 0 else seps[i - 1] + 1, end + 1) for i, end in enumerate(seps)]
+
+
+# ------------------------------------------------------------------------------ the packing rule
+
+
+def test_documents_and_positions_follow_the_packing_rule():
+    a, b, c, d, e, f = 1000, 1001, 1002, 1003, 1004, 1005
+    # a document ending one token before the body's end leaves [SEP] [SEP] (data_prep/packing.py)
+    row = torch.tensor([[CLS, a, b, SEP, c, d, e, SEP, f, SEP, SEP, PAD, PAD]])
+    ids = docs.document_ids(row, SEP)
+    assert ids.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 4, 4]]
+    # [CLS] 0, the first document's text from 1; every later document's text from 1 too
+    assert docs.document_positions(ids).tolist() == [[0, 1, 2, 3, 1, 2, 3, 4, 1, 2, 1, 1, 2]]
+    allowed = docs.same_document(ids)[0, 0]
+    assert allowed[1].tolist() == [True] * 4 + [False] * 9  # a sees [CLS] a b [SEP]
+    assert allowed[11].tolist() == [False] * 11 + [True] * 2  # padding sees only padding
+    windowed = docs.same_document(ids, window=1)[0, 0]
+    assert windowed[5].tolist() == [False] * 4 + [True] * 3 + [False] * 6  # d sees c d e
+
+
+def test_masking_never_moves_a_boundary(documents):
+    """Boundaries are read from the masked ids: a [SEP] is never masked and never drawn."""
+    from pretrain.config.schema import MaskingConfig
+    from pretrain.model.masking import mask_batch, mask_generator
+
+    rows = torch.cat([pack(documents[i : i + 3]) for i in range(0, 9, 3)])
+    cfg = MaskingConfig(rate=0.5)
+    m = mask_batch(rows, torch.ones_like(rows, dtype=torch.bool), SPECIAL, cfg, mask_generator(1, 0, 0, 0))
+    assert torch.equal(docs.document_ids(m.input_ids, SEP), docs.document_ids(rows, SEP))
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def hidden(net, row: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return net.encode(row, row != PAD)[0]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+def test_document_attention_sees_only_its_document(documents, arch, attention):
+    """Changing one document's tokens leaves every other document's outputs as they were (fp32
+    round-off) with ``document``, and changes them with ``row``."""
+    row = pack(documents[:4])
+    changed = row.clone()
+    second = spans(row)[1]
+    changed[0, second.start : second.stop - 1] = torch.arange(2000, 2000 + len(second) - 1)
+    others = [p for span in spans(row) if span != second for p in span]
+    for scope in ("document", "row"):
+        net = model(arch, scope, attention)
+        before, after = hidden(net, row), hidden(net, changed)
+        moved = (after[others] - before[others]).abs().max().item()
+        if scope == "document":
+            assert moved <= 1e-5, (scope, moved)
+            assert (after[list(second)] - before[list(second)]).abs().max() > 1e-2
+        else:
+            assert moved > 1e-3, (scope, moved)
+
+
+@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+def test_a_documents_outputs_do_not_depend_on_where_it_lies_in_the_row(documents, arch):
+    """Positions restart at each document: the same document after a short or a long neighbour (or
+    two) has the same outputs; BERT's learned absolute positions would move them otherwise."""
+    net = model(arch, "document")
+    placed = [documents[:1] + [documents[5]], documents[1:3] + [documents[5]], [documents[4], documents[5]]]
+    outputs = []
+    for order in placed:
+        row = pack(order)
+        outputs.append(hidden(net, row)[list(spans(row)[-1])])
+    assert len({spans(pack(order))[-1].start for order in placed}) == 3  # three different offsets
+    for other in outputs[1:]:
+        assert torch.allclose(other, outputs[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+def test_the_kernels_agree_in_document_scope(documents, arch):
+    """SDPA (boolean masks) and Hugging Face's eager attention (additive masks) compute the same."""
+    row = torch.cat([pack(documents[:4]), pack(documents[4:7])])
+    with torch.no_grad():
+        sdpa = model(arch, "document", "sdpa").encode(row, row != PAD)
+        eager = model(arch, "document", "eager").encode(row, row != PAD)
+    assert torch.allclose(sdpa, eager, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+def test_the_export_scores_a_document_alone_as_training_scored_it(documents, arch, tmp_path):
+    """The exported Hugging Face model, given ``[CLS] document [SEP]``, has the trained model's logits
+    at that document's positions in a packed row (where it came first): document scope trained it on
+    exactly that input, whatever followed it in the row."""
+    net = model(arch, "document")
+    row = pack(documents[:4])
+    first = spans(row)[0]
+    with torch.no_grad():
+        in_row = net.head(net.encode(row, row != PAD))[0, : first.stop]
+    net.hf_model.save_pretrained(tmp_path)
+    exported = AutoModelForMaskedLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    alone = row[:, : first.stop]
+    with torch.no_grad():
+        logits = exported(input_ids=alone).logits[0]
+    assert torch.allclose(logits, in_row, atol=1e-4), (logits - in_row).abs().max()
