@@ -231,8 +231,8 @@ def build_run(
     run.peak, peak_source = hardware.peak_tflops(info.device, precision, cfg.impl.peak_tflops)
     run.mfu_check = hardware.MfuCheck(run.peak, peak_source)
     log.info(
-        "start: step %d%s, world %d, grad_accum %d, precision %s (%s), attention %s, ZeRO %d, %d params, "
-        "peak %.3f TFLOP/s per process (%s), allocator %s",
+        "start: step %d%s, world %d, grad_accum %d, precision %s (%s), attention %s within each %s, ZeRO %d, "
+        "%d params, peak %.3f TFLOP/s per process (%s), allocator %s",
         run.state.step,
         f" (resumed from {resume_from})" if resume_from else "",
         info.world,
@@ -240,6 +240,7 @@ def build_run(
         precision,
         why,
         model.attention,
+        cfg.model.attention_scope,
         cfg.impl.zero_stage,
         eng.num_parameters(model),
         run.peak,

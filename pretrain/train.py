@@ -153,6 +153,11 @@ def recover_from_spike(run: Run, guard: SpikeGuard, spike, batches):
         return None
 
 
+def eval_note(cfg) -> str:
+    """Held-out rows are scored with the run's attention scope; a document-scope run says so."""
+    return " (attention within each document)" if cfg.model.attention_scope == "document" else ""
+
+
 def log_evaluate_probe(run: Run, window: ThroughputWindow, result: StepResult, will_log: bool) -> None:
     cfg, step = run.cfg, run.state.step
     last = step == cfg.train.max_steps
@@ -160,7 +165,7 @@ def log_evaluate_probe(run: Run, window: ThroughputWindow, result: StepResult, w
         metrics = train_metrics(run, window, result)
         run.emit(metrics, step, f" left={console.time_left(cfg.train.max_steps - step, metrics['perf/step_time_s'])}")
     if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
-        run.emit(evaluate(run.engine, cfg, run.special, run.info), step)
+        run.emit(evaluate(run.engine, cfg, run.special, run.info), step, eval_note(cfg))
     if run.tasks and probe_due(step, cfg.eval.downstream_every, cfg.train.eval_every, last):
         run.probe(step)
 
@@ -238,7 +243,7 @@ def finish(run: Run) -> None:
     if exported != checkpointing.tag_for_step(cfg.train.max_steps):
         # Killed after the final checkpoint and before its export: finish what that run would have.
         log.info("the final checkpoint at step %d has no export yet: evaluating and exporting it", step)
-        run.emit(evaluate(run.engine, cfg, run.special, run.info), step)
+        run.emit(evaluate(run.engine, cfg, run.special, run.info), step, eval_note(cfg))
         if run.tasks:
             run.probe(step)
         export_and_log(cfg, step, run.tracker, final=True, engine=run.export_engine)

@@ -100,7 +100,7 @@ def test_the_trainer_times_attention_once_and_a_resume_keeps_the_runs_choice(sha
     first = train(shards, run, *common, "train.halt_at_step=2", "train.checkpoint_every=2", env=env)
     assert first.returncode == 0, explain(first)
     chosen = re.search(r"attention: (\w+) \(forward\+backward .* measured now\)", first.stdout).group(1)
-    assert chosen in attention.CPU_CANDIDATES and f"attention {chosen}, ZeRO" in first.stdout
+    assert chosen in attention.CPU_CANDIDATES and f"attention {chosen} within each row, ZeRO" in first.stdout
     cache = tmp_path / "cache" / "attention.json"
     entries = json.loads(cache.read_text())
     ((key, entry),) = entries.items()
@@ -110,7 +110,7 @@ def test_the_trainer_times_attention_once_and_a_resume_keeps_the_runs_choice(sha
     resumed = train(shards, run, *common, env=env)
     assert resumed.returncode == 0, explain(resumed)
     assert f"attention: {chosen}, as this run started (timed here: {other})" in resumed.stdout
-    assert f"attention {chosen}, ZeRO" in resumed.stdout and "start: step 2 (resumed" in resumed.stdout
+    assert f"attention {chosen} within each row, ZeRO" in resumed.stdout and "start: step 2 (resumed" in resumed.stdout
 
 
 def test_a_resume_where_flash_attn_is_missing_continues_with_the_timed_choice(caplog):

@@ -4,6 +4,8 @@ attention the CPU runs; the export scores a document alone as the trained model 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForMaskedLM
@@ -11,6 +13,7 @@ from transformers import AutoModelForMaskedLM
 from pretrain.config.schema import ImplConfig, ModelConfig
 from pretrain.model import documents as docs
 from pretrain.model.mlm import build_model
+from test_faults import ok, strict_records, train
 from tests.test_masking import SPECIAL
 
 CLS, SEP, PAD = SPECIAL.cls, SPECIAL.sep, SPECIAL.pad
@@ -160,3 +163,51 @@ def test_the_export_scores_a_document_alone_as_training_scored_it(documents, arc
     with torch.no_grad():
         logits = exported(input_ids=alone).logits[0]
     assert torch.allclose(logits, in_row, atol=1e-4), (logits - in_row).abs().max()
+
+
+# ---------------------------------------------------------------------------- the trainer
+# A run in document scope through the trainer: resumed at another world size and ZeRO stage it logs
+# the uninterrupted run's losses, the scope is refused when changed on resume, and the export records it.
+DOC_RUN = [
+    "model.attention_scope=document",
+    "model.hidden_dropout=0",
+    "model.attention_dropout=0",
+    "train.log_every=1",
+    "train.max_steps=6",
+    "train.eval_every=0",
+    "train.eval_sequences=32",
+    "optim.lr=3e-3",
+]
+
+
+def logged_losses(out_dir) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in strict_records(out_dir / "metrics.jsonl") if "train/loss" in r}
+
+
+@pytest.fixture(scope="module")
+def document_run(shards, tmp_path_factory):
+    out = tmp_path_factory.mktemp("document_straight")
+    proc = ok(train(shards, out, *DOC_RUN, "impl.zero_stage=2", ranks=2))
+    return out, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_a_document_run_resumed_at_another_layout_logs_the_uninterrupted_losses(document_run, shards, tmp_path):
+    straight, output = document_run
+    assert "within each document" in output and "(attention within each document)" in output  # start, eval
+    ok(train(shards, tmp_path, *DOC_RUN, "impl.zero_stage=2", "train.halt_at_step=3", ranks=2))
+    ok(train(shards, tmp_path, *DOC_RUN, "impl.zero_stage=0", "impl.micro_batch_size=4", ranks=1))
+    want, got = logged_losses(straight), logged_losses(tmp_path)
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    config = json.loads((tmp_path / "hf_final" / "config.json").read_text())
+    assert config["pretrain_attention_scope"] == "document"
+
+
+@pytest.mark.slow
+def test_the_scope_is_refused_when_changed_on_resume(shards, tmp_path):
+    ok(train(shards, tmp_path, *DOC_RUN, "train.max_steps=2", "impl.zero_stage=0"))
+    proc = train(shards, tmp_path, *DOC_RUN, "train.max_steps=4", "model.attention_scope=row", "impl.zero_stage=0")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "model.attention_scope: the checkpoint step00000002 was trained with 'document', now 'row'" in proc.stderr

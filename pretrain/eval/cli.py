@@ -105,13 +105,16 @@ def mlm_eval_model(
 ) -> dict[str, float]:
     """{"loss", "accuracy"} of a Hugging Face masked LM in memory, scored by the trainer's own
     evaluation loop (``pretrain.eval.heldout.score``: its masks keyed by each sequence's id, its
-    fixed-point sums), so losses compare across runs, trainers, batch sizes and world sizes."""
+    fixed-point sums), so losses compare across runs, trainers, batch sizes and world sizes; with
+    the attention scope the export records (``model.attention_scope``; ``row`` for other models)."""
     # lazy: pulls in transformers' model classes (~3 s), which only the MLM evaluation needs
-    from pretrain.model.mlm import MLMModel
+    from pretrain.model.mlm import SCOPE_KEY, MLMModel
 
     special = SpecialIds.from_manifest(manifest)
     was_training = hf_model.training
-    model = MLMModel(hf_model.eval(), sparse_head=True)
+    # packed rows are scored as the model was trained on them: inside each document, or across the row
+    scope = getattr(hf_model.config, SCOPE_KEY, "row")
+    model = MLMModel(hf_model.eval(), sparse_head=True, attention_scope=scope, sep_id=special.sep)
     sums, _ = score(
         model,
         _eval_set(data_dir, manifest, batch_size, max_batches, split),

@@ -51,6 +51,9 @@ SDPA_BACKENDS = {
 # sliding-window mask, fp32): the memory-efficient kernel takes any mask in any dtype, cuDNN's
 # many, and the math path (fp32 [B, H, L, L] scores) only what no other can. The CPU has flash and math only.
 SDPA_FALLBACKS = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH)
+# The Hugging Face config key that records model.attention_scope in checkpoints and exports, so that
+# whoever scores packed rows with the export (pretrain.eval.cli.mlm_eval) keeps the trained scope.
+SCOPE_KEY = "pretrain_attention_scope"
 
 
 def sdpa_chain(name: str) -> list:
@@ -372,6 +375,7 @@ def build_model(
     max_pos = hf_model.config.max_position_embeddings
     if seq_len is not None and seq_len > max_pos:
         raise ValueError(f"sequence length {seq_len} exceeds the model's max_position_embeddings {max_pos}")
+    setattr(hf_model.config, SCOPE_KEY, model_cfg.attention_scope)
     hf_model.tie_weights()
     if hf_model.get_output_embeddings().weight is not hf_model.get_input_embeddings().weight:
         raise RuntimeError("the MLM decoder is not tied to the word embeddings (tie_word_embeddings=False?)")
