@@ -147,6 +147,38 @@ def test_the_kernels_agree_in_document_scope(documents, arch):
     assert torch.allclose(sdpa, eager, atol=1e-5)
 
 
+def test_auto_times_the_kernels_under_document_masks(tmp_path, monkeypatch):
+    """``impl.attention: auto`` in document scope times every candidate under a block-diagonal mask
+    (with ModernBERT's window on its local layers), cached apart from the row-scope timings."""
+    from pretrain.runtime import attention
+
+    asked, time_candidates = [], attention.time_candidates
+    monkeypatch.setattr(attention, "time_candidates", lambda *a, **k: asked.append(k) or {"sdpa_math": 1e-3})
+    monkeypatch.setattr(attention, "cache_path", lambda: tmp_path / "attention.json")
+    for scope in ("row", "document"):
+        attention.resolve(model("modernbert", scope), "auto", torch.device("cpu"), torch.float32, 8, SEQ)
+    assert [k["documents"] for k in asked] == [False, True] and all(k["window"] == 8 for k in asked)
+    keys = sorted(json.loads((tmp_path / "attention.json").read_text()))
+    assert len(keys) == 2 and keys[1] == keys[0] + "|documents"
+
+    inside = attention.document_mask(SEQ, 3, torch.device("cpu"))
+    assert inside.shape == (3, 1, SEQ, SEQ) and not inside[0, 0, 0, -1] and inside[0, 0, 0, 0]
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen.append(attn_mask)
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    timed = time_candidates(
+        torch.device("cpu"), torch.float32, (3, 4, SEQ, 16), ("sdpa_math",), 1, 8, 2 / 3, documents=True
+    )
+    assert timed["sdpa_math"] > 0
+    window = attention.window_mask(SEQ, 8, 3, torch.device("cpu"))
+    assert all(m is not None for m in seen)
+    assert any(torch.equal(m, inside) for m in seen) and any(torch.equal(m, inside & window) for m in seen)
+
+
 @pytest.mark.parametrize("arch", ["bert", "modernbert"])
 def test_the_export_scores_a_document_alone_as_training_scored_it(documents, arch, tmp_path):
     """The exported Hugging Face model, given ``[CLS] document [SEP]``, has the trained model's logits

@@ -153,7 +153,7 @@ def test_attention_is_timed_with_the_local_layers_mask_the_model_passes(rows, tm
     monkeypatch.setattr(attention, "time_candidates", lambda *a, **k: asked.update(k) or {"sdpa_math": 1e-3})
     monkeypatch.setattr(attention, "cache_path", lambda: tmp_path / "attention.json")
     attention.resolve(model, "auto", torch.device("cpu"), torch.float32, 8, ids.shape[1])
-    assert asked == {"window": 16, "local_share": 2 / 3}
+    assert asked == {"window": 16, "local_share": 2 / 3, "documents": False}
     assert "|window=16@0.667" in next(iter(json.loads((tmp_path / "attention.json").read_text())))
     timed = time_candidates(
         torch.device("cpu"),
