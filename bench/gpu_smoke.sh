@@ -13,6 +13,8 @@
 #   phase2        a new phase from adamw's checkpoint (train.init_from_checkpoint), converted to ZeRO 2
 #   modernbert    configs/modernbert-tiny.yaml (local attention: a sliding-window mask), bf16, ZeRO 1
 #   flash-attn    modernbert with impl.attention=flash_attention_2, where the flash-attn package is installed
+#   documents     model.attention_scope=document, on mini (BERT) and modernbert-tiny (windowed local layers):
+#                 FlexAttention's block mask where flash-attn would run rows, else SDPA with a boolean mask
 #   export        the lamb run's Hugging Face export (ZeRO 0 bf16: the fp32 masters) loads and fills masks
 #   bert-base     configs/base.yaml at sequence 128: MFU to compare with NVIDIA's BERT (~45%)
 #   bert-base-nodrop  the same without dropout: what keyed dropout costs in base.yaml's step
@@ -26,7 +28,7 @@
 #                      [--only UNIT,...] [--skip UNIT,...] [--resume-from RESULTS_FILE]
 #
 # Units, in the order they run (a unit's runs and the check that reads them): paths mlm-loss adamw
-# bert-base resume nonfinite export zero3 phase2 modernbert flash-attn dropout compile-fixed
+# bert-base resume nonfinite export zero3 phase2 modernbert flash-attn documents dropout compile-fixed
 # bert-base-nodrop nccl. Each line of WORK/results.txt is written as a run or check ends, and
 # "done UNIT" once a unit has passed; --resume-from that file (carried to the next lease) runs only
 # the units not done, so two short leases cover everything.
@@ -42,8 +44,8 @@ PY=${PYTHON:-.venv/bin/python}
 
 DRY_RUN=0 GPUS="" STEPS=50 MICRO=64 CONFIG=configs/mini.yaml DATA="" WORK=/tmp/gpu_smoke BUDGET=540
 ONLY="" SKIP="" RESUME_FROM="" PREVIOUS_DONE=""
-UNITS=(paths mlm-loss adamw bert-base resume nonfinite export zero3 phase2 modernbert flash-attn dropout
-       compile-fixed bert-base-nodrop nccl)
+UNITS=(paths mlm-loss adamw bert-base resume nonfinite export zero3 phase2 modernbert flash-attn documents
+       dropout compile-fixed bert-base-nodrop nccl)
 usage() { grep -A1 '^#   bench/gpu_smoke.sh \[' "$0" | sed 's/^# \{0,3\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -283,6 +285,13 @@ elif [ "$DRY_RUN" = 1 ] || "$PY" -c "import flash_attn" 2>/dev/null; then
 else
   echo "  flash-attn: not installed here, not run"
   record "skipped run flash-attn (the flash-attn package is not installed)"
+fi
+# Attention inside each packed document: its tokens/s beside adamw's (the same run in row scope).
+if selected documents; then
+  run documents 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=1 model.attention_scope=document
+  RUN_CONFIG=configs/modernbert-tiny.yaml run documents-modernbert 1 impl.zero_stage=1 \
+    model.max_position_embeddings=128 model.attention_scope=document
+  close documents documents documents-modernbert
 fi
 if selected dropout; then
   run dropout 1 model.hidden_dropout=0.1 model.attention_dropout=0.1 impl.zero_stage=1; close dropout dropout

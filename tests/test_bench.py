@@ -47,6 +47,8 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         "bert-base",
         "bert-base-nodrop",
         "compile-fixed",
+        "documents",
+        "documents-modernbert",
         "dropout",
         "flash-attn",
         "halted",
@@ -64,6 +66,9 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     assert launches["modernbert"][1].model.arch == launches["flash-attn"][1].model.arch == "modernbert"
     assert launches["flash-attn"][1].impl.attention == "flash_attention_2"
     assert launches["dropout"][1].model.attention_dropout == 0.1
+    documents, documents_modernbert = launches["documents"][1], launches["documents-modernbert"][1]
+    assert documents.model.attention_scope == documents_modernbert.model.attention_scope == "document"
+    assert documents_modernbert.model.arch == "modernbert"
     assert launches["bert-base"][1].model.hidden_size == 768 and launches["bert-base"][1].impl.device == "cuda"
     base, nodrop = launches["bert-base"][1], launches["bert-base-nodrop"][1]  # MFU with dropout on and off
     assert base.model.hidden_dropout == 0.1 and nodrop.model.hidden_dropout == 0.0

@@ -179,6 +179,32 @@ def test_auto_times_the_kernels_under_document_masks(tmp_path, monkeypatch):
     assert any(torch.equal(m, inside) for m in seen) and any(torch.equal(m, inside & window) for m in seen)
 
 
+def test_the_gpu_runs_document_scope_through_flexattention(monkeypatch):
+    """Where flash-attn would run full rows, document scope takes FlexAttention (its block mask built on
+    the device); rows keep flash-attn."""
+    from pretrain.model import mlm
+
+    monkeypatch.setattr(mlm, "_attention_for_rows", lambda impl: "flash_attention_2")
+    assert mlm.attention_implementation(ImplConfig(), "row") == "flash_attention_2"
+    assert mlm.attention_implementation(ImplConfig(), "document") == "flex_attention"
+    monkeypatch.setattr(mlm, "_attention_for_rows", lambda impl: "sdpa")
+    assert mlm.attention_implementation(ImplConfig(), "document") == "sdpa"
+
+
+@pytest.mark.slow  # torch.compile's FlexAttention kernel, and inductor's compile workers
+@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+def test_flexattentions_block_mask_computes_what_sdpa_does(documents, arch):
+    """The GPU's document kernel, forward only (FlexAttention has no CPU backward): the same outputs
+    as SDPA's boolean mask, ModernBERT's windowed local layers included."""
+    rows = torch.cat([pack(documents[:4]), pack(documents[4:7])])
+    net = model(arch, "document")
+    with torch.no_grad():
+        sdpa = net.encode(rows, rows != PAD)
+        net.config._attn_implementation = "flex_attention"
+        flex = net.encode(rows, rows != PAD)
+    assert torch.allclose(flex, sdpa, atol=1e-4), (flex - sdpa).abs().max()
+
+
 @pytest.mark.parametrize("arch", ["bert", "modernbert"])
 def test_the_export_scores_a_document_alone_as_training_scored_it(documents, arch, tmp_path):
     """The exported Hugging Face model, given ``[CLS] document [SEP]``, has the trained model's logits

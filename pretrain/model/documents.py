@@ -57,3 +57,20 @@ def same_document(documents: torch.Tensor, window: int | None = None) -> torch.T
 def as_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask as the additive bias that Hugging Face's eager attention adds to its scores."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def block_mask(documents: torch.Tensor, window: int | None = None):
+    """``same_document`` as FlexAttention's BlockMask: built on the device, and the blocks that hold
+    no pair of one document (most, in long rows of short documents) are skipped, not computed."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def inside(batch, head, q, kv):
+        return documents[batch, q] == documents[batch, kv]
+
+    def inside_window(batch, head, q, kv):
+        return (documents[batch, q] == documents[batch, kv]) & ((q - kv).abs() <= window)
+
+    batch, length = documents.shape
+    return create_block_mask(
+        inside if window is None else inside_window, batch, None, length, length, device=documents.device
+    )

@@ -137,11 +137,13 @@ class MLMModel(torch.nn.Module):
         of layer, its local layers' within their window."""
         documents = docs.document_ids(input_ids, self.sep_id)
         built = self.config._attn_implementation
-        if built not in ("sdpa", "eager", KEYED_ATTENTION):
+        if built not in ("sdpa", "eager", "flex_attention", KEYED_ATTENTION):
             raise NotImplementedError(f"model.attention_scope=document with attention {built!r}")
         dtype = self.hf_model.get_input_embeddings().weight.dtype
 
         def mask(window=None):
+            if built == "flex_attention":
+                return docs.block_mask(documents, window)
             allowed = docs.same_document(documents, window)
             return docs.as_additive(allowed, dtype) if built == "eager" else allowed
 
@@ -226,12 +228,32 @@ class MLMModel(torch.nn.Module):
         return loss_sum, num_correct, counted.sum()
 
 
-def attention_implementation(impl: ImplConfig) -> str:
+def attention_implementation(impl: ImplConfig, scope: str = "row") -> str:
     """The attention kernel Hugging Face should use: ``impl.attention`` unless it cannot run here.
 
     flash_attention_2 needs a CUDA GPU of compute capability 8.0+ (Ampere or newer), the flash-attn
     package and 16-bit weights; anywhere else (a CPU, ``impl.precision: fp32``) SDPA runs instead,
-    with a warning when flash attention was asked for by name."""
+    with a warning when flash attention was asked for by name.
+
+    In document scope (``model.attention_scope``) the GPU's kernel is FlexAttention: its block mask
+    is built on the device from the row's separators and skips the blocks between documents.
+    flash-attn's varlen kernel would take the documents as ``cu_seqlens``, but their number sets
+    that tensor's shape, which the host must read every step (or pad to the worst case, B x L / 2
+    sequences, mostly empty thread blocks). FlexAttention has no backward on the CPU (torch 2.13),
+    where SDPA takes a boolean mask instead."""
+    chosen = _attention_for_rows(impl)
+    if scope == "document" and chosen == "flash_attention_2":
+        from transformers.utils import is_torch_flex_attn_available
+
+        if is_torch_flex_attn_available():
+            log.info("attention: flex_attention (model.attention_scope=document: a block mask per document)")
+            return "flex_attention"
+        log.warning("attention: FlexAttention is not available: document scope runs SDPA with a mask")
+        return "sdpa"
+    return chosen
+
+
+def _attention_for_rows(impl: ImplConfig) -> str:
     wanted = impl.attention
     if wanted.startswith("sdpa_"):  # one SDPA backend: MLMModel.use_attention
         return "sdpa"
@@ -364,7 +386,7 @@ def build_model(
     ``vocab_size`` rounded up to ``model_cfg.vocab_multiple``. Always fp32: the engine casts for
     mixed precision."""
     rows = vocab_rows or padded_vocab(vocab_size, model_cfg.vocab_multiple)
-    attention = attention_implementation(impl)
+    attention = attention_implementation(impl, model_cfg.attention_scope)
     if model_cfg.init_from:
         hf_model, fresh = _pretrained(model_cfg, vocab_size, attention)
     else:
