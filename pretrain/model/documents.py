@@ -26,6 +26,7 @@ A document cut by a row boundary is two documents to the model, one in each row,
 from __future__ import annotations
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 
 def document_ids(input_ids: torch.Tensor, sep_id: int) -> torch.Tensor:
@@ -62,8 +63,6 @@ def as_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def block_mask(documents: torch.Tensor, window: int | None = None):
     """``same_document`` as FlexAttention's BlockMask: built on the device, and the blocks that hold
     no pair of one document (most, in long rows of short documents) are skipped, not computed."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     def inside(batch, head, q, kv):
         return documents[batch, q] == documents[batch, kv]
 
