@@ -136,6 +136,13 @@ VARIANTS: dict[str, Variant] = {
     "ours-compile-drop": Variant(
         "ours, torch.compile, hidden dropout 0.1 (keyed)", "ours", ("impl.compile=true", "model.hidden_dropout=0.1")
     ),
+    # Attention inside each packed document (model.attention_scope): compare with ours / ours-compile.
+    "ours-doc": Variant("ours, eager, model.attention_scope=document", "ours", ("model.attention_scope=document",)),
+    "ours-compile-doc": Variant(
+        "ours, torch.compile, model.attention_scope=document",
+        "ours",
+        ("impl.compile=true", "model.attention_scope=document"),
+    ),
     # What per-layer health (pretrain/runtime/health.py) costs: compare with ours / ours-zero1.
     "ours-health10": Variant("ours, eager, train.health_every=10", "ours", ("train.health_every=10",)),
     "ours-zero1-health10": Variant(
@@ -173,6 +180,7 @@ class Measurement:
     # machine (OpenMP threads spin while waiting), lower when other processes took cores.
     cpu_share: float = float("nan")
     memory_gb: float = float("nan")  # ours only: the trainer's perf/memory_gb, its peak
+    attention: str = ""  # ours only: the kernel the trainer ran (impl.attention=auto's choice, and why)
 
 
 @dataclass
@@ -250,8 +258,11 @@ def run_ours(variant: str, args, plan: Plan, shards: Path, peak: float) -> Measu
         proc = subprocess.Popen(
             cmd, cwd=REPO, env=thread_env(args.threads), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
+        attention = ""
         for line in proc.stdout:
             log.write(line)
+            if " INFO attention: " in line:
+                attention = line.split(" INFO attention: ", 1)[1].strip()
             m = _LOG_LINE.match(line)
             if m and int(m.group(2)) in (plan.warmup_steps, plan.steps):
                 seen[int(m.group(2))] = (time.perf_counter(), _cpu_seconds(proc.pid))
@@ -286,6 +297,7 @@ def run_ours(variant: str, args, plan: Plan, shards: Path, peak: float) -> Measu
         startup_s=t0 - started,
         cpu_share=(c1 - c0) / (t1 - t0) / args.threads,
         memory_gb=max((r.get("perf/memory_gb", float("nan")) for r in windows), default=float("nan")),
+        attention=attention,
     )
     if not args.keep:
         shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
@@ -419,6 +431,12 @@ def ratios(rows: list[Row], seq_len: int, seqs_per_step: int) -> list[str]:
     for dropped, plain in (("ours-drop", "ours-nodrop"), ("ours-compile-drop", "ours-compile")):
         if dropped in tps and plain in tps:
             lines.append(f"what dropout 0.1 costs: {dropped} / {plain} = {tps[dropped] / tps[plain]:.2f}x")
+    for document, row in (("ours-doc", "ours"), ("ours-compile-doc", "ours-compile")):
+        if document in tps and row in tps:
+            lines.append(f"what attention inside documents costs: {document} / {row} = {tps[document] / tps[row]:.2f}x")
+    for name, m in best.items():
+        if m.attention:
+            lines.append(f"{name}: attention {m.attention}")
     for eager, compiled in (("ours", "ours-compile"), ("bare-fused", "bare-compile")):
         if eager in best and compiled in best:
             e, c = best[eager], best[compiled]

@@ -63,6 +63,7 @@ def as_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def block_mask(documents: torch.Tensor, window: int | None = None):
     """``same_document`` as FlexAttention's BlockMask: built on the device, and the blocks that hold
     no pair of one document (most, in long rows of short documents) are skipped, not computed."""
+
     def inside(batch, head, q, kv):
         return documents[batch, q] == documents[batch, kv]
 
