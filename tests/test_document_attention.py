@@ -122,6 +122,28 @@ def test_document_attention_sees_only_its_document(documents, arch, attention):
             assert moved > 1e-3, (scope, moved)
 
 
+def test_training_with_keyed_attention_dropout_keeps_to_the_document(documents):
+    """In training with dropout on the attention probabilities (BERT's 0.1), attention runs our keyed
+    eager kernel; it takes the boolean document mask too, and the dropout draws do not depend on
+    the other documents."""
+    from pretrain.model import keyed_dropout
+
+    row = pack(documents[:4])
+    changed = row.clone()
+    second = spans(row)[1]
+    changed[0, second.start : second.stop - 1] = torch.arange(2000, 2000 + len(second) - 1)
+    others = [p for span in spans(row) if span != second for p in span]
+    torch.manual_seed(0)
+    cfg = ModelConfig(**ARCHS["bert"], attention_scope="document", attention_dropout=0.1, hidden_dropout=0.1)
+    net = build_model(cfg, SPECIAL.vocab_size, SPECIAL, ImplConfig(attention="sdpa")).train()
+    keyed_dropout.install(net.hf_model, seed=3).set(torch.tensor([17]), step=2)
+    assert net.config._attn_implementation == keyed_dropout.KEYED_ATTENTION
+    with torch.no_grad():
+        before, after = net.encode(row, row != PAD)[0], net.encode(changed, changed != PAD)[0]
+    assert (after[others] - before[others]).abs().max() <= 1e-5
+    assert (after[list(second)] - before[list(second)]).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("arch", ["bert", "modernbert"])
 def test_a_documents_outputs_do_not_depend_on_where_it_lies_in_the_row(documents, arch):
     """Positions restart at each document: the same document after a short or a long neighbour (or
