@@ -286,8 +286,21 @@ def test_a_document_run_resumed_at_another_layout_logs_the_uninterrupted_losses(
 
 
 @pytest.mark.slow
-def test_the_scope_is_refused_when_changed_on_resume(shards, tmp_path):
+def test_the_scope_is_refused_when_changed_on_resume_and_a_new_phase_may_change_it(shards, tmp_path):
     ok(train(shards, tmp_path, *DOC_RUN, "train.max_steps=2", "impl.zero_stage=0"))
     proc = train(shards, tmp_path, *DOC_RUN, "train.max_steps=4", "model.attention_scope=row", "impl.zero_stage=0")
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "model.attention_scope: the checkpoint step00000002 was trained with 'document', now 'row'" in proc.stderr
+    # a new phase from that checkpoint is a new run: it may change the scope
+    phase = ok(
+        train(
+            shards,
+            tmp_path / "phase2",
+            *DOC_RUN,
+            "train.max_steps=2",
+            "model.attention_scope=row",
+            "impl.zero_stage=0",
+            f"train.init_from_checkpoint={tmp_path / 'checkpoints'}",
+        )
+    )
+    assert "within each row" in phase.stdout + phase.stderr
