@@ -325,49 +325,81 @@ def _local_work(job: _Job):
         yield Path(tmp)
 
 
+@dataclass
+class _Tally:
+    """What was removed, by reason: documents, words and the first examples (global ids), counted
+    the same way for the rules' removals and the duplicates'."""
+
+    words_in: int = 0
+    removed: dict = dataclasses.field(default_factory=dict)
+    examples: dict = dataclasses.field(default_factory=dict)
+
+    def count(self, why: str, words: int, gid: int) -> None:
+        entry = self.removed.setdefault(why, {"documents": 0, "words": 0})
+        entry["documents"] += 1
+        entry["words"] += words
+        if len(self.examples.setdefault(why, [])) < EXAMPLES:
+            self.examples[why].append(gid)
+
+    def documents(self) -> int:
+        return sum(e["documents"] for e in self.removed.values())
+
+
 def stage_clusters(job: _Job, num_tasks: int) -> None:
     """Decisions from the groups' signature and sorted key files, one group or one key range in memory
     at a time (``sorted_keys``): memory follows the duplicates and candidates, not the corpus."""
-    s = job.s
     groups = [(k, n) for k, n in _all_groups(job, num_tasks) if n]
     offsets = np.cumsum([0] + [n for _, n in groups])[:-1].astype(np.int64)
     n = int(sum(c for _, c in groups))
     if n == 0:
         raise DataPrepError(f"empty input: no documents in {', '.join(src.path for src in job.sources[:5])}")
-    num_perm = s.near.bands * s.near.rows
-    held = None
-    if job.held:
-        held = Signatures.of(
-            [
-                analyse(r, s.text_field, _no_filters(s), None)
-                for src in job.held
-                for r in iter_source_records(src, job.opts)
-            ],
-            num_perm,
-        )
+    tally = _Tally()
+    decont, filtered = _rules_and_contamination(job, groups, offsets, tally)
+    exact_removed, exact_reps, pairs = _duplicate_candidates(job, groups, offsets, n - filtered, decont)
+    near_removed, near_reps = _near_duplicates(job, groups, offsets, pairs)
+    clusters_found = _biggest_clusters(exact_removed, exact_reps, near_removed, near_reps)
+    names = ["", "decontamination", "exact_duplicate", "near_duplicate"]
+    ids = np.concatenate([decont, exact_removed, near_removed])
+    codes = np.concatenate(
+        [np.full(len(decont), 1), np.full(len(exact_removed), 2), np.full(len(near_removed), 3)]
+    ).astype(np.uint16)
+    order = np.argsort(ids)
+    ids, codes = ids[order], codes[order]
+    group_of = np.searchsorted(offsets, ids, side="right") - 1
+    for g in np.unique(group_of):
+        words = _group_sig(job, groups[g][0], "words").words
+        for gid, c in zip(ids[group_of == g].tolist(), codes[group_of == g].tolist()):
+            tally.count(names[c], int(words[gid - offsets[g]]), gid)
+    _save_npz(job.store, job.work + "decisions.npz", ids=ids, codes=codes)
+    _write_decisions(job, groups, n, names, tally, clusters_found)
 
-    # Per group: what language and quality removed (counted here, never held), words, and copies of
-    # the held-out files.
-    removed: dict[str, dict] = {}
-    examples: dict[str, list[int]] = {}
-    words_in = filtered = 0
-    contaminated = []
-    for (key, count), offset in zip(groups, offsets):
+
+def _held_out_signatures(job: _Job) -> Signatures | None:
+    s = job.s
+    if not job.held:
+        return None
+    records = [
+        analyse(r, s.text_field, _no_filters(s), None) for src in job.held for r in iter_source_records(src, job.opts)
+    ]
+    return Signatures.of(records, s.near.bands * s.near.rows)
+
+
+def _rules_and_contamination(job: _Job, groups, offsets, tally: _Tally) -> tuple[np.ndarray, int]:
+    """Per group, what language and quality removed (counted, never held), its words, and its copies
+    of the held-out files: (the contaminated global ids, the documents the rules removed)."""
+    s, held = job.s, _held_out_signatures(job)
+    contaminated, filtered = [], 0
+    for (key, _), offset in zip(groups, offsets):
         sig = _group_sig(job, key) if held is not None else _group_sig(job, key, "words", "removed_by")
-        words_in += int(sig.words.sum())
+        tally.words_in += int(sig.words.sum())
         for i in np.flatnonzero(sig.removed_by != ""):
-            why, filtered = sig.removed_by[i], filtered + 1
-            entry = removed.setdefault(why, {"documents": 0, "words": 0})
-            entry["documents"] += 1
-            entry["words"] += int(sig.words[i])
-            if len(examples.setdefault(why, [])) < EXAMPLES:
-                examples[why].append(int(offset + i))
+            filtered += 1
+            tally.count(sig.removed_by[i], int(sig.words[i]), int(offset + i))
         if held is not None:
-            alive = sig.removed_by == ""
             hit = clusters.contaminated(
                 sig.signatures if s.near.enabled else None,
                 sig.exact,
-                alive,
+                sig.removed_by == "",
                 held.signatures,
                 held.exact,
                 s.near.bands,
@@ -375,9 +407,14 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
                 s.near.min_similarity,
             )
             contaminated.append(np.flatnonzero(hit) + offset)
-    decont = np.concatenate(contaminated) if contaminated else np.zeros(0, np.int64)
-    exact_removed = exact_reps = near_removed = near_reps = np.zeros(0, np.int64)
+    return (np.concatenate(contaminated) if contaminated else np.zeros(0, np.int64)), filtered
 
+
+def _duplicate_candidates(job: _Job, groups, offsets, alive: int, decont: np.ndarray):
+    """(exact duplicates removed, their representatives, near-duplicate candidate pairs) from the
+    groups' sorted key files, one key range at a time."""
+    s = job.s
+    exact_removed = exact_reps = np.zeros(0, np.int64)
     with _local_work(job) as folder:
         maps: dict[tuple[int, str], np.ndarray] = {}
 
@@ -392,7 +429,7 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
             return out
 
         files = KeyFiles(load, offsets, maps.clear)
-        ranges = max(1, -(-(n - filtered) // s.slice_keys))
+        ranges = max(1, -(-alive // s.slice_keys))
         if s.exact.enabled:
             exact_removed, exact_reps = exact_duplicates(files, ranges, decont)
         pairs = (
@@ -401,21 +438,28 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
             else np.zeros((0, 2), np.int64)
         )
         maps.clear()
+    return exact_removed, exact_reps, pairs
 
-    if len(pairs):
-        # The candidates' signatures and identities, group by group (copies: each group goes after).
-        members = np.unique(pairs)
-        rows = np.empty((len(members), num_perm), np.uint32)
-        ident = np.empty(len(members), "S16")
-        group_of = np.searchsorted(offsets, members, side="right") - 1
-        for g in np.unique(group_of):
-            sig = _group_sig(job, groups[g][0], "signatures", "keys")
-            at = np.flatnonzero(group_of == g)
-            rows[at], ident[at] = sig.signatures[members[at] - offsets[g]], sig.keys[members[at] - offsets[g]]
-        near_removed, near_reps = clusters_of(pairs, rows, ident, members, s.near.min_similarity)
-        del rows, ident
 
-    # An exact duplicate belongs to its representative's near cluster: the cluster's sizes.
+def _near_duplicates(job: _Job, groups, offsets, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(removed, representatives) of the candidates' clusters: their signatures and identities read
+    group by group (copies: each group goes after)."""
+    if not len(pairs):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    members = np.unique(pairs)
+    rows = np.empty((len(members), job.s.near.bands * job.s.near.rows), np.uint32)
+    ident = np.empty(len(members), "S16")
+    group_of = np.searchsorted(offsets, members, side="right") - 1
+    for g in np.unique(group_of):
+        sig = _group_sig(job, groups[g][0], "signatures", "keys")
+        at = np.flatnonzero(group_of == g)
+        rows[at], ident[at] = sig.signatures[members[at] - offsets[g]], sig.keys[members[at] - offsets[g]]
+    return clusters_of(pairs, rows, ident, members, job.s.near.min_similarity)
+
+
+def _biggest_clusters(exact_removed, exact_reps, near_removed, near_reps) -> list[dict]:
+    """The CLUSTERS largest clusters (an exact duplicate belongs to its representative's near
+    cluster): size, the member kept, the smallest member removed."""
     final_exact = exact_reps.copy()
     if len(near_removed) and len(exact_reps):
         at = np.minimum(np.searchsorted(near_removed, exact_reps), len(near_removed) - 1)
@@ -425,30 +469,12 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
     dup_ids = np.concatenate([exact_removed, near_removed])
     reps, counts = np.unique(final, return_counts=True)
     top = np.lexsort((reps, -counts))[:CLUSTERS]
-    biggest = [(int(reps[i]), int(counts[i]) + 1) for i in top]
-    member = {}
-    for r, _ in biggest:
-        mine = dup_ids[final == r]
-        member[r] = int(mine.min())
+    return [
+        {"size": int(counts[i]) + 1, "kept": int(reps[i]), "removed": int(dup_ids[final == reps[i]].min())} for i in top
+    ]
 
-    names = ["", "decontamination", "exact_duplicate", "near_duplicate"]
-    ids = np.concatenate([decont, exact_removed, near_removed])
-    codes = np.concatenate(
-        [np.full(len(decont), 1), np.full(len(exact_removed), 2), np.full(len(near_removed), 3)]
-    ).astype(np.uint16)
-    order = np.argsort(ids)
-    ids, codes = ids[order], codes[order]
-    group_of = np.searchsorted(offsets, ids, side="right") - 1
-    for g in np.unique(group_of):
-        words = _group_sig(job, groups[g][0], "words").words
-        for gid, c in zip(ids[group_of == g].tolist(), codes[group_of == g].tolist()):
-            why, w = names[c], int(words[gid - offsets[g]])
-            entry = removed.setdefault(why, {"documents": 0, "words": 0})
-            entry["documents"] += 1
-            entry["words"] += w
-            if len(examples.setdefault(why, [])) < EXAMPLES:
-                examples[why].append(gid)
-    _save_npz(job.store, job.work + "decisions.npz", ids=ids, codes=codes)
+
+def _write_decisions(job: _Job, groups, n: int, names: list[str], tally: _Tally, clusters_found: list) -> None:
     job.store.write_bytes(
         job.work + "decisions.json",
         json_bytes(
@@ -457,15 +483,15 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
                 "reasons": names,
                 "groups": [[k.source, k.group, c] for k, c in groups],
                 "totals": {
-                    "in": {"documents": n, "words": words_in},
+                    "in": {"documents": n, "words": tally.words_in},
                     "out": {
-                        "documents": n - sum(e["documents"] for e in removed.values()),
-                        "words": words_in - sum(e["words"] for e in removed.values()),
+                        "documents": n - tally.documents(),
+                        "words": tally.words_in - sum(e["words"] for e in tally.removed.values()),
                     },
                 },
-                "removed": dict(sorted(removed.items())),
-                "examples": dict(sorted(examples.items())),
-                "clusters": [{"size": size, "kept": r, "removed": member[r]} for r, size in biggest],
+                "removed": dict(sorted(tally.removed.items())),
+                "examples": dict(sorted(tally.examples.items())),
+                "clusters": clusters_found,
             }
         ),
     )
