@@ -19,6 +19,7 @@ import pytest
 
 from conftest import REPO
 from mlflow_server import mlflow_server  # noqa: F401  (a fixture)
+from pretrain.config import loader as configlib
 from pretrain.config.loader import ConfigError
 from tests.slurm.cluster import slurm_cluster  # noqa: F401  (a fixture)
 
@@ -369,3 +370,24 @@ def test_slurm_array_job_one_variant_per_task_then_the_summary(shards, slurm_clu
         "rate=0.15",
         "rate=0.4",
     ]
+
+
+def test_a_variant_folder_holding_other_settings_is_refused(shards, tmp_path):
+    """Fixing another seed on the command line must not skip (or resume) the variants an earlier run
+    of the same study finished with the old seed: each difference named, nothing started."""
+    from pretrain.study.plan import load_study
+
+    args = [f"data.dir={shards}", f"study.out_dir={tmp_path / 'study'}", "train.max_steps=4"]
+    study = load_study(str(REPO / "configs" / "study.yaml"), args)
+    for variant in study.variants[:2]:  # as run_variant leaves them
+        variant.out_dir.mkdir(parents=True)
+        (variant.out_dir / "variant.yaml").write_text(configlib.dump_yaml(variant.cfg))
+    assert len(load_study(str(REPO / "configs" / "study.yaml"), args).variants) == 6  # the same study: fine
+    with pytest.raises(ConfigError) as refused:
+        load_study(str(REPO / "configs" / "study.yaml"), [*args, "train.seed=7"])
+    assert len(refused.value.problems) == 2, refused.value.problems
+    first = study.variants[0]
+    assert refused.value.problems[0] == (
+        f"variant {first.name}: {first.out_dir} holds a run with train.seed=42, this study has 7: "
+        "give this study its own study.out_dir"
+    )

@@ -183,9 +183,33 @@ def load_study(config_path: str, args: list[str] = ()) -> Study:
         else:
             os.environ["WORLD_SIZE"] = world_before
     problems += _data_problems(variants)
+    problems += _reuse_problems(variants)
     if problems:
         raise ConfigError(list(dict.fromkeys(problems)), config_path)
     return Study(section, str(config_path), study_dir, shared, variants)
+
+
+def _reuse_problems(variants: list[Variant]) -> list[str]:
+    """A variant folder that already holds a run of other settings that change results (another
+    seed, say, fixed on the command line) would be skipped as finished or resumed as if it were
+    this variant: refused, naming each difference, before anything starts."""
+    # lazy: the trainer's own list of the settings a resume may not change pulls in torch (~1.5 s)
+    from pretrain.runtime.preflight import RESULTS_GROUPS, RESULTS_KEYS
+
+    problems = []
+    for variant in variants:
+        saved_file = variant.out_dir / "variant.yaml"
+        if not saved_file.is_file():
+            continue
+        before = configlib.flatten(configlib.load_yaml(str(saved_file)))
+        now = configlib.flatten(configlib.to_dict(variant.cfg))
+        for key in sorted(set(before) | set(now)):
+            if (key.split(".")[0] in RESULTS_GROUPS or key in RESULTS_KEYS) and before.get(key) != now.get(key):
+                problems.append(
+                    f"variant {variant.name}: {variant.out_dir} holds a run with {key}={before.get(key)!r}, this "
+                    f"study has {now.get(key)!r}: give this study its own study.out_dir"
+                )
+    return problems
 
 
 def _data_problems(variants: list[Variant]) -> list[str]:
