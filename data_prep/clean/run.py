@@ -442,19 +442,39 @@ def _duplicate_candidates(job: _Job, groups, offsets, alive: int, decont: np.nda
 
 
 def _near_duplicates(job: _Job, groups, offsets, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(removed, representatives) of the candidates' clusters: their signatures and identities read
-    group by group (copies: each group goes after)."""
-    if not len(pairs):
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    """(removed, representatives) of the near-duplicate clusters: the candidate pairs checked on
+    their full signatures, then the confirmed pairs joined (the two halves that the candidates'
+    work and the join split into)."""
+    return _clusters_of_confirmed(job, groups, offsets, _confirmed_pairs(job, groups, offsets, pairs))
+
+
+def _confirmed_pairs(job: _Job, groups, offsets, pairs: np.ndarray) -> np.ndarray:
+    """The candidate pairs whose full signatures agree on ``near.min_similarity`` of their values
+    (their members' signatures read group by group; copies: each group goes after)."""
+    if not len(pairs) or job.s.near.min_similarity <= 0:
+        return pairs
     members = np.unique(pairs)
     rows = np.empty((len(members), job.s.near.bands * job.s.near.rows), np.uint32)
+    group_of = np.searchsorted(offsets, members, side="right") - 1
+    for g in np.unique(group_of):
+        at = np.flatnonzero(group_of == g)
+        rows[at] = _group_sig(job, groups[g][0], "signatures").signatures[members[at] - offsets[g]]
+    a, b = np.searchsorted(members, pairs[:, 0]), np.searchsorted(members, pairs[:, 1])
+    return pairs[clusters.agreement(rows, a, b) >= job.s.near.min_similarity]
+
+
+def _clusters_of_confirmed(job: _Job, groups, offsets, confirmed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Connected components of the confirmed pairs, each keeping its member with the smallest
+    identity: memory follows the confirmed pairs (the duplicates), not the candidates."""
+    if not len(confirmed):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    members = np.unique(confirmed)
     ident = np.empty(len(members), "S16")
     group_of = np.searchsorted(offsets, members, side="right") - 1
     for g in np.unique(group_of):
-        sig = _group_sig(job, groups[g][0], "signatures", "keys")
         at = np.flatnonzero(group_of == g)
-        rows[at], ident[at] = sig.signatures[members[at] - offsets[g]], sig.keys[members[at] - offsets[g]]
-    return clusters_of(pairs, rows, ident, members, job.s.near.min_similarity)
+        ident[at] = _group_sig(job, groups[g][0], "keys").keys[members[at] - offsets[g]]
+    return clusters_of(confirmed, np.zeros((0, 0), np.uint32), ident, members, 0.0)
 
 
 def _biggest_clusters(exact_removed, exact_reps, near_removed, near_reps) -> list[dict]:
