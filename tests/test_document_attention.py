@@ -1,6 +1,9 @@
 """``model.attention_scope: document``: attention that stays inside each document of a packed row, with
 positions restarting per document (pretrain/model/documents.py), on both architectures and every
-attention the CPU runs; the export scores a document alone as the trained model scored it."""
+attention the CPU runs; the export scores a document alone as the trained model scored it.
+
+Time: 65 s under the full suite's load (35 s of CPU): FlexAttention's compile for its CPU check, and
+four short training jobs (a resume across layouts, a refused resume, a new phase)."""
 
 from __future__ import annotations
 
