@@ -16,7 +16,9 @@ from transformers import AutoModelForMaskedLM
 from pretrain.config.schema import ImplConfig, ModelConfig
 from pretrain.model import documents as docs
 from pretrain.model.mlm import build_model
-from test_faults import ok, strict_records, train
+from test_faults import ok, train
+from test_resume_anywhere import SAME as NO_DROPOUT_LOGGED_EVERY_STEP
+from test_resume_anywhere import losses
 from tests.test_masking import SPECIAL
 
 CLS, SEP, PAD = SPECIAL.cls, SPECIAL.sep, SPECIAL.pad
@@ -252,19 +254,12 @@ def test_the_export_scores_a_document_alone_as_training_scored_it(documents, arc
 # A run in document scope through the trainer: resumed at another world size and ZeRO stage it logs
 # the uninterrupted run's losses, the scope is refused when changed on resume, and the export records it.
 DOC_RUN = [
+    *NO_DROPOUT_LOGGED_EVERY_STEP,
     "model.attention_scope=document",
-    "model.hidden_dropout=0",
-    "model.attention_dropout=0",
-    "train.log_every=1",
     "train.max_steps=6",
     "train.eval_every=0",
     "train.eval_sequences=32",
-    "optim.lr=3e-3",
 ]
-
-
-def logged_losses(out_dir) -> dict[int, float]:
-    return {r["step"]: r["train/loss"] for r in strict_records(out_dir / "metrics.jsonl") if "train/loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +275,7 @@ def test_a_document_run_resumed_at_another_layout_logs_the_uninterrupted_losses(
     assert "within each document" in output and "(attention within each document)" in output  # start, eval
     ok(train(shards, tmp_path, *DOC_RUN, "impl.zero_stage=2", "train.halt_at_step=3", ranks=2))
     ok(train(shards, tmp_path, *DOC_RUN, "impl.zero_stage=0", "impl.micro_batch_size=4", ranks=1))
-    want, got = logged_losses(straight), logged_losses(tmp_path)
+    want, got = losses(straight), losses(tmp_path)
     assert sorted(got) == sorted(want) == list(range(1, 7))
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-5), step

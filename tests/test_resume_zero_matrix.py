@@ -17,23 +17,20 @@ Time: 64 short training jobs forked from the rank pool, 100 s on the 2-core AVX-
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 
 from test_faults import ok, train
+from test_resume_anywhere import SAME as NO_DROPOUT_LOGGED_EVERY_STEP
+from test_resume_anywhere import losses
 
 pytestmark = pytest.mark.slow
 HALF, STEPS = 3, 7
 LAYOUTS = [(world, stage) for world in (1, 2) for stage in range(4)]
 SAME = [
-    "model.hidden_dropout=0",
-    "model.attention_dropout=0",
-    "train.log_every=1",
-    "optim.lr=3e-3",
-    "train.global_batch_size=16",
+    *NO_DROPOUT_LOGGED_EVERY_STEP,
     "impl.micro_batch_size=4",
     "impl.precision=fp32",
     f"train.max_steps={STEPS}",
@@ -45,11 +42,6 @@ TOLERANCE = 1e-6  # relative: the layouts agree within 4.3e-8, resumes within 5.
 
 def at(layout) -> list[str]:
     return [f"impl.zero_stage={layout[1]}"]  # the world size is the ranks launched
-
-
-def losses(out_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
 @pytest.fixture(scope="module")

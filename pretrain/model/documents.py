@@ -49,10 +49,13 @@ def same_document(documents: torch.Tensor, window: int | None = None) -> torch.T
     """[B, 1, L, L] bool, True where query i may attend to key j: the same document (and, with a
     ``window``, ``|i - j| <= window``, ModernBERT's local layers as Hugging Face masks them)."""
     allowed = documents[:, None, :, None] == documents[:, None, None, :]
-    if window is not None:
-        index = torch.arange(documents.size(1), device=documents.device)
-        allowed = allowed & ((index[:, None] - index[None, :]).abs() <= window)
-    return allowed
+    return allowed if window is None else within_window(allowed, window)
+
+
+def within_window(allowed: torch.Tensor, window: int) -> torch.Tensor:
+    """A [B, 1, L, L] mask narrowed to ``|i - j| <= window`` (ModernBERT's local layers)."""
+    index = torch.arange(allowed.size(-1), device=allowed.device)
+    return allowed & ((index[:, None] - index[None, :]).abs() <= window)
 
 
 def as_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -139,18 +139,18 @@ class MLMModel(torch.nn.Module):
         built = self.config._attn_implementation
         if built not in ("sdpa", "eager", "flex_attention", KEYED_ATTENTION):
             raise NotImplementedError(f"model.attention_scope=document with attention {built!r}")
-        dtype = self.hf_model.get_input_embeddings().weight.dtype
-
-        def mask(window=None):
-            if built == "flex_attention":
-                return docs.block_mask(documents, window)
-            allowed = docs.same_document(documents, window)
-            return docs.as_additive(allowed, dtype) if built == "eager" else allowed
-
-        if self.arch == "modernbert":
-            attention_mask = {"full_attention": mask(), "sliding_attention": mask(self.config.sliding_window)}
+        window = self.config.sliding_window if self.arch == "modernbert" else None
+        if built == "flex_attention":
+            full = docs.block_mask(documents)
+            local = docs.block_mask(documents, window) if window is not None else None
         else:
-            attention_mask = mask()
+            full = docs.same_document(documents)
+            local = docs.within_window(full, window) if window is not None else None
+            if built == "eager":
+                dtype = self.hf_model.get_input_embeddings().weight.dtype
+                full = docs.as_additive(full, dtype)
+                local = docs.as_additive(local, dtype) if local is not None else None
+        attention_mask = full if local is None else {"full_attention": full, "sliding_attention": local}
         return {"attention_mask": attention_mask, "position_ids": docs.document_positions(documents)}
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
