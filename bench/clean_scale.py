@@ -1,143 +1,174 @@
-"""``data_prep clean`` as stages at growing corpus sizes: documents per second per core at K = 1 and
-K = 2 signature tasks, and the clusters stage's time and peak memory against the number of documents.
+"""``data_prep clean`` as Slurm would run it, at growing corpus sizes and near-copy shares: time and
+peak memory per task of every stage, with the number of array tasks growing with the corpus.
 
-    python bench/clean_scale.py [--sizes 100000,300000,1000000] [--work-dir /tmp/clean-scale]
+    python bench/clean_scale.py [--sizes 1000000,3000000,10000000] [--near 0.1,0.4] \
+        [--docs-per-task 500000] [--parallel 2] [--work-dir /tmp/clean-scale]
 
 The corpus: the embedded sample's articles repeated with 30% of their words replaced (distinct
-documents: no two share an LSH band more than by chance), and in every 100 documents 5 exact copies
-and 5 copies with 2% of their words changed of earlier ones. Signatures run with the language and
-quality steps off (they cost the same per document at any size) and slices of 65,536 keys (a corpus
-of a billion documents at the default 4 Mi keys takes ~250 slices; these take 2-15) and groups of
-8 Mi characters (a stage holds one group at a time: fixed groups leave what grows with the corpus);
-each stage is its own
-``python -m data_prep clean --stage ...`` process, timed from outside, its peak memory read from
-``/usr/bin/time``-style rusage (``ru_maxrss`` of the child).
+documents: no two share an LSH band more than by chance); in every 100 documents 5 exact copies
+and ``100 * near`` copies with 2% of their words changed, each of one of the last 50,000 distinct
+documents (a crawl's near copies are of many pages, not of a few). K = ceil(documents /
+docs-per-task) tasks in every array stage, ``--parallel`` of them at a time (this machine's cores);
+each task is its own ``python -m data_prep clean --stage ...`` process, one worker. Signatures run
+with the language and quality steps off (they cost the same per document at any size), slices of
+65,536 keys (a billion documents at the default 4 Mi keys take ~250 slices; these take 16-150) and
+groups of 8 Mi characters (~17,000 documents).
+
+Memory per task: the peak of its resident anonymous memory (``RssAnon``, sampled every 20 ms: the
+heap, what a task must be given) and its peak resident set (``ru_maxrss``, which also counts pages of
+the memory-mapped key files: reclaimable cache). The join (clusters) is also given per confirmed
+pair: its peak anonymous memory over the confirmed pairs the pairs tasks wrote.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
-import resource
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 SLICE_KEYS = 1 << 16  # small, so that these corpora take many slices, as a billion documents would
 GROUP_CHARS = 1 << 23  # groups of ~17,000 documents whatever the corpus size (the default's are 8x)
+RECENT = 50_000  # near copies are of one of the last RECENT distinct documents
+ARRAYS = ("signatures", "exact", "pairs")
 
 
-def write_corpus(folder: Path, n: int, files: int = 8) -> list[Path]:
+def write_corpus(folder: Path, n: int, near: float, files: int = 8) -> None:
     from data_prep.sample_corpus import wiki_articles
 
-    texts = [x for _, x in wiki_articles()]
-    pool = sorted({w for x in texts[:2000] for w in x.split() if w.isalpha()})
+    texts = [x.split(" ") for _, x in wiki_articles()]
+    pool = sorted({w for x in texts[:2000] for w in x if w.isalpha()})
     rng = random.Random(n)
     partial = folder.with_name(folder.name + ".partial")  # renamed when complete: a kill leaves no half corpus
     subprocess.run(["rm", "-rf", str(partial)])
     partial.mkdir(parents=True)
-    paths = [partial / f"c{i:02d}.jsonl" for i in range(files)]
-    handles = [open(p, "w", encoding="utf-8") for p in paths]
-    made: list[str] = []
+    handles = [open(partial / f"c{i:02d}.jsonl", "w", encoding="utf-8") for i in range(files)]
+    recent: deque[list[str]] = deque(maxlen=RECENT)
+    near_slots = 5 + round(100 * near)
     for i in range(n):
         slot = i % 100
-        if slot < 5 and made:
-            text = rng.choice(made)
-        elif slot < 10 and made:
-            words = rng.choice(made).split(" ")
+        if slot < 5 and recent:
+            words = rng.choice(recent)
+        elif slot < near_slots and recent:
+            words = list(rng.choice(recent))
             for j in rng.sample(range(len(words)), max(1, len(words) // 50)):
                 words[j] = rng.choice(pool)
-            text = " ".join(words)
         else:
-            words = texts[i % len(texts)].split(" ")
+            words = list(texts[i % len(texts)])
             for j in rng.sample(range(len(words)), max(1, 3 * len(words) // 10)):
                 words[j] = rng.choice(pool)
-            text = " ".join(words)
-            if len(made) < 5000:
-                made.append(text)
-        handles[i % files].write(json.dumps({"id": i, "text": text}) + "\n")
+            recent.append(words)
+        handles[i % files].write(json.dumps({"id": i, "text": " ".join(words)}) + "\n")
     for h in handles:
         h.close()
     partial.rename(folder)
-    return [folder / p.name for p in paths]
 
 
-def stage(folder: Path, out: Path, name: str, tasks: int, task: int | None, *extra: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "data_prep",
-        "clean",
-        "--input",
-        str(folder),
-        "--out",
-        str(out),
-        "--stage",
-        name,
-        "--num-tasks",
-        str(tasks),
-        "--workers",
-        "1",
-        "--languages",
-        "any",
-        "--set",
-        "quality.enabled=false",
-        "--set",
-        f"slice_keys={SLICE_KEYS}",
-        "--group-chars",
-        str(GROUP_CHARS),
-        *extra,
-    ]
-    if task is not None:
-        cmd += ["--task-index", str(task)]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def command(folder: Path, out: Path, name: str, tasks: int, task: int | None) -> list[str]:
+    cmd = [sys.executable, "-m", "data_prep", "clean", "--input", str(folder), "--out", str(out)]
+    cmd += ["--stage", name, "--num-tasks", str(tasks), "--workers", "1", "--languages", "any"]
+    cmd += ["--set", "quality.enabled=false", "--set", f"slice_keys={SLICE_KEYS}", "--group-chars", str(GROUP_CHARS)]
+    return cmd + ([] if task is None else ["--task-index", str(task)])
 
 
-def wait_all(procs: list[subprocess.Popen]) -> tuple[float, int]:
-    """(seconds, peak MiB of the largest child) for processes started together."""
+def run_task(cmd: list[str]) -> tuple[float, int, int]:
+    """(seconds, peak anonymous MiB sampled, peak resident MiB) of one process."""
     t0 = time.perf_counter()
-    peak = 0
-    for p in procs:
-        _, status, usage = __import__("os").wait4(p.pid, 0)
-        if status != 0:
-            raise SystemExit(f"{p.args} failed:\n{p.stderr.read()[-3000:]}")
-        peak = max(peak, usage.ru_maxrss // 1024)
-    return time.perf_counter() - t0, peak
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak_anon = [0]
+    done = threading.Event()
+
+    def sample():
+        status = Path(f"/proc/{proc.pid}/status")
+        while not done.is_set():
+            try:
+                for line in status.read_text().splitlines():
+                    if line.startswith("RssAnon:"):
+                        peak_anon[0] = max(peak_anon[0], int(line.split()[1]))
+            except (FileNotFoundError, ProcessLookupError):
+                return
+            done.wait(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    _, status, usage = os.wait4(proc.pid, 0)
+    done.set()
+    sampler.join()
+    if status != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr.read()[-3000:]}")
+    return time.perf_counter() - t0, peak_anon[0] // 1024, usage.ru_maxrss // 1024
+
+
+def run_stage(cmds: list[list[str]], parallel: int) -> dict:
+    """Every task of a stage, ``parallel`` at a time: wall seconds, and the slowest task's seconds and
+    the largest peaks over the tasks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(parallel) as pool:
+        results = list(pool.map(run_task, cmds))
+    return {
+        "wall": time.perf_counter() - t0,
+        "task_s": max(r[0] for r in results),
+        "anon": max(r[1] for r in results),
+        "rss": max(r[2] for r in results),
+    }
+
+
+def confirmed_pairs(out: Path) -> int:
+    return sum(len(np.load(p)["pairs"]) for p in out.glob(".clean/*/pairs-*.npz"))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="100000,300000,1000000")
+    ap.add_argument("--sizes", default="1000000,3000000,10000000")
+    ap.add_argument("--near", default="0.1,0.4", help="shares of near copies")
+    ap.add_argument("--docs-per-task", type=int, default=500_000)
+    ap.add_argument("--parallel", type=int, default=2)
     ap.add_argument("--work-dir", default="/tmp/clean-scale")
     args = ap.parse_args()
     work = Path(args.work_dir)
     print(
-        f"{'documents':>10} {'K':>2} {'signatures s':>13} {'docs/s/core':>12} {'clusters s':>11} {'clusters MiB':>13} "
-        f"{'filter s':>9} {'removed exact/near':>19}"
+        f"{'documents':>10} {'near':>4} {'K':>3} | {'stage':>10} {'wall s':>7} {'task s':>7} {'anon MiB':>8} "
+        f"{'RSS MiB':>8} | removed exact/near, confirmed pairs, join bytes a pair",
+        flush=True,
     )
     for n in map(int, args.sizes.split(",")):
-        corpus = work / f"corpus-{n}"
-        if not corpus.is_dir():
-            write_corpus(corpus, n)
-        for k in (1, 2):
-            out = work / f"out-{n}-k{k}"
+        for near in map(float, args.near.split(",")):
+            corpus = work / f"corpus-{n}-{near:g}"
+            if not corpus.is_dir():
+                write_corpus(corpus, n, near)
+            k = -(-n // args.docs_per_task)
+            out = work / f"out-{n}-{near:g}"
             subprocess.run(["rm", "-rf", str(out)])
-            sig_s, _ = wait_all([stage(corpus, out, "signatures", k, t) for t in range(k)])
-            clu_s, clu_mib = wait_all([stage(corpus, out, "clusters", k, None)])
-            fil_s, _ = wait_all([stage(corpus, out, "filter", k, t) for t in range(k)])
-            report = json.loads((out / "report.json").read_text())
-            removed = report["removed"]
-            print(
-                f"{n:>10,} {k:>2} {sig_s:>13.1f} {n / sig_s / k:>12,.0f} {clu_s:>11.1f} {clu_mib:>13,} {fil_s:>9.1f} "
-                f"{removed.get('exact_duplicate', {}).get('documents', 0):>9,}/"
-                f"{removed.get('near_duplicate', {}).get('documents', 0):<9,}",
-                flush=True,
+            rows = {}
+            for name in (*ARRAYS, "clusters", "filter"):
+                tasks = [None] if name == "clusters" else range(k)
+                rows[name] = run_stage([command(corpus, out, name, k, t) for t in tasks], args.parallel)
+            removed = json.loads((out / "report.json").read_text())["removed"]
+            pairs = confirmed_pairs(out)
+            per_pair = rows["clusters"]["anon"] * 2**20 / max(pairs, 1)
+            tail = (
+                f"{removed.get('exact_duplicate', {}).get('documents', 0):,}/"
+                f"{removed.get('near_duplicate', {}).get('documents', 0):,}, {pairs:,} pairs, {per_pair:,.0f} B"
             )
-    print(f"(peak memory: the clusters process's ru_maxrss; this machine: {resource.getpagesize()} B pages)")
+            for name, r in rows.items():
+                print(
+                    f"{n:>10,} {near:>4g} {k:>3} | {name:>10} {r['wall']:>7.1f} {r['task_s']:>7.1f} {r['anon']:>8,} "
+                    f"{r['rss']:>8,} | {tail if name == 'clusters' else ''}",
+                    flush=True,
+                )
+            subprocess.run(["rm", "-rf", str(out), str(corpus)])  # 10M documents: ~15 GB with the work files
 
 
 if __name__ == "__main__":

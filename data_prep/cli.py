@@ -97,14 +97,14 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", help="how array tasks share the input: auto (default), files, documents")
     p.add_argument(
         "--stage",
-        choices=["signatures", "clusters", "filter"],
-        help="one stage of a Slurm run (launchers/slurm/submit_clean.sh); default: all three here",
+        choices=["signatures", "exact", "pairs", "clusters", "filter"],
+        help="one stage of a Slurm run (launchers/slurm/submit_clean.sh); default: all five here",
     )
     p.add_argument(
         "--num-tasks",
         dest="num_tasks",
         type=int,
-        help="array tasks of the signatures and filter stages (default $SLURM_ARRAY_TASK_COUNT, else 1)",
+        help="array tasks of every stage but clusters (default $SLURM_ARRAY_TASK_COUNT, else 1)",
     )
     p.add_argument(
         "--task-index",
@@ -242,13 +242,13 @@ def _clean_task(args) -> tuple[int, int]:
     if args.stage is None:
         if (args.num_tasks or 1) != 1 or (args.task_index or 0) != 0:
             raise DataPrepError(
-                "--num-tasks/--task-index go with --stage (signatures, clusters, filter); "
-                "without it the three stages run here as one task"
+                "--num-tasks/--task-index go with --stage (signatures, exact, pairs, clusters, filter); "
+                "without it the five stages run here as one task"
             )
         return 1, 0
     if args.stage == "clusters":
         if args.num_tasks is None:
-            raise DataPrepError("--stage clusters needs --num-tasks K: the number of signatures tasks to wait for")
+            raise DataPrepError("--stage clusters needs --num-tasks K: the number of array tasks to wait for")
         if args.num_tasks < 1:
             raise DataPrepError(f"--num-tasks {args.num_tasks}: must be at least 1")
         return args.num_tasks, 0

@@ -512,7 +512,8 @@ def test_inputs_and_output_in_a_bucket_and_over_https(
         "--partition",
         "documents",
     ]
-    for stage, tasks in (("signatures", (0, 1)), ("clusters", (None,)), ("filter", (0, 1))):
+    array = (("signatures", (0, 1)), ("exact", (0, 1)), ("pairs", (0, 1)))
+    for stage, tasks in (*array, ("clusters", (None,)), ("filter", (0, 1))):
         for t in tasks:
             assert main([*staged, "--stage", stage] + ([] if t is None else ["--task-index", str(t)])) == 0
 
@@ -578,10 +579,12 @@ def _folder_bytes(folder: Path) -> dict[str, bytes]:
 def test_stages_at_any_task_count_write_the_same_bytes(tmp_path, wiki_articles):
     inputs, held = _staged_corpus(tmp_path, wiki_articles)
     common = ["--input", inputs, "--decontaminate-against", held, "--group-chars", "20000", "--workers", "1"]
+    common += ["--set", "slice_keys=64"]  # 6 key ranges: 6 exact units and 168 (band, range) units to share
     clean(*common, "--out", tmp_path / "k1")
     for k, partition in ((3, "auto"), (8, "auto"), (2, "documents")):  # auto: files at 3, documents at 8
         out = tmp_path / f"k{k}-{partition}"
-        for stage, tasks in (("signatures", range(k)), ("clusters", [None]), ("filter", range(k))):
+        array = (("signatures", range(k)), ("exact", range(k)), ("pairs", range(k)))
+        for stage, tasks in (*array, ("clusters", [None]), ("filter", range(k))):
             for t in tasks:
                 argv = [
                     "clean",
@@ -602,16 +605,31 @@ def test_stages_at_any_task_count_write_the_same_bytes(tmp_path, wiki_articles):
     assert report["removed"]["exact_duplicate"]["documents"] >= 23
 
 
-def test_clusters_stage_names_the_missing_signature_tasks(tmp_path, wiki_articles, capsys):
+def test_each_stage_names_the_missing_tasks_of_the_stage_before(tmp_path, wiki_articles, capsys):
     inputs, _ = _staged_corpus(tmp_path, wiki_articles)
     common = ["clean", "--input", str(inputs), "--out", str(tmp_path / "out"), "--workers", "1", "--num-tasks", "4"]
     for t in (0, 2):
         assert main([*common, "--stage", "signatures", "--task-index", str(t)]) == 0
-    assert main([*common, "--stage", "clusters"]) == 2
-    err = capsys.readouterr().err
-    assert "task(s) 1,3 of 4 are missing" in err and "--only 1,3" in err
+    for stage in ("exact --task-index 0", "pairs --task-index 0", "clusters"):
+        assert main([*common, "--stage", *stage.split()]) == 2
+        err = capsys.readouterr().err
+        assert "the signatures of task(s) 1,3 of 4 are missing" in err and "submit_clean.sh --only 1,3" in err
     assert main([*common, "--stage", "filter", "--task-index", "0"]) == 2
     assert "run the clusters stage first" in capsys.readouterr().err
+    for t in (1, 3):
+        assert main([*common, "--stage", "signatures", "--task-index", str(t)]) == 0
+    for t in (0, 1):
+        assert main([*common, "--stage", "exact", "--task-index", str(t)]) == 0
+    for stage in ("pairs --task-index 0", "clusters"):
+        assert main([*common, "--stage", *stage.split()]) == 2
+        err = capsys.readouterr().err
+        assert "the exact duplicates of task(s) 2,3 of 4 are missing" in err
+        assert "submit_clean.sh --from exact --only 2,3" in err
+    for t in (2, 3):
+        assert main([*common, "--stage", "exact", "--task-index", str(t)]) == 0
+    assert main([*common, "--stage", "pairs", "--task-index", "2"]) == 0
+    assert main([*common, "--stage", "clusters"]) == 2
+    assert "the near-duplicate pairs of task(s) 0,1,3 of 4 are missing" in capsys.readouterr().err
     assert not (tmp_path / "out" / "report.json").exists()
 
 
@@ -631,7 +649,7 @@ def test_a_task_killed_at_any_moment_reruns_to_the_same_bytes(tmp_path, wiki_art
     out = tmp_path / "killed"
     staged = [sys.executable, "-m", "data_prep", "clean", *common, "--out", str(out), "--num-tasks", "1"]
     if stage == "filter":
-        for s in ("signatures", "clusters"):
+        for s in ("signatures", "exact", "pairs", "clusters"):
             subprocess.run([*staged, "--stage", s], check=True, capture_output=True)
     first = "filter-*.json" if stage == "filter" else "sig-s*.npz"
     proc = subprocess.Popen(
@@ -650,7 +668,7 @@ def test_a_task_killed_at_any_moment_reruns_to_the_same_bytes(tmp_path, wiki_art
     assert not list(out.rglob("*.tmp*"))
 
 
-STAGES_AFTER = {"signatures": ("signatures", "clusters", "filter"), "filter": ("filter",)}
+STAGES_AFTER = {"signatures": ("signatures", "exact", "pairs", "clusters", "filter"), "filter": ("filter",)}
 
 
 def test_the_sliced_clusters_stage_decides_as_the_whole_corpus_in_memory_would(tmp_path, wiki_articles):
@@ -685,7 +703,7 @@ def test_the_sliced_clusters_stage_decides_as_the_whole_corpus_in_memory_would(t
     loaded = [np.load(p) for p in sig_files]
     keys = np.concatenate([d["keys"] for d in loaded])
     exact = np.concatenate([d["exact"] for d in loaded])
-    sigs = np.concatenate([d["signatures"] for d in loaded])
+    sigs = np.concatenate([np.load(str(p).replace("/sig-", "/keys-")[:-4] + ".minhash.npy") for p in sig_files])
     n, near = len(keys), NearSettings()
     held_text = json.loads(held.read_text())["text"]
     from data_prep.clean.signature import exact_key, minhash, normal_words

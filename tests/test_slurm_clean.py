@@ -1,7 +1,9 @@
-"""The cleaning stages on a real Slurm: launchers/slurm/submit_clean.sh submits the signatures array,
-the clusters job and the filter array (issue 51). With one signatures task cancelled, the clusters
-job refuses naming it and the filter array never starts; re-submitting that index with --only (and
---then-shard) completes the cleaning, byte-identical to a one-process run, and shards it."""
+"""The cleaning stages on a real Slurm: launchers/slurm/submit_clean.sh submits the signatures,
+exact and pairs arrays, the clusters job and the filter array (issues 51 and 63). With one signatures
+task cancelled, the arrays after it are cancelled, the clusters job refuses naming the task and the
+filter array never starts; re-submitting that index with --only (and --then-shard) completes the
+cleaning, byte-identical to a one-process run, and shards it. A lost pairs task is named as such and
+re-submitted with --from pairs."""
 
 from __future__ import annotations
 
@@ -63,17 +65,17 @@ def test_stages_on_slurm_match_one_process_and_resubmit_a_lost_task(slurm_cluste
         "--out",
         str(out),
     )
-    sig, clusters_job, filt = map(int, r.stdout.split())
+    sig, exact, pairs, clusters_job, filt = map(int, r.stdout.split())
     cluster.run("scancel", f"{sig}_1")  # a task lost before it ran
-    for job in (sig, clusters_job, filt):
+    for job in (sig, exact, pairs, clusters_job, filt):
         cluster.run("scontrol", "release", str(job))
     tasks = {t.array_task_id: t for t in cluster.wait(sig, timeout=180)}
     assert set(tasks) == {0, 2} and all(t.ok for t in tasks.values()), tasks
-    (refused,) = cluster.wait(clusters_job, timeout=120)
-    refused_log = "\n".join(read_log(p) for p in logs.glob(f"mlm-clean-clusters-{clusters_job}_*.out"))
-    assert refused.state == "FAILED", f"{refused.state}\n{refused_log}"
-    assert re.search(r"task\(s\) 1 of 3 are missing", refused_log) and "--only 1" in refused_log, refused_log
-    assert all(t.state == "CANCELLED" for t in cluster.wait(filt, timeout=60))  # never started
+    refused_log = _refused(cluster, clusters_job, logs)
+    assert re.search(r"the signatures of task\(s\) 1 of 3 are missing", refused_log), refused_log
+    assert "submit_clean.sh --only 1" in refused_log, refused_log
+    for job in (exact, pairs, filt):  # never started
+        assert all(t.state == "CANCELLED" for t in cluster.wait(job, timeout=60)), job
     assert not (out / "report.json").exists()
 
     r = cluster.run(
@@ -97,8 +99,10 @@ def test_stages_on_slurm_match_one_process_and_resubmit_a_lost_task(slurm_cluste
         "--seq-len",
         "64",
     )
-    (sig, clusters_job, filt), (array, finalize) = [list(map(int, line.split())) for line in r.stdout.splitlines()]
-    for job in (sig, clusters_job, filt, array, finalize):
+    (sig, exact, pairs, clusters_job, filt), (array, finalize) = [
+        list(map(int, line.split())) for line in r.stdout.splitlines()
+    ]
+    for job in (sig, exact, pairs, clusters_job, filt, array, finalize):
         records = cluster.wait(job, timeout=240)
         logs_text = "\n".join(read_log(p) for p in logs.glob("*.out"))
         assert all(t.ok for t in records), f"{job}: {[(t.state, t.exit_code) for t in records]}\n{logs_text[-4000:]}"
@@ -106,6 +110,49 @@ def test_stages_on_slurm_match_one_process_and_resubmit_a_lost_task(slurm_cluste
     manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
     assert manifest["settings"]["cleaning"][0]["documents_out"] == report["totals"]["out"]["documents"]
     assert manifest["totals"]["train"]["documents"] == report["totals"]["out"]["documents"]
+
+
+def _refused(cluster, clusters_job: int, logs: Path) -> str:
+    """The clusters job's log, once it has failed."""
+    (refused,) = cluster.wait(clusters_job, timeout=120)
+    text = "\n".join(read_log(p) for p in logs.glob(f"mlm-clean-clusters-{clusters_job}_*.out"))
+    assert refused.state == "FAILED", f"{refused.state}\n{text}"
+    return text
+
+
+def test_a_lost_pairs_task_is_named_and_resubmitted_from_pairs(slurm_cluster, corpus, tmp_path):
+    cluster = slurm_cluster
+    local = tmp_path / "local"
+    run_python(cluster.client_env(), "-m", "data_prep", "clean", *clean_args(corpus), "--out", str(local))
+    out, logs = tmp_path / "clean", tmp_path / "logs"
+    logs.mkdir()
+    common = [*clean_args(corpus), "--out", str(out)]
+    r = cluster.run(str(SUBMIT), "--tasks", str(TASKS), "--hold", f"--output={logs}/%x-%A_%a.out", "--", *common)
+    jobs = dict(zip(("signatures", "exact", "pairs", "clusters", "filter"), map(int, r.stdout.split())))
+    cluster.run("scancel", f"{jobs['pairs']}_2")
+    for job in jobs.values():
+        cluster.run("scontrol", "release", str(job))
+    assert {t.array_task_id for t in cluster.wait(jobs["pairs"], timeout=240) if t.ok} == {0, 1}
+    refused_log = _refused(cluster, jobs["clusters"], logs)
+    assert "the near-duplicate pairs of task(s) 2 of 3 are missing" in refused_log, refused_log
+    assert "submit_clean.sh --from pairs --only 2" in refused_log, refused_log
+    r = cluster.run(
+        str(SUBMIT),
+        "--tasks",
+        str(TASKS),
+        "--from",
+        "pairs",
+        "--only",
+        "2",
+        f"--output={logs}/%x-%A_%a.out",
+        "--",
+        *common,
+    )
+    ids = r.stdout.split()
+    assert ids[:2] == ["-", "-"], r.stdout
+    for job in map(int, ids[2:]):
+        assert all(t.ok for t in cluster.wait(job, timeout=240)), job
+    assert top_files(out) == top_files(local)
 
 
 def test_submit_clean_rejects_bad_arguments(slurm_cluster, corpus, tmp_path):

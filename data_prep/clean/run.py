@@ -1,28 +1,34 @@
 """``data_prep clean``: raw documents in, the documents worth training on out, and a report; in one
-process or as three stages of Slurm jobs, with the same files either way.
+process or as five stages of Slurm jobs, with the same files either way.
 
 The unit of work is the **group** of ``data_prep.groups`` (per input file, a run of documents that
 closes at ``group_chars`` characters): which documents form a group depends only on the input, so
-every file this command writes is named after a group or is global, never after a task. ``K`` array
-tasks share the groups out as ``shard``'s tasks do.
+every file this command writes is named after a group, a task of a stage or is global, and its bytes
+never depend on the number of tasks. ``K`` array tasks share the groups out as ``shard``'s tasks do.
 
 1. ``--stage signatures`` (task I of K, the machine's cores in worker processes): per document of
-   each owned group its identity, exact key, MinHash signature, word count and the language or
-   quality rule that removes it (``signature``), saved as ``sig-<group>.npz``; then the task's
-   marker ``sig-kK-tI.json`` listing its groups.
-2. ``--stage clusters`` (one job): refuses, naming them, when a task's marker is missing; reads every
-   group's signatures in group order and decides (``clusters``): decontamination against the held-out
-   files, exact duplicates, near duplicates; a cluster keeps the member with the smallest identity
-   hash. Writes ``decisions.npz`` (the step that removed each document) and ``decisions.json``.
-3. ``--stage filter`` (task I of K): per owned group, the kept records written whole as
+   each owned group its identity, exact key, MinHash signature, word count, the language or quality
+   rule that removes it and whether it copies a held-out document (``signature``), saved as
+   ``sig-<group>.npz`` beside the group's sorted key files (``sorted_keys``); then the task's marker
+   ``sig-kK-tI.json`` listing its groups.
+2. ``--stage exact`` (task I of K): the exact duplicates of the task's exact-key ranges, from every
+   group's sorted keys: ``exact-kK-tI.npz`` (removed ids and their representatives).
+3. ``--stage pairs`` (task I of K): the near-duplicate candidates of the task's (band, hash range)
+   units, less every exact duplicate, checked on their full signatures: ``pairs-kK-tI.npz``, the
+   confirmed pairs only.
+4. ``--stage clusters`` (one job, the join): refuses, naming them, while a task of a stage before it
+   is missing; joins the confirmed pairs into clusters (each keeps the member with the smallest
+   identity hash) and writes ``decisions.npz`` (the step that removed each document) and
+   ``decisions.json``.
+5. ``--stage filter`` (task I of K): per owned group, the kept records written whole as
    ``part-<group>.jsonl`` (or ``.parquet``) and a marker ``filter-<group>.json``; the task that
    finds every group's marker present writes ``report.json`` (the same bytes whoever writes it),
    removes part files no group wrote, and stale work folders.
 
 Work files live in ``.clean/<settings hash>/`` beside the output, each written whole (atomic), so a
-killed task re-run skips finished groups and writes the same bytes. Without ``--stage`` the three run
-in one process (K = 1). A finished folder whose ``report.json`` has the same settings hash is left
-alone.
+killed task re-run skips finished groups (or its finished result) and writes the same bytes. Without
+``--stage`` the five run in one process (K = 1). A finished folder whose ``report.json`` has the same
+settings hash is left alone.
 """
 
 from __future__ import annotations
@@ -62,14 +68,29 @@ from . import clusters
 from .report import FORMAT, REMOVED_FIELD, REPORT, VERSION, format_table, is_part, one_line, part_name, read_report
 from .settings import CleanSettings
 from .signature import Signatures, analyse, worker_analyse, worker_init
-from .sorted_keys import KEY_ARRAYS, KeyFiles, band_candidates, clusters_of, exact_duplicates, group_keys, key_file
+from .sorted_keys import (
+    BAND_ARRAYS,
+    EXACT_ARRAYS,
+    MINHASH,
+    Gone,
+    KeyFiles,
+    band_candidates,
+    band_units,
+    clusters_of,
+    exact_duplicates,
+    group_keys,
+    key_file,
+    key_ranges,
+    owned,
+    range_bounds,
+)
 
 log = logging.getLogger("data_prep")
 CHUNK = 256  # documents per message to a worker
 SNIPPET = 240
 EXAMPLES = 3
 CLUSTERS = 5
-STAGES = ("signatures", "clusters", "filter")
+STAGES = ("signatures", "exact", "pairs", "clusters", "filter")
 WORK = ".clean"
 
 
@@ -224,6 +245,34 @@ def _analysed(chunks, s: CleanSettings):
             yield k, result.get()
 
 
+def _held_out_signatures(job: _Job) -> Signatures | None:
+    s = job.s
+    if not job.held:
+        return None
+    records = [
+        analyse(r, s.text_field, _no_filters(s), None) for src in job.held for r in iter_source_records(src, job.opts)
+    ]
+    return Signatures.of(records, s.near.bands * s.near.rows)
+
+
+def _contaminated(job: _Job, sig: Signatures, held: Signatures | None) -> np.ndarray:
+    """Mask of the documents (not removed by a rule) that copy a held-out one: decided per document,
+    here, so that no later stage sees them."""
+    s = job.s
+    if held is None:
+        return np.zeros(len(sig), bool)
+    return clusters.contaminated(
+        sig.signatures if s.near.enabled else None,
+        sig.exact,
+        sig.removed_by == "",
+        held.signatures,
+        held.exact,
+        s.near.bands,
+        s.near.rows,
+        s.near.min_similarity,
+    )
+
+
 def stage_signatures(job: _Job, num_tasks: int, task: int) -> None:
     s, store, work = job.s, job.store, job.work
     num_perm = s.near.bands * s.near.rows
@@ -232,11 +281,13 @@ def stage_signatures(job: _Job, num_tasks: int, task: int) -> None:
     count = ReadCount()
     parts: list[Signatures] = []
     current = None
+    held = _held_out_signatures(job)
 
     def flush():
         if current is not None and parts:
             sig = Signatures.concat(parts, num_perm)
-            alive = sig.removed_by == ""
+            contaminated = _contaminated(job, sig, held)
+            alive = (sig.removed_by == "") & ~contaminated
             for name, data in group_keys(
                 sig.exact, sig.keys, sig.signatures if s.near.enabled else None, alive, s.near.bands, s.near.rows
             ).items():
@@ -247,9 +298,9 @@ def stage_signatures(job: _Job, num_tasks: int, task: int) -> None:
                 work + _sig_name(current),
                 keys=sig.keys,
                 exact=sig.exact,
-                signatures=sig.signatures,
                 words=sig.words,
                 removed_by=sig.removed_by.astype(str),
+                contaminated=contaminated,
             )
 
     for key, sig in _analysed(_chunks(job.owned(num_tasks, task, count), done, groups), s):
@@ -275,10 +326,21 @@ def stage_signatures(job: _Job, num_tasks: int, task: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Stage 2: clusters
+# Stages 2-4: exact duplicates and near-duplicate pairs (array tasks, by key range), clusters (the join)
+
+
+def _missing(job: _Job, what: str, tasks: list[int], num_tasks: int, resubmit: str) -> DataPrepError:
+    shown = ",".join(map(str, tasks))
+    return DataPrepError(
+        f"{job.store.url(job.work)}: the {what} of task(s) {shown} of {num_tasks} are missing "
+        f"(not run, failed or killed): re-run them (submit_clean.sh {resubmit}--only {shown}: the later "
+        "stages follow)"
+    )
 
 
 def _all_groups(job: _Job, num_tasks: int) -> list[tuple[GroupKey, int]]:
+    """Every group with its document count (empty groups left out), from the signatures tasks'
+    markers; refuses, naming them, while a task's is missing."""
     store, work = job.store, job.work
     missing, groups = [], {}
     for task in range(num_tasks):
@@ -289,13 +351,86 @@ def _all_groups(job: _Job, num_tasks: int) -> list[tuple[GroupKey, int]]:
         for source, group, n in json.loads(text)["groups"]:
             groups[GroupKey(source, group)] = n
     if missing:
-        shown = ",".join(map(str, missing))
-        raise DataPrepError(
-            f"{store.url(work)}: the signatures of task(s) {shown} of {num_tasks} are missing "
-            f"(not run, failed or killed): re-run them (submit_clean.sh --only {shown}), then "
-            "the clusters stage"
-        )
-    return sorted(groups.items())
+        raise _missing(job, "signatures", missing, num_tasks, "")
+    return sorted((k, n) for k, n in groups.items() if n)
+
+
+def _corpus(job: _Job, num_tasks: int) -> tuple[list[tuple[GroupKey, int]], np.ndarray, int]:
+    """(groups, each group's first global id, documents in all)."""
+    groups = _all_groups(job, num_tasks)
+    offsets = np.cumsum([0] + [n for _, n in groups])[:-1].astype(np.int64)
+    n = int(sum(c for _, c in groups))
+    if n == 0:
+        raise DataPrepError(f"empty input: no documents in {', '.join(src.path for src in job.sources[:5])}")
+    return groups, offsets, n
+
+
+def _result_name(stage: str, num_tasks: int, task: int) -> str:
+    return f"{stage}-k{num_tasks:05d}-t{task:05d}.npz"
+
+
+def _results(job: _Job, stage: str, num_tasks: int) -> list[dict]:
+    """Every task's result file of ``stage`` (exact, pairs); refuses, naming them, while some are missing."""
+    found, missing = [], []
+    listing = set(job.store.list(job.work.rstrip("/")))
+    for task in range(num_tasks):
+        name = job.work + _result_name(stage, num_tasks, task)
+        if name in listing:
+            found.append(_load_npz(job.store, name))
+        else:
+            missing.append(task)
+    if missing:
+        what = {"exact": "exact duplicates", "pairs": "near-duplicate pairs"}[stage]
+        raise _missing(job, what, missing, num_tasks, f"--from {stage} ")
+    return found
+
+
+def _exact_removed(job: _Job, num_tasks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(removed, representatives) of every exact task, by removed id."""
+    parts = _results(job, "exact", num_tasks)
+    removed = np.concatenate([np.zeros(0, np.int64)] + [p["removed"] for p in parts])
+    reps = np.concatenate([np.zeros(0, np.int64)] + [p["reps"] for p in parts])
+    order = np.argsort(removed)
+    return removed[order], reps[order]
+
+
+def _done(job: _Job, name: str) -> bool:
+    """A task's result exists: it was written whole, from every signatures task's groups, so a re-run
+    of the task has nothing to do."""
+    return job.work + name in set(job.store.list(job.work.rstrip("/")))
+
+
+def stage_exact(job: _Job, num_tasks: int, task: int) -> None:
+    """Exact duplicates of this task's exact-key ranges (every document's key of a range from every
+    group: memory is one range)."""
+    groups, offsets, n = _corpus(job, num_tasks)
+    name = _result_name("exact", num_tasks, task)
+    if _done(job, name):
+        return
+    removed = reps = np.zeros(0, np.int64)
+    if job.s.exact.enabled:
+        bounds = owned(range_bounds(key_ranges(n, job.s.slice_keys)), num_tasks, task)
+        with _key_files(job, groups, offsets, EXACT_ARRAYS) as (files, _):
+            removed, reps = exact_duplicates(files, bounds)
+    _save_npz(job.store, job.work + name, removed=removed, reps=reps)
+
+
+def stage_pairs(job: _Job, num_tasks: int, task: int) -> None:
+    """Near-duplicate candidates of this task's (band, band-hash range) units, less the exact
+    duplicates, checked on their full signatures: only the confirmed pairs are written."""
+    s = job.s
+    groups, offsets, n = _corpus(job, num_tasks)
+    name = _result_name("pairs", num_tasks, task)
+    if _done(job, name):
+        return
+    gone = Gone(n, _exact_removed(job, num_tasks)[0])
+    confirmed = np.zeros((0, 2), np.int64)
+    if s.near.enabled:
+        units = owned(band_units(s.near.bands, key_ranges(n, s.slice_keys)), num_tasks, task)
+        with _key_files(job, groups, offsets, (*BAND_ARRAYS, MINHASH)) as (files, minhash):
+            candidates = band_candidates(files, units, gone)
+            confirmed = _confirmed_pairs(job, offsets, minhash, candidates)
+    _save_npz(job.store, job.work + name, pairs=confirmed)
 
 
 def _group_sig(job: _Job, key: GroupKey, *only: str) -> Signatures:
@@ -305,24 +440,48 @@ def _group_sig(job: _Job, key: GroupKey, *only: str) -> Signatures:
     return Signatures(
         keys=d.get("keys", empty),
         exact=d.get("exact", empty),
-        signatures=d.get("signatures", empty),
+        signatures=empty,  # in the mapped key files (MINHASH)
         words=d.get("words", empty),
         removed_by=d.get("removed_by", empty).astype(object),
     )
 
 
 @contextlib.contextmanager
-def _local_work(job: _Job):
-    """A local folder holding the work files: the output folder's own, or a download of a bucket's
-    (disk, not memory: the key files are mapped, not read)."""
+def _local_work(job: _Job, arrays: tuple[str, ...]):
+    """A local folder holding the key files of ``arrays``: the output folder's own, or a download of
+    a bucket's (disk, not memory: the key files are mapped, not read)."""
     if job.store.local_dir is not None:
         yield job.store.local_dir / job.work
         return
     with tempfile.TemporaryDirectory(prefix="data_prep-clean-") as tmp:
         for name in job.store.list(job.work.rstrip("/")):
-            if name.removeprefix(job.work).startswith("keys-"):
-                job.store.download(name, Path(tmp) / name.removeprefix(job.work))
+            local = name.removeprefix(job.work)
+            if local.startswith("keys-") and local.split(".")[-2] in arrays:
+                job.store.download(name, Path(tmp) / local)
         yield Path(tmp)
+
+
+@contextlib.contextmanager
+def _key_files(job: _Job, groups, offsets, arrays: tuple[str, ...]):
+    """(every group's sorted key ``arrays``, mapped, as ``KeyFiles``; a function of a group index
+    that maps its full signatures), released at the end."""
+    with _local_work(job, arrays) as folder:
+        maps: dict[tuple[int, str], np.ndarray | None] = {}
+
+        def load(g: int, names=arrays) -> dict:
+            out = {}
+            for name in names:
+                if (g, name) not in maps:
+                    path = folder / key_file(groups[g][0].tag, name)
+                    maps[(g, name)] = np.load(path, mmap_mode="r") if path.is_file() else None
+                if maps[(g, name)] is not None:
+                    out[name] = maps[(g, name)]
+            return out
+
+        try:
+            yield KeyFiles(load, offsets, maps.clear), lambda g: load(g, (MINHASH,))[MINHASH]
+        finally:
+            maps.clear()
 
 
 @dataclass
@@ -346,17 +505,16 @@ class _Tally:
 
 
 def stage_clusters(job: _Job, num_tasks: int) -> None:
-    """Decisions from the groups' signature and sorted key files, one group or one key range in memory
-    at a time (``sorted_keys``): memory follows the duplicates and candidates, not the corpus."""
-    groups = [(k, n) for k, n in _all_groups(job, num_tasks) if n]
-    offsets = np.cumsum([0] + [n for _, n in groups])[:-1].astype(np.int64)
-    n = int(sum(c for _, c in groups))
-    if n == 0:
-        raise DataPrepError(f"empty input: no documents in {', '.join(src.path for src in job.sources[:5])}")
+    """The join: the removals of every stage before it (the rules' and decontamination's per group,
+    the exact and pairs tasks' files) into the decisions; memory follows the duplicates, not the
+    corpus or the candidates."""
+    groups, offsets, n = _corpus(job, num_tasks)
     tally = _Tally()
-    decont, filtered = _rules_and_contamination(job, groups, offsets, tally)
-    exact_removed, exact_reps, pairs = _duplicate_candidates(job, groups, offsets, n - filtered, decont)
-    near_removed, near_reps = _near_duplicates(job, groups, offsets, pairs)
+    decont = _rules_and_contamination(job, groups, offsets, tally)
+    exact_removed, exact_reps = _exact_removed(job, num_tasks)
+    pairs = [p["pairs"] for p in _results(job, "pairs", num_tasks)]
+    confirmed = np.unique(np.concatenate([np.zeros((0, 2), np.int64), *pairs]), axis=0)
+    near_removed, near_reps = _clusters_of_confirmed(job, groups, offsets, confirmed)
     clusters_found = _biggest_clusters(exact_removed, exact_reps, near_removed, near_reps)
     names = ["", "decontamination", "exact_duplicate", "near_duplicate"]
     ids = np.concatenate([decont, exact_removed, near_removed])
@@ -374,83 +532,23 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
     _write_decisions(job, groups, n, names, tally, clusters_found)
 
 
-def _held_out_signatures(job: _Job) -> Signatures | None:
-    s = job.s
-    if not job.held:
-        return None
-    records = [
-        analyse(r, s.text_field, _no_filters(s), None) for src in job.held for r in iter_source_records(src, job.opts)
-    ]
-    return Signatures.of(records, s.near.bands * s.near.rows)
-
-
-def _rules_and_contamination(job: _Job, groups, offsets, tally: _Tally) -> tuple[np.ndarray, int]:
-    """Per group, what language and quality removed (counted, never held), its words, and its copies
-    of the held-out files: (the contaminated global ids, the documents the rules removed)."""
-    s, held = job.s, _held_out_signatures(job)
-    contaminated, filtered = [], 0
+def _rules_and_contamination(job: _Job, groups, offsets, tally: _Tally) -> np.ndarray:
+    """Per group, what language and quality removed (counted, never held) and its words; returns
+    the global ids of the copies of held-out files (marked by the signatures stage)."""
+    contaminated = [np.zeros(0, np.int64)]
     for (key, _), offset in zip(groups, offsets):
-        sig = _group_sig(job, key) if held is not None else _group_sig(job, key, "words", "removed_by")
-        tally.words_in += int(sig.words.sum())
-        for i in np.flatnonzero(sig.removed_by != ""):
-            filtered += 1
-            tally.count(sig.removed_by[i], int(sig.words[i]), int(offset + i))
-        if held is not None:
-            hit = clusters.contaminated(
-                sig.signatures if s.near.enabled else None,
-                sig.exact,
-                sig.removed_by == "",
-                held.signatures,
-                held.exact,
-                s.near.bands,
-                s.near.rows,
-                s.near.min_similarity,
-            )
-            contaminated.append(np.flatnonzero(hit) + offset)
-    return (np.concatenate(contaminated) if contaminated else np.zeros(0, np.int64)), filtered
+        d = _load_npz(job.store, job.work + _sig_name(key), ("words", "removed_by", "contaminated"))
+        words, removed_by = d["words"], d["removed_by"]
+        tally.words_in += int(words.sum())
+        for i in np.flatnonzero(removed_by != ""):
+            tally.count(str(removed_by[i]), int(words[i]), int(offset + i))
+        contaminated.append(np.flatnonzero(d["contaminated"]) + offset)
+    return np.concatenate(contaminated)
 
 
-def _duplicate_candidates(job: _Job, groups, offsets, alive: int, decont: np.ndarray):
-    """(exact duplicates removed, their representatives, near-duplicate candidate pairs) from the
-    groups' sorted key files, one key range at a time."""
-    s = job.s
-    exact_removed = exact_reps = np.zeros(0, np.int64)
-    with _local_work(job) as folder:
-        maps: dict[tuple[int, str], np.ndarray] = {}
-
-        def load(g: int) -> dict:
-            out = {}
-            for name in KEY_ARRAYS:
-                if (g, name) not in maps:
-                    path = folder / key_file(groups[g][0].tag, name)
-                    maps[(g, name)] = np.load(path, mmap_mode="r") if path.is_file() else None
-                if maps[(g, name)] is not None:
-                    out[name] = maps[(g, name)]
-            return out
-
-        files = KeyFiles(load, offsets, maps.clear)
-        ranges = max(1, -(-alive // s.slice_keys))
-        if s.exact.enabled:
-            exact_removed, exact_reps = exact_duplicates(files, ranges, decont)
-        pairs = (
-            band_candidates(files, s.near.bands, ranges, np.union1d(decont, exact_removed))
-            if s.near.enabled
-            else np.zeros((0, 2), np.int64)
-        )
-        maps.clear()
-    return exact_removed, exact_reps, pairs
-
-
-def _near_duplicates(job: _Job, groups, offsets, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(removed, representatives) of the near-duplicate clusters: the candidate pairs checked on
-    their full signatures, then the confirmed pairs joined (the two halves that the candidates'
-    work and the join split into)."""
-    return _clusters_of_confirmed(job, groups, offsets, _confirmed_pairs(job, groups, offsets, pairs))
-
-
-def _confirmed_pairs(job: _Job, groups, offsets, pairs: np.ndarray) -> np.ndarray:
+def _confirmed_pairs(job: _Job, offsets, minhash, pairs: np.ndarray) -> np.ndarray:
     """The candidate pairs whose full signatures agree on ``near.min_similarity`` of their values
-    (their members' signatures read group by group; copies: each group goes after)."""
+    (each member's signature read from its group's mapped file: pages, not the group)."""
     if not len(pairs) or job.s.near.min_similarity <= 0:
         return pairs
     members = np.unique(pairs)
@@ -458,7 +556,7 @@ def _confirmed_pairs(job: _Job, groups, offsets, pairs: np.ndarray) -> np.ndarra
     group_of = np.searchsorted(offsets, members, side="right") - 1
     for g in np.unique(group_of):
         at = np.flatnonzero(group_of == g)
-        rows[at] = _group_sig(job, groups[g][0], "signatures").signatures[members[at] - offsets[g]]
+        rows[at] = minhash(g)[members[at] - offsets[g]]
     a, b = np.searchsorted(members, pairs[:, 0]), np.searchsorted(members, pairs[:, 1])
     return pairs[clusters.agreement(rows, a, b) >= job.s.near.min_similarity]
 
@@ -674,7 +772,7 @@ def _no_filters(s: CleanSettings) -> CleanSettings:
 
 
 def run_clean(s: CleanSettings, stage: str | None = None, num_tasks: int = 1, task: int = 0) -> CleanResult:
-    """One stage of task ``task`` of ``num_tasks``, or (``stage`` None) all three in this process.
+    """One stage of task ``task`` of ``num_tasks``, or (``stage`` None) all five in this process.
     Raises ``DataPrepError`` on bad input or settings before anything is written."""
     t0 = time.perf_counter()
     new_folder = stage is None and "://" not in s.out and not os.path.exists(os.path.expanduser(s.out))
@@ -698,6 +796,12 @@ def _run_stages(job: _Job, stage: str | None, num_tasks: int, task: int, t0: flo
     if stage in (None, "signatures"):
         stage_signatures(job, num_tasks, task)
         log.info("clean: task %d/%d: signatures in %.1f s", task, num_tasks, time.perf_counter() - t0)
+    if stage in (None, "exact"):
+        stage_exact(job, num_tasks, task)
+        log.info("clean: task %d/%d: exact duplicates in %.1f s", task, num_tasks, time.perf_counter() - t0)
+    if stage in (None, "pairs"):
+        stage_pairs(job, num_tasks, task)
+        log.info("clean: task %d/%d: near-duplicate pairs in %.1f s", task, num_tasks, time.perf_counter() - t0)
     if stage in (None, "clusters"):
         stage_clusters(job, num_tasks)
         log.info("clean: clusters decided in %.1f s", time.perf_counter() - t0)

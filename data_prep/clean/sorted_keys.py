@@ -13,6 +13,12 @@ holds about ``documents / ranges`` keys; only candidate pairs and duplicates out
 Documents are named by a global id: the group's offset (groups in input order) plus the position in
 the group. Band hashes can collide (two different bands, one hash: about one pair in 2^64 per band);
 the agreement check on the full signatures (``near.min_similarity``) drops such a pair.
+
+The work splits into **units** that array tasks share out (unit u to task u mod K): an exact-key
+range, or a (band, band-hash range) pair. A key is in one range only and a bucket is one hash, so
+every exact group and every LSH bucket lies whole inside one unit: the units' results joined are
+the whole corpus's, at any number of tasks. The number of ranges follows the corpus
+(``key_ranges``), never the number of tasks.
 """
 
 from __future__ import annotations
@@ -43,7 +49,9 @@ def band_hashes(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
     return out
 
 
-KEY_ARRAYS = ("exact", "exact_key", "exact_doc", "band", "band_doc")
+EXACT_ARRAYS = ("exact", "exact_key", "exact_doc")  # what the exact stage maps
+BAND_ARRAYS = ("band", "band_doc")  # what the pairs stage maps, with MINHASH
+MINHASH = "minhash"  # every document's full signature, row = position in the group (mapped, never read whole)
 
 
 def key_file(group_tag: str, array: str) -> str:
@@ -64,6 +72,7 @@ def group_keys(
         o = np.argsort(h, axis=1, kind="stable")
         arrays["band"] = np.take_along_axis(h, o, axis=1)
         arrays["band_doc"] = docs[o]
+        arrays[MINHASH] = signatures
     out = {}
     for name, array in arrays.items():
         buf = io.BytesIO()
@@ -72,9 +81,39 @@ def group_keys(
     return out
 
 
-def _range_bounds(ranges: int) -> list[tuple[int, int]]:
+def key_ranges(documents: int, slice_keys: int) -> int:
+    """Ranges of the 64-bit key space such that one holds about ``slice_keys`` keys."""
+    return max(1, -(-documents // slice_keys))
+
+
+def range_bounds(ranges: int) -> list[tuple[int, int]]:
     edges = [r * (1 << 64) // ranges for r in range(ranges)] + [1 << 64]
     return list(zip(edges[:-1], edges[1:]))
+
+
+def owned(units: list, num_tasks: int, task: int) -> list:
+    """The units of task ``task`` of ``num_tasks`` (round robin: neighbouring ranges, which hold
+    about as many keys each, go to different tasks)."""
+    return units[task::num_tasks]
+
+
+def band_units(bands: int, ranges: int) -> list[tuple[int, int, int]]:
+    """(band, lo, hi) for every band and hash range, band by band."""
+    return [(b, lo, hi) for b in range(bands) for lo, hi in range_bounds(ranges)]
+
+
+class Gone:
+    """The documents already removed (exact duplicates), as one bit per global id: 125 MB for a
+    billion documents, whatever share of them is gone."""
+
+    def __init__(self, documents: int, ids: np.ndarray):
+        flags = np.zeros(documents, bool)
+        flags[ids] = True
+        self._bits = np.packbits(flags)
+        self.any = bool(len(ids))
+
+    def mask(self, gid: np.ndarray) -> np.ndarray:
+        return ((self._bits[gid >> 3] >> (7 - (gid & 7)).astype(np.uint8)) & 1).astype(bool)
 
 
 def _slice(sorted_row: np.ndarray, lo: int, hi: int) -> slice:
@@ -95,11 +134,11 @@ class KeyFiles:
         return len(self.offsets)
 
 
-def exact_duplicates(files: KeyFiles, ranges: int, gone: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(removed global ids, their representatives): per exact key, the document with the smallest
-    record key stays. ``gone`` (ids already removed, sorted) take no part."""
+def exact_duplicates(files: KeyFiles, bounds: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(removed global ids, their representatives) of the exact keys in the ranges ``bounds``: per
+    exact key, the document with the smallest record key stays."""
     removed, reps = [], []
-    for lo, hi in _range_bounds(ranges):
+    for lo, hi in bounds:
         ex, rk, gid = [], [], []
         for g in range(len(files)):
             d = files.load(g)
@@ -109,9 +148,6 @@ def exact_duplicates(files: KeyFiles, ranges: int, gone: np.ndarray) -> tuple[np
             gid.append(d["exact_doc"][s].astype(np.int64) + files.offsets[g])
         ex, rk, gid = np.concatenate(ex), np.concatenate(rk), np.concatenate(gid)
         files.release()
-        if len(gone):
-            keep = ~np.isin(gid, gone)
-            ex, rk, gid = ex[keep], rk[keep], gid[keep]
         if len(gid) < 2:
             continue
         order = np.lexsort((rk, ex[:, 1], ex[:, 0]))
@@ -128,25 +164,26 @@ def exact_duplicates(files: KeyFiles, ranges: int, gone: np.ndarray) -> tuple[np
     return removed[order], reps[order]
 
 
-def band_candidates(files: KeyFiles, bands: int, ranges: int, gone: np.ndarray) -> np.ndarray:
-    """(i, j) global-id pairs, i < j, with an equal band hash; each member paired with the next
-    ``BUCKET_REACH`` members of its bucket (in global-id order), as ``clusters.band_pairs`` does."""
+def band_candidates(files: KeyFiles, units: list[tuple[int, int, int]], gone: Gone) -> np.ndarray:
+    """(i, j) global-id pairs, i < j, with an equal band hash in the ``units`` (band, lo, hi); each
+    member paired with the next ``BUCKET_REACH`` members of its bucket (in global-id order), as
+    ``clusters.band_pairs`` does; the ``gone`` documents take no part."""
     found = np.zeros((0, 2), np.int64)  # distinct pairs so far: a pair sharing many bands is kept once
-    for b in range(bands):
+    for band in sorted({b for b, _, _ in units}):
         pairs = []
-        for lo, hi in _range_bounds(ranges):
+        for _, lo, hi in (u for u in units if u[0] == band):
             hs, gid = [], []
             for g in range(len(files)):
                 d = files.load(g)
                 if "band" not in d:
                     return np.zeros((0, 2), np.int64)
-                s = _slice(d["band"][b], lo, hi)
-                hs.append(d["band"][b][s])
-                gid.append(d["band_doc"][b][s].astype(np.int64) + files.offsets[g])
+                s = _slice(d["band"][band], lo, hi)
+                hs.append(d["band"][band][s])
+                gid.append(d["band_doc"][band][s].astype(np.int64) + files.offsets[g])
             hs, gid = np.concatenate(hs), np.concatenate(gid)
             files.release()
-            if len(gone):
-                keep = ~np.isin(gid, gone)
+            if gone.any and len(gid):
+                keep = ~gone.mask(gid)
                 hs, gid = hs[keep], gid[keep]
             if len(gid) < 2:
                 continue

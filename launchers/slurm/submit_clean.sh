@@ -1,6 +1,7 @@
 #!/bin/bash
-# Submit a cleaning run as three dependent jobs: the signatures array, the clusters job, the filter
-# array; optionally chain sharding of the cleaned output (submit_data_prep.sh) after it.
+# Submit a cleaning run as five dependent jobs: the signatures array, the exact-duplicates array, the
+# near-duplicate pairs array, the clusters job (the join) and the filter array; optionally chain
+# sharding of the cleaned output (submit_data_prep.sh) after it.
 #
 #   launchers/slurm/submit_clean.sh --tasks K [--only I,J,...] [--from STAGE] [SBATCH_OPTION...] \
 #       -- CLEAN_ARGS... [--then-shard -- SHARD_ARGS...]
@@ -10,22 +11,25 @@
 #
 # CLEAN_ARGS go to `python -m data_prep clean` and must include --out; SHARD_ARGS to
 # `data_prep shard` (its --input defaults to the cleaned folder; its array has as many tasks).
-# SBATCH_OPTIONs go to every sbatch call. Prints the job ids on stdout: "SIGNATURES CLUSTERS FILTER"
-# (and "ARRAY FINALIZE" of the shard jobs on a second line with --then-shard).
+# SBATCH_OPTIONs go to every sbatch call. Prints the job ids on stdout:
+# "SIGNATURES EXACT PAIRS CLUSTERS FILTER" ("-" for a stage not submitted), and "ARRAY FINALIZE" of
+# the shard jobs on a second line with --then-shard.
 #
-# The output does not depend on K. The clusters job waits with afterany: after a lost signatures task
-# it runs, refuses and names the task indices; the filter array (afterok, cancelled when clusters
-# fails) never starts. Re-submit the lost indices with the same arguments plus --only (the clusters
-# job and the whole filter array follow; finished groups are skipped):
+# The output does not depend on K. Each array waits for the one before with afterok (cancelled when
+# a task before it is lost); the clusters job waits with afterany: it runs after a lost task too,
+# refuses and names the task indices and the stage; the filter array (afterok) never starts.
+# Re-submit the lost indices with the same arguments plus --only (and --from the stage the clusters
+# job names; the later stages follow; finished groups and tasks are skipped):
 #
 #   launchers/slurm/submit_clean.sh --tasks 16 --only 3,5 -- <same CLEAN_ARGS>
+#   launchers/slurm/submit_clean.sh --tasks 16 --from pairs --only 7 -- <same CLEAN_ARGS>
 #
-# --from clusters or --from filter starts later (a failed filter task: --from filter --only 7).
+# --from exact, pairs, clusters or filter starts later (a failed filter task: --from filter --only 7).
 # CPUs per array task: --cpus-per-task=N, else min(4, the fewest CPUs of a node in the partition).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
-usage() { sed -n '2,30s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2; exit 2; }
+usage() { sed -n '2,31s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2; exit 2; }
 die() { echo "submit_clean.sh: $*" >&2; exit 2; }
 source "$here/array_args.sh"
 
@@ -58,7 +62,7 @@ while [ $# -gt 0 ]; do
 done
 [[ $tasks =~ ^[1-9][0-9]*$ ]] || die "--tasks K (a positive integer) is required; got '${tasks}'"
 [ ${#clean_args[@]} -gt 0 ] || die "no data_prep clean arguments after --"
-case $from in signatures|clusters|filter) ;; *) die "--from wants signatures, clusters or filter; got '$from'" ;; esac
+case $from in signatures|exact|pairs|clusters|filter) ;; *) die "--from wants signatures, exact, pairs, clusters or filter; got '$from'" ;; esac
 
 out=""
 for ((i = 0; i < ${#clean_args[@]}; i++)); do
@@ -71,30 +75,42 @@ for ((i = 0; i < ${#clean_args[@]}; i++)); do
 done
 [ -n "$out" ] || die "the data_prep clean arguments must include --out DIR"
 
-[ -z "$only" ] || [ "$from" != clusters ] || die "--only names array tasks: it goes with --from signatures or filter"
+[ -z "$only" ] || [ "$from" != clusters ] || die "--only names array tasks: it goes with --from signatures, exact, pairs or filter"
 array=$(array_spec "$tasks" "$only")
 cpus=$(cpus_per_task "$cpus" "$partition")
 
 submit() { local id; id=$(sbatch --parsable "$@"); echo "${id%%;*}"; }
 stage_args=(--num-tasks "$tasks" "${clean_args[@]}")
-sig_job="" clusters_job="" filter_job=""
-after=()
-if [ "$from" = signatures ]; then
-    sig_job=$(submit --array="$array" --cpus-per-task="$cpus" --job-name=mlm-clean-signatures "${sbatch_opts[@]}" \
-        "$here/clean.sbatch" signatures "${stage_args[@]}")
-    # afterany: the clusters job runs after a lost task too, and names it
-    after=(--dependency="afterany:$sig_job")
-fi
-if [ "$from" != filter ]; then
-    clusters_job=$(submit "${after[@]}" --cpus-per-task=1 --job-name=mlm-clean-clusters "${sbatch_opts[@]}" \
-        "$here/clean.sbatch" clusters "${stage_args[@]}")
-    after=(--dependency="afterok:$clusters_job" --kill-on-invalid-dep=yes)
-    [ "$from" = signatures ] && [ -n "$only" ] && array=0-$((tasks - 1))    # every group needs its filter
-fi
-filter_job=$(submit "${after[@]}" --array="$array" --cpus-per-task="$cpus" --job-name=mlm-clean-filter \
-    "${sbatch_opts[@]}" "$here/clean.sbatch" filter "${stage_args[@]}")
-echo "signatures ${sig_job:-skipped}, clusters ${clusters_job:-skipped}, filter $filter_job ($tasks tasks, $cpus CPU(s) each) -> $out" >&2
-echo "${sig_job:--} ${clusters_job:--} $filter_job"
+stages=(signatures exact pairs clusters filter)
+declare -A job=()
+after=() started=0
+for stage in "${stages[@]}"; do
+    [ "$stage" = "$from" ] && started=1
+    [ $started = 1 ] || continue
+    if [ "$stage" = clusters ]; then
+        job[$stage]=$(submit "${after[@]}" --cpus-per-task=1 --job-name=mlm-clean-clusters "${sbatch_opts[@]}" \
+            "$here/clean.sbatch" clusters "${stage_args[@]}")
+        after=(--dependency="afterok:${job[$stage]}" --kill-on-invalid-dep=yes)
+        continue
+    fi
+    job[$stage]=$(submit "${after[@]}" --array="$array" --cpus-per-task="$cpus" --job-name="mlm-clean-$stage" \
+        "${sbatch_opts[@]}" "$here/clean.sbatch" "$stage" "${stage_args[@]}")
+    array=0-$((tasks - 1))    # --only names the first stage's tasks: every later one reads all of them
+    if [ "$stage" = pairs ]; then
+        # afterany: the clusters job runs after a lost task too, and names it
+        after=(--dependency="afterany:${job[$stage]}")
+    else
+        after=(--dependency="afterok:${job[$stage]}" --kill-on-invalid-dep=yes)
+    fi
+done
+ids=() summary=""
+for stage in "${stages[@]}"; do
+    ids+=("${job[$stage]:--}")
+    summary+="${summary:+, }$stage ${job[$stage]:-skipped}"
+done
+filter_job=${job[filter]}
+echo "$summary ($tasks tasks, $cpus CPU(s) each) -> $out" >&2
+echo "${ids[*]}"
 if [ $then_shard = 1 ]; then
     has_input=0
     for a in "${shard_args[@]}"; do case $a in --input|--input=*) has_input=1 ;; esac; done
