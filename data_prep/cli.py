@@ -1,4 +1,4 @@
-"""``python -m data_prep`` / ``data_prep``: clean | tokenizer | shard | finalize | verify | inspect.
+"""``python -m data_prep`` / ``data_prep``: clean | quality-model | tokenizer | shard | finalize | verify | inspect.
 
 Exit codes: 0 success, 1 ``verify`` found damaged shards (missing, truncated, corrupted), 2 bad input
 or settings, including data that disagrees with its tokenizer (ids outside the vocabulary, a manifest
@@ -41,6 +41,53 @@ _SHARD_FLAGS = {  # ShardSettings field -> (flag, type, help)
     "batch_chars": ("--batch-chars", int, "characters per tokenizer batch (default 1048576)"),
     "log_every": ("--log-every", float, "seconds between progress lines in batch jobs (default 30)"),
 }
+
+
+def _add_quality_model(sub) -> None:
+    p = sub.add_parser(
+        "quality-model",
+        help="train a fastText quality classifier for data_prep clean",
+        description="Train a fastText supervised classifier (bigrams, as DCLM's filter) on reference "
+        "text (__label__hq) against raw text (__label__cc); writes a fastText .bin and prints "
+        "precision and recall on a held-out share.",
+    )
+    action = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    t = action.add_parser("train", help="train a model")
+    t.add_argument("--positive", nargs="+", required=True, metavar="GLOB", help="reference text: what to keep")
+    t.add_argument(
+        "--negative",
+        nargs="+",
+        required=True,
+        metavar="GLOB",
+        help="raw text to tell apart from it; 'generated': boilerplate, spam and shuffled words",
+    )
+    t.add_argument("--out", required=True, help="the model file (.bin)")
+    t.add_argument("--text-field", default="text", help="JSON field / column holding the text (default text)")
+    t.add_argument("--held-out", type=float, default=0.1, help="share of each label held out (default 0.1)")
+    t.add_argument("--dim", type=int, default=32, help="embedding size (default 32)")
+    t.add_argument("--epochs", type=int, default=5, help="passes over the data (default 5, fastText's)")
+    t.add_argument("--lr", type=float, default=0.1, help="learning rate, falling to 0 (default 0.1, fastText's)")
+    t.add_argument("--bucket", type=int, default=1_000_000, help="word-bigram hash buckets (default 1000000)")
+    t.add_argument("--seed", type=int, default=0)
+
+
+def _run_quality_model(args) -> int:
+    import time
+    from pathlib import Path
+
+    from .clean.quality_model import Settings, train_from_files
+
+    t0 = time.perf_counter()
+    settings = Settings(dim=args.dim, epochs=args.epochs, lr=args.lr, bucket=args.bucket, seed=args.seed)
+    ev, pos, neg = train_from_files(
+        args.positive, args.negative, Path(args.out), args.text_field, args.held_out, settings
+    )
+    print(
+        f"{args.out}: trained on {pos:,} positive and {neg:,} negative documents in "
+        f"{time.perf_counter() - t0:.1f} s; held out {ev.documents:,}: precision {ev.precision:.3f}, "
+        f"recall {ev.recall:.3f}, accuracy {ev.accuracy:.3f} (score >= 0.5)"
+    )
+    return 0
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -187,6 +234,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--split", default="train")
+    _add_quality_model(sub)
     return parser
 
 
@@ -340,6 +388,8 @@ def _run(args) -> int:
         else:
             inspect(args.dir, samples=args.samples, split=args.split)
         return 0
+    if args.command == "quality-model":
+        return _run_quality_model(args)
     raise AssertionError(args.command)
 
 

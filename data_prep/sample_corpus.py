@@ -57,3 +57,59 @@ def write_sample_corpus(
                     raise ValueError(f"fmt must be txt or jsonl, got {fmt!r}")
         paths.append(path)
     return paths
+
+
+_BOILERPLATE = (
+    "Home | About | Contact",
+    "This website uses cookies to improve your experience.",
+    "Accept all cookies",
+    "Please enable JavaScript to view this page.",
+    "Privacy Policy",
+    "Terms of Use",
+    "Copyright © 2024 example.com. All rights reserved.",
+    "Back to top",
+    "Sign up for our newsletter",
+    "Share on Facebook",
+    "Follow us on Twitter",
+    "Click here to read more",
+    "Login | Register",
+    "Add to cart",
+    "Related posts",
+)
+_SPAM = (
+    "buy cheap",
+    "best price",
+    "free shipping",
+    "click here",
+    "limited offer",
+    "online casino",
+    "win money now",
+    "100% guaranteed",
+    "order today",
+    "huge discount",
+    "hot deals",
+    "work from home",
+)
+
+
+def low_quality_documents(n: int, seed: int = 0) -> list[str]:
+    """``n`` documents of what a quality filter should remove, in turn: navigation and cookie
+    boilerplate, keyword spam around real words, and real articles with their words shuffled (the
+    words of good text without its sentences). The negatives the demo's and the tests' quality
+    models are trained on, against the embedded articles."""
+    import random
+
+    rng = random.Random(seed)
+    articles = [text for _, text in wiki_articles()]
+    words = [w for text in articles[:500] for w in text.split()]
+    out = []
+    for i in range(n):
+        if i % 3 == 0:
+            out.append("\n".join(rng.sample(_BOILERPLATE, rng.randint(4, 12))))
+        elif i % 3 == 1:
+            out.append(" ".join(f"{rng.choice(_SPAM)} {rng.choice(words)}" for _ in range(rng.randint(10, 40))))
+        else:
+            shuffled = rng.choice(articles).split()
+            rng.shuffle(shuffled)
+            out.append(" ".join(shuffled))
+    return out

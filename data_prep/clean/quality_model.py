@@ -172,3 +172,83 @@ def train(examples: list[tuple[str, bool]], settings: Settings) -> Classifier:
                 model.update(rows[i], examples[i][1], settings.lr * (1 - seen / total))
             seen += 1
     return model
+
+
+@dataclass
+class Evaluation:
+    documents: int
+    precision: float  # of the documents scored positive, the share that are
+    recall: float  # of the positive documents, the share scored positive
+    accuracy: float
+
+
+def evaluate(model: Classifier, examples: list[tuple[str, bool]], threshold: float = 0.5) -> Evaluation:
+    scored = [(model.probability(text) >= threshold, positive) for text, positive in examples]
+    tp = sum(s and p for s, p in scored)
+    said, real = sum(s for s, _ in scored), sum(p for _, p in scored)
+    return Evaluation(
+        documents=len(scored),
+        precision=tp / said if said else 0.0,
+        recall=tp / real if real else 0.0,
+        accuracy=sum(s == p for s, p in scored) / len(scored) if scored else 0.0,
+    )
+
+
+def split_held_out(examples: list[tuple[str, bool]], share: float, seed: int) -> tuple[list, list]:
+    """(training, held-out): a seeded shuffle, ``share`` of each label held out."""
+    rng = random.Random(seed)
+    train_part, held = [], []
+    for label in (True, False):
+        mine = [e for e in examples if e[1] == label]
+        rng.shuffle(mine)
+        cut = round(len(mine) * share)
+        held += mine[:cut]
+        train_part += mine[cut:]
+    return train_part, held
+
+
+GENERATED = "generated"  # --negative generated: data_prep.sample_corpus.low_quality_documents
+
+
+def read_texts(patterns: list[str], flag: str, text_field: str, problems: list[str]) -> list[str]:
+    """Every document's text of the inputs (any format ``shard`` reads); a problem is added to
+    ``problems``, not raised, so that every bad input is named at once."""
+    from ..errors import DataPrepError
+    from ..reader import ReadOptions, iter_source_records, resolve_inputs
+
+    texts: list[str] = []
+    for pattern in patterns:
+        try:
+            for source in resolve_inputs([pattern]):
+                texts += [r[text_field] for r in iter_source_records(source, ReadOptions(text_field=text_field))]
+        except (DataPrepError, OSError) as exc:
+            problems.append(f"{flag} {pattern}: {exc}")
+    return texts
+
+
+def train_from_files(
+    positive: list[str], negative: list[str], out: Path, text_field: str, held_out: float, settings: Settings
+) -> tuple[Evaluation, int, int]:
+    """Train on the documents of ``positive`` against ``negative`` (or generated low-quality
+    documents, as many as the positives), hold out ``held_out`` of each, save to ``out``:
+    (the held-out evaluation, positives, negatives). Bad input raises one error naming all of it."""
+    from ..errors import DataPrepError
+    from ..sample_corpus import low_quality_documents
+
+    problems: list[str] = []
+    if not 0 <= held_out < 1:
+        problems.append(f"--held-out {held_out}: a share in [0, 1)")
+    pos = read_texts(positive, "--positive", text_field, problems)
+    if negative == [GENERATED]:
+        neg = low_quality_documents(len(pos), settings.seed)
+    else:
+        neg = read_texts(negative, "--negative", text_field, problems)
+    if not problems and (not pos or not neg):
+        problems.append(f"no documents in {'--positive' if not pos else '--negative'}")
+    if problems:
+        raise DataPrepError("; ".join(problems))
+    training, held = split_held_out([(x, True) for x in pos] + [(x, False) for x in neg], held_out, settings.seed)
+    model = train(training, settings)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model.save(out)
+    return evaluate(model, held), len(pos), len(neg)
