@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 
 from data_prep.common.shards import ShardError
@@ -41,6 +42,13 @@ _SHARD_FLAGS = {  # ShardSettings field -> (flag, type, help)
     "batch_chars": ("--batch-chars", int, "characters per tokenizer batch (default 1048576)"),
     "log_every": ("--log-every", float, "seconds between progress lines in batch jobs (default 30)"),
 }
+
+
+def _percent(value: str) -> float:
+    try:
+        return float(value.removesuffix("%"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: a percentage such as 10 or 10%") from None
 
 
 def _add_quality_model(sub) -> None:
@@ -132,6 +140,26 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="held-out files (a downstream test set, an evaluation corpus): no kept "
         "document is an exact or near copy of one of their documents",
+    )
+    p.add_argument(
+        "--quality-model",
+        dest="quality_model",
+        metavar="MODEL.bin",
+        help="a fastText quality classifier (DCLM's, or from `data_prep quality-model train`), applied "
+        "after deduplication",
+    )
+    p.add_argument(
+        "--quality-threshold",
+        dest="quality_threshold",
+        type=float,
+        help="keep documents whose score (the probability of quality_model.label, default __label__hq) is at least T",
+    )
+    p.add_argument(
+        "--quality-keep-top",
+        dest="quality_keep_top",
+        type=_percent,
+        metavar="P%",
+        help="or keep the P percent best-scored documents (DCLM kept 10%%)",
     )
     p.add_argument("--format", dest="output_format", choices=["jsonl", "parquet"], help="output files (default jsonl)")
     p.add_argument("--workers", type=int, help="processes (default: one per core)")
@@ -271,6 +299,10 @@ def _clean_settings(args):
     if args.languages is not None:
         values.setdefault("language", {})
         values["language"] = {**values["language"], "keep": [] if args.languages == ["any"] else args.languages}
+    model = {"path": args.quality_model, "threshold": args.quality_threshold, "keep_top": args.quality_keep_top}
+    model = {k: v for k, v in model.items() if v is not None}
+    if model:
+        values["quality_model"] = {**(values.get("quality_model") or {}), **model}
     values = apply_overrides(values, args.set)
     from .clean.run import input_problems
 
@@ -280,6 +312,9 @@ def _clean_settings(args):
 
     # The inputs' problems with the settings', all in one error, before anything is written.
     found = input_problems(patterns("inputs"), patterns("decontaminate_against"), encoding=args.stage is None)
+    model_path = (values.get("quality_model") or {}).get("path")
+    if isinstance(model_path, str) and model_path and not os.path.isfile(os.path.expanduser(model_path)):
+        found.append(f"--quality-model {model_path!r}: no such file")
     return build_settings(values, where=args.config or "data_prep clean", also=found)
 
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from data_prep.clean.quality_model import POSITIVE, Settings, fasttext_hash, train
+from data_prep.clean.report import format_table
 from data_prep.cli import main
 from data_prep.sample_corpus import low_quality_documents
 
@@ -69,3 +72,73 @@ def test_train_command_names_every_bad_input_at_once(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--held-out 1.5" in err and "--positive" in err and "nope.jsonl" in err and "none-*.jsonl" in err, err
     assert not (tmp_path / "q.bin").exists()
+
+
+@pytest.fixture(scope="module")
+def model_and_corpus(tmp_path_factory):
+    """A model trained on 2,000 articles against generated negatives; a corpus of 300 other articles
+    and 150 other generated documents, in two files."""
+    from data_prep.sample_corpus import wiki_articles
+
+    root = tmp_path_factory.mktemp("quality_clean")
+    articles = [text for _, text in wiki_articles()]
+    examples = [(x, True) for x in articles[1000:3000]] + [(x, False) for x in low_quality_documents(2000)]
+    train(examples, Settings(dim=16, epochs=10, lr=0.3, bucket=20_000)).save(root / "q.bin")
+    good = [{"id": f"wiki/{i}", "text": x} for i, x in enumerate(articles[:300])]
+    bad = [{"id": f"bad/{i}", "text": x} for i, x in enumerate(low_quality_documents(150, seed=7))]
+    records = [r for pair in zip(good[::2], good[1::2], bad) for r in pair]
+    for f in range(2):
+        (root / "in").mkdir(exist_ok=True)
+        (root / "in" / f"part{f}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[f::2]))
+    return root / "q.bin", root / "in"
+
+
+def _clean(inputs, out, *extra) -> dict:
+    argv = ["clean", "--input", str(inputs), "--out", str(out), "--workers", "1", "--set", "write_removed=true"]
+    assert main([*argv, *extra]) == 0
+    return json.loads((out / "report.json").read_text())
+
+
+def _removed_ids(out) -> dict[str, str]:
+    return {
+        json.loads(line)["id"]: json.loads(line)["removed_by"]
+        for p in sorted((out / "removed").glob("part-*.jsonl"))
+        for line in p.read_text().splitlines()
+    }
+
+
+def test_clean_removes_what_the_model_scores_low_after_the_other_steps(tmp_path, model_and_corpus):
+    model, inputs = model_and_corpus
+    report = _clean(inputs, tmp_path / "out", "--quality-model", str(model), "--quality-threshold", "0.5")
+    removed = _removed_ids(tmp_path / "out")
+    bad_removed = sum(i.startswith("bad/") for i in removed)
+    by_model = [i for i, why in removed.items() if why == "quality_model"]
+    assert bad_removed >= 140, removed  # of 150: the rules take the boilerplate, the model the rest
+    assert sum(i.startswith("bad/") for i in by_model) >= 40 and sum(i.startswith("wiki/") for i in by_model) <= 6
+    m = report["quality_model"]
+    survivors = 450 - sum(v["documents"] for k, v in report["removed"].items() if k != "quality_model")
+    assert m["scored"] == survivors == sum(m["histogram"]) and m["cut"] == 0.5
+    assert report["removed"]["quality_model"]["documents"] == len(by_model)
+    assert all(0 <= e["score"] < 0.5 for e in report["examples"]["quality_model"])
+    assert "quality model (__label__hq" in format_table(report)
+
+
+def test_keep_top_keeps_that_share_and_stages_write_the_same_bytes(tmp_path, model_and_corpus):
+    model, inputs = model_and_corpus
+    flags = ["--quality-model", str(model), "--quality-keep-top", "50%", "--group-chars", "20000"]
+    report = _clean(inputs, tmp_path / "one", *flags)
+    m = report["quality_model"]
+    assert m["scored"] // 2 - 2 <= m["scored"] - report["removed"]["quality_model"]["documents"] <= m["scored"] // 2
+    staged = ["clean", "--input", str(inputs), "--out", str(tmp_path / "k2"), "--workers", "1", *flags]
+    staged += ["--set", "write_removed=true", "--num-tasks", "2", "--partition", "documents"]
+    for stage in ("signatures", "exact", "pairs", "clusters", "filter"):
+        for t in [None] if stage == "clusters" else (0, 1):
+            assert main([*staged, "--stage", stage] + ([] if t is None else ["--task-index", str(t)])) == 0
+    one, two = tmp_path / "one", tmp_path / "k2"
+    files = [{p.name: p.read_bytes() for p in folder.glob("*") if p.is_file()} for folder in (one, two)]
+    assert files[0] == files[1] and len(files[0]) >= 3
+    # another model is another result: the run is not skipped as unchanged
+    other = tmp_path / "other.bin"
+    other.write_bytes(model.read_bytes()[:-4] + b"\0\0\0\0")
+    again = _clean(inputs, one, *flags[:1], str(other), *flags[2:])
+    assert again["settings_sha256"] != report["settings_sha256"]

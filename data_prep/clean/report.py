@@ -22,7 +22,7 @@ from ..errors import DataPrepError
 REPORT = "report.json"
 FORMAT = "data_prep-clean"
 VERSION = 1
-STEPS = ("language", "quality", "decontamination", "exact_duplicate", "near_duplicate")
+STEPS = ("language", "quality", "decontamination", "exact_duplicate", "near_duplicate", "quality_model")
 
 
 REMOVED_DIR = "removed/"
@@ -110,6 +110,13 @@ def format_table(report: dict) -> str:
     for label, docs, words in rows:
         share = f"  {100 * docs / max(1, t_in['documents']):5.1f}%" if label.startswith("  ") else ""
         lines.append(f"{label:{width}}  {docs:>10,}  {words:>12,}{share}")
+    if "quality_model" in report:
+        m = report["quality_model"]
+        how = f"the top {m['keep_top']:g}%" if m["keep_top"] else f"threshold {m['threshold']:g}"
+        lines.append(
+            f"quality model ({m['label']}, {m['sha256'][:12]}): {m['scored']:,} documents scored, "
+            f"kept {how}: scores >= {m['cut']:.4f}"
+        )
     if report["clusters"]:
         lines.append("largest duplicate clusters:")
         for c in report["clusters"]:

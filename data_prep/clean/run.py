@@ -176,7 +176,17 @@ def _job(s: CleanSettings, num_tasks: int) -> _Job:
         "sources": [src.to_dict() for src in sources],
         "decontaminated_against": [src.to_dict() for src in held],
     }
+    if s.quality_model.path:
+        identity["quality_model_sha256"] = _file_sha256(s.quality_model.path)
     return _Job(s, sources, held, partition, store, identity, settings_sha256(identity))
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(os.path.expanduser(path), "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _finished(job: _Job) -> dict | None:
@@ -301,6 +311,7 @@ def stage_signatures(job: _Job, num_tasks: int, task: int) -> None:
                 words=sig.words,
                 removed_by=sig.removed_by.astype(str),
                 contaminated=contaminated,
+                **({"quality_scores": sig.quality_scores} if s.quality_model.path else {}),
             )
 
     for key, sig in _analysed(_chunks(job.owned(num_tasks, task, count), done, groups), s):
@@ -444,6 +455,7 @@ def _group_sig(job: _Job, key: GroupKey, *only: str) -> Signatures:
         signatures=empty,  # in the mapped key files (MINHASH)
         words=d.get("words", empty),
         removed_by=d.get("removed_by", empty).astype(object),
+        quality_scores=d.get("quality_scores", empty),
     )
 
 
@@ -493,13 +505,16 @@ class _Tally:
     words_in: int = 0
     removed: dict = dataclasses.field(default_factory=dict)
     examples: dict = dataclasses.field(default_factory=dict)
+    scores: dict = dataclasses.field(default_factory=dict)  # the quality model's score of each example
 
-    def count(self, why: str, words: int, gid: int) -> None:
+    def count(self, why: str, words: int, gid: int, score: float = float("nan")) -> None:
         entry = self.removed.setdefault(why, {"documents": 0, "words": 0})
         entry["documents"] += 1
         entry["words"] += words
         if len(self.examples.setdefault(why, [])) < EXAMPLES:
             self.examples[why].append(gid)
+            if score == score:
+                self.scores[str(gid)] = round(float(score), 4)
 
     def documents(self) -> int:
         return sum(e["documents"] for e in self.removed.values())
@@ -517,20 +532,69 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
     confirmed = np.unique(np.concatenate([np.zeros((0, 2), np.int64), *pairs]), axis=0)
     near_removed, near_reps = _clusters_of_confirmed(job, groups, offsets, confirmed)
     clusters_found = _biggest_clusters(exact_removed, exact_reps, near_removed, near_reps)
-    names = ["", "decontamination", "exact_duplicate", "near_duplicate"]
-    ids = np.concatenate([decont, exact_removed, near_removed])
-    codes = np.concatenate(
-        [np.full(len(decont), 1), np.full(len(exact_removed), 2), np.full(len(near_removed), 3)]
-    ).astype(np.uint16)
+    gone = np.sort(np.concatenate([decont, exact_removed, near_removed]))
+    model_removed, model_report = _quality_model_cut(job, groups, offsets, gone)
+    names = ["", "decontamination", "exact_duplicate", "near_duplicate", "quality_model"]
+    parts = [decont, exact_removed, near_removed, model_removed]
+    ids = np.concatenate(parts)
+    codes = np.concatenate([np.full(len(p), c + 1) for c, p in enumerate(parts)]).astype(np.uint16)
     order = np.argsort(ids)
     ids, codes = ids[order], codes[order]
     group_of = np.searchsorted(offsets, ids, side="right") - 1
     for g in np.unique(group_of):
-        words = _group_sig(job, groups[g][0], "words").words
+        sig = _group_sig(job, groups[g][0], "words", "quality_scores")
+        scores = sig.quality_scores if len(sig.quality_scores) else np.full(len(sig.words), np.nan)
         for gid, c in zip(ids[group_of == g].tolist(), codes[group_of == g].tolist()):
-            tally.count(names[c], int(words[gid - offsets[g]]), gid)
+            tally.count(names[c], int(sig.words[gid - offsets[g]]), gid, scores[gid - offsets[g]])
     _save_npz(job.store, job.work + "decisions.npz", ids=ids, codes=codes)
-    _write_decisions(job, groups, n, names, tally, clusters_found)
+    _write_decisions(job, groups, n, names, tally, clusters_found, model_report)
+
+
+QUALITY_BINS = 1 << 16  # --quality-keep-top cuts at a bin edge: a score resolution of 1.5e-5
+REPORT_BINS = 20
+
+
+def _quality_model_cut(job: _Job, groups, offsets, gone: np.ndarray) -> tuple[np.ndarray, dict]:
+    """(the ids the quality model removes, what the report says of it): of the documents every other
+    step kept (scored, not in ``gone``), those under the threshold, or under the score that keeps
+    ``keep_top`` percent of them. Two passes over the groups' scores: memory is one group's."""
+    m = job.s.quality_model
+    if not m.path:
+        return np.zeros(0, np.int64), {}
+
+    def survivors(g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        scores = _group_sig(job, groups[g][0], "quality_scores").quality_scores
+        alive = ~np.isnan(scores)
+        lo, hi = np.searchsorted(gone, [offsets[g], offsets[g] + len(scores)])
+        alive[gone[lo:hi] - offsets[g]] = False
+        bins = np.minimum((np.nan_to_num(scores) * QUALITY_BINS).astype(np.int64), QUALITY_BINS - 1)
+        return alive, scores, bins
+
+    hist = np.zeros(QUALITY_BINS, np.int64)
+    for g in range(len(groups)):
+        alive, _, bins = survivors(g)
+        hist += np.bincount(bins[alive], minlength=QUALITY_BINS)
+    scored = int(hist.sum())
+    kept_from = np.concatenate([np.cumsum(hist[::-1])[::-1], [0]])  # kept_from[b]: documents in bins >= b
+    cut_bin = int(np.argmax(kept_from <= int(scored * m.keep_top / 100)))
+    removed = []
+    for g in range(len(groups)):
+        alive, scores, bins = survivors(g)
+        low = bins < cut_bin if m.keep_top else scores < m.threshold
+        removed.append(np.flatnonzero(alive & low) + offsets[g])
+    report = {
+        "label": m.label,
+        "threshold": m.threshold,
+        "keep_top": m.keep_top,
+        "cut": round(cut_bin / QUALITY_BINS, 5) if m.keep_top else m.threshold,  # removed: scores below it
+        "scored": scored,
+        "histogram": np.bincount(
+            np.arange(QUALITY_BINS) * REPORT_BINS // QUALITY_BINS, weights=hist, minlength=REPORT_BINS
+        )
+        .astype(np.int64)
+        .tolist(),  # of the scored documents, by score in 20 bins of 0.05
+    }
+    return np.concatenate(removed), report
 
 
 def _rules_and_contamination(job: _Job, groups, offsets, tally: _Tally) -> np.ndarray:
@@ -593,7 +657,9 @@ def _biggest_clusters(exact_removed, exact_reps, near_removed, near_reps) -> lis
     ]
 
 
-def _write_decisions(job: _Job, groups, n: int, names: list[str], tally: _Tally, clusters_found: list) -> None:
+def _write_decisions(
+    job: _Job, groups, n: int, names: list[str], tally: _Tally, clusters_found: list, model_report: dict
+) -> None:
     job.store.write_bytes(
         job.work + "decisions.json",
         json_bytes(
@@ -611,6 +677,7 @@ def _write_decisions(job: _Job, groups, n: int, names: list[str], tally: _Tally,
                 "removed": dict(sorted(tally.removed.items())),
                 "examples": dict(sorted(tally.examples.items())),
                 "clusters": clusters_found,
+                **({"quality_model": model_report, "scores": tally.scores} if model_report else {}),
             }
         ),
     )
@@ -711,6 +778,10 @@ def stage_filter(job: _Job, num_tasks: int, task: int) -> dict | None:
     return _finish(job, decisions)
 
 
+def _example(snippet: list[str], score: float | None) -> dict:
+    return {"id": snippet[0], "snippet": snippet[1], **({"score": score} if score is not None else {})}
+
+
 def _finish(job: _Job, decisions: dict) -> dict | None:
     """``report.json`` once every group has its filter marker (by whichever task sees that first: the
     same bytes from any of them); part files and work folders of earlier runs removed."""
@@ -749,10 +820,12 @@ def _finish(job: _Job, decisions: dict) -> dict | None:
             for c in decisions["clusters"]
         ],
         "examples": {
-            why: [{"id": snippets[i][0], "snippet": snippets[i][1]} for i in idxs]
+            why: [_example(snippets[i], decisions.get("scores", {}).get(str(i))) for i in idxs]
             for why, idxs in sorted(decisions["examples"].items())
         },
     }
+    if "quality_model" in decisions:
+        report["quality_model"] = {**decisions["quality_model"], "sha256": job.identity["quality_model_sha256"]}
     names = {f["name"] for f in files + removed_files}
     stale = [n for n in listing if is_part(n) and n not in names]
     stale += [n for n in listing if n.startswith(WORK + "/") and not n.startswith(work)]

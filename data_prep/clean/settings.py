@@ -77,6 +77,31 @@ class LanguageSettings:
 
 
 @dataclass
+class QualityModelSettings:
+    """A fastText classifier the user brings (DCLM's, a FineWeb-Edu fastText distillation, or one of
+    ``data_prep quality-model train``): a document's score is the probability of ``label``. Applied
+    after deduplication, as DCLM orders its pipeline: to the documents every other step kept, either
+    above a ``threshold`` or the ``keep_top`` percent of them with the highest scores."""
+
+    path: str = ""  # the model file (fastText .bin); "" turns the step off
+    label: str = "__label__hq"  # DCLM's name for the good class
+    threshold: float = 0.0  # keep a document scoring at least this
+    keep_top: float = 0.0  # or keep this percentage of the documents, the best scored (DCLM: 10)
+
+    def problems(self) -> list[str]:
+        p = []
+        if not 0.0 <= self.threshold <= 1.0:
+            p.append(f"quality_model.threshold {self.threshold}: must be in [0, 1]")
+        if not 0.0 <= self.keep_top <= 100.0:
+            p.append(f"quality_model.keep_top {self.keep_top}: a percentage in (0, 100]")
+        if self.path and (self.threshold > 0) == (self.keep_top > 0):
+            p.append("--quality-model: give one of --quality-threshold T and --quality-keep-top P")
+        if not self.path and (self.threshold > 0 or self.keep_top > 0):
+            p.append("--quality-threshold/--quality-keep-top: need --quality-model MODEL.bin")
+        return p
+
+
+@dataclass
 class CleanSettings:
     inputs: list = field(default_factory=list)
     out: str = ""
@@ -94,9 +119,10 @@ class CleanSettings:
     near: NearSettings = field(default_factory=NearSettings)
     quality: QualitySettings = field(default_factory=QualitySettings)
     language: LanguageSettings = field(default_factory=LanguageSettings)
+    quality_model: QualityModelSettings = field(default_factory=QualityModelSettings)
 
     def problems(self) -> list[str]:
-        p = []
+        p = self.quality_model.problems()
         if not self.inputs:
             p.append("--input: at least one file, glob or folder is required")
         if not self.out:
@@ -159,6 +185,10 @@ class CleanSettings:
         d = dataclasses.asdict(self)
         for name in ("inputs", "out", "workers", "decontaminate_against", "write_removed", "partition", "slice_keys"):
             d.pop(name)
+        if self.quality_model.path:
+            d["quality_model"].pop("path")  # the model enters by content (its sha256, in the report)
+        else:
+            d.pop("quality_model")  # off: the identity of every run cleaned before the step existed
         d["quality"]["max_top_ngram_chars"] = {str(k): v for k, v in self.quality.max_top_ngram_chars.items()}
         d["quality"]["max_duplicate_ngram_chars"] = {
             str(k): v for k, v in self.quality.max_duplicate_ngram_chars.items()
@@ -166,7 +196,13 @@ class CleanSettings:
         return d
 
 
-_SECTIONS = {"exact": ExactSettings, "near": NearSettings, "quality": QualitySettings, "language": LanguageSettings}
+_SECTIONS = {
+    "exact": ExactSettings,
+    "near": NearSettings,
+    "quality": QualitySettings,
+    "language": LanguageSettings,
+    "quality_model": QualityModelSettings,
+}
 
 
 def _coerce(value, default, where: str, problems: list[str]):

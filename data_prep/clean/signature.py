@@ -89,9 +89,29 @@ class Facts:
     removed_by: str  # "" kept so far; "language" or "quality/<rule>"
     language: str = ""
     score: float = 0.0
+    quality_score: float = float("nan")  # the quality model's (NaN: no model, or removed by a rule)
 
 
-def analyse(record: dict, text_field: str, s: CleanSettings, lid: LanguageId | None) -> Facts:
+class QualityScorer:
+    """The user's fastText classifier (``quality_model``), loaded by ``fasttext-predict``: the
+    probability of its label for a document, its lines joined as the model was trained."""
+
+    def __init__(self, path: str, label: str):
+        import fasttext
+
+        self._model = fasttext.load_model(path)
+        self._label = label
+
+    def __call__(self, text: str) -> float:
+        from .quality_model import one_line
+
+        labels, probs = self._model.predict(one_line(text), k=-1)
+        return min(float(dict(zip(labels, probs)).get(self._label, 0.0)), 1.0)
+
+
+def analyse(
+    record: dict, text_field: str, s: CleanSettings, lid: LanguageId | None, scorer: QualityScorer | None = None
+) -> Facts:
     text = record[text_field]
     words = normal_words(text)
     facts = Facts(key=record_key(record), exact=exact_key(words), signature=b"", words=len(text.split()), removed_by="")
@@ -108,6 +128,9 @@ def analyse(record: dict, text_field: str, s: CleanSettings, lid: LanguageId | N
         rule = first_failure(text, s.quality, english)
         if rule is not None:
             facts.removed_by = f"quality/{rule}"
+            return facts
+    if scorer is not None:
+        facts.quality_score = scorer(text)
     return facts
 
 
@@ -121,6 +144,7 @@ class Signatures:
     signatures: np.ndarray  # (n, num_perm) uint32; (n, 0) when near duplicates are off
     words: np.ndarray  # int64
     removed_by: np.ndarray  # object: "" or the step (interned strings)
+    quality_scores: np.ndarray  # float32, NaN where not scored
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -134,6 +158,7 @@ class Signatures:
             signatures=np.frombuffer(b"".join(f.signature for f in facts), dtype=np.uint32).reshape(len(facts), width),
             words=np.array([f.words for f in facts], dtype=np.int64),
             removed_by=np.array([sys.intern(f.removed_by) for f in facts], dtype=object),
+            quality_scores=np.array([f.quality_score for f in facts], dtype=np.float32),
         )
 
     @classmethod
@@ -148,18 +173,26 @@ class Signatures:
             signatures=np.concatenate([p.signatures for p in parts]),
             words=np.concatenate([p.words for p in parts]),
             removed_by=removed,
+            quality_scores=np.concatenate([p.quality_scores for p in parts]),
         )
 
 
-# One per worker process: the settings and the language model, loaded once.
-_worker: tuple[CleanSettings, str, LanguageId | None] | None = None
+# One per worker process: the settings, the language model and the quality model, loaded once.
+_worker: tuple[CleanSettings, str, LanguageId | None, QualityScorer | None] | None = None
 
 
 def worker_init(settings: CleanSettings) -> None:
     global _worker
-    _worker = (settings, settings.text_field, LanguageId() if settings.language.keep else None)
+    m = settings.quality_model
+    _worker = (
+        settings,
+        settings.text_field,
+        LanguageId() if settings.language.keep else None,
+        QualityScorer(m.path, m.label) if m.path else None,
+    )
 
 
 def worker_analyse(records: list[dict]) -> Signatures:
-    settings, field, lid = _worker
-    return Signatures.of([analyse(r, field, settings, lid) for r in records], settings.near.bands * settings.near.rows)
+    settings, field, lid, scorer = _worker
+    num_perm = settings.near.bands * settings.near.rows
+    return Signatures.of([analyse(r, field, settings, lid, scorer) for r in records], num_perm)
