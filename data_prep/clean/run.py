@@ -534,8 +534,8 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
     clusters_found = _biggest_clusters(exact_removed, exact_reps, near_removed, near_reps)
     gone = np.sort(np.concatenate([decont, exact_removed, near_removed]))
     model_removed, model_report = _quality_model_cut(job, groups, offsets, gone)
-    names = ["", "decontamination", "exact_duplicate", "near_duplicate", "quality_model"]
-    parts = [decont, exact_removed, near_removed, model_removed]
+    names = ["", "decontamination", "exact_duplicate", "near_duplicate"] + ["quality_model"] * bool(model_report)
+    parts = [decont, exact_removed, near_removed, model_removed][: len(names) - 1]
     ids = np.concatenate(parts)
     codes = np.concatenate([np.full(len(p), c + 1) for c, p in enumerate(parts)]).astype(np.uint16)
     order = np.argsort(ids)
