@@ -191,6 +191,8 @@ def band_pairs_confirmed(files: KeyFiles, units: list[tuple[int, int, int]], gon
         candidates = neighbour_pairs(hs[order], gid[order])
         if len(candidates):
             found.append(confirm(np.unique(candidates, axis=0)))
+        if sum(map(len, found[1:])) > max(1 << 20, len(found[0])):  # a pair is found in up to every band
+            found = [np.unique(np.concatenate(found), axis=0)]
     return np.unique(np.concatenate(found), axis=0)
 
 
