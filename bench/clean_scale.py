@@ -14,6 +14,10 @@ with the language and quality steps off (they cost the same per document at any 
 65,536 keys (a billion documents at the default 4 Mi keys take ~250 slices; these take 16-150) and
 groups of 8 Mi characters (~17,000 documents).
 
+``--one-job-tree DIR`` (a checkout from before the split, e.g. ``git worktree add DIR ab09f23``) also
+runs that tree's stages on the same corpus (signatures, the one clusters job, filter): the
+one-job clusters stage side by side with the exact, pairs and join stages that replace it.
+
 Memory per task: the peak of its resident anonymous memory (``RssAnon``, sampled every 20 ms: the
 heap, what a task must be given) and its peak resident set (``ru_maxrss``, which also counts pages of
 the memory-mapped key files: reclaimable cache). The join (clusters) is also given per confirmed
@@ -81,10 +85,10 @@ def command(folder: Path, out: Path, name: str, tasks: int, task: int | None) ->
     return cmd + ([] if task is None else ["--task-index", str(task)])
 
 
-def run_task(cmd: list[str]) -> tuple[float, int, int]:
+def run_task(cmd: list[str], cwd: Path = REPO) -> tuple[float, int, int]:
     """(seconds, peak anonymous MiB sampled, peak resident MiB) of one process."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peak_anon = [0]
     done = threading.Event()
 
@@ -109,14 +113,14 @@ def run_task(cmd: list[str]) -> tuple[float, int, int]:
     return time.perf_counter() - t0, peak_anon[0] // 1024, usage.ru_maxrss // 1024
 
 
-def run_stage(cmds: list[list[str]], parallel: int) -> dict:
+def run_stage(cmds: list[list[str]], parallel: int, cwd: Path = REPO) -> dict:
     """Every task of a stage, ``parallel`` at a time: wall seconds, and the slowest task's seconds and
     the largest peaks over the tasks."""
     from concurrent.futures import ThreadPoolExecutor
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(parallel) as pool:
-        results = list(pool.map(run_task, cmds))
+        results = list(pool.map(lambda c: run_task(c, cwd), cmds))
     return {
         "wall": time.perf_counter() - t0,
         "task_s": max(r[0] for r in results),
@@ -136,6 +140,7 @@ def main() -> None:
     ap.add_argument("--docs-per-task", type=int, default=500_000)
     ap.add_argument("--parallel", type=int, default=2)
     ap.add_argument("--work-dir", default="/tmp/clean-scale")
+    ap.add_argument("--one-job-tree", help="a checkout with the one-job clusters stage, run on the same corpora")
     args = ap.parse_args()
     work = Path(args.work_dir)
     print(
@@ -162,6 +167,16 @@ def main() -> None:
                 f"{removed.get('exact_duplicate', {}).get('documents', 0):,}/"
                 f"{removed.get('near_duplicate', {}).get('documents', 0):,}, {pairs:,} pairs, {per_pair:,.0f} B"
             )
+            if args.one_job_tree:
+                tree, old_out = Path(args.one_job_tree), work / f"one-job-{n}-{near:g}"
+                subprocess.run(["rm", "-rf", str(old_out)])
+                for name in ("signatures", "clusters", "filter"):
+                    tasks = [None] if name == "clusters" else range(k)
+                    r = run_stage([command(corpus, old_out, name, k, t) for t in tasks], args.parallel, tree)
+                    rows[f"one-job {name}" if name == "clusters" else f"one-job {name[:3]}"] = r
+                same = (old_out / "report.json").read_bytes() == (out / "report.json").read_bytes()
+                tail += f"; one-job report {'identical' if same else 'DIFFERS'}"
+                subprocess.run(["rm", "-rf", str(old_out)])
             for name, r in rows.items():
                 print(
                     f"{n:>10,} {near:>4g} {k:>3} | {name:>10} {r['wall']:>7.1f} {r['task_s']:>7.1f} {r['anon']:>8,} "

@@ -691,15 +691,27 @@ def _filter_marker(key: GroupKey) -> str:
     return f"filter-{key.tag}.json"
 
 
-def _decisions(job: _Job) -> tuple[dict, dict[int, str]]:
-    """decisions.json, and the step that removed each removed document by global id."""
+class _Removed:
+    """The step that removed each removed document, by global id: the sorted arrays of
+    ``decisions.npz`` (10 bytes a removed document), read group by group (a dict of every removed
+    document would cost each filter task ~100 bytes a removed document of the whole corpus)."""
+
+    def __init__(self, ids: np.ndarray, codes: np.ndarray, names: list[str]):
+        self.ids, self.codes, self.names = ids, codes, names
+
+    def of_group(self, start: int, n: int) -> dict[int, str]:
+        lo, hi = np.searchsorted(self.ids, [start, start + n])
+        return {gid: self.names[c] for gid, c in zip(self.ids[lo:hi].tolist(), self.codes[lo:hi].tolist())}
+
+
+def _decisions(job: _Job) -> tuple[dict, _Removed]:
+    """decisions.json, and the step that removed each removed document."""
     text = job.store.read_text(job.work + "decisions.json")
     if text is None:
         raise DataPrepError(f"{job.store.url(job.work)}: no decisions yet: run the clusters stage first")
     decisions = json.loads(text)
     arrays = _load_npz(job.store, job.work + "decisions.npz")
-    names = decisions["reasons"]
-    return decisions, {gid: names[c] for gid, c in zip(arrays["ids"].tolist(), arrays["codes"].tolist())}
+    return decisions, _Removed(arrays["ids"], arrays["codes"], decisions["reasons"])
 
 
 def _snippet(text: str) -> str:
@@ -727,10 +739,11 @@ def _write_part(store: Store, name: str, records: list[dict], output_format: str
 def stage_filter(job: _Job, num_tasks: int, task: int) -> dict | None:
     """This task's groups written; returns the report when this task completed the set."""
     s, store, work = job.s, job.store, job.work
-    decisions, removed_ids = _decisions(job)
-    offsets, start = {}, 0
+    decisions, decided = _decisions(job)
+    offsets, sizes, start = {}, {}, 0
     for source, group, n in decisions["groups"]:
         offsets[GroupKey(source, group)] = start
+        sizes[GroupKey(source, group)] = n
         start += n
     wanted = {i for idxs in decisions["examples"].values() for i in idxs}
     wanted |= {c[k] for c in decisions["clusters"] for k in ("kept", "removed") if c[k] is not None}
@@ -751,13 +764,14 @@ def stage_filter(job: _Job, num_tasks: int, task: int) -> dict | None:
         }
         store.write_bytes(work + _filter_marker(key), json_bytes(marker))
 
-    filtered = None
+    filtered, group_removed = None, {}
     for k, record in job.owned(num_tasks, task):
         if k != key:
             close()
             key, local, kept, removed, snippets = k, 0, [], [], {}
             if _filter_marker(key) not in done and key in offsets:  # language and quality removals
                 filtered = _load_npz(store, work + _sig_name(key), only=("removed_by",))["removed_by"]
+                group_removed = decided.of_group(offsets[key], sizes[key])
         if key not in offsets:
             raise DataPrepError(
                 f"the inputs changed since the signatures stage (group {key.tag} is new): clean into a new --out"
@@ -766,7 +780,7 @@ def stage_filter(job: _Job, num_tasks: int, task: int) -> dict | None:
         local += 1
         if _filter_marker(key) in done:
             continue
-        why = filtered[local - 1] or removed_ids.get(i, "")
+        why = filtered[local - 1] or group_removed.get(i, "")
         if why:
             if s.write_removed:
                 removed.append({**record, REMOVED_FIELD: why})
