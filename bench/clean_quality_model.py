@@ -47,17 +47,10 @@ def held_out_scores(predict, held: list[tuple[str, bool]]) -> tuple[float, float
 
 
 def fasttext_predict(path: Path):
-    import fasttext  # fasttext-predict: what data_prep clean applies a model with
+    """What ``data_prep clean`` scores a document with (``fasttext-predict``, its lines joined)."""
+    from data_prep.clean.signature import QualityScorer
 
-    from data_prep.clean.quality_model import POSITIVE, one_line
-
-    model = fasttext.load_model(str(path))
-
-    def predict(text: str) -> float:
-        labels, probs = model.predict(one_line(text), k=-1)
-        return dict(zip(labels, probs)).get(POSITIVE, 0.0)
-
-    return predict
+    return QualityScorer(str(path), "__label__hq")
 
 
 def clean_rate(inputs: Path, out: Path, *extra: str) -> tuple[float, dict]:
@@ -112,9 +105,7 @@ def main() -> None:
     for name, seconds, (precision, recall, _) in rows:
         print(f"{name:<44} {seconds:>8.1f} {precision:>10.4f} {recall:>7.4f}")
 
-    from data_prep.clean.signature import QualityScorer
-
-    scorer = QualityScorer(str(work / "ours.bin"), "__label__hq")
+    scorer = fasttext_predict(work / "ours.bin")
     t0 = time.perf_counter()
     for text in held_pos:
         scorer(text)

@@ -59,7 +59,7 @@ def write_sample_corpus(
     return paths
 
 
-_BOILERPLATE = (
+BOILERPLATE_LINES = (  # navigation and cookie lines of a web page: what quality rules and models remove
     "Home | About | Contact",
     "This website uses cookies to improve your experience.",
     "Accept all cookies",
@@ -105,7 +105,7 @@ def low_quality_documents(n: int, seed: int = 0) -> list[str]:
     out = []
     for i in range(n):
         if i % 3 == 0:
-            out.append("\n".join(rng.sample(_BOILERPLATE, rng.randint(4, 12))))
+            out.append("\n".join(rng.sample(BOILERPLATE_LINES, rng.randint(4, 12))))
         elif i % 3 == 1:
             out.append(" ".join(f"{rng.choice(_SPAM)} {rng.choice(words)}" for _ in range(rng.randint(10, 40))))
         else:

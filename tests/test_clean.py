@@ -16,6 +16,7 @@ import pytest
 from data_prep.clean.quality import first_failure
 from data_prep.clean.settings import QualitySettings
 from data_prep.cli import main
+from data_prep.sample_corpus import BOILERPLATE_LINES
 from s3_server import s3_server  # noqa: F401  (a fixture)
 
 GERMAN = (
@@ -27,18 +28,7 @@ FRENCH = (
     "La ville se trouve au bord d'un grand fleuve et compte environ vingt mille habitants. Au Moyen Âge, "
     "le bourg était un centre important du commerce du sel et du blé."
 )
-BOILERPLATE = "\n".join(
-    [
-        "Home | About | Contact",
-        "This website uses cookies to improve your experience.",
-        "Accept all cookies",
-        "Please enable JavaScript to view this page.",
-        "Privacy Policy",
-        "Terms of Use",
-        "Copyright © 2024 example.com. All rights reserved.",
-        "Back to top",
-    ]
-)
+BOILERPLATE = "\n".join(BOILERPLATE_LINES[:8])  # a page of navigation and cookie lines
 
 
 PARAGRAPH = (

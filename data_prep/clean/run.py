@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.common.atomic import json_bytes
+from data_prep.common.shards import sha256_file
 from data_prep.common.storage import StorageError, Store, open_store
 
 from ..errors import DataPrepError
@@ -177,16 +178,8 @@ def _job(s: CleanSettings, num_tasks: int) -> _Job:
         "decontaminated_against": [src.to_dict() for src in held],
     }
     if s.quality_model.path:
-        identity["quality_model_sha256"] = _file_sha256(s.quality_model.path)
+        identity["quality_model_sha256"] = sha256_file(os.path.expanduser(s.quality_model.path))
     return _Job(s, sources, held, partition, store, identity, settings_sha256(identity))
-
-
-def _file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(os.path.expanduser(path), "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _finished(job: _Job) -> dict | None:
@@ -637,7 +630,7 @@ def _clusters_of_confirmed(job: _Job, groups, offsets, confirmed: np.ndarray) ->
     for g in np.unique(group_of):
         at = np.flatnonzero(group_of == g)
         ident[at] = _group_sig(job, groups[g][0], "keys").keys[members[at] - offsets[g]]
-    return clusters_of(confirmed, np.zeros((0, 0), np.uint32), ident, members, 0.0)
+    return clusters_of(confirmed, ident, members)
 
 
 def _biggest_clusters(exact_removed, exact_reps, near_removed, near_reps) -> list[dict]:

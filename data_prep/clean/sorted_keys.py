@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .clusters import agreement, neighbour_pairs
+from .clusters import neighbour_pairs
 
 _M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
@@ -196,22 +196,16 @@ def band_pairs_confirmed(files: KeyFiles, units: list[tuple[int, int, int]], gon
     return np.unique(np.concatenate(found), axis=0)
 
 
-def clusters_of(
-    pairs: np.ndarray, rows: np.ndarray, ident: np.ndarray, members: np.ndarray, min_similarity: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """(removed global ids, their representatives) of the near-duplicate clusters: candidate pairs
-    that agree on ``min_similarity`` of their signature values (``rows``, one per sorted ``members``)
-    joined into connected components, each keeping its member with the smallest identity
-    (``ident``). Arrays throughout: memory follows the members, ~0.5 KB each."""
+def clusters_of(pairs: np.ndarray, ident: np.ndarray, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(removed global ids, their representatives) of the near-duplicate clusters: the confirmed
+    ``pairs`` joined into connected components, each keeping its member with the smallest identity
+    (``ident``, one per sorted ``members``). Arrays throughout: memory follows the pairs."""
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components
 
     if not len(pairs):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     a, b = np.searchsorted(members, pairs[:, 0]), np.searchsorted(members, pairs[:, 1])
-    if min_similarity > 0:
-        close = agreement(rows, a, b) >= min_similarity
-        a, b = a[close], b[close]
     m = len(members)
     graph = coo_matrix((np.ones(len(a), np.int8), (a, b)), shape=(m, m))
     label = connected_components(graph, directed=False)[1]
