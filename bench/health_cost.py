@@ -1,4 +1,4 @@
-"""What per-layer health (``pretrain/runtime/health.py``) costs against a training step, in CPU seconds (so a
+"""What per-layer health (``pretrain/guards/health.py``) costs against a training step, in CPU seconds (so a
 shared, loaded machine does not blur it), on one process at ZeRO 0 (every weight local).
 
     python bench/health_cost.py [--config configs/mini.yaml] [--batch 32] [--seq-len 128] [--repeats 10] --data SHARDS
@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pretrain.guards.health import LayerHealth  # noqa: E402
 from pretrain.model.masking import SpecialIds  # noqa: E402
 from pretrain.model.mlm import build_model  # noqa: E402
-from pretrain.runtime.health import LayerHealth  # noqa: E402
 
 
 class _Holder:  # LayerHealth reads engine.module only

@@ -143,7 +143,7 @@ VARIANTS: dict[str, Variant] = {
         "ours",
         ("impl.compile=true", "model.attention_scope=document"),
     ),
-    # What per-layer health (pretrain/runtime/health.py) costs: compare with ours / ours-zero1.
+    # What per-layer health (pretrain/guards/health.py) costs: compare with ours / ours-zero1.
     "ours-health10": Variant("ours, eager, train.health_every=10", "ours", ("train.health_every=10",)),
     "ours-zero1-health10": Variant(
         "ours, eager, ZeRO 1, train.health_every=10", "ours", ("impl.zero_stage=1", "train.health_every=10")

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from data_prep.common.shards import ShardError
+from data_prep.common.errors import ShardError
 from data_prep.common.storage import StorageError
 
 from .errors import DataPrepError
@@ -415,7 +415,7 @@ def _run(args) -> int:
         print(f"{args.dir}: all shards verified")
         return 0
     if args.command == "inspect":
-        from .clean.report import inspect_report, read_report
+        from .cleaned_folder import inspect_report, read_report
         from .verify import inspect
 
         if read_report(args.dir) is not None:

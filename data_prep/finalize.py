@@ -9,8 +9,9 @@ import json
 import os
 
 from data_prep.common.atomic import json_bytes
+from data_prep.common.errors import ShardError
 from data_prep.common.manifest import FORMAT_VERSION, MANIFEST, Manifest, files_sha256
-from data_prep.common.shards import ShardError, block_checksums, index_shard
+from data_prep.common.shards import block_checksums, index_shard
 from data_prep.common.storage import Store, open_store, sha256_bytes
 
 from .errors import DataPrepError

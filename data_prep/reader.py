@@ -47,6 +47,7 @@ from pathlib import Path
 
 from data_prep.common.storage import is_url, open_store
 
+from .cleaned_folder import is_part, read_report
 from .errors import DataPrepError
 
 _KINDS = {".txt": "txt", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
@@ -124,8 +125,6 @@ def _folder_bytes(folder: Path) -> int:
 def _cleaned_sources(folder: Path) -> list[Source] | None:
     """The kept documents of a folder ``data_prep clean`` wrote (its report, removed/ and stray files
     left out), or None when ``folder`` is not one."""
-    from .clean.report import is_part, read_report
-
     report = read_report(str(folder))
     if report is None:
         if any(is_part(p.name) for p in folder.iterdir()) and (folder / "removed").is_dir():
@@ -200,8 +199,6 @@ def _sources_at_url(pattern: str) -> list[Source]:
     the supported files under it (a folder ``data_prep clean`` wrote: the files its report lists);
     ``https://host/path/file.jsonl`` one file, or such a cleaned folder. Read through a local copy
     (``iter_source``)."""
-    from .clean.report import read_report
-
     is_s3 = pattern.startswith("s3://")
     if not (is_s3 or pattern.startswith(("https://", "http://"))):
         raise DataPrepError(

@@ -37,7 +37,7 @@ from data_prep.common.manifest import FORMAT_VERSION
 from data_prep.common.shards import ids_dtype
 from data_prep.common.storage import Store, open_store
 
-from .clean.report import cleaning_of
+from .cleaned_folder import cleaning_of
 from .errors import DataPrepError
 from .group_writer import GroupWriter, SplitResume, files_by_group, finished_group, kept_shards, remove_group_leftovers
 from .groups import GroupKey, ReadCount, iter_owned_documents

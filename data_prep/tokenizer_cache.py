@@ -8,10 +8,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from data_prep.common.errors import ShardError
 from data_prep.common.manifest import Manifest, files_sha256
-from data_prep.common.shards import ShardError
 from data_prep.common.storage import StorageError, open_store
 
+# Every file a Hugging Face tokenizer folder may hold (copied, fingerprinted and exported together).
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -24,6 +25,9 @@ TOKENIZER_FILES = (
     "sentencepiece.bpe.model",
     "tokenizer.model",
 )
+# The ones that carry a vocabulary: a folder with none of them loads as a 5-token tokenizer.
+_NO_VOCABULARY = {"tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "merges.txt"}
+VOCABULARY_FILES = tuple(name for name in TOKENIZER_FILES if name not in _NO_VOCABULARY)
 
 
 def tokenizer_dir(manifest: Manifest, data_dir: str | os.PathLike) -> Path:

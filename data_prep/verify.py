@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
+from data_prep.common.errors import ShardError
 from data_prep.common.manifest import MANIFEST, Manifest, ShardEntry, load_manifest, tokenizer_sha256
-from data_prep.common.shards import ShardError, block_checksums, block_sizes, index_shard, parse_block
+from data_prep.common.shards import block_checksums, block_sizes, index_shard, parse_block
 from data_prep.common.storage import Store, open_store, sha256_bytes
 from data_prep.tokenizer_cache import tokenizer_dir
 

@@ -14,8 +14,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from pretrain.guards import bad_input
 from pretrain.model.masking import mask_batch, rate_at_step
-from pretrain.runtime import bad_input
 from pretrain.runtime import engine as eng
 
 
@@ -47,7 +47,7 @@ class StepResult:
     nonfinite: bool  # some rank's loss was not finite: the update was skipped everywhere
     stop: bool  # some rank was asked to stop
     grad_norm: float | None  # ZeRO 0 only, when asked (DeepSpeed keeps none there)
-    bad_input: bool = False  # some rank could not read its batch (runtime.bad_input): stop, exit 2
+    bad_input: bool = False  # some rank could not read its batch (guards.bad_input): stop, exit 2
     outage: bool = False  # ... because the data's store stayed down: stop, exit 3 (requeue)
 
 

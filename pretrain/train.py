@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from data_prep import stale_shm
 from data_prep.common import storage
-from data_prep.common.shards import ShardError
+from data_prep.common.errors import ShardError
 from data_prep.tokenizer_cache import tokenizer_dir
 from pretrain.checkpoint import files
 from pretrain.checkpoint import store as checkpointing
@@ -48,19 +48,20 @@ from pretrain.data import shard_cache
 from pretrain.eval.downstream import baseline_metrics, prepare_tasks, probe_due
 from pretrain.eval.heldout import evaluate  # a fixed set of held-out sequences, at any layout
 from pretrain.eval.tasks import TaskError
+from pretrain.guards import bad_input
+from pretrain.guards.health import LayerHealth
+from pretrain.guards.preflight import check_inputs
+from pretrain.guards.spike_guard import SpikeGuard, SpikesExhausted
+from pretrain.guards.watchdog import HangWatchdog
 from pretrain.model.masking import rate_at_step
 from pretrain.report.page import report_at_end
 from pretrain.run import Run, build_run
-from pretrain.runtime import bad_input, faults, hardware, lifeline
 from pretrain.runtime import engine as eng
+from pretrain.runtime import faults, hardware, lifeline
 from pretrain.runtime.exit_codes import BAD_INPUT as EXIT_BAD_INPUT
 from pretrain.runtime.exit_codes import NONFINITE as EXIT_NONFINITE
 from pretrain.runtime.exit_codes import REQUEUE as EXIT_REQUEUE
 from pretrain.runtime.exit_codes import SPIKES as EXIT_SPIKES
-from pretrain.runtime.health import LayerHealth
-from pretrain.runtime.preflight import check_inputs
-from pretrain.runtime.spike_guard import SpikeGuard, SpikesExhausted
-from pretrain.runtime.watchdog import HangWatchdog
 from pretrain.step import StepResult, StopSignal, ThroughputWindow, train_step
 from pretrain.tracking import console, resume_log
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-HOST_ONLY = ("pretrain/data/", "pretrain/runtime/bad_input.py")
+HOST_ONLY = ("pretrain/data/", "pretrain/guards/bad_input.py")
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero", "cpu", "numpy")
 steps: list[list[str]] = []
 

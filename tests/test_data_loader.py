@@ -14,8 +14,9 @@ import torch
 import pretrain.data.shard_reader as shard_reader
 from conftest import ids_payload
 from data_prep.common.atomic import write_json_atomic
+from data_prep.common.errors import ShardError
 from data_prep.common.manifest import FORMAT_VERSION, Manifest, load_manifest
-from data_prep.common.shards import ShardError, ShardWriter, ids_dtype, index_shard, shard_name
+from data_prep.common.shards import ShardWriter, ids_dtype, index_shard, shard_name
 from pretrain.data.stream import (
     DataError,
     TokenIdError,

@@ -167,3 +167,34 @@ def test_every_import_in_the_scripts_and_documents_resolves():
             if not all(resolves(f"{module}.{name}") for name in names):
                 missing.append(f"{path.relative_to(REPO)}: {match.group(0)}")
     assert not missing, "imports that do not resolve:\n" + "\n".join(missing)
+
+
+def layout_rows() -> list[tuple[list[str], str]]:
+    """docs/layout.md's table: for each row, the paths of its first cell and the whole row."""
+    rows = []
+    for line in (REPO / "docs" / "layout.md").read_text().splitlines():
+        cells = line.split("|")
+        if line.startswith("| `") and len(cells) > 2:
+            rows.append((re.findall(r"`([^`]+)`", cells[1]), line))
+    return rows
+
+
+def test_every_module_is_in_the_layout():
+    """The map has no holes: every module of ``pretrain`` and ``data_prep`` is named in docs/layout.md's
+    row for its folder (``pretrain/runtime/`` names ``engine.py``), or a row names its path."""
+    rows = layout_rows()
+    missing = []
+    for path in sorted([*(REPO / "pretrain").rglob("*.py"), *(REPO / "data_prep").rglob("*.py")]):
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        rel = path.relative_to(REPO)
+        folder = f"{rel.parent}/"
+        named = any(
+            str(rel) in firsts
+            or (folder in firsts and f"`{path.name}`" in row)
+            or (any(f.endswith(".py") and str(Path(f).parent) + "/" == folder for f in firsts) and path.name in row)
+            for firsts, row in rows
+        )
+        if not named:
+            missing.append(str(rel))
+    assert not missing, f"modules docs/layout.md does not name in their folder's row: {missing}"

@@ -246,7 +246,7 @@ def test_other_ranks_report_bad_input_only_when_the_first_rank_has_not(monkeypat
     exited at once could cut the first off before it printed (seen: exit 2 with an empty stderr). The
     others wait; one that outlives the wait reports what it found, under its rank."""
     from pretrain.config.loader import ConfigError
-    from pretrain.runtime import bad_input
+    from pretrain.guards import bad_input
 
     monkeypatch.setattr(bad_input, "OTHER_RANKS_REPORT_AFTER_S", 0.3)
     monkeypatch.setenv("RANK", "1")

@@ -16,8 +16,8 @@ import pytest
 
 from conftest import train
 from data_prep.common.atomic import write_json_atomic
+from data_prep.common.errors import ShardError
 from data_prep.common.manifest import MANIFEST, Manifest, load_manifest
-from data_prep.common.shards import ShardError
 from data_prep.finalize import finalize
 from data_prep.settings import ShardSettings
 from data_prep.shard import run_shard

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from data_prep.common.errors import ShardError
 from data_prep.common.manifest import FORMAT_VERSION, Manifest
-from data_prep.common.shards import ShardError
 from pretrain.config.schema import MaskingConfig
 from pretrain.model.masking import (
     IGNORE_INDEX,

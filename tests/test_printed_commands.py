@@ -60,8 +60,8 @@ def test_the_mlflow_ui_command_for_a_local_store_shows_the_run(tmp_path, monkeyp
 def test_the_finalize_command_printed_for_a_folder_without_manifest_finalizes_it(
     shards, tmp_path, monkeypatch, absolute
 ):
+    from data_prep.common.errors import ShardError
     from data_prep.common.manifest import MANIFEST, load_manifest
-    from data_prep.common.shards import ShardError
     from pretrain.config.schema import _data_dir_problems
 
     monkeypatch.chdir(tmp_path)

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from data_prep.clean.quality_model import POSITIVE, Settings, fasttext_hash, train
-from data_prep.clean.report import format_table
+from data_prep.cleaned_folder import format_table
 from data_prep.cli import main
 from data_prep.sample_corpus import low_quality_documents
 

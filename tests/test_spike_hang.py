@@ -12,7 +12,7 @@ import pytest
 
 from conftest import train as launch
 from pretrain.config.schema import SpikeGuardConfig
-from pretrain.runtime.spike_guard import SpikeDetector
+from pretrain.guards.spike_guard import SpikeDetector
 from test_train import COMMON, losses
 
 # Data steps 10 and 11 (0-based) are noise: optimiser steps 11 and 12 spike. A checkpoint every 4

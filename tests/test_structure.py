@@ -8,78 +8,82 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "pretrain"
-# Lower tiers never import higher ones: train -> run -> eval, checkpoint, tracking -> model, data, runtime -> config.
-# The top level holds the loop (train, run, step); two runtime modules sit above the checkpoint code
-# they use (the input checks before start, the spike guard's rollback) and count as units of their own.
-TIERS = {
+DATA_PREP = REPO / "data_prep"
+# Lower tiers never import higher ones: train, run, study -> step, eval, report -> guards -> checkpoint,
+# tracking -> model, data, runtime -> config. The top level holds the loop (train, run, step); the
+# guards (preflight's checks, the spike guard's rollback) read checkpoints, and the loop and the
+# held-out evaluation stop on what they find (bad input).
+PRETRAIN_TIERS = {
     "config": 0,
     "model": 1,
     "data": 1,
     "runtime": 1,
     "checkpoint": 2,
-    "eval": 2,
     "tracking": 2,
-    "runtime.preflight": 3,
-    "runtime.spike_guard": 3,
-    "report": 3,
-    "step": 3,
-    "study": 4,
-    "run": 4,
-    "train": 4,
+    "guards": 3,
+    "eval": 4,
+    "report": 4,
+    "step": 4,
+    "study": 5,
+    "run": 5,
+    "train": 5,
 }
-UPPER_RUNTIME = {"preflight", "spike_guard"}
+# data_prep's steps in the order data flows: the formats and settings, then reading and tokenizing,
+# grouping and packing, cleaning and writing shards, finalizing; the command line on top.
+DATA_PREP_TIERS = {
+    "common": 0,
+    "errors": 0,
+    "settings": 1,
+    "progress": 1,
+    "stale_shm": 1,
+    "sample_corpus": 1,
+    "tokenizer_cache": 1,
+    "cleaned_folder": 1,
+    "reader": 2,
+    "tokenizer": 2,
+    "groups": 3,
+    "packing": 3,
+    "clean": 4,
+    "group_writer": 4,
+    "verify": 4,
+    "shard": 5,
+    "finalize": 6,
+    "cli": 7,
+    "__main__": 8,
+}
+TIERS = {"pretrain": PRETRAIN_TIERS, "data_prep": DATA_PREP_TIERS}
 # The commands' names (``python -m pretrain.export``, ``.evaluate``, ``.launch``, documented everywhere)
 # only run their package's module.
 COMMAND_ALIASES = {"export", "evaluate", "launch"}
 
 
-def unit_of(path: Path) -> str:
-    rel = path.relative_to(PRETRAIN)
-    if rel.parts[0] == "runtime" and rel.stem in UPPER_RUNTIME:
-        return f"runtime.{rel.stem}"
-    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
-
-
-def _unit(parts: list[str]) -> str:
-    """``pretrain.<parts>`` as a unit: a package, or one of the runtime modules that are units."""
-    if parts[0] == "runtime" and len(parts) > 1 and parts[1] in UPPER_RUNTIME:
-        return f"runtime.{parts[1]}"
-    return parts[0]
-
-
-def imported_units(path: Path) -> set[str]:
-    units = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pretrain"):
-            parts = node.module.split(".")[1:]
-            if parts:  # from pretrain.<unit>[...] import <name>: may be a module
-                units.update(_unit(parts + [a.name]) for a in node.names)
-            else:  # from pretrain import x
-                units.update(a.name for a in node.names)
-        elif isinstance(node, ast.Import):
-            units.update(_unit(a.name.split(".")[1:]) for a in node.names if a.name.startswith("pretrain."))
-    return units
-
-
-def package_graph() -> dict[str, set[str]]:
+def unit_graph(package: str) -> dict[str, set[str]]:
+    """``package``'s units (its subpackages and top-level modules) and the units each imports."""
     graph: dict[str, set[str]] = {}
-    for path in PRETRAIN.rglob("*.py"):
-        unit = unit_of(path)
-        if unit in COMMAND_ALIASES or unit == "__init__":
+    for path in (REPO / package).rglob("*.py"):
+        rel = path.relative_to(REPO / package)
+        unit = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        if unit == "__init__" or (package == "pretrain" and unit in COMMAND_ALIASES):
             continue
-        graph.setdefault(unit, set()).update(u for u in imported_units(path) if u != unit)
+        imported = {m.split(".")[1] for m in project_modules_imported(path) if m.startswith(package + ".")}
+        graph.setdefault(unit, set()).update(imported - {unit, "__init__"})
     return graph
 
 
-def test_every_unit_has_a_tier():
-    assert set(package_graph()) <= set(TIERS), set(package_graph()) - set(TIERS)
+@pytest.mark.parametrize("package", TIERS)
+def test_every_unit_has_a_tier(package):
+    graph = unit_graph(package)
+    assert set(graph) <= set(TIERS[package]), set(graph) - set(TIERS[package])
 
 
-def test_imports_point_down_and_have_no_cycles():
-    graph = package_graph()
-    upward = [f"{a} -> {b}" for a, deps in graph.items() for b in deps if TIERS.get(b, 99) > TIERS[a]]
+@pytest.mark.parametrize("package", TIERS)
+def test_imports_point_down_and_have_no_cycles(package):
+    graph, tiers = unit_graph(package), TIERS[package]
+    upward = [f"{a} -> {b}" for a, deps in graph.items() for b in deps if tiers.get(b, 99) > tiers[a]]
     assert not upward, f"imports that point up: {upward}"
     seen, stack = set(), []
 
@@ -123,9 +127,11 @@ def test_checkpoint_and_shard_file_names_have_one_owner():
     assert not strays, f"file names spelled outside their owner module: {strays}"
 
 
-def test_no_function_in_pretrain_is_over_60_lines():
+@pytest.mark.parametrize("package", ["pretrain"])
+def test_no_function_is_over_60_lines(package):
+    """A function that reads on one screen: longer ones are cut into named steps."""
     long = []
-    for path in PRETRAIN.rglob("*.py"):
+    for path in (REPO / package).rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
                 long.append(

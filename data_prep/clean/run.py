@@ -54,6 +54,17 @@ from data_prep.common.atomic import json_bytes
 from data_prep.common.shards import sha256_file
 from data_prep.common.storage import StorageError, Store, open_store
 
+from ..cleaned_folder import (
+    FORMAT,
+    REMOVED_FIELD,
+    REPORT,
+    VERSION,
+    format_table,
+    is_part,
+    one_line,
+    part_name,
+    read_report,
+)
 from ..errors import DataPrepError
 from ..groups import GroupKey, ReadCount, iter_owned_documents
 from ..reader import (
@@ -66,7 +77,6 @@ from ..reader import (
 )
 from ..settings import settings_sha256
 from . import clusters
-from .report import FORMAT, REMOVED_FIELD, REPORT, VERSION, format_table, is_part, one_line, part_name, read_report
 from .settings import CleanSettings
 from .signature import Signatures, analyse, worker_analyse, worker_init
 from .sorted_keys import (

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from data_prep.common.commands import location, python_command
-from data_prep.common.shards import ShardError
+from data_prep.common.errors import ShardError
 from data_prep.common.storage import open_store
 
 FORMAT_VERSION = 1

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from data_prep.common.errors import ShardError
+
 if TYPE_CHECKING:
     from data_prep.common.manifest import ShardEntry
 
@@ -39,10 +41,6 @@ TAR_BLOCK = tarfile.BLOCKSIZE  # 512: a tar header, and the unit member data is 
 IDS_EXT = "input_ids.npy"
 WORD_STARTS_EXT = "word_starts.npy"
 DEFAULT_BLOCK_SIZE = 256
-
-
-class ShardError(RuntimeError):
-    """A shard or manifest that cannot be trusted; the message names the file."""
 
 
 def shard_name(split: str, source: int, index: int, group: int = 0) -> str:

@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from data_prep.common.errors import ShardError
 from data_prep.common.manifest import load_manifest
-from data_prep.common.shards import ShardError
 from pretrain.checkpoint.files import COMPLETE, EXPORT_SOURCE, FINAL_EXPORT, HF_CONFIG_FILE, TOKENIZER_DIR
 from pretrain.checkpoint.reshard import consolidate, read_layout
 from pretrain.checkpoint.store import checkpoint_root, latest_complete_tag, tag_for_step

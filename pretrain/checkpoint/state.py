@@ -27,7 +27,7 @@ class TrainState:
     rng: dict = field(default_factory=dict)  # this rank's torch RNG states, taken when saved
     log_window: dict = field(default_factory=dict)  # the log window in progress (pretrain/tracking/resume_log.py)
     logged: dict = field(default_factory=dict)  # the metrics of the last step that logged, re-logged on resume
-    # Loss-spike recoveries (pretrain.runtime.spike_guard): each skipped window of global samples, and the
+    # Loss-spike recoveries (pretrain.guards.spike_guard): each skipped window of global samples, and the
     # detector's recent losses, so that a resume sees and skips exactly what the first run did.
     skipped_windows: list = field(default_factory=list)
     spike_detector: dict = field(default_factory=dict)

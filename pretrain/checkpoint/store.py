@@ -30,8 +30,9 @@ import torch.distributed as dist
 import yaml
 
 from data_prep.common.atomic import write_atomic
+from data_prep.common.errors import ShardError
 from data_prep.common.manifest import Manifest, load_manifest
-from data_prep.common.shards import ShardError, sha256_file
+from data_prep.common.shards import sha256_file
 from data_prep.common.storage import StorageError
 from pretrain.checkpoint import mirror, reshard
 from pretrain.checkpoint.files import (

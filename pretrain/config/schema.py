@@ -110,7 +110,7 @@ class SpikeGuardConfig:
     """A loss spike: a step whose loss (all ranks) is more than ``sigmas`` standard deviations above
     the mean of the last ``window`` steps, ``consecutive`` steps in a row. The run goes back to the
     last complete checkpoint from before the spike and skips the samples from there to past it
-    (at least ``skip_steps`` global batches). See pretrain/runtime/spike_guard.py."""
+    (at least ``skip_steps`` global batches). See pretrain/guards/spike_guard.py."""
 
     enabled: bool = False
     window: int = 100  # recent steps the mean and spread are taken over

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from data_prep.common.errors import ShardError
 from data_prep.common.manifest import Manifest, load_manifest
-from data_prep.common.shards import ShardError
 from pretrain.config.schema import Config, ConfigError, load_config
 from pretrain.data import make_train_stream
 from pretrain.data.mixture import is_mixture, min_share_problems, resolve_sources

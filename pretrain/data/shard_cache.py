@@ -31,8 +31,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from data_prep.common.errors import ShardError
 from data_prep.common.manifest import ShardEntry
-from data_prep.common.shards import ShardError, sha256_file
+from data_prep.common.shards import sha256_file
 from data_prep.common.storage import StorageError
 
 log = logging.getLogger("pretrain")

@@ -26,8 +26,9 @@ import numpy as np
 import torch
 
 from data_prep.common.commands import location, python_command
+from data_prep.common.errors import ShardError
 from data_prep.common.manifest import MANIFEST, Manifest, ShardEntry
-from data_prep.common.shards import ShardError, block_sizes, check_block, ids_dtype, index_shard, parse_block, read_span
+from data_prep.common.shards import block_sizes, check_block, ids_dtype, index_shard, parse_block, read_span
 from data_prep.common.storage import StorageError, Store, StoreUnavailable, open_store
 from pretrain.data.shard_cache import CacheUnusable, ShardCache
 

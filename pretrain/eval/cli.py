@@ -30,9 +30,10 @@ from typing import Optional
 import numpy as np
 import torch
 
+from data_prep.common.errors import ShardError
 from data_prep.common.manifest import MANIFEST, Manifest, load_manifest
-from data_prep.common.shards import ShardError
 from data_prep.common.storage import StorageError, is_url, open_store
+from data_prep.tokenizer_cache import VOCABULARY_FILES
 from pretrain.checkpoint.hf_export import export_checkpoint, resolve_checkpoint
 from pretrain.config.schema import DownstreamTaskConfig
 from pretrain.data.stream import check_manifest
@@ -155,25 +156,14 @@ def unigram_accuracy(
 # ------------------------------------------------------------------------------ models
 
 
-# A model folder holds at least one of these when AutoTokenizer can load its real vocabulary.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "vocab.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "vocab.json",
-)
-
-
 def resolve_model(path: str | Path, stack: ExitStack) -> Path:
     """An HF folder as is; a trainer checkpoint exported into a temporary folder (kept open by ``stack``)."""
     path = Path(path)
     if (path / "config.json").is_file():
-        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        if not any((path / name).is_file() for name in VOCABULARY_FILES):
             # AutoTokenizer would quietly build a 5-token tokenizer from the config: chance-level scores.
             raise TaskError(
-                f"{path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); copy the "
+                f"{path}: no tokenizer files (none of {', '.join(VOCABULARY_FILES)}); copy the "
                 f"tokenizer the model was trained with beside it (pretrain.export writes them)"
             )
         return path

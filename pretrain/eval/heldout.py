@@ -28,16 +28,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data_prep.common.errors import ShardError
 from data_prep.common.manifest import Manifest, load_manifest
-from data_prep.common.shards import ShardError
 from data_prep.common.storage import StoreUnavailable
 from pretrain.data.mixture import resolve_sources
 from pretrain.data.shard_reader import BlockReader
 from pretrain.data.stream import _open_split
+from pretrain.guards import bad_input
+from pretrain.guards.bad_input import BAD_INPUT_KEY, OUTAGE_KEY
 from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
-from pretrain.runtime import bad_input
 from pretrain.runtime import engine as eng
-from pretrain.runtime.bad_input import BAD_INPUT_KEY, OUTAGE_KEY
 
 LOSS_UNIT = 2.0**-24  # fixed-point resolution of a token's loss: far below what a log shows
 

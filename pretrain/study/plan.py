@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from data_prep.common.errors import ShardError
 from data_prep.common.manifest import load_manifest
-from data_prep.common.shards import ShardError
 from pretrain.config import loader as configlib
 from pretrain.config.loader import ConfigError
 from pretrain.config.schema import Config
@@ -194,7 +194,7 @@ def _reuse_problems(variants: list[Variant]) -> list[str]:
     seed, say, fixed on the command line) would be skipped as finished or resumed as if it were
     this variant: refused, naming each difference, before anything starts."""
     # lazy: the trainer's own list of the settings a resume may not change pulls in torch (~1.5 s)
-    from pretrain.runtime.preflight import RESULTS_GROUPS, RESULTS_KEYS
+    from pretrain.guards.preflight import RESULTS_GROUPS, RESULTS_KEYS
 
     problems = []
     for variant in variants:
@@ -246,7 +246,7 @@ def _data_problems(variants: list[Variant]) -> list[str]:
             )
         ]
         if cfg.model.init_from:
-            from pretrain.runtime.preflight import init_from_problems  # lazy: torch, as above
+            from pretrain.guards.preflight import init_from_problems  # lazy: torch, as above
 
             problems += init_from_problems(cfg, manifest)
     return problems

@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from data_prep.common.shards import ShardError
+from data_prep.common.errors import ShardError
 from data_prep.common.storage import StoreUnavailable
 from pretrain.model.masking import SpecialIds
 

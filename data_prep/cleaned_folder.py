@@ -17,7 +17,7 @@ import json
 
 from data_prep.common.storage import open_store
 
-from ..errors import DataPrepError
+from .errors import DataPrepError
 
 REPORT = "report.json"
 FORMAT = "data_prep-clean"
