@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pretrain.config import loader as configlib
-from pretrain.config.schema import Config, ConfigError, load_config
+from pretrain.config.schema import Config, ConfigError, load_config, upgrade_saved
 from pretrain.runtime.engine import deepspeed_config
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -148,6 +148,36 @@ def test_problems_set_by_an_override_name_it_not_the_yaml():
     assert "configs/tiny.yaml with overrides" in text
     assert "optim.lr: must be positive, got -1.0 (from the override 'optim.lr=-1')" in text
     assert "(from the override 'impl.zero_stage=5')" in text
+
+
+def test_the_old_masking_keys_are_refused_naming_the_new_ones(tmp_path, data_dir):
+    """``masking.mask_prob`` is the masking rate in ModernBERT's packer, the [MASK] share here before it
+    took Hugging Face's name: a config that uses it is refused, one line per key, naming the new key."""
+    yaml_file = tmp_path / "old.yaml"
+    yaml_file.write_text("base: %s\nmasking:\n  random_prob: 0.0\n" % (Path("configs/tiny.yaml").resolve()))
+    with pytest.raises(ConfigError) as err:
+        load_config(str(yaml_file), [f"data.dir={data_dir}", "masking.mask_prob=0.3"])
+    lines = err.value.problems
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("masking.mask_prob: renamed masking.mask_replace_prob (") and lines[0].endswith(
+        "(from the override 'masking.mask_prob=0.3')"
+    )
+    assert lines[1].startswith("masking.random_prob: renamed masking.random_replace_prob (")
+    assert "unknown key" not in str(err.value)
+
+
+def test_a_config_saved_with_the_old_masking_keys_reads_as_today_s(data_dir):
+    """What a checkpoint saved (its ``config.yaml``) before the rename resumes: the old keys move to the new
+    names, so the resume check sees no change; a value the saved config gives is kept."""
+    saved = configlib.to_dict(Config())
+    saved["masking"]["mask_prob"] = saved["masking"].pop("mask_replace_prob")
+    saved["masking"]["random_prob"] = 0.05
+    del saved["masking"]["random_replace_prob"]
+    upgraded = upgrade_saved(saved)
+    assert upgraded["masking"]["mask_replace_prob"] == 0.8 and upgraded["masking"]["random_replace_prob"] == 0.05
+    assert "mask_prob" not in upgraded["masking"] and "random_prob" in saved["masking"]  # the input is untouched
+    upgraded["data"]["dir"] = str(data_dir)
+    assert configlib.build(Config, upgraded).masking.random_replace_prob == 0.05
 
 
 def test_an_optimiser_deepspeed_hides_is_an_error_not_a_silent_non_skip():

@@ -115,7 +115,7 @@ def test_token_strategy_rates_on_real_text(rows):
 
 def test_other_rates_and_split(rows):
     ids, starts = rows
-    cfg = MaskingConfig(rate=0.3, mask_prob=0.5, random_prob=0.3, seed=1)
+    cfg = MaskingConfig(rate=0.3, mask_replace_prob=0.5, random_replace_prob=0.3, seed=1)
     rate, p_mask, p_rand, p_keep = check_common(ids, run(ids, starts, cfg), cfg)
     assert abs(rate - 0.3) < 0.005
     assert abs(p_mask - 0.5) < 0.015 and abs(p_rand - 0.3) < 0.015 and abs(p_keep - 0.2) < 0.015
@@ -289,10 +289,16 @@ def test_fixed_count_static_shapes(rows):
 def test_eval_config_ignores_training_settings():
     ev = eval_masking_config(
         MaskingConfig(
-            rate=0.4, mask_prob=1.0, random_prob=0.0, strategy="span", seed=77, fixed_count=True, dynamic=False
+            rate=0.4,
+            mask_replace_prob=1.0,
+            random_replace_prob=0.0,
+            strategy="span",
+            seed=77,
+            fixed_count=True,
+            dynamic=False,
         )
     )
-    assert (ev.rate, ev.mask_prob, ev.random_prob, ev.strategy, ev.fixed_count, ev.dynamic) == (
+    assert (ev.rate, ev.mask_replace_prob, ev.random_replace_prob, ev.strategy, ev.fixed_count, ev.dynamic) == (
         0.15,
         0.8,
         0.1,
@@ -362,26 +368,34 @@ def test_decoupled_prediction_and_corruption_rates(rows, dynamic):
     n_tokens = int(choosable(ids).sum())
     assert n_tokens >= 100_000
     sample_ids = torch.arange(len(ids)) * 7919 + 12_345
-    for rate, mask_prob, random_prob in [
+    for rate, mask_replace_prob, random_replace_prob in [
         (0.15, 0.8, 0.1),
         (0.4, 1.0, 0.0),
         (0.4, 0.5, 0.0),
         (0.3, 0.0, 0.0),
         (0.2, 0.3, 0.5),
     ]:
-        cfg = MaskingConfig(rate=rate, mask_prob=mask_prob, random_prob=random_prob, dynamic=dynamic, seed=21)
+        cfg = MaskingConfig(
+            rate=rate,
+            mask_replace_prob=mask_replace_prob,
+            random_replace_prob=random_replace_prob,
+            dynamic=dynamic,
+            seed=21,
+        )
         m = mask_batch(ids, starts, SPECIAL, cfg, mask_generator(cfg.seed, 0, 0, 0), sample_ids=sample_ids)
         predicted, p_mask, p_rand, p_keep = check_common(ids, m, cfg)
-        point = (rate, mask_prob, random_prob)
+        point = (rate, mask_replace_prob, random_replace_prob)
         assert abs(predicted - rate) < 0.005, point
-        assert abs(predicted * p_mask - rate * mask_prob) < 0.005, point  # became [MASK]
-        assert abs(predicted * p_rand - rate * random_prob) < 0.005, point  # became a random token
-        assert abs(predicted * p_keep - rate * (1 - mask_prob - random_prob)) < 0.005, point  # predicted, visible
+        assert abs(predicted * p_mask - rate * mask_replace_prob) < 0.005, point  # became [MASK]
+        assert abs(predicted * p_rand - rate * random_replace_prob) < 0.005, point  # became a random token
+        assert abs(predicted * p_keep - rate * (1 - mask_replace_prob - random_replace_prob)) < 0.005, (
+            point
+        )  # predicted, visible
         corrupted = (m.input_ids != ids).sum().item() / n_tokens
-        assert abs(corrupted - rate * (mask_prob + random_prob)) < 0.005, point
-        if mask_prob == 1.0:
+        assert abs(corrupted - rate * (mask_replace_prob + random_replace_prob)) < 0.005, point
+        if mask_replace_prob == 1.0:
             assert p_mask == 1.0
-        if mask_prob + random_prob == 0.0:
+        if mask_replace_prob + random_replace_prob == 0.0:
             assert torch.equal(m.input_ids, ids), "nothing corrupted: the input is the text itself"
 
 

@@ -114,7 +114,9 @@ def test_grid_runs_resumes_summarizes_and_skips_when_done(shards, tmp_path):
         assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert run.data.params["masking.rate"] == rate.split("=")[1]
         assert run.data.params["masking.strategy"] == strategy.split("=")[1]
-        assert run.data.params["train.max_steps"] == str(STEPS) and run.data.params["masking.mask_prob"] == "0.8"
+        assert (
+            run.data.params["train.max_steps"] == str(STEPS) and run.data.params["masking.mask_replace_prob"] == "0.8"
+        )
         assert run.info.status == "FINISHED" and "eval/loss" in run.data.metrics
     assert [m.step for m in client.get_metric_history(by_name[NAMES[0]].info.run_id, "eval/loss")] == [3, 6]
     # The parent's chart page compares the variants: a chart per variant in a section per measure.
@@ -213,17 +215,17 @@ def test_shipped_study_config_and_command_line_grid(shards, bert_uncased_dir):
             "model.max_position_embeddings=64",
             "masking.rate=0.4",
             "masking.strategy=token,span",
-            "masking.mask_prob=0.8,1.0",
-            "masking.random_prob=0.0",
+            "masking.mask_replace_prob=0.8,1.0",
+            "masking.random_replace_prob=0.0",
             "optim.betas=[0.9,0.99]",
         ],
     )
-    assert study.grid_keys == ["masking.strategy", "masking.mask_prob"]
+    assert study.grid_keys == ["masking.strategy", "masking.mask_replace_prob"]
     assert [v.name for v in study.variants] == [
-        "strategy=token-mask_prob=0.8",
-        "strategy=token-mask_prob=1.0",
-        "strategy=span-mask_prob=0.8",
-        "strategy=span-mask_prob=1.0",
+        "strategy=token-mask_replace_prob=0.8",
+        "strategy=token-mask_replace_prob=1.0",
+        "strategy=span-mask_replace_prob=0.8",
+        "strategy=span-mask_replace_prob=1.0",
     ]
     assert all(v.cfg.masking.rate == 0.4 and v.cfg.optim.betas == [0.9, 0.99] for v in study.variants)
     dropout = load_study(str(REPO / "configs" / "study-attention-dropout.yaml"), [f"data.dir={shards}"])

@@ -47,7 +47,7 @@ from pretrain.checkpoint.files import (
 )
 from pretrain.checkpoint.nodes import NodeLayout, env_node_ranks
 from pretrain.config.loader import ConfigError
-from pretrain.config.schema import Config
+from pretrain.config.schema import Config, upgrade_saved
 
 
 def checkpoint_root(cfg: Config) -> Path:
@@ -217,7 +217,8 @@ def damage(folder: Path, checksums: bool = True) -> Optional[str]:
 
 
 def saved_config(root: Path, tag: str) -> dict:
-    return yaml.safe_load((root / tag / CONFIG_FILE).read_text())
+    """The resolved config the checkpoint was written with, in today's key names."""
+    return upgrade_saved(yaml.safe_load((root / tag / CONFIG_FILE).read_text()))
 
 
 def saved_manifest(root: Path, tag: str) -> Optional[Manifest]:

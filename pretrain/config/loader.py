@@ -7,6 +7,7 @@ keys, wrong types, bad values, inconsistent combinations) and raises them togeth
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -181,6 +182,7 @@ def build(cls: type[T], data: dict, overrides: list[str] = (), source: str = "co
                 node[k] = {}
             node = node[k]
         node[keys[-1]] = value
+    problems.extend(_renamed_problems(cls, data))
     obj = _build(cls, data, "", problems)
     if obj is not None:
         problems.extend(validate(obj))
@@ -189,6 +191,39 @@ def build(cls: type[T], data: dict, overrides: list[str] = (), source: str = "co
             [_attribute(p, overridden) for p in problems], f"{source} with overrides" if overridden else source
         )
     return obj
+
+
+def _renamed_problems(cls: type, data: dict) -> list[str]:
+    """A key ``cls.RENAMED`` maps to its new name: one line naming the new key (taken out of ``data``,
+    so it is not also an unknown key)."""
+    problems = []
+    for old, new in getattr(cls, "RENAMED", {}).items():
+        *parents, last = old.split(".")
+        node = data
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last in node:
+            del node[last]
+            problems.append(f"{old}: renamed {new} ({getattr(cls, 'RENAMED_WHY', 'a new name')})")
+    return problems
+
+
+def rename_keys(data: dict, renamed: dict[str, str]) -> dict:
+    """``data`` (nested) with each dotted key of ``renamed`` moved to its new name, unless that is set."""
+    data = copy.deepcopy(data)
+    for old, new in renamed.items():
+        *parents, last = old.split(".")
+        node = data
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last in node:
+            value = node.pop(last)
+            *new_parents, new_last = new.split(".")
+            target = data
+            for key in new_parents:
+                target = target.setdefault(key, {})
+            target.setdefault(new_last, value)
+    return data
 
 
 def _attribute(problem: str, overridden: dict[str, str]) -> str:

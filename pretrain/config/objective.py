@@ -132,15 +132,17 @@ class ModelConfig:
 @dataclass
 class MaskingConfig:
     # Prediction and corruption are decoupled (Wettig et al. 2023): `rate` of the non-special tokens
-    # are predicted (the loss covers them); of those, mask_prob become [MASK], random_prob a random
-    # token and the rest stay visible, so rate x (mask_prob + random_prob) of the tokens are
-    # corrupted. BERT's 80/10/10 is mask_prob 0.8, random_prob 0.1; 100/0/0 is mask_prob 1, random_prob 0.
+    # are predicted (the loss covers them); of those, mask_replace_prob become [MASK],
+    # random_replace_prob a random token and the rest stay visible, so rate x (mask_replace_prob +
+    # random_replace_prob) of the tokens are corrupted. BERT's 80/10/10 is 0.8 and 0.1; 100/0/0 is 1
+    # and 0. The names are Hugging Face's (DataCollatorForLanguageModeling), where the rate is
+    # mlm_probability; elsewhere (ModernBERT's packer) `mask_prob` is the rate, hence not that name.
     rate: float = 0.15  # fraction of non-special tokens selected for prediction
     # A masking-rate schedule (Yang et al. 2023): linear from `rate` at step 0 to `rate_end` at the last
     # step of train.max_steps (pretrain.model.masking.rate_at_step); null keeps `rate` throughout.
     rate_end: Optional[float] = None
-    mask_prob: float = 0.8  # of the selected: replaced by [MASK]
-    random_prob: float = 0.1  # of the selected: replaced by a random non-special token; rest unchanged
+    mask_replace_prob: float = 0.8  # of the selected: replaced by [MASK]
+    random_replace_prob: float = 0.1  # of the selected: replaced by a random non-special token; rest unchanged
     strategy: Literal["token", "whole_word", "span"] = "token"
     span_geometric_p: float = 0.2  # SpanBERT: span length ~ Geometric(p), clipped to span_max
     span_max: int = 10
@@ -148,9 +150,10 @@ class MaskingConfig:
     # stochastically rounded rate x the row's non-special tokens; unused slots get label -100.
     # Otherwise each token is selected independently. Token strategy only.
     fixed_count: bool = False
-    # true: a new mask every time a sequence is seen (seeded by step, rank, micro-step). false: static,
-    # as original BERT's pre-generated masks: each sequence keeps one mask for the whole run, seeded
-    # by (seed, the sequence's id in its split), whatever the step, epoch or resume.
+    # true: a new mask every time a sequence is seen, keyed by (seed, the sequence's id, the step), so
+    # a sample gets the same mask at any layout. false: static, as original BERT's pre-generated
+    # masks: each sequence keeps one mask for the whole run, keyed by (seed, the sequence's id in its
+    # split), whatever the step, epoch or resume.
     dynamic: bool = True
     seed: int = 0
 
@@ -160,8 +163,9 @@ class MaskingConfig:
             p.append(f"rate: must be in (0, 1), got {self.rate}")
         if self.rate_end is not None and not 0.0 < self.rate_end < 1.0:
             p.append(f"rate_end: must be in (0, 1) or null, got {self.rate_end}")
-        if self.mask_prob < 0 or self.random_prob < 0 or self.mask_prob + self.random_prob > 1.0 + 1e-9:
-            p.append(f"mask_prob + random_prob must be within [0, 1], got {self.mask_prob} + {self.random_prob}")
+        mask, random = self.mask_replace_prob, self.random_replace_prob
+        if mask < 0 or random < 0 or mask + random > 1.0 + 1e-9:
+            p.append(f"mask_replace_prob + random_replace_prob must be within [0, 1], got {mask} + {random}")
         if not 0.0 < self.span_geometric_p <= 1.0:
             p.append(f"span_geometric_p: must be in (0, 1], got {self.span_geometric_p}")
         if self.fixed_count and self.strategy != "token":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import ClassVar, Literal, Optional, Union
 
 from data_prep.common.commands import location, python_command
 from data_prep.common.manifest import MANIFEST
@@ -319,8 +319,27 @@ class EvalConfig:
         return p  # each task's own check() runs through configlib.validate
 
 
+# Keys this trainer once wrote under another name: refused in a config or an override (one line naming
+# the new key), renamed in what a checkpoint or a study variant saved (``upgrade_saved``), so that
+# those still resume.
+RENAMED_KEYS = {
+    "masking.mask_prob": "masking.mask_replace_prob",
+    "masking.random_prob": "masking.random_replace_prob",
+}
+WHY_RENAMED = "Hugging Face's name for the share of predicted tokens replaced; the masking rate is masking.rate"
+
+
+def upgrade_saved(data: dict) -> dict:
+    """A config this trainer saved (a checkpoint's ``config.yaml``, a study's ``variant.yaml``) with
+    today's key names."""
+    return configlib.rename_keys(data, RENAMED_KEYS)
+
+
 @dataclass
 class Config:
+    RENAMED: ClassVar[dict[str, str]] = RENAMED_KEYS
+    RENAMED_WHY: ClassVar[str] = WHY_RENAMED
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     masking: MaskingConfig = field(default_factory=MaskingConfig)

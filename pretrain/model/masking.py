@@ -15,9 +15,9 @@ a generator or the rows' sample ids):
   ``fixed_count`` work.
 
 Prediction versus corruption (Wettig et al. 2023, "Should You Mask 15% in MLM?"): ``rate`` is the
-share of tokens the model *predicts* (the loss covers them); of those, ``mask_prob`` are corrupted to
-[MASK], ``random_prob`` to a random token, and the rest stay visible. The corruption rate is
-``rate * (mask_prob + random_prob)``. BERT's 80/10/10 is one point of that space, 100/0/0 (predict
+share of tokens the model *predicts* (the loss covers them); of those, ``mask_replace_prob`` are corrupted to
+[MASK], ``random_replace_prob`` to a random token, and the rest stay visible. The corruption rate is
+``rate * (mask_replace_prob + random_replace_prob)``. BERT's 80/10/10 is one point of that space, 100/0/0 (predict
 exactly what is corrupted, all by [MASK]) another.
 
 Which tokens may be chosen: every id except the manifest's special ids ([PAD], [CLS], [SEP], [MASK]
@@ -232,8 +232,8 @@ def eval_masking_config(cfg: MaskingConfig | None = None) -> MaskingConfig:
     either."""
     return MaskingConfig(
         rate=0.15,
-        mask_prob=0.8,
-        random_prob=0.1,
+        mask_replace_prob=0.8,
+        random_replace_prob=0.1,
         strategy="token",
         fixed_count=False,
         dynamic=True,
@@ -304,7 +304,7 @@ def mask_batch(
     rate: float | None = None,
 ) -> MaskedBatch:
     """Choose ``cfg.rate`` of the tokens per ``cfg.strategy`` (the prediction targets), then replace
-    mask_prob of them by [MASK], random_prob by a random non-special id, and keep the rest visible.
+    mask_replace_prob of them by [MASK], random_replace_prob by a random non-special id, and keep the rest visible.
     ``input_ids`` is not modified.
 
     With ``sample_ids`` ([B] int64, a stable identity of each row's sequence) every draw is a hash
@@ -342,9 +342,9 @@ def mask_batch(
         draws.ids_at(_REPLACEMENT, positions, special.vocab_size - len(special.all_special)), special
     )
     new = torch.where(
-        action < cfg.mask_prob,
+        action < cfg.mask_replace_prob,
         torch.full_like(labels, special.mask),
-        torch.where(action < cfg.mask_prob + cfg.random_prob, replacement, flat_ids[positions]),
+        torch.where(action < cfg.mask_replace_prob + cfg.random_replace_prob, replacement, flat_ids[positions]),
     )
     if valid is not None:
         new = torch.where(valid, new, flat_ids[positions])

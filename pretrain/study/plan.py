@@ -33,7 +33,7 @@ from data_prep.common.errors import ShardError
 from data_prep.common.manifest import load_manifest
 from pretrain.config import loader as configlib
 from pretrain.config.loader import ConfigError
-from pretrain.config.schema import Config
+from pretrain.config.schema import Config, upgrade_saved
 
 # Keys the study sets per variant; a grid or a shared override on them would break the bookkeeping.
 RESERVED_KEYS = ("train.out_dir", "train.resume", "tracking.run_name", "tracking.parent_run_id")
@@ -201,7 +201,7 @@ def _reuse_problems(variants: list[Variant]) -> list[str]:
         saved_file = variant.out_dir / "variant.yaml"
         if not saved_file.is_file():
             continue
-        before = configlib.flatten(configlib.load_yaml(str(saved_file)))
+        before = configlib.flatten(upgrade_saved(configlib.load_yaml(str(saved_file))))
         now = configlib.flatten(configlib.to_dict(variant.cfg))
         for key in sorted(set(before) | set(now)):
             if (key.split(".")[0] in RESULTS_GROUPS or key in RESULTS_KEYS) and before.get(key) != now.get(key):
