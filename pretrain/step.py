@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from pretrain import metric_names as names
 from pretrain.guards import bad_input
 from pretrain.model.masking import mask_batch, rate_at_step
 from pretrain.runtime import engine as eng
@@ -152,13 +153,13 @@ class ThroughputWindow:
         loss_sum, _, count, tokens, correct, predicted = both.tolist()
         seqs_per_s = global_batch * self.steps / self.seconds
         out = {
-            "train/loss": loss_sum / count if count else float("nan"),
-            "train/accuracy": correct / predicted if predicted else float("nan"),
-            "perf/tokens_per_s": tokens / self.seconds,
-            "perf/samples_per_s": seqs_per_s,
-            "perf/mfu": flops_per_seq * seqs_per_s / world / (peak * 1e12),
-            "perf/step_time_s": self.seconds / self.steps,
-            "perf/data_wait_s": self.data_wait / self.steps,
+            names.TRAIN_LOSS: loss_sum / count if count else float("nan"),
+            names.TRAIN_ACCURACY: correct / predicted if predicted else float("nan"),
+            names.PERF_TOKENS_PER_S: tokens / self.seconds,
+            names.PERF_SAMPLES_PER_S: seqs_per_s,
+            names.PERF_MFU: flops_per_seq * seqs_per_s / world / (peak * 1e12),
+            names.PERF_STEP_TIME_S: self.seconds / self.steps,
+            names.PERF_DATA_WAIT_S: self.data_wait / self.steps,
         }
         self.__init__(self.sums.device)
         return out

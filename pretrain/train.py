@@ -38,6 +38,7 @@ from data_prep import stale_shm
 from data_prep.common import storage
 from data_prep.common.errors import ShardError
 from data_prep.tokenizer_cache import tokenizer_dir
+from pretrain import metric_names as names
 from pretrain.checkpoint import files
 from pretrain.checkpoint import store as checkpointing
 from pretrain.checkpoint.hf_export import export_and_log, exported_from, final_export_dir
@@ -164,7 +165,9 @@ def log_evaluate_probe(run: Run, window: ThroughputWindow, result: StepResult, w
     last = step == cfg.train.max_steps
     if will_log:
         metrics = train_metrics(run, window, result)
-        run.emit(metrics, step, f" left={console.time_left(cfg.train.max_steps - step, metrics['perf/step_time_s'])}")
+        run.emit(
+            metrics, step, f" left={console.time_left(cfg.train.max_steps - step, metrics[names.PERF_STEP_TIME_S])}"
+        )
     if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
         run.emit(evaluate(run.engine, cfg, run.special, run.info), step, eval_note(cfg))
     if run.tasks and probe_due(step, cfg.eval.downstream_every, cfg.train.eval_every, last):
@@ -177,7 +180,7 @@ def too_many_nonfinite(run: Run, in_a_row: int) -> bool:
     log.warning("step %d: non-finite loss on some rank; update skipped (%d in a row)", step, in_a_row)
     if in_a_row < run.cfg.train.max_nonfinite_in_a_row:
         return False
-    run.emit({"train/nonfinite_skipped": state.nonfinite_total}, step)
+    run.emit({names.TRAIN_NONFINITE_SKIPPED: state.nonfinite_total}, step)
     log.error(
         "stopping: %d non-finite losses in a row (last at step %d); the last complete checkpoint is "
         "untouched. Lower optim.lr, raise warmup or check the data.",
@@ -193,19 +196,19 @@ def train_metrics(run: Run, window: ThroughputWindow, result: StepResult) -> dic
     rates = [rate_at_step(cfg.masking, s, cfg.train.max_steps) for s in range(step - window.steps, step)]
     flops_per_seq = run.flops_per_seq(sum(rates) / max(1, len(rates)))
     metrics = window.metrics(result, cfg.train.global_batch_size, run.info.world, flops_per_seq, run.peak)
-    run.mfu_check(metrics["perf/mfu"])
+    run.mfu_check(metrics[names.PERF_MFU])
     grad_norm = run.engine.get_global_grad_norm() if cfg.impl.zero_stage else result.grad_norm
     return {
         **metrics,
-        "train/lr": run.scheduler.get_last_lr()[0],
-        "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-        "perf/memory_gb": hardware.peak_memory_gb(run.info.device),
-        "perf/memory_current_gb": hardware.current_memory_gb(run.info.device),
-        "train/tokens_seen": state.tokens_seen,
-        "train/nonfinite_skipped": state.nonfinite_total,
+        names.TRAIN_LR: run.scheduler.get_last_lr()[0],
+        names.TRAIN_GRAD_NORM: float(grad_norm) if grad_norm is not None else float("nan"),
+        names.PERF_MEMORY_GB: hardware.peak_memory_gb(run.info.device),
+        names.PERF_MEMORY_CURRENT_GB: hardware.current_memory_gb(run.info.device),
+        names.TRAIN_TOKENS_SEEN: state.tokens_seen,
+        names.TRAIN_NONFINITE_SKIPPED: state.nonfinite_total,
         **run.stream.metrics(step, cfg.train.max_steps),
         **(
-            {"train/mask_rate": rate_at_step(cfg.masking, step - 1, cfg.train.max_steps)}
+            {names.TRAIN_MASK_RATE: rate_at_step(cfg.masking, step - 1, cfg.train.max_steps)}
             if cfg.masking.rate_end is not None
             else {}
         ),

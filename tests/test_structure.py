@@ -14,10 +14,11 @@ REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = REPO / "pretrain"
 DATA_PREP = REPO / "data_prep"
 # Lower tiers never import higher ones: train, run, study -> step, eval, report -> guards -> checkpoint,
-# tracking -> model, data, runtime -> config. The top level holds the loop (train, run, step); the
+# tracking -> model, data, runtime -> config, metric_names (every metric's name). The top level holds the loop (train, run, step); the
 # guards (preflight's checks, the spike guard's rollback) read checkpoints, and the loop and the
 # held-out evaluation stop on what they find (bad input).
 PRETRAIN_TIERS = {
+    "metric_names": 0,
     "config": 0,
     "model": 1,
     "data": 1,
@@ -269,3 +270,36 @@ def test_fault_hooks_are_read_in_one_module_only():
         if path != owner
     }
     assert {k: v for k, v in calls.items() if v} == {"pretrain/train.py": 1, "pretrain/checkpoint/mirror.py": 1}
+
+
+METRIC_GROUPS = re.compile(r"^(train|perf|eval|health|data|downstream|system|spike)/")
+
+
+def test_metric_names_are_spelled_in_one_module():
+    """A metric's name is its identity: writers and readers take it from ``pretrain/metric_names.py``
+    (imported as ``names``, which no module then uses for anything else)."""
+    owner = PRETRAIN / "metric_names.py"
+    strays = []
+    for path in sorted(PRETRAIN.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+        }
+        for node in ast.walk(tree):
+            if path == owner:
+                break
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if METRIC_GROUPS.match(node.value) and not node.value.startswith(
+                    "data/clean/"
+                ):  # a param, not a metric
+                    strays.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value!r}")
+            if "metric_names as names" in path.read_text() and (
+                (isinstance(node, ast.Name) and node.id == "names" and isinstance(node.ctx, ast.Store))
+                or (isinstance(node, ast.arg) and node.arg == "names")
+            ):
+                strays.append(f"{path.relative_to(REPO)}:{node.lineno} 'names' shadows the metric names")
+    assert not strays, strays

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from data_prep.common.manifest import Manifest, load_manifest
+from pretrain import metric_names as names
 from pretrain.config.seeds import derive_seed
 from pretrain.data.shard_reader import BlockReader
 from pretrain.data.stream import MAIN, DataError, Stream, _open_split, _Plan, _WorkerLoop, cached, checked_position
@@ -385,9 +386,9 @@ class MixtureStream(Stream):
         for src, count, n, final in zip(
             self.sources, self.consumed(step), self.source_sequences(), self.consumed(max_steps)
         ):
-            out[f"data/{src.name}/tokens"] = int(count) * self.seq_len
-            out[f"data/{src.name}/epochs"] = float(count) / n
-            out[f"data/{src.name}/epochs_at_max_steps"] = float(final) / n
+            out[names.data_source(src.name, "tokens")] = int(count) * self.seq_len
+            out[names.data_source(src.name, "epochs")] = float(count) / n
+            out[names.data_source(src.name, "epochs_at_max_steps")] = float(final) / n
         return out
 
     def plan_lines(self, max_steps: int) -> list[str]:

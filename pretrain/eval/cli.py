@@ -34,6 +34,7 @@ from data_prep.common.errors import ShardError
 from data_prep.common.manifest import MANIFEST, Manifest, load_manifest
 from data_prep.common.storage import StorageError, is_url, open_store
 from data_prep.tokenizer_cache import VOCABULARY_FILES
+from pretrain import metric_names as names
 from pretrain.checkpoint.hf_export import export_checkpoint, resolve_checkpoint
 from pretrain.config.schema import DownstreamTaskConfig
 from pretrain.data.stream import check_manifest
@@ -206,7 +207,7 @@ def evaluate_model(
 
 def format_results(metrics: dict[str, float], protocol: str) -> str:
     key = "finetune_" if protocol == "finetune" else ""
-    names = list(dict.fromkeys(k.split("/")[1] for k in metrics))
+    tasks = list(dict.fromkeys(k.split("/")[1] for k in metrics))
     header = [
         "task",
         "protocol",
@@ -220,11 +221,11 @@ def format_results(metrics: dict[str, float], protocol: str) -> str:
     rows = [
         [n, protocol]
         + [
-            f"{metrics[f'downstream/{n}/{p}{m}']:.4f}"
+            f"{metrics[names.downstream(names.DOWNSTREAM, n, p + m)]:.4f}"
             for p in (key, f"{key}random_init_" if key else "random_init_", "majority_")
             for m in ("accuracy", "macro_f1")
         ]
-        for n in names
+        for n in tasks
     ]
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     lines = [" | ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in [header] + rows]
@@ -297,9 +298,9 @@ def task_specs(args) -> list[DownstreamTaskConfig]:
         if problems:
             raise TaskError(f"--task {path}: " + "; ".join(problems))
         specs.append(spec)
-    names = [s.name or Path(s.path).stem for s in specs]
-    if len(set(names)) != len(names):
-        raise TaskError(f"--task: two tasks share a name ({names})")
+    task_names = [s.name or Path(s.path).stem for s in specs]
+    if len(set(task_names)) != len(task_names):
+        raise TaskError(f"--task: two tasks share a name ({task_names})")
     return specs
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from data_prep.common.manifest import Manifest
+from pretrain import metric_names as names
 from pretrain.config.schema import DownstreamTaskConfig
 from pretrain.eval.tasks import TaskSplits, load_task
 
@@ -160,7 +161,11 @@ def probe_task(encoder: torch.nn.Module, task: PreparedTask, device, batch_size:
 
 
 def probe_metrics(
-    encoder: torch.nn.Module, tasks: Sequence[PreparedTask], device, batch_size: int = 32, prefix: str = "downstream"
+    encoder: torch.nn.Module,
+    tasks: Sequence[PreparedTask],
+    device,
+    batch_size: int = 32,
+    prefix: str = names.DOWNSTREAM,
 ) -> dict[str, float]:
     """``{prefix}/<task>/accuracy`` and ``{prefix}/<task>/macro_f1`` of a probe on ``encoder``'s
     current weights. Deterministic given the weights; leaves the model in the mode it found it and
@@ -172,7 +177,7 @@ def probe_metrics(
         out = {}
         for task in tasks:
             for k, v in probe_task(encoder, task, device, batch_size).items():
-                out[f"{prefix}/{task.name}/{k}"] = v
+                out[names.downstream(prefix, task.name, k)] = v
         return out
     finally:
         encoder.train(was_training)
@@ -194,7 +199,7 @@ def random_like(config, seed: int = _BASELINE_SEED) -> torch.nn.Module:
 
 
 def baseline_metrics(
-    config, tasks: Sequence[PreparedTask], device, batch_size: int = 32, prefix: str = "downstream"
+    config, tasks: Sequence[PreparedTask], device, batch_size: int = 32, prefix: str = names.DOWNSTREAM
 ) -> dict[str, float]:
     """The two baselines: ``{prefix}/<task>/random_init_{accuracy,macro_f1}`` (the probe on the same
     architecture with random weights) and ``majority_{accuracy,macro_f1}``. Compute once per run."""
@@ -202,9 +207,9 @@ def baseline_metrics(
     out = {}
     for task in tasks:
         for k, v in probe_task(model, task, device, batch_size).items():
-            out[f"{prefix}/{task.name}/random_init_{k}"] = v
+            out[names.downstream(prefix, task.name, f"random_init_{k}")] = v
         for k, v in majority_scores(task).items():
-            out[f"{prefix}/{task.name}/majority_{k}"] = v
+            out[names.downstream(prefix, task.name, f"majority_{k}")] = v
     return out
 
 
@@ -259,7 +264,7 @@ def finetune_metrics(
     tasks: Sequence[PreparedTask],
     device,
     settings: FinetuneSettings = FinetuneSettings(),
-    prefix: str = "downstream",
+    prefix: str = names.DOWNSTREAM,
 ) -> dict[str, float]:
     """Fine-tune the export in ``model_dir`` and, identically, the same config with random weights;
     ``{prefix}/<task>/finetune_{accuracy,macro_f1}``, ``..._random_init_...`` and ``majority_...``."""
@@ -277,7 +282,7 @@ def finetune_metrics(
             random = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
         for key, model in (("finetune", trained), ("finetune_random_init", random)):
             for k, v in finetune_task(model, task, device, settings).items():
-                out[f"{prefix}/{task.name}/{key}_{k}"] = v
+                out[names.downstream(prefix, task.name, f"{key}_{k}")] = v
         for k, v in majority_scores(task).items():
-            out[f"{prefix}/{task.name}/majority_{k}"] = v
+            out[names.downstream(prefix, task.name, f"majority_{k}")] = v
     return out

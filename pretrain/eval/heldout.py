@@ -31,6 +31,7 @@ import torch.distributed as dist
 from data_prep.common.errors import ShardError
 from data_prep.common.manifest import Manifest, load_manifest
 from data_prep.common.storage import StoreUnavailable
+from pretrain import metric_names as names
 from pretrain.data.mixture import resolve_sources
 from pretrain.data.shard_reader import BlockReader
 from pretrain.data.stream import _open_split
@@ -133,10 +134,8 @@ def figures(prefix: str, sums: list[int]) -> dict:
     units, correct, count, nonfinite = sums
     if not count:
         return {}
-    return {
-        f"{prefix}/loss": float("nan") if nonfinite else units * LOSS_UNIT / count,
-        f"{prefix}/accuracy": correct / count,
-    }
+    loss, accuracy = names.heldout(prefix)
+    return {loss: float("nan") if nonfinite else units * LOSS_UNIT / count, accuracy: correct / count}
 
 
 @torch.no_grad()
@@ -145,7 +144,7 @@ def evaluate(engine, cfg, special: SpecialIds, info) -> dict:
     on ``train.eval_sequences`` held-out sequences of each source (see the module docstring).
     Sources without an evaluation split are left out."""
     masking = eval_masking_config(cfg.masking)
-    names, rows, unreadable = [], [], None
+    source_names, rows, unreadable = [], [], None
     engine.eval()
     for source in resolve_sources(cfg.data):
         manifest = load_manifest(source.dir)
@@ -161,7 +160,7 @@ def evaluate(engine, cfg, special: SpecialIds, info) -> dict:
             cfg.train.eval_sequences,
             keep_in_step=True,
         )
-        names.append(source.name)
+        source_names.append(source.name)
         row, error = score(engine, batches, special, masking, info.device)
         rows.append(row)
         unreadable = unreadable or error
@@ -175,8 +174,8 @@ def evaluate(engine, cfg, special: SpecialIds, info) -> dict:
         bad_input.report_messages(unreadable, info.rank, outage)
         raise bad_input.BadInputStop(outage)
     sums = sums[:, :4]
-    out = figures("eval", sums.sum(0).tolist())
-    if len(names) > 1:
-        for name, row in zip(names, sums.tolist()):
-            out.update(figures(f"eval/{name}", row))
+    out = figures(names.EVAL, sums.sum(0).tolist())
+    if len(source_names) > 1:
+        for name, row in zip(source_names, sums.tolist()):
+            out.update(figures(names.eval_source(name), row))
     return out

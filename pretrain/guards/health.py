@@ -23,6 +23,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from pretrain import metric_names as names
+
 log = logging.getLogger("pretrain")
 _LAYER = re.compile(r"\.layers?\.(\d+)\.")
 RECENT = 20  # health samples a layer's median grad norm is taken over
@@ -80,11 +82,11 @@ class LayerHealth:
         self.every = every
         self.params = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
         self.mode = _mode([p for _, p in self.params], stage)
-        names = {group_of(n) for n, _ in self.params}
+        groups = {group_of(n) for n, _ in self.params}
         self.groups = (
-            (["embeddings"] if "embeddings" in names else [])
-            + sorted(g for g in names if g.startswith("layer_"))
-            + (["head"] if "head" in names else [])
+            (["embeddings"] if "embeddings" in groups else [])
+            + sorted(g for g in groups if g.startswith("layer_"))
+            + (["head"] if "head" in groups else [])
         )
         self.index = [self.groups.index(group_of(n)) for n, _ in self.params]
         self.recent = {g: deque(maxlen=RECENT) for g in self.groups}
@@ -119,9 +121,9 @@ class LayerHealth:
         grad, param, update = sums.sqrt().tolist()
         metrics = {}
         for i, name in enumerate(self.groups):
-            metrics[f"health/{name}/grad_norm"] = grad[i]
-            metrics[f"health/{name}/param_norm"] = param[i]
-            metrics[f"health/{name}/update_ratio"] = update[i] / param[i] if param[i] else float("nan")
+            metrics[names.health(name, "grad_norm")] = grad[i]
+            metrics[names.health(name, "param_norm")] = param[i]
+            metrics[names.health(name, "update_ratio")] = update[i] / param[i] if param[i] else float("nan")
             self._warn(name, grad[i], step)
         return metrics
 

@@ -16,6 +16,7 @@ import math
 
 import torch.distributed as dist
 
+from pretrain import metric_names as names
 from pretrain.checkpoint import store as checkpointing
 from pretrain.checkpoint.state import STATE_KEY, TrainState
 from pretrain.config.schema import SpikeGuardConfig
@@ -117,5 +118,5 @@ class SpikeGuard:
         # The steps from the checkpoint to the spike train again; every store keeps their first values
         # (the spike stays on the curves) and one row per step.
         # A cumulative count: a chart in MLflow, and the report marks the step where it grows.
-        self.tracker.log_metrics({"train/spike_recoveries": len(state.skipped_windows)}, last)
+        self.tracker.log_metrics({names.TRAIN_SPIKE_RECOVERIES: len(state.skipped_windows)}, last)
         return iter(stream)

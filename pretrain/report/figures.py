@@ -21,6 +21,8 @@ import re
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
+from pretrain import metric_names as names
+
 FIG_SIZE = (9, 4.2)
 HEALTH_KEY = re.compile(r"^health/([^/]+)/grad_norm$")
 SOURCE_EVAL_KEY = re.compile(r"^eval/([^/]+)/loss$")
@@ -36,8 +38,8 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 def tokens_per_step(rows: list[dict], fallback: float | None) -> float | None:
     """From the logged ``train/tokens_seen`` (the run's own count), else the config's batch × length."""
     for r in reversed(rows):
-        if r.get("train/tokens_seen") and r.get("step"):
-            return r["train/tokens_seen"] / r["step"]
+        if r.get(names.TRAIN_TOKENS_SEEN) and r.get("step"):
+            return r[names.TRAIN_TOKENS_SEEN] / r["step"]
     return fallback
 
 
@@ -47,15 +49,15 @@ def events(rows: list[dict]) -> dict[str, list[int]]:
     skipped = recoveries = 0
     for r in rows:
         step = r.get("step")
-        n = r.get("train/nonfinite_skipped")
+        n = r.get(names.TRAIN_NONFINITE_SKIPPED)
         if n is not None and n > skipped:
             out["non-finite skip"].append(step)
             skipped = n
-        n = r.get("train/spike_recoveries")
+        n = r.get(names.TRAIN_SPIKE_RECOVERIES)
         spike = (
             (n is not None and n > recoveries)
             or r.get("event") == "spike_recovery"
-            or any(k.startswith("spike/") for k in r)
+            or any(k.startswith(names.SPIKE) for k in r)
         )
         if n is not None:
             recoveries = max(recoveries, n)
@@ -74,8 +76,8 @@ def _finish(fig, ax, title: str):
 def loss_figure(rows: list[dict], tok_per_step: float | None):
     """Train and eval loss against tokens seen (steps when unknown), the learning rate on the right,
     non-finite skips and spike recoveries as vertical lines."""
-    steps, loss = series(rows, "train/loss")
-    e_steps, e_loss = series(rows, "eval/loss")
+    steps, loss = series(rows, names.TRAIN_LOSS)
+    e_steps, e_loss = series(rows, names.EVAL_LOSS)
     if not steps and not e_steps:
         return None
     scale = tok_per_step or 1.0
@@ -97,7 +99,7 @@ def loss_figure(rows: list[dict], tok_per_step: float | None):
             )
     ax.set_xlabel("training tokens seen" if tok_per_step else "step")
     ax.set_ylabel("MLM loss")
-    lr_steps, lr = series(rows, "train/lr")
+    lr_steps, lr = series(rows, names.TRAIN_LR)
     handles, labels = ax.get_legend_handles_labels()
     if lr_steps:
         ax2 = ax.twinx()
@@ -112,8 +114,8 @@ def loss_figure(rows: list[dict], tok_per_step: float | None):
 def throughput_figure(rows: list[dict]):
     """Tokens/s and MFU side by side: on one machine MFU is tokens/s times a constant, so drawn on
     one axis the two curves hide each other."""
-    steps, tps = series(rows, "perf/tokens_per_s")
-    m_steps, mfu = series(rows, "perf/mfu")
+    steps, tps = series(rows, names.PERF_TOKENS_PER_S)
+    m_steps, mfu = series(rows, names.PERF_MFU)
     if not steps and not m_steps:
         return None
     fig = Figure(figsize=FIG_SIZE)
@@ -139,7 +141,7 @@ def source_eval_figure(rows: list[dict], tok_per_step: float | None):
     fig = Figure(figsize=FIG_SIZE)
     ax = fig.subplots()
     for i, name in enumerate(sources):
-        steps, loss = series(rows, f"eval/{name}/loss")
+        steps, loss = series(rows, names.heldout(names.eval_source(name))[0])
         ax.plot([s * scale for s in steps], loss, "o-", ms=3, color=f"C{i}", label=name)
     ax.set_xlabel("training tokens seen" if tok_per_step else "step")
     ax.set_ylabel("eval loss")
@@ -164,7 +166,7 @@ def grad_norm_heatmap(rows: list[dict]):
     steps = [r["step"] for r in health_rows]
     if not layers:
         return None
-    grid = [[_positive(r.get(f"health/{name}/grad_norm")) for r in health_rows] for name in layers]
+    grid = [[_positive(r.get(names.health(name, "grad_norm"))) for r in health_rows] for name in layers]
     finite = [v for line in grid for v in line if not math.isnan(v)]
     if not finite:
         return None
@@ -201,14 +203,16 @@ def probe_figure(rows: list[dict]):
     fig = Figure(figsize=FIG_SIZE)
     ax = fig.subplots()
     for i, task in enumerate(tasks):
-        steps, acc = series(rows, f"downstream/{task}/accuracy")
+        steps, acc = series(rows, names.downstream(names.DOWNSTREAM, task, "accuracy"))
         ax.plot(steps, acc, "o-", ms=4, color=f"C{i}", label=f"{task}: probe")
         bases = sorted(
             {
                 k
                 for r in rows
                 for k in r
-                if k.startswith(f"downstream/{task}/") and k.endswith("_accuracy") and not k.endswith("/accuracy")
+                if k.startswith(names.downstream(names.DOWNSTREAM, task, ""))
+                and k.endswith("_accuracy")
+                and not k.endswith("/accuracy")
             }
         )
         for j, key in enumerate(bases):

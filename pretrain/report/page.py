@@ -25,6 +25,7 @@ from typing import Optional
 import yaml
 
 from data_prep.common.manifest import Manifest
+from pretrain import metric_names as names
 from pretrain.checkpoint.files import CONFIG_FILE
 from pretrain.checkpoint.store import complete_tags, latest_complete_tag, saved_manifest
 from pretrain.config import loader as configlib
@@ -74,16 +75,16 @@ def _summary_rows(rows: list[dict], facts: dict) -> list[tuple[str, str]]:
 
     out = [
         ("steps", str(max((r.get("step", 0) for r in rows), default=0))),
-        ("tokens seen", _num(last("train/tokens_seen"))),
+        ("tokens seen", _num(last(names.TRAIN_TOKENS_SEEN))),
     ]
     for key in (
-        "train/loss",
-        "eval/loss",
-        "eval/accuracy",
-        "perf/tokens_per_s",
-        "perf/mfu",
-        "train/nonfinite_skipped",
-        "train/spike_recoveries",
+        names.TRAIN_LOSS,
+        names.EVAL_LOSS,
+        names.EVAL_ACCURACY,
+        names.PERF_TOKENS_PER_S,
+        names.PERF_MFU,
+        names.TRAIN_NONFINITE_SKIPPED,
+        names.TRAIN_SPIKE_RECOVERIES,
     ):
         if last(key) is not None:
             out.append((f"final {key}", _num(last(key))))

@@ -17,8 +17,10 @@ import statistics
 from pathlib import Path
 from typing import Callable
 
+from pretrain import metric_names as names
+
 FIXED_COLUMNS = ("variant", "status", "steps", "tokens_seen")
-FIRST_EVAL = ("eval/loss", "eval/accuracy")
+FIRST_EVAL = (names.EVAL_LOSS, names.EVAL_ACCURACY)
 
 
 def read_metrics(out_dir: Path) -> list[dict]:
@@ -54,15 +56,15 @@ def variant_state(status: dict) -> str:
 
 def variant_row(variant, rows: list[dict], status: dict, finished: bool) -> dict:
     steps = max((r["step"] for r in rows), default=0)
-    tokens_per_s = [r["perf/tokens_per_s"] for r in rows if "perf/tokens_per_s" in r]
+    tokens_per_s = [r[names.PERF_TOKENS_PER_S] for r in rows if names.PERF_TOKENS_PER_S in r]
     row = {
         "variant": variant.name,
         **{k: v for k, v in variant.values.items()},
         "status": "finished" if finished else variant_state(status),
         "steps": steps,
-        "tokens_seen": _last(rows, "train/tokens_seen"),
+        "tokens_seen": _last(rows, names.TRAIN_TOKENS_SEEN),
     }
-    for key in sorted({k for r in rows for k in r if k.startswith(("eval/", "downstream/"))}):
+    for key in sorted({k for r in rows for k in r if k.startswith((names.EVAL + "/", names.DOWNSTREAM + "/"))}):
         row[key] = _last(rows, key)
     row["tokens_per_s"] = statistics.median(tokens_per_s) if tokens_per_s else None
     row["wall_s"] = round(status["wall_s"], 1) if status.get("launches") else None
@@ -71,19 +73,19 @@ def variant_row(variant, rows: list[dict], status: dict, finished: bool) -> dict
 
 def eval_curve(rows: list[dict]) -> tuple[list[float], list[float]]:
     """(tokens seen, eval loss) at every evaluation; tokens per step from the logged tokens_seen."""
-    per_step = [r["train/tokens_seen"] / r["step"] for r in rows if "train/tokens_seen" in r and r["step"]]
+    per_step = [r[names.TRAIN_TOKENS_SEEN] / r["step"] for r in rows if names.TRAIN_TOKENS_SEEN in r and r["step"]]
     if not per_step:
         return [], []
-    points = [(r["step"] * per_step[-1], r["eval/loss"]) for r in rows if "eval/loss" in r]
+    points = [(r["step"] * per_step[-1], r[names.EVAL_LOSS]) for r in rows if names.EVAL_LOSS in r]
     return [p[0] for p in points], [p[1] for p in points]
 
 
 def columns(table: list[dict], grid_keys: list[str]) -> list[str]:
-    metric_keys = sorted({k for row in table for k in row if k.startswith(("eval/", "downstream/"))})
+    metric_keys = sorted({k for row in table for k in row if k.startswith((names.EVAL + "/", names.DOWNSTREAM + "/"))})
     evals = [k for k in FIRST_EVAL if k in metric_keys] + [
-        k for k in metric_keys if k.startswith("eval/") and k not in FIRST_EVAL
+        k for k in metric_keys if k.startswith(names.EVAL + "/") and k not in FIRST_EVAL
     ]
-    downstream = [k for k in metric_keys if k.startswith("downstream/")]
+    downstream = [k for k in metric_keys if k.startswith(names.DOWNSTREAM + "/")]
     return ["variant", *grid_keys, "status", "steps", "tokens_seen", *evals, *downstream, "tokens_per_s", "wall_s"]
 
 
@@ -134,6 +136,10 @@ def plot_eval_loss(path: Path, curves: dict[str, tuple[list, list]], title: str)
     plt.close(fig)
 
 
+def _is_probe_accuracy(key: str) -> bool:
+    return key.startswith(names.DOWNSTREAM + "/") and key.endswith("/accuracy")
+
+
 def plot_probe_accuracy(path: Path, table: list[dict], title: str) -> None:
     """Final ``downstream/<task>/accuracy`` per variant, grouped by task, with the task's logged
     baselines (``downstream/<task>/<name>_accuracy``: random init, majority class) as dashed lines.
@@ -143,28 +149,20 @@ def plot_probe_accuracy(path: Path, table: list[dict], title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = sorted(
-        {
-            k.split("/")[1]
-            for row in table
-            for k in row
-            if k.startswith("downstream/") and k.endswith("/accuracy") and row[k] is not None
-        }
-    )
+    tasks = sorted({k.split("/")[1] for row in table for k in row if _is_probe_accuracy(k) and row[k] is not None})
     fig, ax = plt.subplots(figsize=(max(6, 1.5 + len(table) * max(len(tasks), 1) * 0.5) + 3, 5))
     width = 0.8 / max(len(table), 1)
     shown = []
     for t, task in enumerate(tasks):
         for i, row in enumerate(table):
-            value = row.get(f"downstream/{task}/accuracy")
+            value = row.get(names.downstream(names.DOWNSTREAM, task, "accuracy"))
             if value is not None:
                 x = t + (i - (len(table) - 1) / 2) * width
                 ax.bar(x, value, width, color=f"C{i}", label=row["variant"] if t == 0 else None)
                 ax.text(x, value, f"{value:.3f}", fontsize=7, ha="center", va="bottom")
                 shown.append(value)
-        for key in sorted(
-            {k for row in table for k in row if k.startswith(f"downstream/{task}/") and k.endswith("_accuracy")}
-        ):
+        task_prefix = names.downstream(names.DOWNSTREAM, task, "")
+        for key in sorted({k for row in table for k in row if k.startswith(task_prefix) and k.endswith("_accuracy")}):
             base = next((row[key] for row in table if row.get(key) is not None), None)
             if base is not None:
                 ax.hlines(base, t - 0.45, t + 0.45, colors="k", linestyles="dashed")

@@ -16,6 +16,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from pretrain import metric_names as names
+
 OURS = ("pretrain", "data_prep")
 # Known chatter: to the console, errors only.
 CHATTY = ("DeepSpeed", "transformers", "torch", "accelerate", "mlflow", "alembic", "py.warnings")
@@ -144,7 +146,7 @@ def time_left(steps_left: int, seconds_per_step: float) -> str:
 def summary(state, cfg, wall_s: float, last_metrics: dict, tracker) -> str:
     """The end-of-run summary: what was done, where it is."""
     out = Path(cfg.train.out_dir)
-    losses = ", ".join(f"{k} {v:.4f}" for k, v in last_metrics.items() if k in ("train/loss", "eval/loss"))
+    losses = ", ".join(f"{k} {v:.4f}" for k, v in last_metrics.items() if k in (names.TRAIN_LOSS, names.EVAL_LOSS))
     lines = [
         f"done: {state.step} steps, {state.tokens_seen:,} tokens in {time_left(1, wall_s)}"
         + (f"; {losses}" if losses else ""),

@@ -11,6 +11,8 @@ import threading
 import time
 from typing import Callable
 
+from pretrain import metric_names as names
+
 log = logging.getLogger(__name__)
 
 
@@ -46,7 +48,7 @@ def _sample(monitor, enqueue: Callable[[list], None], stop: threading.Event, ste
             for m in monitor.monitors:
                 m.clear_metrics()
             now = int(time.time() * 1000)
-            enqueue([("metric", f"system/{k}", float(v), now, step) for k, v in values.items()])
+            enqueue([("metric", names.system(k), float(v), now, step) for k, v in values.items()])
             step += 1
     except Exception as exc:  # noqa: BLE001
         log.info("MLflow: system metrics stopped (%s)", exc)

@@ -34,6 +34,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from data_prep.common.atomic import write_atomic
+from pretrain import metric_names as names
 from pretrain.config.loader import flatten
 from pretrain.tracking.base import Tracker
 from pretrain.tracking.mlflow_requests import (
@@ -447,7 +448,7 @@ class MlflowTracker(Tracker):
         if self._artifact_root:
             log.info("MLflow: local store; view it with %s", ui_command(self.tracking_uri))
         if self.cfg.tracking.system_metrics:
-            steps = [s for k, s in self._last_step.items() if k.startswith("system/")]
+            steps = [s for k, s in self._last_step.items() if k.startswith(names.SYSTEM)]
             start_system_metrics(
                 self.run_id,
                 self.tracking_uri,
