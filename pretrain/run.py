@@ -9,7 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -23,7 +23,8 @@ from pretrain.checkpoint.state import STATE_KEY, TrainState
 from pretrain.config import loader as configlib
 from pretrain.config.schema import Config
 from pretrain.data import make_train_stream, mixture
-from pretrain.eval.downstream import probe_metrics
+from pretrain.data.stream import Stream
+from pretrain.eval.downstream import PreparedTask, probe_metrics
 from pretrain.model import keyed_dropout
 from pretrain.model.flops import mlm_flops_per_sequence
 from pretrain.model.masking import SpecialIds
@@ -32,8 +33,9 @@ from pretrain.model.schedule import continue_schedule
 from pretrain.runtime import allocator, attention, hardware
 from pretrain.runtime import engine as eng
 from pretrain.runtime.step_speed import step_probe
-from pretrain.step import StopSignal
+from pretrain.step import StepParts, StopSignal
 from pretrain.tracking import console, make_tracker, resume_log, run_params
+from pretrain.tracking.base import Tracker
 
 log = logging.getLogger("pretrain")
 
@@ -46,24 +48,40 @@ class Run:
     info: eng.DistInfo
     nodes: checkpoint_nodes.NodeLayout
     manifest: Manifest
-    tasks: list
+    tasks: list[PreparedTask]
     stop: StopSignal
     special: SpecialIds
     model: MLMModel
-    engine: Any
-    optimizer: Any
-    scheduler: Any
+    engine: eng.Engine
+    optimizer: torch.optim.Optimizer  # ours, inside DeepSpeed's wrappers (its updates can be skipped)
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     state: TrainState
-    stream: Any = None
-    tracker: Any = None
+    stream: Optional[Stream] = None
+    tracker: Optional[Tracker] = None
     mirror: Optional[CheckpointMirror] = None  # a folder writer's uploader to train.checkpoint_mirror
     resolved_yaml: str = ""
     peak: float = 0.0
-    mfu_check: Any = None
+    mfu_check: Optional[hardware.MfuCheck] = None
     exit_code: int = 0
     status: str = "FAILED"  # what the tracker marks the run with when fit returns
     latest: dict = field(default_factory=dict)  # the last value of every metric, for the summary
     started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def step_parts(self) -> StepParts:
+        """What ``train_step`` reads of the run."""
+        return StepParts(
+            self.engine,
+            self.optimizer,
+            self.model,
+            self.info.device,
+            self.info.world,
+            self.special,
+            self.cfg.masking,
+            self.cfg.train.max_steps,
+            self.cfg.impl.zero_stage,
+            self.stop,
+        )
 
     @property
     def export_engine(self):

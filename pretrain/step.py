@@ -15,8 +15,11 @@ import torch
 import torch.distributed as dist
 
 from pretrain import metric_names as names
+from pretrain.config.objective import MaskingConfig
 from pretrain.guards import bad_input
-from pretrain.model.masking import mask_batch, rate_at_step
+from pretrain.model.masking import SpecialIds, mask_batch, rate_at_step
+from pretrain.model.mlm import MLMModel
+from pretrain.model.optim import skip_next_step
 from pretrain.runtime import engine as eng
 
 
@@ -40,6 +43,22 @@ class StopSignal:
         self.requested = True
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """What an optimiser step reads besides its batches and the step number (``Run.step_parts``)."""
+
+    engine: eng.Engine
+    optimizer: torch.optim.Optimizer  # ours, inside DeepSpeed's wrappers: the step may veto its update
+    model: MLMModel  # the engine's module: its dropout is keyed per micro-batch
+    device: torch.device
+    world: int
+    special: SpecialIds
+    masking: MaskingConfig
+    max_steps: int  # where a masking-rate schedule ends
+    zero_stage: int  # at 0 the gradient norm is ours to compute on a logged step
+    stop: StopSignal
+
+
 @dataclass
 class StepResult:
     sums: torch.Tensor  # float64 [loss_sum, correct, predicted, tokens] on the device, this rank's;
@@ -52,10 +71,10 @@ class StepResult:
     outage: bool = False  # ... because the data's store stayed down: stop, exit 3 (requeue)
 
 
-def mask_micro_batches(run, micro_batches: list[dict]) -> list[tuple]:
+def mask_micro_batches(parts: StepParts, step: int, micro_batches: list[dict]) -> list[tuple]:
     """(masked batch, attention mask, tokens, sample ids) per micro-batch, on the device."""
-    cfg, device, step = run.cfg, run.info.device, run.state.step
-    rate = rate_at_step(cfg.masking, step, cfg.train.max_steps)
+    device, special = parts.device, parts.special
+    rate = rate_at_step(parts.masking, step, parts.max_steps)
     masked = []
     for batch in micro_batches:
         ids = batch["input_ids"].to(device, non_blocking=True)
@@ -65,22 +84,27 @@ def mask_micro_batches(run, micro_batches: list[dict]) -> list[tuple]:
         m = mask_batch(
             ids,
             batch["word_starts"].to(device, non_blocking=True),
-            run.special,
-            cfg.masking,
+            special,
+            parts.masking,
             sample_ids=sample_ids,
             step=step,
             rate=rate,
         )
         # Rows packed full have no padding: no mask lets SDPA take its fast path.
-        attention_mask = (ids != run.special.pad) if batch.get("has_padding", True) else None
+        attention_mask = (ids != special.pad) if batch.get("has_padding", True) else None
         masked.append((m, attention_mask, ids.numel() if attention_mask is None else attention_mask.sum(), sample_ids))
     return masked
 
 
 def train_step(
-    run, micro_batches: list[dict], logged: bool, before_step: Optional[Callable[[], None]] = None
+    parts: StepParts,
+    step: int,
+    micro_batches: list[dict],
+    logged: bool,
+    before_step: Optional[Callable[[], None]] = None,
 ) -> StepResult:
-    """Forward and backward over the step's micro-batches, then one optimiser step. ``logged``: the
+    """Forward and backward over the micro-batches of step ``step + 1``, then one optimiser step
+    (``step``: the steps done, which key the masks and the dropout). ``logged``: the
     step's metrics are logged, so its accuracy and (ZeRO 0) gradient norm are computed. ``before_step``
     runs where the gradients are whole and the weights not yet updated (per-layer health).
 
@@ -88,8 +112,8 @@ def train_step(
     before the update: whether to skip the update (a non-finite loss, an unreadable batch) is a branch
     of DeepSpeed's step on the host, and the spike guard and a stop signal are decided from the same
     five numbers. Everything else stays on the device until a logged step (``ThroughputWindow``)."""
-    engine, device, world = run.engine, run.info.device, run.info.world
-    masked = mask_micro_batches(run, micro_batches)
+    engine, device, world = parts.engine, parts.device, parts.world
+    masked = mask_micro_batches(parts, step, micro_batches)
     # The loss is normalised by the masked-token count of the whole step, all ranks together:
     # DeepSpeed then divides by grad_accum and averages over ranks, which this undoes.
     predicted = torch.stack([m.num_masked for m, *_ in masked]).sum().double().reshape(1)
@@ -103,7 +127,7 @@ def train_step(
     want_correct = logged or bool(getattr(engine, "is_compiled", False))
     for i, (m, attention_mask, tokens, sample_ids) in enumerate(masked):
         # Dropout keyed like the masks, by each row's sample id and the step (model/keyed_dropout.py).
-        engine.module.dropout_key.set(sample_ids, run.state.step)
+        parts.model.key_dropout(sample_ids, step)
         with eng.eager_forward(engine, eager=attention_mask is not None):
             loss_sum, correct, count = engine(
                 m.input_ids, attention_mask, m.positions, m.labels, want_correct=want_correct
@@ -116,18 +140,18 @@ def train_step(
             # is non-finite where any rank's is (losses are >= 0: no inf - inf).
             decided = torch.zeros(5, dtype=torch.float64, device=device)
             decided[:2] = sums[[0, 2]]
-            decided[2], decided[3] = float(run.stop.requested), float(level >= bad_input.BAD_INPUT)
+            decided[2], decided[3] = float(parts.stop.requested), float(level >= bad_input.BAD_INPUT)
             decided[4] = float(level >= bad_input.OUTAGE)
             dist.all_reduce(decided)
             loss_total, predicted_total, stop, bad, outage = decided.tolist()
             nonfinite = not math.isfinite(loss_total)
-            run.optimizer.skip_next_step = nonfinite or bad > 0  # every rank skips or stops together
-            if logged and run.cfg.impl.zero_stage == 0:
+            skip_next_step(parts.optimizer, nonfinite or bad > 0)  # every rank skips or stops together
+            if logged and parts.zero_stage == 0:
                 grad_norm = eng.local_grad_norm(engine)
             if before_step:
                 before_step()
         engine.step()
-    run.optimizer.skip_next_step = False
+    skip_next_step(parts.optimizer, False)
     loss = loss_total / predicted_total if predicted_total and not nonfinite else float("nan")
     return StepResult(sums, loss, nonfinite, stop > 0, grad_norm, bad > 0, outage > 0)
 

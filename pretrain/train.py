@@ -90,7 +90,9 @@ def fit(run: Run) -> int:
             t_data = time.perf_counter()
             will_log = (state.step + 1) % cfg.train.log_every == 0 or state.step + 1 == cfg.train.max_steps
             check_health = health.due(state.step + 1)
-            result = train_step(run, micro, will_log, health.before_step if check_health else None)
+            result = train_step(
+                run.step_parts, state.step, micro, will_log, health.before_step if check_health else None
+            )
             if result.bad_input:
                 bad_input.report(micro, info.rank, result.outage)
                 return EXIT_REQUEUE if result.outage else EXIT_BAD_INPUT

@@ -99,10 +99,17 @@ class MLMModel(torch.nn.Module):
         if attention_scope == "document" and sep_id is None:
             raise ValueError("attention_scope document needs the [SEP] id that ends each document")
         self.attention_scope, self.sep_id = attention_scope, sep_id
+        # Dropout keyed by each row's sample id and the step (pretrain.model.keyed_dropout.install).
+        self.dropout_key = None
 
     @property
     def config(self):
         return self.hf_model.config
+
+    def key_dropout(self, sample_ids: torch.Tensor, step: int) -> None:
+        """The next forward's dropout masks: keyed by each row's sample id and ``step``, so that they
+        are the same at any layout (pretrain.model.keyed_dropout)."""
+        self.dropout_key.set(sample_ids, step)
 
     def use_attention(self, name: str) -> None:
         """Run attention as ``name``: ``eager`` (Hugging Face's explicit attention), ``sdpa`` (PyTorch

@@ -95,6 +95,11 @@ def build_optimizer(model: MLMModel, cfg: Config) -> torch.optim.Optimizer:
     return opt
 
 
+def skip_next_step(opt: torch.optim.Optimizer, skip: bool) -> None:
+    """Veto (or not) the next update of an optimiser ``make_skippable`` prepared."""
+    opt.skip_next_step = skip
+
+
 def make_skippable(opt: torch.optim.Optimizer) -> None:
     """Let the training loop veto the next update (non-finite loss on some rank). ``overflow`` is
     the attribute DeepSpeed's engine reads after a step to count it as skipped and hold the lr

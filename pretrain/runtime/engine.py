@@ -18,7 +18,7 @@ import threading
 import types
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,11 @@ from pretrain.config.schema import Config, batch_size_problems
 from pretrain.model.optim import build_optimizer
 from pretrain.model.schedule import lr_schedule
 from pretrain.runtime.launcher import GIVEN_DEVICES
+
+if TYPE_CHECKING:  # DeepSpeed is imported when an engine is built (import_deepspeed), not at start-up
+    from deepspeed import DeepSpeedEngine as Engine
+else:
+    Engine = Any
 
 log = logging.getLogger("pretrain")
 
