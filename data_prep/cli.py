@@ -104,7 +104,17 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Raw text -> pre-tokenized, packed webdataset shards + manifest.json for MLM pretraining.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = _add_clean(sub)
+    _add_clean_filters(p)
+    _add_clean_output_and_tasks(p)
+    _add_tokenizer(sub)
+    _add_shard(sub)
+    _add_finalize_verify_inspect(sub)
+    _add_quality_model(sub)
+    return parser
 
+
+def _add_clean(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "clean",
         help="remove duplicates, other languages, low-quality pages, test-set copies",
@@ -126,6 +136,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", dest="text_field", help="JSON field / column holding the text (default text)")
     p.add_argument("--txt-mode", dest="txt_mode", choices=["blocks", "file"])
     p.add_argument("--hf-split", dest="hf_split")
+    return p
+
+
+def _add_clean_filters(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--languages",
         nargs="+",
@@ -161,6 +175,9 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="P%",
         help="or keep the P percent best-scored documents (DCLM kept 10%%)",
     )
+
+
+def _add_clean_output_and_tasks(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", dest="output_format", choices=["jsonl", "parquet"], help="output files (default jsonl)")
     p.add_argument("--workers", type=int, help="processes (default: one per core)")
     p.add_argument(
@@ -195,6 +212,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="any setting, dotted (near.bands=20, quality.min_words=50, exact.enabled=false)",
     )
 
+
+def _add_tokenizer(sub) -> None:
     p = sub.add_parser(
         "tokenizer",
         help="train a BERT-style WordPiece tokenizer",
@@ -217,6 +236,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--txt-mode", default="blocks", choices=["blocks", "file"])
     p.add_argument("--hf-split", default="train")
 
+
+def _add_shard(sub) -> None:
     p = sub.add_parser(
         "shard",
         help="tokenize, pack and write this array task's shards",
@@ -235,6 +256,8 @@ def _build_parser() -> argparse.ArgumentParser:
     for name, (flag, kind, help_text) in _SHARD_FLAGS.items():
         p.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
 
+
+def _add_finalize_verify_inspect(sub) -> None:
     p = sub.add_parser(
         "finalize",
         help="merge task manifests into manifest.json",
@@ -262,8 +285,6 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--split", default="train")
-    _add_quality_model(sub)
-    return parser
 
 
 def _shard_settings(args):
@@ -341,91 +362,107 @@ def _clean_task(args) -> tuple[int, int]:
     return s.num_tasks, s.task_index
 
 
-def _run(args) -> int:
-    if args.command == "clean":
-        from .clean.run import print_summary, run_clean
+def _run_clean(args) -> int:
+    from .clean.run import print_summary, run_clean
 
-        settings = _clean_settings(args)
-        num_tasks, task = _clean_task(args)
-        print_summary(run_clean(settings, args.stage, num_tasks, task), settings.out)
-        return 0
-    if args.command == "tokenizer":
-        from .reader import ReadOptions, iter_task_documents, resolve_inputs
-        from .tokenizer import train_tokenizer
+    settings = _clean_settings(args)
+    num_tasks, task = _clean_task(args)
+    print_summary(run_clean(settings, args.stage, num_tasks, task), settings.out)
+    return 0
 
-        sources = resolve_inputs(args.input)
-        opts = ReadOptions(text_field=args.text_field, txt_mode=args.txt_mode, hf_split=args.hf_split)
-        out = train_tokenizer(
-            iter_task_documents(sources, "files", 1, 0, opts),
-            args.out,
-            args.vocab_size,
-            lowercase=args.lowercase,
-            min_frequency=args.min_frequency,
-            inputs=[s.path if s.kind != "hub" else f"hub:{s.path}" for s in sources],
+
+def _run_tokenizer(args) -> int:
+    from .reader import ReadOptions, iter_task_documents, resolve_inputs
+    from .tokenizer import train_tokenizer
+
+    sources = resolve_inputs(args.input)
+    opts = ReadOptions(text_field=args.text_field, txt_mode=args.txt_mode, hf_split=args.hf_split)
+    out = train_tokenizer(
+        iter_task_documents(sources, "files", 1, 0, opts),
+        args.out,
+        args.vocab_size,
+        lowercase=args.lowercase,
+        min_frequency=args.min_frequency,
+        inputs=[s.path if s.kind != "hub" else f"hub:{s.path}" for s in sources],
+    )
+    logging.getLogger("data_prep").info("tokenizer saved to %s", out)
+    return 0
+
+
+def _run_shard(args) -> int:
+    from .shard import run_shard
+    from .stale_shm import remove_stale
+
+    remove_stale(["sem.mp-*"])  # a killed earlier run's worker semaphores
+    result = run_shard(_shard_settings(args))
+    if not result.skipped:
+        logging.getLogger("data_prep").info(
+            "task %d: %d packing group(s), %d shard(s) written, %d kept from an earlier run, %s documents, "
+            "%.1f s -> %s",
+            result.task,
+            result.groups,
+            result.shards_written,
+            result.shards_reused,
+            result.documents,
+            result.seconds,
+            result.manifest,
         )
-        logging.getLogger("data_prep").info("tokenizer saved to %s", out)
-        return 0
-    if args.command == "shard":
-        from .shard import run_shard
-        from .stale_shm import remove_stale
+    return 0
 
-        remove_stale(["sem.mp-*"])  # a killed earlier run's worker semaphores
-        result = run_shard(_shard_settings(args))
-        if not result.skipped:
-            logging.getLogger("data_prep").info(
-                "task %d: %d packing group(s), %d shard(s) written, %d kept from an earlier run, %s documents, "
-                "%.1f s -> %s",
-                result.task,
-                result.groups,
-                result.shards_written,
-                result.shards_reused,
-                result.documents,
-                result.seconds,
-                result.manifest,
-            )
-        return 0
-    if args.command == "finalize":
-        from .finalize import finalize
 
-        m = finalize(args.dir)
+def _run_finalize(args) -> int:
+    from .finalize import finalize
+
+    m = finalize(args.dir)
+    print(
+        f"{args.dir}/manifest.json: {len(m.shards)} shards from {m.num_tasks} task(s); "
+        + ", ".join(f"{s}: {t['sequences']:,} sequences, {t['tokens']:,} tokens" for s, t in m.totals.items())
+    )
+    return 0
+
+
+def _run_verify(args) -> int:
+    from .verify import verify_report
+
+    report = verify_report(args.dir, workers=args.workers)
+    for problem in report.problems:
+        print(f"data_prep verify: BAD {problem}", file=sys.stderr)
+    if report.mismatched:
         print(
-            f"{args.dir}/manifest.json: {len(m.shards)} shards from {m.num_tasks} task(s); "
-            + ", ".join(f"{s}: {t['sequences']:,} sequences, {t['tokens']:,} tokens" for s, t in m.totals.items())
+            f"data_prep verify: error: {args.dir}: {len(report.mismatched)} disagreement(s) between the data "
+            f"and its tokenizer, {len(report.damaged)} damaged shard(s)",
+            file=sys.stderr,
         )
-        return 0
-    if args.command == "verify":
-        from .verify import verify_report
+        return 2
+    if report.damaged:
+        print(
+            f"data_prep verify: error: {len(report.damaged)} damaged or missing shard(s) in {args.dir}", file=sys.stderr
+        )
+        return 2
+    print(f"{args.dir}: all shards verified")
+    return 0
 
-        report = verify_report(args.dir, workers=args.workers)
-        for problem in report.problems:
-            print(f"data_prep verify: BAD {problem}", file=sys.stderr)
-        if report.mismatched:
-            print(
-                f"data_prep verify: error: {args.dir}: {len(report.mismatched)} disagreement(s) between the data "
-                f"and its tokenizer, {len(report.damaged)} damaged shard(s)",
-                file=sys.stderr,
-            )
-            return 2
-        if report.damaged:
-            print(
-                f"data_prep verify: error: {len(report.damaged)} damaged or missing shard(s) in {args.dir}",
-                file=sys.stderr,
-            )
-            return 2
-        print(f"{args.dir}: all shards verified")
-        return 0
-    if args.command == "inspect":
-        from .cleaned_folder import inspect_report, read_report
-        from .verify import inspect
 
-        if read_report(args.dir) is not None:
-            inspect_report(args.dir, samples=args.samples)
-        else:
-            inspect(args.dir, samples=args.samples, split=args.split)
-        return 0
-    if args.command == "quality-model":
-        return _run_quality_model(args)
-    raise AssertionError(args.command)
+def _run_inspect(args) -> int:
+    from .cleaned_folder import inspect_report, read_report
+    from .verify import inspect
+
+    if read_report(args.dir) is not None:
+        inspect_report(args.dir, samples=args.samples)
+    else:
+        inspect(args.dir, samples=args.samples, split=args.split)
+    return 0
+
+
+COMMANDS = {
+    "clean": _run_clean,
+    "tokenizer": _run_tokenizer,
+    "shard": _run_shard,
+    "finalize": _run_finalize,
+    "verify": _run_verify,
+    "inspect": _run_inspect,
+    "quality-model": _run_quality_model,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -433,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s data_prep: %(message)s")
     try:
-        return _run(args)
+        return COMMANDS[args.command](args)
     except (DataPrepError, ShardError, StorageError) as exc:
         print(f"data_prep: error: {exc}", file=sys.stderr)
         return 2

@@ -56,29 +56,46 @@ def finalize(data_dir: str | os.PathLike) -> Manifest:
     store.check(write=False)
     listing = store.list()
     tasks = _load_task_manifests(store, listing)
+    _check_tasks_agree(store, tasks)
     first = tasks[min(tasks)]
+    _check_tokenizer_copy(store, listing, first["tokenizer"])
+    _check_groups_written_once(store, tasks)
+    # one order whatever the number of tasks: the dataset is the same for any K
+    shards = sorted((e for m in tasks.values() for e in m["shards"]), key=shard_order)
+    _check_shards_listed(store, listing, shards)
+    _add_block_index(store, shards)
+    manifest = _merged_manifest(store, tasks, shards)
+    store.write_bytes(MANIFEST, json_bytes(manifest.to_dict()))  # last: a folder without it is unfinished
+    return manifest
+
+
+def _refuse(store: Store, what: str, problems: list[str]) -> None:
+    if problems:
+        raise DataPrepError(f"{store.url()}: {what}:\n  " + "\n  ".join(problems))
+
+
+def _check_tasks_agree(store: Store, tasks: dict[int, dict]) -> None:
+    """One task count, tokenizer and settings in every task manifest, and every task there."""
+    first_index = min(tasks)
+    first, first_name = tasks[first_index], task_manifest_name(first_index)
     num_tasks = first["num_tasks"]
     problems = []
     for index, m in sorted(tasks.items()):
         name = task_manifest_name(index)
         if m["num_tasks"] != num_tasks:
-            problems.append(
-                f"{name}: written for {m['num_tasks']} tasks, {task_manifest_name(min(tasks))} for {num_tasks}"
-            )
+            problems.append(f"{name}: written for {m['num_tasks']} tasks, {first_name} for {num_tasks}")
         elif m["tokenizer"]["sha256"] != first["tokenizer"]["sha256"]:
             problems.append(
                 f"{name}: tokenizer sha256 {m['tokenizer']['sha256'][:12]} differs from "
-                f"{first['tokenizer']['sha256'][:12]} of {task_manifest_name(min(tasks))}"
+                f"{first['tokenizer']['sha256'][:12]} of {first_name}"
             )
         elif m["settings_sha256"] != first["settings_sha256"]:
             problems.append(
-                f"{name}: settings differ from {task_manifest_name(min(tasks))} "
-                f"({_setting_differences(m['settings'], first['settings'])})"
+                f"{name}: settings differ from {first_name} ({_setting_differences(m['settings'], first['settings'])})"
             )
         if not 0 <= index < num_tasks:
             problems.append(f"{name}: task index {index} is out of range for {num_tasks} tasks")
-    if problems:
-        raise DataPrepError(f"{store.url()}: task manifests disagree:\n  " + "\n  ".join(problems))
+    _refuse(store, "task manifests disagree", problems)
     missing = [i for i in range(num_tasks) if i not in tasks]
     if missing:
         shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
@@ -87,7 +104,8 @@ def finalize(data_dir: str | os.PathLike) -> Manifest:
             f"(missing task indices: {shown}); re-run those array tasks, then finalize"
         )
 
-    tokenizer = dict(first["tokenizer"])
+
+def _check_tokenizer_copy(store: Store, listing: dict[str, int], tokenizer: dict) -> None:
     tok_files = {n[len(tokenizer["path"]) + 1 :]: n for n in listing if n.startswith(tokenizer["path"] + "/")}
     tok_dir = store.url(tokenizer["path"])
     if not tok_files:
@@ -95,7 +113,10 @@ def finalize(data_dir: str | os.PathLike) -> Manifest:
     if files_sha256({short: store.read_bytes(n) for short, n in tok_files.items()}) != tokenizer["sha256"]:
         raise DataPrepError(f"{tok_dir}: files changed since the shards were written (sha256 differs)")
 
+
+def _check_groups_written_once(store: Store, tasks: dict[int, dict]) -> None:
     owner: dict[tuple, int] = {}
+    problems = []
     for index, m in sorted(tasks.items()):
         for g in m.get("groups", []):
             if tuple(g) in owner:
@@ -104,20 +125,24 @@ def finalize(data_dir: str | os.PathLike) -> Manifest:
                     f"{task_manifest_name(owner[tuple(g)])}"
                 )
             owner.setdefault(tuple(g), index)
-    if problems:
-        raise DataPrepError(f"{store.url()}: task manifests overlap:\n  " + "\n  ".join(problems))
+    _refuse(store, "task manifests overlap", problems)
 
-    # one order whatever the number of tasks: the dataset is the same for any K
-    shards = sorted((e for m in tasks.values() for e in m["shards"]), key=shard_order)
+
+def _check_shards_listed(store: Store, listing: dict[str, int], shards: list[dict]) -> None:
+    problems = []
     for e in shards:
         if e["name"] not in listing:
             problems.append(f"{e['name']}: missing")
         elif listing[e["name"]] != e["bytes"]:
             problems.append(f"{e['name']}: {listing[e['name']]} bytes, task manifest says {e['bytes']}")
-    if problems:
-        raise DataPrepError(f"{store.url()}: shards do not match their task manifests:\n  " + "\n  ".join(problems))
+    _refuse(store, "shards do not match their task manifests", problems)
+
+
+def _add_block_index(store: Store, shards: list[dict]) -> None:
+    """Block offsets and checksums for shards whose task manifests predate them (read from the tars)."""
+    problems = []
     for e in shards:
-        if "block_offsets" not in e or "block_crc32" not in e:  # task manifests from before data prep recorded them
+        if "block_offsets" not in e or "block_crc32" not in e:
             try:
                 data = store.read_bytes(e["name"])
                 if sha256_bytes(data) != e["sha256"]:
@@ -129,9 +154,11 @@ def finalize(data_dir: str | os.PathLike) -> Manifest:
                 e["block_crc32"] = block_checksums(data, e["block_offsets"])
             except ShardError as exc:
                 problems.append(str(exc))
-    if problems:
-        raise DataPrepError(f"{store.url()}: shards whose tar headers do not read:\n  " + "\n  ".join(problems))
+    _refuse(store, "shards whose tar headers do not read", problems)
 
+
+def _merged_manifest(store: Store, tasks: dict[int, dict], shards: list[dict]) -> Manifest:
+    first = tasks[min(tasks)]
     totals = {split: {k: sum(m["totals"][split][k] for m in tasks.values()) for k in _TOTAL_KEYS} for split in SPLITS}
     settings = {
         **first["settings"],
@@ -139,19 +166,17 @@ def finalize(data_dir: str | os.PathLike) -> Manifest:
         "tokenizer_source": first["origin"]["tokenizer"],
     }
     # Through the readers' own check: a task manifest that lost a key fails here, not in every trainer.
-    manifest = Manifest.from_dict(
+    return Manifest.from_dict(
         {
             "format_version": FORMAT_VERSION,
             "seq_len": first["seq_len"],
             "block_size": first["block_size"],
             "dtype": first["dtype"],
-            "tokenizer": tokenizer,
-            "num_tasks": num_tasks,
+            "tokenizer": dict(first["tokenizer"]),
+            "num_tasks": first["num_tasks"],
             "shards": shards,
             "totals": totals,
             "settings": settings,
         },
         where=f"{store.url(MANIFEST)} (from the task manifests)",
     )
-    store.write_bytes(MANIFEST, json_bytes(manifest.to_dict()))  # last: a folder without it is unfinished
-    return manifest

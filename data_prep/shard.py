@@ -311,46 +311,14 @@ def run_shard(settings: ShardSettings) -> TaskResult:
     store = open_store(s.out)
     store.check(write=True)  # access and bucket before any work
     dtype = ids_dtype(tok.vocab_size)
-
-    identity = {
-        **s.result_settings(),
-        "partition": partition,
-        "dtype": dtype.name,
-        "tokenizer_sha256": tok.sha256,
-        "sources": [src.to_dict() for src in sources],
-    }
-    cleaning = cleaning_of([src.path for src in sources])
-    if cleaning:  # absent otherwise: earlier task manifests stay valid
-        identity["cleaning"] = cleaning
+    identity = _task_identity(s, tok, sources, partition, dtype.name)
     settings_hash = settings_sha256(identity)
     manifest_name = task_manifest_name(task)
-    manifest_path = store.url(manifest_name)
-    previous_text = store.read_text(manifest_name)
-    if previous_text is not None:
-        try:
-            previous = json.loads(previous_text)
-        except ValueError as exc:
-            raise DataPrepError(f"{manifest_path}: not valid JSON ({exc}); delete it to re-run task {task}") from None
-        if previous.get("settings_sha256") == settings_hash:
-            log.info("task %d: %s exists with the same settings, nothing to do", task, manifest_path)
-            return TaskResult(task, manifest_path, skipped=True, seconds=time.perf_counter() - t0)
-        if previous.get("settings_sha256") == settings_sha256(_without_fingerprints(identity)):
-            log.info(
-                "task %d: %s exists with the same settings, nothing to do (written before inputs were "
-                "identified by content: by path and size only)",
-                task,
-                manifest_path,
-            )
-            return TaskResult(task, manifest_path, skipped=True, seconds=time.perf_counter() - t0)
-        raise DataPrepError(
-            f"{manifest_path}: task {task} was already written with different settings "
-            f"({_describe_difference(previous.get('settings', {}), identity)}); use a new --out folder"
-        )
+    if _written_before(store, manifest_name, task, identity, settings_hash):
+        return TaskResult(task, store.url(manifest_name), skipped=True, seconds=time.perf_counter() - t0)
 
     publish_tokenizer(tok, store)
     progress_prefix = progress_dir_name(task)
-    kept = _Kept(store, progress_prefix, settings_hash)
-
     documents = {split: 0 for split in SPLITS}
     read = ReadCount()
     docs = iter_owned_documents(
@@ -362,35 +330,113 @@ def run_shard(settings: ShardSettings) -> TaskResult:
         s.group_chars,
         read,
     )
-    progress = Progress(f"task {task}/{num_tasks}", s.log_every)
-    entries: list[dict] = []
-    groups: list[GroupKey] = []
-    tokens = reused = written = 0
+    kept = _Kept(store, progress_prefix, settings_hash)
+    out = _write_groups(store, s, tok, dtype, settings_hash, progress_prefix, _group_batches(docs, s, kept, documents))
+    _check_what_was_read(read, out.groups, mine, task, num_tasks)
+    _write_task_manifest(
+        store, manifest_name, s, identity, settings_hash, tok, dtype.name, mine, out.entries, out.groups, documents
+    )
+    store.delete_folder(progress_prefix)
+    if store.local_dir is None:
+        shutil.rmtree(store.staging_dir(), ignore_errors=True)
+    return TaskResult(
+        task,
+        store.url(manifest_name),
+        skipped=False,
+        shards_written=out.written,
+        shards_reused=out.reused,
+        groups=len(out.groups),
+        documents=documents,
+        tokens=out.tokens,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _task_identity(s: ShardSettings, tok: LoadedTokenizer, sources: list, partition: str, dtype: str) -> dict:
+    """Everything that decides the task's shards: a re-run with the same identity has nothing to do."""
+    identity = {
+        **s.result_settings(),
+        "partition": partition,
+        "dtype": dtype,
+        "tokenizer_sha256": tok.sha256,
+        "sources": [src.to_dict() for src in sources],
+    }
+    cleaning = cleaning_of([src.path for src in sources])
+    if cleaning:  # absent otherwise: earlier task manifests stay valid
+        identity["cleaning"] = cleaning
+    return identity
+
+
+def _written_before(store: Store, manifest_name: str, task: int, identity: dict, settings_hash: str) -> bool:
+    """True when the task manifest exists with these settings; refused when it has others."""
+    manifest_path = store.url(manifest_name)
+    previous_text = store.read_text(manifest_name)
+    if previous_text is None:
+        return False
+    try:
+        previous = json.loads(previous_text)
+    except ValueError as exc:
+        raise DataPrepError(f"{manifest_path}: not valid JSON ({exc}); delete it to re-run task {task}") from None
+    if previous.get("settings_sha256") == settings_hash:
+        log.info("task %d: %s exists with the same settings, nothing to do", task, manifest_path)
+        return True
+    if previous.get("settings_sha256") == settings_sha256(_without_fingerprints(identity)):
+        log.info(
+            "task %d: %s exists with the same settings, nothing to do (written before inputs were "
+            "identified by content: by path and size only)",
+            task,
+            manifest_path,
+        )
+        return True
+    raise DataPrepError(
+        f"{manifest_path}: task {task} was already written with different settings "
+        f"({_describe_difference(previous.get('settings', {}), identity)}); use a new --out folder"
+    )
+
+
+@dataclass
+class _Written:
+    """What a task's groups came to: shard entries, the groups, tokens tokenized, shards reused and written."""
+
+    entries: list[dict] = field(default_factory=list)
+    groups: list[GroupKey] = field(default_factory=list)
+    tokens: int = 0
+    reused: int = 0
+    written: int = 0
+
+
+def _write_groups(store, s: ShardSettings, tok, dtype, settings_hash: str, progress_prefix: str, batches) -> _Written:
+    """Tokenize the task's batches (in order, overlapped with reading) and write each group's shards."""
+    out = _Written()
+    progress = Progress(f"task {s.task_index}/{s.num_tasks}", s.log_every)
     group: GroupWriter | None = None
     try:
-        for batch, enc in _encode_in_order(tok, _group_batches(docs, s, kept, documents), s.workers):
+        for batch, enc in _encode_in_order(tok, batches, s.workers):
             if batch.kind == "docs":
                 n = group.add(batch.split, enc, batch.doc_ids, batch.first_offset)
-                written += n
-                tokens += int(enc.lens.sum())
+                out.written += n
+                out.tokens += int(enc.lens.sum())
                 progress.update(len(batch.texts), int(enc.lens.sum()), n)
             elif batch.kind == "start":
                 group = GroupWriter(store, batch.group, s, tok, dtype, settings_hash, progress_prefix, batch.resume)
-                reused += group.reused
-                groups.append(batch.group)
+                out.reused += group.reused
+                out.groups.append(batch.group)
             elif batch.kind == "end":
                 group_entries, n = group.finish()
-                entries += group_entries
-                written += n
+                out.entries += group_entries
+                out.written += n
                 progress.update(0, 0, n)
                 group = None
             else:  # done: the group was complete before this run
-                entries += batch.entries
-                reused += len(batch.entries)
-                groups.append(batch.group)
+                out.entries += batch.entries
+                out.reused += len(batch.entries)
+                out.groups.append(batch.group)
     finally:
         progress.close()
+    return out
 
+
+def _check_what_was_read(read: ReadCount, groups: list, mine: list, task: int, num_tasks: int) -> None:
     if read.documents_read == 0:
         names = ", ".join(src.path for src in mine[:5]) + (" ..." if len(mine) > 5 else "")
         raise DataPrepError(f"empty input: task {task} of {num_tasks} found no documents in {names}")
@@ -401,21 +447,3 @@ def run_shard(settings: ShardSettings) -> TaskResult:
             task,
             num_tasks,
         )
-
-    _write_task_manifest(
-        store, manifest_name, s, identity, settings_hash, tok, dtype.name, mine, entries, groups, documents
-    )
-    store.delete_folder(progress_prefix)
-    if store.local_dir is None:
-        shutil.rmtree(store.staging_dir(), ignore_errors=True)
-    return TaskResult(
-        task,
-        manifest_path,
-        skipped=False,
-        shards_written=written,
-        shards_reused=reused,
-        groups=len(groups),
-        documents=documents,
-        tokens=tokens,
-        seconds=time.perf_counter() - t0,
-    )

@@ -56,59 +56,76 @@ def check_shard(store: Store, entry: ShardEntry, manifest: Manifest, vocab_size:
     data = store.read_bytes(name)
     if sha256_bytes(data) != entry.sha256:
         return "damaged", f"{name}: sha256 differs from the manifest (corrupted)"
-    seq_len, dtype = manifest.seq_len, np.dtype(manifest.dtype)
-    pad_id = manifest.tokenizer.pad_id
-    first_bad, bad_ids = None, 0
     try:
         expected = block_sizes(entry, manifest.block_size)
         scanned = index_shard(store.url(name), data)
-        if entry.block_offsets is not None and list(entry.block_offsets) != scanned:
-            first = next(
-                (k for k, (a, b) in enumerate(zip(entry.block_offsets, scanned)) if a != b),
-                min(len(scanned), len(entry.block_offsets)),
-            )
-            return "damaged", (
-                f"{name}: block_offsets differ from its tar headers from offset {first} on "
-                f"(manifest edited, or the shard rewritten after finalize)"
-            )
-        crcs = block_checksums(data, scanned) if entry.block_crc32 is not None else None
-        if crcs is not None and list(entry.block_crc32) != crcs:
-            first = next(k for k, (a, b) in enumerate(zip(entry.block_crc32, crcs)) if a != b)
-            return (
-                "damaged",
-                f"{name}: block {first}'s CRC-32 differs from the manifest's block_crc32 (manifest edited)",
-            )
-        got, padding = [], 0
-        for k in range(len(scanned) - 1):
-            ids, starts = parse_block(data[scanned[k] : scanned[k + 1]], seq_len, f"block {k}")
-            if ids.dtype != dtype or ids.ndim != 2 or ids.shape[1] != seq_len or starts.shape != ids.shape:
-                return (
-                    "damaged",
-                    f"{name}: block {len(got)} is {ids.dtype} {ids.shape}, expected {dtype} [n, {seq_len}]",
-                )
-            if ids.size and int(ids.max()) >= vocab_size:
-                outside = ids >= vocab_size
-                bad_ids += int(np.count_nonzero(outside))
-                if first_bad is None:
-                    row, col = (int(i) for i in np.argwhere(outside)[0])
-                    first_bad = (len(got), row, col, int(ids[row, col]))
-            got.append(len(ids))
-            padding += int(np.count_nonzero(ids == pad_id))
+        problem = _block_index_problem(entry, data, scanned)
+        if problem:
+            return "damaged", f"{name}: {problem}"
+        scan = _scan_blocks(data, scanned, manifest, vocab_size)
     except (ShardError, ValueError, OSError) as exc:
         return "damaged", f"{name}: does not decode ({exc})"
+    if isinstance(scan, str):
+        return "damaged", f"{name}: {scan}"
+    got, padding = scan.rows, scan.padding
     if got != expected:
         return "damaged", (
             f"{name}: {len(got)} blocks of {sum(got)} sequences, manifest says {entry.blocks} of {entry.sequences}"
         )
-    if padding != entry.padding or sum(got) * seq_len - padding != entry.tokens:
+    if padding != entry.padding or sum(got) * manifest.seq_len - padding != entry.tokens:
         return "damaged", f"{name}: {padding} padding tokens, manifest says {entry.padding}"
-    if first_bad is not None:
-        block, row, col, value = first_bad
+    if scan.first_bad is not None:
+        block, row, col, value = scan.first_bad
         return "mismatched", (
             f"{name}: block {block}, sequence {row}, position {col}: token id {value} is outside "
-            f"the tokenizer's vocabulary of {vocab_size} ({bad_ids} such id(s) in this shard)"
+            f"the tokenizer's vocabulary of {vocab_size} ({scan.bad_ids} such id(s) in this shard)"
         )
     return None
+
+
+def _block_index_problem(entry: ShardEntry, data: bytes, scanned: list[int]) -> str | None:
+    """The manifest's block offsets and CRC-32s (when it has them) against the tar's own headers."""
+    if entry.block_offsets is not None and list(entry.block_offsets) != scanned:
+        first = next(
+            (k for k, (a, b) in enumerate(zip(entry.block_offsets, scanned)) if a != b),
+            min(len(scanned), len(entry.block_offsets)),
+        )
+        return (
+            f"block_offsets differ from its tar headers from offset {first} on "
+            f"(manifest edited, or the shard rewritten after finalize)"
+        )
+    crcs = block_checksums(data, scanned) if entry.block_crc32 is not None else None
+    if crcs is not None and list(entry.block_crc32) != crcs:
+        first = next(k for k, (a, b) in enumerate(zip(entry.block_crc32, crcs)) if a != b)
+        return f"block {first}'s CRC-32 differs from the manifest's block_crc32 (manifest edited)"
+    return None
+
+
+@dataclass
+class _BlockScan:
+    rows: list[int] = field(default_factory=list)  # sequences per block
+    padding: int = 0
+    first_bad: tuple | None = None  # (block, row, column, id) of the first id outside the vocabulary
+    bad_ids: int = 0
+
+
+def _scan_blocks(data: bytes, scanned: list[int], manifest: Manifest, vocab_size: int) -> _BlockScan | str:
+    """Every block decoded: its rows, padding and ids outside the vocabulary; or what is damaged."""
+    seq_len, dtype, pad_id = manifest.seq_len, np.dtype(manifest.dtype), manifest.tokenizer.pad_id
+    scan = _BlockScan()
+    for k in range(len(scanned) - 1):
+        ids, starts = parse_block(data[scanned[k] : scanned[k + 1]], seq_len, f"block {k}")
+        if ids.dtype != dtype or ids.ndim != 2 or ids.shape[1] != seq_len or starts.shape != ids.shape:
+            return f"block {len(scan.rows)} is {ids.dtype} {ids.shape}, expected {dtype} [n, {seq_len}]"
+        if ids.size and int(ids.max()) >= vocab_size:
+            outside = ids >= vocab_size
+            scan.bad_ids += int(np.count_nonzero(outside))
+            if scan.first_bad is None:
+                row, col = (int(i) for i in np.argwhere(outside)[0])
+                scan.first_bad = (len(scan.rows), row, col, int(ids[row, col]))
+        scan.rows.append(len(ids))
+        scan.padding += int(np.count_nonzero(ids == pad_id))
+    return scan
 
 
 def _tokenizer_vocab(store: Store, manifest: Manifest, report: Report) -> int:

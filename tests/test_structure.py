@@ -128,7 +128,7 @@ def test_checkpoint_and_shard_file_names_have_one_owner():
     assert not strays, f"file names spelled outside their owner module: {strays}"
 
 
-@pytest.mark.parametrize("package", ["pretrain"])
+@pytest.mark.parametrize("package", TIERS)
 def test_no_function_is_over_60_lines(package):
     """A function that reads on one screen: longer ones are cut into named steps."""
     long = []
