@@ -25,6 +25,7 @@ PATTERN_GOES_ON = ("*", "{", "<", "[", "-{")  # tests/test_slurm_*.py, configs/m
 def documents() -> list[Path]:
     return [
         REPO / "README.md",
+        REPO / "CONTRIBUTING.md",
         REPO / "BENCHMARKS.md",
         *sorted((REPO / "docs").glob("*.md")),
         REPO / "launchers" / "README.md",
