@@ -19,8 +19,8 @@ floor=$(sed -n 's/^ *"torch>=\([0-9][0-9.]*\)".*/\1/p' pyproject.toml)
 VENV=${FLOOR_VENV:-${TMPDIR:-/tmp}/mlm-torch-floor-$floor}
 FLOOR_TESTS=(
   tests/test_train.py          # 1 and 2 ranks, ZeRO 0-3, halt and exact resume, export, fill-mask
-  tests/test_reshard.py        # every checkpoint layout read back, bf16 masters exported
-  tests/test_resume_layout.py  # dropout runs resumed on another layout
+  tests/test_checkpoint_conversion.py        # every checkpoint layout read back, bf16 masters exported
+  tests/test_resume_with_dropout.py  # dropout runs resumed on another layout
   tests/test_bf16_accumulation.py  # bf16 ZeRO 1 with fp32 accumulation: resumed, exported
   tests/test_model.py          # the encoder against Hugging Face's BERT, SDPA and eager attention
 )

@@ -51,7 +51,7 @@ os.environ.setdefault("MLM_PRETRAIN_CACHE", tempfile.mkdtemp(prefix="mlm-pretrai
 # so that no long module is left to run alone at the end. Slurm's and the study's wait more than they
 # compute, which is why they go early: the other workers fill the cores meanwhile.
 LONGEST_FIRST = [
-    "test_reshard",
+    "test_checkpoint_conversion",
     "test_slurm_pretrain",
     "test_study",
     "test_demo",
@@ -72,7 +72,7 @@ LONGEST_FIRST = [
     "test_remote_cache",
     "test_slurm_data_prep",
     "test_mlflow_ui",
-    "test_resume_anywhere",
+    "test_resume_across_layouts",
     "test_mixture",
     "test_tracking_mlflow",
     "test_model",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from test_faults import ok, train
-from test_resume_layout import rows
+from test_resume_with_dropout import rows
 
 pytestmark = pytest.mark.slow
 

@@ -17,8 +17,8 @@ from pretrain.config.schema import ImplConfig, ModelConfig
 from pretrain.model import documents as docs
 from pretrain.model.mlm import build_model
 from test_faults import ok, train
-from test_resume_anywhere import SAME as NO_DROPOUT_LOGGED_EVERY_STEP
-from test_resume_anywhere import losses
+from test_resume_across_layouts import SAME as NO_DROPOUT_LOGGED_EVERY_STEP
+from test_resume_across_layouts import losses
 from tests.test_masking import SPECIAL
 
 CLS, SEP, PAD = SPECIAL.cls, SPECIAL.sep, SPECIAL.pad

@@ -79,7 +79,7 @@ def test_every_zero_stage_trains_and_agrees(reference_runs, shards, tmp_path):
             assert runs[stage][s] == pytest.approx(runs[0][s], rel=2e-3, abs=2e-3), (stage, s)
 
 
-@pytest.mark.parametrize("stage", [3])  # ZeRO 0/2 resume: test_sigusr1_*, test_resume_anywhere
+@pytest.mark.parametrize("stage", [3])  # ZeRO 0/2 resume: test_sigusr1_*, test_resume_across_layouts
 def test_resume_is_exact(stage, reference_runs, shards, tmp_path):
     """N steps, stop, resume to 2N: the same losses as 2N uninterrupted steps (fp32, to 1e-6)."""
     half = STEPS // 2

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from test_faults import ok, train
-from test_resume_anywhere import SAME as NO_DROPOUT_LOGGED_EVERY_STEP
-from test_resume_anywhere import losses
+from test_resume_across_layouts import SAME as NO_DROPOUT_LOGGED_EVERY_STEP
+from test_resume_across_layouts import losses
 
 pytestmark = pytest.mark.slow
 HALF, STEPS = 3, 7
