@@ -33,7 +33,7 @@
 # "done UNIT" once a unit has passed; --resume-from that file (carried to the next lease) runs only
 # the units not done, so two short leases cover everything.
 #
-# --dry-run prints the commands without running them (needs no GPU); tests/test_bench.py loads every
+# --dry-run prints the commands without running them (needs no GPU); tests/bench/test_bench.py loads every
 # config and override they use, the Python checks' included, on the CPU. --budget-s: what does not
 # start within it is skipped (said on its line), so that the summary always prints; the checks most
 # likely to fail on a first GPU run come first.

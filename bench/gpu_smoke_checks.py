@@ -41,7 +41,7 @@ OPTIMIZER_CHECKS = (
 
 
 def path_configs(config: str, shards: str) -> list:
-    """The configs ``paths`` checks, loaded (on any machine: ``tests/test_bench.py`` loads them on the CPU)."""
+    """The configs ``paths`` checks, loaded (on any machine: ``tests/bench/test_bench.py`` loads them on the CPU)."""
     from pretrain.config.schema import load_config
 
     return [

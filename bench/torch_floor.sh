@@ -18,11 +18,11 @@ floor=$(sed -n 's/^ *"torch>=\([0-9][0-9.]*\)".*/\1/p' pyproject.toml)
 [ -n "$floor" ] || { echo "torch_floor: no \"torch>=X\" line in pyproject.toml" >&2; exit 2; }
 VENV=${FLOOR_VENV:-${TMPDIR:-/tmp}/mlm-torch-floor-$floor}
 FLOOR_TESTS=(
-  tests/test_train.py          # 1 and 2 ranks, ZeRO 0-3, halt and exact resume, export, fill-mask
-  tests/test_checkpoint_conversion.py        # every checkpoint layout read back, bf16 masters exported
-  tests/test_resume_with_dropout.py  # dropout runs resumed on another layout
-  tests/test_bf16_accumulation.py  # bf16 ZeRO 1 with fp32 accumulation: resumed, exported
-  tests/test_model.py          # the encoder against Hugging Face's BERT, SDPA and eager attention
+  tests/pretrain/test_train.py          # 1 and 2 ranks, ZeRO 0-3, halt and exact resume, export, fill-mask
+  tests/pretrain/test_checkpoint_conversion.py        # every checkpoint layout read back, bf16 masters exported
+  tests/pretrain/test_resume_with_dropout.py  # dropout runs resumed on another layout
+  tests/pretrain/test_bf16_accumulation.py  # bf16 ZeRO 1 with fp32 accumulation: resumed, exported
+  tests/pretrain/test_model.py          # the encoder against Hugging Face's BERT, SDPA and eager attention
 )
 [ $# -gt 0 ] && FLOOR_TESTS=("$@")
 

@@ -2,7 +2,7 @@
 MLflow, the console, the run report and a study's summary. The writers (the loop, the step, the
 guards, the held-out and downstream evaluations, the data mixture) and the readers (the report, the
 study summary, the console's closing line) import these; no other module spells one
-(``tests/test_structure.py`` checks it).
+(``tests/project/test_structure.py`` checks it).
 
 Groups: ``train/`` the optimisation, ``perf/`` speed and memory, ``eval/`` the held-out MLM
 evaluation (``eval/<source>/`` per source of a mixture), ``downstream/<task>/`` the probe and

@@ -6,7 +6,7 @@ import torch
 
 from pretrain.config.schema import MaskingConfig
 from pretrain.model.masking import IGNORE_INDEX, mask_batch, mask_generator
-from tests.test_masking import SPECIAL
+from tests.pretrain.test_masking import SPECIAL
 
 
 def assert_sparse_head_equals_dense(sparse, dense, ids, m, pad: int) -> None:

@@ -19,7 +19,7 @@ parameters and moments bit-identical; the next two losses agree within 1.3e-8 / 
 (fp32 -> fp32) and 4.4e-5 (bf16 on either side, whose forward pass itself differs). The 3.6e-6 was a
 defect, not round-off: every conversion into ZeRO 3 counted AdamW's steps twice (one step tensor
 shared by its sub-groups; fixed in ``reshard.set_step_count``). Bit-identical state does not show
-what the next steps do with it; tests/test_resume_every_zero_stage_pair.py resumes every pair of stage x
+what the next steps do with it; tests/pretrain/test_resume_every_zero_stage_pair.py resumes every pair of stage x
 world size through the trainer and compares the losses with the uninterrupted run's.
 """
 

@@ -6,12 +6,12 @@ site: the loop calls ``at_step`` after reading a step's data, the checkpoint mir
 
 - ``PRETRAIN_TEST_NOISE_STEPS=A:B``: the samples of data steps A..B-1 (global batches, as counted by
   the data position) become random tokens, keyed by that position, so the samples a spike recovery
-  skips are the noisy ones and a resumed run draws the same noise (``tests/test_spike_hang.py``).
+  skips are the noisy ones and a resumed run draws the same noise (``tests/pretrain/test_spike_hang.py``).
 - ``PRETRAIN_TEST_HANG=RANK:STEP``: that rank blocks before optimiser step STEP (1-based), as a rank
   stuck in I/O would (the hang watchdog's test).
 - ``PRETRAIN_TEST_CRASH=RANK:STEP``: that rank exits 1 at once before optimiser step STEP, as a rank
   lost to a GPU error or the out-of-memory killer would (a multi-node job must end, not requeue).
-- ``MLM_TEST_LEAK_MB_PER_STEP=MB``: every step keeps MB more memory, the leak ``tests/test_memory.py``
+- ``MLM_TEST_LEAK_MB_PER_STEP=MB``: every step keeps MB more memory, the leak ``tests/pretrain/test_memory.py``
   must catch.
 - ``MLM_TEST_MIRROR_STALL=<tag>:<n>``: the mirror's upload of checkpoint ``tag`` blocks after ``n``
   files, so that a test can kill -9 the job with an upload half done.

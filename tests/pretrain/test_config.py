@@ -11,9 +11,9 @@ from pretrain.config import loader as configlib
 from pretrain.config.schema import Config, ConfigError, load_config, upgrade_saved
 from pretrain.runtime.engine import deepspeed_config
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 # configs/data/ holds data-prep settings (data_prep.settings); study*.yaml are training configs plus a
-# study section (tests/test_study.py loads them); every other YAML is a training config.
+# study section (tests/pretrain/test_study.py loads them); every other YAML is a training config.
 CONFIGS = sorted(
     p
     for p in CONFIG_DIR.rglob("*.yaml")
@@ -116,7 +116,7 @@ def test_missing_data_dir_named(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match="no manifest.json"):
         load_config("configs/tiny.yaml", ["data.dir=/does/not/exist"])
-    # a URL is checked where it points (tests/test_remote_data.py), never taken for a local folder
+    # a URL is checked where it points (tests/pretrain/test_remote_data.py), never taken for a local folder
     with pytest.raises(ConfigError, match=r"data.dir: gs://b/shards: the scheme gs:// is not supported"):
         load_config("configs/tiny.yaml", ["data.dir=gs://b/shards"])
     with pytest.raises(ConfigError, match="no such config file"):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RUFF = Path(sys.executable).with_name("ruff")
 
 pytestmark = pytest.mark.slow  # it runs ruff, a process

@@ -23,7 +23,7 @@ from data_prep.settings import ShardSettings, load_settings_file
 from data_prep.shard import run_shard
 from data_prep.verify import verify, verify_report
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def settings(inputs, tokenizer, out, **kw) -> ShardSettings:

@@ -433,7 +433,7 @@ def test_settings_file_is_the_defaults_and_problems_come_together(tmp_path):
     from data_prep.errors import DataPrepError
     from data_prep.settings import read_yaml_mapping as load_yaml
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     values = load_yaml(repo / "configs" / "data" / "clean" / "default.yaml")
     assert build_settings({**values, "inputs": ["x"], "out": "y"}) == CleanSettings(inputs=["x"], out="y")
     changed = build_settings(

@@ -13,8 +13,8 @@ from pretrain.config.schema import ImplConfig
 from pretrain.model import keyed_dropout
 from pretrain.runtime import attention
 from tests.model_checks import masked
-from tests.test_masking import SPECIAL
-from tests.test_model import TINY, VOCAB, build_model, rows  # noqa: F401  (rows: a fixture)
+from tests.pretrain.test_masking import SPECIAL
+from tests.pretrain.test_model import TINY, VOCAB, build_model, rows  # noqa: F401  (rows: a fixture)
 
 SHAPE = (4, 2, 64, 16)
 

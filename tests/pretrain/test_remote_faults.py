@@ -161,7 +161,7 @@ def test_killed_mid_run_and_resumed_at_one_rank_from_the_bucket_continues_the_sa
     )  # no halt: killed
     proc = subprocess.Popen(
         cmd,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
         env=trainer_env(**s3_server.aws()),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

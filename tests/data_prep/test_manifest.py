@@ -22,7 +22,7 @@ from data_prep.finalize import finalize
 from data_prep.settings import ShardSettings
 from data_prep.shard import run_shard
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TASKS = 2
 
 

@@ -19,7 +19,7 @@ from pretrain.model.mlm import build_model
 from test_faults import ok, train
 from test_resume_across_layouts import SAME as NO_DROPOUT_LOGGED_EVERY_STEP
 from test_resume_across_layouts import losses
-from tests.test_masking import SPECIAL
+from tests.pretrain.test_masking import SPECIAL
 
 CLS, SEP, PAD = SPECIAL.cls, SPECIAL.sep, SPECIAL.pad
 SEQ = 64

@@ -12,14 +12,14 @@ import re
 import tokenize
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOP = ("pretrain", "data_prep", "launchers", "configs", "bench", "tests", "docs")
 PATH = re.compile(r"(?<![\w./~$-])((?:%s)/[\w./-]*\w/?)" % "|".join(TOP))
 DOTTED = re.compile(r"(?<![\w./-])((?:pretrain|data_prep|bench)(?:\.[A-Za-z_]\w*)+)")
 MODULE = re.compile(r"python3? -m ([\w.]+)")
 # Paths a text names on purpose although they do not exist: what a test or an example writes.
 NOT_IN_THE_REPO = ("configs/nope.yaml", "configs/no_such.yaml")
-PATTERN_GOES_ON = ("*", "{", "<", "[", "-{")  # tests/test_slurm_*.py, configs/modernbert-{tiny,base}.yaml
+PATTERN_GOES_ON = ("*", "{", "<", "[", "-{")  # tests/launchers/test_slurm_*.py, configs/modernbert-{tiny,base}.yaml
 
 
 def documents() -> list[Path]:

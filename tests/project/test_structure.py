@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PRETRAIN = REPO / "pretrain"
 DATA_PREP = REPO / "data_prep"
 # Lower tiers never import higher ones: train, run, study -> step, eval, report -> guards -> checkpoint,

@@ -23,7 +23,7 @@ from conftest import run_module
 from s3_server import SECRET
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHARD = [
     "--seq-len",
     "64",

@@ -8,7 +8,7 @@ gradient all-reduce or none, ZeRO-3's partitioned reductions), so fp32 round-off
 operation) differs; Adam's update normalises gradients, which can lift that to ~1e-5 over a dozen
 steps. 1e-3 relative is two orders above that and two below the loss change per step (~0.1), so a
 repeated or skipped batch, or a mask drawn differently, fails it. Dropout is off here; it is keyed by
-sample id too, and tests/test_resume_with_dropout.py resumes a run with dropout on."""
+sample id too, and tests/pretrain/test_resume_with_dropout.py resumes a run with dropout on."""
 
 from __future__ import annotations
 

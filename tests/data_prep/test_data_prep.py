@@ -21,7 +21,7 @@ from data_prep.settings import ShardSettings
 from data_prep.shard import run_shard
 from data_prep.tokenizer import Encoded, load_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SEQ_LEN = 128
 GROUP_CHARS = 100_000  # several packing groups per file of the sample corpus
 

@@ -2,7 +2,7 @@
 one that printed them, for a run or data folder given as a relative and as an absolute path.
 
 The demo's own last line (``launchers/demo.sh``, an absolute ``RUN``) is checked the same way by
-``tests/test_demo.py``; the trainer logs the same ``ui_command`` line."""
+``tests/launchers/test_demo.py``; the trainer logs the same ``ui_command`` line."""
 
 from __future__ import annotations
 

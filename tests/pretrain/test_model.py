@@ -14,7 +14,7 @@ from pretrain.model.flops import measure_matmul_peak_tflops, mlm_flops_per_seque
 from pretrain.model.masking import IGNORE_INDEX
 from pretrain.model.mlm import MLMModel, build_model
 from tests.model_checks import assert_sparse_head_equals_dense, dense_labels, masked, sparse_mean_loss
-from tests.test_masking import SPECIAL, pack_rows
+from tests.pretrain.test_masking import SPECIAL, pack_rows
 
 TINY = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, max_position_embeddings=128)
 VOCAB = SPECIAL.vocab_size

@@ -20,7 +20,7 @@ from pretrain.model.flops import attended_pairs, mlm_flops_per_sequence
 from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.model.mlm import attention_implementation, build_model
 from tests.model_checks import assert_sparse_head_equals_dense, dense_labels, masked, sparse_mean_loss
-from tests.test_masking import SPECIAL, pack_rows
+from tests.pretrain.test_masking import SPECIAL, pack_rows
 
 PY = sys.executable
 CONFIG = "configs/modernbert-tiny.yaml"
