@@ -43,8 +43,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
 from bench.common import ensure_sample_shards, format_table, load_average, thread_env  # noqa: E402
+from pretrain import metric_names as names  # noqa: E402
 
 CONFIG = REPO / "configs" / "mini.yaml"
 ARCHS: dict[str, list[str]] = {
@@ -130,12 +130,12 @@ def train_for(arch: str, args, shards: Path, peak: float) -> dict:
         capture_output=True,
     )
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    if not any("perf/tokens_per_s" in r for r in rows):
+    if not any(names.PERF_TOKENS_PER_S in r for r in rows):
         raise RuntimeError(
             f"{arch}: no logging window finished in {args.budget_s} s; raise --budget-s or lower "
             f"--log-every ({out_dir / 'stdout.log'})"
         )
-    windows = [r for r in rows if "perf/tokens_per_s" in r][1:] or [r for r in rows if "perf/tokens_per_s" in r]
+    windows = [r for r in rows if names.PERF_TOKENS_PER_S in r][1:] or [r for r in rows if names.PERF_TOKENS_PER_S in r]
     steps = max(r["step"] for r in rows)
     return {
         "arch": arch,
@@ -143,9 +143,9 @@ def train_for(arch: str, args, shards: Path, peak: float) -> dict:
         "steps": steps,
         "trained_s": trained_s,
         "tokens": steps * args.batch_size * args.seq_len,
-        "tokens_per_s": sum(r["perf/tokens_per_s"] for r in windows) / len(windows),
-        "mfu": sum(r["perf/mfu"] for r in windows) / len(windows),
-        "train_loss": [r for r in rows if "train/loss" in r][-1]["train/loss"],
+        "tokens_per_s": sum(r[names.PERF_TOKENS_PER_S] for r in windows) / len(windows),
+        "mfu": sum(r[names.PERF_MFU] for r in windows) / len(windows),
+        "train_loss": [r for r in rows if names.TRAIN_LOSS in r][-1][names.TRAIN_LOSS],
         "load": (load_before[0], load_average()[0]),
     }
 
@@ -191,8 +191,8 @@ def word_order_probe(hf_dir: Path, shards: Path, max_examples: int, threads: int
     spec = DownstreamTaskConfig(name="word_order", path="word_order", max_examples=max_examples)
     metrics = evaluate_model(hf_dir, [spec], "probe", str(shards))
     return {
-        "probe_accuracy": metrics["downstream/word_order/accuracy"],
-        "probe_random_init_accuracy": metrics["downstream/word_order/random_init_accuracy"],
+        "probe_accuracy": metrics[names.downstream(names.DOWNSTREAM, "word_order", "accuracy")],
+        "probe_random_init_accuracy": metrics[names.downstream(names.DOWNSTREAM, "word_order", "random_init_accuracy")],
     }
 
 

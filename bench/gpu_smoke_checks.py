@@ -19,8 +19,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
 from bench.common import format_table  # noqa: E402
+from pretrain import metric_names as names  # noqa: E402
 
 
 def peak() -> str:
@@ -122,7 +122,7 @@ def resumed(reference: str, resumed_dir: str, rtol: float = 1e-3) -> str:
     """The halted-and-resumed run logged the uninterrupted run's losses. Bit for bit on the CPU; on a
     GPU the backward's atomic adds may reorder sums, so the largest relative difference is printed
     and must stay under ``rtol``."""
-    want, got = logged(Path(reference), "train/loss"), logged(Path(resumed_dir), "train/loss")
+    want, got = logged(Path(reference), names.TRAIN_LOSS), logged(Path(resumed_dir), names.TRAIN_LOSS)
     if sorted(want) != sorted(got):
         raise SystemExit(f"resume: steps {sorted(got)} logged, the uninterrupted run has {sorted(want)}")
     worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
@@ -136,8 +136,8 @@ def nonfinite(run_dir: str) -> str:
     """A run whose weights blew up after step 1: every later step skipped without moving the
     learning-rate schedule, until the cap stopped it (its exit code, 4, is checked by the caller)."""
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    lrs = [r["train/lr"] for r in rows if "train/lr" in r]
-    skipped = max((r.get("train/nonfinite_skipped", 0) for r in rows), default=0)
+    lrs = [r[names.TRAIN_LR] for r in rows if names.TRAIN_LR in r]
+    skipped = max((r.get(names.TRAIN_NONFINITE_SKIPPED, 0) for r in rows), default=0)
     if skipped < 1 or len(lrs) < 2:
         raise SystemExit(f"nonfinite: {skipped} skipped steps and {len(lrs)} logged rates in {run_dir}")
     if len(set(lrs[1:])) != 1 or lrs[1] != lrs[0]:
@@ -148,11 +148,11 @@ def nonfinite(run_dir: str) -> str:
 def heldout(run_dir: str) -> str:
     """The run evaluated its held-out split (compiled, at its last step): a finite loss and an accuracy."""
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    evals = [r for r in rows if "eval/loss" in r]
-    if not evals or not all(math.isfinite(r["eval/loss"]) and 0 <= r["eval/accuracy"] <= 1 for r in evals):
+    evals = [r for r in rows if names.EVAL_LOSS in r]
+    if not evals or not all(math.isfinite(r[names.EVAL_LOSS]) and 0 <= r[names.EVAL_ACCURACY] <= 1 for r in evals):
         raise SystemExit(f"heldout: no finite eval/loss with an eval/accuracy in {run_dir}/metrics.jsonl: {evals}")
     last = evals[-1]
-    return f"heldout: step {last['step']}: eval/loss {last['eval/loss']:.3f}, eval/accuracy {last['eval/accuracy']:.4f}"
+    return f"heldout: step {last['step']}: eval/loss {last[names.EVAL_LOSS]:.3f}, eval/accuracy {last[names.EVAL_ACCURACY]:.4f}"
 
 
 def export(run_dir: str) -> str:
@@ -180,7 +180,7 @@ def report(run_dirs: list[str]) -> tuple[str, bool]:
             [
                 r
                 for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-                if "perf/tokens_per_s" in r
+                if names.PERF_TOKENS_PER_S in r
             ]
             if path.is_file()
             else []
@@ -190,15 +190,15 @@ def report(run_dirs: list[str]) -> tuple[str, bool]:
             rows.append([d.name, "-", "-", "-", "-", f"no metrics in {path}"])
             ok = False
             continue
-        tps = sum(r["perf/tokens_per_s"] for r in timed) / len(timed)
-        mfu = sum(r["perf/mfu"] for r in timed) / len(timed)
+        tps = sum(r[names.PERF_TOKENS_PER_S] for r in timed) / len(timed)
+        mfu = sum(r[names.PERF_MFU] for r in timed) / len(timed)
         rows.append(
             [
                 d.name,
                 timed[-1]["step"],
                 f"{tps:,.0f}",
                 f"{100 * mfu:.1f}%",
-                f"{timed[-1]['train/loss']:.3f}",
+                f"{timed[-1][names.TRAIN_LOSS]:.3f}",
                 f"{len(timed)} windows after the first",
             ]
         )

@@ -36,6 +36,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from pretrain import metric_names as names  # noqa: E402
+
 sys.path.insert(0, str(REPO / "tests"))
 
 
@@ -243,8 +245,11 @@ def mini_run(location: str, out: Path, steps: int) -> tuple[float, float]:
     if proc.returncode:
         raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-3000:])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "perf/data_wait_s" in r][1:]
-    return (sum(r["perf/step_time_s"] for r in rows) / len(rows), sum(r["perf/data_wait_s"] for r in rows) / len(rows))
+    rows = [r for r in rows if names.PERF_DATA_WAIT_S in r][1:]
+    return (
+        sum(r[names.PERF_STEP_TIME_S] for r in rows) / len(rows),
+        sum(r[names.PERF_DATA_WAIT_S] for r in rows) / len(rows),
+    )
 
 
 if __name__ == "__main__":

@@ -47,9 +47,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
 from bench.common import auto_precision as bench_auto_precision  # noqa: E402
 from bench.common import ensure_sample_shards, format_table, load_average, thread_env  # noqa: E402
+from pretrain import metric_names as names  # noqa: E402
 
 CONFIG = REPO / "configs" / "mini.yaml"
 # The model users would otherwise train: mini's shape with BertConfig's own dropout, which
@@ -227,11 +227,11 @@ def run_ours(args, shards: Path) -> dict:
             "step": r["step"],
             "tokens": r["step"] * tokens_per_step,
             "train_s": times.get(r["step"], float("nan")),
-            "loss": r["eval/loss"],
-            "accuracy": r["eval/accuracy"],
+            "loss": r[names.EVAL_LOSS],
+            "accuracy": r[names.EVAL_ACCURACY],
         }
         for r in records
-        if "eval/loss" in r
+        if names.EVAL_LOSS in r
     ]
     # The stop comes between evaluations: the checkpointed weights get the same evaluation (same
     # batches, same masks) as a last point, at the step time summed so far plus the unlogged steps.
@@ -268,8 +268,8 @@ def _train_seconds(metrics: Path) -> list[tuple[int, float]]:
             r = json.loads(line)
         except ValueError:  # a line being written
             continue
-        if "perf/step_time_s" in r:
-            total += r["perf/step_time_s"] * (r["step"] - previous)
+        if names.PERF_STEP_TIME_S in r:
+            total += r[names.PERF_STEP_TIME_S] * (r["step"] - previous)
             previous = r["step"]
             out.append((r["step"], total))
     return out
@@ -310,10 +310,10 @@ def report(results: dict, out: Path) -> str:
     for label, key in [
         ("held-out MLM loss (15% masking)", "mlm/loss"),
         ("held-out MLM accuracy", "mlm/accuracy"),
-        ("word-order probe accuracy", "downstream/word_order/accuracy"),
-        ("word-order probe macro-F1", "downstream/word_order/macro_f1"),
-        ("articles probe accuracy", "downstream/articles/accuracy"),
-        ("articles probe macro-F1", "downstream/articles/macro_f1"),
+        ("word-order probe accuracy", names.downstream(names.DOWNSTREAM, "word_order", "accuracy")),
+        ("word-order probe macro-F1", names.downstream(names.DOWNSTREAM, "word_order", "macro_f1")),
+        ("articles probe accuracy", names.downstream(names.DOWNSTREAM, "articles", "accuracy")),
+        ("articles probe macro-F1", names.downstream(names.DOWNSTREAM, "articles", "macro_f1")),
     ]:
         b = base.get(key.replace("/accuracy", "/random_init_accuracy").replace("/macro_f1", "/random_init_macro_f1"))
         if key == "mlm/accuracy":

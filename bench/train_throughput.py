@@ -56,7 +56,6 @@ from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
 from bench.common import (
     auto_precision,
     cpu_record,
@@ -68,6 +67,7 @@ from bench.common import (
     thread_env,
     trainer_peak,
 )
+from pretrain import metric_names as names  # noqa: E402
 
 if TYPE_CHECKING:  # numpy and torch are imported once main() has set their thread counts
     from data_prep.common.manifest import Manifest
@@ -277,13 +277,13 @@ def run_ours(variant: str, args, plan: Plan, shards: Path, peak: float) -> Measu
             f"{variant}: no 'step {plan.warmup_steps}' / 'step {plan.steps}' log lines in {out_dir / 'stdout.log'}"
         )
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    windows = [r for r in records if "perf/tokens_per_s" in r]
+    windows = [r for r in records if names.PERF_TOKENS_PER_S in r]
     tokens, seconds, previous = 0.0, 0.0, 0
     for r in windows:  # the trainer's own figure, first (warm-up) window dropped
         steps_in_window, previous = r["step"] - previous, r["step"]
         if r["step"] > plan.warmup_steps:
-            tokens += r["perf/tokens_per_s"] * r["perf/step_time_s"] * steps_in_window
-            seconds += r["perf/step_time_s"] * steps_in_window
+            tokens += r[names.PERF_TOKENS_PER_S] * r[names.PERF_STEP_TIME_S] * steps_in_window
+            seconds += r[names.PERF_STEP_TIME_S] * steps_in_window
     (t0, c0), (t1, c1) = seen[plan.warmup_steps], seen[plan.steps]
     result = Measurement(
         variant,
@@ -291,12 +291,12 @@ def run_ours(variant: str, args, plan: Plan, shards: Path, peak: float) -> Measu
         sequences=(plan.steps - plan.warmup_steps) * plan.batch_size * args.grad_accum,
         seconds=t1 - t0,
         metrics_tokens_per_s=tokens / seconds if seconds else float("nan"),
-        final_loss=windows[-1]["train/loss"],
+        final_loss=windows[-1][names.TRAIN_LOSS],
         load_before=load_before,
         load_after=load_average(),
         startup_s=t0 - started,
         cpu_share=(c1 - c0) / (t1 - t0) / args.threads,
-        memory_gb=max((r.get("perf/memory_gb", float("nan")) for r in windows), default=float("nan")),
+        memory_gb=max((r.get(names.PERF_MEMORY_GB, float("nan")) for r in windows), default=float("nan")),
         attention=attention,
     )
     if not args.keep:

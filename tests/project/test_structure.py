@@ -276,11 +276,11 @@ METRIC_GROUPS = re.compile(r"^(train|perf|eval|health|data|downstream|system|spi
 
 
 def test_metric_names_are_spelled_in_one_module():
-    """A metric's name is its identity: writers and readers take it from ``pretrain/metric_names.py``
-    (imported as ``names``, which no module then uses for anything else)."""
+    """A metric's name is its identity: writers and readers (the benchmarks too) take it from
+    ``pretrain/metric_names.py`` (imported as ``names``, which no module then uses for anything else)."""
     owner = PRETRAIN / "metric_names.py"
     strays = []
-    for path in sorted(PRETRAIN.rglob("*.py")):
+    for path in sorted([*PRETRAIN.rglob("*.py"), *(REPO / "bench").glob("*.py")]):
         tree = ast.parse(path.read_text())
         docstrings = {
             id(node.body[0].value)
