@@ -29,8 +29,10 @@ $PY -m data_prep clean --input "$WORK/corpus/*.txt" --out "$WORK/clean" \
     --quality-model "$WORK/quality.bin" --quality-threshold 0.5 > "$WORK/clean.txt"
 tail -n 1 "$WORK/clean.txt"                # the table above it: data_prep inspect $WORK/clean
 echo "== 3/5 shards: the encoder's tokenizer, 128 tokens, 2 array tasks, finalize, verify"
-# shards an earlier demo made from the uncleaned corpus: the demo's own output, made again
-if [ -f "$WORK/shards/task-00000.json" ] && ! grep -q '"cleaning"' "$WORK/shards/task-00000.json"; then
+# shards an earlier demo made from the uncleaned corpus, or from a cleaning with other settings (an
+# earlier version's): the demo's own output, made again; shard itself refuses to mix them
+if [ -f "$WORK/shards/task-00000.json" ] && { ! grep -q '"cleaning"' "$WORK/shards/task-00000.json" \
+    || [ "$WORK/clean/report.json" -nt "$WORK/shards/task-00000.json" ]; }; then
   rm -rf "$WORK/shards"
 fi
 for task in 0 1; do
