@@ -110,10 +110,15 @@ def no_shared_memory_left_behind():
 
     start = time.time()
     yield
+    # Listed before the live mappings are read, and only segments a minute old: another worker's job
+    # that is starting creates its segment a moment before it maps it (and its peer opens it by name);
+    # one removed in between left that job's ranks waiting forever in DeepSpeed's set-up.
+    found = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*")
     live = mapped_files()
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*"):
+    for path in found:
         try:
-            if os.stat(path).st_mtime >= start and path not in live:
+            created = os.stat(path).st_mtime
+            if start <= created < time.time() - 60 and path not in live:
                 os.unlink(path)
         except OSError:
             pass

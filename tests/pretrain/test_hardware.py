@@ -101,7 +101,10 @@ def test_ranks_of_a_node_measure_once(cpu_bf16, step_cache):
         "        import time; time.sleep(1.5); print('measured', flush=True); return super().measure()\n"
         "print(hardware.resolve_precision('auto', torch.device('cpu'), Slow(1.0, 0.5))[0])\n"
     )
-    env = {**os.environ, "PYTHONPATH": f"{Path(__file__).parent}:{Path(__file__).parents[1]}:{Path(__file__).parents[2]}"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{Path(__file__).parent}:{Path(__file__).parents[1]}:{Path(__file__).parents[2]}",
+    }
     procs = [
         subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)
     ]
