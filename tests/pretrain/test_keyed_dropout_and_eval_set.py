@@ -1,6 +1,9 @@
 """Results that do not depend on the layout (issue 18, items 1 and 2): dropout keyed by each
 sequence's identity, and an evaluation set that is a fixed count of held-out sequences, whose
-eval/loss is bit-identical at any world size and micro-batch given identical weights."""
+eval/loss is bit-identical at any world size and micro-batch given identical weights.
+
+Time: about a minute under the whole suite: torch.compile traces the keyed dropout sites (dynamo,
+several graphs), and the held-out evaluation runs at five layouts, two of them on 2 spawned ranks."""
 
 from __future__ import annotations
 
