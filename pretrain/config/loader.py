@@ -193,31 +193,32 @@ def build(cls: type[T], data: dict, overrides: list[str] = (), source: str = "co
     return obj
 
 
+def _pop_dotted(data: dict, dotted: str) -> tuple[bool, Any]:
+    """Take ``a.b.c`` out of nested ``data``: (found, value)."""
+    *parents, last = dotted.split(".")
+    node = data
+    for key in parents:
+        node = node.get(key) if isinstance(node, dict) else None
+    if isinstance(node, dict) and last in node:
+        return True, node.pop(last)
+    return False, None
+
+
 def _renamed_problems(cls: type, data: dict) -> list[str]:
     """A key ``cls.RENAMED`` maps to its new name: one line naming the new key (taken out of ``data``,
     so it is not also an unknown key)."""
-    problems = []
-    for old, new in getattr(cls, "RENAMED", {}).items():
-        *parents, last = old.split(".")
-        node = data
-        for key in parents:
-            node = node.get(key) if isinstance(node, dict) else None
-        if isinstance(node, dict) and last in node:
-            del node[last]
-            problems.append(f"{old}: renamed {new} ({getattr(cls, 'RENAMED_WHY', 'a new name')})")
-    return problems
+    why = getattr(cls, "RENAMED_WHY", "a new name")
+    return [
+        f"{old}: renamed {new} ({why})" for old, new in getattr(cls, "RENAMED", {}).items() if _pop_dotted(data, old)[0]
+    ]
 
 
 def rename_keys(data: dict, renamed: dict[str, str]) -> dict:
     """``data`` (nested) with each dotted key of ``renamed`` moved to its new name, unless that is set."""
     data = copy.deepcopy(data)
     for old, new in renamed.items():
-        *parents, last = old.split(".")
-        node = data
-        for key in parents:
-            node = node.get(key) if isinstance(node, dict) else None
-        if isinstance(node, dict) and last in node:
-            value = node.pop(last)
+        found, value = _pop_dotted(data, old)
+        if found:
             *new_parents, new_last = new.split(".")
             target = data
             for key in new_parents:
