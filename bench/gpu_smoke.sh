@@ -16,6 +16,8 @@
 #   documents     model.attention_scope=document, on mini (BERT) and modernbert-tiny (windowed local layers):
 #                 FlexAttention's block mask where flash-attn would run rows, else SDPA with a boolean mask
 #   export        the lamb run's Hugging Face export (ZeRO 0 bf16: the fp32 masters) loads and fills masks
+#   profile       torch.profiler (impl.profile_at_step) over a fifth of the steps of mini (eager, ZeRO 1) and of
+#                 base.yaml (compiled): where a step's time goes, the host's phases against the device's busy time
 #   bert-base     configs/base.yaml at sequence 128: MFU to compare with NVIDIA's BERT (~45%)
 #   bert-base-nodrop  the same without dropout: what keyed dropout costs in base.yaml's step
 # before them, bench/gpu_smoke_checks.py checks the optimisers and the flash SDPA kernel directly,
@@ -28,8 +30,8 @@
 #                      [--only UNIT,...] [--skip UNIT,...] [--resume-from RESULTS_FILE]
 #
 # Units, in the order they run (a unit's runs and the check that reads them): paths mlm-loss adamw
-# bert-base resume nonfinite export zero3 phase2 modernbert flash-attn documents dropout compile-fixed
-# bert-base-nodrop nccl. Each line of WORK/results.txt is written as a run or check ends, and
+# bert-base resume nonfinite export profile zero3 phase2 modernbert flash-attn documents dropout
+# compile-fixed bert-base-nodrop nccl. Each line of WORK/results.txt is written as a run or check ends, and
 # "done UNIT" once a unit has passed; --resume-from that file (carried to the next lease) runs only
 # the units not done, so two short leases cover everything.
 #
@@ -44,8 +46,8 @@ PY=${PYTHON:-.venv/bin/python}
 
 DRY_RUN=0 GPUS="" STEPS=50 MICRO=64 CONFIG=configs/mini.yaml DATA="" WORK=/tmp/gpu_smoke BUDGET=540
 ONLY="" SKIP="" RESUME_FROM="" PREVIOUS_DONE=""
-UNITS=(paths mlm-loss adamw bert-base resume nonfinite export zero3 phase2 modernbert flash-attn documents
-       dropout compile-fixed bert-base-nodrop nccl)
+UNITS=(paths mlm-loss adamw bert-base resume nonfinite export profile zero3 phase2 modernbert flash-attn
+       documents dropout compile-fixed bert-base-nodrop nccl)
 usage() { grep -A1 '^#   bench/gpu_smoke.sh \[' "$0" | sed 's/^# \{0,3\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -211,6 +213,7 @@ check() {  # check NAME ARGS... : one of bench/gpu_smoke_checks.py's checks
 # that runs out leaves the least valuable unanswered. adamw is the default path (ZeRO 1 bf16 fused AdamW)
 # and every later comparison's reference; bert-base is the headline (base.yaml's tokens/s and MFU); then
 # the converted resume, the non-finite skip and the export (what a week-long run relies on); then the
+# profile (two leases found every step host-bound: this says where the host's time goes); then the
 # other ZeRO stages, phase 2 and the other architectures; last, what only measures a cost (no dropout)
 # or repeats a path on one GPU (NCCL across a single device).
 if selected paths; then check paths paths "$CONFIG" "$DATA"; close paths check:paths; fi
@@ -261,6 +264,15 @@ if selected export; then
   if ran lamb; then check export export "$WORK/runs/lamb"
   else record "skipped check export (needs the lamb run)"; fi
   close export check:export
+fi
+# The profiled steps: a fifth of the run, from its middle (after the compile and the first window).
+if selected profile; then
+  PROFILE=(impl.profile_at_step=$((STEPS / 2 + 1)) impl.profile_steps=$((STEPS / 5)))
+  run profile-mini 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=1 "${PROFILE[@]}"
+  RUN_CONFIG=configs/base.yaml run profile-base 1 impl.micro_batch_size="$MICRO" "${PROFILE[@]}"
+  if ran profile-mini profile-base; then check profile profile "$WORK/runs/profile-mini" "$WORK/runs/profile-base"
+  else record "skipped check profile (needs the profile-mini and profile-base runs)"; fi
+  close profile check:profile
 fi
 if selected zero3; then run zero3 1 impl.fused_optimizer=true impl.zero_stage=3; close zero3 zero3; fi
 # Phase 2 of the BERT recipe: a new run from adamw's last checkpoint (ZeRO 1), converted to ZeRO 2.

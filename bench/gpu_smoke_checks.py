@@ -171,6 +171,17 @@ def export(run_dir: str) -> str:
     return f"export: {folder} loads (fp32); fill-mask answers {', '.join(a['token_str'] for a in answers[:3])}"
 
 
+def profile(*run_dirs: str) -> str:
+    """Each run's rank-0 profile summary (``impl.profile_at_step``: pretrain/runtime/profiling.py)."""
+    lines = []
+    for d in map(Path, run_dirs):
+        tables = sorted((d / "profile").glob("step*-rank0.txt"))
+        if not tables:
+            raise SystemExit(f"profile: no profile in {d}/profile (impl.profile_at_step)")
+        lines.append(f"profile {d.name}: {tables[-1].read_text().splitlines()[0]}")
+    return "\n".join(lines)
+
+
 def report(run_dirs: list[str]) -> tuple[str, bool]:
     """tokens/s and MFU per run, averaged over the logged windows after the first (start-up)."""
     rows, ok = [], True
@@ -220,12 +231,14 @@ if __name__ == "__main__":
         print(heldout(*rest))
     elif command == "export":
         print(export(*rest))
+    elif command == "profile":
+        print(profile(*rest))
     elif command == "report":
         text, all_ok = report(rest)
         print(text)
         sys.exit(0 if all_ok else 1)
     else:
         sys.exit(
-            f"unknown command {command!r}: peak | paths CONFIG SHARDS | resumed REF RUN | nonfinite RUN | heldout RUN | export RUN | "
+            f"unknown command {command!r}: peak | paths CONFIG SHARDS | resumed REF RUN | nonfinite RUN | heldout RUN | export RUN | profile RUN... | "
             "report RUN_DIR..."
         )

@@ -21,6 +21,7 @@ from pretrain.model.masking import SpecialIds, mask_batch, rate_at_step
 from pretrain.model.mlm import MLMModel
 from pretrain.model.optim import skip_next_step
 from pretrain.runtime import engine as eng
+from pretrain.runtime.profiling import phase
 
 
 class StopSignal:
@@ -108,12 +109,13 @@ def train_step(
     step's metrics are logged, so its accuracy and (ZeRO 0) gradient norm are computed. ``before_step``
     runs where the gradients are whole and the weights not yet updated (per-layer health).
 
-    The host reads from the device once per step (``decided.tolist()``), after the last backward and
+    The host reads from the device once per step (``decide_update``), after the last backward and
     before the update: whether to skip the update (a non-finite loss, an unreadable batch) is a branch
     of DeepSpeed's step on the host, and the spike guard and a stop signal are decided from the same
     five numbers. Everything else stays on the device until a logged step (``ThroughputWindow``)."""
     engine, device, world = parts.engine, parts.device, parts.world
-    masked = mask_micro_batches(parts, step, micro_batches)
+    with phase("mask"):
+        masked = mask_micro_batches(parts, step, micro_batches)
     # The loss is normalised by the masked-token count of the whole step, all ranks together:
     # DeepSpeed then divides by grad_accum and averages over ranks, which this undoes.
     predicted = torch.stack([m.num_masked for m, *_ in masked]).sum().double().reshape(1)
@@ -128,32 +130,39 @@ def train_step(
     for i, (m, attention_mask, tokens, sample_ids) in enumerate(masked):
         # Dropout keyed like the masks, by each row's sample id and the step (model/keyed_dropout.py).
         parts.model.key_dropout(sample_ids, step)
-        with eng.eager_forward(engine, eager=attention_mask is not None):
+        with phase("forward"), eng.eager_forward(engine, eager=attention_mask is not None):
             loss_sum, correct, count = engine(
                 m.input_ids, attention_mask, m.positions, m.labels, want_correct=want_correct
             )
-        sums[:3] += torch.stack([loss_sum.detach().double(), correct.double(), count.double()])
-        sums[3] += tokens
-        engine.backward(loss_sum * scale)
+            sums[:3] += torch.stack([loss_sum.detach().double(), correct.double(), count.double()])
+            sums[3] += tokens
+        with phase("backward"):
+            engine.backward(loss_sum * scale)
         if i == len(masked) - 1:
-            # Summed over ranks: [loss sum, predicted, stop asked, bad input, store down]. A loss sum
-            # is non-finite where any rank's is (losses are >= 0: no inf - inf).
-            decided = torch.zeros(5, dtype=torch.float64, device=device)
-            decided[:2] = sums[[0, 2]]
-            decided[2], decided[3] = float(parts.stop.requested), float(level >= bad_input.BAD_INPUT)
-            decided[4] = float(level >= bad_input.OUTAGE)
-            dist.all_reduce(decided)
-            loss_total, predicted_total, stop, bad, outage = decided.tolist()
+            loss_total, predicted_total, stop, bad, outage = decide_update(parts, sums, level)
             nonfinite = not math.isfinite(loss_total)
             skip_next_step(parts.optimizer, nonfinite or bad > 0)  # every rank skips or stops together
             if logged and parts.zero_stage == 0:
                 grad_norm = eng.local_grad_norm(engine)
             if before_step:
                 before_step()
-        engine.step()
+        with phase("optimizer"):
+            engine.step()
     skip_next_step(parts.optimizer, False)
     loss = loss_total / predicted_total if predicted_total and not nonfinite else float("nan")
     return StepResult(sums, loss, nonfinite, stop > 0, grad_norm, bad > 0, outage > 0)
+
+
+def decide_update(parts: StepParts, sums: torch.Tensor, level: int) -> list[float]:
+    """Summed over ranks: [loss sum, predicted, stop asked, bad input, store down], the step's one read
+    from the device. A loss sum is non-finite where any rank's is (losses are >= 0: no inf - inf)."""
+    with phase("sync"):
+        decided = torch.zeros(5, dtype=torch.float64, device=parts.device)
+        decided[:2] = sums[[0, 2]]
+        decided[2], decided[3] = float(parts.stop.requested), float(level >= bad_input.BAD_INPUT)
+        decided[4] = float(level >= bad_input.OUTAGE)
+        dist.all_reduce(decided)
+        return decided.tolist()
 
 
 class ThroughputWindow:

@@ -63,6 +63,7 @@ from pretrain.runtime.exit_codes import BAD_INPUT as EXIT_BAD_INPUT
 from pretrain.runtime.exit_codes import NONFINITE as EXIT_NONFINITE
 from pretrain.runtime.exit_codes import REQUEUE as EXIT_REQUEUE
 from pretrain.runtime.exit_codes import SPIKES as EXIT_SPIKES
+from pretrain.runtime.profiling import StepProfiler
 from pretrain.step import StepResult, StopSignal, ThroughputWindow, train_step
 from pretrain.tracking import console, resume_log
 
@@ -73,9 +74,7 @@ def fit(run: Run) -> int:
     """The loop: one optimiser step, then what is due after it (log, evaluate, probe, checkpoint)."""
     cfg, state, info = run.cfg, run.state, run.info
     grad_accum, seq_len = cfg.grad_accum_steps(info.world), run.manifest.seq_len
-    watchdog = HangWatchdog(cfg.train.hang_timeout_s, cfg.train.out_dir, info.rank, run.tracker)
-    health = LayerHealth(run.engine, cfg.train.health_every, cfg.impl.zero_stage)
-    guard = spike_guard_of(run)
+    watchdog, health, guard, profiler = step_watchers(run)
     try:
         emit_probe_baselines(run)
         batches, window, nonfinite_in_a_row = iter(run.stream), ThroughputWindow(info.device), 0
@@ -84,6 +83,7 @@ def fit(run: Run) -> int:
             # one step: read, mask, forward, backward, update (per-layer health when due)
             run.engine.train()
             watchdog.step_started()
+            profiler.before_step(state.step)
             t_start = time.perf_counter()
             micro = bad_input.next_micro_batches(batches, grad_accum, run.special, cfg.impl.micro_batch_size, seq_len)
             faults.at_step(micro, run.special, info.rank, state.step + 1)  # test-only (runtime/faults.py)
@@ -126,8 +126,20 @@ def fit(run: Run) -> int:
         finish(run)
         return 0
     finally:
+        profiler.stop(state.step)
         watchdog.stop()
         run.tracker.finish(run.status)  # flushes what it buffered and marks the run
+
+
+def step_watchers(run: Run) -> tuple[HangWatchdog, LayerHealth, SpikeGuard | None, StepProfiler]:
+    """What watches the steps: the hang watchdog, per-layer health, the spike guard, the profiler."""
+    cfg, info = run.cfg, run.info
+    return (
+        HangWatchdog(cfg.train.hang_timeout_s, cfg.train.out_dir, info.rank, run.tracker),
+        LayerHealth(run.engine, cfg.train.health_every, cfg.impl.zero_stage),
+        spike_guard_of(run),
+        StepProfiler.of(cfg, info.rank, info.device),
+    )
 
 
 def spike_guard_of(run: Run) -> SpikeGuard | None:

@@ -238,9 +238,18 @@ class ImplConfig:
     # and cached (pretrain/runtime/hardware.py).
     peak_tflops: float = 0.0
     deepspeed: dict = field(default_factory=dict)  # extra keys merged into the derived DeepSpeed JSON
+    # torch.profiler over steps profile_at_step .. + profile_steps - 1: a trace and an op table per rank
+    # in train.out_dir/profile/, and a line saying where a step's time went (pretrain/runtime/profiling.py).
+    # 0: off.
+    profile_at_step: int = 0
+    profile_steps: int = 5
 
     def check(self) -> list[str]:
         p = []
+        if self.profile_at_step < 0:
+            p.append(f"profile_at_step: must be >= 0 (0 = off), got {self.profile_at_step}")
+        if self.profile_steps < 1:
+            p.append(f"profile_steps: must be >= 1, got {self.profile_steps}")
         if self.micro_batch_size <= 0:
             p.append(f"micro_batch_size: must be positive, got {self.micro_batch_size}")
         if self.num_workers < 0:
@@ -359,6 +368,11 @@ class Config:
     def check(self) -> list[str]:
         problems = batch_size_problems(self.train.global_batch_size, self.impl.micro_batch_size, self.world_size())
         problems += schedule_problems(self)
+        if self.impl.profile_at_step > self.train.max_steps:
+            problems.append(
+                f"impl.profile_at_step ({self.impl.profile_at_step}) is after train.max_steps "
+                f"({self.train.max_steps}): nothing would be profiled"
+            )
         if self.train.init_from_checkpoint and self.model.init_from:
             problems.append("train.init_from_checkpoint and model.init_from both give initial weights; keep one")
         if self.optim.name == "lamb" and self.impl.zero_stage > 0:

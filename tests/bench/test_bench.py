@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -57,6 +58,8 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         "nccl-2",
         "nonfinite",
         "phase2",
+        "profile-base",
+        "profile-mini",
         "zero3",
     ]
     nonfinite = launches["nonfinite"][1]
@@ -89,7 +92,12 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         ["resumed", "/tmp/gpu_smoke/runs/adamw", "/tmp/gpu_smoke/runs/halted"],
         ["nonfinite", "/tmp/gpu_smoke/runs/nonfinite"],
         ["export", "/tmp/gpu_smoke/runs/lamb"],
+        ["profile", "/tmp/gpu_smoke/runs/profile-mini", "/tmp/gpu_smoke/runs/profile-base"],
     ]
+    # a fifth of the 50 steps profiled, after the first windows; base.yaml's own compiled step
+    profiled = [launches[n][1] for n in ("profile-mini", "profile-base")]
+    assert [(c.impl.profile_at_step, c.impl.profile_steps) for c in profiled] == [(26, 10), (26, 10)]
+    assert profiled[1].impl.compile and profiled[1].model.hidden_size == 768
     (mlm_loss,) = [cmd for cmd in commands if cmd[1:2] == ["bench/mlm_loss.py"]]
     assert mlm_loss[2:6] == ["--device", "cuda", "--precision", "bf16"]
     (checks,) = [cmd for cmd in commands if cmd[1:3] == ["bench/gpu_smoke_checks.py", "paths"]]
@@ -141,6 +149,7 @@ case "$*" in
     for step in 10 20 30 40 50; do
       echo "{\\"step\\": $step, \\"train/loss\\": 8.5, \\"perf/tokens_per_s\\": 400000.0, \\"perf/mfu\\": 0.011}" >>"$out/metrics.jsonl"
     done
+    case "$*" in *impl.profile_at_step=*) mkdir -p "$out/profile"; echo "steps 26-35: 20.0 ms a step" >"$out/profile/step00000026-rank0.txt" ;; esac
     case "$*" in *optim.lr=1e30*) exit 4 ;; esac ;;
 esac
 exit 0
@@ -404,3 +413,18 @@ def test_smoke_heldout_check_wants_a_finite_evaluation(tmp_path):
         heldout(rows())  # the run never evaluated (no validation split)
     with pytest.raises(SystemExit, match="no finite eval/loss"):
         heldout(rows(float("nan")))
+
+
+def test_smoke_profile_check_prints_rank_0s_summary_and_wants_one(tmp_path):
+    from bench.gpu_smoke_checks import profile
+    from pretrain.runtime.profiling import StepProfiler
+
+    run, empty = tmp_path / "profile-mini", tmp_path / "no-profile"
+    empty.mkdir()
+    profiler = StepProfiler(1, 1, run, rank=0, device=torch.device("cpu"))
+    profiler.before_step(0)
+    torch.randn(32, 32).sum()
+    profiler.before_step(1)  # step 1 done: the profile is written
+    assert re.fullmatch(r"profile profile-mini: steps 1-1: [\d.]+ ms a step; .*", profile(str(run))), profile(str(run))
+    with pytest.raises(SystemExit, match="no profile in"):
+        profile(str(run), str(empty))

@@ -20,7 +20,7 @@ from conftest import PY, REPO, explain, trainer_env
 pytestmark = pytest.mark.slow
 
 STEPS, LOG_EVERY = 6, 3
-ONE_READ = ["pretrain/step.py:train_step.tolist"]
+ONE_READ = ["pretrain/step.py:decide_update.tolist"]
 
 
 def run_probe(script: str, shards, tmp_path, *overrides) -> dict:
