@@ -17,7 +17,7 @@ import torch.distributed as dist
 from pretrain import metric_names as names
 from pretrain.config.objective import MaskingConfig
 from pretrain.guards import bad_input
-from pretrain.model.masking import SpecialIds, mask_batch, rate_at_step
+from pretrain.model.masking import SpecialIds, mask_batch, rate_at_step, split_rows
 from pretrain.model.mlm import MLMModel
 from pretrain.model.optim import skip_next_step
 from pretrain.runtime import engine as eng
@@ -42,6 +42,9 @@ class StopSignal:
                 flush=True,
             )
         self.requested = True
+
+
+MASK_INPUTS = ("input_ids", "word_starts", "sample_ids")  # what masking reads of a micro-batch
 
 
 @dataclass(frozen=True)
@@ -72,29 +75,29 @@ class StepResult:
     outage: bool = False  # ... because the data's store stayed down: stop, exit 3 (requeue)
 
 
-def mask_micro_batches(parts: StepParts, step: int, micro_batches: list[dict]) -> list[tuple]:
-    """(masked batch, attention mask, tokens, sample ids) per micro-batch, on the device."""
+def mask_micro_batches(parts: StepParts, step: int, micro_batches: list[dict]) -> tuple[list[tuple], torch.Tensor]:
+    """(masked batch, attention mask, tokens, sample ids) per micro-batch, on the device, and the
+    masked tokens of them all. The micro-batches are masked together, in one call: keyed by each
+    sequence's identity (and the step, unless static), a row's mask is the same in any batch, at any
+    world size or micro-batch, and one call launches a step's masking kernels once, not per
+    micro-batch (on a GPU they follow the step's wait for the device, with nothing queued before them)."""
     device, special = parts.device, parts.special
+    on_device = [{k: batch[k].to(device, non_blocking=True) for k in MASK_INPUTS} for batch in micro_batches]
+    rows = [b["input_ids"].shape[0] for b in on_device]
+    ids, starts, sample_ids = (_stacked([b[k] for b in on_device]) for k in MASK_INPUTS)
     rate = rate_at_step(parts.masking, step, parts.max_steps)
+    m = mask_batch(ids, starts, special, parts.masking, sample_ids=sample_ids, step=step, rate=rate)
     masked = []
-    for batch in micro_batches:
-        ids = batch["input_ids"].to(device, non_blocking=True)
-        sample_ids = batch["sample_ids"].to(device, non_blocking=True)
-        # Keyed by each sequence's identity (and the step, unless static): the same masks at any
-        # world size or micro-batch.
-        m = mask_batch(
-            ids,
-            batch["word_starts"].to(device, non_blocking=True),
-            special,
-            parts.masking,
-            sample_ids=sample_ids,
-            step=step,
-            rate=rate,
-        )
+    for part, batch, inputs in zip(split_rows(m, rows, parts.masking.fixed_count), micro_batches, on_device):
         # Rows packed full have no padding: no mask lets SDPA take its fast path.
-        attention_mask = (ids != special.pad) if batch.get("has_padding", True) else None
-        masked.append((m, attention_mask, ids.numel() if attention_mask is None else attention_mask.sum(), sample_ids))
-    return masked
+        attention_mask = (inputs["input_ids"] != special.pad) if batch.get("has_padding", True) else None
+        tokens = part.input_ids.numel() if attention_mask is None else attention_mask.sum()
+        masked.append((part, attention_mask, tokens, inputs["sample_ids"]))
+    return masked, m.num_masked
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def train_step(
@@ -115,10 +118,10 @@ def train_step(
     five numbers. Everything else stays on the device until a logged step (``ThroughputWindow``)."""
     engine, device, world = parts.engine, parts.device, parts.world
     with phase("mask"):
-        masked = mask_micro_batches(parts, step, micro_batches)
+        masked, predicted = mask_micro_batches(parts, step, micro_batches)
     # The loss is normalised by the masked-token count of the whole step, all ranks together:
     # DeepSpeed then divides by grad_accum and averages over ranks, which this undoes.
-    predicted = torch.stack([m.num_masked for m, *_ in masked]).sum().double().reshape(1)
+    predicted = predicted.double().reshape(1)
     dist.all_reduce(predicted)
     scale = world * len(masked) / predicted.clamp(min=1.0)
     level = bad_input.failure_level(micro_batches)

@@ -124,6 +124,7 @@ class MaskedBatch:
 # Kinds of draw: each gets its own stream, so that e.g. the choice of a token and its replacement
 # are independent in static masking.
 _CHOOSE, _SPAN_CUT, _SPAN_COIN, _ACTION, _REPLACEMENT, _FIXED_DITHER, _FIXED_SCORE = range(1, 8)
+_KINDS = 7
 _M32 = 0xFFFFFFFF
 
 
@@ -170,35 +171,56 @@ class _GeneratorDraws:
 
 
 class _HashDraws:
-    """Static masking: the draw of kind k at (row b, position j) is hash(seed, k, sample_ids[b], j)."""
+    """Keyed masking: the draw of kind k at (row b, position j) is hash(seed, k, sample_ids[b], j).
+
+    On a GPU each elementwise op is a kernel launch of a few microseconds of host time, and the masks
+    are made after the step's one wait for the device, with nothing queued to hide them behind: so the
+    row keys of every kind are made together ([kinds, B], one pass of the hash), and the position
+    terms of the chosen positions once for the two draws taken there (what each token becomes)."""
 
     def __init__(self, seed: int, sample_ids: torch.Tensor, seq_len: int):
         self.seed, self.ids, self.seq_len = int(seed), sample_ids, seq_len
+        seed_state = _absorb(0x9E3779B9, self.seed & ((1 << 64) - 1))  # Python ints
+        # Filled from Python ints, not torch.tensor(..., device=): a copy from host memory would wait
+        # for the device's queue.
+        heads = torch.empty(_KINDS, 1, dtype=torch.long, device=sample_ids.device)
+        for kind in range(1, _KINDS + 1):
+            heads[kind - 1] = _absorb(seed_state, kind)
+        self._keys = _absorb(heads, sample_ids[None, :])
+        self._at: tuple | None = None  # (flat positions, their rows, their position terms)
 
-    def _row_keys(self, kind: int) -> torch.Tensor:
-        head = _absorb(_absorb(0x9E3779B9, self.seed & ((1 << 64) - 1)), kind)  # Python ints
-        return _absorb(torch.full_like(self.ids, head), self.ids)
+    def _hash(self, kind: int, rows: torch.Tensor, position_terms: torch.Tensor) -> torch.Tensor:
+        return _mix32(self._keys[kind - 1][rows] ^ position_terms)
 
-    def _hash(self, kind: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        return _mix32(self._row_keys(kind)[rows] ^ _mix32(cols + 0x2F1D7A3B))
+    def _at_positions(self, flat_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._at is None or self._at[0] is not flat_positions:
+            cols = flat_positions % self.seq_len
+            self._at = (flat_positions, flat_positions // self.seq_len, _position_terms(cols))
+        return self._at[1], self._at[2]
 
     def tokens(self, kind: int, shape) -> torch.Tensor:
         b, length = shape
         rows = torch.arange(b, device=self.ids.device)[:, None]
-        return _uniform24(self._hash(kind, rows, torch.arange(length, device=self.ids.device)[None, :]))
+        return _uniform24(
+            self._hash(kind, rows, _position_terms(torch.arange(length, device=self.ids.device))[None, :])
+        )
 
     def rows(self, kind: int, b: int) -> torch.Tensor:
-        h = self._hash(
-            kind, torch.arange(b, device=self.ids.device), torch.zeros(b, dtype=torch.long, device=self.ids.device)
-        )
+        # every row's position 0: the position term is a constant
+        h = self._hash(kind, torch.arange(b, device=self.ids.device), _position_terms(0))
         return h.double() * (1.0 / (1 << 32))
 
     def at(self, kind: int, flat_positions: torch.Tensor) -> torch.Tensor:
-        return _uniform24(self._hash(kind, flat_positions // self.seq_len, flat_positions % self.seq_len))
+        return _uniform24(self._hash(kind, *self._at_positions(flat_positions)))
 
     def ids_at(self, kind: int, flat_positions: torch.Tensor, n: int) -> torch.Tensor:
         # (h * n) >> 32 maps 32 uniform bits onto [0, n) (n < 2**31: the product fits in int64)
-        return (self._hash(kind, flat_positions // self.seq_len, flat_positions % self.seq_len) * n) >> 32
+        return (self._hash(kind, *self._at_positions(flat_positions)) * n) >> 32
+
+
+def _position_terms(cols):
+    """What a position (an int64 tensor or a Python int) adds to every kind's hash."""
+    return _mix32(cols + 0x2F1D7A3B)
 
 
 def mask_seed(seed: int, step: int, rank: int, micro_step: int) -> int:
@@ -351,6 +373,41 @@ def mask_batch(
     masked = flat_ids.clone()
     masked[positions] = new
     return MaskedBatch(masked.view_as(ids), positions, labels, num_masked)
+
+
+def split_rows(m: MaskedBatch, rows: list[int], fixed_count: bool) -> list[MaskedBatch]:
+    """``m``, the masks of micro-batches of ``rows`` rows each stacked in order, as masking each alone
+    gives them (keyed masks depend on a row's sample id and position, not on its batch): positions
+    re-based to each part's rows. With ``fixed_count`` (the same number of slots in every row) the
+    parts' boundaries are known on the host; otherwise they are read once from the device, where the
+    variable count was already read (``nonzero``)."""
+    if len(rows) == 1:
+        return [m]
+    seq_len = m.input_ids.shape[1]
+    firsts = [sum(rows[:i]) * seq_len for i in range(len(rows))]  # each part's first flat index
+    if fixed_count:
+        slots = m.positions.numel() // sum(rows)
+        counts = [r * slots for r in rows]
+    else:
+        ends = torch.searchsorted(m.positions, _part_ends(rows, seq_len, m.positions.device)).tolist()
+        counts = [e - s for e, s in zip(ends, [0] + ends[:-1])]
+    positions, labels = m.positions.split(counts), m.labels.split(counts)
+    used = (m.labels != IGNORE_INDEX).split(counts)
+    return [
+        MaskedBatch(ids, p - first, lab, u.sum())
+        for ids, p, lab, u, first in zip(m.input_ids.split(rows), positions, labels, used, firsts)
+    ]
+
+
+def _part_ends(rows: list[int], seq_len: int, device) -> torch.Tensor:
+    """The flat index after each part's last token, made on the device (no copy from host memory,
+    which would wait for the device's queue): the trainer's micro-batches are all alike."""
+    if len(set(rows)) == 1:
+        return torch.arange(1, len(rows) + 1, device=device) * (rows[0] * seq_len)
+    ends = torch.empty(len(rows), dtype=torch.long, device=device)
+    for i in range(len(rows)):
+        ends[i] = sum(rows[: i + 1]) * seq_len
+    return ends
 
 
 def _choose_tokens(special_tok, word_starts, cfg, draws):

@@ -8,8 +8,9 @@ numbers them) on every rank, and writes into ``train.out_dir/profile/``, per ran
   self host time and (on a GPU) by device time.
 
 Rank 0 logs the summary: the wall time of a step, the host's time in each phase of ``train_step``
-(``phase()`` names them; ``sync`` includes the one wait for the device), and on a GPU the device's busy
-time, the sum of its kernels. A step whose device is busy for much less than its wall time waits
+(``phase()`` names them; ``sync`` includes the one wait for the device) with the number of ops called
+in it (on a GPU, about one kernel launch each; the backward's run on autograd's device thread there
+and are counted in no phase), and on a GPU the device's busy time, the sum of its kernels. A step whose device is busy for much less than its wall time waits
 for its host (Python, DeepSpeed's bookkeeping, kernel launches): fewer, fused kernels help there, a
 faster GPU does not.
 
@@ -25,6 +26,7 @@ import contextlib
 import logging
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import ContextManager, Optional
 
@@ -108,8 +110,14 @@ def summarise(prof: torch.profiler.profile, steps: int, seconds: float, on_gpu: 
         name: by_key[_PREFIX + name].cpu_time_total / 1000 / steps if _PREFIX + name in by_key else 0.0
         for name in PHASES
     }
+    ops = Counter()  # ops called inside each phase's range, not inside another op: on a GPU, launches
+    for event in prof.events():
+        if event.name.startswith(_PREFIX):
+            ops[event.name[len(_PREFIX) :]] += len(event.cpu_children)
     outside = max(wall - sum(phases.values()), 0.0)
-    line = f"{wall:.1f} ms a step; the host's ms by phase: " + ", ".join(f"{n} {ms:.1f}" for n, ms in phases.items())
+    line = f"{wall:.1f} ms a step; the host's ms by phase: " + ", ".join(
+        f"{n} {ms:.1f} ({ops[n] / steps:.0f} ops)" for n, ms in phases.items()
+    )
     line += f", outside them (data, logging, the loop) {outside:.1f}"
     tables = events.table(sort_by="self_cpu_time_total", row_limit=25)
     if on_gpu:

@@ -527,3 +527,68 @@ def test_dynamic_masks_keyed_by_sample_do_not_depend_on_the_batch_layout(rows, s
     assert all(torch.equal(whole[k], halves[k]) for k in whole)
     later = rows_masked(torch.arange(8), step=4)
     assert sum(not torch.equal(whole[k], later[k]) for k in whole) >= 6
+
+
+# Digests of keyed masks as the trainer makes them (sample ids, step), taken before the masking was
+# batched over a step's micro-batches and over the kinds of draw: a change that moves one bit would
+# mask other tokens in every run resumed across it.
+KEYED_MASK_DIGESTS = {
+    ("token", False, True): "48ce75d6ad4a5159",
+    ("token", False, False): "7dad48452b568527",
+    ("token", True, True): "567a237140e0e79a",
+    ("token", True, False): "2d581d2b7ce4c1af",
+    ("whole_word", False, True): "807f37441693a4d3",
+    ("whole_word", False, False): "c236b8e2f563967d",
+    ("span", False, True): "a4d0a2b646af714d",
+    ("span", False, False): "fc265108b030b672",
+}
+
+
+def keyed_rows():
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(1000, 30522, (6, 64), generator=g)
+    ids[:, 0] = SPECIAL.cls
+    ids[:, 40] = ids[:, -1] = SPECIAL.sep
+    ids[5, 50:] = SPECIAL.pad
+    starts = torch.rand(6, 64, generator=g) < 0.7
+    return ids, starts, torch.tensor([3, 141, 59, 26535, 8979, 2**40 + 5])  # a 64-bit id too
+
+
+def digest(m) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in (m.input_ids, m.positions, m.labels, m.num_masked.reshape(1)):
+        h.update(t.to(torch.int64).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("strategy, fixed, dynamic", sorted(KEYED_MASK_DIGESTS))
+def test_keyed_masks_keep_their_bits(strategy, fixed, dynamic):
+    ids, starts, sample_ids = keyed_rows()
+    cfg = MaskingConfig(rate=0.3, strategy=strategy, fixed_count=fixed, dynamic=dynamic, seed=11)
+    m = mask_batch(ids, starts, SPECIAL, cfg, sample_ids=sample_ids, step=17)
+    assert digest(m) == KEYED_MASK_DIGESTS[(strategy, fixed, dynamic)]
+
+
+@pytest.mark.parametrize("strategy, fixed", [("token", False), ("token", True), ("whole_word", False), ("span", False)])
+@pytest.mark.parametrize("rows_per_part", [[2, 2, 2], [1, 3, 2], [6]])
+def test_micro_batches_masked_together_are_masked_as_each_alone(strategy, fixed, rows_per_part):
+    """The trainer masks a step's micro-batches in one call (pretrain/step.py): split back, each part
+    is what masking it alone gives, bit for bit, with its positions re-based to its own rows."""
+    from pretrain.model.masking import split_rows
+
+    ids, starts, sample_ids = keyed_rows()
+    cfg = MaskingConfig(rate=0.3, strategy=strategy, fixed_count=fixed, seed=11)
+    together = split_rows(mask_batch(ids, starts, SPECIAL, cfg, sample_ids=sample_ids, step=5), rows_per_part, fixed)
+    first = 0
+    assert len(together) == len(rows_per_part)
+    for part, n in zip(together, rows_per_part):
+        rows = slice(first, first + n)
+        alone = mask_batch(ids[rows], starts[rows], SPECIAL, cfg, sample_ids=sample_ids[rows], step=5)
+        for got, want in zip(
+            (part.input_ids, part.positions, part.labels, part.num_masked),
+            (alone.input_ids, alone.positions, alone.labels, alone.num_masked),
+        ):
+            assert torch.equal(got, want), (strategy, fixed, rows_per_part)
+        first += n
