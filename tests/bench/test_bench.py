@@ -80,7 +80,11 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         assert (cfg.impl.precision, cfg.impl.dist_backend) == ("bf16", "nccl")
         assert cfg.impl.attention == ("flash_attention_2" if name == "flash-attn" else "auto")
         assert cfg.impl.fused_mlm_loss
-        assert cfg.data.dir == str(shards) and cfg.train.global_batch_size == 16 * gpus
+        # base.yaml's runs at its own micro-batch, one a step; the others at --micro-batch 16
+        own = load_config(str(REPO / "configs/base.yaml"), [f"data.dir={shards}"]).impl.micro_batch_size
+        batch = own if cfg.model.hidden_size == 768 else 16 * gpus
+        assert cfg.data.dir == str(shards) and cfg.train.global_batch_size == batch, name
+        assert cfg.impl.micro_batch_size == (own if cfg.model.hidden_size == 768 else 16), name
     assert launches["lamb"][1].optim.name == "lamb" and launches["adamw"][1].optim.name == "adamw"
     assert launches["lamb"][1].impl.zero_stage == 0 and launches["adamw"][1].impl.fused_optimizer is True
     assert launches["compile-fixed"][1].impl.compile and launches["compile-fixed"][1].masking.fixed_count
