@@ -14,7 +14,8 @@
 #   modernbert    configs/modernbert-tiny.yaml (local attention: a sliding-window mask), bf16, ZeRO 1
 #   flash-attn    modernbert with impl.attention=flash_attention_2, where the flash-attn package is installed
 #   documents     model.attention_scope=document, on mini (BERT) and modernbert-tiny (windowed local layers):
-#                 FlexAttention's block mask where flash-attn would run rows, else SDPA with a boolean mask
+#                 FlexAttention's block mask where flash-attn would run rows, else SDPA with a boolean mask;
+#                 and mini with impl.attention=flex_attention, FlexAttention wherever torch has it
 #   export        the lamb run's Hugging Face export (ZeRO 0 bf16: the fp32 masters) loads and fills masks
 #   profile       torch.profiler (impl.profile_at_step) over a fifth of the steps of mini (eager, ZeRO 1) and of
 #                 base.yaml (compiled): where a step's time goes, the host's phases against the device's busy time
@@ -307,7 +308,9 @@ if selected documents; then
   run documents 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=1 model.attention_scope=document
   RUN_CONFIG=configs/modernbert-tiny.yaml run documents-modernbert 1 impl.zero_stage=1 \
     model.max_position_embeddings=128 model.attention_scope=document
-  close documents documents documents-modernbert
+  run documents-flex 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=1 model.attention_scope=document \
+    impl.attention=flex_attention
+  close documents documents documents-modernbert documents-flex
 fi
 if selected dropout; then
   run dropout 1 model.hidden_dropout=0.1 model.attention_dropout=0.1 impl.zero_stage=1; close dropout dropout

@@ -206,10 +206,20 @@ class ImplConfig:
     # flash-attn package and bf16/fp16; else the trainer times the candidates below at the run's shape
     # and takes the fastest (pretrain.runtime.attention; named on the start line, kept on resume).
     # sdpa: PyTorch picks the SDPA kernel; sdpa_<backend>: that one (the math path for inputs it cannot
-    # take); eager: Hugging Face's explicit attention. flash_attention_2 asked for where it cannot run
-    # falls back to sdpa with a warning (pretrain.model.mlm.attention_implementation).
+    # take); eager: Hugging Face's explicit attention; flex_attention: FlexAttention, whose block mask
+    # skips the blocks between documents (model.attention_scope=document, CUDA; auto takes it in document
+    # scope where flash-attn would run rows). flash_attention_2 or flex_attention asked for where it
+    # cannot run falls back to sdpa with a warning (pretrain.model.mlm.attention_implementation).
     attention: Literal[
-        "auto", "flash_attention_2", "sdpa", "sdpa_flash", "sdpa_math", "sdpa_efficient", "sdpa_cudnn", "eager"
+        "auto",
+        "flash_attention_2",
+        "flex_attention",
+        "sdpa",
+        "sdpa_flash",
+        "sdpa_math",
+        "sdpa_efficient",
+        "sdpa_cudnn",
+        "eager",
     ] = "auto"
     sparse_head: bool = True  # the MLM head only at masked positions
     # The decoder and the cross-entropy fused in row chunks, no [N, V] log-softmax kept
@@ -368,6 +378,11 @@ class Config:
     def check(self) -> list[str]:
         problems = batch_size_problems(self.train.global_batch_size, self.impl.micro_batch_size, self.world_size())
         problems += schedule_problems(self)
+        if self.impl.attention == "flex_attention" and self.model.attention_scope != "document":
+            problems.append(
+                "impl.attention=flex_attention runs document scope's block mask: set "
+                "model.attention_scope=document, or take another kernel for rows"
+            )
         if self.impl.profile_at_step > self.train.max_steps:
             problems.append(
                 f"impl.profile_at_step ({self.impl.profile_at_step}) is after train.max_steps "

@@ -248,6 +248,8 @@ def attention_implementation(impl: ImplConfig, scope: str = "row") -> str:
     that tensor's shape, which the host must read every step (or pad to the worst case, B x L / 2
     sequences, mostly empty thread blocks). FlexAttention has no backward on the CPU (torch 2.13),
     where SDPA takes a boolean mask instead."""
+    if impl.attention == "flex_attention":
+        return _flex_attention_or_sdpa()
     chosen = _attention_for_rows(impl)
     if scope == "document" and chosen == "flash_attention_2":
         from transformers.utils import is_torch_flex_attn_available
@@ -258,6 +260,21 @@ def attention_implementation(impl: ImplConfig, scope: str = "row") -> str:
         log.warning("attention: FlexAttention is not available: document scope runs SDPA with a mask")
         return "sdpa"
     return chosen
+
+
+def _flex_attention_or_sdpa() -> str:
+    """``impl.attention: flex_attention`` (document scope: the config checks it) where it can run."""
+    from transformers.utils import is_torch_flex_attn_available
+
+    reasons = []
+    if not torch.cuda.is_available():
+        reasons.append("no CUDA device (FlexAttention has no backward on a CPU)")
+    if not is_torch_flex_attn_available():
+        reasons.append("this torch has no FlexAttention")
+    if reasons:
+        log.warning("impl.attention=flex_attention cannot run here (%s): using sdpa", "; ".join(reasons))
+        return "sdpa"
+    return "flex_attention"
 
 
 def _attention_for_rows(impl: ImplConfig) -> str:

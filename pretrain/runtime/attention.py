@@ -41,6 +41,7 @@ from pretrain.runtime.hardware import add_to_cache, cpu_info, default_cache_path
 log = logging.getLogger("pretrain")
 
 CPU_CANDIDATES = ("sdpa_flash", "sdpa_math", "eager")
+BUILT_IN = ("flash_attention_2", "flex_attention")  # chosen when the model is built, not switched after
 CUDA_CANDIDATES = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math", "eager")
 
 
@@ -186,6 +187,8 @@ def resolve(
     built = model.config._attn_implementation
     if built not in ("sdpa", "eager"):
         return built, "as built"
+    if wanted in BUILT_IN:  # it could not run here: the model was built with SDPA instead
+        return "sdpa", f"impl.attention={wanted} cannot run here"
     if wanted != "auto":
         return wanted, "impl.attention"
     config = model.config

@@ -49,6 +49,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         "bert-base-nodrop",
         "compile-fixed",
         "documents",
+        "documents-flex",
         "documents-modernbert",
         "dropout",
         "flash-attn",
@@ -71,6 +72,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     assert launches["dropout"][1].model.attention_dropout == 0.1
     documents, documents_modernbert = launches["documents"][1], launches["documents-modernbert"][1]
     assert documents.model.attention_scope == documents_modernbert.model.attention_scope == "document"
+    assert launches["documents-flex"][1].model.attention_scope == "document"
     assert documents_modernbert.model.arch == "modernbert"
     assert launches["bert-base"][1].model.hidden_size == 768 and launches["bert-base"][1].impl.device == "cuda"
     base, nodrop = launches["bert-base"][1], launches["bert-base-nodrop"][1]  # MFU with dropout on and off
@@ -78,7 +80,8 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     assert base.masking.fixed_count and base.impl.compile
     for name, (gpus, cfg) in launches.items():
         assert (cfg.impl.precision, cfg.impl.dist_backend) == ("bf16", "nccl")
-        assert cfg.impl.attention == ("flash_attention_2" if name == "flash-attn" else "auto")
+        named = {"flash-attn": "flash_attention_2", "documents-flex": "flex_attention"}
+        assert cfg.impl.attention == named.get(name, "auto"), name
         assert cfg.impl.fused_mlm_loss
         # base.yaml's runs at its own micro-batch, one a step; the others at --micro-batch 16
         own = load_config(str(REPO / "configs/base.yaml"), [f"data.dir={shards}"]).impl.micro_batch_size

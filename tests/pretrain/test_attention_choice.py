@@ -153,3 +153,36 @@ def test_the_probe_baseline_is_built_with_sdpa_in_fp32_whatever_the_run_uses():
     with torch.no_grad():
         out = baseline(input_ids=torch.randint(5, VOCAB, (2, 16))).last_hidden_state
     assert out.shape == (2, 16, TINY.hidden_size) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("wanted, scope", [("flash_attention_2", "row"), ("flex_attention", "document")])
+def test_a_kernel_named_where_it_cannot_run_falls_back_to_sdpa_and_trains(wanted, scope, caplog):
+    """``impl.attention=flash_attention_2`` (or ``flex_attention``) on a machine without it: one warning,
+    the model built with SDPA, and the run goes on with it (it used to stop at start-up with
+    "unknown attention 'flash_attention_2'")."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="pretrain"):
+        model = build_model(
+            dataclasses.replace(TINY, attention_scope=scope), VOCAB, SPECIAL, ImplConfig(attention=wanted)
+        )
+    assert f"impl.attention={wanted} cannot run here" in caplog.text and "using sdpa" in caplog.text
+    name, why = attention.resolve(model, wanted, torch.device("cpu"), torch.float32, 2, 16)
+    assert (name, why) == ("sdpa", f"impl.attention={wanted} cannot run here")
+    model.use_attention(name)
+    ids = torch.randint(5, VOCAB, (2, 16))
+    ids[:, 7] = SPECIAL.sep  # two documents a row
+    hidden = model.encode(ids, None)
+    hidden.float().sum().backward()
+    assert torch.isfinite(hidden).all() and model.config._attn_implementation == "sdpa"
+
+
+def test_flex_attention_is_for_document_scope(shards):
+    from pretrain.config.schema import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="impl.attention=flex_attention runs document scope's block mask"):
+        load_config("configs/tiny.yaml", ["impl.attention=flex_attention", f"data.dir={shards}"])
+    cfg = load_config(
+        "configs/tiny.yaml", ["impl.attention=flex_attention", "model.attention_scope=document", f"data.dir={shards}"]
+    )
+    assert cfg.impl.attention == "flex_attention"
