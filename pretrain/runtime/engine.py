@@ -224,6 +224,7 @@ def initialize(model: torch.nn.Module, cfg: Config, info: DistInfo, precision: s
     if "optimizer" not in ds_config:
         _skip_muon_import()
     _mask_nonfinite_norm_on_the_device()
+    _bf16_norm_and_clip_multi_tensor()
     schedule = lr_schedule(cfg)
     if cfg.impl.zero_stage == 3 and getattr(model, "fused_loss", False):
         # The fused loss reads the decoder's weight (the word embeddings) outside the decoder's own
@@ -294,6 +295,47 @@ def _mask_nonfinite_norm_on_the_device() -> None:
         module = sys.modules.get(name) or __import__(name, fromlist=["_"])
         if hasattr(module, "mask_nan_or_inf_with_val_inplace"):
             module.mask_nan_or_inf_with_val_inplace = _mask_nonfinite_in_place
+
+
+# DeepSpeed's BF16_Optimizer (ZeRO 1 in bf16: base.yaml's path) takes the gradient norm with one
+# kernel per tensor and clips with another, after a host read of the clipping factor: on a GPU, some
+# 400 launches a step for BERT-base's 201 tensors, while the device idles after the step's wait. One
+# multi-tensor norm and one multi-tensor multiply do the same arithmetic (the same per-tensor norms,
+# summed as DeepSpeed sums them; a factor of min(1, max_norm / (norm + eps)), where x * 1.0 is x).
+_DEEPSPEED_NORM_AND_CLIP: dict = {}
+
+
+def _global_norm_multi_tensor(input_tensors, norm_type=2, mpu=None, moe_ep_group=None):
+    """DeepSpeed's ``get_global_norm_of_tensors`` for the case BF16_Optimizer meets here (a 2-norm, no
+    model or expert parallelism); anything else goes to DeepSpeed's own."""
+    if float(norm_type) != 2.0 or mpu is not None or moe_ep_group is not None or not input_tensors:
+        return _DEEPSPEED_NORM_AND_CLIP["norm"](input_tensors, norm_type=norm_type, mpu=mpu, moe_ep_group=moe_ep_group)
+    with torch.no_grad():  # not detach() per tensor: each is a dispatch of host time
+        norms = torch._foreach_norm([t if t.dtype == torch.float32 else t.float() for t in input_tensors], 2.0)
+        total = torch.stack(norms).pow(2.0).sum().pow(0.5)
+        _mask_nonfinite_in_place(total)
+    return total
+
+
+def _clip_multi_tensor(input_tensors, max_norm=1.0, global_norm=None, mpu=None, eps=1e-6):
+    """DeepSpeed's ``clip_tensors_by_global_norm`` without reading the factor on the host."""
+    if global_norm is None:
+        global_norm = _global_norm_multi_tensor(input_tensors, mpu=mpu)
+    if input_tensors:
+        with torch.no_grad():
+            factor = (max_norm / (global_norm + eps)).clamp(max=1.0)
+            torch._foreach_mul_(list(input_tensors), factor)
+    return global_norm
+
+
+def _bf16_norm_and_clip_multi_tensor() -> None:
+    import deepspeed.runtime.bf16_optimizer as bf16_optimizer
+
+    if not _DEEPSPEED_NORM_AND_CLIP:
+        _DEEPSPEED_NORM_AND_CLIP["norm"] = bf16_optimizer.get_global_norm_of_tensors
+        _DEEPSPEED_NORM_AND_CLIP["clip"] = bf16_optimizer.clip_tensors_by_global_norm
+    bf16_optimizer.get_global_norm_of_tensors = _global_norm_multi_tensor
+    bf16_optimizer.clip_tensors_by_global_norm = _clip_multi_tensor
 
 
 def local_grad_norm(engine) -> float:

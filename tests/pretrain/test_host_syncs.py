@@ -71,6 +71,8 @@ def test_a_step_that_logs_nothing_reads_the_device_once(shards, tmp_path):
         )
         if number % LOG_EVERY and number != STEPS:
             assert ours == ONE_READ, (number, reads)
+            # DeepSpeed's: its non-finite norm check; the clipping factor is no longer read (engine.py)
+            assert len([r for r in reads if r.startswith("deepspeed/")]) == 1, (number, reads)
         else:  # a logged step reads its metrics
             assert len(ours) > 1, (number, reads)
 
@@ -118,3 +120,33 @@ def test_deepspeeds_nonfinite_norm_mask_queues_a_fill_instead_of_a_copy(monkeypa
     eng._mask_nonfinite_in_place(ours, device="cpu")
     assert torch.equal(ours, expected) and ours.tolist() == [3.5, -1.0, -1.0, -1.0, 0.0]
     assert created == []  # no tensor made from a host value
+
+
+def test_bf16_optimizers_norm_and_clip_are_deepspeeds_arithmetic_in_two_multi_tensor_calls():
+    """ZeRO 1 in bf16 (DeepSpeed's BF16_Optimizer, base.yaml's path) takes the gradient norm one
+    kernel per tensor and clips after reading the factor on the host; the engine module puts in
+    multi-tensor versions of both. Same numbers as DeepSpeed's (on the CPU, bit for bit), both when
+    the norm clips and when it does not, and a non-finite norm marked -1 as DeepSpeed marks it."""
+    import deepspeed.runtime.bf16_optimizer as bf16_optimizer
+    from deepspeed.runtime import utils as ds_utils
+
+    from pretrain.runtime import engine as eng
+
+    eng._bf16_norm_and_clip_multi_tensor()
+    assert bf16_optimizer.get_global_norm_of_tensors is eng._global_norm_multi_tensor
+    assert bf16_optimizer.clip_tensors_by_global_norm is eng._clip_multi_tensor
+    eng._mask_nonfinite_norm_on_the_device()  # as initialize() does: DeepSpeed's norm then masks alike
+    g = torch.Generator().manual_seed(0)
+    shapes = [(30528, 64), (64,), (256, 64), (3, 5, 7), (1,)]
+    for scale, clips in ((1.0, True), (1e-4, False)):
+        grads = [torch.randn(*s, generator=g) * scale for s in shapes]
+        theirs, ours = [t.clone() for t in grads], [t.clone() for t in grads]
+        norm_theirs = ds_utils.get_global_norm_of_tensors(theirs)
+        norm_ours = eng._global_norm_multi_tensor(ours)
+        assert torch.equal(norm_ours, norm_theirs) and (float(norm_ours) > 1.0) == clips
+        ds_utils.clip_tensors_by_global_norm(theirs, max_norm=1.0, global_norm=norm_theirs)
+        eng._clip_multi_tensor(ours, max_norm=1.0, global_norm=norm_ours)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), scale
+        assert clips or all(torch.equal(a, b) for a, b in zip(ours, grads))  # not clipped: untouched
+    bad = [torch.ones(4), torch.tensor([float("nan")])]
+    assert float(eng._global_norm_multi_tensor(bad)) == float(ds_utils.get_global_norm_of_tensors(bad)) == -1.0
