@@ -305,11 +305,13 @@ def _mask_nonfinite_norm_on_the_device() -> None:
 _DEEPSPEED_NORM_AND_CLIP: dict = {}
 
 
-def _global_norm_multi_tensor(input_tensors, norm_type=2, mpu=None, moe_ep_group=None):
+def _global_norm_multi_tensor(input_tensors, norm_type=2, mpu=None, moe_ep_group=None, **newer):
     """DeepSpeed's ``get_global_norm_of_tensors`` for the case BF16_Optimizer meets here (a 2-norm, no
-    model or expert parallelism); anything else goes to DeepSpeed's own."""
-    if float(norm_type) != 2.0 or mpu is not None or moe_ep_group is not None or not input_tensors:
-        return _DEEPSPEED_NORM_AND_CLIP["norm"](input_tensors, norm_type=norm_type, mpu=mpu, moe_ep_group=moe_ep_group)
+    model or expert parallelism); anything else, arguments of a newer DeepSpeed too, goes to its own."""
+    if float(norm_type) != 2.0 or mpu is not None or moe_ep_group is not None or newer or not input_tensors:
+        return _DEEPSPEED_NORM_AND_CLIP["norm"](
+            input_tensors, norm_type=norm_type, mpu=mpu, moe_ep_group=moe_ep_group, **newer
+        )
     with torch.no_grad():  # not detach() per tensor: each is a dispatch of host time
         norms = torch._foreach_norm([t if t.dtype == torch.float32 else t.float() for t in input_tensors], 2.0)
         total = torch.stack(norms).pow(2.0).sum().pow(0.5)
@@ -317,8 +319,10 @@ def _global_norm_multi_tensor(input_tensors, norm_type=2, mpu=None, moe_ep_group
     return total
 
 
-def _clip_multi_tensor(input_tensors, max_norm=1.0, global_norm=None, mpu=None, eps=1e-6):
+def _clip_multi_tensor(input_tensors, max_norm=1.0, global_norm=None, mpu=None, eps=1e-6, **newer):
     """DeepSpeed's ``clip_tensors_by_global_norm`` without reading the factor on the host."""
+    if newer:
+        return _DEEPSPEED_NORM_AND_CLIP["clip"](input_tensors, max_norm, global_norm, mpu, eps, **newer)
     if global_norm is None:
         global_norm = _global_norm_multi_tensor(input_tensors, mpu=mpu)
     if input_tensors:
