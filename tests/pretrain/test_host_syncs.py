@@ -150,3 +150,23 @@ def test_bf16_optimizers_norm_and_clip_are_deepspeeds_arithmetic_in_two_multi_te
         assert clips or all(torch.equal(a, b) for a, b in zip(ours, grads))  # not clipped: untouched
     bad = [torch.ones(4), torch.tensor([float("nan")])]
     assert float(eng._global_norm_multi_tensor(bad)) == float(ds_utils.get_global_norm_of_tensors(bad)) == -1.0
+
+
+def test_bf16_optimizers_gradient_accumulation_is_deepspeeds_sums_in_one_multi_tensor_add(shards):
+    """Each micro-batch's bf16 gradients go into BF16_Optimizer's fp32 ones through one multi-tensor add
+    (pretrain/runtime/engine.py) instead of two kernels per parameter: in a real engine, after each of
+    two micro-batches, the fp32 gradients equal what DeepSpeed's own update makes of the same ones."""
+    from conftest import free_port
+
+    done = subprocess.run(
+        [PY, "tests/bf16_grads_probe.py", str(shards), str(free_port())],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=trainer_env(),
+    )
+    assert done.returncode == 0, explain(done)
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["ours"] and found["params"] > 10, found
+    assert found["micro_batches"] == [{"equal": True, "moved": True, "has_gradients": True}] * 2, found

@@ -1,0 +1,63 @@
+"""Run as a script: one rank of ZeRO 1 in bf16 (DeepSpeed's BF16_Optimizer, base.yaml's path) built by
+the trainer's own engine module, two micro-batches, and after each backward the fp32 gradients it
+accumulated (through ``pretrain/runtime/engine.py``'s multi-tensor ``update_hp_grads``) compared with
+what DeepSpeed's own ``update_hp_grads`` makes of the same bf16 gradients from the same start.
+
+    python tests/bf16_grads_probe.py SHARDS   # prints one JSON line; exit 0
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def main(shards: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_PORT", sys.argv[2] if len(sys.argv) > 2 else "29517")
+    import torch
+
+    from bench.step_profile import build
+    from pretrain.model.masking import mask_batch
+    from pretrain.runtime import engine as eng
+
+    overrides = ["impl.precision=bf16", "impl.zero_stage=1", "impl.micro_batch_size=4", "train.global_batch_size=8"]
+    s = build(REPO / "configs" / "tiny.yaml", overrides + ["impl.compile=false", f"data.dir={shards}"], Path(shards))
+    opt = s.engine.optimizer
+    assert type(opt).__name__ == "BF16_Optimizer", type(opt)
+    deepspeeds = eng._DEEPSPEED_NORM_AND_CLIP["update_hp_grads"]
+    flat = opt.fp32_groups_gradients_flat
+    compared = []
+    for micro in range(2):
+        batch = next(s.batches)
+        m = mask_batch(
+            batch["input_ids"], batch["word_starts"], s.special, s.cfg.masking, sample_ids=batch["sample_ids"], step=0
+        )
+        before = [f.clone() for f in flat]
+        loss, _, _ = s.engine(m.input_ids, None, m.positions, m.labels)
+        s.engine.backward(loss)  # its epilogue adds the bf16 gradients into the fp32 ones: ours
+        ours = [f.clone() for f in flat]
+        for f, b in zip(flat, before):
+            f.copy_(b)
+        deepspeeds(opt)  # the same bf16 gradients, DeepSpeed's way
+        theirs = [f.clone() for f in flat]
+        compared.append(
+            {
+                "equal": all(torch.equal(a, b) for a, b in zip(ours, theirs)),
+                "moved": any(not torch.equal(a, b) for a, b in zip(ours, before)),
+                "has_gradients": all(all(h) for h in opt.fp32_groups_has_gradients),
+            }
+        )
+    ours_in_place = type(opt).update_hp_grads is eng._update_hp_grads_multi_tensor
+    print(
+        json.dumps({"micro_batches": compared, "params": sum(len(g) for g in opt.bf16_groups), "ours": ours_in_place})
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
