@@ -31,7 +31,7 @@
 #                      [--only UNIT,...] [--skip UNIT,...] [--resume-from RESULTS_FILE]
 #
 # Units, in the order they run (a unit's runs and the check that reads them): paths mlm-loss adamw
-# bert-base resume nonfinite export profile zero3 phase2 modernbert flash-attn documents dropout
+# bert-base profile nonfinite resume export zero3 phase2 modernbert flash-attn documents dropout
 # compile-fixed bert-base-nodrop nccl. Each line of WORK/results.txt is written as a run or check ends, and
 # "done UNIT" once a unit has passed; --resume-from that file (carried to the next lease) runs only
 # the units not done, so two short leases cover everything.
@@ -47,7 +47,7 @@ PY=${PYTHON:-.venv/bin/python}
 
 DRY_RUN=0 GPUS="" STEPS=50 MICRO=64 BASE_MICRO=128 CONFIG=configs/mini.yaml DATA="" WORK=/tmp/gpu_smoke BUDGET=540
 ONLY="" SKIP="" RESUME_FROM="" PREVIOUS_DONE=""
-UNITS=(paths mlm-loss adamw bert-base resume nonfinite export profile zero3 phase2 modernbert flash-attn
+UNITS=(paths mlm-loss adamw bert-base profile nonfinite resume export zero3 phase2 modernbert flash-attn
        documents dropout compile-fixed bert-base-nodrop nccl)
 usage() { grep -A2 '^#   bench/gpu_smoke.sh \[' "$0" | sed 's/^# \{0,3\}//'; }
 while [ $# -gt 0 ]; do
@@ -217,10 +217,11 @@ check() {  # check NAME ARGS... : one of bench/gpu_smoke_checks.py's checks
 # The order: what a first GPU run is most likely to break, and what the lease is for, first; so a lease
 # that runs out leaves the least valuable unanswered. adamw is the default path (ZeRO 1 bf16 fused AdamW)
 # and every later comparison's reference; bert-base is the headline (base.yaml's tokens/s and MFU); then
-# the converted resume, the non-finite skip and the export (what a week-long run relies on); then the
-# profile (two leases found every step host-bound: this says where the host's time goes); then the
-# other ZeRO stages, phase 2 and the other architectures; last, what only measures a cost (no dropout)
-# or repeats a path on one GPU (NCCL across a single device).
+# the profile (two leases found every step host-bound: this says where the host's time goes); then
+# the non-finite skip (through the bf16 optimiser's norm, ours since those leases), the converted
+# resume and the export (what a week-long run relies on); then the other ZeRO stages, phase 2 and the
+# other architectures; last, what only measures a cost (no dropout) or repeats a path on one GPU
+# (NCCL across a single device).
 if selected paths; then check paths paths "$CONFIG" "$DATA"; close paths check:paths; fi
 # 128 x 512 tokens at 15%: a BERT-base phase-2 micro-batch's predicted tokens, at its hidden size.
 if selected mlm-loss; then
@@ -241,6 +242,24 @@ if selected bert-base; then
   else record "skipped check heldout (needs the bert-base run)"; fi
   close bert-base check:heldout
 fi
+# The profiled steps: a fifth of the run, from its middle (after the compile and the first window).
+if selected profile; then
+  PROFILE=(impl.profile_at_step=$((STEPS / 2 + 1)) impl.profile_steps=$((STEPS / 5)))
+  run profile-mini 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=1 "${PROFILE[@]}"
+  RUN_CONFIG=configs/base.yaml run profile-base 1 "${BASE_BATCH[@]}" "${PROFILE[@]}"
+  if ran profile-mini profile-base; then check profile profile "$WORK/runs/profile-mini" "$WORK/runs/profile-base"
+  else record "skipped check profile (needs the profile-mini and profile-base runs)"; fi
+  close profile check:profile
+fi
+# A non-finite loss at ZeRO 1 bf16 (configs/base.yaml's setting: DeepSpeed's BF16_Optimizer): each such
+# step skipped on every rank without moving the schedule, and after three in a row exit 4.
+if selected nonfinite; then
+  EXPECT=4 run nonfinite 1 impl.zero_stage=1 optim.lr=1e30 optim.warmup_steps=8 train.max_nonfinite_in_a_row=3 \
+    train.log_every=1 train.checkpoint_every=1
+  if ran nonfinite; then check nonfinite nonfinite "$WORK/runs/nonfinite"
+  else record "skipped check nonfinite (needs the nonfinite run)"; fi
+  close nonfinite check:nonfinite
+fi
 # A halt at mid-run and a resume at another ZeRO stage (the checkpoint converted on load, AdamW's step
 # count put where the fused kernel wants it): the losses of the uninterrupted adamw run (run here first
 # when an earlier lease ran it).
@@ -255,29 +274,11 @@ if selected resume; then
   else record "skipped check resume (needs the adamw and halted runs)"; fi
   close resume check:resume
 fi
-# A non-finite loss at ZeRO 1 bf16 (configs/base.yaml's setting: DeepSpeed's BF16_Optimizer): each such
-# step skipped on every rank without moving the schedule, and after three in a row exit 4.
-if selected nonfinite; then
-  EXPECT=4 run nonfinite 1 impl.zero_stage=1 optim.lr=1e30 optim.warmup_steps=8 train.max_nonfinite_in_a_row=3 \
-    train.log_every=1 train.checkpoint_every=1
-  if ran nonfinite; then check nonfinite nonfinite "$WORK/runs/nonfinite"
-  else record "skipped check nonfinite (needs the nonfinite run)"; fi
-  close nonfinite check:nonfinite
-fi
 if selected export; then
   run lamb 1 optim.name=lamb impl.zero_stage=0
   if ran lamb; then check export export "$WORK/runs/lamb"
   else record "skipped check export (needs the lamb run)"; fi
   close export check:export
-fi
-# The profiled steps: a fifth of the run, from its middle (after the compile and the first window).
-if selected profile; then
-  PROFILE=(impl.profile_at_step=$((STEPS / 2 + 1)) impl.profile_steps=$((STEPS / 5)))
-  run profile-mini 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=1 "${PROFILE[@]}"
-  RUN_CONFIG=configs/base.yaml run profile-base 1 "${BASE_BATCH[@]}" "${PROFILE[@]}"
-  if ran profile-mini profile-base; then check profile profile "$WORK/runs/profile-mini" "$WORK/runs/profile-base"
-  else record "skipped check profile (needs the profile-mini and profile-base runs)"; fi
-  close profile check:profile
 fi
 if selected zero3; then run zero3 1 impl.fused_optimizer=true impl.zero_stage=3; close zero3 zero3; fi
 # Phase 2 of the BERT recipe: a new run from adamw's last checkpoint (ZeRO 1), converted to ZeRO 2.
