@@ -30,7 +30,7 @@ def main(shards: str) -> None:
     s = build(REPO / "configs" / "tiny.yaml", overrides + ["impl.compile=false", f"data.dir={shards}"], Path(shards))
     opt = s.engine.optimizer
     assert type(opt).__name__ == "BF16_Optimizer", type(opt)
-    deepspeeds = eng._DEEPSPEED_NORM_AND_CLIP["update_hp_grads"]
+    deepspeeds = eng._DEEPSPEEDS_OWN["update_hp_grads"]
     flat = opt.fp32_groups_gradients_flat
     compared = []
     for micro in range(2):

@@ -224,7 +224,7 @@ def initialize(model: torch.nn.Module, cfg: Config, info: DistInfo, precision: s
     if "optimizer" not in ds_config:
         _skip_muon_import()
     _mask_nonfinite_norm_on_the_device()
-    _bf16_norm_and_clip_multi_tensor()
+    _bf16_optimizer_multi_tensor()
     schedule = lr_schedule(cfg)
     if cfg.impl.zero_stage == 3 and getattr(model, "fused_loss", False):
         # The fused loss reads the decoder's weight (the word embeddings) outside the decoder's own
@@ -302,16 +302,14 @@ def _mask_nonfinite_norm_on_the_device() -> None:
 # 400 launches a step for BERT-base's 201 tensors, while the device idles after the step's wait. One
 # multi-tensor norm and one multi-tensor multiply do the same arithmetic (the same per-tensor norms,
 # summed as DeepSpeed sums them; a factor of min(1, max_norm / (norm + eps)), where x * 1.0 is x).
-_DEEPSPEED_NORM_AND_CLIP: dict = {}
+_DEEPSPEEDS_OWN: dict = {}
 
 
 def _global_norm_multi_tensor(input_tensors, norm_type=2, mpu=None, moe_ep_group=None, **newer):
     """DeepSpeed's ``get_global_norm_of_tensors`` for the case BF16_Optimizer meets here (a 2-norm, no
     model or expert parallelism); anything else, arguments of a newer DeepSpeed too, goes to its own."""
     if float(norm_type) != 2.0 or mpu is not None or moe_ep_group is not None or newer or not input_tensors:
-        return _DEEPSPEED_NORM_AND_CLIP["norm"](
-            input_tensors, norm_type=norm_type, mpu=mpu, moe_ep_group=moe_ep_group, **newer
-        )
+        return _DEEPSPEEDS_OWN["norm"](input_tensors, norm_type=norm_type, mpu=mpu, moe_ep_group=moe_ep_group, **newer)
     with torch.no_grad():  # not detach() per tensor: each is a dispatch of host time
         norms = torch._foreach_norm([t if t.dtype == torch.float32 else t.float() for t in input_tensors], 2.0)
         total = torch.stack(norms).pow(2.0).sum().pow(0.5)
@@ -322,7 +320,7 @@ def _global_norm_multi_tensor(input_tensors, norm_type=2, mpu=None, moe_ep_group
 def _clip_multi_tensor(input_tensors, max_norm=1.0, global_norm=None, mpu=None, eps=1e-6, **newer):
     """DeepSpeed's ``clip_tensors_by_global_norm`` without reading the factor on the host."""
     if newer:
-        return _DEEPSPEED_NORM_AND_CLIP["clip"](input_tensors, max_norm, global_norm, mpu, eps, **newer)
+        return _DEEPSPEEDS_OWN["clip"](input_tensors, max_norm, global_norm, mpu, eps, **newer)
     if global_norm is None:
         global_norm = _global_norm_multi_tensor(input_tensors, mpu=mpu)
     if input_tensors:
@@ -338,7 +336,7 @@ def _update_hp_grads_multi_tensor(self, clear_lp_grads=False):
     BERT-base), here one multi-tensor add that promotes bf16 as it adds (the same sums, one kernel each
     where the dtypes differ). DeepSpeed's own where it does more (immediate updates, AutoEP folding)."""
     if self.immediate_grad_update or getattr(self, "autoep_folding_tp_group", None) is not None:
-        return _DEEPSPEED_NORM_AND_CLIP["update_hp_grads"](self, clear_lp_grads=clear_lp_grads)
+        return _DEEPSPEEDS_OWN["update_hp_grads"](self, clear_lp_grads=clear_lp_grads)
     with torch.no_grad():
         for i, group in enumerate(self.bf16_groups):
             hp_grads, has = self.fp32_groups_gradients[i], self.fp32_groups_has_gradients[i]
@@ -355,13 +353,15 @@ def _update_hp_grads_multi_tensor(self, clear_lp_grads=False):
                 torch._foreach_zero_(lp)
 
 
-def _bf16_norm_and_clip_multi_tensor() -> None:
+def _bf16_optimizer_multi_tensor() -> None:
+    """BF16_Optimizer's norm, clip and gradient sums replaced by the multi-tensor ones above, once
+    DeepSpeed's own are kept for what they do not cover."""
     import deepspeed.runtime.bf16_optimizer as bf16_optimizer
 
-    if not _DEEPSPEED_NORM_AND_CLIP:
-        _DEEPSPEED_NORM_AND_CLIP["norm"] = bf16_optimizer.get_global_norm_of_tensors
-        _DEEPSPEED_NORM_AND_CLIP["clip"] = bf16_optimizer.clip_tensors_by_global_norm
-        _DEEPSPEED_NORM_AND_CLIP["update_hp_grads"] = bf16_optimizer.BF16_Optimizer.update_hp_grads
+    if not _DEEPSPEEDS_OWN:
+        _DEEPSPEEDS_OWN["norm"] = bf16_optimizer.get_global_norm_of_tensors
+        _DEEPSPEEDS_OWN["clip"] = bf16_optimizer.clip_tensors_by_global_norm
+        _DEEPSPEEDS_OWN["update_hp_grads"] = bf16_optimizer.BF16_Optimizer.update_hp_grads
     bf16_optimizer.get_global_norm_of_tensors = _global_norm_multi_tensor
     bf16_optimizer.clip_tensors_by_global_norm = _clip_multi_tensor
     bf16_optimizer.BF16_Optimizer.update_hp_grads = _update_hp_grads_multi_tensor

@@ -10,9 +10,9 @@ numbers them) on every rank, and writes into ``train.out_dir/profile/``, per ran
 Rank 0 logs the summary: the wall time of a step, the host's time in each phase of ``train_step``
 (``phase()`` names them; ``sync`` includes the one wait for the device) with the number of ops called
 in it (on a GPU, about one kernel launch each; the backward's run on autograd's device thread there
-and are counted in no phase), and on a GPU the device's busy time, the sum of its kernels. A step whose device is busy for much less than its wall time waits
-for its host (Python, DeepSpeed's bookkeeping, kernel launches): fewer, fused kernels help there, a
-faster GPU does not.
+and are counted in no phase), and on a GPU the device's busy time, the sum of its kernels. A step
+whose device is busy for much less than its wall time waits for its host (Python, DeepSpeed's
+bookkeeping, kernel launches): fewer, fused kernels help there, a faster GPU does not.
 
 Pick steps after the first logging window (compilation, the allocator's warm-up, the attention kernel's
 timing all come before) and away from an evaluation or a checkpoint, unless those are what you want to
@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import ContextManager, Optional
 
 import torch
+
+from data_prep.common.atomic import write_atomic
 
 log = logging.getLogger("pretrain")
 
@@ -93,7 +95,7 @@ class StepProfiler:
         self.dir.mkdir(parents=True, exist_ok=True)
         stem = self.dir / f"step{first:08d}-rank{self.rank}"
         trace = stem.with_suffix(".json.gz")
-        _write_atomic(stem.with_suffix(".txt"), f"steps {first}-{steps_done}: {summary}\n\n{tables}\n")
+        write_atomic(stem.with_suffix(".txt"), f"steps {first}-{steps_done}: {summary}\n\n{tables}\n")
         tmp = self.dir / f".{trace.name}.tmp.gz"  # ends in .gz: torch gzips it
         prof.export_chrome_trace(str(tmp))
         os.replace(tmp, trace)
@@ -126,9 +128,3 @@ def summarise(prof: torch.profiler.profile, steps: int, seconds: float, on_gpu: 
         line += f"; the device busy {busy:.1f} ms ({100 * busy / wall:.0f}% of the step)"
         tables += "\n" + events.table(sort_by="self_device_time_total", row_limit=25)
     return line, tables
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

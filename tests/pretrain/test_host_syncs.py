@@ -23,32 +23,37 @@ STEPS, LOG_EVERY = 6, 3
 ONE_READ = ["pretrain/step.py:decide_update.tolist"]
 
 
-def run_probe(script: str, shards, tmp_path, *overrides) -> dict:
-    """``tests/<script>`` running the real trainer on ``configs/tiny.yaml`` for STEPS steps; its JSON."""
-    out = tmp_path / "probe.json"
+def run_script(script: str, *args, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``tests/<script> ARGS`` in a launched job's environment, run to a clean exit."""
     proc = subprocess.run(
-        [
-            PY,
-            f"tests/{script}",
-            str(out),
-            "--config",
-            "configs/tiny.yaml",
-            f"data.dir={shards}",
-            f"train.out_dir={tmp_path / 'run'}",
-            "tracking.report=false",
-            f"train.max_steps={STEPS}",
-            f"train.log_every={LOG_EVERY}",
-            "train.eval_every=0",
-            "train.checkpoint_every=0",
-            *overrides,
-        ],
+        [PY, f"tests/{script}", *map(str, args)],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
         env=trainer_env(),
     )
     assert proc.returncode == 0, explain(proc)
+    return proc
+
+
+def run_probe(script: str, shards, tmp_path, *overrides) -> dict:
+    """``tests/<script>`` running the real trainer on ``configs/tiny.yaml`` for STEPS steps; its JSON."""
+    out = tmp_path / "probe.json"
+    run_script(
+        script,
+        out,
+        "--config",
+        "configs/tiny.yaml",
+        f"data.dir={shards}",
+        f"train.out_dir={tmp_path / 'run'}",
+        "tracking.report=false",
+        f"train.max_steps={STEPS}",
+        f"train.log_every={LOG_EVERY}",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+        *overrides,
+    )
     return json.loads(out.read_text())
 
 
@@ -132,7 +137,7 @@ def test_bf16_optimizers_norm_and_clip_are_deepspeeds_arithmetic_in_two_multi_te
 
     from pretrain.runtime import engine as eng
 
-    eng._bf16_norm_and_clip_multi_tensor()
+    eng._bf16_optimizer_multi_tensor()
     assert bf16_optimizer.get_global_norm_of_tensors is eng._global_norm_multi_tensor
     assert bf16_optimizer.clip_tensors_by_global_norm is eng._clip_multi_tensor
     eng._mask_nonfinite_norm_on_the_device()  # as initialize() does: DeepSpeed's norm then masks alike
@@ -158,15 +163,7 @@ def test_bf16_optimizers_gradient_accumulation_is_deepspeeds_sums_in_one_multi_t
     two micro-batches, the fp32 gradients equal what DeepSpeed's own update makes of the same ones."""
     from conftest import free_port
 
-    done = subprocess.run(
-        [PY, "tests/bf16_grads_probe.py", str(shards), str(free_port())],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=trainer_env(),
-    )
-    assert done.returncode == 0, explain(done)
+    done = run_script("bf16_grads_probe.py", shards, free_port(), timeout=300)
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["ours"] and found["params"] > 10, found
     assert found["micro_batches"] == [{"equal": True, "moved": True, "has_gradients": True}] * 2, found
