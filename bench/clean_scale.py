@@ -17,6 +17,9 @@ groups of 8 Mi characters (~17,000 documents).
 ``--one-job-tree DIR`` (a checkout from before the split, e.g. ``git worktree add DIR ab09f23``) also
 runs that tree's stages on the same corpus (signatures, the one clusters job, filter): the
 one-job clusters stage side by side with the exact, pairs and join stages that replace it.
+``--join-tree DIR`` (an older checkout, e.g. ``git archive`` of a commit into DIR) runs that tree's
+join on the same work files just before ours: its time and memory beside ours, and whether the two
+wrote the same decisions, byte for byte.
 
 Memory per task: the peak of its resident anonymous memory (``RssAnon``, sampled every 20 ms: the
 heap, what a task must be given) and its peak resident set (``ru_maxrss``, which also counts pages of
@@ -133,6 +136,11 @@ def confirmed_pairs(out: Path) -> int:
     return sum(len(np.load(p)["pairs"]) for p in out.glob(".clean/*/pairs-*.npz"))
 
 
+def decisions(out: Path) -> dict[str, bytes]:
+    """The join's files (decisions.json and .npz), by name."""
+    return {p.name: p.read_bytes() for p in sorted(out.glob(".clean/*/decisions.*"))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1000000,3000000,10000000")
@@ -141,6 +149,7 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=2)
     ap.add_argument("--work-dir", default="/tmp/clean-scale")
     ap.add_argument("--one-job-tree", help="a checkout with the one-job clusters stage, run on the same corpora")
+    ap.add_argument("--join-tree", help="an older checkout whose join (clusters) runs on the same work files")
     args = ap.parse_args()
     work = Path(args.work_dir)
     print(
@@ -157,9 +166,15 @@ def main() -> None:
             out = work / f"out-{n}-{near:g}"
             subprocess.run(["rm", "-rf", str(out)])
             rows = {}
+            same_join = None
             for name in (*ARRAYS, "clusters", "filter"):
                 tasks = [None] if name == "clusters" else range(k)
+                if name == "clusters" and args.join_tree:
+                    rows["old join"] = run_stage([command(corpus, out, name, k, None)], 1, Path(args.join_tree))
+                    theirs = decisions(out)
                 rows[name] = run_stage([command(corpus, out, name, k, t) for t in tasks], args.parallel)
+                if name == "clusters" and args.join_tree:
+                    same_join = decisions(out) == theirs
             removed = json.loads((out / "report.json").read_text())["removed"]
             pairs = confirmed_pairs(out)
             per_pair = rows["clusters"]["anon"] * 2**20 / max(pairs, 1)
@@ -167,6 +182,8 @@ def main() -> None:
                 f"{removed.get('exact_duplicate', {}).get('documents', 0):,}/"
                 f"{removed.get('near_duplicate', {}).get('documents', 0):,}, {pairs:,} pairs, {per_pair:,.0f} B"
             )
+            if same_join is not None:
+                tail += f"; the old join's decisions {'identical' if same_join else 'DIFFER'}"
             if args.one_job_tree:
                 tree, old_out = Path(args.one_job_tree), work / f"one-job-{n}-{near:g}"
                 subprocess.run(["rm", "-rf", str(old_out)])

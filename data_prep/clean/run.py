@@ -83,6 +83,7 @@ from .sorted_keys import (
     BAND_ARRAYS,
     EXACT_ARRAYS,
     MINHASH,
+    Components,
     Gone,
     KeyFiles,
     band_pairs_confirmed,
@@ -383,25 +384,20 @@ def _result_name(stage: str, num_tasks: int, task: int) -> str:
     return f"{stage}-k{num_tasks:05d}-t{task:05d}.npz"
 
 
-def _results(job: _Job, stage: str, num_tasks: int) -> list[dict]:
+def _result_names(job: _Job, stage: str, num_tasks: int) -> list[str]:
     """Every task's result file of ``stage`` (exact, pairs); refuses, naming them, while some are missing."""
-    found, missing = [], []
     listing = set(job.store.list(job.work.rstrip("/")))
-    for task in range(num_tasks):
-        name = job.work + _result_name(stage, num_tasks, task)
-        if name in listing:
-            found.append(_load_npz(job.store, name))
-        else:
-            missing.append(task)
+    names = [job.work + _result_name(stage, num_tasks, task) for task in range(num_tasks)]
+    missing = [task for task, name in enumerate(names) if name not in listing]
     if missing:
         what = {"exact": "exact duplicates", "pairs": "near-duplicate pairs"}[stage]
         raise _missing(job, what, missing, num_tasks, f"--from {stage} ")
-    return found
+    return names
 
 
 def _exact_removed(job: _Job, num_tasks: int) -> tuple[np.ndarray, np.ndarray]:
     """(removed, representatives) of every exact task, by removed id."""
-    parts = _results(job, "exact", num_tasks)
+    parts = [_load_npz(job.store, name) for name in _result_names(job, "exact", num_tasks)]
     removed = np.concatenate([np.zeros(0, np.int64)] + [p["removed"] for p in parts])
     reps = np.concatenate([np.zeros(0, np.int64)] + [p["reps"] for p in parts])
     order = np.argsort(removed)
@@ -525,15 +521,16 @@ class _Tally:
 
 def stage_clusters(job: _Job, num_tasks: int) -> None:
     """The join: the removals of every stage before it (the rules' and decontamination's per group,
-    the exact and pairs tasks' files) into the decisions; memory follows the duplicates, not the
-    corpus or the candidates."""
+    the exact and pairs tasks' files) into the decisions; memory is 4 bytes a document and what the
+    duplicates need, not the candidates or the confirmed pairs (read one task's file at a time)."""
     groups, offsets, n = _corpus(job, num_tasks)
     tally = _Tally()
     decont = _rules_and_contamination(job, groups, offsets, tally)
     exact_removed, exact_reps = _exact_removed(job, num_tasks)
-    pairs = [p["pairs"] for p in _results(job, "pairs", num_tasks)]
-    confirmed = np.unique(np.concatenate([np.zeros((0, 2), np.int64), *pairs]), axis=0)
-    near_removed, near_reps = _clusters_of_confirmed(job, groups, offsets, confirmed)
+    joined = Components(n)
+    for name in _result_names(job, "pairs", num_tasks):  # one task's confirmed pairs at a time
+        joined.add(_load_npz(job.store, name, ("pairs",))["pairs"])
+    near_removed, near_reps = _near_clusters(job, groups, offsets, joined.labels())
     clusters_found = _biggest_clusters(exact_removed, exact_reps, near_removed, near_reps)
     gone = np.sort(np.concatenate([decont, exact_removed, near_removed]))
     model_removed, model_report = _quality_model_cut(job, groups, offsets, gone)
@@ -629,18 +626,19 @@ def _confirmed_pairs(job: _Job, offsets, minhash, pairs: np.ndarray) -> np.ndarr
     return pairs[clusters.agreement(rows, a, b) >= job.s.near.min_similarity]
 
 
-def _clusters_of_confirmed(job: _Job, groups, offsets, confirmed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Connected components of the confirmed pairs, each keeping its member with the smallest
-    identity: memory follows the confirmed pairs (the duplicates), not the candidates."""
-    if not len(confirmed):
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    members = np.unique(confirmed)
-    ident = np.empty(len(members), "S16")
-    group_of = np.searchsorted(offsets, members, side="right") - 1
-    for g in np.unique(group_of):
-        at = np.flatnonzero(group_of == g)
-        ident[at] = _group_sig(job, groups[g][0], "keys").keys[members[at] - offsets[g]]
-    return clusters_of(confirmed, ident, members)
+def _near_clusters(job: _Job, groups, offsets, label: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(removed, representatives) of the components of the confirmed pairs, each keeping its member
+    with the smallest identity (its key, read from its group's signatures)."""
+
+    def ident_of(members: np.ndarray) -> np.ndarray:
+        ident = np.empty(len(members), "S16")
+        group_of = np.searchsorted(offsets, members, side="right") - 1
+        for g in np.unique(group_of):
+            at = np.flatnonzero(group_of == g)
+            ident[at] = _group_sig(job, groups[g][0], "keys").keys[members[at] - offsets[g]]
+        return ident
+
+    return clusters_of(label, ident_of)
 
 
 def _biggest_clusters(exact_removed, exact_reps, near_removed, near_reps) -> list[dict]:

@@ -107,9 +107,9 @@ class Gone:
     billion documents, whatever share of them is gone."""
 
     def __init__(self, documents: int, ids: np.ndarray):
-        flags = np.zeros(documents, bool)
-        flags[ids] = True
-        self._bits = np.packbits(flags)
+        self._bits = np.zeros(-(-documents // 8), np.uint8)  # set in place: never a byte a document
+        ids = np.asarray(ids, np.int64)
+        np.bitwise_or.at(self._bits, ids >> 3, (128 >> (ids & 7)).astype(np.uint8))
         self.any = bool(len(ids))
 
     def mask(self, gid: np.ndarray) -> np.ndarray:
@@ -196,22 +196,58 @@ def band_pairs_confirmed(files: KeyFiles, units: list[tuple[int, int, int]], gon
     return np.unique(np.concatenate(found), axis=0)
 
 
-def clusters_of(pairs: np.ndarray, ident: np.ndarray, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(removed global ids, their representatives) of the near-duplicate clusters: the confirmed
-    ``pairs`` joined into connected components, each keeping its member with the smallest identity
-    (``ident``, one per sorted ``members``). Arrays throughout: memory follows the pairs."""
-    from scipy.sparse import coo_matrix
-    from scipy.sparse.csgraph import connected_components
+class Components:
+    """Connected components of pairs given in batches, over ``n`` documents (global ids): one parent
+    per document, a root being its component's smallest id. Each batch is joined before the next is
+    read, so memory is 4 bytes a document (8 from 2^31 documents) and one batch, however many pairs
+    (a near copy can be confirmed by a dozen of them)."""
 
-    if not len(pairs):
+    def __init__(self, n: int):
+        self.parent = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
+
+    def _roots(self, x: np.ndarray) -> np.ndarray:
+        r = self.parent[x]
+        while True:
+            up = self.parent[r]
+            if np.array_equal(up, r):
+                return r
+            r = up
+
+    def add(self, pairs: np.ndarray) -> None:
+        """Joins the two documents of every (i, j) row: each round hooks the larger root of every pair
+        still split under the smaller (the smallest, where several pairs hook one root) until none is."""
+        a, b = pairs[:, 0], pairs[:, 1]
+        while len(a):
+            ra, rb = self._roots(a), self._roots(b)
+            self.parent[a], self.parent[b] = ra, rb  # shortcut the ends to their roots
+            split = ra != rb
+            a, b, ra, rb = a[split], b[split], ra[split], rb[split]
+            np.minimum.at(self.parent, np.maximum(ra, rb), np.minimum(ra, rb))
+
+    def labels(self) -> np.ndarray:
+        """Each document's root: its component's smallest id (its own where it is in no pair)."""
+        p = self.parent
+        while True:
+            up = p[p]
+            if np.array_equal(up, p):
+                return p
+            p = up
+
+
+def clusters_of(label: np.ndarray, ident_of) -> tuple[np.ndarray, np.ndarray]:
+    """(removed global ids, their representatives) of the near-duplicate clusters, from each
+    document's component (``Components.labels``): each keeps its member with the smallest identity
+    (``ident_of(members)``, members sorted; the smaller id where two are equal). Memory follows the
+    documents in a cluster, not the pairs that joined them."""
+    joined = np.flatnonzero(label != np.arange(len(label), dtype=label.dtype))
+    if not len(joined):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    a, b = np.searchsorted(members, pairs[:, 0]), np.searchsorted(members, pairs[:, 1])
+    members = np.union1d(joined, label[joined]).astype(np.int64)
+    ident, root = ident_of(members), label[members]
     m = len(members)
-    graph = coo_matrix((np.ones(len(a), np.int8), (a, b)), shape=(m, m))
-    label = connected_components(graph, directed=False)[1]
-    order = np.lexsort((ident, label))
+    order = np.lexsort((ident, root))
     first = np.ones(m, bool)
-    first[1:] = label[order[1:]] != label[order[:-1]]
+    first[1:] = root[order[1:]] != root[order[:-1]]
     start = np.maximum.accumulate(np.where(first, np.arange(m), 0))
     removed, reps = members[order[~first]], members[order[start[~first]]]
     o = np.argsort(removed)

@@ -727,3 +727,38 @@ def test_the_sliced_clusters_stage_decides_as_the_whole_corpus_in_memory_would(t
 
     removed = {record_key({k: v for k, v in r.items() if k != "removed_by"}) for r in removed_records(tmp_path / "out")}
     assert removed == set(keys[hit | gone_exact | gone_near].tolist())
+
+
+def test_components_joined_one_batch_at_a_time_are_scipys():
+    """The join reads one pairs file at a time (``sorted_keys.Components``): on random graphs cut into
+    batches, and on a long chain given from its far end (many hooking rounds), every document's label
+    is its component's smallest id, the components scipy finds from all the pairs at once; and each
+    cluster keeps its member with the smallest identity."""
+    import numpy as np
+
+    from data_prep.clean.clusters import components
+    from data_prep.clean.sorted_keys import Components, clusters_of
+
+    rng = np.random.default_rng(0)
+    chain = np.stack([np.arange(999, 0, -1) - 1, np.arange(999, 0, -1)], axis=1)  # (998, 999), ..., (0, 1)
+    graphs = [(1000, chain, 1)] + [
+        (int(n), rng.integers(0, n, (int(rng.integers(0, 2 * n)), 2)), int(rng.integers(1, 6)))
+        for n in rng.integers(2, 400, 60)
+    ]
+    for n, pairs, batches in graphs:
+        pairs = np.sort(pairs[pairs[:, 0] != pairs[:, 1]], axis=1)
+        joined = Components(n)
+        for batch in np.array_split(pairs, batches):
+            joined.add(batch)
+        label, expected = joined.labels(), components(n, pairs)
+        smallest = np.full(n, n)
+        np.minimum.at(smallest, expected, np.arange(n))
+        assert (label == smallest[expected]).all()
+    ident = rng.permutation(1000).astype("S16")  # the chain's documents, identities in random order
+    removed, reps = clusters_of(Components(1000).labels(), lambda m: ident[m])
+    assert len(removed) == 0
+    joined = Components(1000)
+    joined.add(chain)
+    removed, reps = clusters_of(joined.labels(), lambda m: ident[m])
+    kept = min(range(1000), key=lambda i: ident[i])
+    assert removed.tolist() == [i for i in range(1000) if i != kept] and set(reps.tolist()) == {kept}
