@@ -196,6 +196,9 @@ def band_pairs_confirmed(files: KeyFiles, units: list[tuple[int, int, int]], gon
     return np.unique(np.concatenate(found), axis=0)
 
 
+BLOCK = 1 << 22  # documents at a time in a pass over every document's parent: no temporary of a corpus's size
+
+
 class Components:
     """Connected components of pairs given in batches, over ``n`` documents (global ids): one parent
     per document, a root being its component's smallest id. Each batch is joined before the next is
@@ -225,13 +228,18 @@ class Components:
             np.minimum.at(self.parent, np.maximum(ra, rb), np.minimum(ra, rb))
 
     def labels(self) -> np.ndarray:
-        """Each document's root: its component's smallest id (its own where it is in no pair)."""
-        p = self.parent
-        while True:
-            up = p[p]
-            if np.array_equal(up, p):
-                return p
-            p = up
+        """Each document's root: its component's smallest id (its own where it is in no pair). Parents
+        are replaced by grandparents in place, a block at a time, until none changes: no second array
+        of a parent per document."""
+        p, changed = self.parent, True
+        while changed:
+            changed = False
+            for lo in range(0, len(p), BLOCK):
+                part = p[lo : lo + BLOCK]  # a view: assigning to it writes into p
+                up = p[part]
+                if not np.array_equal(up, part):
+                    part[:], changed = up, True
+        return p
 
 
 def clusters_of(label: np.ndarray, ident_of) -> tuple[np.ndarray, np.ndarray]:
@@ -239,7 +247,13 @@ def clusters_of(label: np.ndarray, ident_of) -> tuple[np.ndarray, np.ndarray]:
     document's component (``Components.labels``): each keeps its member with the smallest identity
     (``ident_of(members)``, members sorted; the smaller id where two are equal). Memory follows the
     documents in a cluster, not the pairs that joined them."""
-    joined = np.flatnonzero(label != np.arange(len(label), dtype=label.dtype))
+    joined = np.concatenate(
+        [np.zeros(0, np.int64)]
+        + [
+            np.flatnonzero(label[lo : lo + BLOCK] != np.arange(lo, min(lo + BLOCK, len(label)), dtype=label.dtype)) + lo
+            for lo in range(0, len(label), BLOCK)
+        ]
+    )
     if not len(joined):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     members = np.union1d(joined, label[joined]).astype(np.int64)

@@ -729,15 +729,19 @@ def test_the_sliced_clusters_stage_decides_as_the_whole_corpus_in_memory_would(t
     assert removed == set(keys[hit | gone_exact | gone_near].tolist())
 
 
-def test_components_joined_one_batch_at_a_time_are_scipys():
+def test_components_joined_one_batch_at_a_time_are_scipys(monkeypatch):
     """The join reads one pairs file at a time (``sorted_keys.Components``): on random graphs cut into
     batches, and on a long chain given from its far end (many hooking rounds), every document's label
     is its component's smallest id, the components scipy finds from all the pairs at once; and each
-    cluster keeps its member with the smallest identity."""
+    cluster keeps its member with the smallest identity. Passes over every document go in blocks of
+    64 here, as a corpus larger than a block would."""
     import numpy as np
 
+    from data_prep.clean import sorted_keys
     from data_prep.clean.clusters import components
     from data_prep.clean.sorted_keys import Components, clusters_of
+
+    monkeypatch.setattr(sorted_keys, "BLOCK", 64)
 
     rng = np.random.default_rng(0)
     chain = np.stack([np.arange(999, 0, -1) - 1, np.arange(999, 0, -1)], axis=1)  # (998, 999), ..., (0, 1)
