@@ -9,6 +9,13 @@ from __future__ import annotations
 import numpy as np
 
 
+def sorted_unique(ids: np.ndarray) -> np.ndarray:
+    """The distinct values of an integer array, sorted: by a sort, where numpy 2.4's ``np.unique``
+    hashes them, 10-20x slower for a million distinct ids (0.9 s against 0.06)."""
+    s = np.sort(ids, axis=None)
+    return s[np.concatenate([[True], s[1:] != s[:-1]])] if len(s) else s
+
+
 def exact_groups(exact: np.ndarray, keys: np.ndarray, alive: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(representative per document, removed mask): among ``alive`` documents with the same exact key,
     all but the smallest ``keys`` entry are removed. ``exact`` and ``keys`` are ``S16`` arrays."""

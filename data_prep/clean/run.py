@@ -616,7 +616,7 @@ def _confirmed_pairs(job: _Job, offsets, minhash, pairs: np.ndarray) -> np.ndarr
     (each member's signature read from its group's mapped file: pages, not the group)."""
     if not len(pairs) or job.s.near.min_similarity <= 0:
         return pairs
-    members = np.unique(pairs)
+    members = clusters.sorted_unique(pairs)
     rows = np.empty((len(members), job.s.near.bands * job.s.near.rows), np.uint32)
     group_of = np.searchsorted(offsets, members, side="right") - 1
     for g in np.unique(group_of):
