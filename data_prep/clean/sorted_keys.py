@@ -256,13 +256,20 @@ def clusters_of(label: np.ndarray, ident_of) -> tuple[np.ndarray, np.ndarray]:
     )
     if not len(joined):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    members = sorted_unique(np.concatenate([joined, label[joined]]))  # with the roots
+    roots = sorted_unique(label[joined])  # a root is its own label: never in ``joined``
+    members = np.insert(joined, np.searchsorted(joined, roots), roots)
+    del joined, roots  # here and below: the arrays of a member each are freed as soon as they are used
     ident, root = ident_of(members), label[members]
-    m = len(members)
-    order = np.lexsort((ident, root))
-    first = np.ones(m, bool)
-    first[1:] = root[order[1:]] != root[order[:-1]]
-    start = np.maximum.accumulate(np.where(first, np.arange(m), 0))
-    removed, reps = members[order[~first]], members[order[start[~first]]]
+    order = np.lexsort((ident, root))  # by cluster, then identity (then id: lexsort is stable)
+    del ident
+    root = root[order]
+    first = np.concatenate([[True], root[1:] != root[:-1]])  # each cluster's first: the one it keeps
+    del root
+    ordered = members[order]
+    del members, order
+    heads = np.flatnonzero(first)
+    reps = np.repeat(ordered[heads], np.diff(np.append(heads, len(ordered))))[~first]
+    removed = ordered[~first]
+    del ordered, first
     o = np.argsort(removed)
     return removed[o], reps[o]
