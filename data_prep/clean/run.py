@@ -506,14 +506,19 @@ class _Tally:
     examples: dict = dataclasses.field(default_factory=dict)
     scores: dict = dataclasses.field(default_factory=dict)  # the quality model's score of each example
 
-    def count(self, why: str, words: int, gid: int, score: float = float("nan")) -> None:
-        entry = self.removed.setdefault(why, {"documents": 0, "words": 0})
-        entry["documents"] += 1
-        entry["words"] += words
-        if len(self.examples.setdefault(why, [])) < EXAMPLES:
-            self.examples[why].append(gid)
-            if score == score:
-                self.scores[str(gid)] = round(float(score), 4)
+    def count(self, why: np.ndarray, words: np.ndarray, gids: np.ndarray, scores: np.ndarray | None = None) -> None:
+        """Documents ``gids`` (ascending), removed for ``why`` (a reason each), of ``words`` words each;
+        the first EXAMPLES of a reason are its examples, with their scores where finite."""
+        for reason in sorted(set(why.tolist())):
+            at = np.flatnonzero(why == reason)
+            entry = self.removed.setdefault(reason, {"documents": 0, "words": 0})
+            entry["documents"] += len(at)
+            entry["words"] += int(words[at].sum())
+            examples = self.examples.setdefault(reason, [])
+            for i in at[: EXAMPLES - len(examples)].tolist():
+                examples.append(int(gids[i]))
+                if scores is not None and scores[i] == scores[i]:
+                    self.scores[str(int(gids[i]))] = round(float(scores[i]), 4)
 
     def documents(self) -> int:
         return sum(e["documents"] for e in self.removed.values())
@@ -543,8 +548,8 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
     for g, at in _by_group(offsets, ids):
         sig = _group_sig(job, groups[g][0], "words", "quality_scores")
         scores = sig.quality_scores if len(sig.quality_scores) else np.full(len(sig.words), np.nan)
-        for gid, c in zip(ids[at].tolist(), codes[at].tolist()):
-            tally.count(names[c], int(sig.words[gid - offsets[g]]), gid, scores[gid - offsets[g]])
+        local = ids[at] - offsets[g]
+        tally.count(np.array(names)[codes[at]], sig.words[local], ids[at], scores[local])
     _save_npz(job.store, job.work + "decisions.npz", ids=ids, codes=codes)
     _write_decisions(job, groups, n, names, tally, clusters_found, model_report)
 
@@ -604,8 +609,8 @@ def _rules_and_contamination(job: _Job, groups, offsets, tally: _Tally) -> np.nd
         d = _load_npz(job.store, job.work + _sig_name(key), ("words", "removed_by", "contaminated"))
         words, removed_by = d["words"], d["removed_by"]
         tally.words_in += int(words.sum())
-        for i in np.flatnonzero(removed_by != ""):
-            tally.count(str(removed_by[i]), int(words[i]), int(offset + i))
+        gone = np.flatnonzero(removed_by != "")
+        tally.count(removed_by[gone], words[gone], gone + offset)
         contaminated.append(np.flatnonzero(d["contaminated"]) + offset)
     return np.concatenate(contaminated)
 
