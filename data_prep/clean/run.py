@@ -45,6 +45,7 @@ import os
 import shutil
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -221,6 +222,30 @@ def _load_npz(store: Store, name: str, only: tuple[str, ...] | None = None) -> d
     source = store.local_dir / name if store.local_dir is not None else io.BytesIO(store.read_bytes(name))
     with np.load(source, allow_pickle=False) as data:
         return {k: data[k] for k in data.files if only is None or k in only}
+
+
+def _map_npz(store: Store, name: str) -> dict:
+    """The arrays of a local work file, memory-mapped (``np.savez`` stores its members uncompressed:
+    each is a ``.npy`` at an offset of the zip), so that a reader's memory is the pages it touches;
+    a bucket's is read whole (``_load_npz``)."""
+    if store.local_dir is None:
+        return _load_npz(store, name)
+    path, out = store.local_dir / name, {}
+    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+        for info in z.infolist():
+            if info.compress_type != zipfile.ZIP_STORED or not info.filename.endswith(".npy"):
+                return _load_npz(store, name)
+            f.seek(info.header_offset)
+            local = f.read(30)  # the local header: its name and extra lengths can differ from the directory's
+            names = int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+            f.seek(info.header_offset + 30 + names)
+            fmt = np.lib.format
+            read_header = fmt.read_array_header_1_0 if fmt.read_magic(f) == (1, 0) else fmt.read_array_header_2_0
+            shape, fortran, dtype = read_header(f)
+            order = "F" if fortran else "C"
+            mapped = np.memmap(f, dtype, "r", f.tell(), shape, order) if np.prod(shape) else np.zeros(shape, dtype)
+            out[info.filename[:-4]] = mapped
+    return out
 
 
 def _chunks(owned, done: set[str], groups: dict):
@@ -720,7 +745,7 @@ def _decisions(job: _Job) -> tuple[dict, _Removed]:
     if text is None:
         raise DataPrepError(f"{job.store.url(job.work)}: no decisions yet: run the clusters stage first")
     decisions = json.loads(text)
-    arrays = _load_npz(job.store, job.work + "decisions.npz")
+    arrays = _map_npz(job.store, job.work + "decisions.npz")  # each task reads its groups' pages
     return decisions, _Removed(arrays["ids"], arrays["codes"], decisions["reasons"])
 
 

@@ -766,3 +766,24 @@ def test_components_joined_one_batch_at_a_time_are_scipys(monkeypatch):
     removed, reps = clusters_of(joined.labels(), lambda m: ident[m])
     kept = min(range(1000), key=lambda i: ident[i])
     assert removed.tolist() == [i for i in range(1000) if i != kept] and set(reps.tolist()) == {kept}
+
+
+def test_filter_tasks_map_the_decisions_rather_than_read_them(tmp_path):
+    """A filter task reads only its groups' part of ``decisions.npz`` (10 bytes a removed document of
+    the whole corpus): a local file's arrays are memory-mapped at their offsets in the zip, equal to
+    what ``np.load`` reads; a compressed file falls back to reading."""
+    import numpy as np
+
+    from data_prep.clean.run import _map_npz, _save_npz
+    from data_prep.common.storage import open_store
+
+    store = open_store(str(tmp_path))
+    ids = np.sort(np.random.default_rng(0).integers(0, 10**12, 50_000))
+    codes = (ids % 4 + 1).astype(np.uint16)
+    _save_npz(store, "w/decisions.npz", ids=ids, codes=codes, none=np.zeros(0, np.int64))
+    mapped = _map_npz(store, "w/decisions.npz")
+    assert isinstance(mapped["ids"], np.memmap) and isinstance(mapped["codes"], np.memmap)
+    assert (mapped["ids"] == ids).all() and (mapped["codes"] == codes).all() and mapped["none"].shape == (0,)
+    np.savez_compressed(tmp_path / "w" / "packed.npz", ids=ids)
+    read = _map_npz(store, "w/packed.npz")
+    assert not isinstance(read["ids"], np.memmap) and (read["ids"] == ids).all()
