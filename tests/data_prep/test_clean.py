@@ -731,14 +731,16 @@ def test_the_sliced_clusters_stage_decides_as_the_whole_corpus_in_memory_would(t
 
 def test_components_joined_one_batch_at_a_time_are_scipys(monkeypatch):
     """The join reads one pairs file at a time (``sorted_keys.Components``): on random graphs cut into
-    batches, and on a long chain given from its far end (many hooking rounds), every document's label
-    is its component's smallest id, the components scipy finds from all the pairs at once; and each
-    cluster keeps its member with the smallest identity. Passes over every document go in blocks of
-    64 here, as a corpus larger than a block would."""
+    batches, and on a long chain given from its far end, every document's label is its component's
+    smallest id, the components scipy finds from all the pairs at once; and each cluster keeps its
+    member with the smallest identity. One bucket of 20,000 copies, each paired with the next 16 as
+    the pairs stage pairs them, leaves every copy straight under the smallest after its batch (no
+    chain to walk). Passes over every document go in blocks of 64 here, as a corpus larger than a
+    block would."""
     import numpy as np
 
     from data_prep.clean import sorted_keys
-    from data_prep.clean.clusters import components
+    from data_prep.clean.clusters import components, neighbour_pairs
     from data_prep.clean.sorted_keys import Components, clusters_of
 
     monkeypatch.setattr(sorted_keys, "BLOCK", 64)
@@ -758,6 +760,12 @@ def test_components_joined_one_batch_at_a_time_are_scipys(monkeypatch):
         smallest = np.full(n, n)
         np.minimum.at(smallest, expected, np.arange(n))
         assert (label == smallest[expected]).all()
+    copies = np.arange(0, 40_000, 2)
+    bucket = Components(40_000)
+    bucket.add(neighbour_pairs(np.zeros(len(copies), np.uint64), copies))
+    assert (bucket.parent[copies] == 0).all() and (bucket.parent[1::2] == np.arange(1, 40_000, 2)).all()
+    bucket.add(neighbour_pairs(np.zeros(len(copies), np.uint64), copies[::-1].copy()))
+    assert bucket.steps_up <= 4  # two batches, each a step to the roots and one to see they are
     ident = rng.permutation(1000).astype("S16")  # the chain's documents, identities in random order
     removed, reps = clusters_of(Components(1000).labels(), lambda m: ident[m])
     assert len(removed) == 0
