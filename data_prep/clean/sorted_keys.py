@@ -197,6 +197,7 @@ def band_pairs_confirmed(files: KeyFiles, units: list[tuple[int, int, int]], gon
 
 
 BLOCK = 1 << 22  # documents at a time in a pass over every document's parent: no temporary of a corpus's size
+BATCH_PAIRS = 1 << 20  # pairs joined at a time (~100 bytes each while joined)
 
 
 class Components:
@@ -224,6 +225,10 @@ class Components:
         is split into components in one pass (scipy), and every root of a component is hooked under
         the smallest: a tree grows a level per batch at most, never a level per pair (hooking pair by
         pair made a bucket of 100,000 copies, each paired with the next 16, a chain 6,250 deep)."""
+        for lo in range(0, len(pairs), BATCH_PAIRS):  # a bound on what a batch holds, whatever a file's size
+            self._join(pairs[lo : lo + BATCH_PAIRS])
+
+    def _join(self, pairs: np.ndarray) -> None:
         from scipy.sparse import coo_matrix
         from scipy.sparse.csgraph import connected_components
 
@@ -234,7 +239,7 @@ class Components:
         if not len(ra):
             return
         roots = sorted_unique(np.concatenate([ra, rb]))
-        a, b = np.searchsorted(roots, ra), np.searchsorted(roots, rb)
+        a, b = np.searchsorted(roots, ra).astype(np.int32), np.searchsorted(roots, rb).astype(np.int32)
         graph = coo_matrix((np.ones(len(a), np.int8), (a, b)), shape=(len(roots), len(roots)))
         label = connected_components(graph, directed=False)[1]
         smallest = np.full(label.max() + 1, len(self.parent), np.int64)

@@ -761,11 +761,12 @@ def test_components_joined_one_batch_at_a_time_are_scipys(monkeypatch):
         np.minimum.at(smallest, expected, np.arange(n))
         assert (label == smallest[expected]).all()
     copies = np.arange(0, 40_000, 2)
+    monkeypatch.setattr(sorted_keys, "BATCH_PAIRS", 1 << 18)  # each add in two batches
     bucket = Components(40_000)
     bucket.add(neighbour_pairs(np.zeros(len(copies), np.uint64), copies))
     assert (bucket.parent[copies] == 0).all() and (bucket.parent[1::2] == np.arange(1, 40_000, 2)).all()
     bucket.add(neighbour_pairs(np.zeros(len(copies), np.uint64), copies[::-1].copy()))
-    assert bucket.steps_up <= 4  # two batches, each a step to the roots and one to see they are
+    assert bucket.steps_up <= 8  # four batches, each a step to the roots and one to see they are
     ident = rng.permutation(1000).astype("S16")  # the chain's documents, identities in random order
     removed, reps = clusters_of(Components(1000).labels(), lambda m: ident[m])
     assert len(removed) == 0
