@@ -23,8 +23,8 @@ wrote the same decisions, byte for byte.
 
 Memory per task: the peak of its resident anonymous memory (``RssAnon``, sampled every 20 ms: the
 heap, what a task must be given) and its peak resident set (``ru_maxrss``, which also counts pages of
-the memory-mapped key files: reclaimable cache). The join (clusters) is also given per confirmed
-pair: its peak anonymous memory over the confirmed pairs the pairs tasks wrote.
+the memory-mapped key files: reclaimable cache). The join (clusters) is also given per near copy
+removed and per confirmed pair: its peak anonymous memory over each.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def main() -> None:
     work = Path(args.work_dir)
     print(
         f"{'documents':>10} {'near':>4} {'K':>3} | {'stage':>10} {'wall s':>7} {'task s':>7} {'anon MiB':>8} "
-        f"{'RSS MiB':>8} | removed exact/near, confirmed pairs, join bytes a pair",
+        f"{'RSS MiB':>8} | removed exact/near, confirmed pairs, the join's heap a near copy and a pair",
         flush=True,
     )
     for n in map(int, args.sizes.split(",")):
@@ -177,10 +177,12 @@ def main() -> None:
                     same_join = decisions(out) == theirs
             removed = json.loads((out / "report.json").read_text())["removed"]
             pairs = confirmed_pairs(out)
+            near_removed = removed.get("near_duplicate", {}).get("documents", 0)
+            per_copy = rows["clusters"]["anon"] * 2**20 / max(near_removed, 1)
             per_pair = rows["clusters"]["anon"] * 2**20 / max(pairs, 1)
             tail = (
                 f"{removed.get('exact_duplicate', {}).get('documents', 0):,}/"
-                f"{removed.get('near_duplicate', {}).get('documents', 0):,}, {pairs:,} pairs, {per_pair:,.0f} B"
+                f"{near_removed:,}, {pairs:,} pairs, {per_copy:,.0f} / {per_pair:,.0f} B"
             )
             if same_join is not None:
                 tail += f"; the old join's decisions {'identical' if same_join else 'DIFFER'}"
