@@ -458,7 +458,9 @@ def stage_pairs(job: _Job, num_tasks: int, task: int) -> None:
     name = _result_name("pairs", num_tasks, task)
     if _done(job, name):
         return
-    gone = Gone(n, _exact_removed(job, num_tasks)[0])
+    gone = Gone(n)
+    for exact in _result_names(job, "exact", num_tasks):  # one file at a time: the bits, never the ids
+        gone.add(_load_npz(job.store, exact, ("removed",))["removed"])
     confirmed = np.zeros((0, 2), np.int64)
     if s.near.enabled:
         units = owned(band_units(s.near.bands, key_ranges(n, s.slice_keys)), num_tasks, task)

@@ -106,11 +106,16 @@ class Gone:
     """The documents already removed (exact duplicates), as one bit per global id: 125 MB for a
     billion documents, whatever share of them is gone."""
 
-    def __init__(self, documents: int, ids: np.ndarray):
+    def __init__(self, documents: int, ids: np.ndarray | None = None):
         self._bits = np.zeros(-(-documents // 8), np.uint8)  # set in place: never a byte a document
+        self.any = False
+        if ids is not None:
+            self.add(ids)
+
+    def add(self, ids: np.ndarray) -> None:
         ids = np.asarray(ids, np.int64)
         np.bitwise_or.at(self._bits, ids >> 3, (128 >> (ids & 7)).astype(np.uint8))
-        self.any = bool(len(ids))
+        self.any = self.any or bool(len(ids))
 
     def mask(self, gid: np.ndarray) -> np.ndarray:
         return ((self._bits[gid >> 3] >> (7 - (gid & 7)).astype(np.uint8)) & 1).astype(bool)
