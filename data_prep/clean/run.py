@@ -563,15 +563,20 @@ def stage_clusters(job: _Job, num_tasks: int) -> None:
     for name in _result_names(job, "pairs", num_tasks):  # one task's confirmed pairs at a time
         joined.add(_load_npz(job.store, name, ("pairs",))["pairs"])
     near_removed, near_reps = _near_clusters(job, groups, offsets, joined.labels())
+    del joined  # here and below: what a document or a removal needs is freed once used
     clusters_found = _biggest_clusters(exact_removed, exact_reps, near_removed, near_reps)
+    del exact_reps, near_reps
     gone = np.sort(np.concatenate([decont, exact_removed, near_removed]))
     model_removed, model_report = _quality_model_cut(job, groups, offsets, gone)
+    del gone
     names = ["", "decontamination", "exact_duplicate", "near_duplicate"] + ["quality_model"] * bool(model_report)
     parts = [decont, exact_removed, near_removed, model_removed][: len(names) - 1]
+    codes = np.concatenate([np.full(len(p), c + 1, np.uint16) for c, p in enumerate(parts)])
     ids = np.concatenate(parts)
-    codes = np.concatenate([np.full(len(p), c + 1) for c, p in enumerate(parts)]).astype(np.uint16)
+    del parts, decont, exact_removed, near_removed, model_removed
     order = np.argsort(ids)
     ids, codes = ids[order], codes[order]
+    del order
     for g, at in _by_group(offsets, ids):
         sig = _group_sig(job, groups[g][0], "words", "quality_scores")
         scores = sig.quality_scores if len(sig.quality_scores) else np.full(len(sig.words), np.nan)
