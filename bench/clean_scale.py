@@ -14,10 +14,10 @@ with the language and quality steps off (they cost the same per document at any 
 65,536 keys (a billion documents at the default 4 Mi keys take ~250 slices; these take 16-150) and
 groups of 8 Mi characters (~17,000 documents).
 
-``--one-job-tree DIR`` (a checkout from before the split, e.g. ``git worktree add DIR ab09f23``) also
+``--one-job-tree DIR`` (the tree from before the split: ``mkdir DIR && git archive ab09f23 | tar -x -C DIR``) also
 runs that tree's stages on the same corpus (signatures, the one clusters job, filter): the
 one-job clusters stage side by side with the exact, pairs and join stages that replace it.
-``--join-tree DIR`` (an older checkout, e.g. ``git archive`` of a commit into DIR) runs that tree's
+``--join-tree DIR`` (an older tree, e.g. bb53f38's, unpacked into DIR the same way) runs that tree's
 join on the same work files just before ours: its time and memory beside ours, and whether the two
 wrote the same decisions, byte for byte.
 
