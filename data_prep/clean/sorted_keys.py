@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .clusters import neighbour_pairs, sorted_unique
+from .clusters import components, neighbour_pairs, sorted_unique
 
 _M1, _M2, _M3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
@@ -234,9 +234,6 @@ class Components:
             self._join(pairs[lo : lo + BATCH_PAIRS])
 
     def _join(self, pairs: np.ndarray) -> None:
-        from scipy.sparse import coo_matrix
-        from scipy.sparse.csgraph import connected_components
-
         ra, rb = self._roots(pairs[:, 0]), self._roots(pairs[:, 1])
         self.parent[pairs[:, 0]], self.parent[pairs[:, 1]] = ra, rb  # the ends straight under their roots
         split = ra != rb
@@ -244,9 +241,8 @@ class Components:
         if not len(ra):
             return
         roots = sorted_unique(np.concatenate([ra, rb]))
-        a, b = np.searchsorted(roots, ra).astype(np.int32), np.searchsorted(roots, rb).astype(np.int32)
-        graph = coo_matrix((np.ones(len(a), np.int8), (a, b)), shape=(len(roots), len(roots)))
-        label = connected_components(graph, directed=False)[1]
+        ends = np.stack([np.searchsorted(roots, ra), np.searchsorted(roots, rb)], axis=1).astype(np.int32)
+        label = components(len(roots), ends)
         smallest = np.full(label.max() + 1, len(self.parent), np.int64)
         np.minimum.at(smallest, label, roots)
         self.parent[roots] = smallest[label]
