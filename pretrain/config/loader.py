@@ -139,8 +139,18 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError([f"override {text!r}: expected dotted.key=value"], "command line")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"override {text!r}: its value is not valid YAML ({_yaml_problem(exc)})"], "command line")
     return key.strip().split("."), value
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's complaint on one line, with where it was found (line and column from 1)."""
+    mark = getattr(exc, "problem_mark", None)
+    what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{what} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else what
 
 
 def merge(base: dict, extra: dict) -> dict:
@@ -154,7 +164,12 @@ def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError([f"{path}: no such config file"], str(path))
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path}: not valid YAML: {_yaml_problem(exc)}"], str(path)) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{path}: cannot be read ({exc})"], str(path)) from None
     if not isinstance(data, dict):
         raise ConfigError([f"{path}: top level must be a mapping"], str(path))
     # `base: other.yaml` composes files (relative to this one); the including file wins.

@@ -14,7 +14,8 @@ reaches only this process. SIGTERM and SIGUSR1 are forwarded to the ranks alone,
 exit, and this process exits with the launcher's code, which is the ranks'. A second SIGINT
 kills them (the last complete checkpoint stays usable). Killed itself (``kill -9``), this process
 takes the ranks with it (``pretrain.runtime.lifeline``). A ``--master_port`` in use here is refused (exit 2)
-before any rank starts.
+before any rank starts, and so is a config with problems (they are named, exit 2): DeepSpeed's
+runner is not started for a job whose every rank would refuse it.
 
 The last word is ours. When a rank exits non-zero, DeepSpeed's per-node launcher logs a line with
 that rank's whole command line (``[ERROR] [launch.py:...:sigkill_handler] [...] exits with return
@@ -25,6 +26,7 @@ non-zero exit ends with one line that says what the code means (``pretrain.runti
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -33,12 +35,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
+from typing import Optional
 
 import psutil
 
 from pretrain.config import loader as configlib
-from pretrain.config.schema import TrainConfig
+from pretrain.config.schema import TrainConfig, load_config
 from pretrain.runtime import allocator, exit_codes, lifeline, ports
 
 FORWARDED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -85,6 +89,43 @@ def accelerator_env(env: dict) -> dict:
     return env
 
 
+TRAINER = "pretrain.train"
+
+
+def config_problems(argv: list[str]) -> Optional[str]:
+    """The trainer's config and overrides (``--module pretrain.train --config C k=v ...``) parsed and
+    checked here, before DeepSpeed's runner starts anything: the named problems, or None. Another
+    module is its own judge."""
+    if TRAINER not in argv or argv.index(TRAINER) == 0 or argv[argv.index(TRAINER) - 1] != "--module":
+        return None
+    trainer_args = argparse.ArgumentParser(add_help=False)
+    trainer_args.add_argument("--config")
+    trainer_args.add_argument("overrides", nargs="*")
+    args, _ = trainer_args.parse_known_args(argv[argv.index(TRAINER) + 1 :])
+    if not args.config:
+        return "the trainer needs --config FILE"
+    runner_args = argparse.ArgumentParser(add_help=False)
+    runner_args.add_argument("--num_gpus", "--num-gpus", type=int, default=0)
+    runner_args.add_argument("--num_nodes", "--num-nodes", type=int, default=1)
+    runner, _ = runner_args.parse_known_args(argv[: argv.index(TRAINER)])
+    # The ranks' world size where the command line says it (the batch-size check needs it); "0" (no
+    # batch-size check) where DeepSpeed will count the GPUs itself.
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(max(runner.num_gpus, 0) * max(runner.num_nodes, 1))
+    try:
+        with warnings.catch_warnings():  # a deprecation is the ranks' to say, once
+            warnings.simplefilter("ignore")
+            load_config(args.config, args.overrides)
+    except configlib.ConfigError as exc:
+        return str(exc)
+    finally:
+        if saved is None:
+            os.environ.pop("WORLD_SIZE")
+        else:
+            os.environ["WORLD_SIZE"] = saved
+    return None
+
+
 def launcher_log(argv: list[str]) -> Path:
     """``<train.out_dir>/third_party-launcher.log`` of the run the command line starts (its
     ``--config`` and ``train.out_dir=`` override), read without checking the config; a temporary
@@ -124,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     if deepspeed is None:
         print("pretrain.launch: no `deepspeed` launcher in this environment", file=sys.stderr)
         return 2
-    problem = ports.launch_port_problem(argv)
-    if problem:
-        print(f"pretrain.launch: {problem}", file=sys.stderr)
+    problems = [p for p in (config_problems(argv), ports.launch_port_problem(argv)) if p]
+    if problems:
+        print("\n".join(f"pretrain.launch: {p}" for p in problems), file=sys.stderr)
         return 2
     env, problem = allocator.preload(accelerator_env(dict(os.environ)))
     if problem:

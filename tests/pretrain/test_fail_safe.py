@@ -235,7 +235,7 @@ def test_a_bad_block_in_the_evaluation_split_read_by_one_rank_stops_every_rank_w
 # ------------------------------------------------------------------- item 8: a port in use
 
 
-def test_a_master_port_in_use_is_refused_by_name_before_any_rank_starts(capsys):
+def test_a_master_port_in_use_is_refused_by_name_before_any_rank_starts(shards, capsys):
     import socket
 
     from pretrain.runtime import launcher as launch
@@ -254,6 +254,7 @@ def test_a_master_port_in_use_is_refused_by_name_before_any_rank_starts(capsys):
                 "pretrain.train",
                 "--config",
                 "configs/tiny.yaml",
+                f"data.dir={shards}",
             ]
         )
     assert rc == 2
