@@ -114,6 +114,8 @@ def format_table(report: dict) -> str:
         m = report["quality_model"]
         how = f"the top {m['keep_top']:g}%: scores >= {m['cut']:.4f}" if m["keep_top"] else f"scores >= {m['cut']:g}"
         lines.append(f"quality model ({m['label']}, {m['sha256'][:12]}): {m['scored']:,} documents scored, kept {how}")
+        if m.get("warning"):
+            lines.append(f"WARNING: {m['warning']}")
     if report["clusters"]:
         lines.append("largest duplicate clusters:")
         for c in report["clusters"]:

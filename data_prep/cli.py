@@ -336,6 +336,12 @@ def _clean_settings(args):
     model_path = (values.get("quality_model") or {}).get("path")
     if isinstance(model_path, str) and model_path and not os.path.isfile(os.path.expanduser(model_path)):
         found.append(f"--quality-model {model_path!r}: no such file")
+    elif isinstance(model_path, str) and model_path:
+        from .clean.settings import QualityModelSettings
+        from .clean.signature import QualityScorer
+
+        label = (values.get("quality_model") or {}).get("label") or QualityModelSettings.label
+        found += QualityScorer.problems(os.path.expanduser(model_path), str(label))
     return build_settings(values, where=args.config or "data_prep clean", also=found)
 
 

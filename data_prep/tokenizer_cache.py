@@ -10,6 +10,7 @@ from pathlib import Path
 
 from data_prep.common.errors import ShardError
 from data_prep.common.manifest import Manifest, files_sha256
+from data_prep.common.paths import name_problem
 from data_prep.common.storage import StorageError, open_store
 
 # Every file a Hugging Face tokenizer folder may hold (copied, fingerprinted and exported together).
@@ -51,6 +52,9 @@ def cached_tokenizer(store, prefix: str, sha256: str) -> Path:
         names = [n[len(prefix) + 1 :] for n in store.list(prefix)]
     except StorageError:  # https: no listing; the files a tokenizer has
         names = [n for n in TOKENIZER_FILES if store.stat(f"{prefix}/{n}") is not None]
+    for name in names:  # bucket keys, written to the cache below: plain names only
+        if problem := name_problem(name):
+            raise ShardError(f"{store.url(f'{prefix}/{name}')}: {problem}, not a tokenizer file name; refused")
     files = {name: store.read_bytes(f"{prefix}/{name}") for name in names}
     if files_sha256(files) != sha256:
         raise ShardError(

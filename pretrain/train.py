@@ -43,6 +43,7 @@ from pretrain.checkpoint import files
 from pretrain.checkpoint import store as checkpointing
 from pretrain.checkpoint.hf_export import export_and_log, exported_from, final_export_dir
 from pretrain.checkpoint.mirror import wait_for_mirror
+from pretrain.checkpoint.safe_load import UnsafeCheckpoint
 from pretrain.checkpoint.state import STATE_KEY
 from pretrain.config.schema import ConfigError, load_config
 from pretrain.data import shard_cache
@@ -365,7 +366,7 @@ def main(argv=None) -> int:
         run = build_run(cfg, manifest, tasks, resume_from, info, stop)
         start_up_done()
         return wait_for_mirror(run.mirror, fit(run))
-    except ShardError as exc:  # found while reading: name the shard, no traceback on every rank
+    except (ShardError, UnsafeCheckpoint) as exc:  # found while reading: named, no traceback on every rank
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except storage.StoreUnavailable as exc:  # the data's store is down: requeue, resume from the checkpoint

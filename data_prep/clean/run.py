@@ -43,9 +43,12 @@ import logging
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 import time
 import zipfile
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +108,7 @@ EXAMPLES = 3
 CLUSTERS = 5
 STAGES = ("signatures", "exact", "pairs", "clusters", "filter")
 WORK = ".clean"
+IDENTITY = "identity.json"  # in a work folder: the settings (and inputs) it was made with
 
 
 @dataclass
@@ -272,16 +276,21 @@ def _analysed(chunks, s: CleanSettings):
         for key, chunk in chunks:
             yield key, worker_analyse(chunk)
         return
-    ctx = multiprocessing.get_context("spawn")
+    # Not multiprocessing.Pool: it replaces a worker that dies (its initializer failing, a crash in
+    # a model's native code) and waits for ever for the task it held. Here the run ends, saying so.
     pending = []
-    with ctx.Pool(workers, initializer=worker_init, initargs=(s,)) as pool:
-        for key, chunk in chunks:
-            pending.append((key, pool.apply_async(worker_analyse, (chunk,))))
-            while len(pending) > 2 * workers:
-                k, result = pending.pop(0)
-                yield k, result.get()
-        for k, result in pending:
-            yield k, result.get()
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=worker_init, initargs=(s,)) as pool:
+        try:
+            for key, chunk in chunks:
+                pending.append((key, pool.submit(worker_analyse, chunk)))
+                while len(pending) > 2 * workers:
+                    k, result = pending.pop(0)
+                    yield k, result.result()
+            for k, result in pending:
+                yield k, result.result()
+        except BrokenProcessPool as exc:
+            raise DataPrepError(f"a cleaning worker died ({exc}); its own error, if it printed one, is above") from None
 
 
 def _held_out_signatures(job: _Job) -> Signatures | None:
@@ -352,6 +361,8 @@ def stage_signatures(job: _Job, num_tasks: int, task: int) -> None:
     if count.documents_read == 0:
         names = ", ".join(src.path for src in job.sources[:5])
         raise DataPrepError(f"empty input: no documents in {names}")
+    if IDENTITY not in done:  # what a later stage run with other settings is told differs
+        store.write_bytes(work + IDENTITY, json_bytes(job.identity))
     store.write_bytes(
         work + _task_marker(num_tasks, task),
         json_bytes(
@@ -371,11 +382,49 @@ def stage_signatures(job: _Job, num_tasks: int, task: int) -> None:
 
 def _missing(job: _Job, what: str, tasks: list[int], num_tasks: int, resubmit: str) -> DataPrepError:
     shown = ",".join(map(str, tasks))
+    other = _other_settings(job)
+    if other:
+        return DataPrepError(other)
     return DataPrepError(
         f"{job.store.url(job.work)}: the {what} of task(s) {shown} of {num_tasks} are missing "
         f"(not run, failed or killed): re-run them (submit_clean.sh {resubmit}--only {shown}: the later "
         "stages follow)"
     )
+
+
+def _other_settings(job: _Job) -> str | None:
+    """When no task of this job's settings has run but tasks of other settings have (a stage run with
+    another flag than the signatures stage before it): which settings differ, by name."""
+    store = job.store
+    if store.list(job.work.rstrip("/")):
+        return None
+    for name in sorted(store.list(WORK)):
+        if not name.endswith("/" + IDENTITY) or name == job.work + IDENTITY:
+            continue
+        try:
+            theirs = _flat(json.loads(store.read_text(name) or "{}"))
+        except ValueError:
+            continue
+        ours = _flat(job.identity)
+        differ = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+        if differ:
+            shown = "; ".join(
+                f"{k}: {theirs.get(k, '(unset)')!r} there, {ours.get(k, '(unset)')!r} here" for k in differ[:6]
+            )
+            return (
+                f"{store.url(job.work)}: no task has run with these settings, but the earlier stages in "
+                f"{store.url(name.rsplit('/', 1)[0])} ran with other ones ({shown}"
+                f"{f' and {len(differ) - 6} more' if len(differ) > 6 else ''}): give every stage the same "
+                "settings, or run the signatures stage again with these"
+            )
+    return None
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def _all_groups(job: _Job, num_tasks: int) -> list[tuple[GroupKey, int]]:
@@ -630,6 +679,14 @@ def _quality_model_cut(job: _Job, groups, offsets, gone: np.ndarray) -> tuple[np
         .astype(np.int64)
         .tolist(),  # of the scored documents, by score in 20 bins of 0.05
     }
+    if scored and sum(len(r) for r in removed) == scored:
+        # A damaged model, one trained for another label, or a threshold above every score: loud.
+        report["warning"] = (
+            f"the quality model removed every one of the {scored:,} documents it scored (cut {report['cut']}, "
+            f"highest score {max(b for b in range(QUALITY_BINS) if hist[b]) / QUALITY_BINS:.2f}): check the "
+            f"model and quality_model.label ({m.label}), and lower the threshold or use keep_top"
+        )
+        log.warning("clean: %s", report["warning"])
     return np.concatenate(removed), report
 
 
@@ -952,6 +1009,8 @@ def print_summary(result: CleanResult, out: str) -> None:
     if result.report is None:
         return
     print(format_table(result.report))
+    if warning := result.report.get("quality_model", {}).get("warning"):
+        print(f"WARNING: {warning}", file=sys.stderr, flush=True)
     print(
         f"{out}: {result.report['totals']['out']['documents']:,} documents in {len(result.report['files'])} "
         f"file(s), report in {REPORT} ({result.seconds:.1f} s"

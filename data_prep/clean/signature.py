@@ -92,6 +92,9 @@ class Facts:
     quality_score: float = float("nan")  # the quality model's (NaN: no model, or removed by a rule)
 
 
+PROBE_TEXT = "The river flows north through the valley to the sea, past the old town and its bridge."
+
+
 class QualityScorer:
     """The user's fastText classifier (``quality_model``), loaded by ``fasttext-predict``: the
     probability of its label for a document, its lines joined as the model was trained."""
@@ -101,6 +104,29 @@ class QualityScorer:
 
         self._model = fasttext.load_model(path)
         self._label = label
+
+    @staticmethod
+    def problems(path: str, label: str) -> list[str]:
+        """What makes ``path`` unusable as the quality model, found once in the parent before any
+        worker starts: not fastText (its loader refuses it, or fails to allocate what a damaged header
+        asks for), no output layer (a truncated file loads and predicts no label at all), no
+        ``label`` among its labels (a model trained for another task would score every document 0),
+        or a prediction that is not a probability."""
+        where = f"--quality-model {path}"
+        try:
+            import fasttext
+
+            model = fasttext.load_model(path)
+            labels, probs = model.predict(PROBE_TEXT, k=-1)
+        except (ValueError, MemoryError, RuntimeError, OSError) as exc:
+            return [f"{where}: not a fastText model ({type(exc).__name__}: {exc})"]
+        if not labels:
+            return [f"{where}: predicts no label at all: a truncated or damaged fastText file"]
+        if label not in labels:
+            return [f"{where}: its labels are {', '.join(labels)}; quality_model.label {label} is not one of them"]
+        if not all(0.0 <= float(p) <= 1.0 + 1e-4 for p in probs):  # NaN fails too
+            return [f"{where}: its prediction is not a probability ({list(map(float, probs))}): a damaged file"]
+        return []
 
     def __call__(self, text: str) -> float:
         from .quality_model import one_line

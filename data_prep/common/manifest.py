@@ -50,12 +50,14 @@ import copy
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import ClassVar
 
 from data_prep.common.commands import location, python_command
 from data_prep.common.errors import ShardError
+from data_prep.common.paths import name_problem
 from data_prep.common.storage import open_store
 
 FORMAT_VERSION = 1
@@ -139,6 +141,7 @@ class ShardEntry(_AsJson):
             )
             for f in fields(cls)
         }
+        _name_and_digest(values, "name", where, problems)
         if len(problems) == before and values["block_offsets"] is not None:
             values["block_offsets"] = _block_offsets(values, where, problems)
         if len(problems) == before and values["block_crc32"] is not None:
@@ -149,6 +152,18 @@ class ShardEntry(_AsJson):
                 problems.append(f"{where}block_crc32: not {values['blocks']} CRC-32 values")
             values["block_crc32"] = tuple(crcs)
         return cls(**values) if len(problems) == before else None
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _name_and_digest(values: dict, name_key: str, where: str, problems: list[str]) -> None:
+    """A shard's name or the tokenizer's path is joined to the data folder, and a sha256 names cached
+    files: a plain relative name and 64 hex digits, never a path out of either folder."""
+    if values[name_key] is not None and (problem := name_problem(values[name_key])):
+        problems.append(f"{where}{name_key}: {values[name_key]!r} is {problem}, not a name inside the data folder")
+    if values["sha256"] is not None and not _SHA256.fullmatch(values["sha256"]):
+        problems.append(f"{where}sha256: {values['sha256'][:80]!r} is not 64 hexadecimal digits")
 
 
 def _block_offsets(values: dict, where: str, problems: list[str]) -> tuple[int, ...] | None:
@@ -194,6 +209,7 @@ class TokenizerInfo(_AsJson):
             "special_tokens": dict,
         }
         values = {key: _field(raw, key, kind, where, problems) for key, kind in kinds.items()}
+        _name_and_digest(values, "path", where, problems)
         ids = values["special_ids"]
         if ids is not None and (lacking := [r for r in SPECIAL_ROLES if not isinstance(ids.get(r), int)]):
             problems.append(f"{where}special_ids lacks {lacking} (has {sorted(ids)})")

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from data_prep.common.errors import ShardError
 from data_prep.common.manifest import load_manifest
+from pretrain.checkpoint import safe_load
 from pretrain.checkpoint.files import COMPLETE, EXPORT_SOURCE, FINAL_EXPORT, HF_CONFIG_FILE, TOKENIZER_DIR
 from pretrain.checkpoint.reshard import consolidate, read_layout
 from pretrain.checkpoint.store import checkpoint_root, latest_complete_tag, tag_for_step
@@ -95,11 +96,15 @@ def fp32_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
     trainer writes (ZeRO 1/2 partitions, BF16_Optimizer's, ZeRO 3's, stage 0's module or its fp32
     masters); DeepSpeed's zero_to_fp32 reads neither BF16_Optimizer's files nor stage 0."""
     folder = root / tag
+    problems = safe_load.code_problems(folder)
+    if problems:
+        raise safe_load.UnsafeCheckpoint("; ".join(problems))
     layout = read_layout(folder)
     if layout is None:  # written before layout.json: ZeRO's own files, stages 1-3
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+        with safe_load.weights_only():
+            state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
     else:
         params, _, _, model_states = consolidate(folder, layout)
         module = model_states.get("module") or {}

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Optional
 
 from data_prep.common.atomic import write_atomic
+from data_prep.common.paths import UnsafeName, inside, name_problem
 from data_prep.common.shards import sha256_file
 from data_prep.common.storage import StorageError, Store, open_store
 from pretrain.checkpoint.files import (
@@ -146,7 +147,7 @@ class CheckpointMirror:
         tag = folder.name
         try:
             self._put_folder(folder, tag)
-        except (StorageError, OSError) as exc:
+        except (StorageError, OSError, UnsafeName) as exc:
             if not folder.is_dir() and self._superseded(tag):  # keep_checkpoints removed it; a newer one follows
                 log.info("checkpoint mirror: %s was replaced locally before its upload ended; skipped", tag)
             else:
@@ -169,7 +170,9 @@ class CheckpointMirror:
             return
         listed = json.loads((folder / FILE_LIST).read_text())["files"]
         for done, name in enumerate(sorted(listed), 1):
-            self.store.put_file(folder / name, f"{tag}/{name}", listed[name]["sha256"], keep_local=True)
+            self.store.put_file(
+                inside(folder, name, str(folder / FILE_LIST)), f"{tag}/{name}", listed[name]["sha256"], keep_local=True
+            )
             faults.mirror_upload(tag, done)  # test-only
         if not self.nodes.shared:
             listed = {**listed, **self._other_nodes_files(tag)}
@@ -185,8 +188,13 @@ class CheckpointMirror:
             listed = json.loads((folder / FILE_LIST).read_text())["files"]
             listed = {name: want for name, want in listed.items() if rank_of_file(name) is not None}
             for name in sorted(listed):
-                self.store.put_file(folder / name, f"{tag}/{name}", listed[name]["sha256"], keep_local=True)
-        except (StorageError, OSError) as exc:
+                self.store.put_file(
+                    inside(folder, name, str(folder / FILE_LIST)),
+                    f"{tag}/{name}",
+                    listed[name]["sha256"],
+                    keep_local=True,
+                )
+        except (StorageError, OSError, UnsafeName) as exc:
             with contextlib.suppress(StorageError):
                 self.store.write_bytes(listing, json.dumps({"failed": str(exc)}).encode())
             raise
@@ -207,6 +215,8 @@ class CheckpointMirror:
             listing = json.loads(text)
             if "failed" in listing:
                 raise StorageError(f"the node of rank {leader} could not upload its shards: {listing['failed']}")
+            if bad := [n for n in listing["files"] if name_problem(n)]:
+                raise StorageError(f"{self.store.url(name)} lists {bad[0]!r}, not a name inside a checkpoint")
             files.update(listing["files"])
         return files
 
@@ -309,6 +319,8 @@ def fetch_newer(
             except (StorageError, ValueError, KeyError, TypeError) as exc:
                 _say(f"mirrored checkpoint {store.url(candidate)} is damaged: {exc}; trying the previous one")
                 continue
+            for name in listed:  # not damage: somebody wrote names that lead out of the run folder
+                inside(root / candidate, name, store.url(f"{candidate}/{FILE_LIST}"))
             needed = needed_by(listed, ranks if same else None)
             if _holds(root / candidate, needed):
                 return None
@@ -339,7 +351,7 @@ def _download(store: Store, tag: str, folder: Path, wanted: dict) -> Optional[st
     written: list[Path] = []
     try:
         for name, want in sorted(wanted.items()):
-            target = folder / name
+            target = inside(folder, name, FILE_LIST)
             if target.is_file() and target.stat().st_size == want["size"] and sha256_file(target) == want["sha256"]:
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ import torch.distributed as dist
 import yaml
 
 from data_prep.common.manifest import Manifest
-from pretrain.checkpoint import files, reshard
+from pretrain.checkpoint import files, reshard, safe_load
 from pretrain.checkpoint import store as checkpointing
 from pretrain.config import loader as configlib
 from pretrain.runtime import engine as eng
@@ -79,6 +80,16 @@ def init_checkpoint_problems(cfg, manifest: Manifest) -> list[str]:
     where = f"{KEY}: {root / tag}"
     if root.resolve() == checkpointing.checkpoint_root(cfg).resolve():
         return [f"{where} is this run's own checkpoints folder: a new phase needs another train.out_dir"]
+    # As a resume checks its checkpoint (the first rank reads every byte), but a new phase starts only
+    # from the checkpoint it names: a damaged one is refused, not replaced by an earlier one.
+    damage = checkpointing.damage(root / tag, checksums=os.environ.get("RANK", "0") == "0")
+    if damage:
+        earlier = [t for t in checkpointing.complete_tags(root) if t < tag]
+        instead = f", or start from an earlier one: {KEY}={root / earlier[-1]}" if earlier else ""
+        return [f"{where} is damaged: {damage}; restore it{instead}"]
+    unsafe = safe_load.code_problems(root / tag)
+    if unsafe:
+        return [f"{KEY}: {p}" for p in unsafe]
     model = _saved(root, tag, files.HF_CONFIG_FILE)
     if model is None:
         return [f"{where} has no readable {files.HF_CONFIG_FILE}: not a checkpoint of this trainer"]

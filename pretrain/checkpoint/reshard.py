@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from pretrain.checkpoint import safe_load
 from pretrain.checkpoint.files import LAYOUT_FILE, MODEL_STATES_FILE, UNIVERSAL_DIR, rank_files
 from pretrain.runtime import hardware
 
@@ -173,8 +174,8 @@ def check_convertible(saved: dict, wanted: dict) -> list[str]:
 
 
 # ------------------------------------------------------- reading any layout
-def _load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+def _load(path: Path) -> Any:
+    return safe_load.load(path)
 
 
 def _group_state(base: Any, group: int) -> tuple[dict, dict]:
@@ -427,10 +428,14 @@ def _load_partitioned(engine, universal: Path) -> None:
 def load_weights_and_moments(engine, universal: Path) -> None:
     """The fp32 weights, moments, step count and per-group hyperparameters of a consolidated folder,
     into the running engine whatever its layout; nothing else (schedule, counters, client state)."""
-    if is_partitioned(engine):
-        _load_partitioned(engine, universal)
-    else:
-        _load_unpartitioned(engine, universal)
+    problems = safe_load.code_problems(universal)  # DeepSpeed's universal loader reads it, not _load
+    if problems:
+        raise safe_load.UnsafeCheckpoint("; ".join(problems))
+    with safe_load.weights_only():
+        if is_partitioned(engine):
+            _load_partitioned(engine, universal)
+        else:
+            _load_unpartitioned(engine, universal)
 
 
 def load_resharded(engine, root: Path, tag: str, saved: dict, converts: Optional[bool] = None) -> dict:
@@ -448,10 +453,7 @@ def load_resharded(engine, root: Path, tag: str, saved: dict, converts: Optional
     if dist.get_rank() == 0:
         log.info("checkpoint %s was saved at %s; converting to %s", tag, describe(saved), describe(running))
     universal = ensure_universal(Path(root) / tag, saved, converts=converts)
-    if is_partitioned(engine):
-        _load_partitioned(engine, universal)
-    else:
-        _load_unpartitioned(engine, universal)
+    load_weights_and_moments(engine, universal)
     model_states = _load(universal / "model_states.pt")
     if engine.lr_scheduler is not None and model_states.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(model_states["lr_scheduler"])

@@ -32,9 +32,10 @@ import yaml
 from data_prep.common.atomic import write_atomic
 from data_prep.common.errors import ShardError
 from data_prep.common.manifest import Manifest, load_manifest
+from data_prep.common.paths import UnsafeName, inside
 from data_prep.common.shards import sha256_file
 from data_prep.common.storage import StorageError
-from pretrain.checkpoint import mirror, reshard
+from pretrain.checkpoint import mirror, reshard, safe_load
 from pretrain.checkpoint.files import (
     COMPLETE,
     CONFIG_FILE,
@@ -88,11 +89,24 @@ def resume_tag(cfg: Config) -> Optional[str]:
                 env_node_ranks(),
                 running_layout(cfg),
             )
-        except StorageError as exc:
+        except (StorageError, UnsafeName) as exc:
             raise ConfigError([f"train.checkpoint_mirror: {exc}"]) from None
-    if cfg.train.resume == "auto":
-        return usable_latest_tag(root, checksums)
-    tag = cfg.train.resume
+    tag = (
+        usable_latest_tag(root, checksums)
+        if cfg.train.resume == "auto"
+        else named_tag(root, cfg.train.resume, checksums)
+    )
+    problems = safe_load.code_problems(root / tag) if tag else []
+    if problems:
+        raise ConfigError(
+            [f"train.resume: {p}" for p in problems]
+            + [f"{root / tag} is refused whole: restore it from a copy you trust, or resume another tag"]
+        )
+    return tag
+
+
+def named_tag(root: Path, tag: str, checksums: bool) -> str:
+    """``train.resume=<tag>``: it must be complete and undamaged."""
     if not (root / tag / COMPLETE).is_file():
         raise ConfigError(
             [
@@ -128,7 +142,7 @@ def ensure_on_every_node(cfg: Config, tag: str, layout: NodeLayout) -> None:
         if cfg.train.checkpoint_mirror:
             try:
                 mirror.fetch_newer(cfg.train.checkpoint_mirror, root, tag, layout.node_ranks(), running_layout(cfg))
-            except StorageError as exc:
+            except (StorageError, UnsafeName) as exc:
                 problem = f"rank {layout.rank}: {exc}"
         if problem is None and not (root / tag / COMPLETE).is_file():
             problem = f"the node of rank {layout.rank} has no checkpoint {tag} in its train.out_dir ({root}) " + (
@@ -205,7 +219,10 @@ def damage(folder: Path, checksums: bool = True) -> Optional[str]:
     problems = []
     for name, want in listed.items():
         try:
-            size = (folder / name).stat().st_size
+            size = inside(folder, name, FILE_LIST).stat().st_size
+        except UnsafeName as exc:
+            problems.append(str(exc))
+            continue
         except OSError:
             problems.append(f"{name} is missing")
             continue
@@ -280,14 +297,20 @@ def _complete(
 
 def load(engine, cfg: Config, tag: str, nodes: NodeLayout) -> dict:
     """Load ``tag`` into ``engine``; a checkpoint of another world size, ZeRO stage or precision is
-    converted (``reshard``, once per folder, cached beside it) and the log says so. Returns its client state."""
+    converted (``reshard``, once per folder, cached beside it) and the log says so. Returns its client
+    state. Weights-only, DeepSpeed's own reads too (``safe_load``); a file that is not plain data is
+    refused (UnsafeCheckpoint), here too, since another node may have fetched it since it was checked."""
     root = checkpoint_root(cfg)
+    problems = safe_load.code_problems(root / tag)
+    if problems:
+        raise safe_load.UnsafeCheckpoint("; ".join(problems))
     saved = reshard.read_layout(root / tag)
     if saved is not None and reshard.needs_conversion(saved, reshard.checkpoint_layout(engine)):
         return reshard.load_resharded(engine, root, tag, saved, converts=nodes.writes_folder)
-    path, client_state = engine.load_checkpoint(
-        str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+    with safe_load.weights_only():
+        path, client_state = engine.load_checkpoint(
+            str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {root / tag}")
     return client_state or {}

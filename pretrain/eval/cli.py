@@ -36,6 +36,7 @@ from data_prep.common.storage import StorageError, is_url, open_store
 from data_prep.tokenizer_cache import VOCABULARY_FILES
 from pretrain import metric_names as names
 from pretrain.checkpoint.hf_export import export_checkpoint, resolve_checkpoint
+from pretrain.checkpoint.safe_load import UnsafeCheckpoint
 from pretrain.config.schema import DownstreamTaskConfig
 from pretrain.data.stream import check_manifest
 from pretrain.eval.downstream import FinetuneSettings, baseline_metrics, finetune_metrics, prepare_tasks, probe_metrics
@@ -175,7 +176,10 @@ def resolve_model(path: str | Path, stack: ExitStack) -> Path:
             f"{path}: neither a Hugging Face model folder (no config.json) nor a trainer checkpoint ({exc})"
         ) from exc
     out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="eval-export-")))
-    return export_checkpoint(root, tag, out)
+    try:
+        return export_checkpoint(root, tag, out)
+    except UnsafeCheckpoint as exc:
+        raise TaskError(str(exc)) from None
 
 
 def evaluate_model(

@@ -27,6 +27,7 @@ from collections import deque
 from pathlib import Path
 
 from pretrain.runtime import exit_codes
+from pretrain.runtime.engine import release_shared_memory
 
 log = logging.getLogger("pretrain")
 EXIT_REQUEUE = exit_codes.REQUEUE
@@ -99,6 +100,9 @@ class HangWatchdog:
         if self.rank == 0:
             self._tell_tracker(message)
         time.sleep(GRACE_S)
+        # os._exit skips the trainer's own way out: its shared-memory all-reduce buffer (64 MiB a rank)
+        # would stay in /dev/shm, which is RAM, until a later start on this machine removed it.
+        release_shared_memory()
         os._exit(EXIT_REQUEUE)
 
     def _tell_tracker(self, message: str) -> None:

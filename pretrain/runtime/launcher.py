@@ -27,9 +27,9 @@ non-zero exit ends with one line that says what the code means (``pretrain.runti
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -160,10 +160,8 @@ def last_word(code: int, log_path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    beside = os.path.join(os.path.dirname(sys.executable), "deepspeed")  # this environment's own
-    deepspeed = beside if os.access(beside, os.X_OK) else shutil.which("deepspeed")
-    if deepspeed is None:
-        print("pretrain.launch: no `deepspeed` launcher in this environment", file=sys.stderr)
+    if importlib.util.find_spec("deepspeed") is None:
+        print(f"pretrain.launch: no DeepSpeed in this environment ({sys.executable})", file=sys.stderr)
         return 2
     problems = [p for p in (config_problems(argv), ports.launch_port_problem(argv)) if p]
     if problems:
@@ -173,8 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"pretrain.launch: {problem}", file=sys.stderr, flush=True)
     # Its ranks die with this process, killed however (pretrain.runtime.lifeline).
+    # DeepSpeed's runner (what `deepspeed` runs), in a process that dies with this one, its group too.
     launcher = subprocess.Popen(
-        [deepspeed, *quiet_by_default(argv)],
+        [sys.executable, "-m", "pretrain.runtime.lifeline", *quiet_by_default(argv)],
         start_new_session=True,
         env=lifeline.launcher_env(env),
         stdout=subprocess.PIPE,

@@ -9,6 +9,13 @@ killing itself once it is gone: told by the kernel (a pidfd), and from the rank'
 (``pretrain/train.py`` starts the watch before torch is imported), so a rank killed during its
 start-up goes too. DeepSpeed's ``launch.py`` then sees its ranks dead and exits, and its runner
 after it. The last complete checkpoint stays usable, as after any kill.
+
+Killed in its first seconds, before any rank exists, the launcher would leave DeepSpeed's runner
+importing for seconds and then spawning ranks that live until their own watch starts. So the runner
+runs here (``python -m pretrain.runtime.lifeline ARGS``, as the ``deepspeed`` command would), watching
+the launcher from its first line: once the launcher is gone, it kills its own process group, which
+is the runner's session (``pretrain.launch`` starts it in one): the runner, its per-node launcher and
+every rank, whether they exist yet or not.
 """
 
 from __future__ import annotations
@@ -76,6 +83,26 @@ def _wait_for_exit(pid: int, created: float) -> None:
         os.close(fd)
 
 
+def run_deepspeed(argv: list[str]) -> None:
+    """DeepSpeed's runner, with this process's group killed once the launcher named in the
+    environment is gone (before the runner's imports: they take seconds)."""
+    host, _, rest = os.environ.get(LAUNCHER_ENV, "").partition(":")
+    if rest and host == socket.gethostname():
+        pid, _, created = rest.partition(":")
+        threading.Thread(
+            target=_kill_group_after, args=(int(pid), float(created)), name="launcher-lifeline", daemon=True
+        ).start()
+    sys.argv = ["deepspeed", *argv]
+    from deepspeed.launcher.runner import main as runner  # lazy: after the watch starts (seconds of imports)
+
+    runner()
+
+
+def _kill_group_after(pid: int, created: float) -> None:
+    _wait_for_exit(pid, created)
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
 def _watch(pid: int, created: float) -> None:
     _wait_for_exit(pid, created)
     try:
@@ -87,3 +114,7 @@ def _watch(pid: int, created: float) -> None:
     except (OSError, ValueError):  # its stderr may have gone with it
         pass
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    run_deepspeed(sys.argv[1:])

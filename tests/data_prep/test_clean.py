@@ -621,6 +621,11 @@ def test_each_stage_names_the_missing_tasks_of_the_stage_before(tmp_path, wiki_a
     assert main([*common, "--stage", "clusters"]) == 2
     assert "the near-duplicate pairs of task(s) 0,1,3 of 4 are missing" in capsys.readouterr().err
     assert not (tmp_path / "out" / "report.json").exists()
+    # A stage run with other settings than the stages before it: the settings that differ, by name.
+    assert main([*common, "--set", "near.min_similarity=0.6", "--stage", "exact", "--task-index", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "no task has run with these settings" in err and "near.min_similarity: 0.2 there, 0.6 here" in err, err
+    assert "are missing" not in err
 
 
 @pytest.mark.slow

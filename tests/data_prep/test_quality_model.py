@@ -142,3 +142,71 @@ def test_keep_top_keeps_that_share_and_stages_write_the_same_bytes(tmp_path, mod
     other.write_bytes(model.read_bytes()[:-4] + b"\0\0\0\0")
     again = _clean(inputs, one, *flags[:1], str(other), *flags[2:])
     assert again["settings_sha256"] != report["settings_sha256"]
+
+
+# Fail safe, round 5 (issue 72, item 4): the model is opened and checked once, before any worker.
+
+
+@pytest.mark.parametrize(
+    "damage,said",
+    [
+        ("truncated", "predicts no label at all: a truncated or damaged fastText file"),
+        ("not fastText", "not a fastText model"),
+        ("other labels", "quality_model.label __label__edu is not one of them"),
+    ],
+)
+def test_a_damaged_or_foreign_quality_model_is_named_with_exit_2_before_anything_runs(
+    tmp_path, model_and_corpus, capsys, damage, said
+):
+    model, inputs = model_and_corpus
+    bad = tmp_path / "q.bin"
+    if damage == "truncated":
+        bad.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    elif damage == "not fastText":
+        bad.write_text("this is a README, not a model\n" * 50)
+    else:
+        bad = model
+    extra = ["--set", "quality_model.label=__label__edu"] if damage == "other labels" else []
+    argv = ["clean", "--input", str(inputs), "--out", str(tmp_path / "out"), "--workers", "2", *extra]
+    assert main([*argv, "--quality-model", str(bad), "--quality-threshold", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and str(bad) in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_that_removes_every_document_says_so(tmp_path, model_and_corpus, capsys):
+    from data_prep.sample_corpus import wiki_articles
+
+    _, inputs = model_and_corpus
+    # A model that has seen its good label once (on a token no article has): it scores everything low.
+    articles = [text for _, text in wiki_articles()][:300]
+    examples = [(x, False) for x in articles] + [("zzqx zzqx zzqx", True)]
+    train(examples, Settings(dim=8, epochs=3, lr=0.3, bucket=20_000)).save(tmp_path / "low.bin")
+    report = _clean(
+        inputs, tmp_path / "out", "--quality-model", str(tmp_path / "low.bin"), "--quality-threshold", "0.5"
+    )
+    m = report["quality_model"]
+    assert report["removed"]["quality_model"]["documents"] == m["scored"] > 0
+    assert "removed every one of the" in m["warning"]
+    captured = capsys.readouterr()
+    assert "WARNING: the quality model removed every one of the" in captured.err
+    assert "WARNING: the quality model removed every one" in format_table(report)
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_ends_the_run_with_its_error_not_a_respawn_loop(tmp_path, model_and_corpus):
+    """Each worker loads the model itself: one whose load fails (here the file is gone after the
+    parent checked it) ends the run at once, instead of multiprocessing.Pool's endless respawns."""
+    import dataclasses
+
+    from data_prep.clean import run
+    from data_prep.errors import DataPrepError
+
+    _, inputs = model_and_corpus
+    settings = run.CleanSettings(inputs=[str(inputs / "*.jsonl")], out=str(tmp_path / "out"), workers=2)
+    settings = dataclasses.replace(
+        settings, quality_model=dataclasses.replace(settings.quality_model, path=str(tmp_path / "gone.bin"))
+    )
+    chunks = iter([("g0", [{"id": "a", "text": "some text here"}]), ("g1", [{"id": "b", "text": "more"}])])
+    with pytest.raises(DataPrepError, match="a cleaning worker died"):
+        list(run._analysed(chunks, settings))

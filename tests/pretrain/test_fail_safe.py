@@ -396,6 +396,54 @@ def test_ranks_die_with_a_launcher_killed_with_sigkill(shards, tmp_path, when):
                 pass
 
 
+@pytest.mark.slow
+def test_a_launcher_killed_before_its_ranks_exist_takes_deepspeed_s_runner_and_them_along(shards, tmp_path):
+    """Issue 72, item 6: kill -9 of pretrain.launch while DeepSpeed's runner is still importing. The
+    runner's process group (its launcher and the ranks it would spawn) is gone within 3 s, and no
+    rank starts afterwards (before: the runner spawned them, and they lived 13-24 s)."""
+    import signal
+    import time
+
+    import psutil
+
+    proc = subprocess.Popen(
+        [PY, "-m", "pretrain.launch", "--num_gpus", "2", "--master_port", str(free_port()), "--module"]
+        + ["pretrain.train", "--config", "configs/tiny.yaml", f"data.dir={shards}", f"train.out_dir={tmp_path}"],
+        cwd=REPO,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    runner = None
+    deadline = time.monotonic() + 60
+    while runner is None and time.monotonic() < deadline:
+        runner = next(iter(psutil.Process(proc.pid).children()), None)
+        time.sleep(0.02)
+    assert runner is not None and "pretrain.runtime.lifeline" in runner.cmdline()
+    group = runner.pid  # its own session: the runner, its per-node launcher and the ranks
+    os.killpg(proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    proc.wait()
+
+    def in_group() -> list:
+        found = []
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(p.pid) == group and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                continue
+        return found
+
+    while time.monotonic() < killed + 20 and in_group():
+        time.sleep(0.05)
+    gone_after = time.monotonic() - killed
+    assert not in_group() and gone_after < 3.0, gone_after
+    time.sleep(2)  # nothing of the group starts later
+    assert not in_group() and not (tmp_path / "metrics.jsonl").exists()
+
+
 # ------------------------------------------------- items 9, 10: pretrain.evaluate refusals
 
 

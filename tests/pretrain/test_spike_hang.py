@@ -4,6 +4,7 @@ and exit 3; the relaunch resumes after the recovery with the uninterrupted run's
 
 from __future__ import annotations
 
+import glob
 import json
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import train as launch
+from data_prep.stale_shm import mapped_files
 from pretrain.config.schema import SpikeGuardConfig
 from pretrain.guards.spike_guard import SpikeDetector
 from test_train import COMMON, losses
@@ -90,6 +92,7 @@ def test_a_step_export_is_a_loadable_model_of_its_checkpoint(recovered_run):
 @pytest.mark.slow
 def test_a_hang_writes_every_ranks_stacks_exits_3_and_the_relaunch_resumes_exactly(recovered_run, shards, tmp_path):
     reference, _ = recovered_run
+    shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
     t0 = time.monotonic()
     proc = train(
         shards,
@@ -102,6 +105,9 @@ def test_a_hang_writes_every_ranks_stacks_exits_3_and_the_relaunch_resumes_exact
     )
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert time.monotonic() - t0 < 300
+    # Each rank freed its shared-memory buffer on the way out: none new is left that nobody maps.
+    left = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - shm_before - mapped_files()
+    assert not left, left
     stacks = {r: (tmp_path / f"hang-rank{r}.txt").read_text() for r in (0, 1)}
     assert "hang_for_test" in stacks[1] and "after step 13" in stacks[1]
     assert "train_step" in stacks[0] and "hang_for_test" not in stacks[0]  # waiting in the collective
