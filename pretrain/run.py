@@ -230,7 +230,7 @@ def build_run(
         engine,
         optimizer,
         scheduler,
-        TrainState(config=configlib.to_dict(cfg)),
+        TrainState(config=configlib.redact(configlib.to_dict(cfg))),  # a checkpoint holds no credentials
         resolved_yaml=configlib.dump_yaml(cfg),
     )
     resume_from = eng.rank0_value(resume_from)  # the first rank chose it, holding the run lock

@@ -45,6 +45,7 @@ from pretrain.checkpoint.hf_export import export_and_log, exported_from, final_e
 from pretrain.checkpoint.mirror import wait_for_mirror
 from pretrain.checkpoint.safe_load import UnsafeCheckpoint
 from pretrain.checkpoint.state import STATE_KEY
+from pretrain.config import loader as configlib
 from pretrain.config.schema import ConfigError, load_config
 from pretrain.data import shard_cache
 from pretrain.eval.downstream import baseline_metrics, prepare_tasks, probe_due
@@ -336,6 +337,8 @@ def main(argv=None) -> int:
         format="%(asctime)s %(levelname)s %(message)s",
         stream=sys.stdout,
     )
+    for handler in logging.getLogger().handlers:  # a tracking URI's credentials never reach a log
+        handler.addFilter(configlib.RedactingFilter())
     # Everything that can be wrong with the input is found before any process group starts; every
     # rank finds the same problems, the first one reports them.
     try:

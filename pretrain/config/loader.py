@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
+import re
 import types
 import typing
 from pathlib import Path
@@ -288,7 +290,36 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def dump_yaml(obj: Any) -> str:
-    return yaml.safe_dump(to_dict(obj), sort_keys=False)
+    """The config as YAML, a URL's credentials masked (``redact``): give them through the environment
+    (``MLFLOW_TRACKING_URI``, the storage layer's AWS variables) where a process must have them."""
+    return yaml.safe_dump(redact(to_dict(obj)), sort_keys=False)
+
+
+_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+
+
+def redact(value: Any) -> Any:
+    """A URL's user and password (``https://user:token@host``) masked as ``***@``, in a string or in
+    every string of a mapping, list or tuple: what the run writes (config.yaml, MLflow params, logs,
+    the report) never holds them."""
+    if isinstance(value, str):
+        return _USERINFO.sub("***@", value)
+    if isinstance(value, dict):
+        return {k: redact(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact(v) for v in value)
+    return value
+
+
+class RedactingFilter(logging.Filter):
+    """On a log handler: every record's message with URL credentials masked (``redact``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        masked = redact(message)
+        if masked != message:
+            record.msg, record.args = masked, None
+        return True
 
 
 def setting(cls: type, path: str | Path, overrides: list[str], dotted: str) -> Any:

@@ -149,7 +149,7 @@ def resume_problems(cfg: Config, manifest: Manifest, root: Path, tag: str) -> li
         saved = checkpointing.saved_config(root, tag)
     except (OSError, ValueError) as exc:
         return [f"{root / tag}: {files.CONFIG_FILE} unreadable ({exc}); cannot check the resume"]
-    now = configlib.flatten(configlib.to_dict(cfg))
+    now = configlib.flatten(configlib.redact(configlib.to_dict(cfg)))  # as saved: credentials masked
     # A setting added since the checkpoint was written had its default then.
     before = {**configlib.flatten(configlib.to_dict(Config())), **configlib.flatten(saved)}
     keys = [k for k in sorted(set(now) | set(before)) if k.split(".")[0] in RESULTS_GROUPS or k in RESULTS_KEYS]

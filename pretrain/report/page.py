@@ -214,7 +214,7 @@ def report_at_end(cfg, manifest: Manifest, tracker) -> Optional[Path]:
     finished run over."""
     try:
         start, cpu = time.perf_counter(), time.process_time()
-        out = write_report(Path(cfg.train.out_dir), configlib.to_dict(cfg), manifest, tracker.run_url)
+        out = write_report(Path(cfg.train.out_dir), configlib.redact(configlib.to_dict(cfg)), manifest, tracker.run_url)
         tracker.log_artifacts(str(out), REPORT_DIR)
         log.info(
             "report: %s (%.1fs, %.1fs CPU)", out / "report.html", time.perf_counter() - start, time.process_time() - cpu

@@ -1,10 +1,27 @@
 """The rendezvous port, checked before any rank starts: one in use is an input error (exit 2 naming
-it), not a C++ traceback from every rank's TCPStore."""
+it), not a C++ traceback from every rank's TCPStore.
+
+A job script (``launchers/slurm/pretrain.sbatch``) picks, checks and holds its port here:
+
+    python -m pretrain.runtime.ports pick SEED    # a free port outside the kernel's ephemeral range
+    python -m pretrain.runtime.ports check PORT   # exit 2, saying why, when PORT cannot be the master's
+    python -m pretrain.runtime.ports hold PORT    # keep PORT from others until the TCPStore listens
+
+Picked outside the ephemeral range (``ip_local_port_range``), the port is not one the kernel hands
+out to any process's outgoing connection, and a seed (the job id) starts each job's search at another
+place. Held, it is bound with SO_REUSEADDR and never listened on: a bind without SO_REUSEADDR (another
+job's, a service's) and the kernel's ephemeral choices skip it, while the rank-0 TCPStore, which sets
+SO_REUSEADDR, binds and listens on it as usual.
+"""
 
 from __future__ import annotations
 
 import errno
+import os
+import signal
 import socket
+import sys
+import time
 
 DEEPSPEED_DEFAULT_PORT = 29500  # what DeepSpeed's launcher uses without --master_port
 _LOCAL = {"", "localhost", "127.0.0.1", "::1", "0.0.0.0"}
@@ -51,3 +68,66 @@ def launch_port_problem(argv: list[str]) -> str | None:
     if not 0 < port < 65536:
         return f"--master_port {port} is not a port number (1-65535)"
     return port_problem(port)
+
+
+def ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def pick(seed: int) -> int:
+    """The first free port from a place that ``seed`` chooses, outside the ephemeral range."""
+    low, high = ephemeral_range()
+    candidates = range(15000, low) if low - 15000 >= 1000 else range(high + 1, 65536)
+    start = seed % len(candidates)
+    for i in range(len(candidates)):
+        port = candidates[(start + i) % len(candidates)]
+        if port_problem(port) is None and _plain_bind_ok(port):
+            return port
+    raise OSError(f"no free port in {candidates.start}-{candidates.stop - 1}")
+
+
+def _plain_bind_ok(port: int) -> bool:
+    """Nobody holds it either (a bound socket, as ``hold`` makes, that port_problem lets through)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def hold(port: int) -> None:
+    """Bind ``port`` (SO_REUSEADDR, never listening) until signalled or the parent process is gone."""
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    holder.bind(("", port))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    parent = os.getppid()
+    while os.getppid() == parent:
+        time.sleep(1.0)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] not in ("pick", "check", "hold") or not argv[1].isdigit():
+        print("usage: python -m pretrain.runtime.ports pick SEED | check PORT | hold PORT", file=sys.stderr)
+        return 2
+    command, number = argv[0], int(argv[1])
+    if command == "pick":
+        print(pick(number))
+        return 0
+    problem = port_problem(number) if 0 < number < 65536 else f"--master_port {number} is not a port number"
+    if problem:
+        print(problem.replace("--master_port", "MASTER_PORT"), file=sys.stderr)
+        return 2
+    if command == "hold":
+        hold(number)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

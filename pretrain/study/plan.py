@@ -202,7 +202,7 @@ def _reuse_problems(variants: list[Variant]) -> list[str]:
         if not saved_file.is_file():
             continue
         before = configlib.flatten(upgrade_saved(configlib.load_yaml(str(saved_file))))
-        now = configlib.flatten(configlib.to_dict(variant.cfg))
+        now = configlib.flatten(configlib.redact(configlib.to_dict(variant.cfg)))  # as saved
         for key in sorted(set(before) | set(now)):
             if (key.split(".")[0] in RESULTS_GROUPS or key in RESULTS_KEYS) and before.get(key) != now.get(key):
                 problems.append(

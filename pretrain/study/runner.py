@@ -116,13 +116,17 @@ def run_variant(study: Study, variant: Variant, parent: ParentRun, interrupt: In
     if is_finished(variant):
         print(f"study: {variant.name}: finished before, skipped", flush=True)
         return "finished"
-    cfg = with_tracking(variant.cfg, parent.uri, parent.run_id)
+    # A tracking URI with credentials reaches the variant through its environment, not its config file.
+    secret = configlib.redact(parent.uri) != parent.uri
+    cfg = with_tracking(variant.cfg, "" if secret else parent.uri, parent.run_id)
     config_file = variant.out_dir / "variant.yaml"
     _write_atomic(config_file, configlib.dump_yaml(cfg))
     ranks = study.section.ranks
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     for name in SET_FOR_THIS_PROCESS_ONLY:
         env.pop(name, None)
+    if secret:
+        env["MLFLOW_TRACKING_URI"] = parent.uri
     # The deepspeed launcher sets no thread count; oversubscribed CPU ranks ran 9x slower.
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // ranks)))
     status = read_status(variant)

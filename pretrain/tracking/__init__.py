@@ -34,7 +34,7 @@ def run_params(cfg, world: int, precision: str, manifest: Manifest) -> dict:
     import torch  # lazy: the study runner imports this package (mlflow_parent) and starts without torch
 
     train_totals = manifest.totals.get("train", {})
-    params = configlib.flatten(configlib.to_dict(cfg))
+    params = configlib.flatten(configlib.redact(configlib.to_dict(cfg)))
     params.update(
         {
             "derived.world_size": world,
@@ -46,7 +46,7 @@ def run_params(cfg, world: int, precision: str, manifest: Manifest) -> dict:
             "data.train_tokens": train_totals.get("tokens"),
             "data.train_sequences": train_totals.get("sequences"),
             "data.train_shards": train_totals.get("shards"),
-            "launch.command": " ".join(sys.argv),
+            "launch.command": configlib.redact(" ".join(sys.argv)),
             "launch.torch": torch.__version__,
         }
     )

@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 from mlflow.exceptions import MlflowException
 
+from pretrain.config import loader as configlib
+
 log = logging.getLogger(__name__)
 
 # MLflow's own limits (mlflow.utils.validation); a request over them is rejected as a whole.
@@ -121,7 +123,7 @@ def environment_tags(world_size: int) -> dict[str, str]:
         "env.python": sys.version.split()[0],
         "env.hostname": socket.gethostname(),
         "env.world_size": str(world_size),
-        "env.launch_command": shlex.join(sys.argv)[:MAX_TAG_VAL_LENGTH],
+        "env.launch_command": configlib.redact(shlex.join(sys.argv))[:MAX_TAG_VAL_LENGTH],
         "mlflow.source.name": sys.argv[0] if sys.argv and sys.argv[0] else "python",
     }
     for pkg in ("torch", "deepspeed", "transformers", "mlflow", "datasets", "tokenizers"):

@@ -18,6 +18,7 @@ import os
 from urllib.parse import urlparse
 
 from data_prep.common.commands import script_command
+from pretrain.config import loader as configlib
 
 CLASSIC_VIEW = "workflowType=machine_learning"
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store by default
@@ -26,7 +27,7 @@ LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store by 
 def ui_base(tracking_uri: str) -> str:
     """The UI's address for a tracking URI: the server itself, or `mlflow ui`'s default for a local store."""
     if urlparse(tracking_uri).scheme in ("http", "https"):
-        return tracking_uri.rstrip("/")
+        return configlib.redact(tracking_uri).rstrip("/").replace("***@", "")  # a link to share, no login in it
     return LOCAL_UI
 
 

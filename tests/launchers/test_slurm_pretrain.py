@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -383,3 +388,76 @@ def test_requeues_after_hangs_are_capped(slurm_cluster, shards, tmp_path):
     assert "exit 3 without a USR1 (a hang or an outage): requeue 1 of at most 1" in log, log[-4000:]
     assert "exit 3 without a USR1 for the 2-th time (MAX_UNPLANNED_REQUEUES=1)" in log, log[-4000:]
     assert log.count("requeueing job") == 1, log[-4000:]
+
+
+# Issue 72, item 6: the unplanned-requeue count as a cluster operator expects it, and the port.
+COUNT_FUNCTION = re.compile(r"^count_unplanned_requeue\(\) \{\n.*?^\}\n", re.S | re.M)
+
+
+def _count(tmp_path, comment: str, latest: str | None, scontrol_fails: bool = False) -> tuple[int, str, str]:
+    """count_unplanned_requeue() from the job script (SBATCH), with squeue and scontrol stood in by scripts that
+    read and write the job's comment in a file: (exit status, what it printed, the comment after)."""
+    bin_dir, out_dir = tmp_path / "bin", tmp_path / "run"
+    bin_dir.mkdir(exist_ok=True)
+    (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    if latest:
+        (out_dir / "checkpoints" / "latest").write_text(latest)
+    state = tmp_path / "comment"
+    state.write_text(comment)
+    (bin_dir / "squeue").write_text(f'#!/bin/bash\ncat "{state}"\n')
+    update = "exit 1" if scontrol_fails else f'printf "%s" "${{3#Comment=}}" > "{state}"'
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\n{update}\n")
+    for tool in ("squeue", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    function = COUNT_FUNCTION.search(SBATCH.read_text()).group(0)
+    done = subprocess.run(
+        ["bash", "-c", f"{function}\ncount_unplanned_requeue"],
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "out_dir": str(out_dir)},
+        capture_output=True,
+        text=True,
+    )
+    return done.returncode, done.stdout.strip(), state.read_text()
+
+
+def test_unplanned_requeues_keep_the_comment_count_afresh_after_progress_and_fail_safe(tmp_path):
+    assert _count(tmp_path, "(null)", None) == (0, "1", "unplanned_requeues=1@none")
+    # The user's own comment stays; the same checkpoint again counts up.
+    rc, count, comment = _count(tmp_path, "project=abc unplanned_requeues=1@step00000010", "step00000010")
+    assert (rc, count, comment) == (0, "2", "project=abc unplanned_requeues=2@step00000010")
+    # A run that checkpointed further since the last unplanned requeue starts the count again.
+    assert _count(tmp_path, "project=abc unplanned_requeues=3@step00000010", "step00000020")[1:] == (
+        "1",
+        "project=abc unplanned_requeues=1@step00000020",
+    )
+    # Slurm cannot keep the count: the function fails, and the script ends the job instead of requeueing.
+    assert _count(tmp_path, "x", "step00000010", scontrol_fails=True)[0] != 0
+
+
+def test_the_master_port_is_picked_outside_the_ephemeral_range_and_held_for_the_store(tmp_path):
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from pretrain.runtime import ports
+
+    low, high = ports.ephemeral_range()
+    port = ports.pick(4242)
+    assert not low <= port <= high and ports.pick(4242) == port
+    holder = subprocess.Popen([sys.executable, "-m", "pretrain.runtime.ports", "hold", str(port)], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 30
+        while ports._plain_bind_ok(port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with socket.socket() as other, pytest.raises(OSError):  # another job's bind: refused
+            other.bind(("", port))
+        store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10))
+        store.set("k", "v")  # rank 0's store listens on it all the same
+        assert store.get("k") == b"v"
+    finally:
+        holder.terminate()
+        holder.wait(10)
+    done = subprocess.run(
+        [sys.executable, "-m", "pretrain.runtime.ports", "check", "0"], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "not a port number" in done.stderr

@@ -275,3 +275,31 @@ def test_a_manifest_whose_names_or_digests_lead_out_of_the_data_folder_is_refuse
         with pytest.raises(ShardError) as caught:
             load_manifest(folder)
         assert repr(value)[:40] in str(caught.value) and key in str(caught.value), str(caught.value)
+
+
+# ------------------------------------------------------------------- item 6: credentials in a tracking URI
+
+
+def test_url_credentials_are_masked_in_what_is_written(caplog):
+    import logging
+
+    from pretrain.config import loader
+
+    uri = "https://alice:t0ken@mlflow.example.com:5000/path"
+    assert loader.redact(uri) == "https://***@mlflow.example.com:5000/path"
+    assert loader.redact({"a": [uri, 3], "b": "s3://bucket/x"}) == {
+        "a": ["https://***@mlflow.example.com:5000/path", 3],
+        "b": "s3://bucket/x",
+    }
+    from pretrain.config.schema import Config
+
+    cfg = Config()
+    cfg.tracking.tracking_uri = uri
+    assert "t0ken" not in loader.dump_yaml(cfg) and "***@mlflow.example.com" in loader.dump_yaml(cfg)
+    handler = logging.StreamHandler()
+    handler.addFilter(loader.RedactingFilter())
+    record = logging.LogRecord("pretrain", logging.INFO, __file__, 1, "MLflow: %s not reachable", (uri,), None)
+    assert (
+        handler.filter(record)
+        and record.getMessage() == "MLflow: https://***@mlflow.example.com:5000/path not reachable"
+    )

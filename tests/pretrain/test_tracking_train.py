@@ -312,3 +312,30 @@ def test_cleaned_data_trains_and_the_run_says_what_cleaning_it_had(shards, wiki_
     assert int(params["data/clean/removed_exact_duplicate"]) == report["removed"]["exact_duplicate"]["documents"]
     assert params["data/clean/settings_sha256"] == report["settings_sha256"]
     assert params["data/clean/languages"] == "en" and params["data/clean/near_bands"] == "28"
+
+
+def test_a_tracking_uri_with_credentials_is_used_and_written_nowhere(shards, tmp_path, mlflow_server):
+    """Issue 72, item 6: ``https://user:token@host`` is how some servers take a login. The run logs
+    to it, and the token is in no log line, file of the run, MLflow param or tag, or the report."""
+    secret = "s3cr3t-t0ken"
+    uri = mlflow_server.uri.replace("://", f"://alice:{secret}@")
+    out = tmp_path / "run"
+    proc = launch(
+        shards,
+        out,
+        *BASE,
+        f"tracking.tracking_uri={uri}",
+        "tracking.experiment=credentials",
+        "train.max_steps=2",
+        "train.checkpoint_every=2",
+        "tracking.report=true",
+        ranks=1,
+        check=True,
+    )
+    assert secret not in proc.stdout + proc.stderr
+    written = [p for p in out.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert not written, written
+    assert (out / "checkpoints" / "step00000002" / "config.yaml").is_file()
+    run = only_run(MlflowClient(mlflow_server.uri), "credentials")  # it logged, with the login it was given
+    assert run.data.params["tracking.tracking_uri"] == uri.replace(f"alice:{secret}@", "***@")
+    assert not [k for k, v in {**run.data.params, **run.data.tags}.items() if secret in str(v)]
