@@ -1,10 +1,18 @@
-"""Runs ``pretrain.train`` in this process (world size 1) and records every read of a tensor's value
-by the host (``item``, ``tolist``, ``bool``, ``float``, ``int``, ``nonzero``, ``cpu``, ``numpy``): on a
-GPU each one waits for the device. Step k's reads are those from the start of its ``train_step`` to
-the start of the next one's. Writes ``{"steps": [[site, ...], ...]}`` as JSON to the path in argv[1];
-the rest of argv goes to ``pretrain.train``. A site is ``file:function`` of the caller, or
-``deepspeed`` for DeepSpeed's own; host-side data (``pretrain/data``, the batches' checks) is not
-counted: those tensors never leave the host."""
+"""Runs ``pretrain.train`` in this process (world size 1) and records every wait for the device a
+step would have on a GPU, by call site:
+
+- a read of a tensor's value by the host (``item``, ``tolist``, ``bool``, ``float``, ``int``,
+  ``nonzero``, ``cpu``, ``numpy``);
+- a device synchronisation (``torch.cuda.synchronize``, DeepSpeed's ``get_accelerator().synchronize()``,
+  as its throughput timer calls it): ``.synchronize``;
+- a tensor made from host values on a device (``torch.tensor(x, device=...)``: on CUDA a blocking
+  copy from pageable memory, after the queued kernels): ``.tensor``.
+
+On the CPU none of them waits, but each is counted where it is called. Step k's are those from the
+start of its ``train_step`` to the start of the next one's. Writes ``{"steps": [[site, ...], ...]}``
+as JSON to the path in argv[1]; the rest of argv goes to ``pretrain.train``. A site is
+``file:function`` of the caller, or ``deepspeed/<file>:<line>`` for DeepSpeed's own; host-side data
+(``pretrain/data``, the batches' checks) is not counted: those tensors never leave the host."""
 
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ steps: list[list[str]] = []
 def _site(frame) -> str | None:
     name = frame.f_code.co_filename
     if "deepspeed" in name:
-        return "deepspeed/" + name.split("deepspeed/")[-1] + f":{frame.f_lineno}"
+        return "deepspeed/" + name.split("deepspeed/")[-1] + f":{frame.f_code.co_name}"
     try:
         rel = Path(name).resolve().relative_to(REPO).as_posix()
     except ValueError:
@@ -46,10 +54,41 @@ def _counting(name: str):
     return read
 
 
+def _record(name: str, depth: int = 2) -> None:
+    if steps:
+        site = _site(sys._getframe(depth))
+        if site:
+            steps[-1].append(f"{site}.{name}")
+
+
+def _counting_sync(original):
+    def synchronize(*args, **kwargs):
+        _record("synchronize")
+        return original(*args, **kwargs)
+
+    return synchronize
+
+
+def _counting_tensor(original):
+    def tensor(*args, **kwargs):
+        if kwargs.get("device") is not None:
+            _record("tensor")
+        return original(*args, **kwargs)
+
+    return tensor
+
+
 def main() -> int:
     out, argv = Path(sys.argv[1]), sys.argv[2:]
     for name in READS:
         setattr(torch.Tensor, name, _counting(name))
+    torch.cuda.synchronize = _counting_sync(torch.cuda.synchronize)
+    torch.tensor = _counting_tensor(torch.tensor)
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    for accelerator in (CPU_Accelerator, CUDA_Accelerator):
+        accelerator.synchronize = _counting_sync(accelerator.synchronize)
     import pretrain.train as train
 
     step_fn = train.train_step

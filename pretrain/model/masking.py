@@ -357,7 +357,8 @@ def mask_batch(
         positions = chosen.reshape(-1).nonzero().squeeze(1)  # host sync: N is data-dependent
         labels = flat_ids[positions]
         valid = None
-        num_masked = torch.tensor(positions.numel(), device=ids.device)
+        # A fill with a Python int, not torch.tensor(n, device=): no copy from host memory to wait on
+        num_masked = torch.full((), positions.numel(), dtype=torch.long, device=ids.device)
 
     action = draws.at(_ACTION, positions)
     replacement = _to_non_special(

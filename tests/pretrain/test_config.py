@@ -47,6 +47,8 @@ def test_every_shipped_yaml_loads(path, data_dir, monkeypatch):
     assert ds["bf16"] == {"enabled": True} and ds["communication_data_type"] == "fp32"  # reduced in fp32
     # summed over micro-steps in fp32 where DeepSpeed can (ZeRO 1-3); it refuses the mix at stage 0
     assert ds.get("data_types") == ({"grad_accum_dtype": "fp32"} if cfg.impl.zero_stage else None)
+    # DeepSpeed's throughput timer synchronises the device twice a micro-batch: off (issue 73, item 1a)
+    assert ds["timers"] == {"throughput": {"enabled": False}}
     fp32 = deepspeed_config(cfg, world=1, precision="fp32")
     assert "communication_data_type" not in fp32 and "data_types" not in fp32
     if cfg.impl.zero_stage:  # the buckets: no larger than the model (ZeRO allocates them whole)

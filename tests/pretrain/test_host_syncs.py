@@ -63,23 +63,44 @@ def probe(shards, tmp_path, *overrides) -> list[list[str]]:
     )["steps"]
 
 
-def test_a_step_that_logs_nothing_reads_the_device_once(shards, tmp_path):
-    # ZeRO 1 in bf16 with two micro-batches per step (global 16 = 2 x 8): base.yaml's path.
-    steps = probe(shards, tmp_path, "masking.fixed_count=true", "impl.zero_stage=1", "impl.precision=bf16")
+# Every wait for the device on a step that logs nothing, by call site, at each ZeRO stage in bf16 with
+# two micro-batches a step (global 16 = 2 x 8; base.yaml's path is ZeRO 1): ours, the one read of the
+# five numbers that decide the update, and DeepSpeed's own, each named in docs/gpu-step.md with why.
+# No device synchronisation at any stage: DeepSpeed's throughput timer, which synchronised twice a
+# micro-batch, is off (pretrain/runtime/engine.py).
+WAITS_BY_STAGE = {
+    # FP16_Optimizer (ZeRO 0 in bf16): one overflow test per parameter tensor (tiny.yaml's model has
+    # 42), then the gradient norm and its clipping factor, read on the host.
+    0: {
+        "deepspeed/runtime/utils.py:has_overflow_serial.__bool__": 42,
+        "deepspeed/runtime/utils.py:has_overflow.item": 1,
+        "deepspeed/runtime/utils.py:get_weight_norm.__float__": 2,
+        "deepspeed/runtime/utils.py:get_weight_norm.item": 2,
+    },
+    1: {"deepspeed/runtime/utils.py:is_invalid_grad_norm.__bool__": 1},
+    2: {
+        "deepspeed/runtime/zero/stage_1_and_2.py:has_overflow.item": 1,
+        "deepspeed/runtime/utils.py:is_invalid_grad_norm.__bool__": 3,
+    },
+    3: {
+        "deepspeed/runtime/zero/stage3.py:get_grad_norm_direct.tensor": 2,
+        "deepspeed/runtime/utils.py:is_invalid_grad_norm.__bool__": 1,
+    },
+}
+
+
+@pytest.mark.parametrize("stage", sorted(WAITS_BY_STAGE))
+def test_a_step_that_logs_nothing_waits_for_the_device_only_where_named(shards, tmp_path, stage):
+    steps = probe(shards, tmp_path, "masking.fixed_count=true", f"impl.zero_stage={stage}", "impl.precision=bf16")
     assert len(steps) == STEPS
-    for number, reads in enumerate(steps, start=1):
-        ours = sorted(r for r in reads if not r.startswith("deepspeed/"))
-        print(
-            f"step {number}: ours {dict(Counter(ours))}, DeepSpeed's "
-            f"{dict(Counter(r for r in reads if r.startswith('deepspeed/')))}",
-            file=sys.stderr,
-        )
-        if number % LOG_EVERY and number != STEPS:
-            assert ours == ONE_READ, (number, reads)
-            # DeepSpeed's: its non-finite norm check; the clipping factor is no longer read (engine.py)
-            assert len([r for r in reads if r.startswith("deepspeed/")]) == 1, (number, reads)
-        else:  # a logged step reads its metrics
-            assert len(ours) > 1, (number, reads)
+    for number, waits in enumerate(steps, start=1):
+        print(f"ZeRO {stage}, step {number}: {dict(Counter(waits))}", file=sys.stderr)
+        if number % LOG_EVERY == 0 or number == STEPS:  # a logged step reads its metrics
+            assert len([w for w in waits if not w.startswith("deepspeed/")]) > 1, (number, waits)
+            continue
+        if number == 1 and stage == 3:  # ZeRO 3's first step also sizes its partitions on the host
+            continue
+        assert dict(Counter(waits)) == {ONE_READ[0]: 1, **WAITS_BY_STAGE[stage]}, (number, waits)
 
 
 def test_masking_without_a_fixed_count_reads_the_count_once_a_step(shards, tmp_path):
