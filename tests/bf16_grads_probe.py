@@ -31,8 +31,16 @@ def main(shards: str) -> None:
     opt = s.engine.optimizer
     assert type(opt).__name__ == "BF16_Optimizer", type(opt)
     deepspeeds = eng._DEEPSPEEDS_OWN["update_hp_grads"]
+    ours_update = type(opt).update_hp_grads
     flat = opt.fp32_groups_gradients_flat
     compared = []
+    seen: list = []
+
+    def keeping_a_copy(self, clear_lp_grads=False):  # the bf16 gradients ours adds, then frees
+        seen[:] = [[p.grad.clone() if p.grad is not None else None for p in g] for g in self.bf16_groups]
+        return ours_update(self, clear_lp_grads=clear_lp_grads)
+
+    type(opt).update_hp_grads = keeping_a_copy
     for micro in range(2):
         batch = next(s.batches)
         m = mask_batch(
@@ -42,18 +50,27 @@ def main(shards: str) -> None:
         loss, _, _ = s.engine(m.input_ids, None, m.positions, m.labels)
         s.engine.backward(loss)  # its epilogue adds the bf16 gradients into the fp32 ones: ours
         ours = [f.clone() for f in flat]
+        freed = all(p.grad is None for g in opt.bf16_groups for p in g)
         for f, b in zip(flat, before):
             f.copy_(b)
+        for group, grads in zip(opt.bf16_groups, seen):
+            for p, g in zip(group, grads):
+                p.grad = g
         deepspeeds(opt)  # the same bf16 gradients, DeepSpeed's way
         theirs = [f.clone() for f in flat]
+        for group in opt.bf16_groups:  # as ours leaves them, for the next micro-batch
+            for p in group:
+                p.grad = None
         compared.append(
             {
                 "equal": all(torch.equal(a, b) for a, b in zip(ours, theirs)),
                 "moved": any(not torch.equal(a, b) for a, b in zip(ours, before)),
                 "has_gradients": all(all(h) for h in opt.fp32_groups_has_gradients),
+                "bf16_freed": freed,
             }
         )
-    ours_in_place = type(opt).update_hp_grads is eng._update_hp_grads_multi_tensor
+    type(opt).update_hp_grads = ours_update
+    ours_in_place = ours_update is eng._update_hp_grads_multi_tensor
     print(
         json.dumps({"micro_batches": compared, "params": sum(len(g) for g in opt.bf16_groups), "ours": ours_in_place})
     )

@@ -187,4 +187,6 @@ def test_bf16_optimizers_gradient_accumulation_is_deepspeeds_sums_in_one_multi_t
     done = run_script("bf16_grads_probe.py", shards, free_port(), timeout=300)
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["ours"] and found["params"] > 10, found
-    assert found["micro_batches"] == [{"equal": True, "moved": True, "has_gradients": True}] * 2, found
+    # ... and the bf16 gradients freed after the sum, so that the next backward writes its own
+    # instead of adding them into zeros (issue 73, item 3)
+    assert found["micro_batches"] == [{"equal": True, "moved": True, "has_gradients": True, "bf16_freed": True}] * 2
