@@ -20,6 +20,11 @@
 #   profile       torch.profiler (impl.profile_at_step) over a fifth of the steps of mini (eager, ZeRO 1) and of
 #                 base.yaml (compiled): where a step's time goes, the host's phases against the device's busy time
 #   bert-base     configs/base.yaml at sequence 128: MFU to compare with NVIDIA's BERT (~45%)
+#   real-shape    base.yaml at its real shape, ACCUM (8) micro-batches of --base-micro-batch a step, with
+#                 DeepSpeed's throughput timer off (ours) and on; beside it, at the same shape on the same GPU,
+#                 the Hugging Face Trainer (bf16, SDPA, fused AdamW, compiled) and a bare compiled loop with
+#                 fused AdamW (bench/reference_loops.py): tokens/s, MFU, and the ratios (goals: >= 1.5x HF,
+#                 >= 0.9x the bare loop, >= 50% MFU)
 #   bert-base-nodrop  the same without dropout: what keyed dropout costs in base.yaml's step
 # before them, bench/gpu_smoke_checks.py checks the optimisers and the flash SDPA kernel directly,
 # bench/mlm_loss.py times the fused MLM loss (every run's default) against the plain one at a GPU batch;
@@ -31,8 +36,8 @@
 #                      [--only UNIT,...] [--skip UNIT,...] [--resume-from RESULTS_FILE]
 #
 # Units, in the order they run (a unit's runs and the check that reads them): paths mlm-loss adamw
-# bert-base profile nonfinite resume export zero3 phase2 modernbert flash-attn documents dropout
-# compile-fixed bert-base-nodrop nccl. Each line of WORK/results.txt is written as a run or check ends, and
+# bert-base real-shape profile nonfinite resume export zero3 phase2 modernbert flash-attn documents
+# dropout compile-fixed bert-base-nodrop nccl. Each line of WORK/results.txt is written as a run or check ends, and
 # "done UNIT" once a unit has passed; --resume-from that file (carried to the next lease) runs only
 # the units not done, so two short leases cover everything.
 #
@@ -47,8 +52,8 @@ PY=${PYTHON:-.venv/bin/python}
 
 DRY_RUN=0 GPUS="" STEPS=50 MICRO=64 BASE_MICRO=128 CONFIG=configs/mini.yaml DATA="" WORK=/tmp/gpu_smoke BUDGET=540
 ONLY="" SKIP="" RESUME_FROM="" PREVIOUS_DONE=""
-UNITS=(paths mlm-loss adamw bert-base profile nonfinite resume export zero3 phase2 modernbert flash-attn
-       documents dropout compile-fixed bert-base-nodrop nccl)
+UNITS=(paths mlm-loss adamw bert-base real-shape profile nonfinite resume export zero3 phase2 modernbert
+       flash-attn documents dropout compile-fixed bert-base-nodrop nccl)
 usage() { grep -A2 '^#   bench/gpu_smoke.sh \[' "$0" | sed 's/^# \{0,3\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -112,6 +117,10 @@ COMMON=(data.dir="$DATA" train.max_steps="$STEPS" train.log_every=10 train.eval_
 # base.yaml's runs at its own micro-batch (128, --base-micro-batch), one micro-batch a step: 64 left
 # an H200 at 5.6 GB of 141 and its step host-bound (BENCHMARKS.md).
 BASE_BATCH=(impl.micro_batch_size="$BASE_MICRO" train.global_batch_size="$BASE_MICRO")
+# base.yaml's real shape: several micro-batches a step (on one GPU base.yaml itself has 32), where the
+# waits inside a step and the next step's readiness show, not only the per-step floor.
+ACCUM=8
+REAL_BATCH=(impl.micro_batch_size="$BASE_MICRO" train.global_batch_size=$((BASE_MICRO * ACCUM)))
 RUN_DIRS=()
 FAILED=()
 RESULTS=()
@@ -125,17 +134,17 @@ START=$SECONDS
 # of --budget-s less RESERVE (the summary's time) with a quarter to spare; what does not fit is said as
 # skipped, never killed (a run that overruns even that is stopped 10 s before the budget ends).
 # --resume-from's file gives the last lease's times (the longest of each kind) in place of the guesses.
-EST_MINI=45 EST_COMPILED=90 EST_BASE=150 RESERVE=15
+EST_MINI=45 EST_COMPILED=90 EST_BASE=150 EST_YARD=150 RESERVE=15
 kind_of() {  # kind_of NAME CONFIG OVERRIDES...: what a run costs like
   if [ "$2" = configs/base.yaml ]; then echo BASE; elif [[ " ${*:3} " == *" impl.compile=true "* ]]; then echo COMPILED
   else echo MINI; fi
 }
 if [ -n "$RESUME_FROM" ]; then
   while read -r name took; do
-    var=EST_$(case "$name" in bert-base*) echo BASE ;; compile-fixed) echo COMPILED ;; *) echo MINI ;; esac)
+    var=EST_$(case "$name" in bert-base*) echo BASE ;; compile-fixed) echo COMPILED ;; hf-base|bare-base) echo YARD ;; *) echo MINI ;; esac)
     if [ -z "${SEEN[$var]:-}" ] || [ "$took" -gt "${!var}" ]; then printf -v "$var" %d "$took"; SEEN[$var]=1; fi
   done < <(sed -n 's/^ok      run \([^ ]*\) (exit [0-9]*, \([0-9]*\) s)$/\1 \2/p' "$RESUME_FROM")
-  echo "run times from $RESUME_FROM: mini ${EST_MINI} s, compiled ${EST_COMPILED} s, base.yaml ${EST_BASE} s"
+  echo "run times from $RESUME_FROM: mini ${EST_MINI} s, compiled ${EST_COMPILED} s, base.yaml ${EST_BASE} s, yardsticks ${EST_YARD} s"
 fi
 left_s() { echo $((BUDGET - (SECONDS - START))); }
 record() { RESULTS+=("$1"); [ "$DRY_RUN" = 1 ] || echo "$1" >>"$WORK/results.txt"; }
@@ -209,6 +218,34 @@ check_with() {  # check_with NAME MIN_S SCRIPT ARGS...: a Python check (MIN_S le
   fi
 }
 
+yardstick() {  # yardstick NAME KIND: bench/reference_loops.py (hf | bare) at base.yaml's real shape
+  local name=$1 kind=$2 out="$WORK/runs/$1"
+  local spec
+  spec=$(printf '{"kind": "%s", "shards": "%s", "config": "configs/base.yaml", "overrides": ["data.dir=%s"], "batch_size": %d, "grad_accum": %d, "steps": %d, "warmup_steps": 10, "precision": "bf16", "threads": %d, "out_dir": "%s", "optim": "adamw_torch_fused", "fused": true, "compile": true, "training_args": {"torch_compile": true}}' \
+    "$kind" "$DATA" "$DATA" "$BASE_MICRO" "$ACCUM" "$STEPS" "$OMP_NUM_THREADS" "$out")
+  echo "+ $PY bench/reference_loops.py '$spec'"
+  [ "$DRY_RUN" = 1 ] && return 0
+  local left; left=$(left_s)
+  if [ $((left - RESERVE)) -lt $((EST_YARD + EST_YARD / 4)) ]; then
+    echo "  $name: skipped (~$EST_YARD s expected, $left s of --budget-s $BUDGET left)"
+    record "skipped run $name (~$EST_YARD s expected, $left s left)"
+    return 0
+  fi
+  rm -rf "$out"; mkdir -p "$out"; echo "$spec" >"$out/spec.json"
+  local t0=$SECONDS rc=0
+  timeout -k 5 $((left - 10)) "$PY" bench/reference_loops.py "$spec" >"$out/stdout.log" 2>&1 || rc=$?
+  local took=$((SECONDS - t0))
+  if [ "$rc" = 0 ]; then
+    EST_YARD=$took; echo "  $name: done in $took s"; record "ok      run $name (exit 0, $took s)"; DONE+=("$name")
+  elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    record "skipped run $name (stopped at the budget after $took s)"
+  else
+    echo "  $name: FAILED (exit $rc) after $took s; last lines of $out/stdout.log:"
+    tail -n 15 "$out/stdout.log" | sed 's/^/    /'
+    FAILED+=("$name"); record "FAILED  run $name (exit $rc): $out/stdout.log"
+  fi
+}
+
 check() {  # check NAME ARGS... : one of bench/gpu_smoke_checks.py's checks
   local name=$1; shift
   check_with "$name" 10 bench/gpu_smoke_checks.py "$@"
@@ -241,6 +278,21 @@ if selected bert-base; then
   if ran bert-base; then check heldout heldout "$WORK/runs/bert-base"
   else record "skipped check heldout (needs the bert-base run)"; fi
   close bert-base check:heldout
+fi
+# base.yaml at its real shape (ACCUM micro-batches a step), DeepSpeed's throughput timer off (as the
+# trainer sets it) and on (what it cost), and the two yardsticks at the same shape on the same GPU.
+if selected real-shape; then
+  RUN_CONFIG=configs/base.yaml run bert-base-accum 1 "${REAL_BATCH[@]}"
+  RUN_CONFIG=configs/base.yaml run bert-base-accum-timer 1 "${REAL_BATCH[@]}" impl.deepspeed.timers.throughput.enabled=true
+  if ran bert-base-accum; then
+    yardstick hf-base hf
+    yardstick bare-base bare
+  else record "skipped run hf-base, bare-base (needs the bert-base-accum run to compare with)"; fi
+  if ran bert-base-accum bert-base-accum-timer hf-base bare-base; then
+    check real-shape yardsticks "$PEAK" "$WORK/runs/bert-base-accum" "$WORK/runs/bert-base-accum-timer" \
+      "$WORK/runs/hf-base" "$WORK/runs/bare-base"
+  else record "skipped check real-shape (needs the bert-base-accum, -timer, hf-base and bare-base runs)"; fi
+  close real-shape check:real-shape
 fi
 # The profiled steps: a fifth of the run, from its middle (after the compile and the first window).
 if selected profile; then

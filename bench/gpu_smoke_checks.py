@@ -8,6 +8,8 @@ GPU-only code paths, and the tokens/s + MFU table read from each run's ``metrics
     python bench/gpu_smoke_checks.py heldout RUN          # RUN evaluated its held-out split: finite loss
     python bench/gpu_smoke_checks.py export RUN           # RUN/hf_final loads (fp32) and fills a mask
     python bench/gpu_smoke_checks.py report RUN_DIR...    # one row per run
+    python bench/gpu_smoke_checks.py yardsticks PEAK OURS OURS_TIMER HF BARE
+                                         # base.yaml at its real shape beside the HF Trainer and a bare loop
 """
 
 from __future__ import annotations
@@ -217,6 +219,76 @@ def report(run_dirs: list[str]) -> tuple[str, bool]:
     return format_table(["run", "steps", "tokens/s", "MFU (vs the peak above)", "loss", "note"], rows) + anchor, ok
 
 
+def _ours_tokens_per_s(run_dir: Path) -> tuple[float, float]:
+    """(tokens/s, MFU) of one of our runs: the mean of its logged windows after the first."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    windows = [r for r in rows if names.PERF_TOKENS_PER_S in r]
+    timed = windows[1:] or windows
+    if not timed:
+        raise SystemExit(f"yardsticks: no logged windows in {path}")
+    mean = lambda key: sum(r[key] for r in timed) / len(timed)  # noqa: E731
+    return mean(names.PERF_TOKENS_PER_S), mean(names.PERF_MFU)
+
+
+def _yardstick_tokens_per_s(run_dir: Path, peak_tflops: float, dense_head: bool) -> tuple[float, float]:
+    """(tokens/s, MFU) of a bench/reference_loops.py run (its ``spec.json`` and ``result.json``): the
+    steps after the spec's warm-up, at its own FLOPs per sequence (HF's head runs on every token)."""
+    from data_prep.common.manifest import load_manifest
+    from pretrain.config.schema import load_config
+    from pretrain.model.flops import mlm_flops_per_sequence
+
+    spec = json.loads((run_dir / "spec.json").read_text())
+    result_file = run_dir / "result.json"
+    if not result_file.is_file():
+        raise SystemExit(f"yardsticks: {run_dir.name} wrote no result.json (its log: {run_dir / 'stdout.log'})")
+    ends = json.loads(result_file.read_text())["step_end_unix"]
+    warm = spec["warmup_steps"]
+    if len(ends) <= warm + 1:
+        raise SystemExit(f"yardsticks: {run_dir.name} timed {len(ends)} steps, fewer than its warm-up + 2")
+    manifest = load_manifest(spec["shards"])
+    seq_len = manifest.seq_len
+    cfg = load_config(spec["config"], spec["overrides"])
+    sequences = (len(ends) - warm) * spec["batch_size"] * spec["grad_accum"]
+    tokens_per_s = sequences * seq_len / (ends[-1] - ends[warm - 1])
+    flops = mlm_flops_per_sequence(
+        cfg.model,
+        seq_len,
+        cfg.masking.rate * seq_len,
+        sparse_head=not dense_head,
+        vocab_size=manifest.tokenizer.vocab_size,
+    )
+    return tokens_per_s, tokens_per_s / seq_len * flops / (peak_tflops * 1e12)
+
+
+def yardsticks(peak: str, ours: str, ours_timer: str, hf: str, bare: str) -> str:
+    """configs/base.yaml at its real shape (several micro-batches a step) with DeepSpeed's throughput
+    timer off (ours) and on, beside the Hugging Face Trainer and a bare compiled loop at the same shape
+    on the same GPU; the ratios the GPU-step issue set goals for."""
+    peak_tflops = float(peak)
+    rows, measured = [], {}
+    for key, name, run in (
+        ("ours", "ours (base.yaml)", ours),
+        ("timer", "ours, DeepSpeed's timer on", ours_timer),
+        ("hf", "HF Trainer (bf16, SDPA, fused AdamW, compiled)", hf),
+        ("bare", "bare loop (compiled, fused AdamW)", bare),
+    ):
+        run_dir = Path(run)
+        if key in ("ours", "timer"):
+            tps, mfu = _ours_tokens_per_s(run_dir)
+        else:
+            tps, mfu = _yardstick_tokens_per_s(run_dir, peak_tflops, dense_head=key == "hf")
+        measured[key] = tps
+        rows.append([name, f"{tps:,.0f}", f"{100 * mfu:.1f}%"])
+    lines = [
+        format_table(["run", "tokens/s", "MFU"], rows),
+        f"ours / HF Trainer: {measured['ours'] / measured['hf']:.2f}x (goal >= 1.5)",
+        f"ours / bare loop: {measured['ours'] / measured['bare']:.2f}x (goal >= 0.9)",
+        f"DeepSpeed's timer off / on: {measured['ours'] / measured['timer']:.3f}x",
+    ]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     command, rest = sys.argv[1], sys.argv[2:]
     if command == "peak":
@@ -233,6 +305,8 @@ if __name__ == "__main__":
         print(export(*rest))
     elif command == "profile":
         print(profile(*rest))
+    elif command == "yardsticks":
+        print(yardsticks(*rest))
     elif command == "report":
         text, all_ok = report(rest)
         print(text)
@@ -240,5 +314,5 @@ if __name__ == "__main__":
     else:
         sys.exit(
             f"unknown command {command!r}: peak | paths CONFIG SHARDS | resumed REF RUN | nonfinite RUN | heldout RUN | export RUN | profile RUN... | "
-            "report RUN_DIR..."
+            "report RUN_DIR... | yardsticks PEAK OURS OURS_TIMER HF BARE"
         )

@@ -9,7 +9,10 @@ of its own (fresh thread pools and allocator, the same environment as ours):
 * ``bare``: the efficiency yardstick, a plain PyTorch loop around *our* model (``build_model``:
   same shape, same sparse head) with our data stream and masking: forward, backward, clip,
   ``torch.optim.AdamW``, schedule. No engine, no collectives, no logging. bf16 is
-  ``torch.autocast`` over fp32 weights (what a plain PyTorch user writes).
+  ``torch.autocast`` over fp32 weights (what a plain PyTorch user writes). On the GPU where CUDA is
+  (``bench/gpu_smoke.sh``'s yardsticks), reading the loss once a step, as such a loop does.
+
+A spec's ``training_args`` (HF only) add to ``TrainingArguments``: ``{"torch_compile": true}``.
 
 Both write ``result.json`` into the spec's ``out_dir``: wall and CPU time at the end of every
 optimiser step, and the last loss.
@@ -143,6 +146,7 @@ def hf_worker(spec: dict) -> None:
         optim=spec["optim"],
         logging_strategy="steps",
         logging_steps=spec["warmup_steps"],
+        **spec.get("training_args", {}),
     )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -160,12 +164,14 @@ def bare_worker(spec: dict) -> None:
     from pretrain.model.schedule import lr_schedule
 
     torch.set_num_threads(spec["threads"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shards = Path(spec["shards"])
     manifest = load_manifest(shards)
     special = SpecialIds.from_manifest(manifest)
     cfg = load_config(spec["config"], spec["overrides"])
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, manifest.tokenizer.vocab_size, special, cfg.impl, seq_len=manifest.seq_len)
+    model.to(device)
     o = cfg.optim
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -187,7 +193,7 @@ def bare_worker(spec: dict) -> None:
     model.train()
     for step in range(spec["steps"]):
         for micro in range(spec["grad_accum"]):
-            batch = next(batches)
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items() if torch.is_tensor(v)}
             m = mask_batch(
                 batch["input_ids"],
                 batch["word_starts"],
@@ -196,7 +202,7 @@ def bare_worker(spec: dict) -> None:
                 sample_ids=batch["sample_ids"],
                 step=step,
             )
-            with torch.autocast("cpu", torch.bfloat16, enabled=spec["precision"] == "bf16"):
+            with torch.autocast(device.type, torch.bfloat16, enabled=spec["precision"] == "bf16"):
                 loss_sum, _, count = forward(m.input_ids, batch["input_ids"] != special.pad, m.positions, m.labels)
             loss_sum = loss_sum / count.clamp(min=1) / spec["grad_accum"]
             loss_sum.backward()

@@ -46,6 +46,8 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     assert sorted(launches) == [
         "adamw",
         "bert-base",
+        "bert-base-accum",
+        "bert-base-accum-timer",
         "bert-base-nodrop",
         "compile-fixed",
         "documents",
@@ -83,9 +85,9 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         named = {"flash-attn": "flash_attention_2", "documents-flex": "flex_attention"}
         assert cfg.impl.attention == named.get(name, "auto"), name
         assert cfg.impl.fused_mlm_loss
-        # base.yaml's runs at its own micro-batch, one a step; the others at --micro-batch 16
+        # base.yaml's runs at its own micro-batch, one a step (8 at its real shape); the others at --micro-batch 16
         own = load_config(str(REPO / "configs/base.yaml"), [f"data.dir={shards}"]).impl.micro_batch_size
-        batch = own if cfg.model.hidden_size == 768 else 16 * gpus
+        batch = own * (8 if "accum" in name else 1) if cfg.model.hidden_size == 768 else 16 * gpus
         assert cfg.data.dir == str(shards) and cfg.train.global_batch_size == batch, name
         assert cfg.impl.micro_batch_size == (own if cfg.model.hidden_size == 768 else 16), name
     assert launches["lamb"][1].optim.name == "lamb" and launches["adamw"][1].optim.name == "adamw"
@@ -94,8 +96,29 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     assert launches["nccl-2"][0] == 2 and launches["nccl-2"][1].impl.zero_stage == 2
     # the halted run resumes at ZeRO 2 in its own folder; then its losses and the lamb export are checked
     assert launches["halted"][1].train.resume == "auto" and launches["halted"][1].impl.zero_stage == 2
+    # DeepSpeed's throughput timer: off as the trainer sets it, on in the run that measures its cost
+    timer = launches["bert-base-accum-timer"][1].impl.deepspeed
+    assert (
+        timer == {"timers": {"throughput": {"enabled": True}}} and launches["bert-base-accum"][1].impl.deepspeed == {}
+    )
+    # the yardsticks at the same shape: the HF Trainer and the bare loop, compiled, fused AdamW, bf16
+    specs = [json.loads(cmd[2]) for cmd in commands if cmd[1:2] == ["bench/reference_loops.py"]]
+    assert [(s["kind"], s["batch_size"], s["grad_accum"], s["precision"], s["compile"]) for s in specs] == [
+        ("hf", own, 8, "bf16", True),
+        ("bare", own, 8, "bf16", True),
+    ]
+    assert specs[0]["optim"] == "adamw_torch_fused" and specs[0]["training_args"] == {"torch_compile": True}
+    assert specs[1]["fused"] and load_config(specs[1]["config"], specs[1]["overrides"]).model.hidden_size == 768
     assert [cmd[2:] for cmd in commands if cmd[1:2] == ["bench/gpu_smoke_checks.py"]][1:] == [
         ["heldout", "/tmp/gpu_smoke/runs/bert-base"],
+        [
+            "yardsticks",
+            "<peak>",
+            "/tmp/gpu_smoke/runs/bert-base-accum",
+            "/tmp/gpu_smoke/runs/bert-base-accum-timer",
+            "/tmp/gpu_smoke/runs/hf-base",
+            "/tmp/gpu_smoke/runs/bare-base",
+        ],
         ["profile", "/tmp/gpu_smoke/runs/profile-mini", "/tmp/gpu_smoke/runs/profile-base"],
         ["nonfinite", "/tmp/gpu_smoke/runs/nonfinite"],
         ["resumed", "/tmp/gpu_smoke/runs/adamw", "/tmp/gpu_smoke/runs/halted"],
@@ -439,3 +462,36 @@ def test_smoke_profile_check_prints_rank_0s_summary_and_wants_one(tmp_path):
     assert re.fullmatch(r"profile profile-mini: steps 1-1: [\d.]+ ms a step; .*", profile(str(run))), profile(str(run))
     with pytest.raises(SystemExit, match="no profile in"):
         profile(str(run), str(empty))
+
+
+def test_smoke_yardsticks_check_puts_ours_beside_hf_and_the_bare_loop(shards, tmp_path):
+    """Issue 73, item 5: the real-shape unit's check reads our two runs' metrics and the yardsticks'
+    step times, at each one's FLOPs per sequence, and prints the ratios the issue set goals for."""
+    from bench.gpu_smoke_checks import yardsticks
+
+    runs = {}
+    for name, tps in (("ours", 400_000.0), ("timer", 380_000.0)):
+        runs[name] = tmp_path / name
+        runs[name].mkdir()
+        runs[name].joinpath("metrics.jsonl").write_text(
+            "".join(
+                json.dumps({"step": s, "train/loss": 8.0, "perf/tokens_per_s": t, "perf/mfu": 0.4}) + "\n"
+                for s, t in ((10, 1.0), (20, tps), (30, tps))
+            )
+        )
+    for name, step_s in (("hf", 0.5), ("bare", 0.25)):
+        runs[name] = tmp_path / name
+        runs[name].mkdir()
+        spec = {"shards": str(shards), "config": "configs/base.yaml", "overrides": [f"data.dir={shards}"]}
+        spec |= {"batch_size": 128, "grad_accum": 8, "warmup_steps": 2}
+        runs[name].joinpath("spec.json").write_text(json.dumps(spec))
+        runs[name].joinpath("result.json").write_text(json.dumps({"step_end_unix": [step_s * i for i in range(12)]}))
+    text = yardsticks("989.4", *(str(runs[k]) for k in ("ours", "timer", "hf", "bare")))
+    seq_len = 64  # the test shards'
+    hf_tps, bare_tps = 128 * 8 * seq_len / 0.5, 128 * 8 * seq_len / 0.25
+    assert f"ours / HF Trainer: {400_000 / hf_tps:.2f}x (goal >= 1.5)" in text, text
+    assert f"ours / bare loop: {400_000 / bare_tps:.2f}x (goal >= 0.9)" in text, text
+    assert "DeepSpeed's timer off / on: 1.053x" in text and f"{hf_tps:,.0f}" in text, text
+    runs["hf"].joinpath("result.json").unlink()
+    with pytest.raises(SystemExit, match="hf wrote no result.json"):
+        yardsticks("989.4", *(str(runs[k]) for k in ("ours", "timer", "hf", "bare")))
