@@ -229,6 +229,7 @@ def initialize(model: torch.nn.Module, cfg: Config, info: DistInfo, precision: s
         _skip_muon_import()
     _mask_nonfinite_norm_on_the_device()
     _bf16_optimizer_multi_tensor()
+    _fp16_optimizer_overflow_once()
     schedule = lr_schedule(cfg)
     if cfg.impl.zero_stage == 3 and getattr(model, "fused_loss", False):
         # The fused loss reads the decoder's weight (the word embeddings) outside the decoder's own
@@ -361,6 +362,25 @@ def _update_hp_grads_multi_tensor(self, clear_lp_grads=False):
                 # gradients after this sum: the reduction, the norm, the clip and the update take the
                 # fp32 ones.
                 group[j].grad = None
+
+
+def _has_overflow_serial_once(self, params) -> bool:
+    """``CheckOverflow.has_overflow_serial`` (FP16_Optimizer's, ZeRO 0 in bf16) decided with one read:
+    DeepSpeed's own per-tensor test (``has_inf_or_nan``: a device scalar each) for every gradient,
+    stacked and read once, where DeepSpeed reads each in turn (one wait for the device a tensor: 202
+    a step for BERT-base). The same decision; a test that answers on the host (an older DeepSpeed's)
+    is taken as it is."""
+    flags = [self._has_inf_or_nan(p.grad.data, i) for i, p in enumerate(params) if p.grad is not None]
+    if flags and all(torch.is_tensor(f) for f in flags):
+        return bool(torch.stack(flags).any())
+    return any(bool(f) for f in flags)
+
+
+def _fp16_optimizer_overflow_once() -> None:
+    from deepspeed.runtime import utils as ds_utils
+
+    _DEEPSPEEDS_OWN.setdefault("has_overflow_serial", ds_utils.CheckOverflow.has_overflow_serial)
+    ds_utils.CheckOverflow.has_overflow_serial = _has_overflow_serial_once
 
 
 def _bf16_optimizer_multi_tensor() -> None:

@@ -69,10 +69,10 @@ def probe(shards, tmp_path, *overrides) -> list[list[str]]:
 # No device synchronisation at any stage: DeepSpeed's throughput timer, which synchronised twice a
 # micro-batch, is off (pretrain/runtime/engine.py).
 WAITS_BY_STAGE = {
-    # FP16_Optimizer (ZeRO 0 in bf16): one overflow test per parameter tensor (tiny.yaml's model has
-    # 42), then the gradient norm and its clipping factor, read on the host.
+    # FP16_Optimizer (ZeRO 0 in bf16): its overflow test, one read for every tensor's (DeepSpeed: one a
+    # tensor; pretrain/runtime/engine.py), then the gradient norm and its clipping factor, read on the host.
     0: {
-        "deepspeed/runtime/utils.py:has_overflow_serial.__bool__": 42,
+        "pretrain/runtime/engine.py:_has_overflow_serial_once.__bool__": 1,
         "deepspeed/runtime/utils.py:has_overflow.item": 1,
         "deepspeed/runtime/utils.py:get_weight_norm.__float__": 2,
         "deepspeed/runtime/utils.py:get_weight_norm.item": 2,
@@ -190,3 +190,32 @@ def test_bf16_optimizers_gradient_accumulation_is_deepspeeds_sums_in_one_multi_t
     # ... and the bf16 gradients freed after the sum, so that the next backward writes its own
     # instead of adding them into zeros (issue 73, item 3)
     assert found["micro_batches"] == [{"equal": True, "moved": True, "has_gradients": True, "bf16_freed": True}] * 2
+
+
+def test_fp16_optimizers_overflow_test_is_deepspeeds_decision_read_once(monkeypatch):
+    """ZeRO 0 in bf16 (DeepSpeed's FP16_Optimizer) tests each gradient for inf and NaN and reads each
+    answer on the host; the engine module stacks DeepSpeed's own per-tensor answers and reads once.
+    The same decision for clean gradients, an inf, a NaN and a -inf anywhere, and no gradient at all."""
+    from deepspeed.runtime import utils as ds_utils
+
+    from pretrain.runtime import engine as eng
+
+    monkeypatch.setattr(ds_utils.CheckOverflow, "has_overflow_serial", ds_utils.CheckOverflow.has_overflow_serial)
+    theirs = ds_utils.CheckOverflow.has_overflow_serial
+    eng._fp16_optimizer_overflow_once()
+    assert ds_utils.CheckOverflow.has_overflow_serial is eng._has_overflow_serial_once
+    checker = ds_utils.CheckOverflow.__new__(ds_utils.CheckOverflow)
+    for bad in (None, float("inf"), float("nan"), -float("inf")):
+        params = [torch.nn.Parameter(torch.randn(5, 3, dtype=torch.bfloat16)) for _ in range(4)] + [
+            torch.nn.Parameter(torch.zeros(2))  # no gradient
+        ]
+        for p in params[:4]:
+            p.grad = torch.randn_like(p)
+        if bad is not None:
+            params[2].grad[1, 2] = bad
+        reads = []
+        real_bool = torch.Tensor.__bool__
+        monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(1) or real_bool(t))
+        ours = eng._has_overflow_serial_once(checker, params)
+        monkeypatch.setattr(torch.Tensor, "__bool__", real_bool)
+        assert ours == theirs(checker, params) == (bad is not None) and len(reads) == 1, bad
