@@ -186,9 +186,20 @@ def keep_attention(run: Run) -> None:
     run.state.attention = model.attention
 
 
+def loader_prefetch(cfg: Config, world: int) -> int:
+    """``impl.prefetch_factor``, raised where the workers would buffer less than a step: the next step's
+    micro-batches are then read while the current one trains, not pulled after its last wait
+    (base.yaml on one GPU: 32 micro-batches a step, of which 4 workers x 4 buffered 16)."""
+    workers = cfg.impl.num_workers
+    if workers <= 0:
+        return cfg.impl.prefetch_factor
+    return max(cfg.impl.prefetch_factor, -(-cfg.grad_accum_steps(world) // workers))
+
+
 def build_stream(run: Run, resume_from: str | None):
     cfg, info = run.cfg, run.info
-    stream = make_train_stream(cfg, run.manifest, info.rank, info.world, cfg.impl.num_workers, cfg.impl.prefetch_factor)
+    prefetch = loader_prefetch(cfg, info.world)
+    stream = make_train_stream(cfg, run.manifest, info.rank, info.world, cfg.impl.num_workers, prefetch)
     if resume_from:
         stream.load_state_dict(run.state.data)  # another world size or micro-batch continues the same order
     return stream

@@ -215,3 +215,18 @@ def test_a_deepspeed_older_than_the_floor_is_refused_by_version():
     assert deepspeed_problems("0.19.8") == deepspeed_problems("0.20.1+cu128") == []
     (problem,) = deepspeed_problems("0.19.7")
     assert "DeepSpeed 0.19.7 is installed" in problem and "deepspeed>=0.19.8" in problem
+
+
+def test_the_loader_buffers_a_whole_step(data_dir, monkeypatch):
+    """Issue 73, item 2: the workers buffer at least a step's micro-batches, so that the next step's are
+    read while the current one trains (base.yaml on one GPU: 32 micro-batches, 4 workers x 4 was 16)."""
+    from pretrain.config.schema import load_config
+    from pretrain.run import loader_prefetch
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    base = ["impl.micro_batch_size=128", "train.global_batch_size=4096", "impl.num_workers=4"]
+    cfg = load_config("configs/base.yaml", [f"data.dir={data_dir}", *base])
+    assert cfg.grad_accum_steps(1) == 32 and loader_prefetch(cfg, 1) * 4 >= 32 and loader_prefetch(cfg, 1) == 8
+    assert loader_prefetch(cfg, 8) == 4  # 4 micro-batches a step on 8 GPUs: the configured 4 is enough
+    no_workers = load_config("configs/base.yaml", [f"data.dir={data_dir}", *base[:2], "impl.num_workers=0"])
+    assert loader_prefetch(no_workers, 1) == no_workers.impl.prefetch_factor
