@@ -336,7 +336,9 @@ def _clean_settings(args):
     model_path = (values.get("quality_model") or {}).get("path")
     if isinstance(model_path, str) and model_path and not os.path.isfile(os.path.expanduser(model_path)):
         found.append(f"--quality-model {model_path!r}: no such file")
-    elif isinstance(model_path, str) and model_path:
+    elif isinstance(model_path, str) and model_path and args.stage in (None, "signatures"):
+        # Only where documents are scored: the later stages read the scores, not the model (a DCLM
+        # model is gigabytes to load in every array task)
         from .clean.settings import QualityModelSettings
         from .clean.signature import QualityScorer
 

@@ -239,9 +239,8 @@ class ImplConfig:
     keep_freed_cpu_memory: bool = True
     offload_optimizer: bool = False  # ZeRO-Offload of optimiser states to CPU memory
     num_workers: int = 2  # data loader worker processes per rank
-    prefetch_factor: int = (
-        4  # micro-batches each worker buffers; raised to a whole step where that is more (pretrain.run)
-    )
+    # micro-batches each worker buffers; raised to a whole step where that is more (pretrain.run)
+    prefetch_factor: int = 4
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
     # Where to train. auto: the GPUs if CUDA sees any, else the CPU. cuda: a run meant for GPUs; none
     # visible (a Slurm job without --gpus-per-node, say) is an input error, never a silent CPU run.

@@ -86,13 +86,14 @@ def pick(seed: int) -> int:
     start = seed % len(candidates)
     for i in range(len(candidates)):
         port = candidates[(start + i) % len(candidates)]
-        if port_problem(port) is None and _plain_bind_ok(port):
+        if _plain_bind_ok(port):
             return port
     raise OSError(f"no free port in {candidates.start}-{candidates.stop - 1}")
 
 
 def _plain_bind_ok(port: int) -> bool:
-    """Nobody holds it either (a bound socket, as ``hold`` makes, that port_problem lets through)."""
+    """Nothing listens on it, holds it (a bound socket, as ``hold`` makes, that port_problem lets
+    through) or has it in TIME_WAIT."""
     with socket.socket() as s:
         try:
             s.bind(("", port))
