@@ -82,7 +82,10 @@ def ephemeral_range() -> tuple[int, int]:
 def pick(seed: int) -> int:
     """The first free port from a place that ``seed`` chooses, outside the ephemeral range."""
     low, high = ephemeral_range()
-    candidates = range(15000, low) if low - 15000 >= 1000 else range(high + 1, 65536)
+    # From 20000: the ports below are where tools that pick their own (and the tests' launchers,
+    # tests/conftest.py free_port: 10000-19999) look, and a port they took between this pick and
+    # rank 0's listen would end the job with EADDRINUSE (seen: a test worker's 15012).
+    candidates = range(20000, low) if low - 20000 >= 1000 else range(high + 1, 65536)
     start = seed % len(candidates)
     for i in range(len(candidates)):
         port = candidates[(start + i) % len(candidates)]
