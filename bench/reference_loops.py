@@ -210,7 +210,7 @@ def bare_worker(spec: dict) -> None:
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        loss = float(loss_sum) * spec["grad_accum"]
+        loss = float(loss_sum.detach()) * spec["grad_accum"]
         ends.append(time.time())
         cpu.append(time.process_time())
     _write_result(spec, ends, cpu, loss)
