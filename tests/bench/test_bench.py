@@ -498,3 +498,48 @@ def test_smoke_yardsticks_check_puts_ours_beside_hf_and_the_bare_loop(shards, tm
     runs["hf"].joinpath("result.json").unlink()
     with pytest.raises(SystemExit, match="hf wrote no result.json"):
         yardsticks("989.4", *(str(runs[k]) for k in ("ours", "timer", "hf", "bare")))
+
+
+@pytest.mark.slow
+def test_step_ops_counts_each_loops_ops_and_waits_by_phase(shards, tmp_path):
+    """Issue 73, item 6: bench/step_ops.py counts a step's ops, launches and waits by phase for ours,
+    DeepSpeed's engine alone and a bare loop in one run. Ours waits where test_host_syncs says
+    (ZeRO 1 bf16: our one read, DeepSpeed's norm check), DeepSpeed alone at every micro-batch (its
+    throughput timer), the bare loop never; ours masks a step's micro-batches in one call."""
+    run = subprocess.run(
+        [sys.executable, "bench/step_ops.py", "--config", "configs/mini.yaml", "--data", str(shards)]
+        + ["--micro-batch", "2", "--micro-batches", "2", "--steps", "1", "--work-dir", str(tmp_path)]
+        + ["--set", "masking.fixed_count=true", "impl.zero_stage=1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    rows = {
+        cells[0]: [int(c.replace(",", "")) for c in cells[1:]]
+        for line in run.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| phase")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    phases = ["mask", "forward", "backward", "sync", "optimizer", "other", "total"]
+    assert list(rows) == phases, run.stdout
+    deepspeed_alone, ours, bare = ({p: rows[p][3 * i : 3 * i + 3] for p in phases} for i in range(3))
+    assert {p: ours[p][2] for p in phases} == dict.fromkeys(phases, 0) | {"sync": 1, "optimizer": 1, "total": 2}
+    assert bare["total"][2] == 0
+    assert deepspeed_alone["forward"][2] == 2 and deepspeed_alone["optimizer"][2] >= 2, deepspeed_alone
+    assert 0 < ours["mask"][0] < deepspeed_alone["mask"][0] == bare["mask"][0], run.stdout
+    assert all(loop["forward"][1] > 0 and loop["total"][0] > loop["total"][1] for loop in (ours, bare)), run.stdout
+
+
+def test_multi_tensor_launches_split_as_cudas_kernel_does():
+    """A multi-tensor op launches when 110 tensors (one list; 64 for two) or 320 blocks of 65,536
+    elements are full, the split tensor's other chunks carried into the next launch."""
+    from bench.step_ops import multi_tensor_launches
+
+    small = [torch.empty(10)] * 202
+    assert multi_tensor_launches([small]) == 2 and multi_tensor_launches([small, small]) == 4
+    embeddings = torch.empty(30522 * 768)  # 358 blocks: 320, then 38
+    assert multi_tensor_launches([[embeddings]]) == 2
+    assert multi_tensor_launches([[torch.empty(65536 * 320)]]) == 1
+    assert multi_tensor_launches([[embeddings] + small[:5]]) == 2
