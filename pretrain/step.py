@@ -115,7 +115,7 @@ def train_step(
     The host reads from the device once per step (``decide_update``), after the last backward and
     before the update: whether to skip the update (a non-finite loss, an unreadable batch) is a branch
     of DeepSpeed's step on the host, and the spike guard and a stop signal are decided from the same
-    five numbers. Everything else stays on the device until a logged step (``ThroughputWindow``)."""
+    numbers; so is BF16_Optimizer's own check of the gradient norm. Everything else stays on the device until a logged step (``ThroughputWindow``)."""
     engine, device, world = parts.engine, parts.device, parts.world
     with phase("mask"):
         masked, predicted = mask_micro_batches(parts, step, micro_batches)
@@ -142,7 +142,8 @@ def train_step(
         with phase("backward"):
             engine.backward(loss_sum * scale)
         if i == len(masked) - 1:
-            loss_total, predicted_total, stop, bad, outage = decide_update(parts, sums, level)
+            loss_total, predicted_total, stop, bad, outage, invalid_norm = decide_update(parts, sums, level)
+            eng.norm_decided(invalid_norm > 0)
             nonfinite = not math.isfinite(loss_total)
             skip_next_step(parts.optimizer, nonfinite or bad > 0)  # every rank skips or stops together
             if logged and parts.zero_stage == 0:
@@ -157,13 +158,18 @@ def train_step(
 
 
 def decide_update(parts: StepParts, sums: torch.Tensor, level: int) -> list[float]:
-    """Summed over ranks: [loss sum, predicted, stop asked, bad input, store down], the step's one read
-    from the device. A loss sum is non-finite where any rank's is (losses are >= 0: no inf - inf)."""
+    """Summed over ranks: [loss sum, predicted, stop asked, bad input, store down, invalid gradient
+    norm], the step's one read from the device. A loss sum is non-finite where any rank's is (losses are
+    >= 0: no inf - inf). The gradient norm's validity is DeepSpeed's question before its update, asked
+    here instead (``engine.grad_norm_ahead``; 0 where DeepSpeed asks it itself)."""
     with phase("sync"):
-        decided = torch.zeros(5, dtype=torch.float64, device=parts.device)
+        decided = torch.zeros(6, dtype=torch.float64, device=parts.device)
         decided[:2] = sums[[0, 2]]
         decided[2], decided[3] = float(parts.stop.requested), float(level >= bad_input.BAD_INPUT)
         decided[4] = float(level >= bad_input.OUTAGE)
+        invalid_norm = eng.grad_norm_ahead(parts.engine)
+        if invalid_norm is not None:
+            decided[5] = invalid_norm
         dist.all_reduce(decided)
         return decided.tolist()
 

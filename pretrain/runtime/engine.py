@@ -312,7 +312,11 @@ _DEEPSPEEDS_OWN: dict = {}
 
 def _global_norm_multi_tensor(input_tensors, norm_type=2, mpu=None, moe_ep_group=None, **newer):
     """DeepSpeed's ``get_global_norm_of_tensors`` for the case BF16_Optimizer meets here (a 2-norm, no
-    model or expert parallelism); anything else, arguments of a newer DeepSpeed too, goes to its own."""
+    model or expert parallelism); anything else, arguments of a newer DeepSpeed too, goes to its own.
+    The norm ``grad_norm_ahead`` took of these very gradients, if it did."""
+    ahead = _NORM_AHEAD.get("grads")
+    if ahead is not None and len(ahead) == len(input_tensors) and all(a is b for a, b in zip(ahead, input_tensors)):
+        return _NORM_AHEAD["norm"]
     if float(norm_type) != 2.0 or mpu is not None or moe_ep_group is not None or newer or not input_tensors:
         return _DEEPSPEEDS_OWN["norm"](input_tensors, norm_type=norm_type, mpu=mpu, moe_ep_group=moe_ep_group, **newer)
     with torch.no_grad():  # not detach() per tensor: each is a dispatch of host time
@@ -320,6 +324,50 @@ def _global_norm_multi_tensor(input_tensors, norm_type=2, mpu=None, moe_ep_group
         total = torch.stack(norms).pow(2.0).sum().pow(0.5)
         _mask_nonfinite_in_place(total)
     return total
+
+
+# BF16_Optimizer.step asks whether its gradient norm is finite with a ``bool`` of a device tensor
+# (``is_invalid_grad_norm``): at ZeRO 1 in bf16 the step's second wait for the device, after our own
+# (pretrain.step.decide_update). Ours comes after the last backward, when the fp32 gradients are
+# whole: the norm is taken there (``grad_norm_ahead``), its validity read with the step's other
+# numbers, and DeepSpeed's step given that norm and that answer (``norm_decided``) in place of taking
+# and reading them again. The same norm, the same decision; no answer given, DeepSpeed reads its own.
+_NORM_AHEAD: dict = {}
+
+
+def grad_norm_ahead(engine) -> torch.Tensor | None:
+    """Whether the gradient norm BF16_Optimizer's coming step takes is invalid (non-finite, or DeepSpeed's
+    -1 for one), as a float64 0/1 on the device, the norm taken now; None for another optimiser wrapper
+    (ZeRO 0, 2, 3, fp32) or one with expert layers, which decide as DeepSpeed does, and where the
+    gradients are not yet reduced (DeepSpeed's unmanaged accumulation reduces them in ``step()``)."""
+    import deepspeed.runtime.bf16_optimizer as bf16_optimizer
+
+    _NORM_AHEAD.clear()
+    opt = engine.optimizer
+    if not isinstance(opt, bf16_optimizer.BF16_Optimizer) or opt.has_moe_layers:
+        return None
+    if not (engine.managed_gradient_accumulation() and engine.is_gradient_accumulation_boundary()):
+        return None
+    grads, _ = opt.get_grads_for_norm()
+    norm = bf16_optimizer.get_global_norm_of_tensors(input_tensors=grads, mpu=opt.mpu, norm_type=opt.norm_type)
+    if not torch.is_tensor(norm):
+        return None
+    _NORM_AHEAD.update(grads=grads, norm=norm)
+    return (~torch.isfinite(norm) | (norm < 0)).double()
+
+
+def norm_decided(invalid: bool) -> None:
+    """The answer, read with the step's other numbers, that BF16_Optimizer's step is given."""
+    if "norm" in _NORM_AHEAD:
+        _NORM_AHEAD["invalid"] = invalid
+
+
+def _is_invalid_grad_norm_decided(norm) -> bool:
+    """DeepSpeed's ``is_invalid_grad_norm``: the decided answer for the norm ``grad_norm_ahead`` took,
+    once; DeepSpeed's own (a read) for any other."""
+    decided = _NORM_AHEAD.get("invalid") if norm is _NORM_AHEAD.get("norm") else None
+    _NORM_AHEAD.clear()
+    return _DEEPSPEEDS_OWN["is_invalid"](norm) if decided is None else decided
 
 
 def _clip_multi_tensor(input_tensors, max_norm=1.0, global_norm=None, mpu=None, eps=1e-6, **newer):
@@ -392,7 +440,9 @@ def _bf16_optimizer_multi_tensor() -> None:
         _DEEPSPEEDS_OWN["norm"] = bf16_optimizer.get_global_norm_of_tensors
         _DEEPSPEEDS_OWN["clip"] = bf16_optimizer.clip_tensors_by_global_norm
         _DEEPSPEEDS_OWN["update_hp_grads"] = bf16_optimizer.BF16_Optimizer.update_hp_grads
+        _DEEPSPEEDS_OWN["is_invalid"] = bf16_optimizer.is_invalid_grad_norm
     bf16_optimizer.get_global_norm_of_tensors = _global_norm_multi_tensor
+    bf16_optimizer.is_invalid_grad_norm = _is_invalid_grad_norm_decided
     bf16_optimizer.clip_tensors_by_global_norm = _clip_multi_tensor
     bf16_optimizer.BF16_Optimizer.update_hp_grads = _update_hp_grads_multi_tensor
 

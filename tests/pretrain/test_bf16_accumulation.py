@@ -3,10 +3,12 @@ BF16_Optimizer, whose checkpoints the trainer must resume exactly and export fro
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from test_faults import ok, train
+from test_faults import ok, strict_records, train
 from test_resume_with_dropout import rows
 
 pytestmark = pytest.mark.slow
@@ -37,6 +39,20 @@ def test_bf16_zero1_with_accumulation_resumes_exactly_and_exports_its_fp32_maste
     assert rows(run, "train/loss") == rows(straight, "train/loss") and len(rows(straight, "train/loss")) == 4
     grad_norms = rows(straight, "health/layer_00/grad_norm")
     assert len(grad_norms) == 4 and all(0 < g < float("inf") for _, g in grad_norms), grad_norms
+    # The norm BF16_Optimizer clips with is taken ahead, with the step's one read from the device
+    # (engine.grad_norm_ahead): it is the norm of the gradients reduced over both ranks, which the
+    # per-layer norms (read from the same fp32 gradients, before the update) add up to.
+    by_step: dict[int, dict] = {}
+    for r in strict_records(straight / "metrics.jsonl"):
+        by_step.setdefault(r["step"], {}).update(r)
+    checked = 0
+    for r in by_step.values():
+        layers = [v for k, v in r.items() if k.startswith("health/") and k.endswith("/grad_norm")]
+        if "train/grad_norm" in r:
+            assert len(layers) >= 3, r
+            assert r["train/grad_norm"] == pytest.approx(math.sqrt(sum(v * v for v in layers)), rel=1e-5), r
+            checked += 1
+    assert checked == 4
     step4 = straight / "checkpoints" / "step00000004"
     assert sorted(p.name for p in step4.glob("*optim_states.pt"))[0].startswith("bf16_zero_pp_rank_0")
     from safetensors.torch import load_file
