@@ -295,11 +295,35 @@ def _mask_nonfinite_in_place(input: torch.Tensor, device=None, val: float = -1.0
 
 def _mask_nonfinite_norm_on_the_device() -> None:
     """DeepSpeed's ``mask_nan_or_inf_with_val_inplace`` replaced, in each module that imported it, by
-    one that queues a fill instead of copying a scalar to the device: one host wait a step fewer."""
+    one that queues a fill instead of copying a scalar to the device: one host wait a step fewer.
+    ZeRO 3 makes its -1 inline (``stage3.get_grad_norm_direct``: ``torch.tensor(-1.0, device=...)``,
+    twice a step): its module sees a ``torch`` whose ``tensor`` fills a Python number instead."""
     for name in NONFINITE_NORM_USERS:
         module = sys.modules.get(name) or __import__(name, fromlist=["_"])
         if hasattr(module, "mask_nan_or_inf_with_val_inplace"):
             module.mask_nan_or_inf_with_val_inplace = _mask_nonfinite_in_place
+    stage3 = sys.modules["deepspeed.runtime.zero.stage3"]
+    if stage3.torch is torch:
+        stage3.torch = _TorchFillingNumbers()
+
+
+class _TorchFillingNumbers:
+    """``torch`` as one DeepSpeed module sees it: ``torch.tensor(number, device=...)`` is a fill queued
+    on the device (``torch.full``: the same value, dtype and device) instead of a copy from pageable
+    host memory, which on CUDA waits for every kernel queued before it. Everything else is torch's,
+    looked up once and kept as this object's attribute (as fast as a module's)."""
+
+    def __getattr__(self, name: str):
+        value = getattr(torch, name)
+        setattr(self, name, value)
+        return value
+
+    @staticmethod
+    def tensor(data, *args, device=None, dtype=None, **kwargs):
+        if device is not None and type(data) in (int, float) and not args and not kwargs:
+            default = torch.get_default_dtype() if type(data) is float else torch.int64
+            return torch.full((), data, device=device, dtype=dtype or default)
+        return torch.tensor(data, *args, device=device, dtype=dtype, **kwargs)
 
 
 # DeepSpeed's BF16_Optimizer (ZeRO 1 in bf16: base.yaml's path) takes the gradient norm with one

@@ -84,10 +84,8 @@ WAITS_BY_STAGE = {
         "deepspeed/runtime/zero/stage_1_and_2.py:has_overflow.item": 1,
         "deepspeed/runtime/utils.py:is_invalid_grad_norm.__bool__": 3,
     },
-    3: {
-        "deepspeed/runtime/zero/stage3.py:get_grad_norm_direct.tensor": 2,
-        "deepspeed/runtime/utils.py:is_invalid_grad_norm.__bool__": 1,
-    },
+    # ZeRO 3's inline -1 (get_grad_norm_direct's torch.tensor(-1.0, device=)) is a fill: no wait
+    3: {"deepspeed/runtime/utils.py:is_invalid_grad_norm.__bool__": 1},
 }
 
 
@@ -136,6 +134,7 @@ def test_deepspeeds_nonfinite_norm_mask_queues_a_fill_instead_of_a_copy(monkeypa
     modules = [importlib.import_module(name) for name in eng.NONFINITE_NORM_USERS]
     for module in modules:
         monkeypatch.setattr(module, "mask_nan_or_inf_with_val_inplace", module.mask_nan_or_inf_with_val_inplace)
+    monkeypatch.setattr(modules[2], "torch", modules[2].torch)
     theirs = modules[0].mask_nan_or_inf_with_val_inplace
     eng._mask_nonfinite_norm_on_the_device()
     assert all(m.mask_nan_or_inf_with_val_inplace is eng._mask_nonfinite_in_place for m in modules)
@@ -148,6 +147,24 @@ def test_deepspeeds_nonfinite_norm_mask_queues_a_fill_instead_of_a_copy(monkeypa
     eng._mask_nonfinite_in_place(ours, device="cpu")
     assert torch.equal(ours, expected) and ours.tolist() == [3.5, -1.0, -1.0, -1.0, 0.0]
     assert created == []  # no tensor made from a host value
+    # ZeRO 3 makes its -1 inline: its module's torch fills Python numbers, with torch.tensor's result
+    made = [modules[2].torch.tensor(*a, **k) for a, k in SCALARS]
+    assert created == [] and modules[2].torch.Tensor is torch.Tensor
+    expected = [real_tensor(*a, **k) for a, k in SCALARS]
+    assert [(t.dtype, t.device, t.shape, t.tolist()) for t in made] == [
+        (t.dtype, t.device, t.shape, t.tolist()) for t in expected
+    ]
+    modules[2].torch.tensor([1.0, 2.0], device="cpu")  # not a number: torch.tensor's own
+    modules[2].torch.tensor(True, device="cpu")  # a bool is not filled as an int
+    assert len(created) == 2
+
+
+SCALARS = [
+    ((-1.0,), {"device": "cpu", "dtype": torch.float}),  # stage3.get_grad_norm_direct's
+    ((-1.0,), {"device": "cpu"}),
+    ((0,), {"device": "cpu"}),
+    ((3,), {"device": "cpu", "dtype": torch.bfloat16}),
+]
 
 
 def test_bf16_optimizers_norm_and_clip_are_deepspeeds_arithmetic_in_two_multi_tensor_calls():
