@@ -142,8 +142,8 @@ def train_step(
         with phase("backward"):
             engine.backward(loss_sum * scale)
         if i == len(masked) - 1:
-            loss_total, predicted_total, stop, bad, outage, invalid_norm = decide_update(parts, sums, level)
-            eng.norm_decided(invalid_norm > 0)
+            loss_total, predicted_total, stop, bad, outage, deepspeed_skips = decide_update(parts, sums, level)
+            eng.norm_decided(deepspeed_skips > 0)
             nonfinite = not math.isfinite(loss_total)
             skip_next_step(parts.optimizer, nonfinite or bad > 0)  # every rank skips or stops together
             if logged and parts.zero_stage == 0:
@@ -158,18 +158,18 @@ def train_step(
 
 
 def decide_update(parts: StepParts, sums: torch.Tensor, level: int) -> list[float]:
-    """Summed over ranks: [loss sum, predicted, stop asked, bad input, store down, invalid gradient
-    norm], the step's one read from the device. A loss sum is non-finite where any rank's is (losses are
-    >= 0: no inf - inf). The gradient norm's validity is DeepSpeed's question before its update, asked
-    here instead (``engine.grad_norm_ahead``; 0 where DeepSpeed asks it itself)."""
+    """Summed over ranks: [loss sum, predicted, stop asked, bad input, store down, DeepSpeed skips],
+    the step's one read from the device. A loss sum is non-finite where any rank's is (losses are >= 0:
+    no inf - inf). Whether the gradients overflowed or their norm is invalid is DeepSpeed's question
+    before its update, asked here instead (``engine.grad_norm_ahead``; 0 where DeepSpeed asks itself)."""
     with phase("sync"):
         decided = torch.zeros(6, dtype=torch.float64, device=parts.device)
         decided[:2] = sums[[0, 2]]
         decided[2], decided[3] = float(parts.stop.requested), float(level >= bad_input.BAD_INPUT)
         decided[4] = float(level >= bad_input.OUTAGE)
-        invalid_norm = eng.grad_norm_ahead(parts.engine)
-        if invalid_norm is not None:
-            decided[5] = invalid_norm
+        deepspeed_skips = eng.grad_norm_ahead(parts.engine)
+        if deepspeed_skips is not None:
+            decided[5] = deepspeed_skips
         dist.all_reduce(decided)
         return decided.tolist()
 

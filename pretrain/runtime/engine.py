@@ -229,6 +229,7 @@ def initialize(model: torch.nn.Module, cfg: Config, info: DistInfo, precision: s
         _skip_muon_import()
     _mask_nonfinite_norm_on_the_device()
     _bf16_optimizer_multi_tensor()
+    _zero_decisions_ahead()
     _fp16_optimizer_overflow_once()
     schedule = lr_schedule(cfg)
     if cfg.impl.zero_stage == 3 and getattr(model, "fused_loss", False):
@@ -350,48 +351,98 @@ def _global_norm_multi_tensor(input_tensors, norm_type=2, mpu=None, moe_ep_group
     return total
 
 
-# BF16_Optimizer.step asks whether its gradient norm is finite with a ``bool`` of a device tensor
-# (``is_invalid_grad_norm``): at ZeRO 1 in bf16 the step's second wait for the device, after our own
-# (pretrain.step.decide_update). Ours comes after the last backward, when the fp32 gradients are
-# whole: the norm is taken there (``grad_norm_ahead``), its validity read with the step's other
-# numbers, and DeepSpeed's step given that norm and that answer (``norm_decided``) in place of taking
-# and reading them again. The same norm, the same decision; no answer given, DeepSpeed reads its own.
+# DeepSpeed's step asks whether the gradients overflowed and whether their norm is finite with a
+# ``bool`` or ``item`` of a device tensor (``is_invalid_grad_norm``, ``has_overflow``): at ZeRO 1 in
+# bf16 (BF16_Optimizer) one wait for the device a step after our own (pretrain.step.decide_update), at
+# ZeRO 2 four. Ours comes after the last backward, when the gradients are whole and reduced: the
+# norm (and the overflow test) are taken there (``grad_norm_ahead``), the answer read with the step's
+# other numbers, and DeepSpeed's step given that norm and that answer (``norm_decided``) in place of
+# taking and reading them again. The same norm, the same decision; no answer given, DeepSpeed's own.
 _NORM_AHEAD: dict = {}
 
 
 def grad_norm_ahead(engine) -> torch.Tensor | None:
-    """Whether the gradient norm BF16_Optimizer's coming step takes is invalid (non-finite, or DeepSpeed's
-    -1 for one), as a float64 0/1 on the device, the norm taken now; None for another optimiser wrapper
-    (ZeRO 0, 2, 3, fp32) or one with expert layers, which decide as DeepSpeed does, and where the
-    gradients are not yet reduced (DeepSpeed's unmanaged accumulation reduces them in ``step()``)."""
+    """Whether the coming step of DeepSpeed's optimiser wrapper will skip its update (its gradient norm
+    non-finite, or DeepSpeed's -1 for one; at ZeRO 1-2 an overflowed gradient too), as a float64 0/1
+    on the device, the norm taken now. None where DeepSpeed decides alone: ZeRO 0 and 3, fp16's loss
+    scaling, expert layers, offload, and where the gradients are not yet reduced (DeepSpeed's
+    unmanaged accumulation reduces them in ``step()``)."""
     import deepspeed.runtime.bf16_optimizer as bf16_optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     _NORM_AHEAD.clear()
     opt = engine.optimizer
-    if not isinstance(opt, bf16_optimizer.BF16_Optimizer) or opt.has_moe_layers:
-        return None
     if not (engine.managed_gradient_accumulation() and engine.is_gradient_accumulation_boundary()):
         return None
-    grads, _ = opt.get_grads_for_norm()
-    norm = bf16_optimizer.get_global_norm_of_tensors(input_tensors=grads, mpu=opt.mpu, norm_type=opt.norm_type)
-    if not torch.is_tensor(norm):
-        return None
-    _NORM_AHEAD.update(grads=grads, norm=norm)
-    return (~torch.isfinite(norm) | (norm < 0)).double()
+    if isinstance(opt, bf16_optimizer.BF16_Optimizer) and not opt.has_moe_layers:
+        grads, _ = opt.get_grads_for_norm()
+        norm = bf16_optimizer.get_global_norm_of_tensors(input_tensors=grads, mpu=opt.mpu, norm_type=opt.norm_type)
+        if not torch.is_tensor(norm):
+            return None
+        _NORM_AHEAD.update(grads=grads, norm=norm)
+        return (~torch.isfinite(norm) | (norm < 0)).double()
+    if isinstance(opt, DeepSpeedZeroOptimizer) and _zero_decides_as_we_can(opt):
+        norm = opt.scaled_global_norm()
+        skip = ~torch.isfinite(norm) | (norm < 0)
+        if opt.check_grad_overflow:
+            skip = skip | opt.has_overflow_partitioned_grads_serial().reshape(())
+        _NORM_AHEAD.update(zero=opt, norm=norm)
+        return skip.double()
+    return None
 
 
-def norm_decided(invalid: bool) -> None:
-    """The answer, read with the step's other numbers, that BF16_Optimizer's step is given."""
+def _zero_decides_as_we_can(opt) -> bool:
+    """ZeRO 1-2's step as our read can answer it: gradients on the device, no loss scaling (bf16, fp32),
+    no experts, no autocast scaler, the norm computed by the step."""
+    plain = not (opt.cpu_offload or opt.has_moe_layers or opt.zenflow or opt.torch_autocast_gradscaler)
+    return plain and opt.compute_grad_norm and opt.dtype != torch.float16 and opt.mpu is None
+
+
+def norm_decided(skip: bool) -> None:
+    """The answer, read with the step's other numbers, that DeepSpeed's step is given."""
     if "norm" in _NORM_AHEAD:
-        _NORM_AHEAD["invalid"] = invalid
+        _NORM_AHEAD["skip"] = skip
 
 
 def _is_invalid_grad_norm_decided(norm) -> bool:
-    """DeepSpeed's ``is_invalid_grad_norm``: the decided answer for the norm ``grad_norm_ahead`` took,
-    once; DeepSpeed's own (a read) for any other."""
-    decided = _NORM_AHEAD.get("invalid") if norm is _NORM_AHEAD.get("norm") else None
+    """DeepSpeed's ``is_invalid_grad_norm`` in BF16_Optimizer: the decided answer for the norm
+    ``grad_norm_ahead`` took, once; DeepSpeed's own (a read) for any other."""
+    decided = _NORM_AHEAD.get("skip") if norm is _NORM_AHEAD.get("norm") else None
     _NORM_AHEAD.clear()
     return _DEEPSPEEDS_OWN["is_invalid"](norm) if decided is None else decided
+
+
+def _is_invalid_zero_norm_decided(norm) -> bool:
+    """The same in ZeRO 1-2's optimiser, which asks of one norm up to three times a step (its step and
+    each parameter group's clip)."""
+    decided = _NORM_AHEAD.get("skip") if norm is _NORM_AHEAD.get("norm") else None
+    return _DEEPSPEEDS_OWN["is_invalid"](norm) if decided is None else decided
+
+
+def _zero_has_overflow_decided(self, partition_gradients=True) -> bool:
+    if _NORM_AHEAD.get("zero") is self and "skip" in _NORM_AHEAD:
+        return _NORM_AHEAD["skip"]
+    return _DEEPSPEEDS_OWN["zero_has_overflow"](self, partition_gradients)
+
+
+def _zero_scaled_global_norm_decided(self, norm_type=2):
+    if _NORM_AHEAD.get("zero") is self and norm_type == 2:
+        return _NORM_AHEAD["norm"]
+    return _DEEPSPEEDS_OWN["zero_scaled_global_norm"](self, norm_type)
+
+
+def _zero_decisions_ahead() -> None:
+    """ZeRO 1-2's overflow test, norm and norm check answered by ``grad_norm_ahead``'s."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    zero = stage_1_and_2.DeepSpeedZeroOptimizer
+    if "zero_has_overflow" not in _DEEPSPEEDS_OWN:
+        _DEEPSPEEDS_OWN["zero_has_overflow"] = zero.has_overflow
+        _DEEPSPEEDS_OWN["zero_scaled_global_norm"] = zero.scaled_global_norm
+    _DEEPSPEEDS_OWN.setdefault("is_invalid", stage_1_and_2.is_invalid_grad_norm)
+    zero.has_overflow = _zero_has_overflow_decided
+    zero.scaled_global_norm = _zero_scaled_global_norm_decided
+    stage_1_and_2.is_invalid_grad_norm = _is_invalid_zero_norm_decided
 
 
 def _clip_multi_tensor(input_tensors, max_norm=1.0, global_norm=None, mpu=None, eps=1e-6, **newer):
@@ -460,11 +511,11 @@ def _bf16_optimizer_multi_tensor() -> None:
     DeepSpeed's own are kept for what they do not cover."""
     import deepspeed.runtime.bf16_optimizer as bf16_optimizer
 
-    if not _DEEPSPEEDS_OWN:
+    if "norm" not in _DEEPSPEEDS_OWN:
         _DEEPSPEEDS_OWN["norm"] = bf16_optimizer.get_global_norm_of_tensors
         _DEEPSPEEDS_OWN["clip"] = bf16_optimizer.clip_tensors_by_global_norm
         _DEEPSPEEDS_OWN["update_hp_grads"] = bf16_optimizer.BF16_Optimizer.update_hp_grads
-        _DEEPSPEEDS_OWN["is_invalid"] = bf16_optimizer.is_invalid_grad_norm
+        _DEEPSPEEDS_OWN.setdefault("is_invalid", bf16_optimizer.is_invalid_grad_norm)
     bf16_optimizer.get_global_norm_of_tensors = _global_norm_multi_tensor
     bf16_optimizer.is_invalid_grad_norm = _is_invalid_grad_norm_decided
     bf16_optimizer.clip_tensors_by_global_norm = _clip_multi_tensor

@@ -42,17 +42,7 @@ def test_bf16_zero1_with_accumulation_resumes_exactly_and_exports_its_fp32_maste
     # The norm BF16_Optimizer clips with is taken ahead, with the step's one read from the device
     # (engine.grad_norm_ahead): it is the norm of the gradients reduced over both ranks, which the
     # per-layer norms (read from the same fp32 gradients, before the update) add up to.
-    by_step: dict[int, dict] = {}
-    for r in strict_records(straight / "metrics.jsonl"):
-        by_step.setdefault(r["step"], {}).update(r)
-    checked = 0
-    for r in by_step.values():
-        layers = [v for k, v in r.items() if k.startswith("health/") and k.endswith("/grad_norm")]
-        if "train/grad_norm" in r:
-            assert len(layers) >= 3, r
-            assert r["train/grad_norm"] == pytest.approx(math.sqrt(sum(v * v for v in layers)), rel=1e-5), r
-            checked += 1
-    assert checked == 4
+    assert norms_add_up(straight) == 4
     step4 = straight / "checkpoints" / "step00000004"
     assert sorted(p.name for p in step4.glob("*optim_states.pt"))[0].startswith("bf16_zero_pp_rank_0")
     from safetensors.torch import load_file
@@ -64,3 +54,43 @@ def test_bf16_zero1_with_accumulation_resumes_exactly_and_exports_its_fp32_maste
     assert any(not torch.equal(t, t.bfloat16().float()) for t in masters.values())
     shared = [k for k in exported if k in masters]
     assert len(shared) > 10 and all(torch.equal(exported[k], masters[k]) for k in shared)
+
+
+def norms_add_up(out_dir) -> int:
+    """Checks each logged step's gradient norm against the per-layer norms (read from the same fp32
+    gradients, before the update, summed in quadrature); returns how many steps it checked."""
+    by_step: dict[int, dict] = {}
+    for r in strict_records(out_dir / "metrics.jsonl"):
+        by_step.setdefault(r["step"], {}).update(r)
+    checked = 0
+    for r in by_step.values():
+        layers = [v for k, v in r.items() if k.startswith("health/") and k.endswith("/grad_norm")]
+        if "train/grad_norm" in r:
+            assert len(layers) >= 3, r
+            assert r["train/grad_norm"] == pytest.approx(math.sqrt(sum(v * v for v in layers)), rel=1e-5), r
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_zero2_takes_the_norm_of_the_reduced_gradients_with_the_steps_one_read(shards, tmp_path, precision):
+    """ZeRO 2's overflow test, norm and norm checks are answered by the step's one read
+    (engine.grad_norm_ahead, taken after the last backward): at 2 ranks with 2 micro-batches a step,
+    the norm it clips with is the reduced gradients' own, which the per-layer norms add up to."""
+    out = tmp_path / "run"
+    ok(
+        train(
+            shards,
+            out,
+            f"impl.precision={precision}",
+            "impl.zero_stage=2",
+            "impl.micro_batch_size=4",
+            "train.global_batch_size=16",
+            "train.max_steps=4",
+            "train.log_every=1",
+            "train.health_every=1",
+            "train.eval_every=0",
+            ranks=2,
+        )
+    )
+    assert norms_add_up(out) == 4

@@ -80,10 +80,8 @@ WAITS_BY_STAGE = {
     # BF16_Optimizer (ZeRO 1 in bf16): its norm check answered by the step's own read
     # (engine.grad_norm_ahead): nothing of DeepSpeed's.
     1: {},
-    2: {
-        "deepspeed/runtime/zero/stage_1_and_2.py:has_overflow.item": 1,
-        "deepspeed/runtime/utils.py:is_invalid_grad_norm.__bool__": 3,
-    },
+    # ZeRO 2: its overflow test and three norm checks answered by the step's own read too
+    2: {},
     # ZeRO 3's inline -1 (get_grad_norm_direct's torch.tensor(-1.0, device=)) is a fill: no wait
     3: {"deepspeed/runtime/utils.py:is_invalid_grad_norm.__bool__": 1},
 }

@@ -130,8 +130,8 @@ def test_bad_input_fails_before_any_process_group(shards, tmp_path, bert_uncased
 
 @pytest.mark.parametrize(
     "stage,precision",
-    [(2, "fp32"), (0, "bf16"), (1, "bf16"), (3, "bf16")],
-    ids=["zero2-fp32", "zero0-bf16", "zero1-bf16", "zero3-bf16"],
+    [(2, "fp32"), (0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "bf16")],
+    ids=["zero2-fp32", "zero0-bf16", "zero1-bf16", "zero2-bf16", "zero3-bf16"],
 )
 def test_nonfinite_losses_skip_steps_then_stop_cleanly(shards, tmp_path, stage, precision):
     """An absurd learning rate blows the weights up after one update: every later loss is
