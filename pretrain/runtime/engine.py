@@ -394,6 +394,9 @@ def grad_norm_ahead(engine) -> torch.Tensor | None:
 def _zero_decides_as_we_can(opt) -> bool:
     """ZeRO 1-2's step as our read can answer it: gradients on the device, no loss scaling (bf16, fp32),
     no experts, no autocast scaler, the norm computed by the step."""
+    read = ("cpu_offload", "has_moe_layers", "zenflow", "torch_autocast_gradscaler", "compute_grad_norm", "dtype")
+    if not all(hasattr(opt, name) for name in (*read, "mpu", "check_grad_overflow")):
+        return False  # another DeepSpeed's optimiser: it decides alone
     plain = not (opt.cpu_offload or opt.has_moe_layers or opt.zenflow or opt.torch_autocast_gradscaler)
     return plain and opt.compute_grad_norm and opt.dtype != torch.float16 and opt.mpu is None
 

@@ -58,7 +58,9 @@ def test_bf16_zero1_with_accumulation_resumes_exactly_and_exports_its_fp32_maste
 
 def norms_add_up(out_dir) -> int:
     """Checks each logged step's gradient norm against the per-layer norms (read from the same fp32
-    gradients, before the update, summed in quadrature); returns how many steps it checked."""
+    gradients, before the update, summed in quadrature); returns how many steps it checked. The two sum
+    in other orders (DeepSpeed's per-tensor norms, health's per-fragment ones): 1e-5 apart at ZeRO 2,
+    so 1e-4 (a norm off by 1% fails)."""
     by_step: dict[int, dict] = {}
     for r in strict_records(out_dir / "metrics.jsonl"):
         by_step.setdefault(r["step"], {}).update(r)
@@ -67,7 +69,7 @@ def norms_add_up(out_dir) -> int:
         layers = [v for k, v in r.items() if k.startswith("health/") and k.endswith("/grad_norm")]
         if "train/grad_norm" in r:
             assert len(layers) >= 3, r
-            assert r["train/grad_norm"] == pytest.approx(math.sqrt(sum(v * v for v in layers)), rel=1e-5), r
+            assert r["train/grad_norm"] == pytest.approx(math.sqrt(sum(v * v for v in layers)), rel=1e-4), r
             checked += 1
     return checked
 
