@@ -74,18 +74,19 @@ def norms_add_up(out_dir) -> int:
     return checked
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_zero2_takes_the_norm_of_the_reduced_gradients_with_the_steps_one_read(shards, tmp_path, precision):
-    """ZeRO 2's overflow test, norm and norm checks are answered by the step's one read
-    (engine.grad_norm_ahead, taken after the last backward): at 2 ranks with 2 micro-batches a step,
-    the norm it clips with is the reduced gradients' own, which the per-layer norms add up to."""
+@pytest.mark.parametrize("stage,precision", [(2, "bf16"), (2, "fp32"), (1, "fp32")])
+def test_zero_1_2_take_the_norm_of_the_reduced_gradients_with_the_steps_one_read(shards, tmp_path, stage, precision):
+    """ZeRO 1-2's optimiser (DeepSpeed's DeepSpeedZeroOptimizer: ZeRO 2, and ZeRO 1 outside bf16) has
+    its overflow test, norm and norm checks answered by the step's one read (engine.grad_norm_ahead,
+    taken after the last backward): at 2 ranks with 2 micro-batches a step, the norm it clips with is
+    the reduced gradients' own, which the per-layer norms add up to."""
     out = tmp_path / "run"
     ok(
         train(
             shards,
             out,
             f"impl.precision={precision}",
-            "impl.zero_stage=2",
+            f"impl.zero_stage={stage}",
             "impl.micro_batch_size=4",
             "train.global_batch_size=16",
             "train.max_steps=4",
