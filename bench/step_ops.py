@@ -216,7 +216,10 @@ def bare(setup, counts: StepCounts):
         for batch in batches:
             with counts.phase("mask"):
                 m, attention_mask = _masked(setup, step, batch)
-            with counts.phase("forward"), torch.autocast("cpu", torch.bfloat16, enabled=setup.precision == "bf16"):
+            with (
+                counts.phase("forward"),
+                torch.autocast(setup.info.device.type, torch.bfloat16, enabled=setup.precision == "bf16"),
+            ):
                 loss_sum, _, count = model(m.input_ids, attention_mask, m.positions, m.labels)
             with counts.phase("backward"):
                 (loss_sum / count.clamp(min=1) / len(batches)).backward()
