@@ -241,7 +241,9 @@ def test_gpu_smoke_fits_its_budget(shards, tmp_path):
     results.write_text((work / "results.txt").read_text())
     second, _, launched2 = lease(1, "--budget-s", "600", "--resume-from", str(results))
     assert second.returncode == 0 and "FAILED" not in second.stdout + second.stderr, second.stdout + second.stderr
-    assert "run times from" in second.stdout and "mini 40 s" in second.stdout  # the first lease's costs
+    # the first lease's costs: its 40-s runs, a second or two more on a loaded machine
+    mini = re.search(r"run times from \S+: mini (\d+) s", second.stdout)
+    assert mini and 40 <= int(mini.group(1)) <= 50, second.stdout[:2000]
     # nothing done runs again, but adamw (phase 2 and the resume start from its checkpoint, which the
     # new machine lacks) and the runs of a unit left half done (profile: its check needs both runs)
     assert set(launched) & set(launched2) <= {"adamw", "profile-mini"}, (launched, launched2)
