@@ -115,7 +115,8 @@ def train_step(
     The host reads from the device once per step (``decide_update``), after the last backward and
     before the update: whether to skip the update (a non-finite loss, an unreadable batch) is a branch
     of DeepSpeed's step on the host, and the spike guard and a stop signal are decided from the same
-    numbers; so is BF16_Optimizer's own check of the gradient norm. Everything else stays on the device until a logged step (``ThroughputWindow``)."""
+    numbers; so are DeepSpeed's own checks of the gradients (``engine.grad_norm_ahead``). Everything
+    else stays on the device until a logged step (``ThroughputWindow``)."""
     engine, device, world = parts.engine, parts.device, parts.world
     with phase("mask"):
         masked, predicted = mask_micro_batches(parts, step, micro_batches)

@@ -341,6 +341,7 @@ def _global_norm_multi_tensor(input_tensors, norm_type=2, mpu=None, moe_ep_group
     The norm ``grad_norm_ahead`` took of these very gradients, if it did."""
     ahead = _NORM_AHEAD.get("grads")
     if ahead is not None and len(ahead) == len(input_tensors) and all(a is b for a, b in zip(ahead, input_tensors)):
+        del _NORM_AHEAD["grads"]  # once: the same gradient tensors hold the next step's gradients
         return _NORM_AHEAD["norm"]
     if float(norm_type) != 2.0 or mpu is not None or moe_ep_group is not None or newer or not input_tensors:
         return _DEEPSPEEDS_OWN["norm"](input_tensors, norm_type=norm_type, mpu=mpu, moe_ep_group=moe_ep_group, **newer)
@@ -408,16 +409,9 @@ def norm_decided(skip: bool) -> None:
 
 
 def _is_invalid_grad_norm_decided(norm) -> bool:
-    """DeepSpeed's ``is_invalid_grad_norm`` in BF16_Optimizer: the decided answer for the norm
-    ``grad_norm_ahead`` took, once; DeepSpeed's own (a read) for any other."""
-    decided = _NORM_AHEAD.get("skip") if norm is _NORM_AHEAD.get("norm") else None
-    _NORM_AHEAD.clear()
-    return _DEEPSPEEDS_OWN["is_invalid"](norm) if decided is None else decided
-
-
-def _is_invalid_zero_norm_decided(norm) -> bool:
-    """The same in ZeRO 1-2's optimiser, which asks of one norm up to three times a step (its step and
-    each parameter group's clip)."""
+    """DeepSpeed's ``is_invalid_grad_norm`` (BF16_Optimizer asks it once a step, ZeRO 1-2's optimiser up
+    to three times: its step and each parameter group's clip): the decided answer for the norm
+    ``grad_norm_ahead`` took; DeepSpeed's own (a read) for any other tensor."""
     decided = _NORM_AHEAD.get("skip") if norm is _NORM_AHEAD.get("norm") else None
     return _DEEPSPEEDS_OWN["is_invalid"](norm) if decided is None else decided
 
@@ -445,7 +439,7 @@ def _zero_decisions_ahead() -> None:
     _DEEPSPEEDS_OWN.setdefault("is_invalid", stage_1_and_2.is_invalid_grad_norm)
     zero.has_overflow = _zero_has_overflow_decided
     zero.scaled_global_norm = _zero_scaled_global_norm_decided
-    stage_1_and_2.is_invalid_grad_norm = _is_invalid_zero_norm_decided
+    stage_1_and_2.is_invalid_grad_norm = _is_invalid_grad_norm_decided
 
 
 def _clip_multi_tensor(input_tensors, max_norm=1.0, global_norm=None, mpu=None, eps=1e-6, **newer):

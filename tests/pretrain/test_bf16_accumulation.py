@@ -13,24 +13,24 @@ from test_resume_with_dropout import rows
 
 pytestmark = pytest.mark.slow
 
+# 2 ranks x 2 micro-batches of 4 a step, 4 steps, each logged with the per-layer health metrics
+FOUR_LOGGED_STEPS = [
+    "impl.micro_batch_size=4",
+    "train.global_batch_size=16",
+    "train.max_steps=4",
+    "train.log_every=1",
+    "train.health_every=1",
+    "train.eval_every=0",
+]
+
 
 def test_bf16_zero1_with_accumulation_resumes_exactly_and_exports_its_fp32_masters(shards, tmp_path):
     """bf16 sums micro-step gradients in fp32 (issue 33): at ZeRO 1 DeepSpeed's BF16_Optimizer does it,
     with checkpoint files of its own. A halt and resume at the same layout repeats the uninterrupted
     run's arithmetic, so its losses are equal; the per-layer health metrics read its gradients, and
     the export takes its fp32 masters."""
-    bf16 = [
-        "impl.precision=bf16",
-        "impl.zero_stage=1",
-        "impl.micro_batch_size=4",
-        "train.global_batch_size=16",
-        "train.max_steps=4",
-        "train.log_every=1",
-        "train.health_every=1",
-        "train.eval_every=0",
-        "model.hidden_dropout=0",
-        "model.attention_dropout=0",
-    ]
+    bf16 = ["impl.precision=bf16", "impl.zero_stage=1", *FOUR_LOGGED_STEPS, "model.hidden_dropout=0"]
+    bf16 += ["model.attention_dropout=0"]
     straight, run = tmp_path / "straight", tmp_path / "resumed"
     first = ok(train(shards, straight, *bf16, ranks=2))
     assert "grad_accum 2" in first.stdout
@@ -81,19 +81,5 @@ def test_zero_1_2_take_the_norm_of_the_reduced_gradients_with_the_steps_one_read
     taken after the last backward): at 2 ranks with 2 micro-batches a step, the norm it clips with is
     the reduced gradients' own, which the per-layer norms add up to."""
     out = tmp_path / "run"
-    ok(
-        train(
-            shards,
-            out,
-            f"impl.precision={precision}",
-            f"impl.zero_stage={stage}",
-            "impl.micro_batch_size=4",
-            "train.global_batch_size=16",
-            "train.max_steps=4",
-            "train.log_every=1",
-            "train.health_every=1",
-            "train.eval_every=0",
-            ranks=2,
-        )
-    )
+    ok(train(shards, out, f"impl.precision={precision}", f"impl.zero_stage={stage}", *FOUR_LOGGED_STEPS, ranks=2))
     assert norms_add_up(out) == 4
