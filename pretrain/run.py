@@ -33,7 +33,7 @@ from pretrain.model.schedule import continue_schedule
 from pretrain.runtime import allocator, attention, hardware
 from pretrain.runtime import engine as eng
 from pretrain.runtime.step_speed import step_probe
-from pretrain.step import StepParts, StopSignal
+from pretrain.step import StepParts, StopSignal, deferrable
 from pretrain.tracking import console, make_tracker, resume_log, run_params
 from pretrain.tracking.base import Tracker
 
@@ -81,6 +81,7 @@ class Run:
             self.cfg.train.max_steps,
             self.cfg.impl.zero_stage,
             self.stop,
+            defer=self.cfg.impl.deferred_reads and deferrable(self.optimizer),
         )
 
     @property

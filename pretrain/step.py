@@ -61,18 +61,63 @@ class StepParts:
     max_steps: int  # where a masking-rate schedule ends
     zero_stage: int  # at 0 the gradient norm is ours to compute on a logged step
     stop: StopSignal
+    # A step that logs nothing reads its decision one step later, its update masked on the device
+    # ("Deferred reads" below); False: every step reads its own before its update.
+    defer: bool = False
 
 
 @dataclass
 class StepResult:
-    sums: torch.Tensor  # float64 [loss_sum, correct, predicted, tokens] on the device, this rank's;
-    # correct only on a logged step (0 otherwise)
-    loss: float  # the step's MLM loss over all ranks (nan when non-finite)
-    nonfinite: bool  # some rank's loss was not finite: the update was skipped everywhere
-    stop: bool  # some rank was asked to stop
-    grad_norm: float | None  # ZeRO 0 only, when asked (DeepSpeed keeps none there)
-    bad_input: bool = False  # some rank could not read its batch (guards.bad_input): stop, exit 2
-    outage: bool = False  # ... because the data's store stayed down: stop, exit 3 (requeue)
+    """What one optimiser step decided. ``numbers`` (summed over ranks: loss sum, predicted, stop
+    asked, bad input, store down, DeepSpeed's skips) is None until ``settle`` reads it: a step that
+    logs nothing is settled by the next step's ``train_step`` ("Deferred reads" below)."""
+
+    step: int  # the steps done after it
+    sums: torch.Tensor  # float64 [loss_sum, correct, predicted, tokens] on the device, this rank's, zero
+    # where the step was skipped; correct only on a logged step (0 otherwise)
+    micro_batches: list[dict]  # its batches: which one could not be read, when one could not
+    grad_norm: float | None = None  # ZeRO 0 only, when asked (DeepSpeed keeps none there)
+    numbers: list[float] | None = None
+    applied: bool = True  # DeepSpeed counted the update as made (it did not skip it on its own)
+    samples_after: int = 0  # the stream's position after the step (``fit``): a spike's samples end there
+    _host: torch.Tensor | None = None  # the decision, copied to host memory behind the step's work
+    _ready: object = None  # a CUDA event recorded after that copy
+
+    def settle(self) -> "StepResult":
+        """The step's decision on the host. Deferred, it was copied behind the step's work and is read a
+        step later, when the device is long past it: the queued work of the step after is not drained."""
+        if self.numbers is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self.numbers = self._host.tolist()
+        return self
+
+    @property
+    def loss(self) -> float:
+        """The step's MLM loss over all ranks (nan when non-finite)."""
+        loss_sum, predicted = self.numbers[:2]
+        return loss_sum / predicted if predicted and not self.nonfinite else float("nan")
+
+    @property
+    def nonfinite(self) -> bool:  # some rank's loss was not finite: the update was skipped everywhere
+        return not math.isfinite(self.numbers[0])
+
+    @property
+    def stop(self) -> bool:  # some rank was asked to stop
+        return self.numbers[2] > 0
+
+    @property
+    def bad_input(self) -> bool:  # some rank could not read its batch (guards.bad_input): stop, exit 2
+        return self.numbers[3] > 0
+
+    @property
+    def outage(self) -> bool:  # ... because the data's store stayed down: stop, exit 3 (requeue)
+        return self.numbers[4] > 0
+
+    @property
+    def skipped(self) -> bool:
+        """No update was made: a non-finite loss, an unreadable batch, or DeepSpeed's own check."""
+        return self.nonfinite or self.bad_input or self.numbers[5] > 0
 
 
 def mask_micro_batches(parts: StepParts, step: int, micro_batches: list[dict]) -> tuple[list[tuple], torch.Tensor]:
@@ -106,18 +151,23 @@ def train_step(
     micro_batches: list[dict],
     logged: bool,
     before_step: Optional[Callable[[], None]] = None,
+    previous: Optional[StepResult] = None,
+    read_now: bool = True,
 ) -> StepResult:
     """Forward and backward over the micro-batches of step ``step + 1``, then one optimiser step
-    (``step``: the steps done, which key the masks and the dropout). ``logged``: the
-    step's metrics are logged, so its accuracy and (ZeRO 0) gradient norm are computed. ``before_step``
-    runs where the gradients are whole and the weights not yet updated (per-layer health).
+    (``step``: the steps done, which key the masks and the dropout). ``logged``: the step's metrics
+    are logged, so its accuracy and (ZeRO 0) gradient norm are computed. ``before_step`` runs where
+    the gradients are whole and the weights not yet updated (per-layer health).
 
-    The host reads from the device once per step (``decide_update``), after the last backward and
-    before the update: whether to skip the update (a non-finite loss, an unreadable batch) is a branch
-    of DeepSpeed's step on the host, and the spike guard and a stop signal are decided from the same
-    numbers; so are DeepSpeed's own checks of the gradients (``engine.grad_norm_ahead``). Everything
-    else stays on the device until a logged step (``ThroughputWindow``)."""
+    Whether to skip the update (a non-finite loss, an unreadable batch, DeepSpeed's own checks of the
+    gradients: ``engine.grad_norm_ahead``), a stop request and the loss the spike guard watches are
+    decided once a step, after the last backward (``decide_update``). ``read_now``: the host reads
+    that decision before the update, which DeepSpeed's step then takes or skips. Otherwise
+    (``parts.defer``, a step that logs, evaluates and checkpoints nothing) the update is masked on
+    the device and the decision read by the next step's call (``previous``, settled before its own
+    update: "Deferred reads" below). The rest stays on the device until a logged step."""
     engine, device, world = parts.engine, parts.device, parts.world
+    read_now = read_now or not parts.defer
     with phase("mask"):
         masked, predicted = mask_micro_batches(parts, step, micro_batches)
     # The loss is normalised by the masked-token count of the whole step, all ranks together:
@@ -127,7 +177,7 @@ def train_step(
     scale = world * len(masked) / predicted.clamp(min=1.0)
     level = bad_input.failure_level(micro_batches)
     sums = torch.zeros(4, dtype=torch.float64, device=device)
-    grad_norm = None
+    result = StepResult(step + 1, sums, micro_batches)
     # Compiled, the argmax is taken every step: a bool that turns on at logged steps would trace a
     # second graph (a recompile at the first logged step) for the price of one reduction per chunk.
     want_correct = logged or bool(getattr(engine, "is_compiled", False))
@@ -143,26 +193,47 @@ def train_step(
         with phase("backward"):
             engine.backward(loss_sum * scale)
         if i == len(masked) - 1:
-            loss_total, predicted_total, stop, bad, outage, deepspeed_skips = decide_update(parts, sums, level)
-            eng.norm_decided(deepspeed_skips > 0)
-            nonfinite = not math.isfinite(loss_total)
-            skip_next_step(parts.optimizer, nonfinite or bad > 0)  # every rank skips or stops together
-            if logged and parts.zero_stage == 0:
-                grad_norm = eng.local_grad_norm(engine)
+            decided, result.numbers = decide_update(parts, sums, level, read_now)
+            take_decision(parts, result, decided, previous, logged)
             if before_step:
                 before_step()
         with phase("optimizer"):
             engine.step()
     skip_next_step(parts.optimizer, False)
-    loss = loss_total / predicted_total if predicted_total and not nonfinite else float("nan")
-    return StepResult(sums, loss, nonfinite, stop > 0, grad_norm, bad > 0, outage > 0)
+    mask_update(parts.optimizer, None)
+    result.applied = bool(getattr(engine, "_step_applied", True))
+    if read_now and result.skipped and result.applied:
+        eng.hold_schedule(engine)  # ours skipped an update DeepSpeed counted as made
+    return result
 
 
-def decide_update(parts: StepParts, sums: torch.Tensor, level: int) -> list[float]:
-    """Summed over ranks: [loss sum, predicted, stop asked, bad input, store down, DeepSpeed skips],
-    the step's one read from the device. A loss sum is non-finite where any rank's is (losses are >= 0:
-    no inf - inf). Whether the gradients overflowed or their norm is invalid is DeepSpeed's question
-    before its update, asked here instead (``engine.grad_norm_ahead``; 0 where DeepSpeed asks itself)."""
+def take_decision(
+    parts: StepParts, result: StepResult, decided: torch.Tensor, previous: Optional[StepResult], logged: bool
+) -> None:
+    """Before the update: the step before settled if it was deferred, then this one's update vetoed on
+    the host (read now) or masked on the device (``decided``: ``decide_update``'s numbers)."""
+    # skipped steps are not averaged into the window: their sums count as zeros
+    result.sums = torch.where(torch.isfinite(decided[0]), result.sums, torch.zeros_like(result.sums))
+    if previous is not None:
+        settle_deferred(parts, previous)  # before this update: a skipped step holds the schedule
+    if result.numbers is not None:
+        eng.norm_decided(result.numbers[5] > 0)
+        skip_next_step(parts.optimizer, result.nonfinite or result.bad_input)  # every rank skips or stops together
+        if logged and parts.zero_stage == 0:
+            result.grad_norm = eng.local_grad_norm(parts.engine)
+    else:
+        eng.norm_decided(False)  # DeepSpeed's step goes ahead; the mask decides
+        mask_update(parts.optimizer, decided)
+        result._host, result._ready = copy_behind(decided)
+
+
+def decide_update(
+    parts: StepParts, sums: torch.Tensor, level: int, read_now: bool
+) -> tuple[torch.Tensor, list[float] | None]:
+    """Summed over ranks, on the device: [loss sum, predicted, stop asked, bad input, store down,
+    DeepSpeed skips], and read by the host when ``read_now`` (the step's one wait). A loss sum is non-finite where any rank's is (losses are >= 0: no inf - inf).
+    Whether the gradients overflowed or their norm is invalid is DeepSpeed's question before its
+    update, asked here instead (``engine.grad_norm_ahead``; 0 where DeepSpeed asks itself)."""
     with phase("sync"):
         decided = torch.zeros(6, dtype=torch.float64, device=parts.device)
         decided[:2] = sums[[0, 2]]
@@ -172,7 +243,54 @@ def decide_update(parts: StepParts, sums: torch.Tensor, level: int) -> list[floa
         if deepspeed_skips is not None:
             decided[5] = deepspeed_skips
         dist.all_reduce(decided)
-        return decided.tolist()
+        return decided, decided.tolist() if read_now else None
+
+
+# Deferred reads. On a GPU the host queues a step's kernels while the device runs the step before; a
+# read of a device value waits for everything queued, and the device then idles while the host queues
+# the next step. A step that logs nothing therefore reads nothing: its update is masked on the device
+# (torch's fused AdamW takes ``found_inf``: parameters, moments and step count untouched where it is
+# 1, as under a gradient scaler), the decision is copied to host memory behind the step's work, and
+# the next step reads it after its own backward, before its own update, when the device is long past
+# it. What the host does with it is then one step late, and nothing else changes: a skipped step
+# still holds the learning-rate schedule (undone before the next update, which so runs at the same
+# rate), its loss is kept out of the window (on the device), the spike guard sees every loss with its
+# own step and samples, a stop is honoured a step later. Steps that log, evaluate, checkpoint or end
+# the run read at once (``fit``), and settle the step before them first.
+
+
+def deferrable(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` can mask its update on the device: torch's fused Adam/AdamW."""
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and bool(optimizer.defaults.get("fused"))
+
+
+def mask_update(optimizer: torch.optim.Optimizer, decided: torch.Tensor | None) -> None:
+    """The coming update made only where ``decided`` (``decide_update``'s numbers, on the device) says
+    the step stands; None: unmasked."""
+    if decided is None:
+        optimizer.__dict__.pop("found_inf", None)
+        return
+    skip = ~torch.isfinite(decided[0]) | (decided[3] > 0) | (decided[5] > 0)
+    optimizer.found_inf = skip.float()
+
+
+def copy_behind(decided: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """``decided`` copied to host memory after the work queued so far, and an event that says when."""
+    if decided.device.type != "cuda":
+        return decided, None
+    host = torch.empty(decided.shape, dtype=decided.dtype, pin_memory=True)
+    host.copy_(decided, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def settle_deferred(parts: StepParts, result: StepResult) -> None:
+    """The previous step's decision on the host; a skipped update DeepSpeed counted as made holds the
+    schedule now, before the next update."""
+    result.settle()
+    if result.skipped and result.applied:
+        eng.hold_schedule(parts.engine)
 
 
 class ThroughputWindow:
@@ -185,13 +303,12 @@ class ThroughputWindow:
 
     def add(self, result: StepResult, seconds: float, data_wait: float) -> None:
         self.seconds, self.data_wait, self.steps = self.seconds + seconds, self.data_wait + data_wait, self.steps + 1
-        if not result.nonfinite:  # skipped steps are not averaged in
-            self.sums += result.sums
+        self.sums += result.sums  # zeros for a skipped step: not averaged in
 
     def metrics(self, logged: StepResult, global_batch: int, world: int, flops_per_seq: float, peak: float) -> dict:
         """The window's means; ``train/accuracy`` is the ``logged`` step's alone (the only step whose
         argmax is computed), like ``train/grad_norm``."""
-        both = torch.cat([self.sums, logged.sums[1:3] if not logged.nonfinite else torch.zeros_like(self.sums[:2])])
+        both = torch.cat([self.sums, logged.sums[1:3]])
         dist.all_reduce(both)
         loss_sum, _, count, tokens, correct, predicted = both.tolist()
         seqs_per_s = global_batch * self.steps / self.seconds

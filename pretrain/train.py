@@ -80,6 +80,7 @@ def fit(run: Run) -> int:
     try:
         emit_probe_baselines(run)
         batches, window, nonfinite_in_a_row = iter(run.stream), ThroughputWindow(info.device), 0
+        pending: StepResult | None = None  # a step that logged nothing: the next one reads its decision
         resume_log.restore_window(window, state.log_window, info.rank)  # the first log averages the whole window
         while state.step < cfg.train.max_steps:
             # one step: read, mask, forward, backward, update (per-layer health when due)
@@ -92,38 +93,38 @@ def fit(run: Run) -> int:
             t_data = time.perf_counter()
             will_log = (state.step + 1) % cfg.train.log_every == 0 or state.step + 1 == cfg.train.max_steps
             check_health = health.due(state.step + 1)
-            result = train_step(
-                run.step_parts, state.step, micro, will_log, health.before_step if check_health else None
-            )
-            if result.bad_input:
-                bad_input.report(micro, info.rank, result.outage)
-                return EXIT_REQUEUE if result.outage else EXIT_BAD_INPUT
+            read_now = will_log or check_health or does_more_than_train(run, state.step + 1)
+            before_step = health.before_step if check_health else None
+            result = train_step(run.step_parts, state.step, micro, will_log, before_step, pending, read_now)
             if check_health:
                 run.tracker.log_metrics(health.after_step(state.step + 1), state.step + 1)
             state.step += 1
-            state.samples_consumed = run.stream.samples_consumed
+            state.samples_consumed = result.samples_after = run.stream.samples_consumed
             state.tokens_seen += cfg.train.global_batch_size * seq_len
             window.add(result, time.perf_counter() - t_start, t_data - t_start)
             watchdog.step_done(state.step, time.perf_counter() - t_start)
 
-            # a non-finite loss skipped the update everywhere; too many in a row stop the run
-            nonfinite_in_a_row = nonfinite_in_a_row + 1 if result.nonfinite else 0
-            if result.nonfinite and too_many_nonfinite(run, nonfinite_in_a_row):
-                return EXIT_NONFINITE
-
-            # a loss spike: back to the checkpoint before it, past its samples
-            if guard and (spike := guard.check(result.loss, state)):
-                batches = recover_from_spike(run, guard, spike, batches)
+            # what the steps decided, in order: this one's, and the one before if it read nothing
+            decided = [r for r in (pending, result) if r is not None and r.numbers is not None]
+            pending, stop, action = (result if result.numbers is None else None), any(r.stop for r in decided), None
+            for done in decided:
+                nonfinite_in_a_row = nonfinite_in_a_row + 1 if done.nonfinite else 0
+                if action := act_on(run, guard, done, nonfinite_in_a_row):
+                    break
+            if isinstance(action, int):
+                return action
+            if action:  # a loss spike: back to the checkpoint before it, past its samples
+                batches = recover_from_spike(run, guard, action, batches, done.samples_after)
                 if batches is None:
                     return EXIT_SPIKES
-                window = ThroughputWindow(info.device)
+                window, pending = ThroughputWindow(info.device), None
                 continue
 
             # log, evaluate, probe
             log_evaluate_probe(run, window, result, will_log)
 
             # checkpoint, and stop when asked to
-            if checkpoint_and_decide_exit(run, result, window):
+            if checkpoint_and_decide_exit(run, result, window, stop):
                 return run.exit_code
         finish(run)
         return 0
@@ -162,10 +163,11 @@ def emit_probe_baselines(run: Run) -> None:
         )
 
 
-def recover_from_spike(run: Run, guard: SpikeGuard, spike, batches):
-    """The data iterator that continues after the recovery, or None past the cap (the run stops)."""
+def recover_from_spike(run: Run, guard: SpikeGuard, spike, batches, spike_end: int):
+    """The data iterator that continues after the recovery, or None past the cap (the run stops).
+    ``spike_end``: the stream's position after the spike's last step."""
     try:
-        return guard.recover(run.engine, run.cfg, run.nodes, run.state, run.stream, batches, spike)
+        return guard.recover(run.engine, run.cfg, run.nodes, run.state, run.stream, batches, spike, spike_end)
     except SpikesExhausted as exc:
         log.error("stopping: %s", exc)
         return None
@@ -190,8 +192,20 @@ def log_evaluate_probe(run: Run, window: ThroughputWindow, result: StepResult, w
         run.probe(step)
 
 
-def too_many_nonfinite(run: Run, in_a_row: int) -> bool:
-    state, step = run.state, run.state.step
+def act_on(run: Run, guard: SpikeGuard | None, done: StepResult, in_a_row: int) -> int | tuple[int, int] | None:
+    """What step ``done``'s decision asks of the loop: an exit code (an unreadable batch; a non-finite
+    loss, which skipped the update everywhere, the ``in_a_row``-th in a row, too many), a loss spike
+    (its first and last step) to recover from, or nothing."""
+    if done.bad_input:
+        bad_input.report(done.micro_batches, run.info.rank, done.outage)
+        return EXIT_REQUEUE if done.outage else EXIT_BAD_INPUT
+    if done.nonfinite and too_many_nonfinite(run, in_a_row, done.step):
+        return EXIT_NONFINITE
+    return guard.check(done.loss, run.state, done.step) if guard else None
+
+
+def too_many_nonfinite(run: Run, in_a_row: int, step: int) -> bool:
+    state = run.state
     state.nonfinite_total += 1
     log.warning("step %d: non-finite loss on some rank; update skipped (%d in a row)", step, in_a_row)
     if in_a_row < run.cfg.train.max_nonfinite_in_a_row:
@@ -231,17 +245,28 @@ def train_metrics(run: Run, window: ThroughputWindow, result: StepResult) -> dic
     }
 
 
-def checkpoint_and_decide_exit(run: Run, result: StepResult, window: ThroughputWindow) -> bool:
-    """Checkpoint when due (periodic, the last step, train.halt_at_step, a stop signal); True when the
-    loop must end here (``run.exit_code`` and ``run.status`` say how)."""
+def does_more_than_train(run: Run, step: int) -> bool:
+    """Whether step ``step`` evaluates, probes or checkpoints after it: then it reads its decision
+    before its update (pretrain/step.py, "Deferred reads"), as a logged step does. The same answer on
+    every rank."""
+    t, last = run.cfg.train, step == run.cfg.train.max_steps
+    every = [t.eval_every, t.checkpoint_every, t.export_every]
+    due = last or step == t.halt_at_step or any(n and step % n == 0 for n in every)
+    return due or bool(run.tasks and probe_due(step, run.cfg.eval.downstream_every, t.eval_every, last))
+
+
+def checkpoint_and_decide_exit(run: Run, result: StepResult, window: ThroughputWindow, stop: bool) -> bool:
+    """Checkpoint when due (periodic, the last step, train.halt_at_step, a stop signal: ``stop``, which
+    the step or the one before it decided); True when the loop must end here (``run.exit_code`` and
+    ``run.status`` say how)."""
     cfg, step = run.cfg, run.state.step
     last, halting = step == cfg.train.max_steps, step == cfg.train.halt_at_step
     periodic = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and not result.nonfinite
-    if result.stop or halting or last or periodic:
+    if stop or halting or last or periodic:
         run.state.log_window = resume_log.window_state(window)
         export = last or bool(cfg.train.export_every and step % cfg.train.export_every == 0)
         checkpoint(run, export, final=last)
-    if result.stop:
+    if stop:
         log.warning(
             "%s: checkpointed at step %d; exiting for requeue",
             f"signal {run.stop.name}" if run.stop.name else "a signal on another rank",

@@ -232,6 +232,11 @@ class ImplConfig:
     # AdamW's kernel. auto/true: torch's fused AdamW (CUDA and CPU, no build step); false: torch's
     # multi-tensor AdamW. LAMB is always ours (pretrain.model.optim). YAML's on/off read as booleans.
     fused_optimizer: Union[Literal["auto"], bool] = "auto"
+    # A step that logs, evaluates and checkpoints nothing reads whether its update stands one step
+    # later, its update masked on the device meanwhile, so that the host never waits for the GPU
+    # inside a run of such steps (pretrain.step, "Deferred reads"). Where the optimiser is torch's fused
+    # AdamW; false: every step reads before its update. The same numbers either way.
+    deferred_reads: bool = True
     # CPU runs under glibc's malloc (no tcmalloc preloaded: pretrain.runtime.allocator): keep freed
     # memory for the next step (pretrain.runtime.hardware.keep_freed_cpu_memory): 10-20% faster steps on mini,
     # but the heap fragments and grows past the working set (demo rank 0: 2.3 -> 5.9 GB in 160 steps);

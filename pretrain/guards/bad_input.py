@@ -49,19 +49,25 @@ def report_before_start(exc: Exception, first_rank: bool) -> None:
 
 
 def next_micro_batches(batches, count: int, special: SpecialIds, micro_batch: int, seq_len: int) -> list[dict]:
-    """The step's ``count`` micro-batches, or placeholders carrying the reading error's message."""
+    """The step's ``count`` micro-batches, or placeholders carrying the reading error's message. The
+    stream never ends (it runs epoch after epoch): it stops only after such an error, and a step that
+    logs nothing learns of the error a step later (pretrain/step.py, "Deferred reads"), after asking
+    for the next step's batches, which are placeholders too."""
     try:
         return [next(batches) for _ in range(count)]
     except (ShardError, StoreUnavailable) as exc:
-        placeholder = {
-            "input_ids": torch.full((micro_batch, seq_len), special.cls, dtype=torch.long),
-            "word_starts": torch.zeros(micro_batch, seq_len, dtype=torch.bool),
-            "sample_ids": torch.zeros(micro_batch, dtype=torch.long),
-            "has_padding": False,
-            BAD_INPUT_KEY: str(exc),
-            OUTAGE_KEY: isinstance(exc, StoreUnavailable),
-        }
-        return [placeholder] * count
+        message, outage = str(exc), isinstance(exc, StoreUnavailable)
+    except StopIteration:
+        message, outage = "the data stream stopped after a read error (named for the step before)", False
+    placeholder = {
+        "input_ids": torch.full((micro_batch, seq_len), special.cls, dtype=torch.long),
+        "word_starts": torch.zeros(micro_batch, seq_len, dtype=torch.bool),
+        "sample_ids": torch.zeros(micro_batch, dtype=torch.long),
+        "has_padding": False,
+        BAD_INPUT_KEY: message,
+        OUTAGE_KEY: outage,
+    }
+    return [placeholder] * count
 
 
 def failure_level(micro_batches: list[dict]) -> float:

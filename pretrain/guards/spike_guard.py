@@ -73,10 +73,11 @@ class SpikeGuard:
     def __init__(self, cfg: SpikeGuardConfig, global_batch: int, root, tracker):
         self.cfg, self.global_batch, self.root, self.tracker = cfg, global_batch, root, tracker
 
-    def check(self, loss: float, state: TrainState) -> tuple[int, int] | None:
-        """``loss``: the step's MLM loss over all ranks (``StepResult.loss``, read with the step's flags)."""
+    def check(self, loss: float, state: TrainState, step: int) -> tuple[int, int] | None:
+        """``loss``: step ``step``'s MLM loss over all ranks (``StepResult.loss``, read with the step's
+        flags: a step that logs nothing is read by the next one)."""
         detector = SpikeDetector(self.cfg, state.spike_detector)
-        spike = detector.observe(state.step, loss)
+        spike = detector.observe(step, loss)
         state.spike_detector = detector.state_dict()
         return spike
 
@@ -84,9 +85,10 @@ class SpikeGuard:
         tags = [t for t in checkpointing.complete_tags(self.root) if t.startswith("step") and int(t[4:]) < first]
         return tags[-1] if tags else None
 
-    def recover(self, engine, cfg, nodes, state: TrainState, stream, batches, spike: tuple[int, int]):
-        """Reload the checkpoint before ``spike`` and move the data stream past it; returns the new
-        batch iterator. Raises SpikesExhausted past the cap or with no checkpoint to go back to."""
+    def recover(self, engine, cfg, nodes, state: TrainState, stream, batches, spike: tuple[int, int], spike_end: int):
+        """Reload the checkpoint before ``spike`` and move the data stream past it (at least to
+        ``spike_end``, the stream's position after the spike's last step); returns the new batch
+        iterator. Raises SpikesExhausted past the cap or with no checkpoint to go back to."""
         first, last = spike
         done = list(state.skipped_windows)
         tag = self.checkpoint_before(first)
@@ -103,7 +105,6 @@ class SpikeGuard:
                 "to; set train.checkpoint_every lower"
             )
         batches.close()  # stops its DataLoader workers
-        spike_end = stream.samples_consumed
         state.load_state_dict(checkpointing.load(engine, cfg, tag, nodes)[STATE_KEY])
         stream.load_state_dict(state.data)
         start = stream.samples_consumed

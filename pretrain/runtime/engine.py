@@ -519,6 +519,23 @@ def _bf16_optimizer_multi_tensor() -> None:
     bf16_optimizer.BF16_Optimizer.update_hp_grads = _update_hp_grads_multi_tensor
 
 
+def hold_schedule(engine) -> None:
+    """An update DeepSpeed's step counted as made (its own checks passed) that ours skipped (a
+    non-finite loss, an unreadable batch, or a masked update: pretrain/step.py, "Deferred reads"): counted
+    as DeepSpeed counts its own skips, and the learning-rate schedule moved back the one step that
+    DeepSpeed's step advanced it, so the next update runs at the skipped one's rate."""
+    engine.skipped_steps += 1
+    scheduler = engine.lr_scheduler
+    if scheduler is None:
+        return
+    scheduler.last_epoch -= 1
+    # ours is a LambdaLR (``initialize``): its rates are the base rates times the schedule's factor
+    rates = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, rate in zip(scheduler.optimizer.param_groups, rates):
+        group["lr"] = rate
+    scheduler._last_lr = rates
+
+
 def local_grad_norm(engine) -> float:
     """Global L2 norm of the (already all-reduced) gradients, for ZeRO stage 0 where every rank
     holds them all; call after the boundary backward and before ``engine.step()``."""

@@ -505,9 +505,10 @@ def test_smoke_yardsticks_check_puts_ours_beside_hf_and_the_bare_loop(shards, tm
 @pytest.mark.slow
 def test_step_ops_counts_each_loops_ops_and_waits_by_phase(shards, tmp_path):
     """Issue 73, item 6: bench/step_ops.py counts a step's ops, launches and waits by phase for ours,
-    DeepSpeed's engine alone and a bare loop in one run. Ours waits where test_host_syncs says
-    (ZeRO 1 bf16: our one read, which answers DeepSpeed's norm check too), DeepSpeed alone at every micro-batch (its
-    throughput timer), the bare loop never; ours masks a step's micro-batches in one call."""
+    DeepSpeed's engine alone and a bare loop in one run. Ours waits where test_host_syncs says (ZeRO 1
+    bf16: never, its decision read by the next step from host memory), DeepSpeed alone at every
+    micro-batch (its throughput timer), the bare loop never; ours masks a step's micro-batches in one
+    call."""
     run = subprocess.run(
         [sys.executable, "bench/step_ops.py", "--config", "configs/mini.yaml", "--data", str(shards)]
         + ["--micro-batch", "2", "--micro-batches", "2", "--steps", "1", "--work-dir", str(tmp_path)]
@@ -527,7 +528,7 @@ def test_step_ops_counts_each_loops_ops_and_waits_by_phase(shards, tmp_path):
     phases = ["mask", "forward", "backward", "sync", "optimizer", "other", "total"]
     assert list(rows) == phases, run.stdout
     deepspeed_alone, ours, bare = ({p: rows[p][3 * i : 3 * i + 3] for p in phases} for i in range(3))
-    assert {p: ours[p][2] for p in phases} == dict.fromkeys(phases, 0) | {"sync": 1, "total": 1}
+    assert {p: ours[p][2] for p in phases} == dict.fromkeys(phases, 0)  # the decision read a step late
     assert bare["total"][2] == 0
     assert deepspeed_alone["forward"][2] == 2 and deepspeed_alone["optimizer"][2] >= 2, deepspeed_alone
     assert 0 < ours["mask"][0] < deepspeed_alone["mask"][0] == bare["mask"][0], run.stdout
