@@ -19,9 +19,10 @@
 #   export        the lamb run's Hugging Face export (ZeRO 0 bf16: the fp32 masters) loads and fills masks
 #   profile       torch.profiler (impl.profile_at_step) over a fifth of the steps of mini (eager, ZeRO 1) and of
 #                 base.yaml (compiled): where a step's time goes, the host's phases against the device's busy time
-#   bert-base     configs/base.yaml at sequence 128: MFU to compare with NVIDIA's BERT (~45%)
-#   real-shape    base.yaml at its real shape, ACCUM (8) micro-batches of --base-micro-batch a step, with
-#                 DeepSpeed's throughput timer off (ours) and on; beside it, at the same shape on the same GPU,
+#   bert-base     configs/base.yaml at sequence 128: MFU to compare with NVIDIA's BERT (~45%); one micro-batch a
+#                 step, its decisions read a step late (impl.deferred_reads, the default) and, budget allowing, at once
+#   real-shape    base.yaml at its real shape, ACCUM (8) micro-batches of --base-micro-batch a step, its decisions
+#                 read a step late (ours) and at once; beside it, at the same shape on the same GPU,
 #                 the Hugging Face Trainer (bf16, SDPA, fused AdamW, compiled) and a bare compiled loop with
 #                 fused AdamW (bench/reference_loops.py): tokens/s, MFU, and the ratios (goals: >= 1.5x HF,
 #                 >= 0.9x the bare loop, >= 50% MFU)
@@ -278,20 +279,26 @@ if selected bert-base; then
   if ran bert-base; then check heldout heldout "$WORK/runs/bert-base"
   else record "skipped check heldout (needs the bert-base run)"; fi
   close bert-base check:heldout
+  # what reading every step's decision at once costs where the step's host time shows (after the unit
+  # closes: the budget may leave it out)
+  RUN_CONFIG=configs/base.yaml run bert-base-at-once 1 "${BASE_BATCH[@]}" impl.deferred_reads=false
+  if ran bert-base bert-base-at-once; then check reads reads "$WORK/runs/bert-base" "$WORK/runs/bert-base-at-once"; fi
 fi
 # base.yaml at its real shape (ACCUM micro-batches a step), the two yardsticks at the same shape on the
-# same GPU, and last DeepSpeed's throughput timer on (what it cost: the least valuable of the four, so the
-# one a short budget leaves out; the 2026-11-27 H100 lease ran out before the bare loop when it came second).
+# same GPU, and last every step's decision read at once (what the deferred reads gain: the least valuable
+# of the four, so the one a short budget leaves out; the 2026-11-27 H100 lease ran out before the bare
+# loop when it came second). DeepSpeed's throughput timer cost 1.049x there (BENCHMARKS.md);
+# impl.deepspeed.timers.throughput.enabled=true turns it back on.
 if selected real-shape; then
   RUN_CONFIG=configs/base.yaml run bert-base-accum 1 "${REAL_BATCH[@]}"
   if ran bert-base-accum; then
     yardstick bare-base bare
     yardstick hf-base hf
-    RUN_CONFIG=configs/base.yaml run bert-base-accum-timer 1 "${REAL_BATCH[@]}" impl.deepspeed.timers.throughput.enabled=true
-  else record "skipped run bare-base, hf-base, bert-base-accum-timer (need the bert-base-accum run to compare with)"; fi
+    RUN_CONFIG=configs/base.yaml run bert-base-accum-at-once 1 "${REAL_BATCH[@]}" impl.deferred_reads=false
+  else record "skipped run bare-base, hf-base, bert-base-accum-at-once (need the bert-base-accum run to compare with)"; fi
   if ran bert-base-accum hf-base bare-base; then
-    TIMER_RUN=-; if ran bert-base-accum-timer; then TIMER_RUN="$WORK/runs/bert-base-accum-timer"; fi
-    check real-shape yardsticks "$PEAK" "$WORK/runs/bert-base-accum" "$TIMER_RUN" \
+    AT_ONCE_RUN=-; if ran bert-base-accum-at-once; then AT_ONCE_RUN="$WORK/runs/bert-base-accum-at-once"; fi
+    check real-shape yardsticks "$PEAK" "$WORK/runs/bert-base-accum" "$AT_ONCE_RUN" \
       "$WORK/runs/hf-base" "$WORK/runs/bare-base"
   else record "skipped check real-shape (needs the bert-base-accum, hf-base and bare-base runs)"; fi
   close real-shape check:real-shape

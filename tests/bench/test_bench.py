@@ -47,7 +47,8 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         "adamw",
         "bert-base",
         "bert-base-accum",
-        "bert-base-accum-timer",
+        "bert-base-accum-at-once",
+        "bert-base-at-once",
         "bert-base-nodrop",
         "compile-fixed",
         "documents",
@@ -96,11 +97,13 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     assert launches["nccl-2"][0] == 2 and launches["nccl-2"][1].impl.zero_stage == 2
     # the halted run resumes at ZeRO 2 in its own folder; then its losses and the lamb export are checked
     assert launches["halted"][1].train.resume == "auto" and launches["halted"][1].impl.zero_stage == 2
-    # DeepSpeed's throughput timer: off as the trainer sets it, on in the run that measures its cost
-    timer = launches["bert-base-accum-timer"][1].impl.deepspeed
-    assert (
-        timer == {"timers": {"throughput": {"enabled": True}}} and launches["bert-base-accum"][1].impl.deepspeed == {}
-    )
+    # each step's decision read a step late (the default), and at once in the runs that measure the gain
+    for deferred in ("bert-base", "bert-base-accum"):
+        assert launches[deferred][1].impl.deferred_reads and launches[deferred][1].impl.deepspeed == {}
+        assert not launches[f"{deferred}-at-once"][1].impl.deferred_reads
+        assert (
+            launches[f"{deferred}-at-once"][1].train.global_batch_size == launches[deferred][1].train.global_batch_size
+        )
     # the yardsticks at the same shape: the HF Trainer and the bare loop, compiled, fused AdamW, bf16
     specs = [json.loads(cmd[2]) for cmd in commands if cmd[1:2] == ["bench/reference_loops.py"]]
     assert [(s["kind"], s["batch_size"], s["grad_accum"], s["precision"], s["compile"]) for s in specs] == [
@@ -111,11 +114,12 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     assert specs[0]["fused"] and load_config(specs[0]["config"], specs[0]["overrides"]).model.hidden_size == 768
     assert [cmd[2:] for cmd in commands if cmd[1:2] == ["bench/gpu_smoke_checks.py"]][1:] == [
         ["heldout", "/tmp/gpu_smoke/runs/bert-base"],
+        ["reads", "/tmp/gpu_smoke/runs/bert-base", "/tmp/gpu_smoke/runs/bert-base-at-once"],
         [
             "yardsticks",
             "<peak>",
             "/tmp/gpu_smoke/runs/bert-base-accum",
-            "/tmp/gpu_smoke/runs/bert-base-accum-timer",
+            "/tmp/gpu_smoke/runs/bert-base-accum-at-once",
             "/tmp/gpu_smoke/runs/hf-base",
             "/tmp/gpu_smoke/runs/bare-base",
         ],
@@ -468,11 +472,12 @@ def test_smoke_profile_check_prints_rank_0s_summary_and_wants_one(tmp_path):
 
 def test_smoke_yardsticks_check_puts_ours_beside_hf_and_the_bare_loop(shards, tmp_path):
     """Issue 73, item 5: the real-shape unit's check reads our two runs' metrics and the yardsticks'
-    step times, at each one's FLOPs per sequence, and prints the ratios the issue set goals for."""
-    from bench.gpu_smoke_checks import yardsticks
+    step times, at each one's FLOPs per sequence, and prints the ratios the issue set goals for; the
+    bert-base unit's check sets the run that read every step at once beside ours."""
+    from bench.gpu_smoke_checks import reads, yardsticks
 
     runs = {}
-    for name, tps in (("ours", 400_000.0), ("timer", 380_000.0)):
+    for name, tps in (("ours", 400_000.0), ("at_once", 380_000.0)):
         runs[name] = tmp_path / name
         runs[name].mkdir()
         runs[name].joinpath("metrics.jsonl").write_text(
@@ -488,18 +493,21 @@ def test_smoke_yardsticks_check_puts_ours_beside_hf_and_the_bare_loop(shards, tm
         spec |= {"batch_size": 128, "grad_accum": 8, "warmup_steps": 2}
         runs[name].joinpath("spec.json").write_text(json.dumps(spec))
         runs[name].joinpath("result.json").write_text(json.dumps({"step_end_unix": [step_s * i for i in range(12)]}))
-    text = yardsticks("989.4", *(str(runs[k]) for k in ("ours", "timer", "hf", "bare")))
+    text = yardsticks("989.4", *(str(runs[k]) for k in ("ours", "at_once", "hf", "bare")))
     seq_len = 64  # the test shards'
     hf_tps, bare_tps = 128 * 8 * seq_len / 0.5, 128 * 8 * seq_len / 0.25
     assert f"ours / HF Trainer: {400_000 / hf_tps:.2f}x (goal >= 1.5)" in text, text
     assert f"ours / bare loop: {400_000 / bare_tps:.2f}x (goal >= 0.9)" in text, text
-    assert "DeepSpeed's timer off / on: 1.053x" in text and f"{hf_tps:,.0f}" in text, text
-    # the timer run left out by the budget (it runs last): the rest still compares
+    assert "deferred reads / at once: 1.053x" in text and f"{hf_tps:,.0f}" in text, text
+    assert reads(str(runs["ours"]), str(runs["at_once"])) == (
+        "one micro-batch a step: deferred reads 400,000 tokens/s (40.0% MFU), at once 380,000 (40.0%): 1.053x"
+    )
+    # the at-once run left out by the budget (it runs last): the rest still compares
     text = yardsticks("989.4", str(runs["ours"]), "-", str(runs["hf"]), str(runs["bare"]))
-    assert f"ours / bare loop: {400_000 / bare_tps:.2f}x" in text and "timer" not in text, text
+    assert f"ours / bare loop: {400_000 / bare_tps:.2f}x" in text and "at once" not in text, text
     runs["hf"].joinpath("result.json").unlink()
     with pytest.raises(SystemExit, match="hf wrote no result.json"):
-        yardsticks("989.4", *(str(runs[k]) for k in ("ours", "timer", "hf", "bare")))
+        yardsticks("989.4", *(str(runs[k]) for k in ("ours", "at_once", "hf", "bare")))
 
 
 @pytest.mark.slow
