@@ -230,6 +230,7 @@ def initialize(model: torch.nn.Module, cfg: Config, info: DistInfo, precision: s
     _mask_nonfinite_norm_on_the_device()
     _bf16_optimizer_multi_tensor()
     _zero_decisions_ahead()
+    _unfused_decisions_ahead()
     _fp16_optimizer_overflow_once()
     schedule = lr_schedule(cfg)
     if cfg.impl.zero_stage == 3 and getattr(model, "fused_loss", False):
@@ -382,6 +383,16 @@ def grad_norm_ahead(engine) -> torch.Tensor | None:
             return None
         _NORM_AHEAD.update(grads=grads, norm=norm)
         return (~torch.isfinite(norm) | (norm < 0)).double()
+    if _unfused_decides_as_we_can(opt):
+        groups = [[p.grad for p in group if p.grad is not None] for group in opt.fp16_groups]
+        with torch.no_grad():  # DeepSpeed's: each group's norm of its gradients in fp32, then theirs
+            group_norms = [_norm_of(grads) for grads in groups if grads]
+            if not group_norms:
+                return None
+            norm = torch.stack(group_norms).pow(2.0).sum().pow(0.5)
+        firsts = [grads[0] for grads in groups if grads]
+        _NORM_AHEAD.update(checker=opt.overflow_checker, groups=list(zip(firsts, group_norms)), norm=norm)
+        return (~torch.isfinite(norm)).double()  # an inf or nan in any gradient: its overflow test too
     if isinstance(opt, DeepSpeedZeroOptimizer) and _zero_decides_as_we_can(opt):
         norm = opt.scaled_global_norm()
         skip = ~torch.isfinite(norm) | (norm < 0)
@@ -400,6 +411,27 @@ def _zero_decides_as_we_can(opt) -> bool:
         return False  # another DeepSpeed's optimiser: it decides alone
     plain = not (opt.cpu_offload or opt.has_moe_layers or opt.zenflow or opt.torch_autocast_gradscaler)
     return plain and opt.compute_grad_norm and opt.dtype != torch.float16 and opt.mpu is None
+
+
+def _norm_of(tensors: list[torch.Tensor]) -> torch.Tensor:
+    norms = torch._foreach_norm([t if t.dtype == torch.float32 else t.float() for t in tensors], 2.0)
+    return torch.stack(norms).pow(2.0).sum().pow(0.5)
+
+
+def _unfused_decides_as_we_can(opt) -> bool:
+    """DeepSpeed's FP16_UnfusedOptimizer (ZeRO 0 in bf16, with any optimiser but its own fused ones) as
+    our read can answer it: no loss scaling (bf16), no experts, no model parallelism, its own step
+    (not the legacy fused LAMB's)."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if not isinstance(opt, FP16_UnfusedOptimizer):
+        return False
+    read = ("loss_scale_config", "mpu", "fused_lamb_legacy", "overflow_checker", "fp16_groups", "fp32_groups")
+    if not all(hasattr(opt, name) for name in read):
+        return False  # another DeepSpeed's optimiser: it decides alone
+    experts = getattr(opt.overflow_checker, "has_moe_params", False)
+    plain = not (opt.loss_scale_config.use_grad_scaling or opt.fused_lamb_legacy or experts)
+    return plain and opt.mpu is None
 
 
 def norm_decided(skip: bool) -> None:
@@ -426,6 +458,66 @@ def _zero_scaled_global_norm_decided(self, norm_type=2):
     if _NORM_AHEAD.get("zero") is self and norm_type == 2:
         return _NORM_AHEAD["norm"]
     return _DEEPSPEEDS_OWN["zero_scaled_global_norm"](self, norm_type)
+
+
+def _unfused_has_overflow_decided(self, params, has_moe_params=None) -> bool:
+    if _NORM_AHEAD.get("checker") is self and "skip" in _NORM_AHEAD:
+        del _NORM_AHEAD["checker"]  # answered once: a later question is DeepSpeed's own
+        return _NORM_AHEAD["skip"]
+    return _DEEPSPEEDS_OWN["has_overflow"](self, params, has_moe_params)
+
+
+def _unfused_weight_norm_decided(parameters, norm_type=2, mpu=None):
+    """FP16_UnfusedOptimizer's norm of a parameter group's gradients (a ``float`` and an ``item``
+    each): the group's norm taken ahead, for the same gradients."""
+    groups = _NORM_AHEAD.get("groups") if "skip" in _NORM_AHEAD else None
+    given = list(parameters) if isinstance(parameters, (list, tuple)) else None
+    if groups and given and given[0] is groups[0][0] and float(norm_type) == 2.0 and mpu is None:
+        return _NORM_AHEAD["groups"].pop(0)[1]
+    return _DEEPSPEEDS_OWN["weight_norm"](parameters, norm_type=norm_type, mpu=mpu)
+
+
+def _unfused_global_norm_decided(norm_list):
+    """The total of the group norms taken ahead is the norm taken ahead (DeepSpeed's sums their squares
+    on the host)."""
+    if norm_list and all(torch.is_tensor(n) for n in norm_list) and "norm" in _NORM_AHEAD and "skip" in _NORM_AHEAD:
+        return _NORM_AHEAD["norm"]
+    return _DEEPSPEEDS_OWN["global_norm"](norm_list)
+
+
+def _unfused_unscale_and_clip_decided(self, total_norm, apply_scale=True):
+    """FP16_UnfusedOptimizer's clip with the factor on the device (DeepSpeed's compares it on the host,
+    then multiplies tensor by tensor): 1 / scale x min(1, max_norm / (norm / scale + 1e-6))."""
+    if not torch.is_tensor(total_norm):
+        return _DEEPSPEEDS_OWN["unscale_and_clip"](self, total_norm, apply_scale)
+    scale = self.loss_scale_config.cur_scale
+    factor = torch.ones_like(total_norm)
+    if self.clip_grad > 0.0:
+        factor = (self.clip_grad / (total_norm / scale + 1e-6)).clamp(max=1.0)
+    grads = [p.grad for group in self.fp32_groups for p in group if p.grad is not None]
+    if apply_scale and grads:
+        with torch.no_grad():
+            torch._foreach_mul_(grads, factor / scale)
+    return scale / factor
+
+
+def _unfused_decisions_ahead() -> None:
+    """FP16_UnfusedOptimizer's overflow test, group norms, norm check and clip (ZeRO 0 in bf16: one
+    wait each, five a step) answered by ``grad_norm_ahead``'s."""
+    from deepspeed.runtime import utils as ds_utils
+    from deepspeed.runtime.fp16 import unfused_optimizer
+
+    if "has_overflow" not in _DEEPSPEEDS_OWN:
+        _DEEPSPEEDS_OWN["has_overflow"] = ds_utils.CheckOverflow.has_overflow
+        _DEEPSPEEDS_OWN["weight_norm"] = unfused_optimizer.get_weight_norm
+        _DEEPSPEEDS_OWN["global_norm"] = unfused_optimizer.get_global_norm
+        _DEEPSPEEDS_OWN["unscale_and_clip"] = unfused_optimizer.FP16_UnfusedOptimizer.unscale_and_clip_grads
+    _DEEPSPEEDS_OWN.setdefault("is_invalid", unfused_optimizer.is_invalid_grad_norm)
+    ds_utils.CheckOverflow.has_overflow = _unfused_has_overflow_decided
+    unfused_optimizer.get_weight_norm = _unfused_weight_norm_decided
+    unfused_optimizer.get_global_norm = _unfused_global_norm_decided
+    unfused_optimizer.is_invalid_grad_norm = _is_invalid_grad_norm_decided
+    unfused_optimizer.FP16_UnfusedOptimizer.unscale_and_clip_grads = _unfused_unscale_and_clip_decided
 
 
 def _zero_decisions_ahead() -> None:
@@ -485,7 +577,8 @@ def _update_hp_grads_multi_tensor(self, clear_lp_grads=False):
 
 
 def _has_overflow_serial_once(self, params) -> bool:
-    """``CheckOverflow.has_overflow_serial`` (FP16_Optimizer's, ZeRO 0 in bf16) decided with one read:
+    """``CheckOverflow.has_overflow_serial`` (FP16_UnfusedOptimizer's, ZeRO 0 in bf16, where our decision
+    does not answer it: ``_unfused_decides_as_we_can``) decided with one read:
     DeepSpeed's own per-tensor test (``has_inf_or_nan``: a device scalar each) for every gradient,
     stacked and read once, where DeepSpeed reads each in turn (one wait for the device a tensor: 202
     a step for BERT-base). The same decision; a test that answers on the host (an older DeepSpeed's)

@@ -73,14 +73,9 @@ def probe(shards, tmp_path, *overrides) -> list[list[str]]:
 # No device synchronisation at any stage: DeepSpeed's throughput timer, which synchronised twice a
 # micro-batch, is off (pretrain/runtime/engine.py).
 WAITS_BY_STAGE = {
-    # FP16_Optimizer (ZeRO 0 in bf16): its overflow test, one read for every tensor's (DeepSpeed: one a
-    # tensor; pretrain/runtime/engine.py), then the gradient norm and its clipping factor, read on the host.
-    0: {
-        "pretrain/runtime/engine.py:_has_overflow_serial_once.__bool__": 1,
-        "deepspeed/runtime/utils.py:has_overflow.item": 1,
-        "deepspeed/runtime/utils.py:get_weight_norm.__float__": 2,
-        "deepspeed/runtime/utils.py:get_weight_norm.item": 2,
-    },
+    # FP16_UnfusedOptimizer (ZeRO 0 in bf16): its overflow test, group norms, norm check and clip
+    # answered by the step's own decision (engine.grad_norm_ahead): nothing of DeepSpeed's.
+    0: {},
     # BF16_Optimizer (ZeRO 1 in bf16): its norm check answered by the step's own read
     # (engine.grad_norm_ahead): nothing of DeepSpeed's.
     1: {},
