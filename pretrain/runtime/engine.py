@@ -231,6 +231,7 @@ def initialize(model: torch.nn.Module, cfg: Config, info: DistInfo, precision: s
     _bf16_optimizer_multi_tensor()
     _zero_decisions_ahead()
     _unfused_decisions_ahead()
+    _stage3_decisions_ahead()
     _fp16_optimizer_overflow_once()
     schedule = lr_schedule(cfg)
     if cfg.impl.zero_stage == 3 and getattr(model, "fused_loss", False):
@@ -393,6 +394,13 @@ def grad_norm_ahead(engine) -> torch.Tensor | None:
         firsts = [grads[0] for grads in groups if grads]
         _NORM_AHEAD.update(checker=opt.overflow_checker, groups=list(zip(firsts, group_norms)), norm=norm)
         return (~torch.isfinite(norm)).double()  # an inf or nan in any gradient: its overflow test too
+    if _stage3_decides_as_we_can(opt):
+        from deepspeed.runtime.zero import stage3
+
+        groups = opt._get_norm_groups()  # DeepSpeed's own: its partitions' norms, all-reduced over ranks
+        norm = stage3.combine_grad_norm_groups(groups)
+        _NORM_AHEAD.update(stage3=opt, groups=groups, norm=norm)
+        return (~torch.isfinite(norm) | (norm < 0)).double()
     if isinstance(opt, DeepSpeedZeroOptimizer) and _zero_decides_as_we_can(opt):
         norm = opt.scaled_global_norm()
         skip = ~torch.isfinite(norm) | (norm < 0)
@@ -432,6 +440,20 @@ def _unfused_decides_as_we_can(opt) -> bool:
     experts = getattr(opt.overflow_checker, "has_moe_params", False)
     plain = not (opt.loss_scale_config.use_grad_scaling or opt.fused_lamb_legacy or experts)
     return plain and opt.mpu is None
+
+
+def _stage3_decides_as_we_can(opt) -> bool:
+    """ZeRO 3's step as our read can answer it: gradients on the device (no offload), no loss scaling
+    (bf16, fp32), no Muon updates (which change the norm inside the step)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    if not isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
+        return False
+    read = ("offload_optimizer", "dtype", "averaged_gradients", "fp16_groups", "_get_norm_groups")
+    if not all(hasattr(opt, name) for name in read):
+        return False  # another DeepSpeed's optimiser: it decides alone
+    muon = getattr(opt, "sub_groups_lacking_loss_scale", None) or getattr(opt, "_uses_muon", False)
+    return not (opt.offload_optimizer or muon) and opt.dtype != torch.float16
 
 
 def norm_decided(skip: bool) -> None:
@@ -518,6 +540,33 @@ def _unfused_decisions_ahead() -> None:
     unfused_optimizer.get_global_norm = _unfused_global_norm_decided
     unfused_optimizer.is_invalid_grad_norm = _is_invalid_grad_norm_decided
     unfused_optimizer.FP16_UnfusedOptimizer.unscale_and_clip_grads = _unfused_unscale_and_clip_decided
+
+
+def _stage3_norm_groups_decided(self):
+    """ZeRO 3's per-group norms (each a collective over the ranks): those taken ahead, served once."""
+    if _NORM_AHEAD.get("stage3") is self and "skip" in _NORM_AHEAD and "groups" in _NORM_AHEAD:
+        _NORM_AHEAD["served"] = _NORM_AHEAD.pop("groups")
+        return _NORM_AHEAD["served"]
+    return _DEEPSPEEDS_OWN["stage3_norm_groups"](self)
+
+
+def _stage3_combined_norm_decided(norm_groups, norm_type=2):
+    if norm_groups is _NORM_AHEAD.get("served") and norm_type == 2:
+        return _NORM_AHEAD["norm"]
+    return _DEEPSPEEDS_OWN["combine_norms"](norm_groups, norm_type)
+
+
+def _stage3_decisions_ahead() -> None:
+    """ZeRO 3's norm and norm check (a ``bool`` a step) answered by ``grad_norm_ahead``'s."""
+    from deepspeed.runtime.zero import stage3
+
+    if "stage3_norm_groups" not in _DEEPSPEEDS_OWN:
+        _DEEPSPEEDS_OWN["stage3_norm_groups"] = stage3.DeepSpeedZeroOptimizer_Stage3._get_norm_groups
+        _DEEPSPEEDS_OWN["combine_norms"] = stage3.combine_grad_norm_groups
+    _DEEPSPEEDS_OWN.setdefault("is_invalid", stage3.is_invalid_grad_norm)
+    stage3.DeepSpeedZeroOptimizer_Stage3._get_norm_groups = _stage3_norm_groups_decided
+    stage3.combine_grad_norm_groups = _stage3_combined_norm_decided
+    stage3.is_invalid_grad_norm = _is_invalid_grad_norm_decided
 
 
 def _zero_decisions_ahead() -> None:
