@@ -26,6 +26,8 @@
 #                 the Hugging Face Trainer (bf16, SDPA, fused AdamW, compiled) and a bare compiled loop with
 #                 fused AdamW (bench/reference_loops.py): tokens/s, MFU, and the ratios (goals: >= 1.5x HF,
 #                 >= 0.9x the bare loop, >= 50% MFU)
+#   graphs        bert-base (one micro-batch a step) with impl.cuda_graphs=true: the compiled forward and backward
+#                 replayed as CUDA graphs; the same losses to bf16 round-off, tokens/s against bert-base's
 #   bert-base-nodrop  the same without dropout: what keyed dropout costs in base.yaml's step
 # before them, bench/gpu_smoke_checks.py checks the optimisers and the flash SDPA kernel directly,
 # bench/mlm_loss.py times the fused MLM loss (every run's default) against the plain one at a GPU batch;
@@ -37,7 +39,7 @@
 #                      [--only UNIT,...] [--skip UNIT,...] [--resume-from RESULTS_FILE]
 #
 # Units, in the order they run (a unit's runs and the check that reads them): paths mlm-loss adamw
-# bert-base real-shape profile nonfinite resume export zero3 phase2 modernbert flash-attn documents
+# bert-base real-shape graphs profile nonfinite resume export zero3 phase2 modernbert flash-attn documents
 # dropout compile-fixed bert-base-nodrop nccl. Each line of WORK/results.txt is written as a run or check ends, and
 # "done UNIT" once a unit has passed; --resume-from that file (carried to the next lease) runs only
 # the units not done, so two short leases cover everything.
@@ -53,7 +55,7 @@ PY=${PYTHON:-.venv/bin/python}
 
 DRY_RUN=0 GPUS="" STEPS=50 MICRO=64 BASE_MICRO=128 CONFIG=configs/mini.yaml DATA="" WORK=/tmp/gpu_smoke BUDGET=540
 ONLY="" SKIP="" RESUME_FROM="" PREVIOUS_DONE=""
-UNITS=(paths mlm-loss adamw bert-base real-shape profile nonfinite resume export zero3 phase2 modernbert
+UNITS=(paths mlm-loss adamw bert-base real-shape graphs profile nonfinite resume export zero3 phase2 modernbert
        flash-attn documents dropout compile-fixed bert-base-nodrop nccl)
 usage() { grep -A2 '^#   bench/gpu_smoke.sh \[' "$0" | sed 's/^# \{0,3\}//'; }
 while [ $# -gt 0 ]; do
@@ -302,6 +304,14 @@ if selected real-shape; then
       "$WORK/runs/hf-base" "$WORK/runs/bare-base"
   else record "skipped check real-shape (needs the bert-base-accum, hf-base and bare-base runs)"; fi
   close real-shape check:real-shape
+fi
+# CUDA graphs where a step's host time decides (one micro-batch a step, the multi-node regime), beside
+# the bert-base run above: what impl.cuda_graphs=auto waits for before it turns them on.
+if selected graphs; then
+  RUN_CONFIG=configs/base.yaml run bert-base-graphs 1 "${BASE_BATCH[@]}" impl.cuda_graphs=true
+  if ran bert-base bert-base-graphs; then check graphs graphs "$WORK/runs/bert-base" "$WORK/runs/bert-base-graphs"
+  else record "skipped check graphs (needs the bert-base and bert-base-graphs runs)"; fi
+  close graphs check:graphs
 fi
 # The profiled steps: a fifth of the run, from its middle (after the compile and the first window).
 if selected profile; then

@@ -134,6 +134,24 @@ def resumed(reference: str, resumed_dir: str, rtol: float = 1e-3) -> str:
     return f"resume: {len(want)} logged losses after a halt and a resume at another ZeRO stage: {verdict}"
 
 
+def graphs(eager_dir: str, graphs_dir: str, rtol: float = 2e-2) -> str:
+    """The same run (base.yaml, one micro-batch a step) compiled, and compiled with its forward and
+    backward replayed as CUDA graphs (``impl.cuda_graphs=true``): the same losses to bf16 round-off
+    (the largest relative difference printed, under ``rtol``), and the graphs' tokens/s against eager's."""
+    eager_dir_, graphs_dir_ = Path(eager_dir), Path(graphs_dir)
+    want, got = logged(eager_dir_, names.TRAIN_LOSS), logged(graphs_dir_, names.TRAIN_LOSS)
+    if sorted(want) != sorted(got) or not want:
+        raise SystemExit(f"graphs: steps {sorted(got)} logged, the run without graphs has {sorted(want)}")
+    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
+    if worst > rtol:
+        raise SystemExit(f"graphs: losses differ from the run without graphs by up to {worst:.1e}, over {rtol:g}")
+    (ours, mfu), (theirs, _) = _ours_tokens_per_s(graphs_dir_), _ours_tokens_per_s(eager_dir_)
+    return (
+        f"graphs: {len(want)} logged losses within {worst:.1e} of the run without graphs; "
+        f"{ours:,.0f} tokens/s ({100 * mfu:.1f}% MFU), {ours / theirs:.3f}x without graphs"
+    )
+
+
 def nonfinite(run_dir: str) -> str:
     """A run whose weights blew up after step 1: every later step skipped without moving the
     learning-rate schedule, until the cap stopped it (its exit code, 4, is checked by the caller)."""
@@ -323,6 +341,8 @@ if __name__ == "__main__":
         print(yardsticks(*rest))
     elif command == "reads":
         print(reads(*rest))
+    elif command == "graphs":
+        print(graphs(*rest))
     elif command == "report":
         text, all_ok = report(rest)
         print(text)
@@ -330,5 +350,5 @@ if __name__ == "__main__":
     else:
         sys.exit(
             f"unknown command {command!r}: peak | paths CONFIG SHARDS | resumed REF RUN | nonfinite RUN | heldout RUN | export RUN | profile RUN... | "
-            "report RUN_DIR... | yardsticks PEAK OURS OURS_AT_ONCE HF BARE | reads DEFERRED AT_ONCE"
+            "report RUN_DIR... | yardsticks PEAK OURS OURS_AT_ONCE HF BARE | reads DEFERRED AT_ONCE | graphs EAGER GRAPHS"
         )

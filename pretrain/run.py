@@ -65,6 +65,7 @@ class Run:
     exit_code: int = 0
     status: str = "FAILED"  # what the tracker marks the run with when fit returns
     latest: dict = field(default_factory=dict)  # the last value of every metric, for the summary
+    cuda_graphs: bool = False  # the compiled step replays as CUDA graphs (impl.cuda_graphs)
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -82,6 +83,7 @@ class Run:
             self.cfg.impl.zero_stage,
             self.stop,
             defer=self.cfg.impl.deferred_reads and deferrable(self.optimizer),
+            cuda_graphs=self.cuda_graphs,
         )
 
     @property
@@ -220,6 +222,18 @@ def build_tracker(run: Run, origin: dict, precision: str, ds_config: dict):
     return tracker
 
 
+def compile_model(run: Run, precision: str) -> None:
+    """``torch.compile`` the engine's model where it pays (``impl.compile``), its forward and backward
+    replayed as CUDA graphs where asked and possible (``impl.cuda_graphs``, said on its own line)."""
+    cfg, device_type = run.cfg, run.info.device.type
+    compiled = cfg.compile_now(cfg.train.max_steps - run.state.step, device_type, precision)
+    run.cuda_graphs, why = eng.cuda_graphs_plan(cfg, device_type, compiled)
+    if compiled:
+        eng.compile_engine(run.engine, run.cuda_graphs)
+    if cfg.impl.cuda_graphs is True or (cfg.impl.cuda_graphs == "auto" and device_type == "cuda"):
+        log.info("CUDA graphs: %s", why)
+
+
 def build_run(
     cfg: Config, manifest: Manifest, tasks: list, resume_from: str | None, info: eng.DistInfo, stop: StopSignal
 ) -> Run:
@@ -250,8 +264,7 @@ def build_run(
         checkpointing.ensure_on_every_node(cfg, resume_from, nodes)
     origin = restore(run, resume_from)
     keep_attention(run)
-    if cfg.compile_now(cfg.train.max_steps - run.state.step, info.device.type, precision):
-        engine.compile()
+    compile_model(run, precision)
     run.stream = build_stream(run, resume_from)
     run.tracker = build_tracker(run, origin, precision, ds_config)
     if cfg.train.checkpoint_mirror and nodes.writes_folder:

@@ -64,6 +64,7 @@ class StepParts:
     # A step that logs nothing reads its decision one step later, its update masked on the device
     # ("Deferred reads" below); False: every step reads its own before its update.
     defer: bool = False
+    cuda_graphs: bool = False  # the compiled forward and backward replay as CUDA graphs
 
 
 @dataclass
@@ -166,8 +167,7 @@ def train_step(
     (``parts.defer``, a step that logs, evaluates and checkpoints nothing) the update is masked on
     the device and the decision read by the next step's call (``previous``, settled before its own
     update: "Deferred reads" below). The rest stays on the device until a logged step."""
-    engine, device, world = parts.engine, parts.device, parts.world
-    read_now = read_now or not parts.defer
+    engine, world, read_now = parts.engine, parts.world, read_now or not parts.defer
     with phase("mask"):
         masked, predicted = mask_micro_batches(parts, step, micro_batches)
     # The loss is normalised by the masked-token count of the whole step, all ranks together:
@@ -176,7 +176,7 @@ def train_step(
     dist.all_reduce(predicted)
     scale = world * len(masked) / predicted.clamp(min=1.0)
     level = bad_input.failure_level(micro_batches)
-    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    sums = torch.zeros(4, dtype=torch.float64, device=parts.device)
     result = StepResult(step + 1, sums, micro_batches)
     # Compiled, the argmax is taken every step: a bool that turns on at logged steps would trace a
     # second graph (a recompile at the first logged step) for the price of one reduction per chunk.
@@ -184,6 +184,7 @@ def train_step(
     for i, (m, attention_mask, tokens, sample_ids) in enumerate(masked):
         # Dropout keyed like the masks, by each row's sample id and the step (model/keyed_dropout.py).
         parts.model.key_dropout(sample_ids, step)
+        eng.new_graph_step(parts.cuda_graphs)
         with phase("forward"), eng.eager_forward(engine, eager=attention_mask is not None):
             loss_sum, correct, count = engine(
                 m.input_ids, attention_mask, m.positions, m.labels, want_correct=want_correct

@@ -237,6 +237,12 @@ class ImplConfig:
     # inside a run of such steps (pretrain.step, "Deferred reads"). Where the optimiser is torch's fused
     # AdamW; false: every step reads before its update. The same numbers either way.
     deferred_reads: bool = True
+    # The compiled forward and backward replayed as CUDA graphs (torch.compile's "reduce-overhead": one
+    # launch for a graph's kernels), where a step's host time decides (few micro-batches a step).
+    # true: where CUDA is, compiled, masking.fixed_count, ZeRO 0-2 (ZeRO 3 moves the weights between
+    # gathers); auto: off until a GPU lease has measured graphs against eager (bench/gpu_smoke.sh's
+    # graphs unit; docs/gpu-step.md); false: off.
+    cuda_graphs: Union[Literal["auto"], bool] = "auto"
     # CPU runs under glibc's malloc (no tcmalloc preloaded: pretrain.runtime.allocator): keep freed
     # memory for the next step (pretrain.runtime.hardware.keep_freed_cpu_memory): 10-20% faster steps on mini,
     # but the heap fragments and grows past the working set (demo rank 0: 2.3 -> 5.9 GB in 160 steps);
@@ -401,6 +407,8 @@ class Config:
                 "optim.name=lamb needs impl.zero_stage=0: ZeRO hands the optimiser flat partitions, "
                 "so LAMB's per-tensor trust ratio would be computed per partition (other results)"
             )
+        if self.impl.cuda_graphs is True:
+            problems += cuda_graphs_problems(self)
         if self.optim.name == "lamb" and self.impl.offload_optimizer:
             problems.append(
                 "optim.name=lamb with impl.offload_optimizer=true: DeepSpeed's optimiser offload "
@@ -417,6 +425,25 @@ class Config:
                 return False
             return steps_left >= COMPILE_AUTO_MIN_STEPS
         return bool(self.impl.compile)
+
+
+def cuda_graphs_problems(cfg: Config) -> list[str]:
+    """What ``impl.cuda_graphs=true`` needs of the rest of the config (a graph replays fixed shapes at
+    fixed addresses)."""
+    problems = []
+    if cfg.impl.compile is False:
+        problems.append("impl.cuda_graphs=true replays the compiled step: set impl.compile to true or auto")
+    if not cfg.masking.fixed_count:
+        problems.append(
+            "impl.cuda_graphs=true needs masking.fixed_count=true: a masked count that changes from batch "
+            "to batch changes the graph's shapes (a new graph each time)"
+        )
+    if cfg.impl.zero_stage == 3:
+        problems.append(
+            "impl.cuda_graphs=true with impl.zero_stage=3: ZeRO 3 gathers and frees the weights inside the "
+            "forward, so they never sit at the addresses a graph replays; use ZeRO 0-2"
+        )
+    return problems
 
 
 def batch_size_problems(global_batch: int, micro_batch: int, world: int) -> list[str]:

@@ -713,6 +713,33 @@ def eager_forward(engine, eager: bool):
     return torch.compiler.set_stance("force_eager")
 
 
+def cuda_graphs_plan(cfg: Config, device_type: str, compiled: bool) -> tuple[bool, str]:
+    """Whether the compiled step replays as CUDA graphs (``impl.cuda_graphs``), and why, for the start
+    line. The config's own checks (``schema.cuda_graphs_problems``) have refused what cannot work."""
+    asked = cfg.impl.cuda_graphs
+    if asked is False:
+        return False, "off (impl.cuda_graphs=false)"
+    if asked == "auto":
+        return False, "off (impl.cuda_graphs=auto: off until a GPU lease has measured them against eager)"
+    if device_type != "cuda":
+        return False, "off: impl.cuda_graphs=true, but this run has no CUDA device"
+    if not compiled:
+        return False, "off: impl.cuda_graphs=true, but this launch does not compile (impl.compile=auto, few steps)"
+    return True, "on (torch.compile's reduce-overhead: the forward and backward replayed as CUDA graphs)"
+
+
+def compile_engine(engine, cuda_graphs: bool) -> None:
+    """``torch.compile`` the engine's module; ``cuda_graphs``: its graphs recorded and replayed."""
+    engine.compile(compile_kwargs={"mode": "reduce-overhead"} if cuda_graphs else {})
+
+
+def new_graph_step(cuda_graphs: bool) -> None:
+    """Before each micro-batch's forward under CUDA graphs: the outputs of the one before (its loss,
+    read into the step's sums) may be overwritten by this replay."""
+    if cuda_graphs:
+        torch.compiler.cudagraph_mark_step_begin()
+
+
 def num_parameters(module: torch.nn.Module) -> int:
     """Whole-model count also at ZeRO-3, where each rank holds only a partition."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())

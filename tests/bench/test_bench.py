@@ -49,6 +49,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         "bert-base-accum",
         "bert-base-accum-at-once",
         "bert-base-at-once",
+        "bert-base-graphs",
         "bert-base-nodrop",
         "compile-fixed",
         "documents",
@@ -97,6 +98,10 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     assert launches["nccl-2"][0] == 2 and launches["nccl-2"][1].impl.zero_stage == 2
     # the halted run resumes at ZeRO 2 in its own folder; then its losses and the lamb export are checked
     assert launches["halted"][1].train.resume == "auto" and launches["halted"][1].impl.zero_stage == 2
+    # CUDA graphs asked for where they can replay (the config refuses the rest), beside bert-base's run
+    graphed = launches["bert-base-graphs"][1]
+    assert graphed.impl.cuda_graphs is True and base.impl.cuda_graphs == "auto" and graphed.masking.fixed_count
+    assert graphed.train.global_batch_size == base.train.global_batch_size
     # each step's decision read a step late (the default), and at once in the runs that measure the gain
     for deferred in ("bert-base", "bert-base-accum"):
         assert launches[deferred][1].impl.deferred_reads and launches[deferred][1].impl.deepspeed == {}
@@ -123,6 +128,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
             "/tmp/gpu_smoke/runs/hf-base",
             "/tmp/gpu_smoke/runs/bare-base",
         ],
+        ["graphs", "/tmp/gpu_smoke/runs/bert-base", "/tmp/gpu_smoke/runs/bert-base-graphs"],
         ["profile", "/tmp/gpu_smoke/runs/profile-mini", "/tmp/gpu_smoke/runs/profile-base"],
         ["nonfinite", "/tmp/gpu_smoke/runs/nonfinite"],
         ["resumed", "/tmp/gpu_smoke/runs/adamw", "/tmp/gpu_smoke/runs/halted"],
@@ -474,7 +480,7 @@ def test_smoke_yardsticks_check_puts_ours_beside_hf_and_the_bare_loop(shards, tm
     """Issue 73, item 5: the real-shape unit's check reads our two runs' metrics and the yardsticks'
     step times, at each one's FLOPs per sequence, and prints the ratios the issue set goals for; the
     bert-base unit's check sets the run that read every step at once beside ours."""
-    from bench.gpu_smoke_checks import reads, yardsticks
+    from bench.gpu_smoke_checks import graphs, reads, yardsticks
 
     runs = {}
     for name, tps in (("ours", 400_000.0), ("at_once", 380_000.0)):
@@ -502,6 +508,18 @@ def test_smoke_yardsticks_check_puts_ours_beside_hf_and_the_bare_loop(shards, tm
     assert reads(str(runs["ours"]), str(runs["at_once"])) == (
         "one micro-batch a step: deferred reads 400,000 tokens/s (40.0% MFU), at once 380,000 (40.0%): 1.053x"
     )
+    # the graphed run beside the eager one: the same losses, and its speed against eager's
+    assert graphs(str(runs["at_once"]), str(runs["ours"])) == (
+        "graphs: 3 logged losses within 0.0e+00 of the run without graphs; 400,000 tokens/s (40.0% MFU), "
+        "1.053x without graphs"
+    )
+    diverged = tmp_path / "diverged"
+    diverged.mkdir()
+    diverged.joinpath("metrics.jsonl").write_text(
+        (runs["ours"] / "metrics.jsonl").read_text().replace('"train/loss": 8.0', '"train/loss": 8.5')
+    )
+    with pytest.raises(SystemExit, match="graphs: losses differ from the run without graphs by up to 6.2e-02"):
+        graphs(str(runs["ours"]), str(diverged))
     # the at-once run left out by the budget (it runs last): the rest still compares
     text = yardsticks("989.4", str(runs["ours"]), "-", str(runs["hf"]), str(runs["bare"]))
     assert f"ours / bare loop: {400_000 / bare_tps:.2f}x" in text and "at once" not in text, text

@@ -208,6 +208,31 @@ def test_compile_auto_pays_only_where_measured_to():
     assert not cfg.compile_now(10_000, "cuda", "bf16")
 
 
+def test_cuda_graphs_are_asked_for_where_they_can_replay_and_said_on_the_start_line(data_dir):
+    """impl.cuda_graphs=true needs a compiled step of fixed shapes at fixed addresses: what the rest of
+    the config makes impossible is refused before anything starts, every problem at once; auto stays
+    off until a GPU lease has measured graphs; a run without CUDA or without a compile says why not."""
+    from pretrain.runtime.engine import cuda_graphs_plan
+
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            "configs/tiny.yaml",
+            [f"data.dir={data_dir}", "impl.cuda_graphs=true", "impl.compile=false", "impl.zero_stage=3"],
+        )
+    text = str(err.value)
+    for expected in ("set impl.compile to true or auto", "needs masking.fixed_count=true", "use ZeRO 0-2"):
+        assert expected in text, text
+    graphs = ["impl.cuda_graphs=true", "masking.fixed_count=true", "impl.compile=true", "impl.zero_stage=1"]
+    cfg = load_config("configs/tiny.yaml", [f"data.dir={data_dir}", *graphs])
+    assert cuda_graphs_plan(cfg, "cuda", compiled=True)[0]
+    assert cuda_graphs_plan(cfg, "cpu", compiled=True) == (
+        False,
+        "off: impl.cuda_graphs=true, but this run has no CUDA device",
+    )
+    assert not cuda_graphs_plan(cfg, "cuda", compiled=False)[0]
+    assert not cuda_graphs_plan(load_config("configs/base.yaml", [f"data.dir={data_dir}"]), "cuda", True)[0]  # auto
+
+
 def test_a_deepspeed_older_than_the_floor_is_refused_by_version():
     from pretrain.runtime.engine import deepspeed_problems
 

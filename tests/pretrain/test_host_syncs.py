@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import PY, REPO, explain, trainer_env
+from conftest import PY, REPO, explain, train, trainer_env
 
 pytestmark = pytest.mark.slow
 
@@ -134,6 +134,25 @@ def test_a_compiled_step_is_traced_once_logged_or_not(shards, tmp_path):
     assert len(found["graphs"]) == STEPS and found["graphs"][0] >= 1, found
     # logged steps (3 and 6) trace nothing new: the count after step 1 holds to the end
     assert found["graphs"] == [found["graphs"][0]] * STEPS, found
+
+
+def test_the_cuda_graphs_path_compiles_for_replay_and_logs_the_compiled_losses(shards, tmp_path):
+    """Issue 73, item 4, as far as a CPU goes: with ``impl.cuda_graphs`` on, the engine compiles with
+    reduce-overhead (inductor's CUDA graphs, which it records only on a GPU) and each micro-batch
+    begins a new graph step; the losses are the plain compiled run's, bit for bit (the same kernels)."""
+    common = ["masking.fixed_count=true", "impl.compile=true", "impl.precision=fp32", "impl.zero_stage=1"]
+    graphed = run_probe("cuda_graphs_probe.py", shards, tmp_path / "graphed", *common)
+    assert graphed["compiled_with"] == [{"mode": "reduce-overhead"}] and graphed["exit"] == 0, graphed
+    assert graphed["marks"] == STEPS * 2  # two micro-batches a step
+    steps = [f"train.max_steps={STEPS}", f"train.log_every={LOG_EVERY}", "train.eval_every=0"]
+    proc = train(shards, tmp_path / "compiled", *steps, "train.checkpoint_every=0", *common)
+    assert proc.returncode == 0, explain(proc)
+
+    def losses(out_dir):
+        rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
+
+    assert losses(tmp_path / "graphed" / "run") == losses(tmp_path / "compiled") != []
 
 
 def test_deepspeeds_nonfinite_norm_mask_queues_a_fill_instead_of_a_copy(monkeypatch):
