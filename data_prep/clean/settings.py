@@ -23,16 +23,23 @@ class ExactSettings:
 class NearSettings:
     """MinHash over word n-grams, LSH with ``bands`` x ``rows`` (``bands * rows`` permutations). A pair
     with Jaccard similarity s becomes a candidate with probability 1 - (1 - s^rows)^bands: 0.5 near
-    s = (1/bands)^(1/rows), 0.43 for 28 x 4. datatrove's 14 x 8 (0.72) finds 30% of the copies with 5%
-    of their words changed on the sample; 28 x 4 finds 99%. A candidate pair must also agree on
-    ``min_similarity`` of all its MinHash values: at 0.2 this drops the one pair of unrelated articles
-    (of 10,000) that shared a band by chance, and no copy (BENCHMARKS.md, "Cleaning")."""
+    s = (1/bands)^(1/rows), 0.29 for 40 x 3. A candidate pair must also agree on ``min_similarity`` of
+    all its MinHash values (their estimated Jaccard similarity): this, not the bands, decides. Chosen
+    by measurement (``bench/clean_near.py``, three seeds; BENCHMARKS.md, "Near duplicates by measurement"): word
+    3-grams, 40 x 3 and 0.42 find 0.95-0.98 of the copies with 10% of their words edited and every
+    reordered and framed copy, and keep all ten pairs of related articles in the sample (sister cities,
+    rival universities, North and South Pole: 5-gram Jaccard 0.17-0.30) and all but 0-2 of 400
+    follow-up documents that share a third or half of a story's words. The earlier 5-grams, 28 x 4 and
+    0.2 found 0.60-0.66 at 10% and removed 12-19% of the half-sharing follow-ups; datatrove's default
+    (5-grams, 14 x 8, no check) finds 0.44-0.49 at 5% and 0.08-0.14 at 10%. The two cannot both be
+    had for every pair: a templated sibling such as North and South Pole (3-gram Jaccard 0.43) sits at
+    the line; ``min_similarity`` 0.48 keeps such pairs (0.90-0.91 at 10%), 0.40 finds 0.955-0.99."""
 
     enabled: bool = True
-    ngram: int = 5  # words per shingle (a shorter document is one shingle)
-    bands: int = 28
-    rows: int = 4
-    min_similarity: float = 0.2  # a candidate pair must also agree on this share of all its values
+    ngram: int = 3  # words per shingle (a shorter document is one shingle)
+    bands: int = 40
+    rows: int = 3
+    min_similarity: float = 0.42  # a candidate pair must also agree on this share of all its values
     seed: int = 1
 
     @property

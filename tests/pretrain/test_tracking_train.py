@@ -311,7 +311,7 @@ def test_cleaned_data_trains_and_the_run_says_what_cleaning_it_had(shards, wiki_
     assert params["data/clean/documents_out"] == str(report["totals"]["out"]["documents"])
     assert int(params["data/clean/removed_exact_duplicate"]) == report["removed"]["exact_duplicate"]["documents"]
     assert params["data/clean/settings_sha256"] == report["settings_sha256"]
-    assert params["data/clean/languages"] == "en" and params["data/clean/near_bands"] == "28"
+    assert params["data/clean/languages"] == "en" and params["data/clean/near_bands"] == "40"
 
 
 def test_a_tracking_uri_with_credentials_is_used_and_written_nowhere(shards, tmp_path, mlflow_server):
