@@ -65,6 +65,32 @@ def test_train_command_prints_precision_and_recall(tmp_path, wiki_articles, caps
     assert out.stat().st_size > 20_000 * 16 * 4 and not list(out.parent.glob("*.tmp"))
 
 
+def test_auto_fits_a_small_training_set_the_defaults_underfit_and_says_when_not_to_trust_one(
+    tmp_path, wiki_articles, capsys
+):
+    """Issue 74, item 2: 600 articles against as many generated documents. fastText's 5 epochs at 0.1
+    underfit them (held-out accuracy 0.85, 30% of the negatives kept), and the command says so with
+    the command that trains a better one; --epochs/--lr auto (the default) choose on a validation
+    share, within a budget of document passes, and the model fits; the same bytes again."""
+    positives = tmp_path / "ref.jsonl"
+    positives.write_text("".join(json.dumps({"text": x}) + "\n" for _, x in wiki_articles[:600]))
+    argv = ["quality-model", "train", "--positive", str(positives), "--negative", "generated"]
+    small = ["--dim", "16", "--bucket", "20000"]
+    assert main([*argv, "--out", str(tmp_path / "five.bin"), *small, "--epochs", "5", "--lr", "0.1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    five = float(lines[0].split("accuracy ")[1].split(",")[0])
+    assert five < 0.9 and lines[-1].startswith(f"warning: held-out accuracy {five:.3f} is below 0.9"), lines
+    assert "--epochs 50 --lr 0.2" in lines[-1] and "data_prep quality-model train --positive" in lines[-1], lines
+    for name in ("auto.bin", "again.bin"):
+        assert main([*argv, "--out", str(tmp_path / name), *small, "--autotune-budget", "150000"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("autotuned on 108 validation documents: epochs ") and "5 x 0.1: " in lines[0], lines
+    chosen = int(lines[0].split("epochs ")[1].split(",")[0])
+    auto = float(lines[1].split("accuracy ")[1].split(",")[0])
+    assert chosen > 5 and auto >= 0.9 and auto > five and not any(x.startswith("warning") for x in lines), lines
+    assert (tmp_path / "auto.bin").read_bytes() == (tmp_path / "again.bin").read_bytes()
+
+
 def test_train_command_names_every_bad_input_at_once(tmp_path, capsys):
     argv = ["quality-model", "train", "--positive", str(tmp_path / "nope.jsonl"), "--negative"]
     argv += [str(tmp_path / "none-*.jsonl"), "--out", str(tmp_path / "q.bin"), "--held-out", "1.5"]
