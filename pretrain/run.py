@@ -72,16 +72,16 @@ class Run:
     def step_parts(self) -> StepParts:
         """What ``train_step`` reads of the run."""
         return StepParts(
-            self.engine,
-            self.optimizer,
-            self.model,
-            self.info.device,
-            self.info.world,
-            self.special,
-            self.cfg.masking,
-            self.cfg.train.max_steps,
-            self.cfg.impl.zero_stage,
-            self.stop,
+            engine=self.engine,
+            optimizer=self.optimizer,
+            model=self.model,
+            device=self.info.device,
+            world=self.info.world,
+            special=self.special,
+            masking=self.cfg.masking,
+            max_steps=self.cfg.train.max_steps,
+            zero_stage=self.cfg.impl.zero_stage,
+            stop=self.stop,
             defer=self.cfg.impl.deferred_reads and deferrable(self.optimizer),
             cuda_graphs=self.cuda_graphs,
         )
@@ -118,7 +118,23 @@ class Run:
         self.engine.train()
 
 
-def build_engine(cfg: Config, manifest: Manifest, resume_from: str | None, info: eng.DistInfo, node_local: bool):
+@dataclass(frozen=True)
+class BuiltEngine:
+    """What ``build_engine`` makes: the model, its precision and DeepSpeed's engine around it."""
+
+    special: SpecialIds
+    model: MLMModel
+    engine: eng.Engine
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ds_config: dict  # the DeepSpeed JSON used
+    optimizer: torch.optim.Optimizer  # ours, inside DeepSpeed's wrappers
+    precision: str
+    precision_why: str  # how impl.precision resolved, for the start line
+
+
+def build_engine(
+    cfg: Config, manifest: Manifest, resume_from: str | None, info: eng.DistInfo, node_local: bool
+) -> BuiltEngine:
     """The model (in a new phase's shape when it starts from another run), its precision (``auto``
     times this model's step on a CPU), and DeepSpeed's engine."""
     special = SpecialIds.from_manifest(manifest)
@@ -141,7 +157,7 @@ def build_engine(cfg: Config, manifest: Manifest, resume_from: str | None, info:
     model.fixed_predictions = cfg.masking.fixed_count
     choose_attention(model, cfg, info, precision, manifest.seq_len)
     engine, scheduler, ds_config, optimizer = eng.initialize(model, cfg, info, precision, node_local)
-    return special, model, engine, scheduler, ds_config, optimizer, precision, why
+    return BuiltEngine(special, model, engine, scheduler, ds_config, optimizer, precision, why)
 
 
 def choose_attention(model: MLMModel, cfg: Config, info: eng.DistInfo, precision: str, seq_len: int) -> None:
@@ -241,22 +257,21 @@ def build_run(
     if info.device.type == "cpu" and cfg.impl.keep_freed_cpu_memory and allocator.in_use() == "glibc":
         hardware.keep_freed_cpu_memory()  # no page faults on every step's large tensors (tcmalloc keeps them anyway)
     nodes = checkpoint_nodes.probe(cfg.train.out_dir)  # one shared train.out_dir, or one per node
-    special, model, engine, scheduler, ds_config, optimizer, precision, why = build_engine(
-        cfg, manifest, resume_from, info, not nodes.shared
-    )
+    built = build_engine(cfg, manifest, resume_from, info, not nodes.shared)
+    precision, why, model = built.precision, built.precision_why, built.model
     run = Run(
-        cfg,
-        info,
-        nodes,
-        manifest,
-        tasks,
-        stop,
-        special,
-        model,
-        engine,
-        optimizer,
-        scheduler,
-        TrainState(config=configlib.redact(configlib.to_dict(cfg))),  # a checkpoint holds no credentials
+        cfg=cfg,
+        info=info,
+        nodes=nodes,
+        manifest=manifest,
+        tasks=tasks,
+        stop=stop,
+        special=built.special,
+        model=model,
+        engine=built.engine,
+        optimizer=built.optimizer,
+        scheduler=built.scheduler,
+        state=TrainState(config=configlib.redact(configlib.to_dict(cfg))),  # a checkpoint holds no credentials
         resolved_yaml=configlib.dump_yaml(cfg),
     )
     resume_from = eng.rank0_value(resume_from)  # the first rank chose it, holding the run lock
@@ -266,7 +281,7 @@ def build_run(
     keep_attention(run)
     compile_model(run, precision)
     run.stream = build_stream(run, resume_from)
-    run.tracker = build_tracker(run, origin, precision, ds_config)
+    run.tracker = build_tracker(run, origin, precision, built.ds_config)
     if cfg.train.checkpoint_mirror and nodes.writes_folder:
         run.mirror = CheckpointMirror(cfg.train.checkpoint_mirror, cfg.train.keep_checkpoints, nodes)
         run.mirror.catch_up(checkpointing.checkpoint_root(cfg), final_export_dir(cfg.train.out_dir))

@@ -1,6 +1,6 @@
-"""The clusters stage at any corpus size: duplicates found from per-group *sorted* key files, one
-key range at a time, so that memory follows the candidates, not the corpus (as datatrove's
-MinHash stages read sorted buckets).
+"""The exact, pairs and clusters stages at any corpus size: duplicates found from per-group *sorted*
+key files, one key range at a time, so that memory follows the candidates, not the corpus (as
+datatrove's MinHash stages read sorted buckets).
 
 The signatures stage writes, beside each group's ``sig-<group>.npz``, ``keys-<group>.npz`` with the
 group's kept-so-far documents (not removed by language or quality) sorted by key: the exact key

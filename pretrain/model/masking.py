@@ -1,4 +1,5 @@
-"""MLM masking, done on the device once per micro-step: dynamic (default) or static.
+"""MLM masking, done on the device once per optimiser step, its micro-batches together: dynamic
+(default) or static.
 
 ``mask_batch`` is a pure function of (token ids, word starts, special ids, masking config, and either
 a generator or the rows' sample ids):
