@@ -294,8 +294,10 @@ def settle_deferred(parts: StepParts, result: StepResult) -> None:
         eng.hold_schedule(parts.engine)
 
 
-class ThroughputWindow:
-    """Sums over the steps since the last log line: what the loss and speed metrics average."""
+class LogWindow:
+    """Sums over the steps since the last log line: what the loss, accuracy and speed metrics average.
+    Resumable: a checkpoint holds it (``TrainState.log_window``), so the first line after a resume
+    averages the same steps as the uninterrupted run (pretrain/tracking/resume_log.py)."""
 
     def __init__(self, device: torch.device):
         self.sums = torch.zeros(4, dtype=torch.float64, device=device)
@@ -305,6 +307,21 @@ class ThroughputWindow:
     def add(self, result: StepResult, seconds: float, data_wait: float) -> None:
         self.seconds, self.data_wait, self.steps = self.seconds + seconds, self.data_wait + data_wait, self.steps + 1
         self.sums += result.sums  # zeros for a skipped step: not averaged in
+
+    def state_dict(self) -> dict:
+        """The window so far, all ranks' sums together (a collective: every rank calls it)."""
+        sums = self.sums.clone()
+        dist.all_reduce(sums)
+        return {"sums": sums.tolist(), "steps": self.steps, "seconds": self.seconds, "data_wait": self.data_wait}
+
+    def load_state_dict(self, saved: dict, rank: int) -> None:
+        """Continue the window ``saved``; the first rank holds the sums (a log all-reduces them), so
+        any world size takes it up."""
+        if not saved:
+            return
+        if rank == 0:
+            self.sums += torch.tensor(saved["sums"], dtype=self.sums.dtype, device=self.sums.device)
+        self.steps, self.seconds, self.data_wait = saved["steps"], saved["seconds"], saved["data_wait"]
 
     def metrics(self, logged: StepResult, global_batch: int, world: int, flops_per_seq: float, peak: float) -> dict:
         """The window's means; ``train/accuracy`` is the ``logged`` step's alone (the only step whose

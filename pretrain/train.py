@@ -66,8 +66,8 @@ from pretrain.runtime.exit_codes import NONFINITE as EXIT_NONFINITE
 from pretrain.runtime.exit_codes import REQUEUE as EXIT_REQUEUE
 from pretrain.runtime.exit_codes import SPIKES as EXIT_SPIKES
 from pretrain.runtime.profiling import StepProfiler
-from pretrain.step import StepResult, StopSignal, ThroughputWindow, train_step
-from pretrain.tracking import console, resume_log
+from pretrain.step import LogWindow, StepResult, StopSignal, train_step
+from pretrain.tracking import console
 
 log = logging.getLogger("pretrain")
 
@@ -79,9 +79,9 @@ def fit(run: Run) -> int:
     watchdog, health, guard, profiler = step_watchers(run)
     try:
         emit_probe_baselines(run)
-        batches, window, nonfinite_in_a_row = iter(run.stream), ThroughputWindow(info.device), 0
+        batches, window, nonfinite_in_a_row = iter(run.stream), LogWindow(info.device), 0
         pending: StepResult | None = None  # a step that logged nothing: the next one reads its decision
-        resume_log.restore_window(window, state.log_window, info.rank)  # the first log averages the whole window
+        window.load_state_dict(state.log_window, info.rank)  # the first log averages the whole window
         while state.step < cfg.train.max_steps:
             # one step: read, mask, forward, backward, update (per-layer health when due)
             run.engine.train()
@@ -117,7 +117,7 @@ def fit(run: Run) -> int:
                 batches = recover_from_spike(run, guard, action, batches, done.samples_after)
                 if batches is None:
                     return EXIT_SPIKES
-                window, pending = ThroughputWindow(info.device), None
+                window, pending = LogWindow(info.device), None
                 continue
 
             # log, evaluate, probe
@@ -178,7 +178,7 @@ def eval_note(cfg) -> str:
     return " (attention within each document)" if cfg.model.attention_scope == "document" else ""
 
 
-def log_evaluate_probe(run: Run, window: ThroughputWindow, result: StepResult, will_log: bool) -> None:
+def log_evaluate_probe(run: Run, window: LogWindow, result: StepResult, will_log: bool) -> None:
     cfg, step = run.cfg, run.state.step
     last = step == cfg.train.max_steps
     if will_log:
@@ -220,7 +220,7 @@ def too_many_nonfinite(run: Run, in_a_row: int, step: int) -> bool:
     return True
 
 
-def train_metrics(run: Run, window: ThroughputWindow, result: StepResult) -> dict:
+def train_metrics(run: Run, window: LogWindow, result: StepResult) -> dict:
     cfg, state, step = run.cfg, run.state, run.state.step
     # The head's FLOPs follow the masking rate: the window's mean (masking.rate_end schedules it).
     rates = [rate_at_step(cfg.masking, s, cfg.train.max_steps) for s in range(step - window.steps, step)]
@@ -255,7 +255,7 @@ def does_more_than_train(run: Run, step: int) -> bool:
     return due or bool(run.tasks and probe_due(step, run.cfg.eval.downstream_every, t.eval_every, last))
 
 
-def checkpoint_and_decide_exit(run: Run, result: StepResult, window: ThroughputWindow, stop: bool) -> bool:
+def checkpoint_and_decide_exit(run: Run, result: StepResult, window: LogWindow, stop: bool) -> bool:
     """Checkpoint when due (periodic, the last step, train.halt_at_step, a stop signal: ``stop``, which
     the step or the one before it decided); True when the loop must end here (``run.exit_code`` and
     ``run.status`` say how)."""
@@ -263,7 +263,7 @@ def checkpoint_and_decide_exit(run: Run, result: StepResult, window: ThroughputW
     last, halting = step == cfg.train.max_steps, step == cfg.train.halt_at_step
     periodic = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and not result.nonfinite
     if stop or halting or last or periodic:
-        run.state.log_window = resume_log.window_state(window)
+        run.state.log_window = window.state_dict()
         export = last or bool(cfg.train.export_every and step % cfg.train.export_every == 0)
         checkpoint(run, export, final=last)
     if stop:
