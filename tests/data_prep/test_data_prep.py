@@ -381,3 +381,21 @@ def test_trained_tokenizer_loads_with_autotokenizer_and_shards(tmp_path, wiki_tx
     assert m["dtype"] == "uint16" and m["tokenizer"]["special_ids"]["pad"] == hf.pad_token_id
     ids, starts = stream_order(out, "train")
     assert ids.max() < 3000 and 0.5 < starts.mean() < 1.0
+
+
+DATA_PREP_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "data").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", DATA_PREP_CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_data_prep_yaml_loads(path):
+    """Each shipped data-prep YAML reads as the shard settings it says: every key one of
+    ``ShardSettings``' fields with the value written, and its sequence length the one in its name."""
+    import dataclasses
+
+    import yaml
+
+    from data_prep.settings import ShardSettings, load_settings_file
+
+    loaded, written = load_settings_file(str(path)), yaml.safe_load(path.read_text())
+    assert loaded == written and set(loaded) <= {f.name for f in dataclasses.fields(ShardSettings)}, loaded
+    assert loaded["seq_len"] == int(path.stem.split("-")[-1]), (path.name, loaded)

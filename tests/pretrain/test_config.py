@@ -19,7 +19,6 @@ CONFIGS = sorted(
     for p in CONFIG_DIR.rglob("*.yaml")
     if "data" not in p.relative_to(CONFIG_DIR).parts[:-1] and not p.name.startswith("study")
 )
-DATA_PREP_CONFIGS = sorted((CONFIG_DIR / "data").glob("*.yaml"))
 
 
 @pytest.fixture
@@ -134,13 +133,6 @@ def test_flatten_and_dump_roundtrip(data_dir, monkeypatch):
     assert flat["model.hidden_size"] == 256 and flat["impl.micro_batch_size"] == 32
     again = configlib.build(Config, __import__("yaml").safe_load(configlib.dump_yaml(cfg)))
     assert again == cfg
-
-
-@pytest.mark.parametrize("path", DATA_PREP_CONFIGS, ids=lambda p: p.name)
-def test_every_shipped_data_prep_yaml_loads(path):
-    from data_prep.settings import load_settings_file
-
-    assert load_settings_file(str(path))
 
 
 def test_problems_set_by_an_override_name_it_not_the_yaml():

@@ -167,7 +167,10 @@ def test_explicit_bf16_on_an_emulating_cpu_warns_with_the_measured_slowdown(cpu_
 def test_fp16_without_a_gpu_is_an_input_problem():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    assert hardware.precision_problems("fp16") and not hardware.precision_problems("bf16")
+    assert hardware.precision_problems("fp16") == [
+        "impl.precision: fp16 needs a GPU (DeepSpeed refuses fp16 on the CPU); use auto, bf16 or fp32"
+    ]
+    assert hardware.precision_problems("bf16") == hardware.precision_problems("auto") == []
 
 
 def test_gpu_peaks_come_from_the_table_for_the_precision_used():

@@ -206,10 +206,36 @@ def test_flops_near_six_params_tokens_for_bert_base():
     assert dense - sparse == pytest.approx(saved) and sparse / dense < 0.85
 
 
-def test_measured_matmul_peak_cpu():
+def test_measured_matmul_peak_is_the_timed_matmuls_flops_per_second_of_its_clock(monkeypatch):
+    """The peak is 2 n^3 FLOPs per matmul over the CPU seconds per thread they took: exact under a
+    clock that each matmul moves by 10 ms; and on this CPU's real clock within 3x of the same
+    matmuls timed here, independently."""
+    import time
+
+    import pretrain.model.flops as flops
+
+    clock = [0.0]
+    real_matmul = torch.matmul
+
+    def matmul_taking_10_ms(*args, **kwargs):
+        clock[0] += 0.01
+        return real_matmul(*args, **kwargs)
+
+    monkeypatch.setattr(flops.torch, "matmul", matmul_taking_10_ms)
+    monkeypatch.setattr(time, "process_time", lambda: clock[0])
+    threads = torch.get_num_threads()
+    peak = measure_matmul_peak_tflops("cpu", torch.float32, seconds=0.2, size=64)
+    assert peak == pytest.approx(2 * 64**3 * threads / 0.01 / 1e12, rel=1e-9)
+    monkeypatch.undo()
+
     torch.manual_seed(0)
-    peak = measure_matmul_peak_tflops("cpu", torch.float32, seconds=0.2, size=256)
-    assert 1e-4 < peak < 20, peak
+    measured = measure_matmul_peak_tflops("cpu", torch.float32, seconds=0.2, size=256)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    start = time.process_time()
+    for _ in range(40):
+        torch.matmul(a, b)
+    independent = 2 * 256**3 * 40 / ((time.process_time() - start) / threads) / 1e12
+    assert independent / 3 < measured < independent * 3, (measured, independent)
 
 
 def test_compiled_model_keeps_one_graph_for_padded_and_eval_batches(rows):
