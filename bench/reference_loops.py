@@ -55,7 +55,7 @@ def hf_mlm_trainer(
 
     from data_prep.common.manifest import load_manifest
     from data_prep.common.shards import iter_blocks
-    from data_prep.tokenizer_cache import tokenizer_dir
+    from data_prep.common.tokenizer_cache import tokenizer_dir
     from pretrain.model.masking import SpecialIds
     from pretrain.model.mlm import bert_config
 

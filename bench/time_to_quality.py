@@ -458,7 +458,7 @@ def main(argv=None) -> int:
     transformers.utils.logging.set_verbosity_error()
 
     from data_prep.common.manifest import load_manifest
-    from data_prep.tokenizer_cache import tokenizer_dir
+    from data_prep.common.tokenizer_cache import tokenizer_dir
     from pretrain.config.schema import DownstreamTaskConfig
     from pretrain.eval.downstream import baseline_metrics, prepare_tasks
     from pretrain.eval.tasks import sample_article_task

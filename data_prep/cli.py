@@ -461,8 +461,8 @@ def _run_tokenizer(args) -> int:
 
 
 def _run_shard(args) -> int:
+    from .common.stale_shm import remove_stale
     from .shard import run_shard
-    from .stale_shm import remove_stale
 
     remove_stale(["sem.mp-*"])  # a killed earlier run's worker semaphores
     result = run_shard(_shard_settings(args))

@@ -22,7 +22,7 @@ import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from data_prep.common.manifest import SPECIAL_ROLES, tokenizer_sha256
-from data_prep.tokenizer_cache import TOKENIZER_FILES
+from data_prep.common.tokenizer_cache import TOKENIZER_FILES
 
 from .errors import DataPrepError
 

@@ -15,7 +15,7 @@ from data_prep.common.errors import ShardError
 from data_prep.common.manifest import MANIFEST, Manifest, ShardEntry, load_manifest, tokenizer_sha256
 from data_prep.common.shards import block_checksums, block_sizes, index_shard, parse_block
 from data_prep.common.storage import Store, open_store, sha256_bytes
-from data_prep.tokenizer_cache import tokenizer_dir
+from data_prep.common.tokenizer_cache import tokenizer_dir
 
 from .errors import DataPrepError
 from .tokenizer import load_tokenizer

@@ -34,10 +34,9 @@ import time
 
 import torch.distributed as dist
 
-from data_prep import stale_shm
-from data_prep.common import storage
+from data_prep.common import stale_shm, storage
 from data_prep.common.errors import ShardError
-from data_prep.tokenizer_cache import tokenizer_dir
+from data_prep.common.tokenizer_cache import tokenizer_dir
 from pretrain import metric_names as names
 from pretrain.checkpoint import files
 from pretrain.checkpoint import store as checkpointing

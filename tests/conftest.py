@@ -106,7 +106,7 @@ def no_shared_memory_left_behind():
     import glob
     import time
 
-    from data_prep.stale_shm import mapped_files
+    from data_prep.common.stale_shm import mapped_files
 
     start = time.time()
     yield

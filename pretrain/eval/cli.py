@@ -33,7 +33,7 @@ import torch
 from data_prep.common.errors import ShardError
 from data_prep.common.manifest import MANIFEST, Manifest, load_manifest
 from data_prep.common.storage import StorageError, is_url, open_store
-from data_prep.tokenizer_cache import VOCABULARY_FILES
+from data_prep.common.tokenizer_cache import VOCABULARY_FILES
 from pretrain import metric_names as names
 from pretrain.checkpoint.hf_export import export_checkpoint, resolve_checkpoint
 from pretrain.checkpoint.safe_load import UnsafeCheckpoint

@@ -18,7 +18,7 @@ from typing import Optional
 from data_prep.common.commands import location, python_command
 from data_prep.common.manifest import Manifest, load_manifest
 from data_prep.common.storage import open_store
-from data_prep.tokenizer_cache import tokenizer_dir
+from data_prep.common.tokenizer_cache import tokenizer_dir
 from pretrain.checkpoint import files, reshard
 from pretrain.checkpoint import store as checkpointing
 from pretrain.checkpoint.mirror import mirror_problems

@@ -108,7 +108,7 @@ def test_probe_api_on_the_trainers_held_out_shards(shards, tmp_path):
     from transformers import BertConfig, BertModel
 
     from data_prep.common.manifest import load_manifest
-    from data_prep.tokenizer_cache import tokenizer_dir
+    from data_prep.common.tokenizer_cache import tokenizer_dir
     from pretrain.eval.downstream import baseline_metrics, prepare_tasks, probe_due, probe_metrics
     from pretrain.eval.tasks import held_out_sentences
 

@@ -273,7 +273,7 @@ def test_stale_shared_memory_is_removed_and_what_a_live_process_maps_is_kept(cap
     import time
     import uuid
 
-    from data_prep import stale_shm
+    from data_prep.common import stale_shm
 
     tag = f"h2test{uuid.uuid4().hex[:8]}"
     stale, live = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{tag}_{r}" for r in (0, 1))
@@ -520,7 +520,7 @@ def test_a_killed_jobs_buffer_goes_at_once_when_nobody_listens_on_its_port():
     import socket
     import uuid
 
-    from data_prep import stale_shm
+    from data_prep.common import stale_shm
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import train as launch
-from data_prep.stale_shm import mapped_files
+from data_prep.common.stale_shm import mapped_files
 from pretrain.config.schema import SpikeGuardConfig
 from pretrain.guards.spike_guard import SpikeDetector
 from test_train import COMMON, losses
