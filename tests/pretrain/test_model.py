@@ -208,8 +208,8 @@ def test_flops_near_six_params_tokens_for_bert_base():
 
 def test_measured_matmul_peak_is_the_timed_matmuls_flops_per_second_of_its_clock(monkeypatch):
     """The peak is 2 n^3 FLOPs per matmul over the CPU seconds per thread they took: exact under a
-    clock that each matmul moves by 10 ms; and on this CPU's real clock within 3x of the same
-    matmuls timed here, independently."""
+    clock that each matmul moves by 10 ms; and on this CPU's real clock within 5x of the same
+    matmuls timed here, independently (5x: another test process may load the cores between the two)."""
     import time
 
     import pretrain.model.flops as flops
@@ -235,7 +235,7 @@ def test_measured_matmul_peak_is_the_timed_matmuls_flops_per_second_of_its_clock
     for _ in range(40):
         torch.matmul(a, b)
     independent = 2 * 256**3 * 40 / ((time.process_time() - start) / threads) / 1e12
-    assert independent / 3 < measured < independent * 3, (measured, independent)
+    assert independent / 5 < measured < independent * 5, (measured, independent)
 
 
 def test_compiled_model_keeps_one_graph_for_padded_and_eval_batches(rows):
