@@ -348,8 +348,7 @@ def _global_norm_multi_tensor(input_tensors, norm_type=2, mpu=None, moe_ep_group
     if float(norm_type) != 2.0 or mpu is not None or moe_ep_group is not None or newer or not input_tensors:
         return _DEEPSPEEDS_OWN["norm"](input_tensors, norm_type=norm_type, mpu=mpu, moe_ep_group=moe_ep_group, **newer)
     with torch.no_grad():  # not detach() per tensor: each is a dispatch of host time
-        norms = torch._foreach_norm([t if t.dtype == torch.float32 else t.float() for t in input_tensors], 2.0)
-        total = torch.stack(norms).pow(2.0).sum().pow(0.5)
+        total = _norm_of(input_tensors)
         _mask_nonfinite_in_place(total)
     return total
 
@@ -422,6 +421,8 @@ def _zero_decides_as_we_can(opt) -> bool:
 
 
 def _norm_of(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``tensors`` together, each taken in fp32, in one multi-tensor call (DeepSpeed's
+    arithmetic: the per-tensor norms summed in quadrature)."""
     norms = torch._foreach_norm([t if t.dtype == torch.float32 else t.float() for t in tensors], 2.0)
     return torch.stack(norms).pow(2.0).sum().pow(0.5)
 
