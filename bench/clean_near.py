@@ -13,8 +13,8 @@ new material (sentences drawn one each from other articles), as long as the arti
 Jaccard similarity with it near 0.2 and 0.33, as a story and its follow-up share; and the
 sample's own articles. A setting should remove none of either (a pair that lost either member counts).
 Each setting runs the product's own clustering
-(``data_prep.clean.clusters.near_clusters``: LSH bands, the agreement check, connected components)
-on the product's own signatures (``data_prep.clean.signature.minhash``: ``rensa``, ``bands x rows``
+(``data_prep.clean.reference.near_clusters``: LSH bands, the agreement check, connected components)
+on the product's own signatures (``data_prep.clean.document.minhash``: ``rensa``, ``bands x rows``
 permutations, seed 1) of its normalised words.
 """
 
@@ -32,8 +32,8 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 
 from bench.clean_faults import _BOILERPLATE  # noqa: E402
-from data_prep.clean.clusters import near_clusters  # noqa: E402
-from data_prep.clean.signature import minhash, normal_words, record_key  # noqa: E402
+from data_prep.clean.document import minhash, normal_words, record_key  # noqa: E402
+from data_prep.clean.reference import near_clusters  # noqa: E402
 from data_prep.sample_corpus import wiki_articles  # noqa: E402
 
 EDITS = (3, 5, 10, 20, 30)
@@ -129,7 +129,7 @@ def related_in_sample(sample: list[str]) -> list[tuple[int, int, float]]:
     """Pairs of the sample's own articles that share at least a sixth of their 5-grams (exact Jaccard),
     found through a loose LSH (word 3-grams, 50 x 3, no agreement check): distinct articles on related
     subjects (a setting should keep both of each)."""
-    from data_prep.clean.clusters import band_pairs
+    from data_prep.clean.reference import band_pairs
 
     sigs = np.stack([minhash(normal_words(t), 3, 150, 1) for t in sample])
     found = []

@@ -48,7 +48,7 @@ def held_out_scores(predict, held: list[tuple[str, bool]]) -> tuple[float, float
 
 def fasttext_predict(path: Path):
     """What ``data_prep clean`` scores a document with (``fasttext-predict``, its lines joined)."""
-    from data_prep.clean.signature import QualityScorer
+    from data_prep.clean.document import QualityScorer
 
     return QualityScorer(str(path), "__label__hq")
 

@@ -1,7 +1,7 @@
 """The one owner of a cleaned folder's layout: ``part-sSSSSS-gGGGGG.jsonl`` (or ``.parquet``) files of
 kept documents, one per input group, ``report.json`` written last (a folder without it is
 unfinished), with ``write_removed`` the removed records under ``removed/`` (same names, a
-``removed_by`` field added), and ``.clean/`` the stages' work files (``clean.run``).
+``removed_by`` field added), and ``.clean/`` the stages' work files (``clean.work``).
 
 ``report.json``: ``format`` ("data_prep-clean"), ``version``, ``settings`` and ``settings_sha256``,
 ``sources`` (inputs with size and content fingerprint), ``decontaminated_against`` (the same for the

@@ -388,7 +388,7 @@ def _clean_settings(args):
     if model:
         values["quality_model"] = {**(values.get("quality_model") or {}), **model}
     values = apply_overrides(values, args.set)
-    from .clean.run import input_problems
+    from .clean.work import input_problems
 
     def patterns(key: str) -> list[str]:
         given = values.get(key) or []
@@ -402,8 +402,8 @@ def _clean_settings(args):
     elif isinstance(model_path, str) and model_path and args.stage in (None, "signatures"):
         # Only where documents are scored: the later stages read the scores, not the model (a DCLM
         # model is gigabytes to load in every array task)
+        from .clean.document import QualityScorer
         from .clean.settings import QualityModelSettings
-        from .clean.signature import QualityScorer
 
         label = (values.get("quality_model") or {}).get("label") or QualityModelSettings.label
         found += QualityScorer.problems(os.path.expanduser(model_path), str(label))

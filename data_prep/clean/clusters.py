@@ -1,4 +1,7 @@
-"""Which documents duplicate which, from their keys and signatures alone (no text).
+"""Which documents duplicate which, from their keys and signatures alone (no text): the pieces the
+staged path (``sorted_keys``, ``dedup``, ``join``) and the in-memory ``reference`` share (LSH buckets,
+a bucket's neighbour pairs, the agreement of two signatures, connected components), and the check
+of each document against the held-out ones (decontamination, in the signatures stage).
 
 Every decision here depends on the set of documents, not on their order or on how many tasks read
 them: a cluster is a connected component, and it keeps the member with the smallest ``record_key``.
@@ -16,25 +19,7 @@ def sorted_unique(ids: np.ndarray) -> np.ndarray:
     return s[np.concatenate([[True], s[1:] != s[:-1]])] if len(s) else s
 
 
-def exact_groups(exact: np.ndarray, keys: np.ndarray, alive: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(representative per document, removed mask): among ``alive`` documents with the same exact key,
-    all but the smallest ``keys`` entry are removed. ``exact`` and ``keys`` are ``S16`` arrays."""
-    n = len(exact)
-    rep = np.arange(n)
-    idx = np.flatnonzero(alive)
-    if len(idx) == 0:
-        return rep, np.zeros(n, bool)
-    order = idx[np.lexsort((keys[idx], exact[idx]))]
-    first = np.ones(len(order), bool)
-    first[1:] = exact[order[1:]] != exact[order[:-1]]
-    group_start = np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
-    rep[order] = order[group_start]
-    removed = np.zeros(n, bool)
-    removed[order[~first]] = True
-    return rep, removed
-
-
-def _buckets(band: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def buckets(band: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(order, same): rows sorted by value (exactly: uint32 pairs packed into uint64 columns, then
     ``lexsort``; 4x faster than ``np.unique(axis=0)``) and whether each sorted row equals the previous."""
     band = np.ascontiguousarray(band, dtype=np.uint32)
@@ -73,23 +58,6 @@ def agreement(signatures: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarra
     return out
 
 
-def band_pairs(signatures: np.ndarray, bands: int, rows: int, min_similarity: float = 0.0) -> np.ndarray:
-    """(i, j) pairs, i < j, of rows that agree on all ``rows`` values of at least one band (LSH
-    candidates) and on at least ``min_similarity`` of all values (the estimated Jaccard similarity:
-    drops the rare pair of unrelated documents that share one band by chance)."""
-    pairs = []
-    for b in range(bands):
-        order, same = _buckets(signatures[:, b * rows : (b + 1) * rows])
-        if same.any():
-            pairs.append(neighbour_pairs(np.concatenate([[0], np.cumsum(~same)]), order))
-    if not pairs:
-        return np.zeros((0, 2), np.int64)
-    pairs = np.unique(np.concatenate(pairs), axis=0)
-    if min_similarity > 0:
-        pairs = pairs[agreement(signatures, pairs[:, 0], pairs[:, 1]) >= min_similarity]
-    return pairs
-
-
 def components(n: int, pairs: np.ndarray) -> np.ndarray:
     """Connected-component label per node."""
     from scipy.sparse import coo_matrix
@@ -99,28 +67,6 @@ def components(n: int, pairs: np.ndarray) -> np.ndarray:
         return np.arange(n)
     graph = coo_matrix((np.ones(len(pairs), np.int8), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
     return connected_components(graph, directed=False)[1]
-
-
-def near_clusters(
-    signatures: np.ndarray, keys: np.ndarray, alive: np.ndarray, bands: int, rows: int, min_similarity: float = 0.0
-) -> tuple[np.ndarray, np.ndarray]:
-    """(representative per document, removed mask): LSH over the ``alive`` documents' signatures;
-    each connected component keeps its smallest ``keys`` member."""
-    n = len(keys)
-    rep = np.arange(n)
-    idx = np.flatnonzero(alive)
-    removed = np.zeros(n, bool)
-    if len(idx) < 2:
-        return rep, removed
-    pairs = band_pairs(signatures[idx], bands, rows, min_similarity)
-    label = components(len(idx), pairs)
-    order = np.lexsort((keys[idx], label))
-    first = np.ones(len(order), bool)
-    first[1:] = label[order[1:]] != label[order[:-1]]
-    group_start = np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
-    rep[idx[order]] = idx[order[group_start]]
-    removed[idx[order[~first]]] = True
-    return rep, removed
 
 
 def contaminated(
@@ -142,7 +88,7 @@ def contaminated(
     idx = np.flatnonzero(alive)
     for b in range(bands):
         cols = slice(b * rows, (b + 1) * rows)
-        order, same = _buckets(np.concatenate([signatures[idx, cols], held_signatures[:, cols]]))
+        order, same = buckets(np.concatenate([signatures[idx, cols], held_signatures[:, cols]]))
         bucket = np.empty(len(order), np.int64)
         bucket[order] = np.concatenate([[0], np.cumsum(~same)])
         held_in = {}

@@ -172,7 +172,7 @@ def exact_duplicates(files: KeyFiles, bounds: list[tuple[int, int]]) -> tuple[np
 def band_pairs_confirmed(files: KeyFiles, units: list[tuple[int, int, int]], gone: Gone, confirm) -> np.ndarray:
     """The distinct (i, j) global-id pairs, i < j, that share a band hash in one of the ``units``
     (band, lo, hi) and that ``confirm`` keeps. In a bucket each member is paired with the next
-    ``BUCKET_REACH`` members (in global-id order), as ``clusters.band_pairs`` does; the ``gone``
+    ``BUCKET_REACH`` members (in global-id order), as ``reference.band_pairs`` does; the ``gone``
     documents take no part. Each unit's candidates are confirmed before the next unit is read:
     memory holds one unit's candidates and the confirmed pairs, never all the candidates."""
     found = [np.zeros((0, 2), np.int64)]

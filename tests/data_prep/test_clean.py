@@ -80,7 +80,7 @@ def removed_records(out: Path) -> list[dict]:
 
 
 def test_exact_and_near_duplicates_keep_one_per_cluster_whatever_the_input_order(tmp_path, wiki_articles):
-    from data_prep.clean.signature import record_key
+    from data_prep.clean.document import record_key
 
     base = articles(wiki_articles, 60)
     copies = [
@@ -309,9 +309,9 @@ def _near_pairs(left: list[str], right: list[str]) -> int:
     """Pairs (a in left, b in right) that share an LSH bucket with clean's default settings."""
     import numpy as np
 
-    from data_prep.clean.clusters import band_pairs
+    from data_prep.clean.document import minhash, normal_words
+    from data_prep.clean.reference import band_pairs
     from data_prep.clean.settings import NearSettings
-    from data_prep.clean.signature import minhash, normal_words
 
     n = NearSettings()
     sigs = np.stack([minhash(normal_words(t), n.ngram, n.bands * n.rows, n.seed) for t in left + right])
@@ -671,10 +671,10 @@ STAGES_AFTER = {"signatures": ("signatures", "exact", "pairs", "clusters", "filt
 def test_the_sliced_clusters_stage_decides_as_the_whole_corpus_in_memory_would(tmp_path, wiki_articles):
     """The clusters stage reads sorted key files one key range at a time (``sorted_keys``; 64 keys a
     slice here, so many slices); the same decisions from every signature in memory at once
-    (``clusters``) are the oracle."""
+    (``reference``) are the oracle."""
     import numpy as np
 
-    from data_prep.clean import clusters
+    from data_prep.clean import clusters, reference
     from data_prep.clean.settings import NearSettings
 
     inputs, held = _staged_corpus(tmp_path, wiki_articles)
@@ -703,7 +703,7 @@ def test_the_sliced_clusters_stage_decides_as_the_whole_corpus_in_memory_would(t
     sigs = np.concatenate([np.load(str(p).replace("/sig-", "/keys-")[:-4] + ".minhash.npy") for p in sig_files])
     n, near = len(keys), NearSettings()
     held_text = json.loads(held.read_text())["text"]
-    from data_prep.clean.signature import exact_key, minhash, normal_words
+    from data_prep.clean.document import exact_key, minhash, normal_words
 
     words = normal_words(held_text)
     held_sig = minhash(words, near.ngram, near.bands * near.rows, near.seed)[None]
@@ -719,9 +719,9 @@ def test_the_sliced_clusters_stage_decides_as_the_whole_corpus_in_memory_would(t
         near.min_similarity,
     )
     alive &= ~hit
-    _, gone_exact = clusters.exact_groups(exact, keys, alive)
+    _, gone_exact = reference.exact_groups(exact, keys, alive)
     alive &= ~gone_exact
-    _, gone_near = clusters.near_clusters(sigs, keys, alive, near.bands, near.rows, near.min_similarity)
+    _, gone_near = reference.near_clusters(sigs, keys, alive, near.bands, near.rows, near.min_similarity)
     expected = {
         "decontamination": int(hit.sum()),
         "exact_duplicate": int(gone_exact.sum()),
@@ -730,7 +730,7 @@ def test_the_sliced_clusters_stage_decides_as_the_whole_corpus_in_memory_would(t
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert {k: v["documents"] for k, v in report["removed"].items()} == expected
     assert expected["exact_duplicate"] >= 24 and expected["near_duplicate"] >= 20
-    from data_prep.clean.signature import record_key
+    from data_prep.clean.document import record_key
 
     removed = {record_key({k: v for k, v in r.items() if k != "removed_by"}) for r in removed_records(tmp_path / "out")}
     assert removed == set(keys[hit | gone_exact | gone_near].tolist())
@@ -790,16 +790,16 @@ def test_filter_tasks_map_the_decisions_rather_than_read_them(tmp_path):
     what ``np.load`` reads; a compressed file falls back to reading."""
     import numpy as np
 
-    from data_prep.clean.run import _map_npz, _save_npz
+    from data_prep.clean.work import map_npz, save_npz
     from data_prep.common.storage import open_store
 
     store = open_store(str(tmp_path))
     ids = np.sort(np.random.default_rng(0).integers(0, 10**12, 50_000))
     codes = (ids % 4 + 1).astype(np.uint16)
-    _save_npz(store, "w/decisions.npz", ids=ids, codes=codes, none=np.zeros(0, np.int64))
-    mapped = _map_npz(store, "w/decisions.npz")
+    save_npz(store, "w/decisions.npz", ids=ids, codes=codes, none=np.zeros(0, np.int64))
+    mapped = map_npz(store, "w/decisions.npz")
     assert isinstance(mapped["ids"], np.memmap) and isinstance(mapped["codes"], np.memmap)
     assert (mapped["ids"] == ids).all() and (mapped["codes"] == codes).all() and mapped["none"].shape == (0,)
     np.savez_compressed(tmp_path / "w" / "packed.npz", ids=ids)
-    read = _map_npz(store, "w/packed.npz")
+    read = map_npz(store, "w/packed.npz")
     assert not isinstance(read["ids"], np.memmap) and (read["ids"] == ids).all()

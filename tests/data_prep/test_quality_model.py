@@ -225,14 +225,15 @@ def test_a_worker_that_dies_ends_the_run_with_its_error_not_a_respawn_loop(tmp_p
     parent checked it) ends the run at once, instead of multiprocessing.Pool's endless respawns."""
     import dataclasses
 
-    from data_prep.clean import run
+    from data_prep.clean import signatures
+    from data_prep.clean.settings import CleanSettings
     from data_prep.errors import DataPrepError
 
     _, inputs = model_and_corpus
-    settings = run.CleanSettings(inputs=[str(inputs / "*.jsonl")], out=str(tmp_path / "out"), workers=2)
+    settings = CleanSettings(inputs=[str(inputs / "*.jsonl")], out=str(tmp_path / "out"), workers=2)
     settings = dataclasses.replace(
         settings, quality_model=dataclasses.replace(settings.quality_model, path=str(tmp_path / "gone.bin"))
     )
     chunks = iter([("g0", [{"id": "a", "text": "some text here"}]), ("g1", [{"id": "b", "text": "more"}])])
     with pytest.raises(DataPrepError, match="a cleaning worker died"):
-        list(run._analysed(chunks, settings))
+        list(signatures._analysed(chunks, settings))

@@ -54,7 +54,26 @@ DATA_PREP_TIERS = {
     "cli": 7,
     "__main__": 8,
 }
-TIERS = {"pretrain": PRETRAIN_TIERS, "data_prep": DATA_PREP_TIERS}
+# data_prep clean's modules: what the stages compute with, the work files they share, the stages in
+# their order (the join applies the quality model's cut), the command that sequences them on top. The
+# in-memory reference (the tests' oracle) sits beside the stages' pieces; no stage imports it.
+CLEAN_TIERS = {
+    "settings": 0,
+    "clusters": 0,
+    "quality_model": 0,
+    "quality": 1,
+    "sorted_keys": 1,
+    "reference": 1,
+    "document": 2,
+    "work": 3,
+    "signatures": 4,
+    "dedup": 4,
+    "quality_cut": 4,
+    "filter": 4,
+    "join": 5,
+    "run": 6,
+}
+TIERS = {"pretrain": PRETRAIN_TIERS, "data_prep": DATA_PREP_TIERS, "data_prep.clean": CLEAN_TIERS}
 # The commands' names (``python -m pretrain.export``, ``.evaluate``, ``.launch``, documented everywhere)
 # only run their package's module.
 COMMAND_ALIASES = {"export", "evaluate", "launch"}
@@ -63,12 +82,13 @@ COMMAND_ALIASES = {"export", "evaluate", "launch"}
 def unit_graph(package: str) -> dict[str, set[str]]:
     """``package``'s units (its subpackages and top-level modules) and the units each imports."""
     graph: dict[str, set[str]] = {}
-    for path in (REPO / package).rglob("*.py"):
-        rel = path.relative_to(REPO / package)
+    depth = package.count(".") + 1
+    for path in (REPO / package.replace(".", "/")).rglob("*.py"):
+        rel = path.relative_to(REPO / package.replace(".", "/"))
         unit = rel.parts[0] if len(rel.parts) > 1 else rel.stem
         if unit == "__init__" or (package == "pretrain" and unit in COMMAND_ALIASES):
             continue
-        imported = {m.split(".")[1] for m in project_modules_imported(path) if m.startswith(package + ".")}
+        imported = {m.split(".")[depth] for m in project_modules_imported(path) if m.startswith(package + ".")}
         graph.setdefault(unit, set()).update(imported - {unit, "__init__"})
     return graph
 
@@ -126,7 +146,16 @@ def test_checkpoint_and_shard_file_names_have_one_owner():
     assert not strays, f"file names spelled outside their owner module: {strays}"
 
 
-@pytest.mark.parametrize("package", TIERS)
+def test_each_cleaning_module_is_one_room():
+    """``data_prep/clean/``: one module per stage and per piece they compute with, each read in one
+    sitting (about 300 lines); a module that grows past that is cut along its jobs."""
+    long = {
+        path.name: n for path in (DATA_PREP / "clean").glob("*.py") if (n := len(path.read_text().splitlines())) > 340
+    }
+    assert not long, long
+
+
+@pytest.mark.parametrize("package", ["pretrain", "data_prep"])
 def test_no_function_is_over_60_lines(package):
     """A function that reads on one screen: longer ones are cut into named steps."""
     long = []
