@@ -11,12 +11,28 @@ import argparse
 import dataclasses
 import logging
 import os
+import shlex
 import sys
+import time
+from pathlib import Path
 
 from data_prep.common.errors import ShardError
 from data_prep.common.storage import StorageError
 
+from .clean.document import QualityScorer
+from .clean.quality_model import TRUST_ACCURACY, Settings, train_from_files
+from .clean.run import print_summary, run_clean
+from .clean.settings import QualityModelSettings, apply_overrides, build_settings
+from .clean.work import input_problems
+from .cleaned_folder import inspect_report, read_report
+from .common.stale_shm import remove_stale
 from .errors import DataPrepError
+from .finalize import finalize
+from .reader import ReadOptions, iter_task_documents, resolve_inputs
+from .settings import ShardSettings, load_settings_file, read_yaml_mapping
+from .shard import run_shard
+from .tokenizer import train_tokenizer
+from .verify import inspect, verify_report
 
 _SHARD_FLAGS = {  # ShardSettings field -> (flag, type, help)
     "tokenizer": ("--tokenizer", str, "local tokenizer folder (tokenizer.json), e.g. from `data_prep tokenizer`"),
@@ -106,11 +122,6 @@ def _auto_or(kind):
 
 
 def _run_quality_model(args) -> int:
-    import time
-    from pathlib import Path
-
-    from .clean.quality_model import TRUST_ACCURACY, Settings, train_from_files
-
     t0 = time.perf_counter()
     tune = (args.epochs == "auto", args.lr == "auto")
     settings = Settings(
@@ -152,8 +163,6 @@ def _run_quality_model(args) -> int:
 
 def _longer_command(args) -> str:
     """This training's command with the most epochs the search tries and a rate it tries."""
-    import shlex
-
     parts = ["data_prep quality-model train", "--positive", *args.positive, "--negative", *args.negative]
     parts += ["--out", args.out, "--dim", str(args.dim), "--bucket", str(args.bucket), "--epochs", "50", "--lr", "0.2"]
     if args.text_field != "text":
@@ -351,8 +360,6 @@ def _add_finalize_verify_inspect(sub) -> None:
 
 
 def _shard_settings(args):
-    from .settings import ShardSettings, load_settings_file
-
     values = load_settings_file(args.config) if args.config else {}
     for f in dataclasses.fields(ShardSettings):
         given = getattr(args, f.name, None)
@@ -362,9 +369,6 @@ def _shard_settings(args):
 
 
 def _clean_settings(args):
-    from .clean.settings import apply_overrides, build_settings
-    from .settings import read_yaml_mapping
-
     values = read_yaml_mapping(args.config) if args.config else {}
     for name in (
         "inputs",
@@ -388,7 +392,6 @@ def _clean_settings(args):
     if model:
         values["quality_model"] = {**(values.get("quality_model") or {}), **model}
     values = apply_overrides(values, args.set)
-    from .clean.work import input_problems
 
     def patterns(key: str) -> list[str]:
         given = values.get(key) or []
@@ -402,9 +405,6 @@ def _clean_settings(args):
     elif isinstance(model_path, str) and model_path and args.stage in (None, "signatures"):
         # Only where documents are scored: the later stages read the scores, not the model (a DCLM
         # model is gigabytes to load in every array task)
-        from .clean.document import QualityScorer
-        from .clean.settings import QualityModelSettings
-
         label = (values.get("quality_model") or {}).get("label") or QualityModelSettings.label
         found += QualityScorer.problems(os.path.expanduser(model_path), str(label))
     return build_settings(values, where=args.config or "data_prep clean", also=found)
@@ -412,8 +412,6 @@ def _clean_settings(args):
 
 def _clean_task(args) -> tuple[int, int]:
     """(tasks, this task) of a staged clean: flags, else Slurm's array variables, as shard reads them."""
-    from .settings import ShardSettings
-
     if args.stage is None:
         if (args.num_tasks or 1) != 1 or (args.task_index or 0) != 0:
             raise DataPrepError(
@@ -434,8 +432,6 @@ def _clean_task(args) -> tuple[int, int]:
 
 
 def _run_clean(args) -> int:
-    from .clean.run import print_summary, run_clean
-
     settings = _clean_settings(args)
     num_tasks, task = _clean_task(args)
     print_summary(run_clean(settings, args.stage, num_tasks, task), settings.out)
@@ -443,9 +439,6 @@ def _run_clean(args) -> int:
 
 
 def _run_tokenizer(args) -> int:
-    from .reader import ReadOptions, iter_task_documents, resolve_inputs
-    from .tokenizer import train_tokenizer
-
     sources = resolve_inputs(args.input)
     opts = ReadOptions(text_field=args.text_field, txt_mode=args.txt_mode, hf_split=args.hf_split)
     out = train_tokenizer(
@@ -461,9 +454,6 @@ def _run_tokenizer(args) -> int:
 
 
 def _run_shard(args) -> int:
-    from .common.stale_shm import remove_stale
-    from .shard import run_shard
-
     remove_stale(["sem.mp-*"])  # a killed earlier run's worker semaphores
     result = run_shard(_shard_settings(args))
     if not result.skipped:
@@ -482,8 +472,6 @@ def _run_shard(args) -> int:
 
 
 def _run_finalize(args) -> int:
-    from .finalize import finalize
-
     m = finalize(args.dir)
     print(
         f"{args.dir}/manifest.json: {len(m.shards)} shards from {m.num_tasks} task(s); "
@@ -493,8 +481,6 @@ def _run_finalize(args) -> int:
 
 
 def _run_verify(args) -> int:
-    from .verify import verify_report
-
     report = verify_report(args.dir, workers=args.workers)
     for problem in report.problems:
         print(f"data_prep verify: BAD {problem}", file=sys.stderr)
@@ -515,9 +501,6 @@ def _run_verify(args) -> int:
 
 
 def _run_inspect(args) -> int:
-    from .cleaned_folder import inspect_report, read_report
-    from .verify import inspect
-
     if read_report(args.dir) is not None:
         inspect_report(args.dir, samples=args.samples)
     else:

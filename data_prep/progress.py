@@ -7,6 +7,8 @@ import logging
 import sys
 import time
 
+from tqdm import tqdm
+
 log = logging.getLogger("data_prep")
 
 
@@ -19,8 +21,6 @@ class Progress:
         stream = stream or sys.stderr
         self._bar = None
         if getattr(stream, "isatty", lambda: False)():
-            from tqdm import tqdm
-
             self._bar = tqdm(desc=label, unit=" docs", unit_scale=True, file=stream, dynamic_ncols=True)
 
     def update(self, docs: int, tokens: int, shards: int = 0) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 from pathlib import Path
 
 
@@ -97,7 +98,6 @@ def low_quality_documents(n: int, seed: int = 0) -> list[str]:
     boilerplate, keyword spam around real words, and real articles with their words shuffled (the
     words of good text without its sentences). The negatives the demo's and the tests' quality
     models are trained on, against the embedded articles."""
-    import random
 
     rng = random.Random(seed)
     articles = [text for _, text in wiki_articles()]

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from data_prep.common.shards import DEFAULT_BLOCK_SIZE
 
 from .errors import DataPrepError
@@ -116,7 +118,6 @@ def settings_sha256(settings: dict) -> str:
 
 def read_yaml_mapping(path: str | os.PathLike) -> dict:
     """A ``--config`` file: YAML holding a mapping, or a ``DataPrepError`` naming the file."""
-    import yaml
 
     path = Path(path)
     try:

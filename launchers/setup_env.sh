@@ -28,7 +28,9 @@ if ! "$VENV/bin/python" -c "import deepspeed" 2>/dev/null; then
   # ("DS_BUILD_FUSED_ADAM=1 ...") in it is taken as DS_PREBUILD instead of failing its install.
   prebuild=${DS_PREBUILD:-DS_BUILD_SHM_COMM=1}
   case "${DS_BUILD_OPS:-}" in *=*) prebuild=$DS_BUILD_OPS; unset DS_BUILD_OPS ;; esac
-  env $prebuild "$VENV/bin/python" -m pip install -q --no-cache-dir --no-build-isolation deepspeed
+  # The version pretrain/runtime/deepspeed_patches.py was checked on (CHECKED_VERSIONS): another one
+  # is compared with the patches at start-up and refused, by name, where its internals differ.
+  env $prebuild "$VENV/bin/python" -m pip install -q --no-cache-dir --no-build-isolation deepspeed==0.19.8
 fi
 pip install -q -e ".[dev]"
 # tcmalloc for the ranks' CPU memory (pretrain/runtime/allocator.py): a system library, installed here

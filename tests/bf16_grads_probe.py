@@ -24,13 +24,13 @@ def main(shards: str) -> None:
 
     from bench.step_profile import build
     from pretrain.model.masking import mask_batch
-    from pretrain.runtime import engine as eng
+    from pretrain.runtime import deepspeed_patches as patches
 
     overrides = ["impl.precision=bf16", "impl.zero_stage=1", "impl.micro_batch_size=4", "train.global_batch_size=8"]
     s = build(REPO / "configs" / "tiny.yaml", overrides + ["impl.compile=false", f"data.dir={shards}"], Path(shards))
     opt = s.engine.optimizer
     assert type(opt).__name__ == "BF16_Optimizer", type(opt)
-    deepspeeds = eng._DEEPSPEEDS_OWN["update_hp_grads"]
+    deepspeeds = patches._DEEPSPEEDS_OWN["update_hp_grads"]
     ours_update = type(opt).update_hp_grads
     flat = opt.fp32_groups_gradients_flat
     compared = []
@@ -70,7 +70,7 @@ def main(shards: str) -> None:
             }
         )
     type(opt).update_hp_grads = ours_update
-    ours_in_place = ours_update is eng._update_hp_grads_multi_tensor
+    ours_in_place = ours_update is patches._update_hp_grads_multi_tensor
     print(
         json.dumps({"micro_batches": compared, "params": sum(len(g) for g in opt.bf16_groups), "ours": ours_in_place})
     )

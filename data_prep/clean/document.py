@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import rensa
 
 from ..errors import DataPrepError
 from .quality import first_failure
+from .quality_model import one_line
 from .settings import CleanSettings
 
 _NOT_WORD = re.compile(r"[^\w\s]")
@@ -45,7 +47,6 @@ def shingles(words: list[str], n: int) -> list[str]:
 
 def minhash(words: list[str], ngram: int, num_perm: int, seed: int) -> np.ndarray:
     """R-MinHash (``rensa``) of the word n-grams: ``num_perm`` uint32 values."""
-    import rensa
 
     m = rensa.RMinHash(num_perm=num_perm, seed=seed)
     m.update(shingles(words, ngram))
@@ -129,8 +130,6 @@ class QualityScorer:
         return []
 
     def __call__(self, text: str) -> float:
-        from .quality_model import one_line
-
         labels, probs = self._model.predict(one_line(text), k=-1)
         return min(float(dict(zip(labels, probs)).get(self._label, 0.0)), 1.0)
 

@@ -30,6 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import DataPrepError
+from ..reader import ReadOptions, iter_source_records, resolve_inputs
+from ..sample_corpus import low_quality_documents
+
 POSITIVE, NEGATIVE = "__label__hq", "__label__cc"  # DCLM's label names
 EOS = "</s>"
 _MAGIC, _VERSION = 793712314, 12
@@ -278,8 +282,6 @@ GENERATED = "generated"  # --negative generated: data_prep.sample_corpus.low_qua
 def read_texts(patterns: list[str], flag: str, text_field: str, problems: list[str]) -> list[str]:
     """Every document's text of the inputs (any format ``shard`` reads); a problem is added to
     ``problems``, not raised, so that every bad input is named at once."""
-    from ..errors import DataPrepError
-    from ..reader import ReadOptions, iter_source_records, resolve_inputs
 
     texts: list[str] = []
     for pattern in patterns:
@@ -305,8 +307,6 @@ def train_from_files(
     documents, as many as the positives), hold out ``held_out`` of each, save to ``out``: (the
     held-out evaluation, positives, negatives, the autotuning when ``tune`` asked for the epochs
     and/or the rate). Bad input raises one error naming all of it."""
-    from ..errors import DataPrepError
-    from ..sample_corpus import low_quality_documents
 
     problems: list[str] = []
     if not 0 <= held_out < 1:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import yaml
+
 from ..errors import DataPrepError
 
 
@@ -290,8 +292,6 @@ def apply_overrides(values: dict, pairs: list[str]) -> dict:
         if not eq or not key:
             bad.append(f"--set {pair!r}: expected KEY=VALUE (for example near.bands=20)")
             continue
-        import yaml
-
         parsed = yaml.safe_load(value) if value else ""
         head, _, rest = key.partition(".")
         if rest:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain import metric_names as names
+from pretrain.runtime.engine import zero3_local_fp32
 
 log = logging.getLogger("pretrain")
 _LAYER = re.compile(r"\.layers?\.(\d+)\.")
@@ -53,9 +54,7 @@ def _local_fragments(param, mode: str, grads: bool = True):
     if mode == "whole":
         return param.data, param.grad
     if mode == "zero3":
-        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_grad
-
-        return safe_get_local_fp32_param(param), safe_get_local_grad(param) if grads else None
+        return zero3_local_fp32(param, grads)
     mapping = getattr(param, "_hp_mapping", None)
     if mapping is None:  # no part of it in this rank's partition
         return None, None

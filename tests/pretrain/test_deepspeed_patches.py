@@ -1,0 +1,66 @@
+"""pretrain/runtime/deepspeed_patches.py: the patches to DeepSpeed's internals are made only on a
+DeepSpeed whose functions they were written against; another one stops the run at start-up with a
+named error (and the preflight refuses it before any process starts), never a wrong norm."""
+
+from __future__ import annotations
+
+import importlib
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from pretrain.runtime import deepspeed_patches as patches
+from pretrain.runtime import engine
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_installed_deepspeed_is_a_checked_one_and_its_internals_match():
+    assert metadata.version("deepspeed").split("+")[0] in patches.CHECKED_VERSIONS
+    assert patches.internals_problems() == []
+    # setup_env.sh installs the version the patches were checked on
+    assert f"deepspeed=={patches.CHECKED_VERSIONS[-1]}" in (REPO / "launchers" / "setup_env.sh").read_text()
+
+
+def _other_clip(input_tensors, max_norm=1.0, global_norm=None, mpu=None, eps=1e-6, use_graph=False):
+    raise AssertionError("never called: the check refuses this DeepSpeed before anything runs")
+
+
+@pytest.fixture
+def changed_deepspeed(monkeypatch):
+    """A DeepSpeed whose BF16 clip takes one more parameter and whose ZeRO 1-2 optimiser lost the
+    method the patches replace, as a later release might; nothing patched yet in this process."""
+    bf16_optimizer = importlib.import_module("deepspeed.runtime.bf16_optimizer")
+    stage_1_and_2 = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2")
+    monkeypatch.setattr(bf16_optimizer, "clip_tensors_by_global_norm", _other_clip)
+    monkeypatch.delattr(stage_1_and_2.DeepSpeedZeroOptimizer, "scaled_global_norm")
+    monkeypatch.setattr(patches, "_APPLIED", {})
+
+
+def test_a_deepspeed_with_other_internals_is_refused_by_name_before_anything_is_patched(changed_deepspeed):
+    problems = patches.internals_problems()
+    assert problems == [
+        "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.scaled_global_norm is gone",
+        "deepspeed.runtime.bf16_optimizer.clip_tensors_by_global_norm takes ('input_tensors', 'max_norm', "
+        "'global_norm', 'mpu', 'eps', 'use_graph') (written for ('input_tensors', 'max_norm', 'global_norm', "
+        "'mpu', 'eps'))",
+    ]
+    bf16_optimizer = importlib.import_module("deepspeed.runtime.bf16_optimizer")
+    with pytest.raises(patches.DeepSpeedInternalsChanged) as refused:
+        patches.apply_patches(optimizer_named=True)
+    message = str(refused.value)
+    assert "clip_tensors_by_global_norm takes" in message and "scaled_global_norm is gone" in message
+    assert f"pip install 'deepspeed=={patches.CHECKED_VERSIONS[-1]}'" in message
+    assert bf16_optimizer.clip_tensors_by_global_norm is _other_clip  # left as it was: nothing patched
+
+
+def test_the_preflight_refuses_an_unchecked_version_whose_internals_differ(changed_deepspeed):
+    """An unchecked version is compared (imported); a checked one is not (the metadata alone)."""
+    (problem,) = engine.deepspeed_problems("0.21.0")
+    assert problem.startswith("DeepSpeed ") and "clip_tensors_by_global_norm takes" in problem
+    assert engine.deepspeed_problems(patches.CHECKED_VERSIONS[-1]) == []
+
+
+def test_an_unchecked_version_with_the_same_internals_passes_the_preflight():
+    assert engine.deepspeed_problems("0.21.0+cu128") == []
