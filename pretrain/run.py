@@ -14,9 +14,8 @@ from typing import Optional
 import torch
 
 from data_prep.common.manifest import Manifest
+from pretrain.checkpoint import checkpointing, phases
 from pretrain.checkpoint import nodes as checkpoint_nodes
-from pretrain.checkpoint import phases
-from pretrain.checkpoint import store as checkpointing
 from pretrain.checkpoint.hf_export import final_export_dir
 from pretrain.checkpoint.mirror import CheckpointMirror
 from pretrain.checkpoint.state import STATE_KEY, TrainState

@@ -38,8 +38,7 @@ from data_prep.common import stale_shm, storage
 from data_prep.common.errors import ShardError
 from data_prep.common.tokenizer_cache import tokenizer_dir
 from pretrain import metric_names as names
-from pretrain.checkpoint import files
-from pretrain.checkpoint import store as checkpointing
+from pretrain.checkpoint import checkpointing, files
 from pretrain.checkpoint.hf_export import export_and_log, exported_from, final_export_dir
 from pretrain.checkpoint.mirror import wait_for_mirror
 from pretrain.checkpoint.safe_load import UnsafeCheckpoint

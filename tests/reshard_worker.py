@@ -26,8 +26,11 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pretrain.checkpoint import nodes, reshard
-from pretrain.checkpoint import store as checkpointing  # noqa: E402
+from pretrain.checkpoint import (
+    checkpointing,  # noqa: E402
+    nodes,
+    reshard,
+)
 from pretrain.config import loader as configlib
 from pretrain.config.schema import Config  # noqa: E402
 from pretrain.model.masking import SpecialIds  # noqa: E402

@@ -1,1 +1,1 @@
-"""Checkpoint folders: the store (tags, COMPLETE, latest, lock), the resume state, resharding and export."""
+"""Checkpoint folders: tags, COMPLETE, latest, lock, save and load (``checkpointing``), the resume state, resharding and export."""

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from data_prep.common.errors import ShardError
 from data_prep.common.manifest import load_manifest
 from pretrain.checkpoint import safe_load
+from pretrain.checkpoint.checkpointing import checkpoint_root, latest_complete_tag, tag_for_step
 from pretrain.checkpoint.files import COMPLETE, EXPORT_SOURCE, FINAL_EXPORT, HF_CONFIG_FILE, TOKENIZER_DIR
 from pretrain.checkpoint.reshard import consolidate, read_layout
-from pretrain.checkpoint.store import checkpoint_root, latest_complete_tag, tag_for_step
 from pretrain.runtime import engine as eng
 from pretrain.tracking import console
 

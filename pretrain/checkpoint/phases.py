@@ -32,8 +32,7 @@ import torch.distributed as dist
 import yaml
 
 from data_prep.common.manifest import Manifest
-from pretrain.checkpoint import files, reshard, safe_load
-from pretrain.checkpoint import store as checkpointing
+from pretrain.checkpoint import checkpointing, files, reshard, safe_load
 from pretrain.config import loader as configlib
 from pretrain.runtime import engine as eng
 

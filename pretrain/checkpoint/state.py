@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from pretrain.checkpoint.store import rng_state, set_rng_state
+from pretrain.checkpoint.checkpointing import rng_state, set_rng_state
 
 STATE_KEY = "train_state"
 

@@ -19,8 +19,7 @@ from data_prep.common.commands import location, python_command
 from data_prep.common.manifest import Manifest, load_manifest
 from data_prep.common.storage import open_store
 from data_prep.common.tokenizer_cache import tokenizer_dir
-from pretrain.checkpoint import files, reshard
-from pretrain.checkpoint import store as checkpointing
+from pretrain.checkpoint import checkpointing, files, reshard
 from pretrain.checkpoint.mirror import mirror_problems
 from pretrain.checkpoint.phases import init_checkpoint_problems
 from pretrain.config import loader as configlib

@@ -17,7 +17,7 @@ import math
 import torch.distributed as dist
 
 from pretrain import metric_names as names
-from pretrain.checkpoint import store as checkpointing
+from pretrain.checkpoint import checkpointing
 from pretrain.checkpoint.state import STATE_KEY, TrainState
 from pretrain.config.schema import SpikeGuardConfig
 

@@ -26,8 +26,8 @@ import yaml
 
 from data_prep.common.manifest import Manifest
 from pretrain import metric_names as names
+from pretrain.checkpoint.checkpointing import complete_tags, latest_complete_tag, saved_manifest
 from pretrain.checkpoint.files import CONFIG_FILE
-from pretrain.checkpoint.store import complete_tags, latest_complete_tag, saved_manifest
 from pretrain.config import loader as configlib
 from pretrain.tracking.jsonl import read_metrics
 

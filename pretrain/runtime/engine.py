@@ -3,7 +3,7 @@ disk, whole weights at ZeRO-3. Every change to DeepSpeed's internals is ``deepsp
 checked against the versions it names before it is made.
 
 The model (``pretrain.model.mlm``) is single-device code; the optimisers are in ``pretrain.model.optim``, and
-what makes a checkpoint complete and resumable is in ``pretrain.checkpoint.store``.
+what makes a checkpoint complete and resumable is in ``pretrain.checkpoint.checkpointing``.
 """
 
 from __future__ import annotations

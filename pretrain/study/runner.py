@@ -48,8 +48,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def is_finished(variant: Variant) -> bool:
     # lazy: pulls in torch (~1.5 s), kept off this command's start-up (as in plan._data_problems)
+    from pretrain.checkpoint.checkpointing import checkpoint_root, tag_for_step
     from pretrain.checkpoint.hf_export import final_export_dir
-    from pretrain.checkpoint.store import checkpoint_root, tag_for_step
 
     final = checkpoint_root(variant.cfg) / tag_for_step(variant.cfg.train.max_steps) / COMPLETE
     return final.is_file() and (final_export_dir(variant.out_dir) / "config.json").is_file()
@@ -131,7 +131,7 @@ def run_variant(study: Study, variant: Variant, parent: ParentRun, interrupt: In
     env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // ranks)))
     status = read_status(variant)
     cmd = launch_command(config_file, ranks)
-    from pretrain.checkpoint.store import checkpoint_root, latest_complete_tag  # lazy: torch, as in is_finished
+    from pretrain.checkpoint.checkpointing import checkpoint_root, latest_complete_tag  # lazy: torch, as in is_finished
 
     tag = latest_complete_tag(checkpoint_root(cfg))
     print(

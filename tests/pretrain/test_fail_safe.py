@@ -94,7 +94,7 @@ def test_a_damaged_latest_checkpoint_is_named_and_the_previous_one_resumed(shard
 
 
 def test_checksums_find_a_rewritten_file_and_old_checkpoints_are_taken_as_they_are(tmp_path, capsys):
-    from pretrain.checkpoint import store as checkpointing
+    from pretrain.checkpoint import checkpointing
 
     folder = tmp_path / "step00000002"
     (folder / "tokenizer").mkdir(parents=True)
@@ -116,7 +116,7 @@ def test_checksums_find_a_rewritten_file_and_old_checkpoints_are_taken_as_they_a
 
 
 def test_resume_takes_the_newest_undamaged_checkpoint_and_refuses_a_damaged_named_one(tmp_path, monkeypatch):
-    from pretrain.checkpoint import store as checkpointing
+    from pretrain.checkpoint import checkpointing
     from pretrain.config.loader import ConfigError
     from pretrain.config.schema import Config
 

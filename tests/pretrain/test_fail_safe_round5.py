@@ -17,8 +17,8 @@ import torch
 
 from conftest import PY, REPO, explain, run_module, train, trainer_env
 from pretrain.checkpoint import safe_load
+from pretrain.checkpoint.checkpointing import write_file_list
 from pretrain.checkpoint.files import FILE_LIST, MODEL_STATES_FILE, rank_files
-from pretrain.checkpoint.store import write_file_list
 from pretrain.config.loader import ConfigError
 from pretrain.config.schema import load_config
 
@@ -251,7 +251,7 @@ def test_a_mirrored_file_list_that_names_a_path_out_of_the_run_is_refused_and_no
     local = tmp_path / "local"
     local.mkdir()
     (local / FILE_LIST).write_text(json.dumps({"files": {"/etc/hostname": {"size": 1, "sha256": "0" * 64}}}))
-    from pretrain.checkpoint.store import damage
+    from pretrain.checkpoint.checkpointing import damage
 
     assert "'/etc/hostname' is an absolute path" in damage(local)
 

@@ -218,7 +218,7 @@ def test_sigterm_to_the_launchers_process_group_checkpoints_and_exits_3(shards, 
         ):
             assert proc.poll() is None, proc.stdout.read()[-3000:]
             time.sleep(0.5)
-        from pretrain.checkpoint.store import RunLock
+        from pretrain.checkpoint.checkpointing import RunLock
         from pretrain.config.loader import ConfigError
 
         with pytest.raises(ConfigError, match="another job"):
@@ -266,7 +266,7 @@ def test_a_filesystem_without_posix_locks_is_named_not_taken_for_another_job(tmp
     import errno
     import fcntl
 
-    from pretrain.checkpoint.store import RunLock
+    from pretrain.checkpoint.checkpointing import RunLock
     from pretrain.config.loader import ConfigError
 
     def no_locks(fd, op):
