@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,21 +142,15 @@ def main() -> int:
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--mini-steps", type=int, default=20)
     args = p.parse_args()
+    if args.mini_steps < 10:
+        p.error("--mini-steps: at least 10 (two windows of 5 logged steps: the first, start-up, is left out)")
     import s3_server
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         shards = make_shards(work)
-        weed_args, endpoint, _ = s3_server._start(work / "s3")
-        proc = s3_server._launch(weed_args, work / "s3")
-        try:
-            server = s3_server.S3Server(endpoint, "", work, proc)
-            for _ in range(180):
-                try:
-                    bucket = server.bucket("bench")
-                    break
-                except Exception:  # noqa: BLE001 -- not up yet
-                    time.sleep(0.5)
+        with s3_server.serving(work / "s3") as server:
+            bucket, endpoint = server.bucket("bench"), server.endpoint
             client = server.client()
             for path in sorted(q for q in shards.rglob("*") if q.is_file()):
                 client.put_object(Bucket=bucket, Key=f"wiki/{path.relative_to(shards)}", Body=path.read_bytes())
@@ -168,8 +161,6 @@ def main() -> int:
             mini = [("local", mini_run(str(shards), work / "mini-local", args.mini_steps))]
             os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{DelayProxy(port, 0.100).port}"
             mini.append(("s3 +100 ms, no cache", mini_run(remote, work / "mini-s3", args.mini_steps)))
-        finally:
-            s3_server._stop(proc)
     local = rows[0][2]
     print(
         f"\n{'source':24} {'read-ahead':>10} {'tokens/s':>12} {'x local':>8}   "

@@ -1,6 +1,6 @@
-"""The run's parts, built once before the loop: ``Run`` holds what ``fit``, ``train_step`` and
-``checkpoint`` share; ``build_run`` assembles it from small ``build_*`` steps (precision, model and
-engine, attention, resume, data stream, tracker, peak)."""
+"""The run's parts, built once before the loop: ``Run`` holds what ``fit`` and ``checkpoint`` share
+(``train_step`` is given only its ``StepParts``, ``Run.step_parts``); ``build_run`` assembles it from
+small ``build_*`` steps (precision, model and engine, attention, resume, data stream, tracker, peak)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ log = logging.getLogger("pretrain")
 
 @dataclass
 class Run:
-    """What ``fit``, ``train_step`` and ``checkpoint`` share: the run's parts, built once by ``build_run``."""
+    """What ``fit`` and ``checkpoint`` share: the run's parts, built once by ``build_run``; ``train_step``
+    reads the few of them in ``step_parts``."""
 
     cfg: Config
     info: eng.DistInfo

