@@ -155,6 +155,14 @@ def test_each_cleaning_module_is_one_room():
     assert not long, long
 
 
+def test_the_cleaning_packages_map_names_its_modules_and_only_them():
+    """``data_prep/clean/__init__.py`` is the room's map: every module in it, none that has gone."""
+    doc = ast.get_docstring(ast.parse((DATA_PREP / "clean" / "__init__.py").read_text()))
+    named = set(re.findall(r"``([a-z_]+)``", doc))
+    modules = {path.stem for path in (DATA_PREP / "clean").glob("*.py")} - {"__init__"}
+    assert named == modules, f"not on the map: {sorted(modules - named)}; gone: {sorted(named - modules)}"
+
+
 @pytest.mark.parametrize("package", ["pretrain", "data_prep"])
 def test_no_function_is_over_60_lines(package):
     """A function that reads on one screen: longer ones are cut into named steps."""
