@@ -167,7 +167,9 @@ def choose(
     if not timings:
         raise RuntimeError(f"no attention candidate ran on {device} in {dtype}")
     ms = {name: round(seconds * 1e3, 3) for name, seconds in timings.items()}
-    entry = {"choice": min(timings, key=timings.get), "ms": ms, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    # chosen from the numbers recorded: two candidates within a rounding step of each other are a tie,
+    # settled by the candidates' order, never by digits the cache does not show
+    entry = {"choice": min(ms, key=ms.get), "ms": ms, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     add_to_cache(path, key, entry, "the attention timings")
     return entry["choice"], f"{_summary(ms)}, measured now"
 
