@@ -265,6 +265,7 @@ def train_tokenizer(
             + (f" in {names}" if names else "")
             + " (every document empty or whitespace)"
         )
+    tok.model = _numbered_canonically(tok, specials)
     cls, sep = BERT_SPECIAL_TOKENS["cls"], BERT_SPECIAL_TOKENS["sep"]
     tok.post_processor = processors.TemplateProcessing(
         single=f"{cls} $A {sep}",
@@ -280,6 +281,30 @@ def train_tokenizer(
     )
     hf.save_pretrained(str(out))
     return out
+
+
+def _numbered_canonically(tok: tokenizers.Tokenizer, specials: list[str]) -> models.WordPiece:
+    """The trained vocabulary with ids in an order that depends on its tokens alone: the special tokens
+    first (the ids the trainer gave them), then single characters, then ``##`` single characters,
+    then the longer pieces, each sorted. The trainer numbers its ``##`` pieces in a hash map's order
+    and breaks ties between merges by those numbers (tokenizers issue 1794): the same corpus gave
+    another ``tokenizer.json`` on every run. WordPiece splits a word by the longest piece in the
+    vocabulary, whatever the ids, so the tokens of every text are the trainer's own."""
+    trained, vocab = tok.model, tok.get_vocab(with_added_tokens=False)
+    prefix = trained.continuing_subword_prefix
+    rest = [token for token in vocab if token not in specials]
+
+    def key(token: str) -> tuple[bool, bool, str]:
+        piece = token.removeprefix(prefix)
+        return len(piece) > 1, token.startswith(prefix), token
+
+    order = [*specials, *sorted(rest, key=key)]
+    return models.WordPiece(
+        {token: i for i, token in enumerate(order)},
+        unk_token=trained.unk_token,
+        continuing_subword_prefix=prefix,
+        max_input_chars_per_word=trained.max_input_chars_per_word,
+    )
 
 
 class _CountingIterator:

@@ -383,6 +383,41 @@ def test_trained_tokenizer_loads_with_autotokenizer_and_shards(tmp_path, wiki_tx
     assert ids.max() < 3000 and 0.5 < starts.mean() < 1.0
 
 
+def _wiki_documents(folder: Path) -> list[str]:
+    return [block for path in sorted(folder.glob("*.txt")) for block in path.read_text().split("\n\n") if block.strip()]
+
+
+@pytest.mark.slow
+def test_a_tokenizer_trained_twice_on_the_same_text_is_the_same_file(tmp_path, wiki_txt_dir, monkeypatch):
+    """tokenizers' WordPiece trainer numbers its ``##`` pieces in a hash map's order (a new one each
+    process: every run another tokenizer.json, issue 1794 there); ours are numbered by the tokens alone,
+    and every text splits into the trainer's own tokens."""
+    from data_prep import tokenizer
+
+    files = []
+    for run in ("first", "second"):  # each a fresh process (not forked): its own hash seeds
+        out = tmp_path / run
+        command = [sys.executable, "-m", "data_prep", "tokenizer", "--input", f"{wiki_txt_dir}/*.txt"]
+        subprocess.run([*command, "--out", str(out), "--vocab-size", "3000"], check=True, cwd=REPO, timeout=300)
+        files.append((out / "tokenizer.json").read_bytes())
+    assert files[0] == files[1]
+
+    texts = _wiki_documents(wiki_txt_dir)[:300]
+    real, seen = tokenizer._numbered_canonically, {}
+
+    def renumbered(tok, specials):
+        seen["trainer"] = [e.tokens for e in tok.encode_batch(texts)]
+        before = [e.ids for e in tok.encode_batch(texts)]
+        tok.model = real(tok, specials)
+        seen["ours"] = [e.tokens for e in tok.encode_batch(texts)]
+        seen["renumbered"] = before != [e.ids for e in tok.encode_batch(texts)]
+        return tok.model
+
+    monkeypatch.setattr(tokenizer, "_numbered_canonically", renumbered)
+    tokenizer.train_tokenizer(texts, tmp_path / "third", 3000)
+    assert seen["ours"] == seen["trainer"] and seen["renumbered"]
+
+
 DATA_PREP_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "data").glob("*.yaml"))
 
 
