@@ -442,7 +442,7 @@ def _run_tokenizer(args) -> int:
     sources = resolve_inputs(args.input)
     opts = ReadOptions(text_field=args.text_field, txt_mode=args.txt_mode, hf_split=args.hf_split)
     out = train_tokenizer(
-        iter_task_documents(sources, "files", 1, 0, opts),
+        lambda: iter_task_documents(sources, "files", 1, 0, opts),  # read twice (train_tokenizer says why)
         args.out,
         args.vocab_size,
         lowercase=args.lowercase,

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -229,7 +230,7 @@ def install_tokenizer_copy(tok: LoadedTokenizer, out_dir: Path, name: str = "tok
 
 
 def train_tokenizer(
-    documents,
+    documents: Callable[[], Iterable[str]] | Sequence[str],
     out_dir: str | os.PathLike,
     vocab_size: int,
     lowercase: bool = True,
@@ -237,27 +238,26 @@ def train_tokenizer(
     limit_alphabet: int = 1000,
     inputs: list[str] | None = None,
 ) -> Path:
-    """Train a BERT-style WordPiece tokenizer on an iterable of strings and save a folder that
-    ``transformers.AutoTokenizer.from_pretrained`` loads. ``inputs`` (the files the documents come
-    from) only serve error messages."""
+    """Train a BERT-style WordPiece tokenizer and save a folder that
+    ``transformers.AutoTokenizer.from_pretrained`` loads: the same documents and settings give the same
+    files on any run. ``documents``: a list of strings, or a function that returns them afresh (they
+    are read twice). ``inputs`` (the files the documents come from) only serve error messages.
+
+    Why twice: tokenizers' WordPiece trainer numbers each ``##`` character piece when it first meets
+    it in a hash map seeded anew in every process, and breaks ties between merges of equal count by
+    those numbers (tokenizers issue 1794): the same corpus gave other merges, other tokens, on other
+    runs. A first pass finds those pieces; the second names them to the trainer up front (in sorted
+    order, as tokens it must keep, which the trainer numbers first), so no id comes from a hash order."""
     from transformers import BertTokenizerFast
 
+    read = documents if callable(documents) else lambda: iter(documents)
     specials = [BERT_SPECIAL_TOKENS[r] for r in SPECIAL_ROLES]
     if vocab_size <= len(specials):
         raise DataPrepError(f"--vocab-size {vocab_size} is too small (at least {len(specials) + 1})")
-    tok = tokenizers.Tokenizer(models.WordPiece(unk_token=BERT_SPECIAL_TOKENS["unk"]))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=None)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size,
-        min_frequency=min_frequency,
-        limit_alphabet=limit_alphabet,
-        special_tokens=specials,
-        show_progress=False,
-    )
-    counted = _CountingIterator(documents)
-    tok.train_from_iterator(counted, trainer=trainer)
+    settings = dict(min_frequency=min_frequency, limit_alphabet=limit_alphabet, show_progress=False)
+    first = _wordpiece(lowercase)
+    counted = _CountingIterator(read())
+    first.train_from_iterator(counted, trainers.WordPieceTrainer(vocab_size=1, special_tokens=specials, **settings))
     if counted.count == 0:
         names = ", ".join((inputs or [])[:5]) + (" ..." if len(inputs or []) > 5 else "")
         raise DataPrepError(
@@ -265,6 +265,11 @@ def train_tokenizer(
             + (f" in {names}" if names else "")
             + " (every document empty or whitespace)"
         )
+    pieces = sorted(t for t in first.get_vocab(with_added_tokens=False) if t.startswith("##"))
+    tok = _wordpiece(lowercase)
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials + pieces, **settings)
+    tok.train_from_iterator(read(), trainer=trainer)
+    tok = _only_added(tok, specials)
     tok.model = _numbered_canonically(tok, specials)
     cls, sep = BERT_SPECIAL_TOKENS["cls"], BERT_SPECIAL_TOKENS["sep"]
     tok.post_processor = processors.TemplateProcessing(
@@ -283,12 +288,27 @@ def train_tokenizer(
     return out
 
 
+def _wordpiece(lowercase: bool) -> tokenizers.Tokenizer:
+    tok = tokenizers.Tokenizer(models.WordPiece(unk_token=BERT_SPECIAL_TOKENS["unk"]))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=None)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return tok
+
+
+def _only_added(tok: tokenizers.Tokenizer, specials: list[str]) -> tokenizers.Tokenizer:
+    """``tok`` with only ``specials`` as added (special) tokens: the trainer also adds every token it
+    was told to keep, and the ``##`` pieces are plain vocabulary, matched inside words."""
+    data = json.loads(tok.to_str())
+    data["added_tokens"] = [a for a in data["added_tokens"] if a["content"] in specials]
+    return tokenizers.Tokenizer.from_str(json.dumps(data))
+
+
 def _numbered_canonically(tok: tokenizers.Tokenizer, specials: list[str]) -> models.WordPiece:
     """The trained vocabulary with ids in an order that depends on its tokens alone: the special tokens
     first (the ids the trainer gave them), then single characters, then ``##`` single characters,
-    then the longer pieces, each sorted. The trainer numbers its ``##`` pieces in a hash map's order
-    and breaks ties between merges by those numbers (tokenizers issue 1794): the same corpus gave
-    another ``tokenizer.json`` on every run. WordPiece splits a word by the longest piece in the
+    then the longer pieces, each sorted (the trainer's order is its merges', whose ties between pieces
+    of equal count are broken by ids). WordPiece splits a word by the longest piece in the
     vocabulary, whatever the ids, so the tokens of every text are the trainer's own."""
     trained, vocab = tok.model, tok.get_vocab(with_added_tokens=False)
     prefix = trained.continuing_subword_prefix

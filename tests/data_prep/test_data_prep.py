@@ -390,8 +390,9 @@ def _wiki_documents(folder: Path) -> list[str]:
 @pytest.mark.slow
 def test_a_tokenizer_trained_twice_on_the_same_text_is_the_same_file(tmp_path, wiki_txt_dir, monkeypatch):
     """tokenizers' WordPiece trainer numbers its ``##`` pieces in a hash map's order (a new one each
-    process: every run another tokenizer.json, issue 1794 there); ours are numbered by the tokens alone,
-    and every text splits into the trainer's own tokens."""
+    process) and breaks ties between merges by those numbers (issue 1794 there): every run gave another
+    tokenizer.json, at times other tokens. Ours names those pieces to the trainer up front and numbers
+    the vocabulary by its tokens alone; every text splits into the trainer's own tokens."""
     from data_prep import tokenizer
 
     files = []
