@@ -93,7 +93,7 @@ def internals_problems(replaced: dict[str, tuple[str, ...] | None] = REPLACED) -
         except (ImportError, AttributeError):
             problems.append(f"{module_name}.{attribute} is gone")
             continue
-        if params is None or getattr(found, "__module__", None) == __name__ or isinstance(found, _TorchFillingNumbers):
+        if params is None or getattr(found, "__module__", None) == __name__:
             continue
         try:
             has = tuple(inspect.signature(found).parameters)
@@ -112,6 +112,11 @@ def internals_refusal(problems: list[str]) -> str:
         f"written against (checked on {', '.join(CHECKED_VERSIONS)}): " + "; ".join(problems) + ". "
         f"Install a checked version (pip install 'deepspeed=={CHECKED_VERSIONS[-1]}'), or port the patches"
     )
+
+
+def checked(version: str) -> bool:
+    """Whether ``version`` (a local build's ``+cu128`` suffix aside) is one the patches were checked on."""
+    return version.split("+")[0] in CHECKED_VERSIONS
 
 
 def _installed_version() -> str:
@@ -135,7 +140,7 @@ def apply_patches(optimizer_named: bool) -> None:
         if problems:
             raise DeepSpeedInternalsChanged(internals_refusal(problems))
         installed = _installed_version()
-        if installed.split("+")[0] not in CHECKED_VERSIONS:
+        if not checked(installed):
             log.warning(
                 "DeepSpeed %s: its patched functions match those of %s by name and parameters, but this "
                 "version was not checked (pretrain/runtime/deepspeed_patches.py, CHECKED_VERSIONS)",

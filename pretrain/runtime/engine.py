@@ -161,7 +161,7 @@ def deepspeed_problems(installed: str | None = None) -> list[str]:
             f"DeepSpeed {installed} is installed; this trainer needs {floor} or newer (older BF16 "
             f"optimisers crash on a non-finite step instead of skipping it): pip install 'deepspeed>={floor}'"
         ]
-    if installed.split("+")[0] in deepspeed_patches.CHECKED_VERSIONS:
+    if deepspeed_patches.checked(installed):
         return []
     import_deepspeed()
     changed = deepspeed_patches.internals_problems()
