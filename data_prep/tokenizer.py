@@ -247,7 +247,8 @@ def train_tokenizer(
     it in a hash map seeded anew in every process, and breaks ties between merges of equal count by
     those numbers (tokenizers issue 1794): the same corpus gave other merges, other tokens, on other
     runs. A first pass finds those pieces; the second names them to the trainer up front (in sorted
-    order, as tokens it must keep, which the trainer numbers first), so no id comes from a hash order."""
+    order, as tokens it must keep, which the trainer numbers first), so no id comes from a hash order
+    and the same merges follow."""
     from transformers import BertTokenizerFast
 
     read = documents if callable(documents) else lambda: iter(documents)
@@ -270,7 +271,6 @@ def train_tokenizer(
     trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials + pieces, **settings)
     tok.train_from_iterator(read(), trainer=trainer)
     tok = _only_added(tok, specials)
-    tok.model = _numbered_canonically(tok, specials)
     cls, sep = BERT_SPECIAL_TOKENS["cls"], BERT_SPECIAL_TOKENS["sep"]
     tok.post_processor = processors.TemplateProcessing(
         single=f"{cls} $A {sep}",
@@ -302,29 +302,6 @@ def _only_added(tok: tokenizers.Tokenizer, specials: list[str]) -> tokenizers.To
     data = json.loads(tok.to_str())
     data["added_tokens"] = [a for a in data["added_tokens"] if a["content"] in specials]
     return tokenizers.Tokenizer.from_str(json.dumps(data))
-
-
-def _numbered_canonically(tok: tokenizers.Tokenizer, specials: list[str]) -> models.WordPiece:
-    """The trained vocabulary with ids in an order that depends on its tokens alone: the special tokens
-    first (the ids the trainer gave them), then single characters, then ``##`` single characters,
-    then the longer pieces, each sorted (the trainer's order is its merges', whose ties between pieces
-    of equal count are broken by ids). WordPiece splits a word by the longest piece in the
-    vocabulary, whatever the ids, so the tokens of every text are the trainer's own."""
-    trained, vocab = tok.model, tok.get_vocab(with_added_tokens=False)
-    prefix = trained.continuing_subword_prefix
-    rest = [token for token in vocab if token not in specials]
-
-    def key(token: str) -> tuple[bool, bool, str]:
-        piece = token.removeprefix(prefix)
-        return len(piece) > 1, token.startswith(prefix), token
-
-    order = [*specials, *sorted(rest, key=key)]
-    return models.WordPiece(
-        {token: i for i, token in enumerate(order)},
-        unk_token=trained.unk_token,
-        continuing_subword_prefix=prefix,
-        max_input_chars_per_word=trained.max_input_chars_per_word,
-    )
 
 
 class _CountingIterator:

@@ -383,17 +383,12 @@ def test_trained_tokenizer_loads_with_autotokenizer_and_shards(tmp_path, wiki_tx
     assert ids.max() < 3000 and 0.5 < starts.mean() < 1.0
 
 
-def _wiki_documents(folder: Path) -> list[str]:
-    return [block for path in sorted(folder.glob("*.txt")) for block in path.read_text().split("\n\n") if block.strip()]
-
-
 @pytest.mark.slow
-def test_a_tokenizer_trained_twice_on_the_same_text_is_the_same_file(tmp_path, wiki_txt_dir, monkeypatch):
+def test_a_tokenizer_trained_twice_on_the_same_text_is_the_same_file(tmp_path, wiki_txt_dir):
     """tokenizers' WordPiece trainer numbers its ``##`` pieces in a hash map's order (a new one each
     process) and breaks ties between merges by those numbers (issue 1794 there): every run gave another
-    tokenizer.json, at times other tokens. Ours names those pieces to the trainer up front and numbers
-    the vocabulary by its tokens alone; every text splits into the trainer's own tokens."""
-    from data_prep import tokenizer
+    tokenizer.json, at times other tokens. Ours names those pieces to the trainer up front, sorted."""
+    import tokenizers
 
     files = []
     for run in ("first", "second"):  # each a fresh process (not forked): its own hash seeds
@@ -403,20 +398,15 @@ def test_a_tokenizer_trained_twice_on_the_same_text_is_the_same_file(tmp_path, w
         files.append((out / "tokenizer.json").read_bytes())
     assert files[0] == files[1]
 
-    texts = _wiki_documents(wiki_txt_dir)[:300]
-    real, seen = tokenizer._numbered_canonically, {}
-
-    def renumbered(tok, specials):
-        seen["trainer"] = [e.tokens for e in tok.encode_batch(texts)]
-        before = [e.ids for e in tok.encode_batch(texts)]
-        tok.model = real(tok, specials)
-        seen["ours"] = [e.tokens for e in tok.encode_batch(texts)]
-        seen["renumbered"] = before != [e.ids for e in tok.encode_batch(texts)]
-        return tok.model
-
-    monkeypatch.setattr(tokenizer, "_numbered_canonically", renumbered)
-    tokenizer.train_tokenizer(texts, tmp_path / "third", 3000)
-    assert seen["ours"] == seen["trainer"] and seen["renumbered"]
+    # the pieces named to the trainer are plain vocabulary, matched inside words, never added tokens
+    tok = tokenizers.Tokenizer.from_file(str(tmp_path / "first" / "tokenizer.json"))
+    added = [a["content"] for a in json.loads(files[0])["added_tokens"]]
+    assert added == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    pieces = tok.encode("Mesopotamian ##a", add_special_tokens=False).tokens
+    word = pieces[:-3]  # the word in the trainer's pieces; "##a" in the text is three characters
+    assert len(word) > 1 and all(p.startswith("##") for p in word[1:]) and len(pieces[-3:]) == 3
+    assert "##a" not in pieces and pieces[-1] == "a"
+    assert "".join(p.removeprefix("##") for p in word) == "Mesopotamian"
 
 
 DATA_PREP_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs" / "data").glob("*.yaml"))
