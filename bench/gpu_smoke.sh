@@ -17,10 +17,12 @@
 #                 FlexAttention's block mask where flash-attn would run rows, else SDPA with a boolean mask;
 #                 and mini with impl.attention=flex_attention, FlexAttention wherever torch has it
 #   export        the lamb run's Hugging Face export (ZeRO 0 bf16: the fp32 masters) loads and fills masks
-#   profile       torch.profiler (impl.profile_at_step) over a fifth of the steps of mini (eager, ZeRO 1) and of
-#                 base.yaml (compiled): where a step's time goes, the host's phases against the device's busy time
+#   profile       torch.profiler (impl.profile_at_step) over PROFILE_STEPS steps of base.yaml at its real shape
+#                 (compiled, 8 micro-batches a step) and of the bare compiled loop at the same shape: the device's
+#                 busy share, its time by kernel class and the longest kernels (bench/profile_kernels.py)
 #   bert-base     configs/base.yaml at sequence 128: MFU to compare with NVIDIA's BERT (~45%); one micro-batch a
-#                 step, its decisions read a step late (impl.deferred_reads, the default) and, budget allowing, at once
+#                 step, its decisions read a step late (impl.deferred_reads, the default)
+#   reads         bert-base with every decision read at once (impl.deferred_reads=false): what deferring gains
 #   real-shape    base.yaml at its real shape, ACCUM (8) micro-batches of --base-micro-batch a step, its decisions
 #                 read a step late (ours) and at once; beside it, at the same shape on the same GPU,
 #                 the Hugging Face Trainer (bf16, SDPA, fused AdamW, compiled) and a bare compiled loop with
@@ -38,9 +40,9 @@
 #                      [--config configs/mini.yaml] [--data SHARD_DIR] [--work-dir /tmp/gpu_smoke] [--budget-s 540]
 #                      [--only UNIT,...] [--skip UNIT,...] [--resume-from RESULTS_FILE]
 #
-# Units, in the order they run (a unit's runs and the check that reads them): paths mlm-loss adamw
-# bert-base real-shape graphs profile nonfinite resume export zero3 phase2 modernbert flash-attn documents
-# dropout compile-fixed bert-base-nodrop nccl. Each line of WORK/results.txt is written as a run or check ends, and
+# Units, in the order they run (a unit's runs and the check that reads them): profile real-shape
+# bert-base graphs reads paths mlm-loss adamw nonfinite resume export zero3 phase2 modernbert flash-attn
+# documents dropout compile-fixed bert-base-nodrop nccl. Each line of WORK/results.txt is written as a run or check ends, and
 # "done UNIT" once a unit has passed; --resume-from that file (carried to the next lease) runs only
 # the units not done, so two short leases cover everything.
 #
@@ -55,8 +57,8 @@ PY=${PYTHON:-.venv/bin/python}
 
 DRY_RUN=0 GPUS="" STEPS=50 MICRO=64 BASE_MICRO=128 CONFIG=configs/mini.yaml DATA="" WORK=/tmp/gpu_smoke BUDGET=540
 ONLY="" SKIP="" RESUME_FROM="" PREVIOUS_DONE=""
-UNITS=(paths mlm-loss adamw bert-base real-shape graphs profile nonfinite resume export zero3 phase2 modernbert
-       flash-attn documents dropout compile-fixed bert-base-nodrop nccl)
+UNITS=(profile real-shape bert-base graphs reads paths mlm-loss adamw nonfinite resume export zero3 phase2
+       modernbert flash-attn documents dropout compile-fixed bert-base-nodrop nccl)
 usage() { grep -A2 '^#   bench/gpu_smoke.sh \[' "$0" | sed 's/^# \{0,3\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -144,7 +146,7 @@ kind_of() {  # kind_of NAME CONFIG OVERRIDES...: what a run costs like
 }
 if [ -n "$RESUME_FROM" ]; then
   while read -r name took; do
-    var=EST_$(case "$name" in bert-base*) echo BASE ;; compile-fixed) echo COMPILED ;; hf-base|bare-base) echo YARD ;; *) echo MINI ;; esac)
+    var=EST_$(case "$name" in bert-base*|profile-base) echo BASE ;; compile-fixed) echo COMPILED ;; hf-base|bare-base|profile-bare) echo YARD ;; *) echo MINI ;; esac)
     if [ -z "${SEEN[$var]:-}" ] || [ "$took" -gt "${!var}" ]; then printf -v "$var" %d "$took"; SEEN[$var]=1; fi
   done < <(sed -n 's/^ok      run \([^ ]*\) (exit [0-9]*, \([0-9]*\) s)$/\1 \2/p' "$RESUME_FROM")
   echo "run times from $RESUME_FROM: mini ${EST_MINI} s, compiled ${EST_COMPILED} s, base.yaml ${EST_BASE} s, yardsticks ${EST_YARD} s"
@@ -221,11 +223,12 @@ check_with() {  # check_with NAME MIN_S SCRIPT ARGS...: a Python check (MIN_S le
   fi
 }
 
-yardstick() {  # yardstick NAME KIND: bench/reference_loops.py (hf | bare) at base.yaml's real shape
-  local name=$1 kind=$2 out="$WORK/runs/$1"
+yardstick() {  # yardstick NAME KIND [STEPS [PROFILE]]: bench/reference_loops.py (hf | bare) at base.yaml's real
+  # shape; PROFILE: [FIRST, COUNT], the steps the bare loop profiles
+  local name=$1 kind=$2 out="$WORK/runs/$1" steps=${3:-$STEPS} profile=${4:-null}
   local spec
-  spec=$(printf '{"kind": "%s", "shards": "%s", "config": "configs/base.yaml", "overrides": ["data.dir=%s"], "batch_size": %d, "grad_accum": %d, "steps": %d, "warmup_steps": 10, "precision": "bf16", "threads": %d, "out_dir": "%s", "optim": "adamw_torch_fused", "fused": true, "compile": true, "training_args": {"torch_compile": true}}' \
-    "$kind" "$DATA" "$DATA" "$BASE_MICRO" "$ACCUM" "$STEPS" "$OMP_NUM_THREADS" "$out")
+  spec=$(printf '{"kind": "%s", "shards": "%s", "config": "configs/base.yaml", "overrides": ["data.dir=%s"], "batch_size": %d, "grad_accum": %d, "steps": %d, "warmup_steps": 10, "precision": "bf16", "threads": %d, "out_dir": "%s", "optim": "adamw_torch_fused", "fused": true, "compile": true, "training_args": {"torch_compile": true}, "profile": %s}' \
+    "$kind" "$DATA" "$DATA" "$BASE_MICRO" "$ACCUM" "$steps" "$OMP_NUM_THREADS" "$out" "$profile")
   echo "+ $PY bench/reference_loops.py '$spec'"
   [ "$DRY_RUN" = 1 ] && return 0
   local left; left=$(left_s)
@@ -254,37 +257,28 @@ check() {  # check NAME ARGS... : one of bench/gpu_smoke_checks.py's checks
   check_with "$name" 10 bench/gpu_smoke_checks.py "$@"
 }
 
-# The order: what a first GPU run is most likely to break, and what the lease is for, first; so a lease
-# that runs out leaves the least valuable unanswered. adamw is the default path (ZeRO 1 bf16 fused AdamW)
-# and every later comparison's reference; bert-base is the headline (base.yaml's tokens/s and MFU); then
-# the profile (two leases found every step host-bound: this says where the host's time goes); then
-# the non-finite skip (through the bf16 optimiser's norm, ours since those leases), the converted
-# resume and the export (what a week-long run relies on); then the other ZeRO stages, phase 2 and the
-# other architectures; last, what only measures a cost (no dropout) or repeats a path on one GPU
-# (NCCL across a single device).
-if selected paths; then check paths paths "$CONFIG" "$DATA"; close paths check:paths; fi
-# 128 x 512 tokens at 15%: a BERT-base phase-2 micro-batch's predicted tokens, at its hidden size.
-if selected mlm-loss; then
-  check_with mlm-loss 30 bench/mlm_loss.py --device cuda --precision bf16 --tokens 9830 --hidden 768 \
-    --chunk-rows 1024 9830
-  close mlm-loss check:mlm-loss
-fi
-adamw() { run adamw 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=1; }
-if selected adamw; then adamw; close adamw adamw; fi
-# BERT-base at sequence 128 (configs/base.yaml: compiled, fused AdamW, ZeRO 1, fixed-count masking, BERT's
-# hidden dropout 0.1): its MFU is the figure to set beside the anchors' (NVIDIA's BERT phase 1: about 45%
-# of an A100's bf16 peak).
-# It also evaluates the held-out split at its last step, compiled (after the last timed window).
-if selected bert-base; then
-  RUN_CONFIG=configs/base.yaml run bert-base 1 "${BASE_BATCH[@]}" train.eval_every="$STEPS" \
-    train.eval_sequences=512
-  if ran bert-base; then check heldout heldout "$WORK/runs/bert-base"
-  else record "skipped check heldout (needs the bert-base run)"; fi
-  close bert-base check:heldout
-  # what reading every step's decision at once costs where the step's host time shows (after the unit
-  # closes: the budget may leave it out)
-  RUN_CONFIG=configs/base.yaml run bert-base-at-once 1 "${BASE_BATCH[@]}" impl.deferred_reads=false
-  if ran bert-base bert-base-at-once; then check reads reads "$WORK/runs/bert-base" "$WORK/runs/bert-base-at-once"; fi
+# The order: what the lease is for first (issue 84, item 6), so a lease that runs out leaves the least
+# valuable unanswered: the profile at the real shape, the real shape beside the HF Trainer and the bare
+# loop, then what was built without a GPU (the deferred reads in every base.yaml run, CUDA graphs, reading
+# at once); then the GPU-only paths (paths, the fused loss, adamw: ZeRO 1 bf16 fused AdamW), the
+# non-finite skip, the converted resume and the export (what a week-long run relies on); then the other
+# ZeRO stages, phase 2 and the other architectures; last, what only measures a cost (no dropout) or
+# repeats a path on one GPU (NCCL across a single device).
+# First, where a step's time goes at base.yaml's real shape (issue 84, item 1): ours and the bare compiled
+# loop over the same model, PROFILE_STEPS steps each from step PROFILE_AT of PROFILE_RUN (after the
+# compile and the first window), read by bench/profile_kernels.py: the device's busy share, its time by
+# kernel class against the budget, the longest kernels with their TFLOP/s.
+PROFILE_RUN=20 PROFILE_AT=12 PROFILE_STEPS=3
+if selected profile; then
+  RUN_CONFIG=configs/base.yaml run profile-base 1 "${REAL_BATCH[@]}" train.max_steps=$PROFILE_RUN \
+    impl.profile_at_step=$PROFILE_AT impl.profile_steps=$PROFILE_STEPS
+  yardstick profile-bare bare $PROFILE_RUN "[$PROFILE_AT, $PROFILE_STEPS]"
+  if ran profile-base profile-bare; then
+    check profile profile "$WORK/runs/profile-base" "$WORK/runs/profile-bare"
+    check_with kernels 10 bench/profile_kernels.py --steps $PROFILE_STEPS --json "$WORK/kernels.json" \
+      "$WORK"/runs/profile-base/profile/*.json.gz "$WORK"/runs/profile-bare/profile/*.json.gz
+  else record "skipped check profile (needs the profile-base and profile-bare runs)"; fi
+  close profile check:profile check:kernels
 fi
 # base.yaml at its real shape (ACCUM micro-batches a step), the two yardsticks at the same shape on the
 # same GPU, and last every step's decision read at once (what the deferred reads gain: the least valuable
@@ -305,6 +299,17 @@ if selected real-shape; then
   else record "skipped check real-shape (needs the bert-base-accum, hf-base and bare-base runs)"; fi
   close real-shape check:real-shape
 fi
+# BERT-base at sequence 128 (configs/base.yaml: compiled, fused AdamW, ZeRO 1, fixed-count masking, BERT's
+# hidden dropout 0.1): its MFU is the figure to set beside the anchors' (NVIDIA's BERT phase 1: about 45%
+# of an A100's bf16 peak).
+# It also evaluates the held-out split at its last step, compiled (after the last timed window).
+if selected bert-base; then
+  RUN_CONFIG=configs/base.yaml run bert-base 1 "${BASE_BATCH[@]}" train.eval_every="$STEPS" \
+    train.eval_sequences=512
+  if ran bert-base; then check heldout heldout "$WORK/runs/bert-base"
+  else record "skipped check heldout (needs the bert-base run)"; fi
+  close bert-base check:heldout
+fi
 # CUDA graphs where a step's host time decides (one micro-batch a step, the multi-node regime), beside
 # the bert-base run above: what impl.cuda_graphs=auto waits for before it turns them on.
 if selected graphs; then
@@ -313,15 +318,24 @@ if selected graphs; then
   else record "skipped check graphs (needs the bert-base and bert-base-graphs runs)"; fi
   close graphs check:graphs
 fi
-# The profiled steps: a fifth of the run, from its middle (after the compile and the first window).
-if selected profile; then
-  PROFILE=(impl.profile_at_step=$((STEPS / 2 + 1)) impl.profile_steps=$((STEPS / 5)))
-  run profile-mini 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=1 "${PROFILE[@]}"
-  RUN_CONFIG=configs/base.yaml run profile-base 1 "${BASE_BATCH[@]}" "${PROFILE[@]}"
-  if ran profile-mini profile-base; then check profile profile "$WORK/runs/profile-mini" "$WORK/runs/profile-base"
-  else record "skipped check profile (needs the profile-mini and profile-base runs)"; fi
-  close profile check:profile
+# What reading every step's decision at once costs where the step's host time shows (one micro-batch a
+# step), beside bert-base: after graphs, the least valuable of the three.
+if selected reads; then
+  ran bert-base || RUN_CONFIG=configs/base.yaml run bert-base 1 "${BASE_BATCH[@]}"
+  RUN_CONFIG=configs/base.yaml run bert-base-at-once 1 "${BASE_BATCH[@]}" impl.deferred_reads=false
+  if ran bert-base bert-base-at-once; then check reads reads "$WORK/runs/bert-base" "$WORK/runs/bert-base-at-once"
+  else record "skipped check reads (needs the bert-base and bert-base-at-once runs)"; fi
+  close reads check:reads
 fi
+if selected paths; then check paths paths "$CONFIG" "$DATA"; close paths check:paths; fi
+# 128 x 512 tokens at 15%: a BERT-base phase-2 micro-batch's predicted tokens, at its hidden size.
+if selected mlm-loss; then
+  check_with mlm-loss 30 bench/mlm_loss.py --device cuda --precision bf16 --tokens 9830 --hidden 768 \
+    --chunk-rows 1024 9830
+  close mlm-loss check:mlm-loss
+fi
+adamw() { run adamw 1 optim.name=adamw impl.fused_optimizer=true impl.zero_stage=1; }
+if selected adamw; then adamw; close adamw adamw; fi
 # A non-finite loss at ZeRO 1 bf16 (configs/base.yaml's setting: DeepSpeed's BF16_Optimizer): each such
 # step skipped on every rank without moving the schedule, and after three in a row exit 4.
 if selected nonfinite; then

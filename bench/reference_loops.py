@@ -13,6 +13,9 @@ of its own (fresh thread pools and allocator, the same environment as ours):
   (``bench/gpu_smoke.sh``'s yardsticks), reading the loss once a step, as such a loop does.
 
 A spec's ``training_args`` (HF only) add to ``TrainingArguments``: ``{"torch_compile": true}``.
+``"profile": [FIRST, STEPS]`` (bare only) takes ``torch.profiler`` over steps FIRST to FIRST + STEPS - 1
+(counted from 1) into ``out_dir/profile/``, as our trainer's ``impl.profile_at_step`` does: the same
+summary and a trace for bench/profile_kernels.py.
 
 Both write ``result.json`` into the spec's ``out_dir``: wall and CPU time at the end of every
 optimiser step, and the last loss.
@@ -162,6 +165,7 @@ def bare_worker(spec: dict) -> None:
     from pretrain.model.masking import SpecialIds, mask_batch
     from pretrain.model.mlm import build_model
     from pretrain.model.schedule import lr_schedule
+    from pretrain.runtime.profiling import StepProfiler
 
     torch.set_num_threads(spec["threads"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -190,8 +194,12 @@ def bare_worker(spec: dict) -> None:
         )
     )
     ends, cpu, loss = [], [], float("nan")
+    first, count = spec.get("profile") or (0, 0)
+    profiler = StepProfiler(first, count, spec["out_dir"], 0, device) if count else None
     model.train()
     for step in range(spec["steps"]):
+        if profiler:
+            profiler.before_step(step)
         for micro in range(spec["grad_accum"]):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items() if torch.is_tensor(v)}
             m = mask_batch(
@@ -213,6 +221,8 @@ def bare_worker(spec: dict) -> None:
         loss = float(loss_sum.detach()) * spec["grad_accum"]
         ends.append(time.time())
         cpu.append(time.process_time())
+    if profiler:
+        profiler.stop(spec["steps"])
     _write_result(spec, ends, cpu, loss)
 
 

@@ -134,10 +134,14 @@ def mask_micro_batches(parts: StepParts, step: int, micro_batches: list[dict]) -
     rate = rate_at_step(parts.masking, step, parts.max_steps)
     m = mask_batch(ids, starts, special, parts.masking, sample_ids=sample_ids, step=step, rate=rate)
     masked = []
+    # In document scope padding is a group of its own that no document sees (MLMModel.encode): no mask,
+    # so a micro-batch with a padded row runs the compiled graph too, not eagerly (eng.eager_forward).
+    in_documents = parts.model.attention_scope == "document"
     for part, batch, inputs in zip(split_rows(m, rows, parts.masking.fixed_count), micro_batches, on_device):
+        padded = batch.get("has_padding", True)
         # Rows packed full have no padding: no mask lets SDPA take its fast path.
-        attention_mask = (inputs["input_ids"] != special.pad) if batch.get("has_padding", True) else None
-        tokens = part.input_ids.numel() if attention_mask is None else attention_mask.sum()
+        attention_mask = (inputs["input_ids"] != special.pad) if padded and not in_documents else None
+        tokens = (inputs["input_ids"] != special.pad).sum() if padded else part.input_ids.numel()
         masked.append((part, attention_mask, tokens, inputs["sample_ids"]))
     return masked, m.num_masked
 
@@ -236,10 +240,14 @@ def decide_update(
     Whether the gradients overflowed or their norm is invalid is DeepSpeed's question before its
     update, asked here instead (``engine.grad_norm_ahead``; 0 where DeepSpeed asks itself)."""
     with phase("sync"):
+        # On CUDA a list index or a Python number written into an element is a copy from pageable host
+        # memory, which waits for the queued kernels (pytorch#186482): a strided slice and fills instead.
         decided = torch.zeros(6, dtype=torch.float64, device=parts.device)
-        decided[:2] = sums[[0, 2]]
-        decided[2], decided[3] = float(parts.stop.requested), float(level >= bad_input.BAD_INPUT)
-        decided[4] = float(level >= bad_input.OUTAGE)
+        decided[:2] = sums[0:3:2]  # loss sum, predicted
+        flags = (parts.stop.requested, level >= bad_input.BAD_INPUT, level >= bad_input.OUTAGE)
+        for i, flag in enumerate(flags, start=2):
+            if flag:
+                decided[i : i + 1].fill_(1.0)
         deepspeed_skips = eng.grad_norm_ahead(parts.engine)
         if deepspeed_skips is not None:
             decided[5] = deepspeed_skips

@@ -6,7 +6,10 @@ step would have on a GPU, by call site:
 - a device synchronisation (``torch.cuda.synchronize``, DeepSpeed's ``get_accelerator().synchronize()``,
   as its throughput timer calls it): ``.synchronize``;
 - a tensor made from host values on a device (``torch.tensor(x, device=...)``: on CUDA a blocking
-  copy from pageable memory, after the queued kernels): ``.tensor``.
+  copy from pageable memory, after the queued kernels): ``.tensor``;
+- the other copies from host memory that indexing makes (pytorch#186482): a Python number or list
+  written into a tensor (``t[i] = 1.0``: ``.setitem_host_value``) and an index given as a Python list
+  (``t[[0, 2]]``, read or written: ``.index_host_list``).
 
 On the CPU none of them waits, but each is counted where it is called. Step k's are those from the
 start of its ``train_step`` to the start of the next one's. Writes ``{"steps": [[site, ...], ...]}``
@@ -78,12 +81,37 @@ def _counting_tensor(original):
     return tensor
 
 
+def _host_list(index) -> bool:
+    """``index`` holds a Python list (torch makes it a tensor on the host and copies it over)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(part, list) for part in parts)
+
+
+def _counting_indexing():
+    getitem, setitem = torch.Tensor.__getitem__, torch.Tensor.__setitem__
+
+    def read(self, index):
+        if _host_list(index):
+            _record("index_host_list")
+        return getitem(self, index)
+
+    def write(self, index, value):
+        if _host_list(index):
+            _record("index_host_list")
+        if not isinstance(value, torch.Tensor):
+            _record("setitem_host_value")
+        return setitem(self, index, value)
+
+    torch.Tensor.__getitem__, torch.Tensor.__setitem__ = read, write
+
+
 def main() -> int:
     out, argv = Path(sys.argv[1]), sys.argv[2:]
     for name in READS:
         setattr(torch.Tensor, name, _counting(name))
     torch.cuda.synchronize = _counting_sync(torch.cuda.synchronize)
     torch.tensor = _counting_tensor(torch.tensor)
+    _counting_indexing()
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 

@@ -182,11 +182,11 @@ class _HashDraws:
     def __init__(self, seed: int, sample_ids: torch.Tensor, seq_len: int):
         self.seed, self.ids, self.seq_len = int(seed), sample_ids, seq_len
         seed_state = _absorb(0x9E3779B9, self.seed & ((1 << 64) - 1))  # Python ints
-        # Filled from Python ints, not torch.tensor(..., device=): a copy from host memory would wait
-        # for the device's queue.
+        # Filled with Python ints as the fill kernel's argument: torch.tensor(..., device=) or
+        # ``heads[k] = int`` would be a copy from host memory, which waits for the device's queue.
         heads = torch.empty(_KINDS, 1, dtype=torch.long, device=sample_ids.device)
         for kind in range(1, _KINDS + 1):
-            heads[kind - 1] = _absorb(seed_state, kind)
+            heads[kind - 1].fill_(_absorb(seed_state, kind))
         self._keys = _absorb(heads, sample_ids[None, :])
         self._at: tuple | None = None  # (flat positions, their rows, their position terms)
 

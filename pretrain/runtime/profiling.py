@@ -69,7 +69,8 @@ class StepProfiler:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._prof = torch.profiler.profile(activities=activities)
+            # the shapes give bench/profile_kernels.py each matmul's and attention kernel's FLOPs
+            self._prof = torch.profiler.profile(activities=activities, record_shapes=True)
             self._prof.start()
             self._done_at_start, self._t0, _active = steps_done, time.perf_counter(), True
         elif self._prof is not None and not self._done_at_start < steps_done < self.first + self.steps - 1:

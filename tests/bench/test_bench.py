@@ -64,7 +64,6 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         "nonfinite",
         "phase2",
         "profile-base",
-        "profile-mini",
         "zero3",
     ]
     nonfinite = launches["nonfinite"][1]
@@ -89,7 +88,8 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         assert cfg.impl.fused_mlm_loss
         # base.yaml's runs at its own micro-batch, one a step (8 at its real shape); the others at --micro-batch 16
         own = load_config(str(REPO / "configs/base.yaml"), [f"data.dir={shards}"]).impl.micro_batch_size
-        batch = own * (8 if "accum" in name else 1) if cfg.model.hidden_size == 768 else 16 * gpus
+        real_shape = "accum" in name or name == "profile-base"
+        batch = own * (8 if real_shape else 1) if cfg.model.hidden_size == 768 else 16 * gpus
         assert cfg.data.dir == str(shards) and cfg.train.global_batch_size == batch, name
         assert cfg.impl.micro_batch_size == (own if cfg.model.hidden_size == 768 else 16), name
     assert launches["lamb"][1].optim.name == "lamb" and launches["adamw"][1].optim.name == "adamw"
@@ -110,16 +110,19 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
             launches[f"{deferred}-at-once"][1].train.global_batch_size == launches[deferred][1].train.global_batch_size
         )
     # the yardsticks at the same shape: the HF Trainer and the bare loop, compiled, fused AdamW, bf16
+    # (the first, profiled: issue 84, item 1)
     specs = [json.loads(cmd[2]) for cmd in commands if cmd[1:2] == ["bench/reference_loops.py"]]
     assert [(s["kind"], s["batch_size"], s["grad_accum"], s["precision"], s["compile"]) for s in specs] == [
         ("bare", own, 8, "bf16", True),
+        ("bare", own, 8, "bf16", True),
         ("hf", own, 8, "bf16", True),
     ]
-    assert specs[1]["optim"] == "adamw_torch_fused" and specs[1]["training_args"] == {"torch_compile": True}
-    assert specs[0]["fused"] and load_config(specs[0]["config"], specs[0]["overrides"]).model.hidden_size == 768
-    assert [cmd[2:] for cmd in commands if cmd[1:2] == ["bench/gpu_smoke_checks.py"]][1:] == [
-        ["heldout", "/tmp/gpu_smoke/runs/bert-base"],
-        ["reads", "/tmp/gpu_smoke/runs/bert-base", "/tmp/gpu_smoke/runs/bert-base-at-once"],
+    assert [s["profile"] for s in specs] == [[12, 3], None, None]
+    assert specs[2]["optim"] == "adamw_torch_fused" and specs[2]["training_args"] == {"torch_compile": True}
+    assert specs[1]["fused"] and load_config(specs[1]["config"], specs[1]["overrides"]).model.hidden_size == 768
+    (checks,) = [cmd for cmd in commands if cmd[1:3] == ["bench/gpu_smoke_checks.py", "paths"]]
+    assert [cmd[2:] for cmd in commands if cmd[1:2] == ["bench/gpu_smoke_checks.py"]] == [
+        ["profile", "/tmp/gpu_smoke/runs/profile-base", "/tmp/gpu_smoke/runs/profile-bare"],
         [
             "yardsticks",
             "<peak>",
@@ -128,19 +131,24 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
             "/tmp/gpu_smoke/runs/hf-base",
             "/tmp/gpu_smoke/runs/bare-base",
         ],
+        ["heldout", "/tmp/gpu_smoke/runs/bert-base"],
         ["graphs", "/tmp/gpu_smoke/runs/bert-base", "/tmp/gpu_smoke/runs/bert-base-graphs"],
-        ["profile", "/tmp/gpu_smoke/runs/profile-mini", "/tmp/gpu_smoke/runs/profile-base"],
+        ["reads", "/tmp/gpu_smoke/runs/bert-base", "/tmp/gpu_smoke/runs/bert-base-at-once"],
+        ["paths", checks[3], checks[4]],
         ["nonfinite", "/tmp/gpu_smoke/runs/nonfinite"],
         ["resumed", "/tmp/gpu_smoke/runs/adamw", "/tmp/gpu_smoke/runs/halted"],
         ["export", "/tmp/gpu_smoke/runs/lamb"],
     ]
-    # a fifth of the 50 steps profiled, after the first windows; base.yaml's own compiled step
-    profiled = [launches[n][1] for n in ("profile-mini", "profile-base")]
-    assert [(c.impl.profile_at_step, c.impl.profile_steps) for c in profiled] == [(26, 10), (26, 10)]
-    assert profiled[1].impl.compile and profiled[1].model.hidden_size == 768
+    # three steps of base.yaml at its real shape profiled, after the compile and the first window,
+    # and read by the kernel report
+    profiled = launches["profile-base"][1]
+    assert (profiled.impl.profile_at_step, profiled.impl.profile_steps, profiled.train.max_steps) == (12, 3, 20)
+    assert profiled.impl.compile and profiled.model.hidden_size == 768
+    assert profiled.train.global_batch_size == 8 * own
+    (kernels,) = [cmd for cmd in commands if cmd[1:2] == ["bench/profile_kernels.py"]]
+    assert kernels[2:4] == ["--steps", "3"]
     (mlm_loss,) = [cmd for cmd in commands if cmd[1:2] == ["bench/mlm_loss.py"]]
     assert mlm_loss[2:6] == ["--device", "cuda", "--precision", "bf16"]
-    (checks,) = [cmd for cmd in commands if cmd[1:3] == ["bench/gpu_smoke_checks.py", "paths"]]
     # The Python half's configs load too (LAMB with ZeRO 0), and build the optimiser each expects.
     sys.path.insert(0, str(REPO))
     from bench.gpu_smoke_checks import path_configs
@@ -235,8 +243,8 @@ def test_gpu_smoke_fits_its_budget(shards, tmp_path):
             runs.setdefault(line.split()[2], set()).add(line.split()[0])
     # everything that ran was launched and finished; everything else says skipped
     assert {n for n, how in runs.items() if "ok" in how} == set(launched), (runs, launched)
-    # base.yaml's runs (~150 s) do not fit: not bert-base, not profile-base
-    assert launched[:3] == ["adamw", "profile-mini", "nonfinite"] and "bert-base" not in launched, launched
+    # base.yaml's runs and the yardsticks (~150 s) do not fit: not profile-base, not bert-base
+    assert launched[:2] == ["adamw", "nonfinite"] and "bert-base" not in launched, launched
     assert "profile-base" not in launched
     assert all(how == {"skipped"} for n, how in runs.items() if n not in launched), runs
     left = first.stdout.split("gpu_smoke: nothing failed; not done yet: ")[1].splitlines()[0].split()
@@ -245,7 +253,7 @@ def test_gpu_smoke_fits_its_budget(shards, tmp_path):
         line.split()[1] for line in (work / "results.txt").read_text().splitlines() if line.startswith("done")
     }
     assert {"paths", "mlm-loss", "adamw", "nonfinite"} <= done_first, done_first
-    assert not {"bert-base", "profile"} & done_first, done_first  # profile-mini ran, but not the whole unit
+    assert not {"bert-base", "profile"} & done_first, done_first
 
     results = tmp_path / "lease1-results.txt"  # carried to the next machine
     results.write_text((work / "results.txt").read_text())
@@ -255,9 +263,9 @@ def test_gpu_smoke_fits_its_budget(shards, tmp_path):
     mini = re.search(r"run times from \S+: mini (\d+) s", second.stdout)
     assert mini and 40 <= int(mini.group(1)) <= 50, second.stdout[:2000]
     # nothing done runs again, but adamw (phase 2 and the resume start from its checkpoint, which the
-    # new machine lacks) and the runs of a unit left half done (profile: its check needs both runs)
-    assert set(launched) & set(launched2) <= {"adamw", "profile-mini"}, (launched, launched2)
-    assert "bert-base" in launched2 and "lamb" in launched2, launched2
+    # new machine lacks) and the runs of a unit left half done (resume: halted ran, not its resumed half)
+    assert set(launched) & set(launched2) <= {"adamw", "halted"}, (launched, launched2)
+    assert {"profile-base", "bert-base", "lamb"} <= set(launched2), launched2
     assert second.stdout.rstrip().endswith("gpu_smoke: all GPU paths ran"), second.stdout[-2000:]
 
 
@@ -610,3 +618,55 @@ def test_datatrove_bench_says_how_to_install_datatrove_when_it_is_missing(tmp_pa
         text=True,
     )
     assert run.returncode == 1 and 'pip install --target /tmp/datatrove "datatrove[processing]==0.10.1"' in run.stderr
+
+
+def test_profile_kernels_splits_a_traces_device_time_by_class_and_rates_its_matmuls(tmp_path):
+    """bench/profile_kernels.py on a trace in torch.profiler's format: two steps of a 1,000 x 1,000 x 1,000
+    matmul kernel (2 GFLOP in 10 us: 200 TFLOP/s), a flash attention, an inductor fusion, the fused
+    AdamW, a copy, with gaps between them that count as idle."""
+    import gzip
+
+    sys.path.insert(0, str(REPO))
+    from bench.profile_kernels import main
+
+    def op(name, ext, dims, ts):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": 5, "args": {"External id": ext, "Input Dims": dims}}
+
+    def kernel(name, ts, dur, ext=None, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"External id": ext}}
+
+    events = []
+    for step in range(2):
+        t = 1000 * step
+        events += [
+            op("aten::mm", 10 + step, [[1000, 1000], [1000, 1000]], t),
+            kernel("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT", t + 10, 10, 10 + step),
+            op("aten::_scaled_dot_product_flash_attention", 20 + step, [[2, 4, 128, 64]] * 3, t + 20),
+            kernel("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>", t + 30, 20, 20 + step),
+            kernel("triton_per_fused_native_layer_norm_native_dropout_0", t + 60, 30),
+            kernel("triton_red_fused__log_softmax_nll_loss_forward_1", t + 100, 5),
+            kernel("void at::native::fused_adam_kernel<float>", t + 200, 100),
+            kernel("Memcpy HtoD (Pageable -> Device)", t + 400, 2, cat="gpu_memcpy"),
+        ]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert main(["--steps", "2", "--json", str(tmp_path / "k.json"), str(path)]) == 0
+    (found,) = json.loads((tmp_path / "k.json").read_text()).values()
+    assert found["by_class_ms"] == pytest.approx(
+        {
+            "matmul": 0.010,
+            "attention": 0.020,
+            "elementwise, norm, dropout": 0.030,
+            "mlm loss": 0.005,
+            "optimizer": 0.100,
+            "copies": 0.002,
+            "collectives": 0.0,
+        }
+    )
+    assert found["span_ms"] == pytest.approx(1.402 / 2) and found["busy_ms"] == pytest.approx(0.167)
+    rates = {k["class"]: k["tflops"] for k in found["top"]}
+    assert rates["matmul"] == pytest.approx(200.0)  # 2e9 FLOP in 10 us
+    assert rates["attention"] == pytest.approx(4 * 2 * 4 * 128 * 128 * 64 / 20e-6 / 1e12)
+    assert rates["optimizer"] is None
+    assert main(["--steps", "1", str(tmp_path / "missing.json.gz")]) == 2

@@ -302,3 +302,39 @@ def test_the_scope_is_refused_when_changed_on_resume_and_a_new_phase_may_change_
         )
     )
     assert "within each row" in phase.stdout + phase.stderr
+
+
+@pytest.mark.parametrize("scope", ["row", "document"])
+def test_a_padded_micro_batch_gets_a_padding_mask_only_in_row_scope(scope):
+    """Issue 84, item 0b: in document scope padding is a group of its own (the model ignores the
+    padding mask), so a micro-batch holding a padded row goes to the engine without one and runs the
+    compiled graph (``engine.eager_forward`` runs a masked micro-batch eagerly); the tokens it counts
+    leave the padding out in both scopes."""
+    from types import SimpleNamespace
+
+    from pretrain.config.objective import MaskingConfig
+    from pretrain.step import mask_micro_batches
+
+    ids = torch.tensor([[CLS, 7, 8, SEP, 9, 10, SEP, PAD], [CLS, 11, 12, 13, 14, 15, 16, SEP]])
+    batch = {
+        "input_ids": ids,
+        "word_starts": torch.ones_like(ids, dtype=torch.bool),
+        "sample_ids": torch.tensor([5, 6]),
+        "has_padding": True,
+    }
+    full = {**batch, "input_ids": ids[1:], "word_starts": batch["word_starts"][1:], "sample_ids": torch.tensor([7])}
+    full["has_padding"] = False
+    parts = SimpleNamespace(
+        device=torch.device("cpu"),
+        special=SPECIAL,
+        masking=MaskingConfig(),
+        max_steps=10,
+        model=SimpleNamespace(attention_scope=scope),
+    )
+    (padded, attention_mask, tokens, _), (_, no_mask, full_tokens, _) = mask_micro_batches(parts, 0, [batch, full])[0]
+    assert int(tokens) == 15 and int(full_tokens) == 8
+    assert no_mask is None
+    if scope == "document":
+        assert attention_mask is None
+    else:
+        assert attention_mask.tolist() == (ids != PAD).tolist()
