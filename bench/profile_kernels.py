@@ -40,7 +40,9 @@ ORDER = ("matmul", "attention", OTHER, "mlm loss", "optimizer", "copies", "colle
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm"}
 SDPA_FWD = re.compile(r"aten::_(scaled_dot_product_\w+attention|flash_attention_forward|efficient_attention_forward)$")
-SDPA_BWD = re.compile(r"aten::_(scaled_dot_product_\w+attention_backward|flash_attention_backward|efficient_attention_backward)$")
+SDPA_BWD = re.compile(
+    r"aten::_(scaled_dot_product_\w+attention_backward|flash_attention_backward|efficient_attention_backward)$"
+)
 
 
 def kernel_class(name: str, cat: str = "kernel") -> str:

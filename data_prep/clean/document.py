@@ -16,6 +16,7 @@ import numpy as np
 import rensa
 
 from ..errors import DataPrepError
+from .fasttext_file import file_problems
 from .quality import first_failure
 from .quality_model import one_line
 from .settings import CleanSettings
@@ -114,6 +115,8 @@ class QualityScorer:
         ``label`` among its labels (a model trained for another task would score every document 0),
         or a prediction that is not a probability."""
         where = f"--quality-model {path}"
+        if damaged := file_problems(path):  # before fastText's loader, which trusts the header
+            return [f"{where}: {problem}" for problem in damaged]
         try:
             import fasttext
 

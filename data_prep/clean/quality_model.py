@@ -19,11 +19,9 @@ test loads our file with ``fasttext-predict`` and compares its probabilities wit
 
 from __future__ import annotations
 
-import io
 import math
 import random
 import re
-import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +31,10 @@ import numpy as np
 from ..errors import DataPrepError
 from ..reader import ReadOptions, iter_source_records, resolve_inputs
 from ..sample_corpus import low_quality_documents
+from .fasttext_file import LOSS_SOFTMAX, MODEL_SUPERVISED, write_supervised
 
 POSITIVE, NEGATIVE = "__label__hq", "__label__cc"  # DCLM's label names
 EOS = "</s>"
-_MAGIC, _VERSION = 793712314, 12
-_LOSS_SOFTMAX, _MODEL_SUPERVISED = 3, 3
 _NGRAM_MULT = 116049371
 _MASK64 = (1 << 64) - 1
 _SPACE = re.compile("[ \n\r\t\v\f\x00]+")  # what fastText's readWord splits on, and nothing else
@@ -196,27 +193,9 @@ class Classifier:
     def save(self, path: Path) -> None:
         """A fastText ``.bin`` (version 12, supervised, softmax, not quantised), written whole."""
         d, s = self.dictionary, self.settings
-        buf = io.BytesIO()
-        buf.write(struct.pack("<ii", _MAGIC, _VERSION))
-        # Args: dim ws epoch minCount neg wordNgrams loss model bucket minn maxn lrUpdateRate, t
-        args = (s.dim, 5, s.epochs, 1, 5, s.word_ngrams, _LOSS_SOFTMAX, _MODEL_SUPERVISED, s.bucket, 0, 0, 100)
-        buf.write(struct.pack("<12id", *args, 1e-4))
-        labels = [(POSITIVE, 1), (NEGATIVE, 1)]
-        entries = list(zip(d.words, d.counts)) + labels
-        ntokens = sum(d.counts)
-        # Dictionary: size nwords nlabels (int32), ntokens (int64), pruneidx_size (int64: -1, none)
-        buf.write(struct.pack("<iiiqq", len(entries), len(d.words), len(labels), ntokens, -1))
-        for i, (word, count) in enumerate(entries):
-            buf.write(word.encode("utf-8") + b"\0" + struct.pack("<qb", count, int(i >= len(d.words))))
-        buf.write(b"\0")  # quant_input: false
-        buf.write(struct.pack("<qq", *self.input.shape))
-        buf.write(np.ascontiguousarray(self.input, "<f4").tobytes())
-        buf.write(b"\0")  # qout: false
-        buf.write(struct.pack("<qq", *self.output.shape))
-        buf.write(np.ascontiguousarray(self.output, "<f4").tobytes())
-        partial = path.with_name(path.name + ".tmp")
-        partial.write_bytes(buf.getvalue())
-        partial.replace(path)
+        args = (s.dim, 5, s.epochs, 1, 5, s.word_ngrams, LOSS_SOFTMAX, MODEL_SUPERVISED, s.bucket, 0, 0, 100, 1e-4)
+        entries = [(w, c, 0) for w, c in zip(d.words, d.counts)] + [(POSITIVE, 1, 1), (NEGATIVE, 1, 1)]
+        write_supervised(path, args, entries, sum(d.counts), self.input, self.output)
 
 
 def train(examples: list[tuple[str, bool]], settings: Settings) -> Classifier:

@@ -3,10 +3,14 @@
 A manifest's shard and tokenizer names, a checkpoint's ``file_list.json``, a mirror's listings and a
 bucket's keys come from files whoever can write a data folder, a run folder or a bucket controls.
 Joined as given, ``../../x`` or ``/etc/x`` would read or write outside the folder: ``inside`` refuses
-such a name (``UnsafeName``, naming it), and a path that a symbolic link leads out of."""
+such a name (``UnsafeName``, naming it), and a path that a symbolic link leads out of. A folder the
+project copies or uploads whole (the tokenizer into a checkpoint, an export to a mirror) is walked by
+``plain_files``, which follows no link: a link there is named, never read through."""
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path, PurePosixPath
 from typing import Optional
 
@@ -45,3 +49,21 @@ def inside(folder: Path, name: object, what: str) -> Path:
     if not target.resolve().is_relative_to(Path(folder).resolve()):
         raise UnsafeName(f"{what}: {name!r} leads out of {folder} through a symbolic link")
     return target
+
+
+def plain_files(folder: Path) -> tuple[list[Path], list[Path]]:
+    """(the regular files under ``folder``, sorted; everything else under it, sorted: symbolic links to
+    files or folders, which are not followed, and FIFOs, sockets and devices, which are not read).
+    What ``folder`` holds is copied or uploaded from the first list only, so nothing a link points
+    to (``~/.aws/credentials``, another run) leaves with it."""
+    if Path(folder).is_symlink():
+        return [], [Path(folder)]
+    files: list[Path] = []
+    others: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(folder):  # does not descend into linked folders
+        base = Path(dirpath)
+        others += [base / d for d in dirnames if (base / d).is_symlink()]
+        for name in filenames:
+            path = base / name
+            (files if stat.S_ISREG(path.lstat().st_mode) else others).append(path)
+    return sorted(files), sorted(others)

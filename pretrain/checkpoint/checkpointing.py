@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import shutil
 import socket
@@ -32,7 +33,7 @@ import yaml
 from data_prep.common.atomic import write_atomic
 from data_prep.common.errors import ShardError
 from data_prep.common.manifest import Manifest, load_manifest
-from data_prep.common.paths import UnsafeName, inside
+from data_prep.common.paths import UnsafeName, inside, plain_files
 from data_prep.common.shards import sha256_file
 from data_prep.common.storage import StorageError
 from pretrain.checkpoint import mirror, reshard, safe_load
@@ -50,6 +51,8 @@ from pretrain.checkpoint.nodes import NodeLayout, env_node_ranks
 from pretrain.config.loader import ConfigError
 from pretrain.config.schema import Config, upgrade_saved
 
+log = logging.getLogger("pretrain")
+
 
 def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.train.out_dir) / "checkpoints"
@@ -59,14 +62,28 @@ def complete_tags(root: Path) -> list[str]:
     """Tags whose every file is on disk, oldest first."""
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir() if p.is_dir() and is_tag(p.name) and (p / COMPLETE).is_file())
+    return sorted(
+        p.name
+        for p in root.iterdir()
+        if is_tag(p.name) and not p.is_symlink() and p.is_dir() and (p / COMPLETE).is_file()
+    )
 
 
 def latest_complete_tag(root: Path) -> Optional[str]:
+    """What ``latest`` names, when it names a complete tag of this folder; else the newest complete tag.
+    A pointer that is not a tag name (``../../other-run/checkpoints/step00000040``, an absolute path)
+    or names a symbolic link is damage, named: another run's checkpoint is never taken for this one's."""
     pointer = root / LATEST
     if pointer.is_file():
         tag = pointer.read_text().strip()
-        if (root / tag / COMPLETE).is_file():
+        if not is_tag(tag) or (root / tag).is_symlink():
+            log.warning(
+                "%s names %r, not a checkpoint tag of this folder: damaged, passed over for the newest "
+                "complete checkpoint",
+                pointer,
+                tag[:200],
+            )
+        elif (root / tag / COMPLETE).is_file():
             return tag
     tags = complete_tags(root)
     return tags[-1] if tags else None
@@ -286,13 +303,40 @@ def _complete(
     for name, text in side_files.items():
         write_atomic(folder / name, text)
     for name, src in copy_dirs.items():
-        shutil.copytree(src, folder / name, dirs_exist_ok=True)
+        copy_plain(src, folder / name)
     write_file_list(folder)
     write_atomic(folder / COMPLETE, json.dumps({"step": step}) + "\n")
     write_atomic(root / LATEST, tag)
     if keep:
         for old in complete_tags(root)[:-keep]:
             shutil.rmtree(root / old, ignore_errors=True)
+
+
+def copy_plain(src: Path, dst: Path) -> None:
+    """``src``'s regular files into ``dst`` (the data's tokenizer into a checkpoint): a symbolic link
+    there is not followed, so nothing it points to is written into the checkpoint or its mirror. The
+    preflight refuses such a tokenizer folder before the run (``tokenizer_problems``); one linked
+    since is left out and named."""
+    files, others = plain_files(src)
+    for path in files:
+        target = dst / path.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+    if others:
+        log.warning(
+            "checkpoint %s: left out %s: not regular files (symbolic links are not followed)",
+            dst.parent.name,
+            ", ".join(str(p) for p in others),
+        )
+
+
+def tokenizer_problems(folder: Path) -> list[str]:
+    """The tokenizer folder every checkpoint copies holds regular files only (``copy_plain``)."""
+    return [
+        f"{path}: not a regular file (a symbolic link or a special file); every checkpoint copies the data's "
+        f"tokenizer folder and follows no link: put the file itself there"
+        for path in plain_files(folder)[1]
+    ]
 
 
 def load(engine, cfg: Config, tag: str, nodes: NodeLayout) -> dict:

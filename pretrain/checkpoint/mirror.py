@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Optional
 
 from data_prep.common.atomic import write_atomic
-from data_prep.common.paths import UnsafeName, inside, name_problem
+from data_prep.common.paths import UnsafeName, inside, name_problem, plain_files
 from data_prep.common.shards import sha256_file
 from data_prep.common.storage import StorageError, Store, open_store
 from pretrain.checkpoint.files import (
@@ -229,7 +229,15 @@ class CheckpointMirror:
         self._pending.append(self._pool.submit(self._upload_folder, Path(folder), last))
 
     def _upload_folder(self, folder: Path, last: Optional[str]) -> None:
-        files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != last)
+        found, others = plain_files(folder)
+        if others:  # nothing a link points to leaves the run folder
+            log.warning(
+                "checkpoint mirror: not uploading %s: not regular files of the run (symbolic links are not followed)",
+                ", ".join(str(p) for p in others),
+            )
+        files = [p for p in found if p != folder / last] if last else found
+        if last and folder / last in others:
+            last = None  # a linked marker: the mirrored folder stays unfinished
         try:
             for path in files + ([folder / last] if last else []):
                 name = f"{folder.name}/{path.relative_to(folder).as_posix()}"

@@ -50,6 +50,8 @@ def check_inputs(cfg: Config, checked: str = "the run's inputs") -> tuple[Manife
         problems += cache_dir_problems(
             cfg.data.cache_dir, cfg.data.cache_limit_gb, max((e.bytes for e in manifest.shards), default=0)
         )
+    if open_store(cfg.data.dir).local_dir is not None:  # a bucket's tokenizer is downloaded as plain files
+        problems += checkpointing.tokenizer_problems(tokenizer_dir(manifest, cfg.data.dir))
     problems += init_from_problems(cfg, manifest)
     problems += hardware.precision_problems(cfg.impl.precision)
     problems += hardware.device_problems(cfg.impl)

@@ -630,7 +630,14 @@ def test_profile_kernels_splits_a_traces_device_time_by_class_and_rates_its_matm
     from bench.profile_kernels import main
 
     def op(name, ext, dims, ts):
-        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": 5, "args": {"External id": ext, "Input Dims": dims}}
+        return {
+            "ph": "X",
+            "cat": "cpu_op",
+            "name": name,
+            "ts": ts,
+            "dur": 5,
+            "args": {"External id": ext, "Input Dims": dims},
+        }
 
     def kernel(name, ts, dur, ext=None, cat="kernel"):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"External id": ext}}

@@ -176,8 +176,9 @@ def test_keep_top_keeps_that_share_and_stages_write_the_same_bytes(tmp_path, mod
 @pytest.mark.parametrize(
     "damage,said",
     [
-        ("truncated", "predicts no label at all: a truncated or damaged fastText file"),
+        ("truncated", "a damaged fastText header: the input matrix claims"),
         ("not fastText", "not a fastText model"),
+        ("2^31 words in 92 bytes", "the dictionary's size claims 2,147,483,647 entries"),
         ("other labels", "quality_model.label __label__edu is not one of them"),
     ],
 )
@@ -190,6 +191,8 @@ def test_a_damaged_or_foreign_quality_model_is_named_with_exit_2_before_anything
         bad.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
     elif damage == "not fastText":
         bad.write_text("this is a README, not a model\n" * 50)
+    elif damage == "2^31 words in 92 bytes":
+        bad.write_bytes(crafted_headers()["dictionary size"])
     else:
         bad = model
     extra = ["--set", "quality_model.label=__label__edu"] if damage == "other labels" else []
@@ -198,6 +201,89 @@ def test_a_damaged_or_foreign_quality_model_is_named_with_exit_2_before_anything
     err = capsys.readouterr().err
     assert said in err and str(bad) in err, err
     assert not (tmp_path / "out").exists()
+
+
+def crafted_headers() -> dict[str, bytes]:
+    """Issue 81, item 3, as a class: each field of a fastText header that its loader trusts, set to
+    what the file cannot hold. fastText reads the dictionary's entries past the end of the file for
+    ever (the first: 92 bytes took the cleaning parent to 2.9 GB in 64 s) and allocates a matrix
+    before it reads it (a claimed 16 GiB)."""
+    import struct
+
+    def header(dim=16):
+        return struct.pack("<ii", 793712314, 12) + struct.pack("<12id", dim, 5, 5, 1, 5, 1, 3, 3, 100, 0, 0, 100, 1e-4)
+
+    def dictionary(
+        size=2,
+        words=1,
+        prune=-1,
+        entries=b"hello\0" + struct.pack("<qb", 3, 0) + b"__label__hq\0" + struct.pack("<qb", 1, 1),
+    ):
+        return struct.pack("<iiiqq", size, words, size - words, 3, prune) + entries
+
+    def dense(rows, cols, data=True):
+        return b"\0" + struct.pack("<qq", rows, cols) + (bytes(rows * cols * 4) if data else b"")
+
+    good = header() + dictionary()
+    return {
+        "dictionary size": header() + struct.pack("<iiiqq", 2**31 - 1, 2**31 - 3, 2, 0, -1),
+        "dictionary entry": header() + dictionary(entries=b"hello" * 40),  # no NUL before the end
+        "pruned index": header() + dictionary(prune=2**40),
+        "input matrix": good + dense(2**20, 2**12, data=False),  # 16 GiB
+        "output matrix": good + dense(101, 16) + dense(2**31, 2**31, data=False),
+        "negative shape": good + dense(-1, 16, data=False),
+        "quantised codes": good + b"\1" + struct.pack("<?qqi", False, 101, 16, 2**31 - 1),
+        "dim": header(dim=2**30) + dictionary() + dense(101, 16) + dense(1, 16),
+        "a sound header": good + dense(101, 16) + dense(1, 16),
+    }
+
+
+@pytest.mark.slow
+def test_a_fasttext_header_that_claims_more_than_its_file_is_named_by_field_at_once(tmp_path):
+    """Every field of the class, checked against the file's size before fastText's loader sees the
+    file: named, in well under a second, under a 3 GiB address-space limit (fastText's loader would
+    loop or allocate its way past it)."""
+    import subprocess
+    import sys
+
+    paths = {}
+    for name, data in crafted_headers().items():
+        paths[name] = tmp_path / f"{name.replace(' ', '_')}.bin"
+        paths[name].write_bytes(data)
+    script = (
+        "import json, resource, sys, time\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+        "from data_prep.clean.fasttext_file import file_problems\n"
+        "out = {}\n"
+        "for name, path in json.loads(sys.argv[1]).items():\n"
+        "    t0 = time.perf_counter(); found = file_problems(path)\n"
+        "    out[name] = [found, time.perf_counter() - t0]\n"
+        "print(json.dumps(out))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps({k: str(v) for k, v in paths.items()})],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    said = {
+        "dictionary size": "the dictionary's size claims 2,147,483,647 entries",
+        "dictionary entry": "the dictionary's entry 0 of 2 has no end",
+        "pruned index": "the dictionary's pruned index claims 1,099,511,627,776 pairs",
+        "input matrix": "the input matrix claims 1,048,576 x 4,096 floats",
+        "output matrix": "the output matrix claims 2,147,483,648 x 2,147,483,648 floats",
+        "negative shape": "the input matrix's shape is -1 x 16",
+        "quantised codes": "the quantised input matrix's codes claims 2,147,483,647 bytes",
+        "dim": "the training arguments' dim 1,073,741,824 is not the input matrix's width",
+    }
+    for name, (problems, seconds) in found.items():
+        assert seconds < 0.5, (name, seconds)
+        if name == "a sound header":
+            assert problems == []
+            continue
+        assert len(problems) == 1 and said[name] in problems[0], (name, problems)
 
 
 def test_a_model_that_removes_every_document_says_so(tmp_path, model_and_corpus, capsys):

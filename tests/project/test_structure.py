@@ -60,7 +60,8 @@ DATA_PREP_TIERS = {
 CLEAN_TIERS = {
     "settings": 0,
     "clusters": 0,
-    "quality_model": 0,
+    "fasttext_file": 0,
+    "quality_model": 1,
     "quality": 1,
     "sorted_keys": 1,
     "reference": 1,

@@ -1,0 +1,161 @@
+"""Fail safe, round 6 (issue 81): nothing outside the run folder leaves with it, and a ``latest`` pointer
+never leads to another run's checkpoint.
+
+Each test plants the fault first (a secret a symbolic link points to, a pointer out of the folder), then
+shows it refused or left out, and named."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import explain, train
+from data_prep.common.manifest import load_manifest
+from data_prep.common.paths import plain_files
+from pretrain.checkpoint.checkpointing import complete_tags, copy_plain, latest_complete_tag
+
+RUN = [
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_sequences=32",
+    "model.max_position_embeddings=64",
+    "optim.warmup_steps=2",
+    "impl.compile=false",
+    "tracking.backend=none",
+]
+SECRET = b"aws_secret_access_key = PLANTED-SECRET-81"
+
+
+def secrets(tmp_path: Path) -> tuple[Path, Path]:
+    """A credentials file and a folder holding one, outside any run."""
+    outside = tmp_path / "home"
+    (outside / "keys").mkdir(parents=True)
+    (outside / "credentials").write_bytes(SECRET)
+    (outside / "keys" / "id").write_bytes(SECRET)
+    return outside / "credentials", outside / "keys"
+
+
+def plant_links(folder: Path, tmp_path: Path) -> list[str]:
+    """The class: a link to a file, a link to a folder, a link to a file of the same run; their names."""
+    credentials, keys = secrets(tmp_path)
+    (folder / "notes.txt").symlink_to(credentials)
+    (folder / "more").symlink_to(keys, target_is_directory=True)
+    (folder / "sibling.json").symlink_to(folder / "config.json")
+    return ["notes.txt", "more", "sibling.json"]
+
+
+# ------------------------------------------------------------- item 1: what a link points to stays home
+
+
+def test_a_folder_walk_lists_regular_files_and_names_links_and_special_files(tmp_path):
+    src = tmp_path / "tok"
+    (src / "sub").mkdir(parents=True)
+    (src / "vocab.txt").write_text("a\n")
+    (src / "sub" / "merges.txt").write_text("b\n")
+    (src / "config.json").write_text("{}")
+    planted = plant_links(src, tmp_path)
+    os.mkfifo(src / "pipe")  # reading it would block for ever
+    files, others = plain_files(src)
+    assert [p.relative_to(src).as_posix() for p in files] == ["config.json", "sub/merges.txt", "vocab.txt"]
+    assert sorted(p.name for p in others) == sorted([*planted, "pipe"])
+    linked = tmp_path / "linked"
+    linked.symlink_to(src, target_is_directory=True)
+    assert plain_files(linked) == ([], [linked])  # the folder itself a link: nothing read through it
+
+
+def test_a_checkpoints_tokenizer_copy_leaves_links_out_and_names_them(tmp_path, caplog):
+    src, dst = tmp_path / "tokenizer", tmp_path / "ckpt" / "step00000002" / "tokenizer"
+    src.mkdir()
+    (src / "vocab.txt").write_text("[PAD]\n")
+    (src / "config.json").write_text("{}")
+    plant_links(src, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="pretrain"):
+        copy_plain(src, dst)
+    assert sorted(p.name for p in dst.rglob("*")) == ["config.json", "vocab.txt"]
+    assert not any(p.is_symlink() for p in dst.rglob("*"))
+    assert all(SECRET not in p.read_bytes() for p in dst.rglob("*") if p.is_file())
+    assert "notes.txt" in caplog.text and "more" in caplog.text and "symbolic links are not followed" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_data_folder_whose_tokenizer_holds_a_link_is_refused_before_the_run(shards, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(shards, data)
+    tokenizer = data / load_manifest(data).tokenizer.path
+    credentials, keys = secrets(tmp_path)
+    (tokenizer / "notes.txt").symlink_to(credentials)
+    (tokenizer / "more").symlink_to(keys, target_is_directory=True)
+    out = tmp_path / "run"
+    proc = train(data, out, *RUN, "train.max_steps=2", "train.checkpoint_every=2")
+    assert proc.returncode == 2, explain(proc)
+    assert "notes.txt: not a regular file" in proc.stderr and "more: not a regular file" in proc.stderr, proc.stderr
+    assert not (out / "checkpoints").exists()  # nothing started
+
+
+def mirrored_files(kind: str, mirror: str, s3_server) -> dict[str, bytes]:
+    if kind == "s3":
+        bucket, prefix = mirror[len("s3://") :].split("/", 1)
+        return s3_server.objects(bucket, prefix)
+    root = Path(mirror)
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["folder", "s3"])
+def test_links_planted_in_the_export_never_reach_the_mirror(shards, tmp_path, s3_server, kind):
+    """The issue's repro: a finished run, links planted in ``hf_final/``, then the same run with a
+    mirror, which uploads the export it lacks. The export's own files arrive; what the links point
+    to does not, and the log names each link."""
+    out = tmp_path / "run"
+    steps = [*RUN, "train.max_steps=2", "train.checkpoint_every=2"]
+    train(shards, out, *steps, check=True)
+    planted = plant_links(out / "hf_final", tmp_path)
+    mirror = f"s3://{s3_server.bucket('links')}/runs/a" if kind == "s3" else str(tmp_path / "mirror")
+    env = s3_server.aws() if kind == "s3" else None
+    proc = train(shards, out, *steps, f"train.checkpoint_mirror={mirror}", env=env)
+    assert proc.returncode == 0, explain(proc)
+    mirrored = mirrored_files(kind, mirror, s3_server)
+    export = {k: v for k, v in mirrored.items() if k.startswith("hf_final/")}
+    own = {p.name for p in (out / "hf_final").iterdir() if not p.is_symlink()}
+    assert {k.split("/", 1)[1] for k in export} == own and "EXPORTED_FROM" in own, sorted(export)
+    assert not any(SECRET in v for v in mirrored.values())
+    for name in planted:
+        assert str(out / "hf_final" / name) in proc.stdout + proc.stderr, (name, proc.stdout[-3000:])
+
+
+# ------------------------------------------------------------ item 2: latest names a tag of its folder
+
+
+def complete(root: Path, tag: str) -> None:
+    (root / tag).mkdir(parents=True)
+    (root / tag / "COMPLETE").write_text(json.dumps({"step": int(tag[4:])}))
+
+
+@pytest.mark.parametrize(
+    "pointer",
+    [
+        "../../other-run/checkpoints/step00000040",
+        "{other}/step00000040",  # an absolute path
+        "step00000040",  # a tag of this folder's name that is a link to the other run's
+        "step00000004/../../../other-run/checkpoints/step00000040",
+    ],
+)
+def test_a_latest_pointer_out_of_its_folder_is_damage_and_the_newest_own_tag_is_taken(tmp_path, caplog, pointer):
+    root, other = tmp_path / "run" / "checkpoints", tmp_path / "other-run" / "checkpoints"
+    for tag in ("step00000002", "step00000004"):
+        complete(root, tag)
+    complete(other, "step00000040")
+    if pointer == "step00000040":
+        (root / "step00000040").symlink_to(other / "step00000040", target_is_directory=True)
+    (root / "latest").write_text(pointer.format(other=other))
+    with caplog.at_level(logging.WARNING, logger="pretrain"):
+        assert latest_complete_tag(root) == "step00000004"
+    assert "not a checkpoint tag of this folder" in caplog.text and "damaged" in caplog.text
+    assert complete_tags(root) == ["step00000002", "step00000004"]  # a linked tag is none of this run's
+    (root / "latest").write_text("step00000002")  # a pointer that is a tag of its own is taken as it is
+    assert latest_complete_tag(root) == "step00000002"
