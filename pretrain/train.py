@@ -60,6 +60,7 @@ from pretrain.run import Run, build_run
 from pretrain.runtime import engine as eng
 from pretrain.runtime import faults, hardware, lifeline
 from pretrain.runtime.exit_codes import BAD_INPUT as EXIT_BAD_INPUT
+from pretrain.runtime.exit_codes import DISK_FULL as EXIT_DISK_FULL
 from pretrain.runtime.exit_codes import NONFINITE as EXIT_NONFINITE
 from pretrain.runtime.exit_codes import REQUEUE as EXIT_REQUEUE
 from pretrain.runtime.exit_codes import SPIKES as EXIT_SPIKES
@@ -313,15 +314,20 @@ def checkpoint(run: Run, export: bool, final: bool) -> None:
         files.MANIFEST_FILE: json.dumps(manifest.to_dict()),
         files.STATE_FILE: json.dumps(readable),
     }
-    tag = checkpointing.save(
-        run.engine,
-        cfg,
-        state.step,
-        {STATE_KEY: snapshot},
-        side_files,
-        {files.TOKENIZER_DIR: tokenizer_dir(manifest, cfg.data.dir)},
-        run.nodes,
-    )
+    try:
+        tag = checkpointing.save(
+            run.engine,
+            cfg,
+            state.step,
+            {STATE_KEY: snapshot},
+            side_files,
+            {files.TOKENIZER_DIR: tokenizer_dir(manifest, cfg.data.dir)},
+            run.nodes,
+        )
+    except (OSError, RuntimeError) as exc:
+        if not checkpointing.out_of_space(exc, checkpointing.checkpoint_root(cfg)):
+            raise
+        raise checkpointing.disk_full(cfg, state.step) from None
     run.tracker.log_checkpoint(tag, state.step, str(checkpointing.checkpoint_root(cfg) / tag))
     if run.mirror is not None:
         run.mirror.upload(checkpointing.checkpoint_root(cfg) / tag)  # in the background
@@ -396,14 +402,13 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except storage.StoreUnavailable as exc:  # the data's store is down: requeue, resume from the checkpoint
-        print(
-            f"error: {exc}; exit {EXIT_REQUEUE} (requeue): the last complete checkpoint resumes",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"error: {exc}; exit {EXIT_REQUEUE} (requeue): the last complete checkpoint resumes", file=sys.stderr)
         return EXIT_REQUEUE
     except bad_input.BadInputStop as stop:  # read mid-run (the evaluation split); every rank printed it
         return EXIT_REQUEUE if stop.outage else EXIT_BAD_INPUT
+    except checkpointing.DiskFull as exc:  # not a requeue: the same disk would fill again
+        print(f"error: {exc}; exit {EXIT_DISK_FULL}", file=sys.stderr, flush=True)
+        return EXIT_DISK_FULL
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -437,3 +437,26 @@ def ids_payload(shard_path, block: int) -> tuple[int, int]:
     with tarfile.open(shard_path) as tar:
         member = tar.getmembers()[2 * block]
     return member.offset_data, member.size
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``make(kib)``: a folder on a tmpfs of that size, unmounted after the test."""
+    import subprocess
+
+    mounts = []
+
+    def make(kib: int):
+        folder = tmp_path / f"disk{len(mounts)}"
+        folder.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(folder)], capture_output=True, text=True
+        )
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounts.append(folder)
+        return folder
+
+    yield make
+    for folder in mounts:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)

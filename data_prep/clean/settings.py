@@ -292,7 +292,11 @@ def apply_overrides(values: dict, pairs: list[str]) -> dict:
         if not eq or not key:
             bad.append(f"--set {pair!r}: expected KEY=VALUE (for example near.bands=20)")
             continue
-        parsed = yaml.safe_load(value) if value else ""
+        try:
+            parsed = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError as exc:
+            bad.append(f"--set {pair!r}: the value is not YAML ({' '.join(str(exc).split())})")
+            continue
         head, _, rest = key.partition(".")
         if rest:
             section = out.setdefault(head, {})

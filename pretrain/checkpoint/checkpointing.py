@@ -54,6 +54,41 @@ from pretrain.config.schema import Config, upgrade_saved
 log = logging.getLogger("pretrain")
 
 
+class DiskFull(Exception):
+    """The run's disk filled up while a checkpoint was written: the partial tag is never taken (it has
+    no COMPLETE), the previous complete one is intact; the trainer stops with exit 7 (DISK_FULL)."""
+
+
+# torch's stream writer reports a failed write without its errno, in these words
+_TORCH_WRITE_FAILED = ("No space left on device", "file write failed", "iostream error", "unexpected pos")
+_NEARLY_FULL = 64 << 20
+
+
+def out_of_space(exc: BaseException, folder: Path) -> bool:
+    """``exc``, raised while writing a checkpoint into ``folder``, means its disk is full: ENOSPC (or a
+    quota) from Python, or torch's failed write on a disk with less than 64 MiB left."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not (isinstance(exc, RuntimeError) and any(words in str(exc) for words in _TORCH_WRITE_FAILED)):
+        return False
+    try:
+        return shutil.disk_usage(folder).free < _NEARLY_FULL
+    except OSError:
+        return False
+
+
+def disk_full(cfg: Config, step: int) -> DiskFull:
+    """The named stop for a checkpoint at ``step`` that the disk could not hold."""
+    root = checkpoint_root(cfg)
+    previous = latest_complete_tag(root)
+    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+    try:
+        free = f" ({shutil.disk_usage(root).free / 2**20:,.0f} MiB free)"
+    except OSError:
+        free = ""
+    return DiskFull(f"no space left on {root}{free} while writing checkpoint step {step}; {kept}")
+
+
 def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.train.out_dir) / "checkpoints"
 

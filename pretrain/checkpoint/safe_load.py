@@ -27,6 +27,7 @@ import importlib
 import os
 import pickle
 import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -96,10 +97,19 @@ def unsafe_types(path: Path) -> list[str]:
 
 
 def code_problems(folder: Path) -> list[str]:
-    """One line per ``.pt`` file under ``folder`` that holds anything but data, naming its types."""
+    """One line per ``.pt`` file under ``folder`` that holds anything but data, naming its types, or
+    that is not a zip archive: torch's legacy format (a bare pickle, which neither this trainer nor
+    DeepSpeed writes) cannot be read without running it, and torch's own refusal of one advises
+    ``weights_only=False``."""
     problems = []
     for path in sorted(Path(folder).rglob("*.pt")):
-        if path.is_file() and (types := unsafe_types(path)):
+        if not path.is_file():
+            continue
+        if not zipfile.is_zipfile(path):
+            problems.append(
+                f"{path} is not a zip archive as torch.save writes (a legacy pickle, or damaged): not loaded"
+            )
+        elif types := unsafe_types(path):
             problems.append(f"{path} holds {', '.join(types)}: not plain data, so it is not loaded")
     return problems
 

@@ -3,7 +3,7 @@ means after a non-zero exit; `launchers/slurm/pretrain.sbatch` requeues on REQUE
 
 from __future__ import annotations
 
-BAD_INPUT, REQUEUE, NONFINITE, SPIKES, MIRROR_BEHIND = 2, 3, 4, 5, 6
+BAD_INPUT, REQUEUE, NONFINITE, SPIKES, MIRROR_BEHIND, DISK_FULL = 2, 3, 4, 5, 6, 7
 
 MEANINGS = {
     BAD_INPUT: "bad input or settings, named above; nothing was lost",
@@ -14,4 +14,7 @@ MEANINGS = {
     SPIKES: "loss spikes past train.spike_guard's limit; the last complete checkpoint is untouched",
     MIRROR_BEHIND: "the run ended as asked, but its newest checkpoint did not reach train.checkpoint_mirror "
     "(named above): it is only on local disk",
+    DISK_FULL: "no space left on the run's disk while writing a checkpoint (named above); the previous complete "
+    "checkpoint is intact: free space (or lower train.keep_checkpoints), then relaunch the same command; a "
+    "requeue as it is would fill the disk again",
 }

@@ -145,12 +145,33 @@ def launcher_log(argv: list[str]) -> Path:
 
 
 def pass_output(pipe, log_path: Path) -> None:
-    """The ranks' and DeepSpeed's stdout, line by line, to ours; DeepSpeed's own lines to the log."""
-    with open(log_path, "ab") as log:
+    """The ranks' and DeepSpeed's stdout, line by line, to ours; DeepSpeed's own lines to the log. A
+    log that cannot be written (a full disk) sends its lines to stdout too: the ranks' output, and
+    the error that says why they stop, keep coming."""
+    try:
+        log = open(log_path, "ab")
+    except OSError as exc:
+        log = None
+        print(f"pretrain.launch: cannot open {log_path} ({exc.strerror}): DeepSpeed's lines go here", flush=True)
+    try:
         for line in iter(pipe.readline, b""):
-            target = log if LAUNCHER_LINE.match(line) else sys.stdout.buffer
-            target.write(line)
-            target.flush()
+            if log is not None and LAUNCHER_LINE.match(line):
+                try:
+                    log.write(line)
+                    log.flush()
+                    continue
+                except OSError as exc:
+                    log = None
+                    message = f"pretrain.launch: cannot write {log_path} ({exc.strerror}): DeepSpeed's lines go here\n"
+                    sys.stdout.buffer.write(message.encode())
+            sys.stdout.buffer.write(line)
+            sys.stdout.buffer.flush()
+    finally:
+        if log is not None:
+            try:
+                log.close()
+            except OSError:
+                pass
 
 
 def last_word(code: int, log_path: Path) -> str:

@@ -364,7 +364,7 @@ def test_validation_split_has_no_near_copy_in_training(tmp_path, wiki_articles, 
 
 
 @pytest.mark.parametrize(
-    "case", ["missing", "no-match", "not-utf8", "damaged-gz", "text-field", "held-out", "settings", "empty"]
+    "case", ["missing", "no-match", "not-utf8", "damaged-gz", "text-field", "held-out", "settings", "yaml", "empty"]
 )
 def test_bad_input_is_named_with_exit_2_and_nothing_written(tmp_path, capsys, case, wiki_articles):
     good = write_jsonl(tmp_path / "good.jsonl", articles(wiki_articles, 5))
@@ -377,6 +377,7 @@ def test_bad_input_is_named_with_exit_2_and_nothing_written(tmp_path, capsys, ca
         "text-field": "no 'body' field",
         "held-out": "--decontaminate-against",
         "settings": "near.bands",
+        "yaml": "--set 'near.bands=[1,': the value is not YAML",  # issue 81, item 6: a traceback before
         "empty": "no documents",
     }[case]
     if case == "missing":
@@ -396,6 +397,8 @@ def test_bad_input_is_named_with_exit_2_and_nothing_written(tmp_path, capsys, ca
         args += ["--decontaminate-against", str(tmp_path / "test-set.jsonl")]
     elif case == "settings":
         args += ["--set", "near.bands=0", "--set", "quality.max_short_lines=2", "--set", "nonsense.x=1"]
+    elif case == "yaml":
+        args += ["--set", "near.bands=[1,"]
     elif case == "empty":
         (tmp_path / "empty.txt").write_bytes(b"")
         args = ["--input", str(tmp_path / "empty.txt")]

@@ -342,3 +342,57 @@ def test_the_test_s3_server_starts_again_when_weed_dies_while_starting(tmp_path,
         assert server.objects(bucket) == {"k": b"v"}
     assert started == [tmp_path, tmp_path / "second-start"]
     assert server.proc.poll() is not None  # stopped with the block
+
+
+@pytest.mark.parametrize("fault", ["a byte at a time", "a body short of its length"])
+def test_a_slow_or_short_http_body_is_retried_then_named_as_an_outage_within_the_window(monkeypatch, fault):
+    """Issue 81, item 4: the socket's timeout bounded each read, not the body, so a server sending a
+    byte every 0.3 s was never timed out; a body short of its Content-Length was a traceback. Now each
+    attempt has one deadline, a short body is transient, and both end as the store's outage (the
+    trainer's exit 3) once the retry window (``data.remote_timeout_s``) has passed. A body that comes
+    whole on a retry is read."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from data_prep.common.storage import StoreUnavailable, open_store
+
+    body, answered, healthy = bytes(range(100)), [], threading.Event()
+
+    class Faulty(BaseHTTPRequestHandler):
+        def do_GET(self):
+            answered.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            try:
+                if healthy.is_set():
+                    self.wfile.write(body)
+                elif fault == "a byte at a time":
+                    for i in range(len(body)):
+                        self.wfile.write(body[i : i + 1])
+                        self.wfile.flush()
+                        time.sleep(0.3)
+                else:
+                    self.wfile.write(body[:50])
+                    self.close_connection = True
+            except OSError:
+                pass  # the reader gave up
+
+        def log_message(self, *args):
+            pass
+
+    monkeypatch.setenv("MLM_STORE_RETRY_S", "2")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Faulty)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        store = open_store(f"http://127.0.0.1:{server.server_port}/data")
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable, match=rf"{store.url('blob.bin')}: read failed for \d+ s .*unavailable"):
+            store.read_bytes("blob.bin")
+        assert time.monotonic() - t0 < 6.0  # the window (2 s) and at most one attempt (2 s) more
+        assert len(answered) >= (1 if fault == "a byte at a time" else 2)  # a short body is retried at once
+        healthy.set()
+        assert store.read_bytes("blob.bin") == body
+    finally:
+        server.shutdown()

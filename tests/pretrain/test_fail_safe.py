@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import REPO, free_port, ids_payload
 from conftest import train as launch
@@ -126,11 +127,13 @@ def test_resume_takes_the_newest_undamaged_checkpoint_and_refuses_a_damaged_name
     for step in (2, 4, 6):
         folder = root / checkpointing.tag_for_step(step)
         folder.mkdir(parents=True)
-        (folder / "weights.pt").write_bytes(bytes([step]) * 1000)
+        torch.save({"w": torch.full((250,), float(step))}, folder / "weights.pt")  # a zip, as torch.save writes
         checkpointing.write_file_list(folder)
         (folder / checkpointing.COMPLETE).write_text("{}")
     (root / checkpointing.LATEST).write_text("step00000006")
-    (root / "step00000006" / "weights.pt").write_bytes(b"\0" * 1000)  # same size, other bytes
+    damaged = bytearray((root / "step00000006" / "weights.pt").read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF  # same size, other bytes
+    (root / "step00000006" / "weights.pt").write_bytes(bytes(damaged))
     (root / "step00000004" / "weights.pt").write_bytes(b"\0" * 10)
     assert checkpointing.resume_tag(cfg) == "step00000002"
     monkeypatch.setenv("RANK", "1")  # another rank: sizes only, the first rank decides

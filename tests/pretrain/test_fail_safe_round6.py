@@ -159,3 +159,84 @@ def test_a_latest_pointer_out_of_its_folder_is_damage_and_the_newest_own_tag_is_
     assert complete_tags(root) == ["step00000002", "step00000004"]  # a linked tag is none of this run's
     (root / "latest").write_text("step00000002")  # a pointer that is a tag of its own is taken as it is
     assert latest_complete_tag(root) == "step00000002"
+
+
+# ------------------------------------------------------------------------- item 5: a disk that fills up
+
+
+def test_the_launcher_keeps_relaying_the_ranks_output_when_its_log_cannot_be_written(capsysbinary):
+    """/dev/full: every write fails with ENOSPC, as DeepSpeed's launcher log on a full disk. Before,
+    the relay ended at the first such line, and the ranks' output (their error included) was lost."""
+    from pretrain.runtime.launcher import pass_output
+
+    ds = b"[2026-11-28 05:00:00,000] [INFO] [launch.py:256:main] process 12 spawned\n"
+    lines = [b"rank 0: step 1\n", ds, b"rank 0: error: no space left on /run\n", ds]
+    read, write = os.pipe()
+    os.write(write, b"".join(lines))
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        pass_output(pipe, Path("/dev/full"))
+    out = capsysbinary.readouterr().out
+    assert b"rank 0: step 1\n" in out and b"rank 0: error: no space left on /run\n" in out
+    assert b"cannot write /dev/full (No space left on device)" in out and out.count(ds) == 2
+
+
+@pytest.mark.slow
+def test_a_disk_full_during_a_checkpoint_is_a_named_stop_and_the_previous_checkpoint_resumes(
+    shards, tmp_path, small_disk
+):
+    """A run folder on a tmpfs that holds its step-2 checkpoint but not its step-4 one: exit 7 (not a
+    requeue), the message names the folder, the step and the intact checkpoint; the partial tag is
+    never taken; the folder, moved to a disk with room, resumes to the end with the uninterrupted
+    run's losses."""
+    steps = [*RUN, "train.max_steps=4", "train.checkpoint_every=2", "train.keep_checkpoints=2"]
+    straight = tmp_path / "straight"
+    train(shards, straight, *steps, check=True)
+    tag = straight / "checkpoints" / "step00000002"
+    tag_kib = sum(p.stat().st_size for p in tag.rglob("*") if p.is_file()) // 1024
+    disk = small_disk(int(tag_kib * 1.6) + 256)  # the first checkpoint and the logs, not a second one
+    out = disk / "run"
+    proc = train(shards, out, *steps)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 7, explain(proc)
+    assert f"no space left on {out / 'checkpoints'}" in said and "while writing checkpoint step 4" in said, said
+    assert "the previous checkpoint step00000002 is intact" in said and "Traceback" not in said, said[-3000:]
+    assert latest_complete_tag(out / "checkpoints") == "step00000002"
+    roomy = tmp_path / "moved"
+    shutil.copytree(out, roomy)
+    resumed = train(shards, roomy, *steps)
+    assert resumed.returncode == 0, explain(resumed)
+
+    def losses(run):
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+    assert losses(roomy) == losses(straight)
+
+
+# ------------------------------------------------------------------------------ item 6: smaller ones
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_a_checkpoint_file_in_torchs_legacy_format_is_refused_by_name_on_resume(shards, tmp_path):
+    """A bare pickle (torch's legacy format) in place of a checkpoint file: before, a rank traceback
+    whose torch text advised ``weights_only=False``; now exit 2 naming the file, before any load."""
+    import torch
+
+    from pretrain.checkpoint.checkpointing import write_file_list
+    from pretrain.checkpoint.files import MODEL_STATES_FILE
+    from test_fail_safe_round5 import RunsCommand
+
+    out, marker = tmp_path / "run", tmp_path / "ran"
+    steps = [*RUN, "train.checkpoint_every=2", "impl.zero_stage=1"]
+    train(shards, out, *steps, "train.max_steps=2", check=True)
+    folder = out / "checkpoints" / "step00000002"
+    path = folder / MODEL_STATES_FILE
+    torch.save({"note": RunsCommand(f"touch {marker}")}, path, _use_new_zipfile_serialization=False)
+    write_file_list(folder)  # as whoever can write the folder can
+    proc = train(shards, out, *steps, "train.max_steps=4", "train.resume=auto")
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2, explain(proc)
+    assert f"{path} is not a zip archive as torch.save writes" in said, said[-3000:]
+    assert "Traceback" not in said and "weights_only=False" not in said and not marker.exists()

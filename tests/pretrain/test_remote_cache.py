@@ -92,29 +92,6 @@ def test_the_cache_keeps_to_its_limit_by_evicting_the_least_recently_used(
     ] == [a.name, b.name, c.name]
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """``make(kib)``: a folder on a tmpfs of that size, unmounted after the test."""
-    import subprocess
-
-    mounts = []
-
-    def make(kib: int):
-        folder = tmp_path / f"disk{len(mounts)}"
-        folder.mkdir()
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(folder)], capture_output=True, text=True
-        )
-        if done.returncode:
-            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-        mounts.append(folder)
-        return folder
-
-    yield make
-    for folder in mounts:
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
-
-
 SHORT = [
     "train.max_steps=2",
     "train.log_every=1",

@@ -2,12 +2,38 @@
 
 from __future__ import annotations
 
+import http.client
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Optional
 
 from data_prep.common.storage.base import ObjectInfo, StorageError, Store, attempt_timeouts, with_retries
+
+_CHUNK = 1 << 16
+
+
+def _body(response: http.client.HTTPResponse, deadline: float) -> bytes:
+    """The whole body by ``deadline`` (else TimeoutError), and as long as its Content-Length (else
+    IncompleteRead): both transient, retried, and in the end the store's outage."""
+    chunks, got = [], 0
+    sock = getattr(getattr(response.fp, "raw", None), "_sock", None)  # to bound each wait by the deadline
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the body did not arrive within {attempt_timeouts()[1]:.0f} s ({got:,} bytes came)")
+        if sock is not None:
+            sock.settimeout(max(0.05, min(left, sock.gettimeout() or left)))
+        chunk = response.read1(_CHUNK)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    expected = response.headers.get("Content-Length")
+    if expected is not None and got != int(expected):
+        raise http.client.IncompleteRead(b"".join(chunks), int(expected) - got)
+    return b"".join(chunks)
 
 
 class HttpStore(Store):
@@ -22,11 +48,15 @@ class HttpStore(Store):
         def transient(exc: BaseException) -> bool:
             if isinstance(exc, urllib.error.HTTPError):
                 return exc.code >= 500 or exc.code == 429
-            return isinstance(exc, (urllib.error.URLError, ConnectionError, TimeoutError))
+            return isinstance(exc, (urllib.error.URLError, ConnectionError, TimeoutError, http.client.IncompleteRead))
 
         def fetch():
+            # The socket's timeout bounds each read, not the body: a server that sends a byte a second
+            # would never time out. Each attempt has one deadline (the read timeout) for headers and body.
+            deadline = time.monotonic() + attempt_timeouts()[1]
             with urllib.request.urlopen(request, timeout=min(60.0, attempt_timeouts()[1])) as response:
-                return response.status, dict(response.headers), response.read()
+                body = b"" if method == "HEAD" else _body(response, deadline)
+                return response.status, dict(response.headers), body
 
         try:
             return with_retries(self, name, what, fetch, transient)
@@ -34,7 +64,7 @@ class HttpStore(Store):
             if exc.code == 404 and method == "HEAD":
                 return 404, {}, b""
             raise StorageError(f"{self.url(name)}: {what} failed (HTTP {exc.code} {exc.reason})") from None
-        except (urllib.error.URLError, OSError) as exc:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             raise StorageError(f"{self.url(name)}: {what} failed ({exc})") from None
 
     def read_bytes(self, name: str) -> bytes:
