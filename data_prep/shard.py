@@ -21,12 +21,15 @@ manifest exists with the same settings is not run again.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import logging
 import multiprocessing
 import os
 import shutil
+import socket
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -299,6 +302,34 @@ def _write_task_manifest(
     )
 
 
+def _hold_task(store: Store, task: int):
+    """One ``data_prep shard`` writes a task of a local ``--out`` at a time: a POSIX lock on ``lock``
+    in the task's progress folder (the kernel drops it however the process ends); its descriptor. A
+    second run of the task while the first writes (other settings would replace its shards) is refused,
+    naming the holder; the lock goes with the task's end. A bucket has no locks: its task manifests say
+    what was written."""
+    if store.local_dir is None:
+        return None
+    path = store.local_dir / progress_dir_name(task) / "lock"  # removed with the progress at the end
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        if exc.errno not in (errno.EAGAIN, errno.EACCES):  # no POSIX locks on this filesystem: as before
+            log.warning("task %d: cannot lock %s (%s): not guarded against a second run at once", task, path, exc)
+            return None
+        raise DataPrepError(
+            f"{store.url()}: task {task} is being written by {holder} ({path}); wait for it to end, or use "
+            "another --out"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    return fd
+
+
 def run_shard(settings: ShardSettings) -> TaskResult:
     """Run one array task end to end. Raises ``DataPrepError`` on bad input or settings."""
     t0 = time.perf_counter()
@@ -310,6 +341,17 @@ def run_shard(settings: ShardSettings) -> TaskResult:
     mine = task_sources(sources, partition, num_tasks, task)
     store = open_store(s.out)
     store.check(write=True)  # access and bucket before any work
+    lock = _hold_task(store, task)
+    try:
+        return _shard_task(s, tok, sources, partition, mine, store, t0)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _shard_task(s: ShardSettings, tok: LoadedTokenizer, sources: list, partition: str, mine, store: Store, t0: float):
+    """``run_shard``'s work, with the task's lock held."""
+    task, num_tasks = s.task_index, s.num_tasks
     dtype = ids_dtype(tok.vocab_size)
     identity = _task_identity(s, tok, sources, partition, dtype.name)
     settings_hash = settings_sha256(identity)

@@ -680,3 +680,44 @@ def test_an_input_edited_without_changing_its_size_is_not_taken_for_the_old_one(
     raw["settings_sha256"] = settings_sha256(raw["settings"])
     task.write_text(json.dumps(raw))
     assert run_shard(settings([inputs], bert_uncased_dir, out, shard_size=256)).skipped
+
+
+@pytest.mark.slow
+def test_a_second_run_of_a_task_while_the_first_writes_is_refused_naming_it(
+    tmp_path, wiki_txt_dir, bert_uncased_dir, capsys
+):
+    """Issue 81, item 6: two ``data_prep shard`` runs with other settings into one --out at once both
+    exited 0, one silently replacing the other's shards. The first holds its task's lock; the second
+    is exit 2 naming it, and writes nothing; once the first is gone, the task runs."""
+    from data_prep.cli import main
+    from data_prep.shard import progress_dir_name
+
+    out = tmp_path / "out"
+    lock = out / progress_dir_name(0) / "lock"
+    lock.parent.mkdir(parents=True)
+    holder = subprocess.Popen(  # a first run, mid-task: its lock held, its pid written
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.lockf(fd, fcntl.LOCK_EX)\n"
+            "os.write(fd, f'pid {os.getpid()} on testhost'.encode())\n"
+            "print('held', flush=True)\n"
+            "time.sleep(120)\n",
+            str(lock),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        argv = ["shard", "--input", str(wiki_txt_dir), "--tokenizer", str(bert_uncased_dir), "--out", str(out)]
+        assert main([*argv, "--seq-len", "64"]) == 2
+        err = capsys.readouterr().err
+        assert f"task 0 is being written by pid {holder.pid} on testhost ({lock})" in err, err
+        assert not list(out.glob("*.tar")) and not list(out.glob("task-*.json"))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main([*argv, "--seq-len", "64"]) == 0 and list(out.glob("task-*.json"))
