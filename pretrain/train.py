@@ -360,6 +360,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     eng.prepare_env()
     lifeline.watch_launcher()  # die with pretrain.launch / pretrain.study, however they die
+    lifeline.ranks_take_signals()
     first_rank = os.environ.get("RANK", "0") == "0"
     logging.basicConfig(
         level=logging.INFO if first_rank else logging.WARNING,

@@ -92,10 +92,25 @@ def run_deepspeed(argv: list[str]) -> None:
         threading.Thread(
             target=_kill_group_after, args=(int(pid), float(created)), name="launcher-lifeline", daemon=True
         ).start()
+    # ``scancel --signal=USR1`` without ``--batch`` signals every process of the job: DeepSpeed's runner
+    # and its per-node launch.py died of it (exit -10, "a rank failed") while the ranks checkpointed.
+    # Ignored here, and so in launch.py, which inherits it; the ranks take it back (``ranks_take_signals``).
+    for signum in RUNNER_IGNORES:
+        signal.signal(signum, signal.SIG_IGN)
     sys.argv = ["deepspeed", *argv]
     from deepspeed.launcher.runner import main as runner  # lazy: after the watch starts (seconds of imports)
 
     runner()
+
+
+RUNNER_IGNORES = (signal.SIGUSR1,)  # the ranks act on it (checkpoint, exit 3); the launchers must not die of it
+
+
+def ranks_take_signals() -> None:
+    """A rank starts with the default action for what its launchers ignore (an ignored signal is
+    inherited across exec), until the trainer installs its own handlers."""
+    for signum in RUNNER_IGNORES:
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def _kill_group_after(pid: int, created: float) -> None:

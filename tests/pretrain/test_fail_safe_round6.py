@@ -240,3 +240,38 @@ def test_a_checkpoint_file_in_torchs_legacy_format_is_refused_by_name_on_resume(
     assert proc.returncode == 2, explain(proc)
     assert f"{path} is not a zip archive as torch.save writes" in said, said[-3000:]
     assert "Traceback" not in said and "weights_only=False" not in said and not marker.exists()
+
+
+@pytest.mark.slow
+def test_sigusr1_to_every_process_of_the_job_checkpoints_and_exits_3(shards, tmp_path):
+    """``scancel --signal=USR1`` without ``--batch`` signals every process of the job: pretrain.launch,
+    DeepSpeed's runner, its per-node launch.py and the ranks. Before, the runner and launch.py died of
+    it, and a stop that had checkpointed ended -10, "a rank failed". Now they ignore it, the ranks
+    checkpoint after their step, and the job exits 3 (requeue)."""
+    import signal
+
+    import psutil
+
+    from conftest import PY, train_cmd, train_through, trainer_env
+
+    out = tmp_path / "run"
+    steps = [*RUN, "train.max_steps=400", "train.checkpoint_every=0"]
+    cmd = train_cmd(shards, out, *steps, ranks=2, launcher=[PY, "-m", "pretrain.launch"])
+    signalled = []
+
+    def scancel_usr1():
+        launcher = next(
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if str(out) in " ".join(p.info["cmdline"] or []) and "pretrain.launch" in " ".join(p.info["cmdline"] or [])
+        )
+        for proc in [launcher, *launcher.children(recursive=True)]:
+            signalled.append(" ".join(proc.cmdline()[:4]))
+            proc.send_signal(signal.SIGUSR1)
+
+    proc = train_through(cmd, trainer_env(), out / "metrics.jsonl", 3, scancel_usr1, timeout=300)
+    said = proc.stdout + proc.stderr
+    assert any("deepspeed.launcher.launch" in s for s in signalled) and len(signalled) >= 5, signalled
+    assert proc.returncode == 3, said[-4000:]
+    assert "checkpointed at step" in said and "a rank failed" not in said, said[-4000:]
+    assert latest_complete_tag(out / "checkpoints") is not None
