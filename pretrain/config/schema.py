@@ -443,6 +443,19 @@ def cuda_graphs_problems(cfg: Config) -> list[str]:
             "impl.cuda_graphs=true with impl.zero_stage=3: ZeRO 3 gathers and frees the weights inside the "
             "forward, so they never sit at the addresses a graph replays; use ZeRO 0-2"
         )
+    # Where PyTorch's graphed backward raises or gives wrong gradients (pytorch#169545).
+    world = cfg.world_size()  # 0: not known yet (the launcher's check); the ranks check again
+    if cfg.impl.zero_stage == 0 and world > 0 and cfg.grad_accum_steps(world) > 1:
+        problems.append(
+            f"impl.cuda_graphs=true with impl.zero_stage=0 and {cfg.grad_accum_steps(world)} micro-batches a "
+            "step: graphed backward passes that accumulate gradients give wrong ones there (pytorch#169545); "
+            "use ZeRO 1-2, or one micro-batch a step"
+        )
+    if cfg.impl.zero_stage == 1 and cfg.impl.precision == "fp32":
+        problems.append(
+            "impl.cuda_graphs=true with impl.zero_stage=1 in fp32: PyTorch's graphed backward raises or gives "
+            "wrong gradients there (pytorch#169545); use bf16 or ZeRO 2"
+        )
     return problems
 
 

@@ -214,7 +214,18 @@ def test_cuda_graphs_are_asked_for_where_they_can_replay_and_said_on_the_start_l
     text = str(err.value)
     for expected in ("set impl.compile to true or auto", "needs masking.fixed_count=true", "use ZeRO 0-2"):
         assert expected in text, text
-    graphs = ["impl.cuda_graphs=true", "masking.fixed_count=true", "impl.compile=true", "impl.zero_stage=1"]
+    # where PyTorch's graphed backward is wrong (issue 84, item 0d): accumulation at ZeRO 0, fp32 at ZeRO 1
+    graphs = ["impl.cuda_graphs=true", "masking.fixed_count=true", "impl.compile=true"]
+    for unsafe, said in (
+        (["impl.zero_stage=0"], "impl.zero_stage=0 and 2 micro-batches a step"),  # tiny: 16 = 2 x 8
+        (["impl.zero_stage=1", "impl.precision=fp32"], "impl.zero_stage=1 in fp32"),
+    ):
+        with pytest.raises(ConfigError, match=said):
+            load_config("configs/tiny.yaml", [f"data.dir={data_dir}", *graphs, *unsafe])
+    load_config(
+        "configs/tiny.yaml", [f"data.dir={data_dir}", *graphs, "impl.zero_stage=0", "train.global_batch_size=8"]
+    )
+    graphs = [*graphs, "impl.zero_stage=1", "impl.precision=bf16"]
     cfg = load_config("configs/tiny.yaml", [f"data.dir={data_dir}", *graphs])
     assert cuda_graphs_plan(cfg, "cuda", compiled=True)[0]
     assert cuda_graphs_plan(cfg, "cpu", compiled=True) == (

@@ -140,7 +140,7 @@ def test_the_cuda_graphs_path_compiles_for_replay_and_logs_the_compiled_losses(s
     """Issue 73, item 4, as far as a CPU goes: with ``impl.cuda_graphs`` on, the engine compiles with
     reduce-overhead (inductor's CUDA graphs, which it records only on a GPU) and each micro-batch
     begins a new graph step; the losses are the plain compiled run's, bit for bit (the same kernels)."""
-    common = ["masking.fixed_count=true", "impl.compile=true", "impl.precision=fp32", "impl.zero_stage=1"]
+    common = ["masking.fixed_count=true", "impl.compile=true", "impl.precision=fp32", "impl.zero_stage=2"]
     graphed = run_probe("cuda_graphs_probe.py", shards, tmp_path / "graphed", *common)
     assert graphed["compiled_with"] == [{"mode": "reduce-overhead"}] and graphed["exit"] == 0, graphed
     assert graphed["marks"] == STEPS * 2  # two micro-batches a step
