@@ -7,7 +7,8 @@ of its own (fresh thread pools and allocator, the same environment as ours):
   ``input_ids``, ``BertForMaskedLM`` from the same ``BertConfig`` as ours (SDPA attention): what
   ``run_mlm.py`` does. Its MLM head runs on every token.
 * ``bare``: the efficiency yardstick, a plain PyTorch loop around *our* model (``build_model``:
-  same shape, same sparse head) with our data stream and masking: forward, backward, clip,
+  same shape, same sparse head, the same keyed dropout and fixed prediction slots, the same attention
+  scope) with our data stream and masking: forward, backward, clip,
   ``torch.optim.AdamW``, schedule. No engine, no collectives, no logging. bf16 is
   ``torch.autocast`` over fp32 weights (what a plain PyTorch user writes). On the GPU where CUDA is
   (``bench/gpu_smoke.sh``'s yardsticks), reading the loss once a step, as such a loop does.
@@ -162,6 +163,7 @@ def bare_worker(spec: dict) -> None:
     from data_prep.common.manifest import load_manifest
     from pretrain.config.schema import load_config
     from pretrain.data.stream import TrainStream
+    from pretrain.model import keyed_dropout
     from pretrain.model.masking import SpecialIds, mask_batch
     from pretrain.model.mlm import build_model
     from pretrain.model.schedule import lr_schedule
@@ -175,6 +177,9 @@ def bare_worker(spec: dict) -> None:
     cfg = load_config(spec["config"], spec["overrides"])
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, manifest.tokenizer.vocab_size, special, cfg.impl, seq_len=manifest.seq_len)
+    # Like for like with ours (issue 84, item 0c): the same keyed dropout and fixed prediction slots.
+    model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)
+    model.fixed_predictions = cfg.masking.fixed_count
     model.to(device)
     o = cfg.optim
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -202,6 +207,7 @@ def bare_worker(spec: dict) -> None:
             profiler.before_step(step)
         for micro in range(spec["grad_accum"]):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items() if torch.is_tensor(v)}
+            model.key_dropout(batch["sample_ids"], step)
             m = mask_batch(
                 batch["input_ids"],
                 batch["word_starts"],
