@@ -138,10 +138,10 @@ def mask_micro_batches(parts: StepParts, step: int, micro_batches: list[dict]) -
     # so a micro-batch with a padded row runs the compiled graph too, not eagerly (eng.eager_forward).
     in_documents = parts.model.attention_scope == "document"
     for part, batch, inputs in zip(split_rows(m, rows, parts.masking.fixed_count), micro_batches, on_device):
-        padded = batch.get("has_padding", True)
         # Rows packed full have no padding: no mask lets SDPA take its fast path.
-        attention_mask = (inputs["input_ids"] != special.pad) if padded and not in_documents else None
-        tokens = (inputs["input_ids"] != special.pad).sum() if padded else part.input_ids.numel()
+        not_pad = (inputs["input_ids"] != special.pad) if batch.get("has_padding", True) else None
+        attention_mask = None if in_documents else not_pad
+        tokens = part.input_ids.numel() if not_pad is None else not_pad.sum()
         masked.append((part, attention_mask, tokens, inputs["sample_ids"]))
     return masked, m.num_masked
 

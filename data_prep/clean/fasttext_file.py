@@ -104,12 +104,16 @@ def _matrix(r: _Reader, quantised: bool, name: str) -> int:
     if rows < 0 or cols < 0:
         raise _Damaged(f"the quantised {name} matrix's shape is {rows:,} x {cols:,}")
     r.skip(codes, f"the quantised {name} matrix's codes", f"{codes:,} bytes")
-    for quantiser in ("product quantiser", "norm quantiser")[: 1 + qnorm]:
-        if quantiser == "norm quantiser":
-            r.skip(rows, f"the {name} matrix's norm codes", f"{rows:,} bytes")
-        dim, _, _, _ = r.unpack("<iiii", f"the {name} matrix's {quantiser}")
-        r.skip(dim * _KSUB * 4, f"the {name} matrix's {quantiser}", f"{dim:,} x {_KSUB} centroids")
+    _quantiser(r, f"the {name} matrix's product quantiser")
+    if qnorm:
+        r.skip(rows, f"the {name} matrix's norm codes", f"{rows:,} bytes")
+        _quantiser(r, f"the {name} matrix's norm quantiser")
     return cols
+
+
+def _quantiser(r: _Reader, field: str) -> None:
+    dim, _, _, _ = r.unpack("<iiii", field)  # dim nsubq dsub lastdsub, then dim x 256 centroids
+    r.skip(dim * _KSUB * 4, field, f"{dim:,} x {_KSUB} centroids")
 
 
 def file_problems(path: str | os.PathLike) -> list[str]:
@@ -136,7 +140,7 @@ def _problems(r: _Reader) -> list[str]:
         _dictionary(r)
         (quantised,) = r.unpack("<?", "the input matrix's quantised flag")
         if _matrix(r, quantised, "input") != dim:  # fastText sizes its hidden vectors by dim
-            return [f"a damaged fastText header: the training arguments' dim {dim:,} is not the input matrix's width"]
+            raise _Damaged(f"the training arguments' dim {dim:,} is not the input matrix's width")
         (quantised_output,) = r.unpack("<?", "the output matrix's quantised flag")
         _matrix(r, quantised and quantised_output, "output")
     except _Damaged as exc:

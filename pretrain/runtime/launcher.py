@@ -161,17 +161,22 @@ def pass_output(pipe, log_path: Path) -> None:
                     log.flush()
                     continue
                 except OSError as exc:
-                    log = None
+                    log = _closed(log)
                     message = f"pretrain.launch: cannot write {log_path} ({exc.strerror}): DeepSpeed's lines go here\n"
                     sys.stdout.buffer.write(message.encode())
             sys.stdout.buffer.write(line)
             sys.stdout.buffer.flush()
     finally:
-        if log is not None:
-            try:
-                log.close()
-            except OSError:
-                pass
+        _closed(log)
+
+
+def _closed(log) -> None:
+    """``log`` closed, if open; what it still buffers for a full disk is dropped."""
+    if log is not None:
+        try:
+            log.close()
+        except OSError:
+            pass
 
 
 def last_word(code: int, log_path: Path) -> str:

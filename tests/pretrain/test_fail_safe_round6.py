@@ -18,16 +18,8 @@ from conftest import explain, train
 from data_prep.common.manifest import load_manifest
 from data_prep.common.paths import plain_files
 from pretrain.checkpoint.checkpointing import complete_tags, copy_plain, latest_complete_tag
+from test_fail_safe_round5 import RUN  # the same tiny run
 
-RUN = [
-    "train.log_every=1",
-    "train.eval_every=0",
-    "train.eval_sequences=32",
-    "model.max_position_embeddings=64",
-    "optim.warmup_steps=2",
-    "impl.compile=false",
-    "tracking.backend=none",
-]
 SECRET = b"aws_secret_access_key = PLANTED-SECRET-81"
 
 
