@@ -51,7 +51,7 @@ _SHARD_FLAGS = {  # ShardSettings field -> (flag, type, help)
         "--group-chars",
         int,
         "characters per packing group: the unit of work and of packing, "
-        "independent of the task count (default 67108864)",
+        "independent of the task count; small files are read together up to this many bytes (default 67108864)",
     ),
     "block_size": ("--block-size", int, "sequences per webdataset sample (default 256)"),
     "workers": ("--workers", int, "tokenizer processes (default 1: in-process, Rust threads use all cores)"),
@@ -256,7 +256,7 @@ def _add_clean_output_and_tasks(p: argparse.ArgumentParser) -> None:
         "--group-chars",
         dest="group_chars",
         type=int,
-        help="characters per output file (an input group, as shard's; default 67108864)",
+        help="characters per output file (a packing group, as shard's: small files read together; default 67108864)",
     )
     p.add_argument("--partition", help="how array tasks share the input: auto (default), files, documents")
     p.add_argument(

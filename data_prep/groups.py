@@ -5,16 +5,18 @@ A group never depends on the number of array tasks ``K``, so the shards are a pu
 (input, tokenizer, settings): re-running a corpus on a different cluster size gives the same files,
 byte for byte. Only *who* writes a group depends on ``K``.
 
-The rule: sources are taken in sorted order (``reader.resolve_inputs``) and numbered from 0. Inside
-a source, documents are taken in file order; group 0 starts with the first document, and a group
-closes after the document that brings its characters to ``group_chars`` or more. So a group is
-named by (source number, group number inside that source), and a group never spans two sources.
+The rule: sources are taken in sorted order (``reader.resolve_inputs``) and gathered into bundles
+(``reader.bundle_sources``: consecutive small files together, up to ``group_chars`` bytes), numbered
+from 0. Inside a bundle, documents are taken file by file in file order; group 0 starts with the
+first document, and a group closes after the document that brings its characters to ``group_chars``
+or more. So a group is named by (bundle number, group number inside that bundle), a group never spans
+two bundles, and a folder of small files packs into full groups as one large file does.
 
 Ownership among ``K`` tasks (``partition`` as resolved by ``reader.resolve_partition``):
 
-* ``files``: a task owns every group of the sources it was dealt (``reader.assign_sources``) and
-  opens only those sources;
-* ``documents``: the groups of all sources are numbered in order (0, 1, 2, ... across sources); task
+* ``files``: a task owns every group of the bundles it was dealt (``reader.assign_bundles``) and
+  opens only their files;
+* ``documents``: the groups of all bundles are numbered in order (0, 1, 2, ... across bundles); task
   ``I`` owns group number ``n`` iff ``n % K == I``. Every task reads every source to find the group
   boundaries, and tokenizes only its own groups.
 """
@@ -25,11 +27,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .reader import ReadOptions, Source, assign_sources, iter_source, iter_source_records
+from .reader import Bundle, ReadOptions, Source, assign_bundles, bundle_sources, iter_source, iter_source_records
 
 
 class GroupKey(NamedTuple):
-    source: int  # index of the source in the sorted source list
+    source: int  # index of the bundle in the sorted source list's bundles (``reader.bundle_sources``)
     group: int  # index of the group inside that source
 
     @property
@@ -55,24 +57,22 @@ def iter_owned_documents(
     count: ReadCount | None = None,
     records: bool = False,
 ) -> Iterator[tuple[GroupKey, str | dict]]:
-    """(group, text) for every document of every group this task owns, in (source, group, file) order;
+    """(group, text) for every document of every group this task owns, in (bundle, group, file) order;
     (group, record) with ``records`` (every field: what ``data_prep clean`` writes back)."""
     count = count if count is not None else ReadCount()
-    if partition == "files":
-        opened = {s.path for s in assign_sources(sources, num_tasks)[task_index]}
-    else:
-        opened = {s.path for s in sources}
-    groups_before = 0  # groups of the sources before this one (the documents partition's running number)
-    for source_index, source in enumerate(sources):
-        if source.path not in opened:
+    bundles = bundle_sources(sources, group_chars)
+    opened = set(assign_bundles(bundles, num_tasks)[task_index]) if partition == "files" else range(len(bundles))
+    groups_before = 0  # groups of the bundles before this one (the documents partition's running number)
+    for bundle_index, bundle in enumerate(bundles):
+        if bundle_index not in opened:
             continue
         group, chars, last_owned = 0, 0, None
-        for doc in iter_source_records(source, opts) if records else iter_source(source, opts):
+        for doc in _bundle_documents(bundle, opts, records):
             text = doc[opts.text_field] if records else doc
             count.documents_read += 1
             owned = partition == "files" or (groups_before + group) % num_tasks == task_index
             if owned:
-                key = GroupKey(source_index, group)
+                key = GroupKey(bundle_index, group)
                 if key != last_owned:
                     count.groups_owned += 1
                     last_owned = key
@@ -81,3 +81,8 @@ def iter_owned_documents(
             if chars >= group_chars:
                 group, chars = group + 1, 0
         groups_before += group + (1 if chars else 0)
+
+
+def _bundle_documents(bundle: Bundle, opts: ReadOptions, records: bool) -> Iterator[str | dict]:
+    for source in bundle:
+        yield from iter_source_records(source, opts) if records else iter_source(source, opts)

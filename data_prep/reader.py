@@ -15,14 +15,21 @@ Inputs (``--input``, any number, globs allowed):
 is reported as such (not as an encoding problem), naming the file. Documents that are empty or only
 whitespace are skipped. Sources are sorted by path, so the order of ``--input`` flags does not matter.
 
-Partitioning among ``K`` array tasks (deterministic, from the source list alone):
+Bundles: small files are read together. Sources are taken in sorted order; a ``.txt``, ``.jsonl`` or
+``.json`` file (or its ``.gz``) smaller than ``bundle_bytes`` (``--group-chars``) joins the bundle
+before it until that bundle's bytes on disk reach ``bundle_bytes``; any other source is a bundle of
+its own. A crawl of millions of one-page files becomes a few thousand bundles: the unit of work,
+packing and output files, as one large file is. Bundles depend on the source list alone, never on
+the number of tasks.
 
-* ``files``: each source belongs to exactly one task. Sources are dealt largest first to the task with
-  the fewest bytes so far (ties: lower task index). Scales: a task reads only its own files.
+Partitioning among ``K`` array tasks (deterministic, from the bundle list alone):
+
+* ``files``: each bundle belongs to exactly one task. Bundles are dealt largest first to the task
+  with the fewest bytes so far (ties: lower task index). Scales: a task reads only its own files.
 * ``documents``: every task reads every source. ``data_prep shard`` shares out packing groups
   (``data_prep.groups``: every ``K``-th group); ``iter_task_documents`` keeps the documents whose
   running index ``d`` (over all sources in sorted order, from 0) has ``d % K == I``. For one big file.
-* ``auto`` (default): ``files`` when there are at least ``K`` sources, else ``documents``.
+* ``auto`` (default): ``files`` when there are at least ``K`` bundles, else ``documents``.
 
 Neither changes the shards: they are cut by packing groups, which do not depend on ``K``.
 """
@@ -490,44 +497,73 @@ def _iter_source(source: Source, opts: ReadOptions, all_fields: bool) -> Iterato
 # Partitioning among array tasks
 
 PARTITIONS = ("auto", "files", "documents")
+_BUNDLED_KINDS = ("txt", "jsonl", "json")
+
+Bundle = tuple[Source, ...]
 
 
-def resolve_partition(partition: str, num_sources: int, num_tasks: int) -> str:
+def bundle_sources(sources: list[Source], bundle_bytes: int) -> list[Bundle]:
+    """The sources (sorted) in bundles: consecutive small text files together until their bytes reach
+    ``bundle_bytes``; a large file, a columnar file, a saved dataset or a hub dataset alone."""
+    bundles: list[Bundle] = []
+    open_bundle: list[Source] = []
+    size = 0
+    for source in sources:
+        if source.kind not in _BUNDLED_KINDS or source.bytes >= bundle_bytes:
+            if open_bundle:
+                bundles.append(tuple(open_bundle))
+                open_bundle, size = [], 0
+            bundles.append((source,))
+            continue
+        open_bundle.append(source)
+        size += source.bytes
+        if size >= bundle_bytes:
+            bundles.append(tuple(open_bundle))
+            open_bundle, size = [], 0
+    if open_bundle:
+        bundles.append(tuple(open_bundle))
+    return bundles
+
+
+def resolve_partition(partition: str, num_bundles: int, num_tasks: int) -> str:
     if partition not in PARTITIONS:
         raise DataPrepError(f"--partition must be one of {', '.join(PARTITIONS)}, got {partition!r}")
     if partition == "auto":
-        return "files" if num_sources >= num_tasks else "documents"
-    if partition == "files" and num_sources < num_tasks:
+        return "files" if num_bundles >= num_tasks else "documents"
+    if partition == "files" and num_bundles < num_tasks:
         raise DataPrepError(
-            f"--partition files: {num_sources} input source(s) for {num_tasks} tasks leaves tasks "
-            "without input; use fewer tasks or --partition documents"
+            f"--partition files: {num_bundles} input bundle(s) (small files are read together up to "
+            f"--group-chars bytes) for {num_tasks} tasks leaves tasks without input; use fewer tasks or "
+            "--partition documents"
         )
     return partition
 
 
-def assign_sources(sources: list[Source], num_tasks: int) -> list[list[Source]]:
-    """Largest source first, to the task with the fewest bytes so far: the ``files`` partition."""
+def assign_bundles(bundles: list[Bundle], num_tasks: int) -> list[list[int]]:
+    """Which bundles (by index) each task reads under the ``files`` partition: largest first, to the
+    task with the fewest bytes so far."""
     heap = [(0, task) for task in range(num_tasks)]
-    owned: list[list[Source]] = [[] for _ in range(num_tasks)]
-    for source in sorted(sources, key=lambda s: (-s.bytes, s.path)):
+    owned: list[list[int]] = [[] for _ in range(num_tasks)]
+    sizes = [sum(s.bytes for s in b) for b in bundles]
+    for index in sorted(range(len(bundles)), key=lambda i: (-sizes[i], i)):
         load, task = heapq.heappop(heap)
-        owned[task].append(source)
-        heapq.heappush(heap, (load + max(source.bytes, 1), task))
-    return [sorted(o, key=lambda s: s.path) for o in owned]
+        owned[task].append(index)
+        heapq.heappush(heap, (load + max(sizes[index], 1), task))
+    return [sorted(o) for o in owned]
 
 
-def task_sources(sources: list[Source], partition: str, num_tasks: int, task_index: int) -> list[Source]:
+def task_sources(bundles: list[Bundle], partition: str, num_tasks: int, task_index: int) -> list[Source]:
     """The sources task ``task_index`` opens (``partition`` already resolved)."""
     if partition == "files":
-        return assign_sources(sources, num_tasks)[task_index]
-    return list(sources)
+        return [s for i in assign_bundles(bundles, num_tasks)[task_index] for s in bundles[i]]
+    return [s for b in bundles for s in b]
 
 
 def iter_task_documents(
     sources: list[Source], partition: str, num_tasks: int, task_index: int, opts: ReadOptions
 ) -> Iterator[str]:
     """The documents that belong to one task, in a fixed order."""
-    mine = task_sources(sources, partition, num_tasks, task_index)
+    mine = task_sources([(s,) for s in sources], partition, num_tasks, task_index)
     if partition == "files" or num_tasks == 1:
         for source in mine:
             yield from iter_source(source, opts)

@@ -60,6 +60,22 @@ def write_sample_corpus(
     return paths
 
 
+def write_article_files(out_dir: str | os.PathLike, max_docs: int | None = None) -> list[Path]:
+    """Each article as its own ``.txt`` file, as people bring a corpus (news articles, pages): the
+    title as a headline line, a blank line, then paragraphs of two sentences separated by blank lines.
+    ``00000.txt``, ``00001.txt``, ... in the articles' order. Returns the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, (title, text) in enumerate(wiki_articles()[:max_docs]):
+        sentences = text.replace("\n", " ").replace(". ", ".\0").split("\0")
+        paragraphs = [" ".join(sentences[k : k + 2]) for k in range(0, len(sentences), 2)]
+        path = out / f"{i:05d}.txt"
+        path.write_text("\n\n".join([title, *paragraphs]) + "\n", encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
 BOILERPLATE_LINES = (  # navigation and cookie lines of a web page: what quality rules and models remove
     "Home | About | Contact",
     "This website uses cookies to improve your experience.",

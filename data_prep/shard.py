@@ -45,7 +45,7 @@ from .errors import DataPrepError
 from .group_writer import GroupWriter, SplitResume, files_by_group, finished_group, kept_shards, remove_group_leftovers
 from .groups import GroupKey, ReadCount, iter_owned_documents
 from .progress import Progress
-from .reader import ReadOptions, resolve_inputs, resolve_partition, task_sources
+from .reader import ReadOptions, bundle_sources, resolve_inputs, resolve_partition, task_sources
 from .settings import SPLITS, ShardSettings, settings_sha256
 from .tokenizer import Encoded, LoadedTokenizer, load_tokenizer, publish_tokenizer
 
@@ -337,8 +337,9 @@ def run_shard(settings: ShardSettings) -> TaskResult:
     task, num_tasks = s.task_index, s.num_tasks
     tok = load_tokenizer(s.tokenizer)
     sources = resolve_inputs(s.inputs)
-    partition = resolve_partition(s.partition, len(sources), num_tasks)
-    mine = task_sources(sources, partition, num_tasks, task)
+    bundles = bundle_sources(sources, s.group_chars)
+    partition = resolve_partition(s.partition, len(bundles), num_tasks)
+    mine = task_sources(bundles, partition, num_tasks, task)
     store = open_store(s.out)
     store.check(write=True)  # access and bucket before any work
     lock = _hold_task(store, task)

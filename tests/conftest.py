@@ -203,6 +203,15 @@ def wiki_txt_dir(tmp_path_factory, wiki_articles) -> Path:
     )
 
 
+@pytest.fixture(scope="session")
+def wiki_article_files(tmp_path_factory, wiki_articles) -> Path:
+    """600 real articles, one per .txt file (a headline, then paragraphs between blank lines): a
+    corpus as people bring their own."""
+    from data_prep.sample_corpus import write_article_files
+
+    return built_once(tmp_path_factory, "wiki_article_files", lambda out: write_article_files(out, max_docs=600))
+
+
 def _run(cmd, timeout=600, env: dict | None = None):
     """``cmd`` to its end, raising with its output if it fails; ``python -m MODULE ARGS`` is forked
     from the rank pool (tests/rank_pool.py), with the same arguments, environment and folder."""

@@ -2,8 +2,8 @@
 process or as five stages of Slurm jobs, with the same files either way. This module sequences the
 stages; each lives in its own module.
 
-The unit of work is the **group** of ``data_prep.groups`` (per input file, a run of documents that
-closes at ``group_chars`` characters): which documents form a group depends only on the input, so
+The unit of work is the **group** of ``data_prep.groups`` (per bundle of input files, a run of
+documents that closes at ``group_chars`` characters): which documents form a group depends only on the input, so
 every file this command writes is named after a group, a task of a stage or is global, and its bytes
 never depend on the number of tasks. ``K`` array tasks share the groups out as ``shard``'s tasks do.
 

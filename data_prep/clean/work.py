@@ -23,7 +23,7 @@ from data_prep.common.storage import StorageError, Store, open_store
 from ..cleaned_folder import read_report
 from ..errors import DataPrepError
 from ..groups import GroupKey, ReadCount, iter_owned_documents
-from ..reader import ReadOptions, Source, encoding_problem, resolve_inputs, resolve_partition
+from ..reader import ReadOptions, Source, bundle_sources, encoding_problem, resolve_inputs, resolve_partition
 from ..settings import settings_sha256
 from .document import Signatures
 from .settings import CleanSettings
@@ -99,7 +99,7 @@ def make_job(s: CleanSettings, num_tasks: int) -> Job:
     s = s.checked()
     sources = resolve_inputs(s.inputs)
     held = _resolve_heldout(s.decontaminate_against)
-    partition = resolve_partition(s.partition, len(sources), num_tasks)
+    partition = resolve_partition(s.partition, len(bundle_sources(sources, s.group_chars)), num_tasks)
     store = open_store(s.out)
     store.check(write=True)
     identity = {

@@ -298,10 +298,11 @@ def test_inputs_in_every_format_give_identical_shards(tmp_path, wiki_txt_dir, be
         m = json.loads((out / "task-00000.json").read_text())
         assert m["totals"]["train"]["documents"] == 1000
         digests[name] = [e["sha256"] for e in m["shards"]]
-    # packing groups never span two sources: the same files in any format give the same shards,
-    # and so does the same single source
-    assert len(digests["txt"]) == 4 and all(digests[n] == digests["txt"] for n in ("jsonl", "parquet", "txt.gz"))
-    assert len(digests["saved"]) == 1 and digests["saved"] == digests["json-array"] == digests["one-jsonl"]
+    # small text files are read together (one bundle, one packing group): the same shards as the
+    # same documents in one file; a parquet file is a bundle of its own (a group each)
+    assert len(digests["txt"]) == 1
+    assert all(digests[n] == digests["txt"] for n in ("jsonl", "txt.gz", "saved", "json-array", "one-jsonl"))
+    assert len(digests["parquet"]) == 4 and digests["parquet"] != digests["txt"]
 
 
 def test_validation_split_is_by_document_and_deterministic(tmp_path, wiki_txt_dir, bert_uncased_dir):

@@ -46,6 +46,7 @@ def files_digest(out: Path) -> dict[str, str]:
 
 
 GROUP_CHARS = 60_000  # 2 to 3 packing groups per file of the sample corpus
+BUNDLED_PAIRS = 130_000  # the sample corpus's files read in pairs, 2 packing groups each
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +225,7 @@ def test_task_manifest_and_last_shard_lost_then_rerun_gives_same_bytes(tmp_path,
 
 @pytest.mark.slow
 def test_kill_after_first_shards_then_rerun_reuses_them(tmp_path, wiki_txt_dir, bert_uncased_dir):
-    kw = dict(shard_size=64, validation_fraction=0.15, seed=3, batch_chars=20_000)
+    kw = dict(shard_size=64, validation_fraction=0.15, seed=3, batch_chars=20_000, group_chars=BUNDLED_PAIRS)
     whole = tmp_path / "whole"
     full = run_shard(settings([wiki_txt_dir], bert_uncased_dir, whole, **kw))
     out = tmp_path / "killed"
@@ -252,6 +253,8 @@ def test_kill_after_first_shards_then_rerun_reuses_them(tmp_path, wiki_txt_dir, 
             "3",
             "--batch-chars",
             "20000",
+            "--group-chars",
+            str(BUNDLED_PAIRS),
         ],
         cwd=REPO,
         stderr=subprocess.DEVNULL,
@@ -264,7 +267,7 @@ def test_kill_after_first_shards_then_rerun_reuses_them(tmp_path, wiki_txt_dir, 
     proc.wait()
     assert not (out / "task-00000.json").exists(), "finished before the kill"
     # what a kill can leave: a half-written shard
-    (out / "train-s00003-g00000-00099.tar.tmp").write_bytes(b"half a shard")
+    (out / "train-s00001-g00000-00099.tar.tmp").write_bytes(b"half a shard")
     result = run_shard(settings([wiki_txt_dir], bert_uncased_dir, out, **kw))
     assert result.shards_reused >= 3 and result.tokens < full.tokens
     assert files_digest(out) == files_digest(whole)
@@ -273,7 +276,7 @@ def test_kill_after_first_shards_then_rerun_reuses_them(tmp_path, wiki_txt_dir, 
 
 def test_resume_from_sidecars_with_a_corrupt_shard_rewrites_from_there(tmp_path, wiki_txt_dir, bert_uncased_dir):
     """Interrupted while writing its 7th shard; then one of the finished shards is corrupted."""
-    kw = dict(shard_size=64, validation_fraction=0.15, seed=3, batch_chars=20_000)
+    kw = dict(shard_size=64, validation_fraction=0.15, seed=3, batch_chars=20_000, group_chars=BUNDLED_PAIRS)
     whole = tmp_path / "whole"
     run_shard(settings([wiki_txt_dir], bert_uncased_dir, whole, **kw))
     expected = files_digest(whole)
