@@ -29,9 +29,10 @@ from .common.stale_shm import remove_stale
 from .errors import DataPrepError
 from .finalize import finalize
 from .reader import ReadOptions, iter_task_documents, resolve_inputs
-from .settings import ShardSettings, load_settings_file, read_yaml_mapping
+from .settings import TXT_MODES, ShardSettings, load_settings_file, read_yaml_mapping
 from .shard import run_shard
 from .tokenizer import train_tokenizer
+from .txt_survey import log_txt_survey
 from .verify import inspect, verify_report
 
 _SHARD_FLAGS = {  # ShardSettings field -> (flag, type, help)
@@ -41,7 +42,11 @@ _SHARD_FLAGS = {  # ShardSettings field -> (flag, type, help)
     "num_tasks": ("--num-tasks", int, "array tasks in all (default $SLURM_ARRAY_TASK_COUNT, else 1)"),
     "task_index": ("--task-index", int, "this task, 0-based (default from $SLURM_ARRAY_TASK_ID, else 0)"),
     "text_field": ("--text-field", str, "JSON field / column holding the text (default text)"),
-    "txt_mode": ("--txt-mode", str, "blocks: a document per blank-line-separated block (default); file: per file"),
+    "txt_mode": (
+        "--txt-mode",
+        str,
+        "how a .txt file becomes documents: auto (default): one document per file under 32 KiB, a larger file split at blank lines; file: one per file; blocks: one per blank-line-separated block; lines: one per line",
+    ),
     "hf_split": ("--hf-split", str, "split of a save_to_disk DatasetDict or hub dataset (default train)"),
     "partition": ("--partition", str, "how tasks share the input: auto (default), files, documents"),
     "seed": ("--seed", int, "shuffle and validation-split seed (default 0)"),
@@ -58,6 +63,12 @@ _SHARD_FLAGS = {  # ShardSettings field -> (flag, type, help)
     "batch_chars": ("--batch-chars", int, "characters per tokenizer batch (default 1048576)"),
     "log_every": ("--log-every", float, "seconds between progress lines in batch jobs (default 30)"),
 }
+
+
+_TXT_INPUT = (
+    "a .txt file under 32 KiB is one document, a larger one is split at blank lines (--txt-mode); "
+    "small files are read together"
+)
 
 
 def _percent(value: str) -> float:
@@ -202,11 +213,11 @@ def _add_clean(sub) -> argparse.ArgumentParser:
         action="extend",
         dest="inputs",
         metavar="GLOB",
-        help="files, globs, folders (.txt/.jsonl/.json/.parquet, .gz, s3://...), as shard reads",
+        help="files, globs, folders (.txt/.jsonl/.json/.parquet, .gz, s3://...), as shard reads; " + _TXT_INPUT,
     )
     p.add_argument("--out", help="output folder (or s3:// prefix) for the kept documents and report.json")
     p.add_argument("--text-field", dest="text_field", help="JSON field / column holding the text (default text)")
-    p.add_argument("--txt-mode", dest="txt_mode", choices=["blocks", "file"])
+    p.add_argument("--txt-mode", dest="txt_mode", choices=TXT_MODES, help=_SHARD_FLAGS["txt_mode"][2])
     p.add_argument("--hf-split", dest="hf_split")
     return p
 
@@ -298,14 +309,14 @@ def _add_tokenizer(sub) -> None:
         action="extend",
         required=True,
         metavar="GLOB",
-        help="files, globs, folders (.txt/.jsonl/.json/.parquet, save_to_disk) or hub:NAME",
+        help="files, globs, folders (.txt/.jsonl/.json/.parquet, save_to_disk) or hub:NAME; " + _TXT_INPUT,
     )
     p.add_argument("--out", required=True, help="folder to save the tokenizer in")
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--lowercase", action="store_true", help="lowercase text (an uncased tokenizer)")
     p.add_argument("--min-frequency", type=int, default=2, help="least count of a merged piece (default 2)")
     p.add_argument("--text-field", default="text")
-    p.add_argument("--txt-mode", default="blocks", choices=["blocks", "file"])
+    p.add_argument("--txt-mode", default="auto", choices=TXT_MODES, help=_SHARD_FLAGS["txt_mode"][2])
     p.add_argument("--hf-split", default="train")
 
 
@@ -323,7 +334,7 @@ def _add_shard(sub) -> None:
         action="extend",
         dest="inputs",
         metavar="GLOB",
-        help="files, globs, folders (.txt/.jsonl/.json/.parquet, save_to_disk) or hub:NAME[:CONFIG]",
+        help="files, globs, folders (.txt/.jsonl/.json/.parquet, save_to_disk) or hub:NAME[:CONFIG]; " + _TXT_INPUT,
     )
     for name, (flag, kind, help_text) in _SHARD_FLAGS.items():
         p.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
@@ -441,6 +452,7 @@ def _run_clean(args) -> int:
 def _run_tokenizer(args) -> int:
     sources = resolve_inputs(args.input)
     opts = ReadOptions(text_field=args.text_field, txt_mode=args.txt_mode, hf_split=args.hf_split)
+    log_txt_survey(sources, opts, logging.getLogger("data_prep"))
     out = train_tokenizer(
         lambda: iter_task_documents(sources, "files", 1, 0, opts),  # read twice (train_tokenizer says why)
         args.out,

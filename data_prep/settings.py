@@ -19,6 +19,8 @@ from data_prep.common.shards import DEFAULT_BLOCK_SIZE
 
 from .errors import DataPrepError
 
+TXT_MODES = ("auto", "file", "blocks", "lines")  # how a .txt file becomes documents (reader.txt_rule)
+
 SPLITS = ("train", "validation")
 SPEED_ONLY = ("workers", "batch_chars", "log_every")
 
@@ -32,7 +34,7 @@ class ShardSettings:
     num_tasks: int | None = None  # default: $SLURM_ARRAY_TASK_COUNT, else 1
     task_index: int | None = None  # default: from $SLURM_ARRAY_TASK_ID, else 0
     text_field: str = "text"
-    txt_mode: str = "blocks"  # blocks: a document per blank-line-separated block; file: per file
+    txt_mode: str = "auto"  # how a .txt file becomes documents (data_prep.reader.txt_rule)
     hf_split: str = "train"  # split of a save_to_disk DatasetDict or hub dataset
     partition: str = "auto"  # auto | files | documents (see data_prep.reader)
     seed: int = 0
@@ -61,8 +63,8 @@ class ShardSettings:
                 f"--task-index {self.task_index} is out of range for {self.num_tasks} task(s) "
                 f"(valid: 0..{self.num_tasks - 1})"
             )
-        if self.txt_mode not in ("blocks", "file"):
-            p.append(f"--txt-mode must be blocks or file, got {self.txt_mode!r}")
+        if self.txt_mode not in TXT_MODES:
+            p.append(f"--txt-mode must be one of {', '.join(TXT_MODES)}, got {self.txt_mode!r}")
         if not 0.0 <= self.validation_fraction < 1.0:
             p.append(f"--validation-fraction {self.validation_fraction}: must be in [0, 1)")
         if self.seed < 0:

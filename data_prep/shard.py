@@ -45,9 +45,19 @@ from .errors import DataPrepError
 from .group_writer import GroupWriter, SplitResume, files_by_group, finished_group, kept_shards, remove_group_leftovers
 from .groups import GroupKey, ReadCount, iter_owned_documents
 from .progress import Progress
-from .reader import ReadOptions, bundle_sources, resolve_inputs, resolve_partition, task_sources
+from .reader import (
+    ReadOptions,
+    Source,
+    bundle_sources,
+    bundled_files,
+    resolve_inputs,
+    resolve_partition,
+    task_sources,
+    txt_rule,
+)
 from .settings import SPLITS, ShardSettings, settings_sha256
 from .tokenizer import Encoded, LoadedTokenizer, load_tokenizer, publish_tokenizer
+from .txt_survey import log_txt_survey
 
 log = logging.getLogger("data_prep")
 TASK_MANIFEST_GLOB = "task-*.json"
@@ -218,6 +228,21 @@ def _without_fingerprints(identity: dict) -> dict:
     }
 
 
+def _earlier_forms(identity: dict):
+    """(identity, why) as earlier versions computed it for the same shards: before content
+    fingerprints; before ``--txt-mode auto`` was the default, when every .txt input is read by blank
+    lines all the same (or there is none)."""
+    forms = [(_without_fingerprints(identity), "written before inputs were identified by content")]
+    txt = [Source(**src) for src in identity["sources"] if src["kind"] == "txt"]
+    if identity.get("txt_mode") == "auto" and all(txt_rule(src, "auto") == "blocks" for src in txt):
+        blocks = {**identity, "txt_mode": "blocks"}
+        forms += [
+            (blocks, "written when --txt-mode blocks was the default"),
+            (_without_fingerprints(blocks), "written before --txt-mode auto and content fingerprints"),
+        ]
+    return forms
+
+
 def _describe_difference(old: dict, new: dict) -> str:
     keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     parts = []
@@ -337,6 +362,7 @@ def run_shard(settings: ShardSettings) -> TaskResult:
     task, num_tasks = s.task_index, s.num_tasks
     tok = load_tokenizer(s.tokenizer)
     sources = resolve_inputs(s.inputs)
+    log_txt_survey(sources, ReadOptions(text_field=s.text_field, txt_mode=s.txt_mode), log)
     bundles = bundle_sources(sources, s.group_chars)
     partition = resolve_partition(s.partition, len(bundles), num_tasks)
     mine = task_sources(bundles, partition, num_tasks, task)
@@ -407,6 +433,9 @@ def _task_identity(s: ShardSettings, tok: LoadedTokenizer, sources: list, partit
     cleaning = cleaning_of([src.path for src in sources])
     if cleaning:  # absent otherwise: earlier task manifests stay valid
         identity["cleaning"] = cleaning
+    bundled = bundled_files(sources, s.group_chars)
+    if bundled:  # absent otherwise: a task manifest from before bundles stays valid where they change nothing
+        identity["bundled_files"] = bundled
     return identity
 
 
@@ -423,14 +452,10 @@ def _written_before(store: Store, manifest_name: str, task: int, identity: dict,
     if previous.get("settings_sha256") == settings_hash:
         log.info("task %d: %s exists with the same settings, nothing to do", task, manifest_path)
         return True
-    if previous.get("settings_sha256") == settings_sha256(_without_fingerprints(identity)):
-        log.info(
-            "task %d: %s exists with the same settings, nothing to do (written before inputs were "
-            "identified by content: by path and size only)",
-            task,
-            manifest_path,
-        )
-        return True
+    for earlier, why in _earlier_forms(identity):
+        if previous.get("settings_sha256") == settings_sha256(earlier):
+            log.info("task %d: %s exists with the same settings, nothing to do (%s)", task, manifest_path, why)
+            return True
     raise DataPrepError(
         f"{manifest_path}: task {task} was already written with different settings "
         f"({_describe_difference(previous.get('settings', {}), identity)}); use a new --out folder"

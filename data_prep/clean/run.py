@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from ..cleaned_folder import REPORT, format_table, one_line
 from ..errors import DataPrepError
+from ..txt_survey import log_txt_survey
 from .dedup import stage_exact, stage_pairs
 from .filter import stage_filter
 from .join import stage_clusters
@@ -69,6 +70,8 @@ def run_clean(s: CleanSettings, stage: str | None = None, num_tasks: int = 1, ta
     t0 = time.perf_counter()
     new_folder = stage is None and "://" not in s.out and not os.path.exists(os.path.expanduser(s.out))
     job = make_job(s, num_tasks)
+    if stage in (None, "signatures"):
+        log_txt_survey(job.sources, job.opts, log)
     try:
         return _run_stages(job, stage, num_tasks, task, t0)
     except DataPrepError:

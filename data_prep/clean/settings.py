@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from ..errors import DataPrepError
+from ..settings import TXT_MODES
 
 
 @dataclass
@@ -115,7 +116,7 @@ class CleanSettings:
     inputs: list = field(default_factory=list)
     out: str = ""
     text_field: str = "text"
-    txt_mode: str = "blocks"
+    txt_mode: str = "auto"  # how a .txt file becomes documents (data_prep.reader.txt_rule)
     hf_split: str = "train"
     output_format: str = "jsonl"  # jsonl | parquet
     group_chars: int = 1 << 26  # an output file (a group, as shard's) closes at this many characters
@@ -136,8 +137,8 @@ class CleanSettings:
             p.append("--input: at least one file, glob or folder is required")
         if not self.out:
             p.append("--out: an output folder is required")
-        if self.txt_mode not in ("blocks", "file"):
-            p.append(f"txt_mode must be blocks or file, got {self.txt_mode!r}")
+        if self.txt_mode not in TXT_MODES:
+            p.append(f"txt_mode must be one of {', '.join(TXT_MODES)}, got {self.txt_mode!r}")
         if self.output_format not in ("jsonl", "parquet"):
             p.append(f"output_format must be jsonl or parquet, got {self.output_format!r}")
         if self.group_chars < 1:

@@ -23,7 +23,15 @@ from data_prep.common.storage import StorageError, Store, open_store
 from ..cleaned_folder import read_report
 from ..errors import DataPrepError
 from ..groups import GroupKey, ReadCount, iter_owned_documents
-from ..reader import ReadOptions, Source, bundle_sources, encoding_problem, resolve_inputs, resolve_partition
+from ..reader import (
+    ReadOptions,
+    Source,
+    bundle_sources,
+    bundled_files,
+    encoding_problem,
+    resolve_inputs,
+    resolve_partition,
+)
 from ..settings import settings_sha256
 from .document import Signatures
 from .settings import CleanSettings
@@ -107,6 +115,8 @@ def make_job(s: CleanSettings, num_tasks: int) -> Job:
         "sources": [src.to_dict() for src in sources],
         "decontaminated_against": [src.to_dict() for src in held],
     }
+    if bundled_files(sources, s.group_chars):
+        identity["bundled_files"] = bundled_files(sources, s.group_chars)
     if s.quality_model.path:
         identity["quality_model_sha256"] = sha256_file(os.path.expanduser(s.quality_model.path))
     return Job(s, sources, held, partition, store, identity, settings_sha256(identity))

@@ -274,6 +274,8 @@ def test_parquet_and_txt_inputs_and_outputs(tmp_path, wiki_articles, bert_uncase
     report = clean(
         "--input",
         tmp_path / "in.txt",
+        "--txt-mode",
+        "blocks",
         "--out",
         tmp_path / "out",
         "--format",

@@ -103,3 +103,62 @@ def test_input_list_is_sorted(tmp_path):
     for name in ("b.txt", "a.txt"):
         (tmp_path / name).write_text("x\n")
     assert [Path(s.path).name for s in resolve_inputs([str(tmp_path)])] == ["a.txt", "b.txt"]
+
+
+def test_a_folder_of_articles_is_a_document_per_file_by_default(tmp_path, wiki_article_files, bert_uncased_dir, caplog):
+    """--txt-mode auto: a file under 32 KiB is one document; the run says so in its first lines."""
+    caplog.set_level("INFO", logger="data_prep")
+    out = shard([wiki_article_files], bert_uncased_dir, tmp_path / "out", shard_size=4096)
+    assert load_manifest(out).totals["train"]["documents"] == 600
+    said = [r.getMessage() for r in caplog.records]
+    assert "reading 600 .txt file(s) (--txt-mode auto: a file under 32 KiB is one document, a larger one is " in said[0]
+    assert said[0].endswith(": 600 as one document each") and not [
+        r for r in caplog.records if r.levelname == "WARNING"
+    ]
+
+
+def test_a_rule_that_looks_wrong_is_warned_about(tmp_path, wiki_article_files, wiki_txt_dir, bert_uncased_dir, caplog):
+    """Articles split at blank lines: headlines and paragraphs, counted and warned about before any work;
+    the sample corpus's large files of blank-line-separated articles: split, no warning."""
+    caplog.set_level("INFO", logger="data_prep")
+    out = shard([wiki_article_files], bert_uncased_dir, tmp_path / "blocks", txt_mode="blocks", shard_size=4096)
+    documents = load_manifest(out).totals["train"]["documents"]
+    assert documents > 1000
+    said = [r.getMessage() for r in caplog.records]
+    head = "reading 600 .txt file(s) (--txt-mode blocks): 600 split at blank lines into ~"
+    assert said[0].startswith(head) and "documents (counted in 200 of them, median " in said[0]
+    estimate = int(said[0][len(head) :].split()[0].replace(",", ""))
+    assert 0.8 * documents < estimate < 1.2 * documents
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "if each file is one document, use --txt-mode file" in warnings[0]
+    caplog.clear()
+    out = shard([wiki_txt_dir], bert_uncased_dir, tmp_path / "wiki", shard_size=4096)
+    assert load_manifest(out).totals["train"]["documents"] == 1000
+    said = [r.getMessage() for r in caplog.records]
+    assert (
+        said[0].startswith("reading 4 .txt file(s) (--txt-mode auto: ")
+        and ": 4 split at blank lines into ~1,000 documents" in said[0]
+    )
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_lines_rule(tmp_path):
+    from data_prep.reader import ReadOptions, iter_source
+
+    (tmp_path / "a.txt").write_text("one line\n\ntwo line\r\nthree\n")
+    (source,) = resolve_inputs([str(tmp_path / "a.txt")])
+    assert list(iter_source(source, ReadOptions(txt_mode="lines"))) == ["one line", "two line", "three"]
+    assert list(iter_source(source, ReadOptions(txt_mode="blocks"))) == ["one line", "two line\nthree"]
+    assert list(iter_source(source, ReadOptions())) == ["one line\n\ntwo line\r\nthree\n"]
+
+
+def test_jsonl_shards_from_before_auto_stay_finished(tmp_path, bert_uncased_dir):
+    """A task manifest written when --txt-mode blocks was the default, of inputs the rule does not touch,
+    is still the same settings: nothing is redone or refused."""
+    (tmp_path / "a.jsonl").write_text(
+        "".join(json.dumps({"text": f"document number {i} " * 20}) + "\n" for i in range(50))
+    )
+    out = tmp_path / "out"
+    shard([tmp_path / "a.jsonl"], bert_uncased_dir, out, txt_mode="blocks")
+    again = run_shard(ShardSettings(inputs=[str(tmp_path / "a.jsonl")], tokenizer=str(bert_uncased_dir), out=str(out)))
+    assert again.skipped

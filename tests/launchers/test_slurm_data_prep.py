@@ -31,10 +31,13 @@ def corpus(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def shard_args(corpus, bert_uncased_dir) -> list[str]:
-    """Everything but --out; small shards so each task writes several."""
+    """Everything but --out; small shards so each task writes several, small groups (each file its own
+    bundle of 2 groups) so that each task owns some."""
     return [
         "--input",
         f"{corpus}/*.txt",
+        "--group-chars",
+        "40000",
         "--tokenizer",
         str(bert_uncased_dir),
         "--seq-len",

@@ -44,6 +44,7 @@ DATA_PREP_TIERS = {
     "cleaned_folder": 1,
     "reader": 2,
     "tokenizer": 2,
+    "txt_survey": 3,
     "groups": 3,
     "packing": 3,
     "clean": 4,
