@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from data_prep.common.manifest import Manifest
-from pretrain.checkpoint import checkpointing, phases
+from pretrain.checkpoint import checkpointing, phases, reshard
 from pretrain.checkpoint import nodes as checkpoint_nodes
 from pretrain.checkpoint.hf_export import final_export_dir
 from pretrain.checkpoint.mirror import CheckpointMirror
@@ -149,15 +149,30 @@ def build_engine(
         shape_from=phases.model_shape_file(cfg, resume_from),
         vocab_rows=rows,
     )
-    probe = step_probe(model, cfg.impl.micro_batch_size, manifest.seq_len, cfg.masking.rate)
-    with torch.random.fork_rng():  # the timing leaves the run's RNG as it was
-        precision, why = hardware.resolve_precision(cfg.impl.precision, info.device, probe)
-    precision, why = eng.rank0_value((precision, why))  # every node takes the first rank's choice
+    precision, why = build_precision(cfg, model, manifest, resume_from, info)
     model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)  # the same at any layout
     model.fixed_predictions = cfg.masking.fixed_count
     choose_attention(model, cfg, info, precision, manifest.seq_len)
     engine, scheduler, ds_config, optimizer = eng.initialize(model, cfg, info, precision, node_local)
     return BuiltEngine(special, model, engine, scheduler, ds_config, optimizer, precision, why)
+
+
+def build_precision(cfg: Config, model: MLMModel, manifest: Manifest, resume_from: str | None, info: eng.DistInfo):
+    """(precision, why): ``impl.precision`` as configured; ``auto`` keeps the precision the checkpoint a
+    run resumes from was trained in (a new timing on a busy machine, or at another world size, had
+    switched a resumed bf16 run to fp32, 7x slower a step), else times this model's step on a CPU.
+    Every node takes the first rank's choice."""
+    saved = None
+    if cfg.impl.precision == "auto" and resume_from and info.rank == 0:
+        layout = reshard.read_layout(checkpointing.checkpoint_root(cfg) / resume_from)
+        saved = layout.get("precision") if layout and layout.get("precision") in ("fp32", "bf16") else None
+    saved = eng.rank0_value(saved)
+    if saved:
+        return saved, f"auto: {saved}, as checkpoint {resume_from} was trained (impl.precision=fp32 or bf16 changes it)"
+    probe = step_probe(model, cfg.impl.micro_batch_size, manifest.seq_len, cfg.masking.rate)
+    with torch.random.fork_rng():  # the timing leaves the run's RNG as it was
+        precision, why = hardware.resolve_precision(cfg.impl.precision, info.device, probe)
+    return eng.rank0_value((precision, why))
 
 
 def choose_attention(model: MLMModel, cfg: Config, info: eng.DistInfo, precision: str, seq_len: int) -> None:

@@ -172,6 +172,14 @@ def step_timing(probe: StepProbe, cache_path: Optional[Path] = None) -> tuple[St
         if found:
             return StepTiming(found["fp32_s"], found["bf16_s"]), f"measured {found['when']}, cached in {path}"
         start = time.perf_counter()
+        # Said before it starts: on a loaded machine it took 90 s, with nothing on the console
+        log.info(
+            "impl.precision=auto: timing this model's step in fp32 and in bf16 (%d x %d tokens, 4 passes each; "
+            "once per machine and shape, then cached in %s)",
+            probe.batch,
+            probe.seq_len,
+            path,
+        )
         timing = probe.measure()
         record = {"fp32_s": timing.fp32_s, "bf16_s": timing.bf16_s, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
         add_to_cache(path, key, record, "the step timing")

@@ -77,13 +77,18 @@ def test_auto_on_a_native_bf16_cpu_takes_the_faster_step_by_a_margin(cpu_bf16, s
     assert f"bf16 needs {BF16_MARGIN:.2f}x" in why and "measured now" in why
 
 
-def test_the_step_timing_is_cached_per_model_shape(cpu_bf16, step_cache):
+def test_the_step_timing_is_cached_per_model_shape(cpu_bf16, step_cache, caplog):
     cpu_bf16(True)
     probe = FakeProbe(1.0, 0.5)
+    caplog.set_level("INFO")
     hardware.resolve_precision("auto", torch.device("cpu"), probe)
+    # a timing says it is timing, before it starts (it took 90 s on a loaded machine)
+    assert [r.getMessage() for r in caplog.records if "timing this model's step" in r.getMessage()]
+    caplog.clear()
     again = FakeProbe(9.9, 9.9)  # the same shape: read from the cache, not measured
     precision, why = hardware.resolve_precision("auto", torch.device("cpu"), again)
     assert precision == "bf16" and again.calls == 0 and f"cached in {step_cache}" in why
+    assert not [r for r in caplog.records if "timing this model's step" in r.getMessage()]
     (key,) = json.loads(step_cache.read_text())
     assert hardware.cpu_info()["model"] in key and f"threads={torch.get_num_threads()}" in key and "L2 H64" in key
     other = FakeProbe(0.5, 1.0, shape="bert L4 H256")
