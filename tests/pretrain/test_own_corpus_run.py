@@ -4,6 +4,7 @@ and what a run says about where it started."""
 from __future__ import annotations
 
 import pytest
+
 from conftest import train
 
 
