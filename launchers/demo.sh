@@ -71,7 +71,8 @@ for text in ["The Nile is a river in [MASK].", "Paris is the capital and most po
 unigram = unigram_accuracy(data, load_manifest(data))
 print(f"held-out masked-token accuracy (15% masking): {last('eval/accuracy'):.3f} after {rows[-1]['step']} steps; "
       f"always guessing the most frequent token: {unigram:.3f}")
-print(f"word-order probe accuracy: {last('downstream/word_order/accuracy'):.3f}; the same architecture with "
+print(f"word-order probe accuracy: {last('downstream/word_order/accuracy'):.3f}; the encoder it started from: "
+      f"{first('downstream/word_order/init_from_accuracy'):.3f}; the same architecture with "
       f"random weights: {first('downstream/word_order/random_init_accuracy'):.3f}; chance: 0.5")
 if os.environ.get("MLFLOW_TRACKING_URI"):
     print(f"MLflow run on {os.environ['MLFLOW_TRACKING_URI']}")

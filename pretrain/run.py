@@ -4,6 +4,7 @@ small ``build_*`` steps (precision, model and engine, attention, resume, data st
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -107,15 +108,20 @@ class Run:
 
     def probe(self, step: int) -> None:
         """The downstream probe on the trainer's own weights (whole at ZeRO-3: every rank calls)."""
+        self.emit(self.probe_scores(), step)
+
+    def probe_scores(self, label: str = "") -> dict[str, float]:
         self.engine.eval()
         with eng.full_weights(self.engine) as module:
-            self.emit(
-                probe_metrics(
-                    module.hf_model.base_model, self.tasks, self.info.device, self.cfg.eval.downstream_batch_size
-                ),
-                step,
+            scores = probe_metrics(
+                module.hf_model.base_model,
+                self.tasks,
+                self.info.device,
+                self.cfg.eval.downstream_batch_size,
+                label=label,
             )
         self.engine.train()
+        return scores
 
 
 @dataclass(frozen=True)
@@ -220,6 +226,16 @@ def keep_attention(run: Run) -> None:
     run.state.attention = model.attention
 
 
+def as_trained(cfg: Config, model: MLMModel) -> Config:
+    """The config with the architecture actually trained: a run started from a checkpoint
+    (``model.init_from``, ``train.init_from_checkpoint``) has that checkpoint's shape, whatever
+    ``model.*`` says (the MLflow params and the resolved config.yaml had said 4 x 256, the
+    schema's defaults, for a 6 x 384 encoder)."""
+    if not (cfg.model.init_from or cfg.train.init_from_checkpoint):
+        return cfg
+    return dataclasses.replace(cfg, model=cfg.model.with_shape_of(model.hf_model.config))
+
+
 def loader_prefetch(cfg: Config, world: int) -> int:
     """``impl.prefetch_factor``, raised where the workers would buffer less than a step: the next step's
     micro-batches are then read while the current one trains, not pulled after its last wait
@@ -244,7 +260,7 @@ def build_tracker(run: Run, origin: dict, precision: str, ds_config: dict):
     if run.info.rank == 0 and cfg.train.resume == "none":  # a fresh start is a new tracking run too
         (Path(cfg.train.out_dir) / "mlflow_run_id").unlink(missing_ok=True)
     tracker = make_tracker(phases.tracked_under(cfg, origin), run.info.rank, resume_step=state.step)
-    params = {**run_params(cfg, run.info.world, precision, run.manifest), **origin}
+    params = {**run_params(as_trained(cfg, run.model), run.info.world, precision, run.manifest), **origin}
     state.run_id = eng.rank0_value(
         tracker.start(
             state.run_id, params, {"config.yaml": run.resolved_yaml, "deepspeed.json": json.dumps(ds_config, indent=2)}
@@ -287,7 +303,7 @@ def build_run(
         optimizer=built.optimizer,
         scheduler=built.scheduler,
         state=TrainState(config=configlib.redact(configlib.to_dict(cfg))),  # a checkpoint holds no credentials
-        resolved_yaml=configlib.dump_yaml(cfg),
+        resolved_yaml=configlib.dump_yaml(as_trained(cfg, model)),
     )
     resume_from = eng.rank0_value(resume_from)  # the first rank chose it, holding the run lock
     if resume_from:

@@ -154,12 +154,17 @@ def spike_guard_of(run: Run) -> SpikeGuard | None:
 
 
 def emit_probe_baselines(run: Run) -> None:
-    """What the probe scores mean (random weights, majority class), once, at step 0."""
+    """What the probe scores mean (random weights, majority class), once, at step 0; a run started
+    from ``model.init_from`` adds that encoder's own score (``init_from_accuracy``: the weights at
+    step 0), so that the run shows whether continued pretraining helped."""
     if run.tasks and run.state.step == 0:
         cfg = run.cfg
-        run.emit(
-            baseline_metrics(run.model.hf_model.config, run.tasks, run.info.device, cfg.eval.downstream_batch_size), 0
+        metrics = baseline_metrics(
+            run.model.hf_model.config, run.tasks, run.info.device, cfg.eval.downstream_batch_size
         )
+        if cfg.model.init_from:
+            metrics.update(run.probe_scores(label="init_from_"))
+        run.emit(metrics, 0)
 
 
 def recover_from_spike(run: Run, guard: SpikeGuard, spike, batches, spike_end: int):

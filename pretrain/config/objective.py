@@ -3,6 +3,7 @@ settings of the schema (``pretrain.config.schema`` assembles them with the rest)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -28,6 +29,17 @@ ARCH_DEFAULTS: dict[str, dict[str, object]] = {
     },
 }
 ARCH_SPECIFIC = sorted({name for table in ARCH_DEFAULTS.values() for name in table})
+
+
+# The fields of model.* that a checkpoint's own shape decides when the run starts from one
+# (model.init_from, train.init_from_checkpoint): ours -> the Hugging Face config's name.
+SHAPE_FIELDS = {
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "intermediate_size": "intermediate_size",
+    "max_position_embeddings": "max_position_embeddings",
+}
 
 
 @dataclass
@@ -64,6 +76,11 @@ class ModelConfig:
     local_attention: Optional[int] = None  # modernbert: window of the local layers (|i - j| <= window/2)
     rope_theta: Optional[float] = None  # modernbert: rotary base of the global layers
     local_rope_theta: Optional[float] = None  # modernbert: rotary base of the local layers
+
+    def with_shape_of(self, hf_config) -> "ModelConfig":
+        """This config with the shape a Hugging Face config states (what a run started from a
+        checkpoint trains, whatever ``SHAPE_FIELDS`` said)."""
+        return dataclasses.replace(self, **{ours: getattr(hf_config, theirs) for ours, theirs in SHAPE_FIELDS.items()})
 
     def __post_init__(self):
         for name, value in ARCH_DEFAULTS.get(self.arch, {}).items():

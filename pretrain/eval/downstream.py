@@ -166,9 +166,10 @@ def probe_metrics(
     device,
     batch_size: int = 32,
     prefix: str = names.DOWNSTREAM,
+    label: str = "",
 ) -> dict[str, float]:
-    """``{prefix}/<task>/accuracy`` and ``{prefix}/<task>/macro_f1`` of a probe on ``encoder``'s
-    current weights. Deterministic given the weights; leaves the model in the mode it found it and
+    """``{prefix}/<task>/{label}accuracy`` and ``{prefix}/<task>/{label}macro_f1`` of a probe on
+    ``encoder``'s current weights (``label`` ``init_from_``: the encoder a run started from). Deterministic given the weights; leaves the model in the mode it found it and
     the global RNG untouched. At ZeRO-3 call it on every rank inside
     ``deepspeed.zero.GatheredParameters(encoder.parameters())``."""
     was_training = encoder.training
@@ -177,7 +178,7 @@ def probe_metrics(
         out = {}
         for task in tasks:
             for k, v in probe_task(encoder, task, device, batch_size).items():
-                out[names.downstream(prefix, task.name, k)] = v
+                out[names.downstream(prefix, task.name, f"{label}{k}")] = v
         return out
     finally:
         encoder.train(was_training)

@@ -24,6 +24,7 @@ from pretrain.checkpoint.mirror import mirror_problems
 from pretrain.checkpoint.phases import init_checkpoint_problems
 from pretrain.config import loader as configlib
 from pretrain.config.loader import ConfigError
+from pretrain.config.objective import SHAPE_FIELDS
 from pretrain.config.schema import Config
 from pretrain.data import make_train_stream, mixture_checks
 from pretrain.data.shard_cache import cache_dir_problems
@@ -154,6 +155,9 @@ def resume_problems(cfg: Config, manifest: Manifest, root: Path, tag: str) -> li
     # A setting added since the checkpoint was written had its default then.
     before = {**configlib.flatten(configlib.to_dict(Config())), **configlib.flatten(saved)}
     keys = [k for k in sorted(set(now) | set(before)) if k.split(".")[0] in RESULTS_GROUPS or k in RESULTS_KEYS]
+    if cfg.model.init_from or cfg.train.init_from_checkpoint:
+        # the checkpoint's own shape decides these, and its config.yaml records that shape
+        keys = [k for k in keys if k.removeprefix("model.") not in SHAPE_FIELDS]
     problems = [
         f"{k}: the checkpoint {tag} was trained with {before.get(k, '<unset>')!r}, now {now.get(k, '<unset>')!r}"
         for k in keys

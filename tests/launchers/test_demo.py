@@ -46,14 +46,15 @@ def test_demo_learns_and_beats_its_baselines(tmp_path):
             out,
         ).groups(),
     )
-    probe, random_init = map(
+    probe, start, random_init = map(
         float,
         re.search(
-            r"word-order probe accuracy: ([\d.]+); the same architecture with "
+            r"word-order probe accuracy: ([\d.]+); the encoder it started from: ([\d.]+); the same architecture with "
             r"random weights: ([\d.]+)",
             out,
         ).groups(),
     )
+    assert start > random_init + 0.1, (start, random_init)  # the pretrained encoder, scored at step 0
     assert acc > unigram + 0.02, (acc, unigram)
     assert probe > random_init + 0.15, (probe, random_init)
     assert (tmp_path / "run" / "hf_final" / "EXPORTED_FROM").read_text().strip() == "step00000030"
