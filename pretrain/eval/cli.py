@@ -1,6 +1,6 @@
 """Evaluate a pretrained encoder on downstream tasks, and its held-out MLM loss.
 
-    python -m pretrain.evaluate MODEL --task PATH [--task word_order --data DIR] [--protocol probe|finetune]
+    python -m pretrain.evaluate MODEL --task PATH [--test FILE] [--task word_order --data DIR] [--protocol probe|finetune]
         [--text-column text --label-column label] [--max-examples 2000] [--max-length 128]
         [--finetune-epochs 3 --finetune-lr 5e-5] [--json OUT.json] [--mlflow-run-id ID [--tracking-uri URI]]
 
@@ -240,6 +240,22 @@ def format_results(metrics: dict[str, float], protocol: str) -> str:
 # ------------------------------------------------------------------------------ CLI
 
 
+class _TestOf(argparse.Action):
+    """``--test FILE`` after ``--task PATH``: that task's test split."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        tasks = namespace.task or []
+        tests = dict(namespace.tests or {})
+        if not tasks:
+            parser.error(f"--test {value}: give it after the --task it is the test split of")
+        if len(tasks) - 1 in tests:
+            parser.error(f"--test {value}: --task {tasks[-1]} already has --test {tests[len(tasks) - 1]}")
+        if tasks[-1] == WORD_ORDER:
+            parser.error(f"--test {value}: --task word_order makes its own test split from --data")
+        tests[len(tasks) - 1] = value
+        namespace.tests = tests
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m pretrain.evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -250,6 +266,15 @@ def parse_args(argv=None):
         action="append",
         required=True,
         help="a labelled .csv/.tsv/.jsonl file or label-folder, or 'word_order' (repeatable)",
+    )
+    p.add_argument(
+        "--test",
+        action=_TestOf,
+        dest="tests",
+        default={},
+        metavar="FILE",
+        help="the test split of the --task just before it: a file (or label-folder) of the same columns "
+        "(default: a stratified --test-fraction of the task, drawn with --seed)",
     )
     p.add_argument("--protocol", choices=["probe", "finetune"], default="probe")
     p.add_argument("--text-column", default="text")
@@ -284,9 +309,10 @@ def _is_shard_folder(location: str) -> bool:
 def task_specs(args) -> list[DownstreamTaskConfig]:
     specs = []
     data_is_shards = bool(args.data) and _is_shard_folder(args.data)
-    for path in args.task:
+    for i, path in enumerate(args.task):
         spec = DownstreamTaskConfig(
             path=path,
+            test_path=args.tests.get(i, ""),
             text_column=args.text_column,
             label_column=args.label_column,
             test_fraction=args.test_fraction,

@@ -14,6 +14,8 @@ the training split. Nothing here touches the global RNG (seeded work runs under 
 from __future__ import annotations
 
 import copy
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -226,8 +228,49 @@ class FinetuneSettings:
     seed: int = 0
 
 
-def finetune_task(model: torch.nn.Module, task: PreparedTask, device, settings: FinetuneSettings) -> dict[str, float]:
-    """Fine-tune a sequence classifier in place on the training split; scores on the test split."""
+class StepProgress:
+    """How far a fine-tune is: a tqdm bar on a terminal, else a line every ``every`` seconds (a batch
+    log), each with steps done of the total, the rate and the time left. A fine-tune runs minutes to
+    tens of minutes on a CPU; it said nothing before."""
+
+    def __init__(self, label: str, total: int, every: float = 30.0, stream=None):
+        self.label, self.total, self.every, self.done = label, total, every, 0
+        self.stream = stream or sys.stderr
+        self.start = self.last = time.perf_counter()
+        self.bar = None
+        if getattr(self.stream, "isatty", lambda: False)():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=label, unit=" steps", file=self.stream, dynamic_ncols=True)
+
+    def step(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            return
+        now = time.perf_counter()
+        if now - self.last >= self.every or self.done == self.total:
+            self.last = now
+            print(self.line(now), file=self.stream, flush=True)
+
+    def line(self, now: float) -> str:
+        rate = self.done / max(now - self.start, 1e-9)
+        left = (self.total - self.done) / max(rate, 1e-9)
+        return (
+            f"{self.label}: step {self.done:,}/{self.total:,} ({rate:.2f} steps/s), "
+            f"{int(left // 60)}m{int(left % 60):02d}s left"
+        )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def finetune_task(
+    model: torch.nn.Module, task: PreparedTask, device, settings: FinetuneSettings, label: str = ""
+) -> dict[str, float]:
+    """Fine-tune a sequence classifier in place on the training split; scores on the test split.
+    With a ``label``, says how far along it is (``StepProgress``)."""
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
     steps = settings.epochs * -(-len(task.train_ids) // settings.batch_size)
@@ -236,6 +279,7 @@ def finetune_task(model: torch.nn.Module, task: PreparedTask, device, settings: 
     )
     labels = torch.as_tensor(task.train_labels)
     gen = np.random.default_rng(settings.seed)
+    progress = StepProgress(label, steps) if label else None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)  # dropout
         model.train()
@@ -251,6 +295,10 @@ def finetune_task(model: torch.nn.Module, task: PreparedTask, device, settings: 
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
+                if progress is not None:
+                    progress.step()
+    if progress is not None:
+        progress.close()
     model.eval()
     pred = np.empty(len(task.test_ids), dtype=np.int64)
     with torch.no_grad():
@@ -282,7 +330,8 @@ def finetune_metrics(
             torch.manual_seed(_BASELINE_SEED)
             random = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
         for key, model in (("finetune", trained), ("finetune_random_init", random)):
-            for k, v in finetune_task(model, task, device, settings).items():
+            what = "the model" if key == "finetune" else "random weights"
+            for k, v in finetune_task(model, task, device, settings, label=f"fine-tune {task.name} ({what})").items():
                 out[names.downstream(prefix, task.name, f"{key}_{k}")] = v
         for k, v in majority_scores(task).items():
             out[names.downstream(prefix, task.name, f"majority_{k}")] = v

@@ -307,3 +307,51 @@ def test_cli_logs_to_an_mlflow_run(tmp_path, articles_csv, bert_uncased_dir, cap
         == 2
     )
     assert "--mlflow-run-id 0123abcd: not usable" in capsys.readouterr().err
+
+
+def test_a_given_test_file_is_the_test_split(tmp_path, articles_csv, bert_uncased_dir, capsys):
+    """--test FILE after --task: its rows are scored, not a share of the task. A test file of the
+    training data's most frequent label only: the majority class scores exactly 1.0 on it."""
+    import csv
+
+    from pretrain.eval.cli import main
+
+    rows = list(csv.DictReader(articles_csv.open()))
+    counts = {}
+    for r in rows:
+        counts[r["label"]] = counts.get(r["label"], 0) + 1
+    top = max(counts, key=lambda k: (counts[k], k))
+    test = tmp_path / "test.csv"
+    with test.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label"])
+        w.writerows([r["text"], r["label"]] for r in rows if r["label"] == top)
+    argv = [str(bert_uncased_dir), "--task", str(articles_csv), "--max-length", "32"]
+    assert main([*argv, "--test", str(test), "--json", str(tmp_path / "given.json")]) == 0
+    assert main([*argv, "--json", str(tmp_path / "drawn.json")]) == 0
+    given, drawn = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("given", "drawn"))
+    assert given["downstream/articles/majority_accuracy"] == 1.0
+    assert drawn["downstream/articles/majority_accuracy"] < 0.5
+    for bad, said in (
+        (["--test", str(test), *argv[:1], "--task", str(articles_csv)], "give it after the --task"),
+        ([*argv, "--test", str(test), "--test", str(test)], "already has --test"),
+        ([str(bert_uncased_dir), "--task", "word_order", "--test", str(test)], "makes its own test split"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(bad)
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_finetune_says_how_far_along_it_is():
+    import io
+
+    from pretrain.eval.downstream import StepProgress
+
+    out = io.StringIO()
+    progress = StepProgress("fine-tune articles (the model)", total=4, every=0.0, stream=out)
+    for _ in range(4):
+        progress.step()
+    progress.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 4 and lines[0].startswith("fine-tune articles (the model): step 1/4 (")
+    assert lines[-1].endswith("steps/s), 0m00s left") and "step 4/4" in lines[-1]
