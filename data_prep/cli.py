@@ -2,7 +2,8 @@
 
 Exit codes: 0 success, 1 ``verify`` found damaged shards (missing, truncated, corrupted), 2 bad input
 or settings, including data that disagrees with its tokenizer (ids outside the vocabulary, a manifest
-``vocab_size`` that is not the tokenizer's); the message is on stderr.
+``vocab_size`` that is not the tokenizer's); the message is on stderr. 141: the reader of the output
+went away (``| head``), as a shell says for a command stopped by SIGPIPE.
 """
 
 from __future__ import annotations
@@ -540,3 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     except (DataPrepError, ShardError, StorageError) as exc:
         print(f"data_prep: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`data_prep inspect ... | head`): not an error of ours, and no traceback.
+        # Python's own advice: point stdout at /dev/null so that the flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # what a shell reports for a command stopped by SIGPIPE

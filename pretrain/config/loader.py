@@ -26,8 +26,11 @@ class ConfigError(ValueError):
 
     def __init__(self, problems: list[str], source: str = "config"):
         self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{len(self.problems)} problem(s) in {source}:\n{lines}")
+        # A line in parentheses is advice about the problems above it, not one more problem
+        hints = [p for p in self.problems if p.startswith("(") and p.endswith(")")]
+        found = [p for p in self.problems if p not in hints]
+        lines = "\n".join([f"  - {p}" for p in found] + [f"  {h}" for h in hints])
+        super().__init__(f"{len(found)} problem(s) in {source}:\n{lines}")
 
 
 def _type_name(tp: Any) -> str:

@@ -8,12 +8,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from data_prep.cli import main
 from data_prep.common.manifest import load_manifest
 from data_prep.finalize import finalize
 from data_prep.reader import Source, bundle_sources, resolve_inputs
 from data_prep.settings import ShardSettings
 from data_prep.shard import run_shard
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def shard(inputs, tokenizer, out: Path, num_tasks: int = 1, **kw) -> Path:
@@ -162,3 +166,16 @@ def test_jsonl_shards_from_before_auto_stay_finished(tmp_path, bert_uncased_dir)
     shard([tmp_path / "a.jsonl"], bert_uncased_dir, out, txt_mode="blocks")
     again = run_shard(ShardSettings(inputs=[str(tmp_path / "a.jsonl")], tokenizer=str(bert_uncased_dir), out=str(out)))
     assert again.skipped
+
+
+@pytest.mark.slow
+def test_inspect_into_a_reader_that_went_away_ends_without_a_traceback(shards):
+    """`data_prep inspect DIR | head` ended in a BrokenPipeError traceback. `| true` closes the pipe
+    before the first write (Python starts in over a second), as head does after its lines."""
+    import subprocess
+    import sys
+
+    script = f"{sys.executable} -m data_prep inspect {shards} --samples 20 | true; exit ${{PIPESTATUS[0]}}"
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+    assert proc.returncode == 141

@@ -258,3 +258,15 @@ def test_the_loader_buffers_a_whole_step(data_dir, monkeypatch):
     assert loader_prefetch(cfg, 8) == 4  # 4 micro-batches a step on 8 GPUs: the configured 4 is enough
     no_workers = load_config("configs/base.yaml", [f"data.dir={data_dir}", *base[:2], "impl.num_workers=0"])
     assert loader_prefetch(no_workers, 1) == no_workers.impl.prefetch_factor
+
+
+def test_the_problem_header_counts_problems_not_the_advice_after_them():
+    from pretrain.config.loader import ConfigError
+
+    text = str(ConfigError(["model.hidden_size: changed", "optim.lr: changed", "(start a new run instead)"], "x"))
+    assert text.splitlines() == [
+        "2 problem(s) in x:",
+        "  - model.hidden_size: changed",
+        "  - optim.lr: changed",
+        "  (start a new run instead)",
+    ]
