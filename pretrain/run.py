@@ -67,7 +67,8 @@ class Run:
     status: str = "FAILED"  # what the tracker marks the run with when fit returns
     latest: dict = field(default_factory=dict)  # the last value of every metric, for the summary
     cuda_graphs: bool = False  # the compiled step replays as CUDA graphs (impl.cuda_graphs)
-    started: float = field(default_factory=time.perf_counter)
+    started: float = field(default_factory=time.perf_counter)  # this job's
+    seconds_before: float = 0.0  # the run's wall seconds before this job (the resumed checkpoint's)
 
     @property
     def step_parts(self) -> StepParts:
@@ -154,6 +155,7 @@ def build_engine(
         seq_len=manifest.seq_len,
         shape_from=phases.model_shape_file(cfg, resume_from),
         vocab_rows=rows,
+        resuming=resume_from is not None,
     )
     precision, why = build_precision(cfg, model, manifest, resume_from, info)
     model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)  # the same at any layout
@@ -199,6 +201,7 @@ def restore(run: Run, resume_from: str | None) -> dict:
     Returns where a new phase came from (empty otherwise)."""
     if resume_from:
         run.state.load_state_dict(checkpointing.load(run.engine, run.cfg, resume_from, run.nodes)[STATE_KEY])
+        run.seconds_before = run.state.seconds
     origin = (
         phases.start_from(run.engine, run.cfg, run.nodes.writes_folder)
         if run.cfg.train.init_from_checkpoint and not resume_from

@@ -302,7 +302,8 @@ def finish(run: Run) -> None:
         report = report_at_end(cfg, run.manifest, run.tracker)  # never raises; logged as the run's report/ artifact
         if report is not None and run.mirror is not None:
             run.mirror.upload_folder(report)
-    log.info("%s", console.summary(run.state, cfg, time.perf_counter() - run.started, run.latest, run.tracker))
+    job_s = time.perf_counter() - run.started
+    log.info("%s", console.summary(run.state, cfg, run.seconds_before + job_s, job_s, run.latest, run.tracker))
     run.status = "FINISHED"
 
 
@@ -311,6 +312,7 @@ def checkpoint(run: Run, export: bool, final: bool) -> None:
     that it exports on its own), recorded by the tracker; optionally exported to Hugging Face."""
     cfg, state, manifest = run.cfg, run.state, run.manifest
     state.data = run.stream.state_dict()
+    state.seconds = run.seconds_before + time.perf_counter() - run.started
     snapshot = state.state_dict()
     readable = {k: v for k, v in snapshot.items() if k != "rng"}  # for checks before any process group
     side_files = {

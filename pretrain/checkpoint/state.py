@@ -32,6 +32,7 @@ class TrainState:
     skipped_windows: list = field(default_factory=list)
     spike_detector: dict = field(default_factory=dict)
     attention: str = ""  # the attention kernel the run started with (pretrain.runtime.attention)
+    seconds: float = 0.0  # wall seconds of the run up to this checkpoint, every job before it included
 
     def state_dict(self) -> dict:
         """A snapshot, with the RNG states of this moment."""

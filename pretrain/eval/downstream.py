@@ -239,7 +239,7 @@ class StepProgress:
         self.start = self.last = time.perf_counter()
         self.bar = None
         if getattr(self.stream, "isatty", lambda: False)():
-            from tqdm import tqdm
+            from tqdm import tqdm  # lazy: only on a terminal
 
             self.bar = tqdm(total=total, desc=label, unit=" steps", file=self.stream, dynamic_ncols=True)
 

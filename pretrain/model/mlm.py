@@ -354,8 +354,9 @@ def padded_vocab(vocab_size: int, multiple: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def _pretrained(model_cfg: ModelConfig, vocab_size: int, attention: str):
-    """``model.init_from``'s checkpoint, and the names of the weights it did not hold (they start fresh)."""
+def _pretrained(model_cfg: ModelConfig, vocab_size: int, attention: str, resuming: bool = False):
+    """``model.init_from``'s checkpoint, and the names of the weights it did not hold (they start fresh;
+    said in one line unless ``resuming``: a resume loads its checkpoint's weights over all of them)."""
     folder = model_cfg.init_from
     problems = model_cfg.init_from_problems()
     if problems:
@@ -370,7 +371,7 @@ def _pretrained(model_cfg: ModelConfig, vocab_size: int, attention: str):
         folder, attn_implementation=attention, dtype=torch.float32, local_files_only=True, output_loading_info=True
     )
     fresh = set(loading["missing_keys"])
-    if fresh:  # one line instead of transformers' load report
+    if fresh and not resuming:  # one line instead of transformers' load report
         log.info(
             "model.init_from: %d weight tensors are not in %s and start fresh (%s)",
             len(fresh),
@@ -400,6 +401,7 @@ def build_model(
     seq_len: int | None = None,
     shape_from: str | None = None,
     vocab_rows: int | None = None,
+    resuming: bool = False,
 ) -> MLMModel:
     """A fresh encoder of ``model_cfg.arch`` from ``model_cfg`` (seed torch first for a deterministic
     init), or, with ``model_cfg.init_from``, a local HF checkpoint of that architecture whose own
@@ -407,12 +409,13 @@ def build_model(
     initialised head; the decoder is tied to its word embeddings). ``shape_from``: a Hugging Face
     config.json whose shape wins over ``model_cfg`` (a new phase of an earlier run, whose weights
     are loaded afterwards). ``vocab_rows``: the embedding's rows (a resumed checkpoint's), instead of
-    ``vocab_size`` rounded up to ``model_cfg.vocab_multiple``. Always fp32: the engine casts for
+    ``vocab_size`` rounded up to ``model_cfg.vocab_multiple``. ``resuming``: the weights come from a
+    checkpoint next, so init_from's fresh ones are not announced. Always fp32: the engine casts for
     mixed precision."""
     rows = vocab_rows or padded_vocab(vocab_size, model_cfg.vocab_multiple)
     attention = attention_implementation(impl, model_cfg.attention_scope)
     if model_cfg.init_from:
-        hf_model, fresh = _pretrained(model_cfg, vocab_size, attention)
+        hf_model, fresh = _pretrained(model_cfg, vocab_size, attention, resuming)
     else:
         hf_model, fresh = _new_model(model_cfg, rows, special, attention, shape_from), set()
     if model_cfg.init_from and rows != vocab_size:

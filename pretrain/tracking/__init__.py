@@ -25,7 +25,7 @@ def make_tracker(cfg, rank: int, resume_step: int = 0, jsonl: bool = True) -> Tr
         # lazy: pulls in mlflow (~1.5 s), which a run with another backend never needs
         from pretrain.tracking.mlflow_tracker import MlflowTracker
 
-        trackers.append(MlflowTracker(cfg))
+        trackers.append(MlflowTracker(cfg, resume_step=resume_step))
     return TrackerGroup(trackers) if len(trackers) != 1 else trackers[0]
 
 

@@ -53,6 +53,11 @@ def quiet_third_party(out_dir: str, rank: int) -> Path:
     _route_library_loggers()
     _warnings_to(logging.getLogger("py.warnings"))
     silence_transformers_load_report()
+    # datasets' bars (reading a downstream task's CSV) drew on the training console: off, whether
+    # datasets is imported already or later
+    os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
     # MLflow, imported later, would give its logger a console handler of its own.
     os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
     return path
@@ -61,7 +66,7 @@ def quiet_third_party(out_dir: str, rank: int) -> Path:
 def _route_library_loggers() -> None:
     """DeepSpeed, transformers and MLflow each give their logger a console handler of its own (at
     import): through the root's handlers instead, so to the file, and to the console as filtered."""
-    for name in ("DeepSpeed", "transformers", "mlflow"):
+    for name in ("DeepSpeed", "transformers", "mlflow", "datasets"):
         lib = logging.getLogger(name)
         lib.handlers, lib.propagate = [], True
         lib.setLevel(logging.INFO)
@@ -143,13 +148,14 @@ def time_left(steps_left: int, seconds_per_step: float) -> str:
     return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
-def summary(state, cfg, wall_s: float, last_metrics: dict, tracker) -> str:
-    """The end-of-run summary: what was done, where it is."""
+def summary(state, cfg, run_s: float, job_s: float, last_metrics: dict, tracker) -> str:
+    """The end-of-run summary: what was done (in the run's time, every job of it; this job's beside it
+    when there were others), where it is."""
     out = Path(cfg.train.out_dir)
     losses = ", ".join(f"{k} {v:.4f}" for k, v in last_metrics.items() if k in (names.TRAIN_LOSS, names.EVAL_LOSS))
+    took = time_left(1, run_s) + (f" (this job: {time_left(1, job_s)})" if run_s - job_s > 0.5 else "")
     lines = [
-        f"done: {state.step} steps, {state.tokens_seen:,} tokens in {time_left(1, wall_s)}"
-        + (f"; {losses}" if losses else ""),
+        f"done: {state.step} steps, {state.tokens_seen:,} tokens in {took}" + (f"; {losses}" if losses else ""),
         f"  checkpoints: {out / 'checkpoints'}",
     ]
     if (out / "hf_final").is_dir():

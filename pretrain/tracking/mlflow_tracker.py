@@ -79,8 +79,8 @@ class MlflowTracker(Tracker):
     ``tracker.run_id`` (not the value :meth:`start` returned) when writing a checkpoint.
     """
 
-    def __init__(self, cfg, final_flush_seconds: float = 45.0):
-        self.cfg = cfg
+    def __init__(self, cfg, final_flush_seconds: float = 45.0, resume_step: int = 0):
+        self.cfg, self.resume_step = cfg, resume_step
         self.tracking_uri, self._artifact_root = resolve_tracking_uri(cfg)
         self.retry_seconds = max(0.1, float(cfg.tracking.retry_seconds))
         self.final_flush_seconds = final_flush_seconds
@@ -100,7 +100,7 @@ class MlflowTracker(Tracker):
         self._want_run: Optional[str] = None
         self._init: tuple[dict, dict] = ({}, {})
         self._last_step: dict[str, int] = {}  # per metric: the largest step the run already held
-        self._skipped_resumed = 0
+        self._skipped_resumed = 0  # points of steps after the resumed checkpoint the run already held
         self._outage_since: Optional[float] = None
         self._reminded_at = 0.0
         self._dropped_full = False
@@ -366,7 +366,9 @@ class MlflowTracker(Tracker):
                 if item[0] == "metric":
                     _, key, value, ts, step = item
                     if step <= self._last_step.get(key, -1):
-                        self._skipped_resumed += 1
+                        # the checkpoint's own step is logged again on every resume (resume_log.relog):
+                        # only steps after it were really run twice
+                        self._skipped_resumed += step > self.resume_step
                         continue
                     metrics.append(Metric(key, value, ts, step))
                 elif item[0] == "param":

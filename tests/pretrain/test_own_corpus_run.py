@@ -26,6 +26,7 @@ def test_a_run_from_init_from_states_what_it_trains_and_where_it_started(shards,
     resolved config say 48 and 96; step 0's probe rows hold that encoder's own score beside random
     weights and the majority class; the same command resumes (the shape fields are the folder's)."""
     import json
+    import re
     import shutil
 
     import mlflow
@@ -53,9 +54,22 @@ def test_a_run_from_init_from_states_what_it_trains_and_where_it_started(shards,
         "tracking.backend=mlflow",
         "eval.downstream=[{path: word_order, max_examples: 120, max_length: 32}]",
     ]
-    train(shards, out, "train.max_steps=2", *common, check=True)
+    first = train(shards, out, "train.max_steps=2", *common, check=True)
     proc = train(shards, out, "train.max_steps=4", *common, check=True)
     assert "resumed from step00000002" in proc.stdout + proc.stderr
+    # the MLM head the encoder lacks starts fresh: said when it does, not on the resume that loads it
+    assert "weight tensors are not in" in first.stdout + first.stderr
+    assert "weight tensors are not in" not in proc.stdout + proc.stderr
+    # a plain stop and resume ran no step twice: nothing to say about re-run points
+    assert "re-run points" not in proc.stdout + proc.stderr
+    # the end line gives the run's time, both jobs, and this job's beside it
+    seconds = [
+        json.loads((out / "checkpoints" / f"step0000000{s}" / "train_state.json").read_text())["seconds"]
+        for s in (2, 4)
+    ]
+    assert 0 < seconds[0] < seconds[1]
+    assert re.search(r"done: 4 steps, [\d,]+ tokens in \dm\d\ds \(this job: \dm\d\ds\)", proc.stdout + proc.stderr)
+    assert not re.search(r"this job", first.stdout + first.stderr)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     (step0,) = [r for r in rows if "downstream/word_order/init_from_accuracy" in r]
     assert step0["step"] == 0 and "downstream/word_order/random_init_accuracy" in step0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -122,7 +123,9 @@ def test_two_ranks_and_a_resume_make_one_complete_run(shards, tmp_path, mlflow_s
     # every rank wrote rank 0's run id into the checkpoint the next launch resumes from
     assert checkpoint_run_id(out, 4) == checkpoint_run_id(out, 6) == run_id
 
-    train(shards, out, mlflow_server.uri, experiment, *common, "train.resume=step00000004")
+    second = train(shards, out, mlflow_server.uri, experiment, *common, "train.resume=step00000004")
+    # steps 5 and 6 ran twice: said once, counted (their train/*, perf/* points)
+    assert re.search(r"MLflow: \d+ re-run points were not logged again", second.stdout + second.stderr)
     second_rows = jsonl_rows(out)
     assert [r["step"] for r in second_rows if "train/loss" in r] == list(range(1, 13))
 
