@@ -182,5 +182,8 @@ def _finish(job: Job, decisions: dict) -> dict | None:
     stale += [n for n in listing if ".tmp" in n and (n.startswith(work) or is_part(n.split(".tmp")[0]))]
     if stale:
         store.delete(stale)
+    # the folders of earlier settings too, not only their files (an empty one stayed on a local disk)
+    for folder in sorted({"/".join(n.split("/")[:2]) for n in stale if n.startswith(WORK + "/")}):
+        store.delete_folder(folder)
     store.write_bytes(REPORT, json_bytes(report))  # last: a folder without it is unfinished
     return report

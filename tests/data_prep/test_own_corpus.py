@@ -179,3 +179,10 @@ def test_inspect_into_a_reader_that_went_away_ends_without_a_traceback(shards):
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
     assert proc.returncode == 141
+
+
+def test_a_clean_with_other_settings_leaves_no_folder_of_the_old_ones(tmp_path, wiki_article_files):
+    out = tmp_path / "out"
+    for languages in (["en"], ["any"]):
+        assert main(["clean", "--input", str(wiki_article_files), "--out", str(out), "--languages", *languages]) == 0
+    assert len(list((out / ".clean").iterdir())) == 1
