@@ -363,6 +363,11 @@ def run_shard(settings: ShardSettings) -> TaskResult:
     tok = load_tokenizer(s.tokenizer)
     sources = resolve_inputs(s.inputs)
     log_txt_survey(sources, ReadOptions(text_field=s.text_field, txt_mode=s.txt_mode), log)
+    if s.validation_fraction == 0 and task == 0:
+        log.warning(
+            "WARNING: --validation-fraction 0: no validation split, so no held-out evaluation in training "
+            "(--validation-fraction 0.01 holds 1% of the documents out)"
+        )
     bundles = bundle_sources(sources, s.group_chars)
     partition = resolve_partition(s.partition, len(bundles), num_tasks)
     mine = task_sources(bundles, partition, num_tasks, task)
