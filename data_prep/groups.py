@@ -45,6 +45,17 @@ class ReadCount:
 
     documents_read: int = 0
     groups_owned: int = 0
+    bytes_read: int = 0  # of the input files on disk, as they are read (progress lines)
+
+    def advance(self, n: int) -> None:
+        self.bytes_read += n
+
+
+def owned_bytes(sources: list[Source], partition: str, num_tasks: int, task_index: int, group_chars: int) -> int:
+    """The bytes on disk of the files one task reads: what its progress lines count towards."""
+    bundles = bundle_sources(sources, group_chars)
+    opened = assign_bundles(bundles, num_tasks)[task_index] if partition == "files" else range(len(bundles))
+    return sum(s.bytes for i in opened for s in bundles[i])
 
 
 def iter_owned_documents(
@@ -67,7 +78,7 @@ def iter_owned_documents(
         if bundle_index not in opened:
             continue
         group, chars, last_owned = 0, 0, None
-        for doc in _bundle_documents(bundle, opts, records):
+        for doc in _bundle_documents(bundle, opts, records, count.advance):
             text = doc[opts.text_field] if records else doc
             count.documents_read += 1
             owned = partition == "files" or (groups_before + group) % num_tasks == task_index
@@ -83,6 +94,6 @@ def iter_owned_documents(
         groups_before += group + (1 if chars else 0)
 
 
-def _bundle_documents(bundle: Bundle, opts: ReadOptions, records: bool) -> Iterator[str | dict]:
+def _bundle_documents(bundle: Bundle, opts: ReadOptions, records: bool, advance) -> Iterator[str | dict]:
     for source in bundle:
-        yield from iter_source_records(source, opts) if records else iter_source(source, opts)
+        yield from iter_source_records(source, opts, advance=advance) if records else iter_source(source, opts, advance)

@@ -1,5 +1,7 @@
-"""Progress for long runs: a tqdm bar (documents/s, tokens/s) on a terminal, a log line every few seconds
-in batch jobs, where a bar would fill the log with carriage returns."""
+"""Progress for long runs: a tqdm bar on a terminal, a log line every few seconds in batch jobs, where a
+bar would fill the log with carriage returns. Given the bytes of input a task reads (``total_bytes``),
+both say how much of it was read, the rate and the time left; documents, tokens and shards as far as
+the caller counts them."""
 
 from __future__ import annotations
 
@@ -10,39 +12,68 @@ import time
 from tqdm import tqdm
 
 log = logging.getLogger("data_prep")
+MIB = 1 << 20
+
+
+def time_left(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
 class Progress:
-    def __init__(self, label: str, log_every: float = 30.0, stream=None):
+    def __init__(self, label: str, log_every: float = 30.0, stream=None, total_bytes: int = 0):
         self.label = label
         self.log_every = log_every
-        self.docs = self.tokens = self.shards = 0
+        self.total_bytes = total_bytes
+        self.docs = self.tokens = self.shards = self.bytes_read = 0
         self.start = self._last = time.perf_counter()
         stream = stream or sys.stderr
         self._bar = None
         if getattr(stream, "isatty", lambda: False)():
-            self._bar = tqdm(desc=label, unit=" docs", unit_scale=True, file=stream, dynamic_ncols=True)
+            if total_bytes:
+                self._bar = tqdm(
+                    desc=label, total=total_bytes, unit="B", unit_scale=True, file=stream, dynamic_ncols=True
+                )
+            else:
+                self._bar = tqdm(desc=label, unit=" docs", unit_scale=True, file=stream, dynamic_ncols=True)
 
-    def update(self, docs: int, tokens: int, shards: int = 0) -> None:
+    def update(self, docs: int, tokens: int = 0, shards: int = 0, bytes_read: int | None = None) -> None:
+        """``docs``, ``tokens``, ``shards`` more; ``bytes_read``: of the input so far, in all."""
         self.docs += docs
         self.tokens += tokens
         self.shards += shards
+        moved = 0
+        if bytes_read is not None:
+            moved, self.bytes_read = bytes_read - self.bytes_read, bytes_read
         now = time.perf_counter()
         if self._bar is not None:
-            self._bar.set_postfix_str(
-                f"{self.tokens / max(now - self.start, 1e-9):,.0f} tokens/s, {self.shards} shards", refresh=False
-            )
-            self._bar.update(docs)
+            self._bar.set_postfix_str(self._counts(now), refresh=False)
+            self._bar.update(moved if self.total_bytes else docs)
         elif now - self._last >= self.log_every:
             self._last = now
             log.info("%s", self.summary())
 
+    def _counts(self, now: float) -> str:
+        dt = max(now - self.start, 1e-9)
+        out = f"{self.docs:,} docs ({self.docs / dt:,.0f} docs/s)"
+        if self.tokens:
+            out += f", {self.tokens:,} tokens ({self.tokens / dt:,.0f} tokens/s), {self.shards} shards"
+        return out
+
     def summary(self) -> str:
-        dt = max(time.perf_counter() - self.start, 1e-9)
-        return (
-            f"{self.label}: {self.docs:,} docs ({self.docs / dt:,.0f} docs/s), {self.tokens:,} tokens "
-            f"({self.tokens / dt:,.0f} tokens/s), {self.shards} shards, {dt:,.1f} s"
-        )
+        now = time.perf_counter()
+        dt = max(now - self.start, 1e-9)
+        line = f"{self.label}: {self._counts(now)}"
+        if self.total_bytes:
+            share = min(1.0, self.bytes_read / self.total_bytes)
+            rate = self.bytes_read / dt
+            left = (self.total_bytes - self.bytes_read) / rate if rate > 0 else float("inf")
+            line += (
+                f", {self.bytes_read / MIB:,.1f} of {self.total_bytes / MIB:,.1f} MiB read ({share:.0%}, "
+                f"{rate / MIB:,.2f} MiB/s), {time_left(left) if left != float('inf') else '?'} left"
+            )
+        return f"{line}, {dt:,.1f} s"
 
     def close(self) -> None:
         if self._bar is not None:

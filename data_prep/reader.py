@@ -50,7 +50,7 @@ import os
 import stat
 import tempfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,6 +59,7 @@ from data_prep.common.storage import is_url, open_store
 from .cleaned_folder import is_part, read_report
 from .errors import DataPrepError
 
+Advance = Callable[[int], None]  # told the bytes of the input each read consumed (progress)
 _KINDS = {".txt": "txt", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
 _GZIP_OK = {"txt", "jsonl", "json"}
 HUB_PREFIX = "hub:"
@@ -296,8 +297,42 @@ def _readable_path(source: Source):
 # Reading one source
 
 
-def _open_binary(path: str):
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+def _open_binary(path: str, advance: Advance | None = None):
+    f = gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+    return _Counted(f, advance) if advance is not None else f
+
+
+class _Counted:
+    """A file read line by line (or whole) that tells ``advance`` how many bytes of the file on disk
+    each read consumed: for a ``.gz``, the compressed bytes (what ``Source.bytes`` counts)."""
+
+    def __init__(self, f, advance: Advance):
+        self.f, self.advance, self.at = f, advance, 0
+        self.raw = getattr(f, "fileobj", None)  # a GzipFile's compressed stream
+
+    def _tell(self, n: int) -> None:
+        if self.raw is None:
+            self.advance(n)
+        else:
+            now = self.raw.tell()
+            self.advance(now - self.at)
+            self.at = now
+
+    def __iter__(self):
+        for line in self.f:
+            self._tell(len(line))
+            yield line
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self._tell(len(data))
+        return data
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
 
 
 _GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)
@@ -363,10 +398,10 @@ def _decode_line(raw: bytes, path: str, lineno: int, offset: int) -> str:
         raise _not_utf8(path, lineno, offset + exc.start, exc) from None
 
 
-def _iter_txt_blocks(path: str) -> Iterator[str]:
+def _iter_txt_blocks(path: str, advance: Advance | None = None) -> Iterator[str]:
     lines: list[str] = []
     offset = 0
-    with _open_binary(path) as f:
+    with _open_binary(path, advance) as f:
         for lineno, raw in enumerate(f, 1):
             line = _decode_line(raw, path, lineno, offset)
             offset += len(raw)
@@ -379,9 +414,9 @@ def _iter_txt_blocks(path: str) -> Iterator[str]:
         yield "\n".join(lines)
 
 
-def _iter_txt_lines(path: str) -> Iterator[str]:
+def _iter_txt_lines(path: str, advance: Advance | None = None) -> Iterator[str]:
     offset = 0
-    with _open_binary(path) as f:
+    with _open_binary(path, advance) as f:
         for lineno, raw in enumerate(f, 1):
             line = _decode_line(raw, path, lineno, offset).rstrip("\r\n")
             offset += len(raw)
@@ -397,8 +432,8 @@ def txt_rule(source: Source, txt_mode: str) -> str:
     return "file" if source.bytes < TXT_DOCUMENT_BYTES else "blocks"
 
 
-def _iter_txt_file(path: str) -> Iterator[str]:
-    with _open_binary(path) as f:
+def _iter_txt_file(path: str, advance: Advance | None = None) -> Iterator[str]:
+    with _open_binary(path, advance) as f:
         data = f.read()
     try:
         text = data.decode("utf-8")
@@ -421,9 +456,9 @@ def _text_of(obj, field: str, where: str):
     return text
 
 
-def _iter_jsonl(path: str, field: str) -> Iterator[dict]:
+def _iter_jsonl(path: str, field: str, advance: Advance | None = None) -> Iterator[dict]:
     offset = 0
-    with _open_binary(path) as f:
+    with _open_binary(path, advance) as f:
         for lineno, raw in enumerate(f, 1):
             line = _decode_line(raw, path, lineno, offset)
             offset += len(raw)
@@ -501,37 +536,49 @@ def _open_hub(name: str, split: str):
         raise DataPrepError(f"hub:{name}: cannot be loaded ({type(exc).__name__}: {exc})") from exc
 
 
-def iter_source(source: Source, opts: ReadOptions) -> Iterator[str]:
+def iter_source(source: Source, opts: ReadOptions, advance: Advance | None = None) -> Iterator[str]:
     """Every non-empty document of one source, in file order."""
     field = opts.text_field
-    for record in iter_source_records(source, opts, all_fields=False):
+    for record in iter_source_records(source, opts, all_fields=False, advance=advance):
         yield record[field]
 
 
-def iter_source_records(source: Source, opts: ReadOptions, all_fields: bool = True) -> Iterator[dict]:
+def iter_source_records(
+    source: Source, opts: ReadOptions, all_fields: bool = True, advance: Advance | None = None
+) -> Iterator[dict]:
     """Every record of one source whose text is not empty, with all its fields (columnar sources:
-    only the text unless ``all_fields``), in file order; a ``.txt`` document is ``{text_field: text}``."""
+    only the text unless ``all_fields``), in file order; a ``.txt`` document is ``{text_field: text}``.
+    ``advance`` is told the bytes of the source read so far, as they are read (a text or JSON-lines
+    file), or all of them at its end (the formats ``datasets`` reads)."""
     if not (source.kind == "hub" or is_url(source.path) or os.path.exists(source.path)):
         raise DataPrepError(f"{source.path}: input disappeared while data prep was running")
     with _readable_path(source) as path:
         local = dataclasses.replace(source, path=path)
         if not source.path.endswith(".gz"):
-            yield from _iter_source(local, opts, all_fields)
+            yield from _iter_source(local, opts, all_fields, advance)
             return
         try:
-            yield from _iter_source(local, opts, all_fields)
+            yield from _iter_source(local, opts, all_fields, advance)
         except _GZIP_ERRORS as exc:
             raise DataPrepError(_gzip_problem(source.path, exc)) from None
 
 
-def _iter_source(source: Source, opts: ReadOptions, all_fields: bool) -> Iterator[dict]:
+def _iter_source(source: Source, opts: ReadOptions, all_fields: bool, advance: Advance | None) -> Iterator[dict]:
     field = opts.text_field
     if source.kind == "txt":
-        texts = _TXT_READERS[txt_rule(source, opts.txt_mode)](source.path)
+        texts = _TXT_READERS[txt_rule(source, opts.txt_mode)](source.path, advance)
         yield from ({field: text} for text in texts)
     elif source.kind == "jsonl" or (source.kind == "json" and not _json_is_array(source.path)):
-        yield from _iter_jsonl(source.path, field)
-    elif source.kind == "json":
+        yield from _iter_jsonl(source.path, field, advance)
+    else:
+        yield from _iter_columnar(source, opts, all_fields)
+        if advance is not None:
+            advance(source.bytes)
+
+
+def _iter_columnar(source: Source, opts: ReadOptions, all_fields: bool) -> Iterator[dict]:
+    field = opts.text_field
+    if source.kind == "json":
         yield from _iter_hf_dataset(_load_streaming("json", source.path), field, source.path, all_fields)
     elif source.kind == "parquet":
         yield from _iter_hf_dataset(_load_streaming("parquet", source.path), field, source.path, all_fields)

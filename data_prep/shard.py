@@ -43,7 +43,7 @@ from data_prep.common.storage import Store, open_store
 from .cleaned_folder import cleaning_of
 from .errors import DataPrepError
 from .group_writer import GroupWriter, SplitResume, files_by_group, finished_group, kept_shards, remove_group_leftovers
-from .groups import GroupKey, ReadCount, iter_owned_documents
+from .groups import GroupKey, ReadCount, iter_owned_documents, owned_bytes
 from .progress import Progress
 from .reader import (
     ReadOptions,
@@ -405,7 +405,10 @@ def _shard_task(s: ShardSettings, tok: LoadedTokenizer, sources: list, partition
         read,
     )
     kept = _Kept(store, progress_prefix, settings_hash)
-    out = _write_groups(store, s, tok, dtype, settings_hash, progress_prefix, _group_batches(docs, s, kept, documents))
+    total = owned_bytes(sources, partition, num_tasks, task, s.group_chars)
+    progress = Progress(f"task {s.task_index}/{s.num_tasks}", s.log_every, total_bytes=total)
+    batches = _group_batches(docs, s, kept, documents)
+    out = _write_groups(store, s, tok, dtype, settings_hash, progress_prefix, batches, progress, read)
     _check_what_was_read(read, out.groups, mine, task, num_tasks)
     _write_task_manifest(
         store, manifest_name, s, identity, settings_hash, tok, dtype.name, mine, out.entries, out.groups, documents
@@ -478,10 +481,12 @@ class _Written:
     written: int = 0
 
 
-def _write_groups(store, s: ShardSettings, tok, dtype, settings_hash: str, progress_prefix: str, batches) -> _Written:
-    """Tokenize the task's batches (in order, overlapped with reading) and write each group's shards."""
+def _write_groups(
+    store, s: ShardSettings, tok, dtype, settings_hash: str, progress_prefix: str, batches, progress, read: ReadCount
+) -> _Written:
+    """Tokenize the task's batches (in order, overlapped with reading) and write each group's shards,
+    saying how far along it is (``progress``: the input bytes ``read`` has counted)."""
     out = _Written()
-    progress = Progress(f"task {s.task_index}/{s.num_tasks}", s.log_every)
     group: GroupWriter | None = None
     try:
         for batch, enc in _encode_in_order(tok, batches, s.workers):
@@ -489,7 +494,7 @@ def _write_groups(store, s: ShardSettings, tok, dtype, settings_hash: str, progr
                 n = group.add(batch.split, enc, batch.doc_ids, batch.first_offset)
                 out.written += n
                 out.tokens += int(enc.lens.sum())
-                progress.update(len(batch.texts), int(enc.lens.sum()), n)
+                progress.update(len(batch.texts), int(enc.lens.sum()), n, read.bytes_read)
             elif batch.kind == "start":
                 group = GroupWriter(store, batch.group, s, tok, dtype, settings_hash, progress_prefix, batch.resume)
                 out.reused += group.reused
@@ -498,7 +503,7 @@ def _write_groups(store, s: ShardSettings, tok, dtype, settings_hash: str, progr
                 group_entries, n = group.finish()
                 out.entries += group_entries
                 out.written += n
-                progress.update(0, 0, n)
+                progress.update(0, 0, n, read.bytes_read)
                 group = None
             else:  # done: the group was complete before this run
                 out.entries += batch.entries

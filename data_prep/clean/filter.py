@@ -100,7 +100,7 @@ def stage_filter(job: Job, num_tasks: int, task: int) -> dict | None:
         store.write_bytes(work + _filter_marker(key), json_bytes(marker))
 
     filtered, group_removed = None, {}
-    for k, record in job.owned(num_tasks, task):
+    for k, record in job.owned(num_tasks, task, stage="filter"):
         if k != key:
             close()
             key, local, kept, removed, snippets = k, 0, [], [], {}

@@ -19,9 +19,11 @@ test loads our file with ``fasttext-predict`` and compares its probabilities wit
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import re
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +31,12 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataPrepError
+from ..progress import time_left
 from ..reader import ReadOptions, iter_source_records, resolve_inputs
 from ..sample_corpus import low_quality_documents
 from .fasttext_file import LOSS_SOFTMAX, MODEL_SUPERVISED, write_supervised
+
+log = logging.getLogger("data_prep")
 
 POSITIVE, NEGATIVE = "__label__hq", "__label__cc"  # DCLM's label names
 EOS = "</s>"
@@ -103,6 +108,15 @@ def autotune(training: list[tuple[str, bool]], settings: Settings, epochs: bool,
         spent += e * len(fit)
         model = train(fit, Settings(**{**settings.__dict__, "epochs": e, "lr": rate}))
         tried.append((e, rate, evaluate(model, validation), log_loss(model, validation)))
+        log.info(
+            "quality model: trial %d (epochs %d, lr %g): validation accuracy %.4f, %s of %s document passes spent",
+            len(tried),
+            e,
+            rate,
+            tried[-1][2].accuracy,
+            f"{spent:,}",
+            f"{budget:,}",
+        )
         return True
 
     def best() -> tuple:
@@ -211,12 +225,22 @@ def train(examples: list[tuple[str, bool]], settings: Settings) -> Classifier:
     order = list(range(len(examples)))
     rng = random.Random(settings.seed)
     total, seen = settings.epochs * len(order), 0
-    for _ in range(settings.epochs):
+    start = time.perf_counter()
+    for epoch in range(settings.epochs):
         rng.shuffle(order)
         for i in order:
             if len(rows[i]):
                 model.update(rows[i], examples[i][1], settings.lr * (1 - seen / total))
             seen += 1
+        took = time.perf_counter() - start
+        log.info(
+            "quality model: epoch %d/%d, %s documents, %.0f documents/s, %s left",
+            epoch + 1,
+            settings.epochs,
+            f"{len(order):,}",
+            seen / max(took, 1e-9),
+            time_left(took / (epoch + 1) * (settings.epochs - epoch - 1)),
+        )
     return model
 
 

@@ -125,6 +125,7 @@ class CleanSettings:
     decontaminate_against: list = field(default_factory=list)  # files of documents nothing kept may copy
     workers: int = 0  # processes; 0: one per core
     slice_keys: int = 1 << 22  # keys the clusters stage sorts at a time (memory, not results)
+    log_every: float = 30.0  # seconds between progress lines when stderr is not a terminal
     exact: ExactSettings = field(default_factory=ExactSettings)
     near: NearSettings = field(default_factory=NearSettings)
     quality: QualitySettings = field(default_factory=QualitySettings)
@@ -193,7 +194,16 @@ class CleanSettings:
     def result_settings(self) -> dict:
         """What decides the kept documents (inputs and held-out files enter by content, in the report)."""
         d = dataclasses.asdict(self)
-        for name in ("inputs", "out", "workers", "decontaminate_against", "write_removed", "partition", "slice_keys"):
+        for name in (
+            "inputs",
+            "out",
+            "workers",
+            "decontaminate_against",
+            "write_removed",
+            "partition",
+            "slice_keys",
+            "log_every",
+        ):
             d.pop(name)
         if self.quality_model.path:
             d["quality_model"].pop("path")  # the model enters by content (its sha256, in the report)

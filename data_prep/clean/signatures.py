@@ -5,9 +5,11 @@ the group's sorted key files (``sorted_keys``), then the task's marker listing i
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import multiprocessing
 import os
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -55,7 +57,7 @@ def _analysed(chunks, s: CleanSettings):
     # a model's native code) and waits for ever for the task it held. Here the run ends, saying so.
     pending = []
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=worker_init, initargs=(s,)) as pool:
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_start, initargs=(s, os.getpid())) as pool:
         try:
             for key, chunk in chunks:
                 pending.append((key, pool.submit(worker_analyse, chunk)))
@@ -66,6 +68,21 @@ def _analysed(chunks, s: CleanSettings):
                 yield k, result.result()
         except BrokenProcessPool as exc:
             raise DataPrepError(f"a cleaning worker died ({exc}); its own error, if it printed one, is above") from None
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _worker_start(s: CleanSettings, parent: int) -> None:
+    """A worker dies with the ``clean`` that started it: a SIGTERM or kill of the parent had left its
+    workers running a minute later (Linux's parent-death signal; elsewhere as before)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux
+        pass
+    if os.getppid() != parent:  # the parent died before the signal was asked for
+        os._exit(1)
+    worker_init(s)
 
 
 def _held_out_signatures(job: Job) -> Signatures | None:
@@ -127,7 +144,7 @@ def stage_signatures(job: Job, num_tasks: int, task: int) -> None:
                 **({"quality_scores": sig.quality_scores} if s.quality_model.path else {}),
             )
 
-    for key, sig in _analysed(_chunks(job.owned(num_tasks, task, count), done, groups), s):
+    for key, sig in _analysed(_chunks(job.owned(num_tasks, task, count, stage="signatures"), done, groups), s):
         if key != current:
             flush()
             current, parts = key, []

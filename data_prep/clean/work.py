@@ -22,7 +22,8 @@ from data_prep.common.storage import StorageError, Store, open_store
 
 from ..cleaned_folder import read_report
 from ..errors import DataPrepError
-from ..groups import GroupKey, ReadCount, iter_owned_documents
+from ..groups import GroupKey, ReadCount, iter_owned_documents, owned_bytes
+from ..progress import Progress
 from ..reader import (
     ReadOptions,
     Source,
@@ -60,10 +61,31 @@ class Job:
     def opts(self) -> ReadOptions:
         return ReadOptions(text_field=self.s.text_field, txt_mode=self.s.txt_mode, hf_split=self.s.hf_split)
 
-    def owned(self, num_tasks: int, task: int, count: ReadCount | None = None):
-        return iter_owned_documents(
+    def owned(self, num_tasks: int, task: int, count: ReadCount | None = None, stage: str = ""):
+        """(group, record) of every document the task owns; with ``stage``, saying how far along it is
+        (the task's input bytes read, the rate, the time left: a line every ``log_every`` seconds in
+        a batch log, a bar on a terminal)."""
+        count = count if count is not None else ReadCount()
+        docs = iter_owned_documents(
             self.sources, self.partition, num_tasks, task, self.opts, self.s.group_chars, count, records=True
         )
+        if not stage:
+            return docs
+        total = owned_bytes(self.sources, self.partition, num_tasks, task, self.s.group_chars)
+        return _said(docs, count, f"clean {stage}: task {task}/{num_tasks}", self.s.log_every, total)
+
+
+def _said(docs, count: ReadCount, label: str, log_every: float, total: int):
+    progress = Progress(label, log_every, total_bytes=total)
+    n = 0
+    try:
+        for n, item in enumerate(docs, 1):
+            yield item
+            if n % 64 == 0:
+                progress.update(64, bytes_read=count.bytes_read)
+        progress.update(n % 64, bytes_read=count.bytes_read)
+    finally:
+        progress.close()
 
 
 def input_problems(inputs: list[str], heldout: list[str], encoding: bool = True) -> list[str]:
