@@ -56,7 +56,7 @@ class Progress:
 
     def _counts(self, now: float) -> str:
         dt = max(now - self.start, 1e-9)
-        out = f"{self.docs:,} docs ({self.docs / dt:,.0f} docs/s)"
+        out = f"{self.docs:,} documents ({self.docs / dt:,.0f}/s)"
         if self.tokens:
             out += f", {self.tokens:,} tokens ({self.tokens / dt:,.0f} tokens/s), {self.shards} shards"
         return out

@@ -35,7 +35,7 @@ def test_each_reading_stage_says_how_much_of_its_input_it_has_read(tmp_path, wik
         assert len(said) >= 5, said
         shares = [int(READ.search(line).group(3)) for line in said]
         assert shares == sorted(shares) and shares[-1] == 100 and shares[0] < 50, said
-        assert f"of {total:,.1f} MiB read" in said[-1] and "600 docs" in said[-1]
+        assert f"of {total:,.1f} MiB read" in said[-1] and "600 documents (" in said[-1]
 
 
 def test_shard_says_how_much_of_its_input_it_has_read(tmp_path, wiki_txt_dir, bert_uncased_dir, caplog):
