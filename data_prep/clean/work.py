@@ -137,8 +137,8 @@ def make_job(s: CleanSettings, num_tasks: int) -> Job:
         "sources": [src.to_dict() for src in sources],
         "decontaminated_against": [src.to_dict() for src in held],
     }
-    if bundled_files(sources, s.group_chars):
-        identity["bundled_files"] = bundled_files(sources, s.group_chars)
+    if bundled := bundled_files(sources, s.group_chars):  # absent where bundles change nothing
+        identity["bundled_files"] = bundled
     if s.quality_model.path:
         identity["quality_model_sha256"] = sha256_file(os.path.expanduser(s.quality_model.path))
     return Job(s, sources, held, partition, store, identity, settings_sha256(identity))
