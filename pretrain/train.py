@@ -118,15 +118,15 @@ def fit(run: Run) -> int:
                     return EXIT_SPIKES
                 window, pending = LogWindow(info.device), None
                 continue
-
-            # log, evaluate, probe
             log_evaluate_probe(run, window, result, will_log)
-
             # checkpoint, and stop when asked to
             if checkpoint_and_decide_exit(run, result, window, stop):
                 return run.exit_code
         finish(run)
         return 0
+    except Exception as exc:
+        watchdog.exit_if_hung(exc)  # a peer that exited 3 for a hang breaks this rank's collective
+        raise
     finally:
         profiler.stop(state.step)
         watchdog.stop()

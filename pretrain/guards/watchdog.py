@@ -11,6 +11,12 @@ The deadline after a step is ``hang_timeout_s`` (0: ``max(300 s, 20 x the median
 The first steps (compilation, loader start-up), evaluation, probes and checkpoints get their own
 larger allowance instead, since they legitimately take longer than a step.
 
+A rank waiting in a collective may see its peer's exit before its own watchdog ends it: gloo (and
+NCCL's error handling) then raises in the main thread, which would exit 1, a crash that ends a
+multi-node job instead of requeueing it (seen in the Slurm test, one start in a few). The loop hands
+such an error to ``exit_if_hung``: past the step's deadline it is the same hang, and the rank exits 3
+as its peers do.
+
 The tests make a rank hang with ``PRETRAIN_TEST_HANG`` (``pretrain/runtime/faults.py``).
 """
 
@@ -23,6 +29,7 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from pathlib import Path
 
@@ -47,6 +54,7 @@ class HangWatchdog:
         self.step = 0
         self._deadline = time.monotonic() + allowance_s
         self._stop = threading.Event()
+        self._firing = threading.Lock()  # the watchdog's thread and the main thread may both end the rank
         if self.enabled:
             threading.Thread(target=self._watch, name="hang-watchdog", daemon=True).start()
 
@@ -81,7 +89,18 @@ class HangWatchdog:
             if time.monotonic() > self._deadline:
                 self._fire()
 
-    def _fire(self) -> None:
+    def exit_if_hung(self, error: BaseException) -> None:
+        """The loop failed with ``error``: when the step was past its deadline, the failure is a peer's
+        exit after the same hang (its collective closed under this rank), so this rank ends as the
+        watchdog does, with exit 3, whichever thread gets there first. Otherwise it returns, and the
+        error goes on as a crash."""
+        if self.enabled and time.monotonic() > self._deadline:
+            self._fire(error)
+
+    def _fire(self, error: BaseException | None = None) -> None:
+        if not self._firing.acquire(blocking=False):
+            while True:  # the other thread is writing the stacks; it ends the process with exit 3
+                time.sleep(60)
         waited = self.timeout()
         path = self.out_dir / f"hang-rank{self.rank}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,6 +111,8 @@ class HangWatchdog:
             )
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
+            if error is not None:  # where the main thread was waiting, in its traceback
+                f.write("\nThe step then failed:\n" + "".join(traceback.format_exception(error)))
         message = (
             f"hang: no step finished within {waited:.0f}s after step {self.step}; stacks in "
             f"{self.out_dir}/hang-rank*.txt; exiting {EXIT_REQUEUE} to be requeued from the last checkpoint"
