@@ -95,7 +95,8 @@ def _add_quality_model(sub) -> None:
         nargs="+",
         required=True,
         metavar="GLOB",
-        help="raw text to tell apart from it; 'generated': boilerplate, spam and shuffled words",
+        help="raw text to tell apart from it; 'generated': junk made of the positives' own words (their words "
+        "shuffled, keyword spam, menus of their openings), as many as the positives",
     )
     t.add_argument("--out", required=True, help="the model file (.bin)")
     t.add_argument("--text-field", default="text", help="JSON field / column holding the text (default text)")
@@ -164,6 +165,9 @@ def _run_quality_model(args) -> int:
         f"{time.perf_counter() - t0:.1f} s; held out {ev.documents:,}: precision {ev.precision:.3f}, "
         f"recall {ev.recall:.3f}, accuracy {ev.accuracy:.3f}, negatives kept {ev.negatives_kept:.3f} (score >= 0.5)"
     )
+    if ev.removed_by_kind:  # generated negatives, made from the held-out positives
+        kinds = ", ".join(f"{kind} {share:.3f}" for kind, share in ev.removed_by_kind.items())
+        print(f"held-out generated negatives removed (score < 0.5), by kind: {kinds}")
     if ev.documents and ev.accuracy < TRUST_ACCURACY:
         print(
             f"warning: held-out accuracy {ev.accuracy:.3f} is below {TRUST_ACCURACY}: too low to trust this model "

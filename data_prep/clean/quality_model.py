@@ -25,7 +25,7 @@ import random
 import re
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +33,8 @@ import numpy as np
 from ..errors import DataPrepError
 from ..progress import time_left
 from ..reader import ReadOptions, iter_source_records, resolve_inputs
-from ..sample_corpus import low_quality_documents
 from .fasttext_file import LOSS_SOFTMAX, MODEL_SUPERVISED, write_supervised
+from .negatives import KINDS, NegativeMaker
 
 log = logging.getLogger("data_prep")
 
@@ -251,6 +251,7 @@ class Evaluation:
     recall: float  # of the positive documents, the share scored positive
     accuracy: float
     negatives_kept: float = 0.0  # of the negative documents, the share scored positive (what a filter lets by)
+    removed_by_kind: dict = field(default_factory=dict)  # generated negatives: kind -> share scored negative
 
 
 def evaluate(model: Classifier, examples: list[tuple[str, bool]], threshold: float = 0.5) -> Evaluation:
@@ -279,7 +280,7 @@ def split_held_out(examples: list[tuple[str, bool]], share: float, seed: int) ->
     return train_part, held
 
 
-GENERATED = "generated"  # --negative generated: data_prep.sample_corpus.low_quality_documents
+GENERATED = "generated"  # --negative generated: made from the positives (negatives.py)
 
 
 def read_texts(patterns: list[str], flag: str, text_field: str, problems: list[str]) -> list[str]:
@@ -306,26 +307,34 @@ def train_from_files(
     tune: tuple[bool, bool] = (False, False),
     budget: int = AUTOTUNE_BUDGET,
 ) -> tuple[Evaluation, int, int, Tuned | None]:
-    """Train on the documents of ``positive`` against ``negative`` (or generated low-quality
-    documents, as many as the positives), hold out ``held_out`` of each, save to ``out``: (the
-    held-out evaluation, positives, negatives, the autotuning when ``tune`` asked for the epochs
+    """Train on the documents of ``positive`` against ``negative`` (or as many made from the positives),
+    hold out ``held_out`` of each, save to ``out``: (the held-out evaluation, with the share of each
+    generated kind removed, positives, negatives, the autotuning when ``tune`` asked for the epochs
     and/or the rate). Bad input raises one error naming all of it."""
-
     problems: list[str] = []
     if not 0 <= held_out < 1:
         problems.append(f"--held-out {held_out}: a share in [0, 1)")
     pos = read_texts(positive, "--positive", text_field, problems)
-    if negative == [GENERATED]:
-        neg = low_quality_documents(len(pos), settings.seed)
-    else:
-        neg = read_texts(negative, "--negative", text_field, problems)
-    if not problems and (not pos or not neg):
+    neg = [] if negative == [GENERATED] else read_texts(negative, "--negative", text_field, problems)
+    if not problems and (not pos or (not neg and negative != [GENERATED])):
         problems.append(f"no documents in {'--positive' if not pos else '--negative'}")
     if problems:
         raise DataPrepError("; ".join(problems))
-    training, held = split_held_out([(x, True) for x in pos] + [(x, False) for x in neg], held_out, settings.seed)
+    kinds: dict[str, list[str]] = {}
+    if negative == [GENERATED]:  # each share's negatives from its own positives: none leaks into the held-out
+        fit_pos, held_pos = split_held_out([(x, True) for x in pos], held_out, settings.seed)
+        fit_neg = NegativeMaker([x for x, _ in fit_pos], settings.seed).make(len(fit_pos))
+        held_neg = NegativeMaker([x for x, _ in held_pos] or pos, settings.seed + 1).make(len(held_pos))
+        training, held = fit_pos + [(x, False) for x, _ in fit_neg], held_pos + [(x, False) for x, _ in held_neg]
+        kinds = {k: [x for x, kind in held_neg if kind == k] for k in KINDS}
+    else:
+        training, held = split_held_out([(x, True) for x in pos] + [(x, False) for x in neg], held_out, settings.seed)
     tuned = autotune(training, settings, *tune, budget) if any(tune) else None
     model = train(training, tuned.settings if tuned else settings)
     out.parent.mkdir(parents=True, exist_ok=True)
     model.save(out)
-    return evaluate(model, held), len(pos), len(neg), tuned
+    ev = evaluate(model, held)
+    ev.removed_by_kind = {
+        k: sum(model.probability(x) < 0.5 for x in docs) / len(docs) for k, docs in kinds.items() if docs
+    }
+    return ev, len(pos), len(training) + len(held) - len(pos), tuned

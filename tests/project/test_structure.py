@@ -62,6 +62,7 @@ CLEAN_TIERS = {
     "settings": 0,
     "clusters": 0,
     "fasttext_file": 0,
+    "negatives": 0,
     "quality_model": 1,
     "quality": 1,
     "sorted_keys": 1,
