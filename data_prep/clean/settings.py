@@ -36,7 +36,10 @@ class NearSettings:
     0.2 found 0.60-0.66 at 10% and removed 12-19% of the half-sharing follow-ups; datatrove's default
     (5-grams, 14 x 8, no check) finds 0.44-0.49 at 5% and 0.08-0.14 at 10%. The two cannot both be
     had for every pair: a templated sibling such as North and South Pole (3-gram Jaccard 0.43) sits at
-    the line; ``min_similarity`` 0.48 keeps such pairs (0.90-0.91 at 10%), 0.40 finds 0.955-0.99."""
+    the line; ``min_similarity`` 0.48 keeps such pairs (0.90-0.91 at 10%), 0.40 finds 0.955-0.99.
+    A later news story that quotes 60-70% of its first is as close as a 10% copy (3-gram Jaccard
+    0.46-0.57) and is taken for one 3 times in 4 or more; ngram 2 at 0.55 keeps most of those quoting
+    60% (issue 83; BENCHMARKS.md, "Near duplicates with follow-up news stories in")."""
 
     enabled: bool = True
     ngram: int = 3  # words per shingle (a shorter document is one shingle)
