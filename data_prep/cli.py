@@ -154,7 +154,13 @@ def _run_quality_model(args) -> int:
         tune,
         args.autotune_budget,
     )
-    if tuned is not None:
+    if tuned is not None and not tuned.tried:
+        print(
+            f"auto: fastText's {tuned.settings.epochs} epochs at lr {tuned.settings.lr:g}, untried: on "
+            f"{pos + neg:,} documents one trial alone would pass --autotune-budget {args.autotune_budget:,} "
+            "document passes, and a training set that large fits fastText's defaults"
+        )
+    elif tuned is not None:
         tried = ", ".join(f"{e} x {r:g}: {v.accuracy:.3f}" for e, r, v, _ in tuned.tried)
         print(
             f"autotuned on {tuned.validation:,} validation documents: epochs {tuned.settings.epochs}, "

@@ -97,6 +97,22 @@ def test_auto_fits_a_small_training_set_the_defaults_underfit_and_says_when_not_
     assert (tmp_path / "auto.bin").read_bytes() == (tmp_path / "again.bin").read_bytes()
 
 
+def test_auto_does_not_search_when_one_trial_would_pass_the_budget(tmp_path, wiki_articles, capsys):
+    """Issue 83, item 4: a training set so large that fastText's first candidate alone would pass the
+    budget is trained once, at fastText's defaults, and the command says so (no trial's cost twice)."""
+    positives = tmp_path / "ref.jsonl"
+    positives.write_text("".join(json.dumps({"text": x}) + "\n" for _, x in wiki_articles[:300]))
+    argv = ["quality-model", "train", "--positive", str(positives), "--negative", "generated"]
+    budget = 5 * 486 - 1  # 5 epochs over the 486 documents left for fitting (600 less 10%, less 10%)
+    assert main([*argv, "--out", str(tmp_path / "q.bin"), "--autotune-budget", str(budget), "--bucket", "20000"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("auto: fastText's 5 epochs at lr 0.1, untried: on 600 documents one trial alone"), first
+    assert (
+        main([*argv, "--out", str(tmp_path / "q.bin"), "--autotune-budget", str(budget + 1), "--bucket", "20000"]) == 0
+    )
+    assert capsys.readouterr().out.startswith("autotuned on 54 validation documents")
+
+
 def test_train_command_names_every_bad_input_at_once(tmp_path, capsys):
     argv = ["quality-model", "train", "--positive", str(tmp_path / "nope.jsonl"), "--negative"]
     argv += [str(tmp_path / "none-*.jsonl"), "--out", str(tmp_path / "q.bin"), "--held-out", "1.5"]
