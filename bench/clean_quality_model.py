@@ -3,6 +3,7 @@ good text from bad on documents it never saw, what it costs per document, and wh
 clean Wikipedia; beside fastText's own trainer (``fasttext-numpy2-wheel``) when one is given.
 
     python bench/clean_quality_model.py [--fasttext-dir DIR] [--work-dir /tmp/clean-quality]
+    python bench/clean_quality_model.py --at-scale 200000 [--fasttext-dir DIR]   # the trainer at scale
 
 DIR: ``pip install --no-deps --target DIR fasttext-numpy2-wheel`` (not installable beside
 ``fasttext-predict``: the same ``fasttext`` module; loaded from DIR in a child process).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -62,11 +64,67 @@ def clean_rate(inputs: Path, out: Path, *extra: str) -> tuple[float, dict]:
     return seconds, json.loads((out / "report.json").read_text())
 
 
+FASTTEXT_CPU_CHILD = """
+import sys, time, json, resource
+sys.path.insert(0, sys.argv[1])
+import fasttext
+m = fasttext.train_supervised(input=sys.argv[2], wordNgrams=2, dim=32, bucket=1000000, epoch=5, lr=0.1, thread=1,
+                              verbose=0)
+print(json.dumps({"cpu": resource.getrusage(resource.RUSAGE_SELF).ru_utime + resource.getrusage(resource.RUSAGE_SELF).ru_stime}))
+"""
+
+
+def at_scale(work: Path, per_label: int, fasttext_dir: str | None) -> None:
+    """``per_label`` documents a label: positives of 3-10 sentences drawn from the embedded articles,
+    negatives made from them (``--negative generated``'s kinds), both as JSONL files. Our command at
+    its defaults (``--epochs auto --lr auto``) against fastText's trainer at its defaults (5 epochs,
+    lr 0.1, one thread) over the same files: CPU seconds of the whole process, reading included."""
+    import random
+    import re
+
+    from data_prep.clean.negatives import NegativeMaker
+    from data_prep.clean.quality_model import one_line
+    from data_prep.sample_corpus import wiki_articles
+
+    rng = random.Random(0)
+    sentences = [x for _, t in wiki_articles() for x in re.split(r"(?<=[.!?])\s+", t) if len(x.split()) >= 5]
+    pos = [" ".join(rng.sample(sentences, rng.randint(3, 10))) for _ in range(per_label)]
+    neg = [x for x, _ in NegativeMaker(pos, 1).make(per_label)]
+    files = {}
+    for name, texts in (("positive", pos), ("negative", neg)):
+        files[name] = work / f"{name}-{per_label}.jsonl"
+        files[name].write_text("".join(json.dumps({"text": x}) + "\n" for x in texts), encoding="utf-8")
+    cmd = [sys.executable, "-m", "data_prep", "quality-model", "train", "--positive", str(files["positive"])]
+    cmd += ["--negative", str(files["negative"]), "--out", str(work / "scale.bin")]
+    before = os.times()
+    out = subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True).stdout
+    after = os.times()
+    ours = after.children_user + after.children_system - before.children_user - before.children_system
+    print(f"{per_label:,} documents a label; ours, at its defaults: {ours:.0f} CPU s")
+    print("  " + "\n  ".join(out.strip().splitlines()))
+    if fasttext_dir:
+        data = work / f"scale-{per_label}.txt"
+        with open(data, "w", encoding="utf-8") as f:
+            for label, texts in (("__label__hq", pos), ("__label__cc", neg)):
+                f.writelines(f"{label} {one_line(x)}\n" for x in texts)
+        child = [sys.executable, "-c", FASTTEXT_CPU_CHILD, fasttext_dir, str(data)]
+        theirs = json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout)["cpu"]
+        print(
+            f"  fastText's trainer, 5 epochs at 0.1 on all {2 * per_label:,}: {theirs:.0f} CPU s; ours {ours / theirs:.2f}x"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fasttext-dir", help="a --target folder of fasttext-numpy2-wheel, to compare its trainer")
     ap.add_argument("--work-dir", default="/tmp/clean-quality")
+    ap.add_argument(
+        "--at-scale", type=int, metavar="N", help="only: N documents a label, ours at its defaults against fastText"
+    )
     args = ap.parse_args()
+    if args.at_scale:
+        Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+        return at_scale(Path(args.work_dir), args.at_scale, args.fasttext_dir)
     from data_prep.clean.quality_model import Settings, one_line, train
     from data_prep.sample_corpus import low_quality_documents, wiki_articles
 

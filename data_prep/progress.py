@@ -79,3 +79,41 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
         log.info("%s", self.summary())
+
+
+class Steps:
+    """Progress through a known number of like pieces of work (a stage's key ranges, band units, the
+    files the join reads): done of total, rate and time left, as ``Progress`` says it for input bytes."""
+
+    def __init__(self, label: str, total: int, unit: str, log_every: float = 30.0, stream=None):
+        self.label, self.total, self.unit, self.log_every = label, total, unit, log_every
+        self.done = 0
+        self.start = self._last = time.perf_counter()
+        stream = stream or sys.stderr
+        self._bar = None
+        if getattr(stream, "isatty", lambda: False)():
+            self._bar = tqdm(desc=label, total=total, unit=f" {unit}", file=stream, dynamic_ncols=True)
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self._bar is not None:
+            self._bar.update(n)
+        elif now - self._last >= self.log_every:
+            self._last = now
+            log.info("%s", self.summary())
+
+    def summary(self) -> str:
+        dt = max(time.perf_counter() - self.start, 1e-9)
+        rate = self.done / dt
+        left = time_left((self.total - self.done) / rate) if rate > 0 else "?"
+        share = self.done / self.total if self.total else 1.0
+        return (
+            f"{self.label}: {self.done:,} of {self.total:,} {self.unit} ({share:.0%}, {rate:,.2f}/s), "
+            f"{left} left, {dt:,.1f} s"
+        )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        log.info("%s", self.summary())

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..progress import Steps
 from . import clusters
 from .sorted_keys import (
     BAND_ARRAYS,
@@ -39,8 +40,10 @@ def stage_exact(job: Job, num_tasks: int, task: int) -> None:
     removed = reps = np.zeros(0, np.int64)
     if job.s.exact.enabled:
         bounds = owned(range_bounds(key_ranges(n, job.s.slice_keys)), num_tasks, task)
+        steps = Steps(f"clean exact: task {task}/{num_tasks}", len(bounds), "key ranges", job.s.log_every)
         with _key_files(job, groups, offsets, EXACT_ARRAYS) as (files, _):
-            removed, reps = exact_duplicates(files, bounds)
+            removed, reps = exact_duplicates(files, bounds, steps.advance)
+        steps.close()
     save_npz(job.store, job.work + name, removed=removed, reps=reps)
 
 
@@ -58,10 +61,12 @@ def stage_pairs(job: Job, num_tasks: int, task: int) -> None:
     confirmed = np.zeros((0, 2), np.int64)
     if s.near.enabled:
         units = owned(band_units(s.near.bands, key_ranges(n, s.slice_keys)), num_tasks, task)
+        steps = Steps(f"clean pairs: task {task}/{num_tasks}", len(units), "band units", s.log_every)
         with _key_files(job, groups, offsets, (*BAND_ARRAYS, MINHASH)) as (files, minhash):
             confirmed = band_pairs_confirmed(
-                files, units, gone, lambda pairs: _confirmed_pairs(job, offsets, minhash, pairs)
+                files, units, gone, lambda pairs: _confirmed_pairs(job, offsets, minhash, pairs), steps.advance
             )
+        steps.close()
     save_npz(job.store, job.work + name, pairs=confirmed)
 
 

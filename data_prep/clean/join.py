@@ -13,6 +13,7 @@ import numpy as np
 
 from data_prep.common.atomic import json_bytes
 
+from ..progress import Steps
 from .quality_cut import quality_model_cut
 from .sorted_keys import Components, clusters_of
 from .work import Job, by_group, corpus, group_sig, load_npz, result_names, save_npz, sig_name
@@ -63,12 +64,16 @@ def stage_clusters(job: Job, num_tasks: int) -> None:
     the exact and pairs tasks' files) into the decisions; memory is 4 bytes a document and what the
     duplicates need, not the candidates or the confirmed pairs (read one task's file at a time)."""
     groups, offsets, n = corpus(job, num_tasks)
+    # the files it reads: every group's signatures twice (the rules' removals, the decisions' words)
+    # and every pairs task's file
+    steps = Steps("clean clusters", 2 * len(groups) + num_tasks, "files read", job.s.log_every)
     tally = _Tally()
-    decont = _rules_and_contamination(job, groups, offsets, tally)
+    decont = _rules_and_contamination(job, groups, offsets, tally, steps.advance)
     exact_removed, exact_reps = _exact_removed(job, num_tasks)
     joined = Components(n)
     for name in result_names(job, "pairs", num_tasks):  # one task's confirmed pairs at a time
         joined.add(load_npz(job.store, name, ("pairs",))["pairs"])
+        steps.advance()
     near_removed, near_reps = _near_clusters(job, groups, offsets, joined.labels())
     del joined  # here and below: what a document or a removal needs is freed once used
     clusters_found = _biggest_clusters(exact_removed, exact_reps, near_removed, near_reps)
@@ -84,16 +89,20 @@ def stage_clusters(job: Job, num_tasks: int) -> None:
     order = np.argsort(ids)
     ids, codes = ids[order], codes[order]
     del order
-    for g, at in by_group(offsets, ids):
+    removals = list(by_group(offsets, ids))
+    steps.total -= len(groups) - len(removals)  # a group with nothing removed is not read again
+    for g, at in removals:
         sig = group_sig(job, groups[g][0], "words", "quality_scores")
         scores = sig.quality_scores if len(sig.quality_scores) else np.full(len(sig.words), np.nan)
         local = ids[at] - offsets[g]
         tally.count(np.array(names)[codes[at]], sig.words[local], ids[at], scores[local])
+        steps.advance()
+    steps.close()
     save_npz(job.store, job.work + "decisions.npz", ids=ids, codes=codes)
     _write_decisions(job, groups, n, names, tally, clusters_found, model_report)
 
 
-def _rules_and_contamination(job: Job, groups, offsets, tally: _Tally) -> np.ndarray:
+def _rules_and_contamination(job: Job, groups, offsets, tally: _Tally, advance) -> np.ndarray:
     """Per group, what language and quality removed (counted, never held) and its words; returns
     the global ids of the copies of held-out files (marked by the signatures stage)."""
     contaminated = [np.zeros(0, np.int64)]
@@ -104,6 +113,7 @@ def _rules_and_contamination(job: Job, groups, offsets, tally: _Tally) -> np.nda
         gone = np.flatnonzero(removed_by != "")
         tally.count(removed_by[gone], words[gone], gone + offset)
         contaminated.append(np.flatnonzero(d["contaminated"]) + offset)
+        advance()
     return np.concatenate(contaminated)
 
 

@@ -88,18 +88,15 @@ def _run_stages(job: Job, stage: str | None, num_tasks: int, task: int, t0: floa
         log.info("clean: %s exists with the same settings and inputs, nothing to do", job.store.url(REPORT))
         return CleanResult(previous, skipped=True, seconds=time.perf_counter() - t0)
     report = None
+    # each stage says how far along it is, and its own time when done (data_prep/progress.py)
     if stage in (None, "signatures"):
         stage_signatures(job, num_tasks, task)
-        log.info("clean: task %d/%d: signatures in %.1f s", task, num_tasks, time.perf_counter() - t0)
     if stage in (None, "exact"):
         stage_exact(job, num_tasks, task)
-        log.info("clean: task %d/%d: exact duplicates in %.1f s", task, num_tasks, time.perf_counter() - t0)
     if stage in (None, "pairs"):
         stage_pairs(job, num_tasks, task)
-        log.info("clean: task %d/%d: near-duplicate pairs in %.1f s", task, num_tasks, time.perf_counter() - t0)
     if stage in (None, "clusters"):
         stage_clusters(job, num_tasks)
-        log.info("clean: clusters decided in %.1f s", time.perf_counter() - t0)
     if stage in (None, "filter"):
         report = stage_filter(job, num_tasks, task)
         if report is None:

@@ -139,11 +139,11 @@ class KeyFiles:
         return len(self.offsets)
 
 
-def exact_duplicates(files: KeyFiles, bounds: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+def exact_duplicates(files: KeyFiles, bounds: list[tuple[int, int]], advance=None) -> tuple[np.ndarray, np.ndarray]:
     """(removed global ids, their representatives) of the exact keys in the ranges ``bounds``: per
-    exact key, the document with the smallest record key stays."""
+    exact key, the document with the smallest record key stays. ``advance()`` after each range."""
     removed, reps = [], []
-    for lo, hi in bounds:
+    for lo, hi in _counted(bounds, advance):
         ex, rk, gid = [], [], []
         for g in range(len(files)):
             d = files.load(g)
@@ -169,14 +169,25 @@ def exact_duplicates(files: KeyFiles, bounds: list[tuple[int, int]]) -> tuple[np
     return removed[order], reps[order]
 
 
-def band_pairs_confirmed(files: KeyFiles, units: list[tuple[int, int, int]], gone: Gone, confirm) -> np.ndarray:
+def _counted(items: list, advance):
+    """``items``, calling ``advance()`` as the loop over them asks for the next: a piece counts once done."""
+    for item in items:
+        yield item
+        if advance:
+            advance()
+
+
+def band_pairs_confirmed(
+    files: KeyFiles, units: list[tuple[int, int, int]], gone: Gone, confirm, advance=None
+) -> np.ndarray:
     """The distinct (i, j) global-id pairs, i < j, that share a band hash in one of the ``units``
     (band, lo, hi) and that ``confirm`` keeps. In a bucket each member is paired with the next
     ``BUCKET_REACH`` members (in global-id order), as ``reference.band_pairs`` does; the ``gone``
     documents take no part. Each unit's candidates are confirmed before the next unit is read:
-    memory holds one unit's candidates and the confirmed pairs, never all the candidates."""
+    memory holds one unit's candidates and the confirmed pairs, never all the candidates. ``advance()``
+    after each unit."""
     found = [np.zeros((0, 2), np.int64)]
-    for band, lo, hi in units:
+    for band, lo, hi in _counted(units, advance):
         hs, gid = [], []
         for g in range(len(files)):
             d = files.load(g)

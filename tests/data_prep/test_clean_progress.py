@@ -38,6 +38,24 @@ def test_each_reading_stage_says_how_much_of_its_input_it_has_read(tmp_path, wik
         assert f"of {total:,.1f} MiB read" in said[-1] and "600 documents (" in said[-1]
 
 
+STEPS = re.compile(r"(\d+) of (\d+) (key ranges|band units|files read) \((\d+)%, [\d,.]+/s\), \d+m\d\ds left")
+
+
+def test_the_stages_between_say_how_many_of_their_pieces_are_done(tmp_path, wiki_article_files, caplog):
+    """exact (its key ranges), pairs (its band units) and clusters (the files it reads): done of the
+    total, the rate and the time left, counting up to all of them."""
+    caplog.set_level("INFO", logger="data_prep")
+    argv = ["clean", "--input", str(wiki_article_files), "--out", str(tmp_path / "out"), "--workers", "1"]
+    assert main([*argv, "--set", "log_every=0", "--set", "slice_keys=100"]) == 0
+    for prefix, unit in (("clean exact: task 0/1: ", "key ranges"), ("clean pairs: task 0/1: ", "band units")):
+        said = [STEPS.search(line).groups() for line in lines(caplog, prefix)]
+        done = [int(d) for d, total, u, _ in said]
+        assert {u for _, _, u, _ in said} == {unit} and len(set(total for _, total, _, _ in said)) == 1, said
+        assert done == sorted(done) and done[-1] == int(said[-1][1]) > 1 and said[-1][3] == "100", said
+    said = [STEPS.search(line).groups() for line in lines(caplog, "clean clusters: ")]
+    assert said[-1][0] == said[-1][1] and said[-1][2] == "files read", said
+
+
 def test_shard_says_how_much_of_its_input_it_has_read(tmp_path, wiki_txt_dir, bert_uncased_dir, caplog):
     caplog.set_level("INFO", logger="data_prep")
     argv = ["shard", "--input", str(wiki_txt_dir), "--tokenizer", str(bert_uncased_dir), "--out", str(tmp_path / "o")]
