@@ -124,6 +124,13 @@ def _add_quality_model(sub) -> None:
     )
     t.add_argument("--bucket", type=int, default=1_000_000, help="word-bigram hash buckets (default 1000000)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="processes training at once, as fastText's threads do (default 0: one per core; 1: the same "
+        "bytes from the same inputs and seed, which several processes do not promise)",
+    )
 
 
 def _auto_or(kind):
@@ -143,6 +150,7 @@ def _run_quality_model(args) -> int:
         lr=0.1 if tune[1] else args.lr,
         bucket=args.bucket,
         seed=args.seed,
+        workers=args.workers or (os.cpu_count() or 1),
     )
     ev, pos, neg, tuned = train_from_files(
         args.positive,

@@ -6,7 +6,8 @@ against held-out files, and a report.
   quality model's cut), ``filter`` (the kept records and the report); ``work``: what they share
   (the job, the work files' names and reading).
 - What the stages compute with: ``document`` (one document's keys, MinHash, language, quality
-  scores), ``quality`` (the rules), ``quality_model`` (the learned classifier; ``negatives``, the junk it trains against, made of its positives), ``fasttext_file``
+  scores), ``quality`` (the rules), ``quality_model`` (the learned classifier; ``negatives``, the junk it trains against, made of its positives;
+  ``sgd``, its training passes on one core or several), ``fasttext_file``
   (fastText's binary format: written, and checked before fastText's loader reads it),
   ``sorted_keys`` (the sorted key files and the array tasks' units), ``clusters`` (buckets, pairs,
   components, the held-out check); ``reference`` is the in-memory clustering the stages must match.

@@ -23,7 +23,6 @@ import logging
 import math
 import random
 import re
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ import numpy as np
 from ..errors import DataPrepError
 from ..progress import time_left
 from ..reader import ReadOptions, iter_source_records, resolve_inputs
+from . import sgd
 from .fasttext_file import LOSS_SOFTMAX, MODEL_SUPERVISED, write_supervised
 from .negatives import KINDS, NegativeMaker
 
@@ -69,6 +69,7 @@ class Settings:
     bucket: int = 1_000_000
     word_ngrams: int = 2
     seed: int = 0
+    workers: int = 1  # processes training at once (Hogwild); 1: the same bytes from the same inputs
 
 
 # Autotuning, as fastText's ``-autotune-validation``: a model per candidate trained on all but a
@@ -154,24 +155,23 @@ class Dictionary:
         self._hash: dict[str, int] = {}
 
     def rows(self, line: str) -> np.ndarray:
-        """The input rows of one line, as ``Dictionary::getLine`` builds them."""
+        """The input rows of one line, as ``Dictionary::getLine`` builds them: its words' rows, then
+        its n-grams' (numpy's uint64 arithmetic wraps as fastText's does)."""
         tokens = [t for t in _SPACE.split(line) if t] + [EOS]
-        rows, hashes = [], []
-        for t in tokens:
-            h = self._hash.get(t)
-            if h is None:  # kept as int32 by fastText, so widened to 64 bits with its sign
-                h = fasttext_hash(t)
-                h = self._hash[t] = (h - (1 << 32) if h >= 1 << 31 else h) & _MASK64
-            hashes.append(h)
-            if t in self.index:
-                rows.append(self.index[t])
-        n, bucket, nwords = self.settings.word_ngrams, self.settings.bucket, len(self.words)
-        for i in range(len(hashes)):
-            h = hashes[i]
-            for j in range(i + 1, min(len(hashes), i + n)):
-                h = (h * _NGRAM_MULT + hashes[j]) & _MASK64
-                rows.append(nwords + h % bucket)
-        return np.asarray(rows, dtype=np.int64)
+        hashes = np.fromiter((self._hash_of(t) for t in tokens), np.uint64, len(tokens))
+        rows = [np.fromiter((self.index[t] for t in tokens if t in self.index), np.uint64)]
+        h, nwords, bucket = hashes, np.uint64(len(self.words)), np.uint64(self.settings.bucket)
+        for j in range(1, self.settings.word_ngrams):
+            h = h[:-1] * np.uint64(_NGRAM_MULT) + hashes[j:]
+            rows.append(nwords + h % bucket)
+        return np.concatenate(rows).astype(np.int64)
+
+    def _hash_of(self, token: str) -> int:
+        h = self._hash.get(token)
+        if h is None:  # kept as int32 by fastText, so widened to 64 bits with its sign
+            h = fasttext_hash(token)
+            h = self._hash[token] = (h - (1 << 32) if h >= 1 << 31 else h) & _MASK64
+        return h
 
 
 class Classifier:
@@ -191,19 +191,6 @@ class Classifier:
         logits = self.output @ self.input[rows].mean(axis=0)
         return float(1 / (1 + math.exp(logits[1] - logits[0])))
 
-    def update(self, rows: np.ndarray, weights: np.ndarray, positive: bool, lr: float) -> None:
-        """One example's step, as fastText's softmax loss takes it (``Model::update``). ``rows``: a
-        line's distinct rows, ``weights`` (a column) each one's count over the line's, so that a step
-        is one gather and one store (``np.add.at`` had taken half of training: 2x passes a second)."""
-        sub = self.input[rows]
-        hidden = (weights * sub).sum(axis=0)
-        logits = self.output @ hidden
-        p_positive = 1 / (1 + math.exp(float(logits[1] - logits[0])))
-        alpha = np.array([1.0, -1.0], np.float32) * np.float32(lr * (positive - p_positive))
-        grad = alpha @ self.output
-        self.output += np.outer(alpha, hidden)
-        self.input[rows] = sub + weights * grad
-
     def save(self, path: Path) -> None:
         """A fastText ``.bin`` (version 12, supervised, softmax, not quantised), written whole."""
         d, s = self.dictionary, self.settings
@@ -213,8 +200,8 @@ class Classifier:
 
 
 def train(examples: list[tuple[str, bool]], settings: Settings) -> Classifier:
-    """fastText's supervised training, single-threaded: ``epochs`` passes in a shuffled order,
-    the learning rate falling linearly to zero."""
+    """fastText's supervised training: ``epochs`` passes in a shuffled order, the learning rate falling
+    linearly to zero, on ``settings.workers`` processes (``sgd.py``)."""
     lines = [one_line(text) for text, _ in examples]
     counts: Counter = Counter()
     for line in lines:
@@ -222,26 +209,22 @@ def train(examples: list[tuple[str, bool]], settings: Settings) -> Classifier:
     counts[EOS] = len(lines)
     model = Classifier(Dictionary(counts, settings), settings)
     rows = [np.unique(model.dictionary.rows(line), return_counts=True) for line in lines]
-    rows = [(u, (c / c.sum()).astype(np.float32)[:, None]) for u, c in rows]
-    order = list(range(len(examples)))
-    rng = random.Random(settings.seed)
-    total, seen = settings.epochs * len(order), 0
-    start = time.perf_counter()
-    for epoch in range(settings.epochs):
-        rng.shuffle(order)
-        for i in order:
-            if len(rows[i][0]):
-                model.update(*rows[i], examples[i][1], settings.lr * (1 - seen / total))
-            seen += 1
-        took = time.perf_counter() - start
+    rows = [(u, (c / c.sum()).astype(np.float32)) for u, c in rows]
+
+    def said(epoch: int, per_pass: int, done: int, took: float) -> None:
         log.info(
             "quality model: epoch %d/%d, %s documents, %.0f documents/s, %s left",
             epoch + 1,
             settings.epochs,
-            f"{len(order):,}",
-            seen / max(took, 1e-9),
+            f"{per_pass:,}",
+            done / max(took, 1e-9),
             time_left(took / (epoch + 1) * (settings.epochs - epoch - 1)),
         )
+
+    labels = [positive for _, positive in examples]
+    sgd.run(
+        model.input, model.output, rows, labels, settings.epochs, settings.lr, settings.seed, settings.workers, said
+    )
     return model
 
 
@@ -314,6 +297,8 @@ def train_from_files(
     problems: list[str] = []
     if not 0 <= held_out < 1:
         problems.append(f"--held-out {held_out}: a share in [0, 1)")
+    if settings.workers < 1:
+        problems.append(f"--workers {settings.workers}: at least 1 (0: one per core)")
     pos = read_texts(positive, "--positive", text_field, problems)
     neg = [] if negative == [GENERATED] else read_texts(negative, "--negative", text_field, problems)
     if not problems and (not pos or (not neg and negative != [GENERATED])):

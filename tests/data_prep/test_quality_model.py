@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 
 from data_prep.clean.negatives import KINDS, NegativeMaker
@@ -81,7 +82,7 @@ def test_auto_fits_a_small_training_set_the_defaults_underfit_and_says_when_not_
     positives = tmp_path / "ref.jsonl"
     positives.write_text("".join(json.dumps({"text": x}) + "\n" for _, x in wiki_articles[:600]))
     argv = ["quality-model", "train", "--positive", str(positives), "--negative", "generated"]
-    small = ["--dim", "16", "--bucket", "20000"]
+    small = ["--dim", "16", "--bucket", "20000", "--workers", "1"]  # one process: the same bytes again
     assert main([*argv, "--out", str(tmp_path / "five.bin"), *small, "--epochs", "5", "--lr", "0.1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     five = float(lines[0].split("accuracy ")[1].split(",")[0])
@@ -113,12 +114,33 @@ def test_auto_does_not_search_when_one_trial_would_pass_the_budget(tmp_path, wik
     assert capsys.readouterr().out.startswith("autotuned on 54 validation documents")
 
 
+def test_several_processes_train_one_model_as_good_as_one_process_does(wiki_articles):
+    """Issue 83, item 4: Hogwild over forked processes, as fastText's threads: a model trained by two
+    processes at once (their own shares and orders, so other bytes) scores the held-out documents
+    as well as one trained by one."""
+    from data_prep.clean.quality_model import evaluate, split_held_out
+
+    good = [text for _, text in wiki_articles[:2500]]
+    examples = [(x, True) for x in good] + [(x, False) for x, _ in NegativeMaker(good).make(2500)]
+    fit, held = split_held_out(examples, 0.2, 0)
+    one, two = (train(fit, Settings(dim=16, bucket=20_000, epochs=10, lr=0.3, workers=w)) for w in (1, 2))
+    assert not np.array_equal(one.input, two.input)
+    a, b = evaluate(one, held).accuracy, evaluate(two, held).accuracy
+    assert b >= 0.9 and abs(a - b) <= 0.02, (a, b)
+
+
 def test_train_command_names_every_bad_input_at_once(tmp_path, capsys):
     argv = ["quality-model", "train", "--positive", str(tmp_path / "nope.jsonl"), "--negative"]
-    argv += [str(tmp_path / "none-*.jsonl"), "--out", str(tmp_path / "q.bin"), "--held-out", "1.5"]
+    argv += [str(tmp_path / "none-*.jsonl"), "--out", str(tmp_path / "q.bin"), "--held-out", "1.5", "--workers", "-1"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "--held-out 1.5" in err and "--positive" in err and "nope.jsonl" in err and "none-*.jsonl" in err, err
+    assert (
+        "--held-out 1.5" in err
+        and "--workers -1" in err
+        and "--positive" in err
+        and "nope.jsonl" in err
+        and "none-*.jsonl" in err
+    ), err
     assert not (tmp_path / "q.bin").exists()
 
 

@@ -63,6 +63,7 @@ CLEAN_TIERS = {
     "clusters": 0,
     "fasttext_file": 0,
     "negatives": 0,
+    "sgd": 0,
     "quality_model": 1,
     "quality": 1,
     "sorted_keys": 1,
