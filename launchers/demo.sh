@@ -23,9 +23,9 @@ echo "== 2/5 clean: exact and near duplicates, languages other than English, low
 # a fastText quality classifier (as DCLM's): the articles against junk made of their own words
 # (shuffled, keyword spam, menus); a real run trains on reference text against a sample of its crawl.
 # 10,033 documents a label are enough for fastText's own 5 epochs and rate (held out: accuracy 0.987), so the demo
-# names them rather than spend a minute of --epochs auto confirming it.
+# names them rather than spend a minute of --epochs auto confirming it; one process: the same model every run.
 [ -f "$WORK/quality.bin" ] || $PY -m data_prep quality-model train --positive "$WORK/corpus/*.txt" \
-    --negative generated --out "$WORK/quality.bin" --dim 16 --bucket 100000 --epochs 5 --lr 0.1
+    --negative generated --out "$WORK/quality.bin" --dim 16 --bucket 100000 --epochs 5 --lr 0.1 --workers 1
 # one file of kept documents per corpus file: the two shard tasks below get two files each
 $PY -m data_prep clean --input "$WORK/corpus/*.txt" --out "$WORK/clean" \
     --quality-model "$WORK/quality.bin" --quality-threshold 0.5 > "$WORK/clean.txt"
