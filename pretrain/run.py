@@ -30,7 +30,7 @@ from pretrain.model.flops import mlm_flops_per_sequence
 from pretrain.model.masking import SpecialIds
 from pretrain.model.mlm import MLMModel, build_model
 from pretrain.model.schedule import continue_schedule
-from pretrain.runtime import allocator, attention, hardware
+from pretrain.runtime import allocator, attention, hardware, micro_batch
 from pretrain.runtime import engine as eng
 from pretrain.runtime.step_speed import step_probe
 from pretrain.step import StepParts, StopSignal, deferrable
@@ -158,6 +158,7 @@ def build_engine(
         resuming=resume_from is not None,
     )
     precision, why = build_precision(cfg, model, manifest, resume_from, info)
+    choose_micro_batch(model, cfg, info, precision, manifest.seq_len)
     model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)  # the same at any layout
     model.fixed_predictions = cfg.masking.fixed_count
     choose_attention(model, cfg, info, precision, manifest.seq_len)
@@ -181,6 +182,23 @@ def build_precision(cfg: Config, model: MLMModel, manifest: Manifest, resume_fro
     with torch.random.fork_rng():  # the timing leaves the run's RNG as it was
         precision, why = hardware.resolve_precision(cfg.impl.precision, info.device, probe)
     return eng.rank0_value((precision, why))
+
+
+def choose_micro_batch(model: MLMModel, cfg: Config, info: eng.DistInfo, precision: str, seq_len: int) -> None:
+    """``impl.micro_batch_size``: as configured, or with ``auto`` the micro-batch of the most tokens a
+    second among those that divide the global batch here, timed once on the first rank
+    (pretrain.runtime.micro_batch); every rank takes it, and the config from here on holds it."""
+    if cfg.impl.micro_batch_size != "auto":
+        return
+    choice = None
+    if info.rank == 0:
+        sizes = micro_batch.candidates(cfg.train.global_batch_size, info.world, info.device.type)
+        shape = step_probe(model, 1, seq_len, cfg.masking.rate).shape
+        dtype = hardware.DTYPES[precision]
+        choice = micro_batch.choose(model, sizes, seq_len, cfg.masking.rate, dtype, info.device, shape)
+    size, why = eng.rank0_value(choice)
+    cfg.impl.micro_batch_size = size
+    log.info("micro-batch: %d sequences (%s)", size, why)
 
 
 def choose_attention(model: MLMModel, cfg: Config, info: eng.DistInfo, precision: str, seq_len: int) -> None:

@@ -197,7 +197,10 @@ class TrainConfig:
 class ImplConfig:
     """Settings that change speed and memory, never the numbers a run converges to."""
 
-    micro_batch_size: int = 32  # per rank; accumulation = global / (micro * world)
+    # Sequences a rank runs at once; accumulation = global / (micro * world). auto: of the powers of two
+    # that divide the global batch at this world size, the one of the most tokens a second, timed at
+    # start (pretrain.runtime.micro_batch; said on the start line, cached per device and shape).
+    micro_batch_size: Union[Literal["auto"], int] = 32
     zero_stage: Literal[0, 1, 2, 3] = 2
     # auto: bf16 where the device computes it natively (CUDA sm80+, CPUs with AVX-512-BF16 or AMX),
     # else fp32. An emulated bf16 (AVX2 CPUs) runs ~50x slower than fp32. See pretrain/runtime/hardware.py.
@@ -272,8 +275,8 @@ class ImplConfig:
             p.append(f"profile_at_step: must be >= 0 (0 = off), got {self.profile_at_step}")
         if self.profile_steps < 1:
             p.append(f"profile_steps: must be >= 1, got {self.profile_steps}")
-        if self.micro_batch_size <= 0:
-            p.append(f"micro_batch_size: must be positive, got {self.micro_batch_size}")
+        if self.micro_batch_size != "auto" and self.micro_batch_size <= 0:
+            p.append(f"micro_batch_size: must be positive or auto, got {self.micro_batch_size}")
         if self.num_workers < 0:
             p.append(f"num_workers: must be >= 0, got {self.num_workers}")
         if self.offload_optimizer and self.zero_stage == 0:
@@ -384,8 +387,12 @@ class Config:
         return int(os.environ.get("WORLD_SIZE", "1"))
 
     def grad_accum_steps(self, world_size: int | None = None) -> int:
+        """Micro-batches a step; with ``impl.micro_batch_size: auto`` not chosen yet, the fewest it can be."""
         world = world_size or self.world_size()
-        return self.train.global_batch_size // (self.impl.micro_batch_size * world)
+        micro = self.impl.micro_batch_size
+        return self.train.global_batch_size // (
+            (self.train.global_batch_size // world if micro == "auto" else micro) * world
+        )
 
     def check(self) -> list[str]:
         problems = batch_size_problems(self.train.global_batch_size, self.impl.micro_batch_size, self.world_size())
@@ -459,8 +466,11 @@ def cuda_graphs_problems(cfg: Config) -> list[str]:
     return problems
 
 
-def batch_size_problems(global_batch: int, micro_batch: int, world: int) -> list[str]:
-    """The one place where micro-batch x accumulation x world size = global batch is checked."""
+def batch_size_problems(global_batch: int, micro_batch: int | str, world: int) -> list[str]:
+    """The one place where micro-batch x accumulation x world size = global batch is checked (``auto``:
+    that the global batch splits evenly among the ranks, the largest micro-batch it may choose)."""
+    if micro_batch == "auto":
+        micro_batch = 1 if global_batch % max(world, 1) else global_batch // max(world, 1)
     if global_batch <= 0 or micro_batch <= 0 or world <= 0:
         return []
     if global_batch % (micro_batch * world):
@@ -484,6 +494,14 @@ def convert_eval_batches(cfg) -> None:
     if cfg.train.eval_batches is None:
         return
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.impl.micro_batch_size == "auto":
+        raise ConfigError(
+            [
+                "train.eval_batches (deprecated, in micro-batches) needs a number for "
+                "impl.micro_batch_size, not auto: give train.eval_sequences instead"
+            ],
+            "train",
+        )
     sequences = cfg.train.eval_batches * cfg.impl.micro_batch_size * world
     warnings.warn(
         f"train.eval_batches is deprecated: use train.eval_sequences (the sequences evaluated, "

@@ -13,7 +13,10 @@ def make_train_stream(
     cfg, manifest: Manifest, rank: int, world: int, num_workers: int = 0, prefetch_factor: int = 2
 ) -> Stream:
     """The run's training stream: ``TrainStream`` for ``data.dir``, ``MixtureStream`` for ``data.sources``."""
-    args = (cfg.data.train_split, rank, world, cfg.impl.micro_batch_size, cfg.train.global_batch_size, cfg.data.seed)
+    micro = cfg.impl.micro_batch_size
+    if micro == "auto":  # not timed yet (the checks before start): the order does not depend on how a step is cut
+        micro = cfg.train.global_batch_size // world if cfg.train.global_batch_size % world == 0 else 1
+    args = (cfg.data.train_split, rank, world, micro, cfg.train.global_batch_size, cfg.data.seed)
     if not is_mixture(cfg):
         return TrainStream(cfg.data.dir, manifest, *args, num_workers, prefetch_factor)
     return MixtureStream(

@@ -57,7 +57,7 @@ class StepProbe:
         return time_step(self.model, self.batch, self.seq_len, self.n_masked, repeats)
 
 
-def step_probe(model: torch.nn.Module, micro_batch: int, seq_len: int, masking_rate: float) -> StepProbe:
+def step_probe(model: torch.nn.Module, micro_batch: int | str, seq_len: int, masking_rate: float) -> StepProbe:
     """A run's step to time: its model at its sequence length and masking rate, ``PROBE_BATCH``
     sequences at most."""
     mc = model.config
@@ -66,7 +66,7 @@ def step_probe(model: torch.nn.Module, micro_batch: int, seq_len: int, masking_r
         f"I{mc.intermediate_size} V{mc.vocab_size} attn={mc._attn_implementation} "
         f"sparse={getattr(model, 'sparse_head', True)}"
     )
-    batch = min(micro_batch, PROBE_BATCH)
+    batch = PROBE_BATCH if micro_batch == "auto" else min(micro_batch, PROBE_BATCH)
     return StepProbe(model, batch, seq_len, round(masking_rate * batch * seq_len), shape)
 
 

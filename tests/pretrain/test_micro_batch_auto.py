@@ -1,0 +1,63 @@
+"""``impl.micro_batch_size: auto`` (issue 84, item 2): the micro-batch of the most tokens a second among
+those that divide the global batch here, timed at start on the CPU as it would be on a GPU, said on
+one line with the timings, cached; a run with it computes what the same run with that number does."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import train
+from pretrain.config.schema import ConfigError, load_config
+from pretrain.runtime.micro_batch import candidates
+
+CHOSEN = re.compile(r"micro-batch: (\d+) sequences \(auto: \1, the most tokens a second of those timed \((.*)\)\)")
+RUN = [
+    "train.max_steps=6",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_sequences=16",
+    "train.checkpoint_every=0",
+    "train.global_batch_size=8",
+    "model.max_position_embeddings=64",
+    "optim.warmup_steps=2",
+]
+
+
+def test_candidates_are_the_powers_of_two_that_divide_a_ranks_share():
+    assert candidates(64, 2, "cpu") == [1, 2, 4, 8, 16, 32]
+    assert candidates(24, 1, "cpu") == [1, 2, 4, 8]  # 16 does not divide 24
+    assert candidates(256, 1, "cpu") == [1, 2, 4, 8, 16, 32]  # the CPU's largest timed
+    assert candidates(2048, 2, "cuda")[-1] == 512
+    assert candidates(10, 4, "cpu") == []
+
+
+def test_auto_is_a_setting_and_nonsense_is_refused_with_the_rest(shards):
+    cfg = load_config("configs/tiny.yaml", [f"data.dir={shards}", "impl.micro_batch_size=auto"])
+    assert cfg.impl.micro_batch_size == "auto" and cfg.grad_accum_steps(1) == 1
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/tiny.yaml", [f"data.dir={shards}", "impl.micro_batch_size=0", "train.max_steps=-1"])
+    assert "micro_batch_size: must be positive or auto" in str(err.value) and "max_steps" in str(err.value)
+
+
+def losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+@pytest.mark.slow
+def test_a_run_with_auto_times_chooses_says_and_trains_as_that_number_does(shards, tmp_path):
+    auto = train(shards, tmp_path / "auto", *RUN, "impl.micro_batch_size=auto", ranks=2, check=True)
+    said = CHOSEN.search(auto.stdout + auto.stderr)
+    assert said, (auto.stdout + auto.stderr)[-3000:]
+    chosen, timings = int(said.group(1)), said.group(2)
+    assert chosen in (1, 2, 4) and "1: " in timings and "measured now in" in timings, said.group(0)
+    saved = (tmp_path / "auto" / "checkpoints" / "step00000006" / "config.yaml").read_text()
+    assert f"micro_batch_size: {chosen}\n" in saved  # the resolved config holds the number
+    again = train(shards, tmp_path / "again", *RUN, "impl.micro_batch_size=auto", ranks=2, check=True)
+    assert "cached in" in CHOSEN.search(again.stdout + again.stderr).group(2)
+    train(shards, tmp_path / "fixed", *RUN, f"impl.micro_batch_size={chosen}", ranks=2, check=True)
+    assert losses(tmp_path / "auto") == losses(tmp_path / "fixed") == losses(tmp_path / "again")
