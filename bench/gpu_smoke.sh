@@ -23,11 +23,14 @@
 #   bert-base     configs/base.yaml at sequence 128: MFU to compare with NVIDIA's BERT (~45%); one micro-batch a
 #                 step, its decisions read a step late (impl.deferred_reads, the default)
 #   reads         bert-base with every decision read at once (impl.deferred_reads=false): what deferring gains
+#   patches       bert-base with each group of DeepSpeed patches off in turn (impl.deepspeed_patches): what each gains
 #   real-shape    base.yaml at its real shape, ACCUM (8) micro-batches of --base-micro-batch a step, its decisions
 #                 read a step late (ours) and at once; beside it, at the same shape on the same GPU,
 #                 the Hugging Face Trainer (bf16, SDPA, fused AdamW, compiled) and a bare compiled loop with
 #                 fused AdamW (bench/reference_loops.py): tokens/s, MFU, and the ratios (goals: >= 1.5x HF,
 #                 >= 0.9x the bare loop, >= 50% MFU)
+#   micro-batch   base.yaml at its real global batch with impl.micro_batch_size=auto: the micro-batches timed,
+#                 the one chosen, tokens/s and MFU at it
 #   graphs        bert-base (one micro-batch a step) with impl.cuda_graphs=true: the compiled forward and backward
 #                 replayed as CUDA graphs; the same losses to bf16 round-off, tokens/s against bert-base's
 #   bert-base-nodrop  the same without dropout: what keyed dropout costs in base.yaml's step
@@ -41,7 +44,7 @@
 #                      [--only UNIT,...] [--skip UNIT,...] [--resume-from RESULTS_FILE]
 #
 # Units, in the order they run (a unit's runs and the check that reads them): profile real-shape
-# bert-base graphs reads paths mlm-loss adamw nonfinite resume export zero3 phase2 modernbert flash-attn
+# micro-batch bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2 modernbert flash-attn
 # documents dropout compile-fixed bert-base-nodrop nccl. Each line of WORK/results.txt is written as a run or check ends, and
 # "done UNIT" once a unit has passed; --resume-from that file (carried to the next lease) runs only
 # the units not done, so two short leases cover everything.
@@ -57,7 +60,7 @@ PY=${PYTHON:-.venv/bin/python}
 
 DRY_RUN=0 GPUS="" STEPS=50 MICRO=64 BASE_MICRO=128 CONFIG=configs/mini.yaml DATA="" WORK=/tmp/gpu_smoke BUDGET=540
 ONLY="" SKIP="" RESUME_FROM="" PREVIOUS_DONE=""
-UNITS=(profile real-shape bert-base graphs reads paths mlm-loss adamw nonfinite resume export zero3 phase2
+UNITS=(profile real-shape micro-batch bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2
        modernbert flash-attn documents dropout compile-fixed bert-base-nodrop nccl)
 usage() { grep -A2 '^#   bench/gpu_smoke.sh \[' "$0" | sed 's/^# \{0,3\}//'; }
 while [ $# -gt 0 ]; do
@@ -299,6 +302,14 @@ if selected real-shape; then
   else record "skipped check real-shape (needs the bert-base-accum, hf-base and bare-base runs)"; fi
   close real-shape check:real-shape
 fi
+# impl.micro_batch_size=auto at base.yaml's real global batch: the micro-batches timed on this GPU, the one
+# chosen, and the run's tokens/s at it beside bert-base-accum's 128 (issue 84, item 2).
+if selected micro-batch; then
+  RUN_CONFIG=configs/base.yaml run bert-base-auto-micro 1 "${REAL_BATCH[@]}" impl.micro_batch_size=auto
+  if ran bert-base-auto-micro; then check micro-batch micro "$WORK/runs/bert-base-auto-micro"
+  else record "skipped check micro-batch (needs the bert-base-auto-micro run)"; fi
+  close micro-batch check:micro-batch
+fi
 # BERT-base at sequence 128 (configs/base.yaml: compiled, fused AdamW, ZeRO 1, fixed-count masking, BERT's
 # hidden dropout 0.1): its MFU is the figure to set beside the anchors' (NVIDIA's BERT phase 1: about 45%
 # of an A100's bf16 peak).
@@ -326,6 +337,21 @@ if selected reads; then
   if ran bert-base bert-base-at-once; then check reads reads "$WORK/runs/bert-base" "$WORK/runs/bert-base-at-once"
   else record "skipped check reads (needs the bert-base and bert-base-at-once runs)"; fi
   close reads check:reads
+fi
+# Each group of DeepSpeed patches that base.yaml's path runs, off in turn (impl.deepspeed_patches), at one
+# micro-batch a step beside bert-base: what each is worth (issue 84, item 5); a group that shows no gain
+# goes (docs/gpu-step.md).
+if selected patches; then
+  ran bert-base || RUN_CONFIG=configs/base.yaml run bert-base 1 "${BASE_BATCH[@]}"
+  OFF_RUNS=()
+  for group in nonfinite_fill bf16_multi_tensor decisions_ahead; do
+    RUN_CONFIG=configs/base.yaml run "bert-base-no-$group" 1 "${BASE_BATCH[@]}" "impl.deepspeed_patches.$group=false"
+    OFF_RUNS+=("$WORK/runs/bert-base-no-$group")
+  done
+  if ran bert-base bert-base-no-nonfinite_fill bert-base-no-bf16_multi_tensor bert-base-no-decisions_ahead; then
+    check patches patches "$WORK/runs/bert-base" "${OFF_RUNS[@]}"
+  else record "skipped check patches (needs bert-base and its three runs without a group)"; fi
+  close patches check:patches
 fi
 if selected paths; then check paths paths "$CONFIG" "$DATA"; close paths check:paths; fi
 # 128 x 512 tokens at 15%: a BERT-base phase-2 micro-batch's predicted tokens, at its hidden size.

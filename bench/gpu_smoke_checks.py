@@ -311,6 +311,27 @@ def yardsticks(peak: str, ours: str, ours_at_once: str, hf: str, bare: str) -> s
     return "\n".join(lines)
 
 
+def micro(run: str) -> str:
+    """``impl.micro_batch_size=auto``'s line (the micro-batches timed, the one chosen) and the run's speed."""
+    said = [line for line in (Path(run) / "stdout.log").read_text().splitlines() if "micro-batch: " in line]
+    if not said:
+        raise SystemExit(f"{run}: no 'micro-batch:' line in its log")
+    tps, mfu = _ours_tokens_per_s(Path(run))
+    return f"{said[-1].split('micro-batch: ', 1)[1]}\n  at it: {tps:,.0f} tokens/s, {100 * mfu:.1f}% MFU"
+
+
+def patches(every: str, *without: str) -> str:
+    """base.yaml at one micro-batch a step with every DeepSpeed patch, and with each group off in turn
+    (``bert-base-no-<group>``): what each group gains (issue 84, item 5)."""
+    ours = _ours_tokens_per_s(Path(every))
+    lines = [f"every DeepSpeed patch on: {ours[0]:,.0f} tokens/s ({100 * ours[1]:.1f}% MFU)"]
+    for run in without:
+        tps, mfu = _ours_tokens_per_s(Path(run))
+        group = Path(run).name.removeprefix("bert-base-no-")
+        lines.append(f"  {group} off: {tps:,.0f} tokens/s ({100 * mfu:.1f}%): the group gains {ours[0] / tps:.3f}x")
+    return "\n".join(lines)
+
+
 def reads(deferred: str, at_once: str) -> str:
     """base.yaml at one micro-batch a step (the multi-node regime, where a step's host time shows)
     with its decisions read a step late (``impl.deferred_reads``, the default) and at once."""
@@ -341,6 +362,10 @@ if __name__ == "__main__":
         print(yardsticks(*rest))
     elif command == "reads":
         print(reads(*rest))
+    elif command == "micro":
+        print(micro(*rest))
+    elif command == "patches":
+        print(patches(*rest))
     elif command == "graphs":
         print(graphs(*rest))
     elif command == "report":
@@ -350,5 +375,5 @@ if __name__ == "__main__":
     else:
         sys.exit(
             f"unknown command {command!r}: peak | paths CONFIG SHARDS | resumed REF RUN | nonfinite RUN | heldout RUN | export RUN | profile RUN... | "
-            "report RUN_DIR... | yardsticks PEAK OURS OURS_AT_ONCE HF BARE | reads DEFERRED AT_ONCE | graphs EAGER GRAPHS"
+            "report RUN_DIR... | yardsticks PEAK OURS OURS_AT_ONCE HF BARE | reads DEFERRED AT_ONCE | micro RUN | patches EVERY WITHOUT... | graphs EAGER GRAPHS"
         )

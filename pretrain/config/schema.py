@@ -194,6 +194,17 @@ class TrainConfig:
 
 
 @dataclass
+class DeepSpeedPatchesConfig:
+    """The groups of changes to DeepSpeed's internals (pretrain/runtime/deepspeed_patches.py), each of
+    which a run may turn off to measure it; off, DeepSpeed's own code runs, to the same numbers."""
+
+    nonfinite_fill: bool = True  # a non-finite norm filled on the device, not by a host copy
+    bf16_multi_tensor: bool = True  # BF16_Optimizer's norm, clip and gradient sums in multi-tensor calls
+    decisions_ahead: bool = True  # the optimiser wrappers' overflow and norm checks answered by the step's read
+    overflow_once: bool = True  # ZeRO 0's per-tensor overflow test read once, not once a tensor
+
+
+@dataclass
 class ImplConfig:
     """Settings that change speed and memory, never the numbers a run converges to."""
 
@@ -263,6 +274,7 @@ class ImplConfig:
     # and cached (pretrain/runtime/hardware.py).
     peak_tflops: float = 0.0
     deepspeed: dict = field(default_factory=dict)  # extra keys merged into the derived DeepSpeed JSON
+    deepspeed_patches: DeepSpeedPatchesConfig = field(default_factory=DeepSpeedPatchesConfig)
     # torch.profiler over steps profile_at_step .. + profile_steps - 1: a trace and an op table per rank
     # in train.out_dir/profile/, and a line saying where a step's time went (pretrain/runtime/profiling.py).
     # 0: off.

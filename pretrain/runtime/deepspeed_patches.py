@@ -129,10 +129,15 @@ def _installed_version() -> str:
 _APPLIED: dict = {}
 
 
-def apply_patches(optimizer_named: bool) -> None:
-    """Every patch, after the check (once a process: the check reads DeepSpeed's own functions, which
-    the patches then replace). ``optimizer_named``: the DeepSpeed JSON names an optimiser (then
-    DeepSpeed's Muon module may be needed, and loads)."""
+# The groups a run may turn off one by one (``impl.deepspeed_patches``), to measure each on a GPU
+# (issue 84, item 5); off, DeepSpeed's own code runs there, with its waits, to the same numbers.
+PATCH_GROUPS = ("nonfinite_fill", "bf16_multi_tensor", "decisions_ahead", "overflow_once")
+
+
+def apply_patches(optimizer_named: bool, groups: tuple[str, ...] = PATCH_GROUPS) -> None:
+    """The patches of ``groups``, after the check (once a process: the check reads DeepSpeed's own
+    functions, which the patches then replace). ``optimizer_named``: the DeepSpeed JSON names an
+    optimiser (then DeepSpeed's Muon module may be needed, and loads)."""
     if not optimizer_named:
         _skip_muon_import()
     if not _APPLIED:
@@ -148,12 +153,16 @@ def apply_patches(optimizer_named: bool) -> None:
                 ", ".join(CHECKED_VERSIONS),
             )
         _APPLIED["version"] = installed
-    _mask_nonfinite_norm_on_the_device()
-    _bf16_optimizer_multi_tensor()
-    _zero_decisions_ahead()
-    _unfused_decisions_ahead()
-    _stage3_decisions_ahead()
-    _fp16_optimizer_overflow_once()
+    _APPLIED["groups"] = set(groups)
+    installers = {
+        "nonfinite_fill": (_mask_nonfinite_norm_on_the_device,),
+        "bf16_multi_tensor": (_bf16_optimizer_multi_tensor,),
+        "decisions_ahead": (_zero_decisions_ahead, _unfused_decisions_ahead, _stage3_decisions_ahead),
+        "overflow_once": (_fp16_optimizer_overflow_once,),
+    }
+    for group in groups:
+        for install in installers[group]:
+            install()
 
 
 # DeepSpeed's Muon optimiser: its engine and ZeRO wrappers import these for type checks and for Muon's
@@ -282,6 +291,8 @@ def grad_norm_ahead(engine) -> torch.Tensor | None:
 
     _NORM_AHEAD.clear()
     opt = engine.optimizer
+    if "decisions_ahead" not in _APPLIED.get("groups", PATCH_GROUPS):
+        return None
     if not (engine.managed_gradient_accumulation() and engine.is_gradient_accumulation_boundary()):
         return None
     if isinstance(opt, bf16_optimizer.BF16_Optimizer) and not opt.has_moe_layers:

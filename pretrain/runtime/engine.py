@@ -233,7 +233,8 @@ def initialize(model: torch.nn.Module, cfg: Config, info: DistInfo, precision: s
     import deepspeed
 
     ds_config = deepspeed_config(cfg, info.world, precision, node_local, num_parameters(model))
-    deepspeed_patches.apply_patches(optimizer_named="optimizer" in ds_config)  # checked, or a named error
+    groups = tuple(g for g in deepspeed_patches.PATCH_GROUPS if getattr(cfg.impl.deepspeed_patches, g))
+    deepspeed_patches.apply_patches("optimizer" in ds_config, groups)  # checked, or a named error
     schedule = lr_schedule(cfg)
     if cfg.impl.zero_stage == 3 and getattr(model, "fused_loss", False):
         # The fused loss reads the decoder's weight (the word embeddings) outside the decoder's own

@@ -49,7 +49,11 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         "bert-base-accum",
         "bert-base-accum-at-once",
         "bert-base-at-once",
+        "bert-base-auto-micro",
         "bert-base-graphs",
+        "bert-base-no-bf16_multi_tensor",
+        "bert-base-no-decisions_ahead",
+        "bert-base-no-nonfinite_fill",
         "bert-base-nodrop",
         "compile-fixed",
         "documents",
@@ -66,6 +70,8 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         "profile-base",
         "zero3",
     ]
+    assert launches["bert-base-auto-micro"][1].impl.micro_batch_size == "auto"
+    assert not launches["bert-base-no-decisions_ahead"][1].impl.deepspeed_patches.decisions_ahead
     nonfinite = launches["nonfinite"][1]
     assert (nonfinite.impl.zero_stage, nonfinite.optim.lr, nonfinite.train.max_nonfinite_in_a_row) == (1, 1e30, 3)
     assert launches["zero3"][1].impl.zero_stage == 3 and launches["phase2"][1].impl.zero_stage == 2
@@ -88,10 +94,11 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         assert cfg.impl.fused_mlm_loss
         # base.yaml's runs at its own micro-batch, one a step (8 at its real shape); the others at --micro-batch 16
         own = load_config(str(REPO / "configs/base.yaml"), [f"data.dir={shards}"]).impl.micro_batch_size
-        real_shape = "accum" in name or name == "profile-base"
+        real_shape = "accum" in name or name in ("profile-base", "bert-base-auto-micro")
         batch = own * (8 if real_shape else 1) if cfg.model.hidden_size == 768 else 16 * gpus
         assert cfg.data.dir == str(shards) and cfg.train.global_batch_size == batch, name
-        assert cfg.impl.micro_batch_size == (own if cfg.model.hidden_size == 768 else 16), name
+        micro = "auto" if name == "bert-base-auto-micro" else own if cfg.model.hidden_size == 768 else 16
+        assert cfg.impl.micro_batch_size == micro, name
     assert launches["lamb"][1].optim.name == "lamb" and launches["adamw"][1].optim.name == "adamw"
     assert launches["lamb"][1].impl.zero_stage == 0 and launches["adamw"][1].impl.fused_optimizer is True
     assert launches["compile-fixed"][1].impl.compile and launches["compile-fixed"][1].masking.fixed_count
@@ -131,9 +138,18 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
             "/tmp/gpu_smoke/runs/hf-base",
             "/tmp/gpu_smoke/runs/bare-base",
         ],
+        ["micro", "/tmp/gpu_smoke/runs/bert-base-auto-micro"],
         ["heldout", "/tmp/gpu_smoke/runs/bert-base"],
         ["graphs", "/tmp/gpu_smoke/runs/bert-base", "/tmp/gpu_smoke/runs/bert-base-graphs"],
         ["reads", "/tmp/gpu_smoke/runs/bert-base", "/tmp/gpu_smoke/runs/bert-base-at-once"],
+        [
+            "patches",
+            "/tmp/gpu_smoke/runs/bert-base",
+            *(
+                f"/tmp/gpu_smoke/runs/bert-base-no-{g}"
+                for g in ("nonfinite_fill", "bf16_multi_tensor", "decisions_ahead")
+            ),
+        ],
         ["paths", checks[3], checks[4]],
         ["nonfinite", "/tmp/gpu_smoke/runs/nonfinite"],
         ["resumed", "/tmp/gpu_smoke/runs/adamw", "/tmp/gpu_smoke/runs/halted"],

@@ -270,3 +270,26 @@ def test_fp16_optimizers_overflow_test_is_deepspeeds_decision_read_once(monkeypa
         ours = patches._has_overflow_serial_once(checker, params)
         monkeypatch.setattr(torch.Tensor, "__bool__", real_bool)
         assert ours == theirs(checker, params) == (bad is not None) and len(reads) == 1, bad
+
+
+def test_patch_groups_turned_off_run_deepspeeds_own_code_with_its_waits_to_the_same_losses(shards, tmp_path):
+    """Issue 84, item 5: each group of DeepSpeed patches is a switch (impl.deepspeed_patches), so that a
+    GPU can measure it. All off at base.yaml's path (ZeRO 1, bf16): DeepSpeed's own checks wait for the
+    device again on steps that log nothing, and the losses are those of the run with them on."""
+    from pretrain.runtime.deepspeed_patches import PATCH_GROUPS
+
+    off = [f"impl.deepspeed_patches.{group}=false" for group in PATCH_GROUPS]
+    common = ("masking.fixed_count=true", "impl.zero_stage=1", "impl.precision=bf16")
+    on_dir, off_dir = tmp_path / "on", tmp_path / "off"
+    on_dir.mkdir()
+    off_dir.mkdir()
+    probe(shards, on_dir, *common)
+    steps = probe(shards, off_dir, *common, *off)
+    quiet = [w for n, waits in enumerate(steps, 1) if n % LOG_EVERY and n != STEPS for w in waits]
+    assert any(w.startswith("deepspeed/") for w in quiet), quiet
+
+    def losses(folder):
+        rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+    assert losses(on_dir) == losses(off_dir) and len(losses(on_dir)) == STEPS // LOG_EVERY, losses(on_dir)
