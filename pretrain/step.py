@@ -206,7 +206,7 @@ def train_step(
             engine.step()
     skip_next_step(parts.optimizer, False)
     mask_update(parts.optimizer, None)
-    result.applied = bool(getattr(engine, "_step_applied", True))
+    result.applied = engine.was_step_applied()
     if read_now and result.skipped and result.applied:
         eng.hold_schedule(engine)  # ours skipped an update DeepSpeed counted as made
     return result

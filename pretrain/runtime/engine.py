@@ -153,13 +153,14 @@ def deepspeed_problems(installed: str | None = None) -> list[str]:
         try:
             installed = metadata.version("deepspeed")
         except metadata.PackageNotFoundError:
-            return ["DeepSpeed is not installed: pip install 'deepspeed>=0.19.8' (launchers/setup_env.sh)"]
+            return ["DeepSpeed is not installed: pip install 'deepspeed==0.19.8' (launchers/setup_env.sh)"]
     numbers = tuple(int(part) for part in re.findall(r"\d+", installed)[:3])
     if numbers < DEEPSPEED_FLOOR:
         floor = ".".join(map(str, DEEPSPEED_FLOOR))
         return [
             f"DeepSpeed {installed} is installed; this trainer needs {floor} or newer (older BF16 "
-            f"optimisers crash on a non-finite step instead of skipping it): pip install 'deepspeed>={floor}'"
+            f"optimisers crash on a non-finite step instead of skipping it): pip install "
+            f"'deepspeed=={deepspeed_patches.CHECKED_VERSIONS[-1]}' (the version pyproject.toml pins)"
         ]
     if deepspeed_patches.checked(installed):
         return []

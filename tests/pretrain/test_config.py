@@ -242,7 +242,7 @@ def test_a_deepspeed_older_than_the_floor_is_refused_by_version():
     assert deepspeed_problems() == []  # the installed one
     assert deepspeed_problems("0.19.8") == deepspeed_problems("0.20.1+cu128") == []
     (problem,) = deepspeed_problems("0.19.7")
-    assert "DeepSpeed 0.19.7 is installed" in problem and "deepspeed>=0.19.8" in problem
+    assert "DeepSpeed 0.19.7 is installed" in problem and "deepspeed==0.19.8" in problem
 
 
 def test_the_loader_buffers_a_whole_step(data_dir, monkeypatch):
