@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Callable, Optional
 
 import torch
@@ -67,11 +68,22 @@ class StepParts:
     cuda_graphs: bool = False  # the compiled forward and backward replay as CUDA graphs
 
 
+class Decided(IntEnum):
+    """Where each of ``decide_update``'s numbers is, in ``StepResult.numbers`` and on the device."""
+
+    LOSS_SUM = 0  # summed over ranks: non-finite where any rank's is
+    PREDICTED = 1  # masked tokens predicted
+    STOP = 2  # ranks asked to stop
+    BAD_INPUT = 3  # ranks that could not read their batch
+    OUTAGE = 4  # ... because the data's store stayed down
+    DEEPSPEED_SKIPS = 5  # ranks whose DeepSpeed step will skip its update (engine.grad_norm_ahead)
+
+
 @dataclass
 class StepResult:
-    """What one optimiser step decided. ``numbers`` (summed over ranks: loss sum, predicted, stop
-    asked, bad input, store down, DeepSpeed's skips) is None until ``settle`` reads it: a step that
-    logs nothing is settled by the next step's ``train_step`` ("Deferred reads" below)."""
+    """What one optimiser step decided. ``numbers`` (summed over ranks, laid out as ``Decided``) is None
+    until ``settle`` reads it: a step that logs nothing is settled by the next step's ``train_step``
+    ("Deferred reads" below)."""
 
     step: int  # the steps done after it
     sums: torch.Tensor  # float64 [loss_sum, correct, predicted, tokens] on the device, this rank's, zero
@@ -96,29 +108,29 @@ class StepResult:
     @property
     def loss(self) -> float:
         """The step's MLM loss over all ranks (nan when non-finite)."""
-        loss_sum, predicted = self.numbers[:2]
+        loss_sum, predicted = self.numbers[Decided.LOSS_SUM], self.numbers[Decided.PREDICTED]
         return loss_sum / predicted if predicted and not self.nonfinite else float("nan")
 
     @property
     def nonfinite(self) -> bool:  # some rank's loss was not finite: the update was skipped everywhere
-        return not math.isfinite(self.numbers[0])
+        return not math.isfinite(self.numbers[Decided.LOSS_SUM])
 
     @property
     def stop(self) -> bool:  # some rank was asked to stop
-        return self.numbers[2] > 0
+        return self.numbers[Decided.STOP] > 0
 
     @property
     def bad_input(self) -> bool:  # some rank could not read its batch (guards.bad_input): stop, exit 2
-        return self.numbers[3] > 0
+        return self.numbers[Decided.BAD_INPUT] > 0
 
     @property
     def outage(self) -> bool:  # ... because the data's store stayed down: stop, exit 3 (requeue)
-        return self.numbers[4] > 0
+        return self.numbers[Decided.OUTAGE] > 0
 
     @property
     def skipped(self) -> bool:
         """No update was made: a non-finite loss, an unreadable batch, or DeepSpeed's own check."""
-        return self.nonfinite or self.bad_input or self.numbers[5] > 0
+        return self.nonfinite or self.bad_input or self.numbers[Decided.DEEPSPEED_SKIPS] > 0
 
 
 def mask_micro_batches(parts: StepParts, step: int, micro_batches: list[dict]) -> tuple[list[tuple], torch.Tensor]:
@@ -222,7 +234,7 @@ def take_decision(
     if previous is not None:
         settle_deferred(parts, previous)  # before this update: a skipped step holds the schedule
     if result.numbers is not None:
-        eng.norm_decided(result.numbers[5] > 0)
+        eng.norm_decided(result.numbers[Decided.DEEPSPEED_SKIPS] > 0)
         skip_next_step(parts.optimizer, result.nonfinite or result.bad_input)  # every rank skips or stops together
         if logged and parts.zero_stage == 0:
             result.grad_norm = eng.local_grad_norm(parts.engine)
@@ -242,15 +254,15 @@ def decide_update(
     with phase("sync"):
         # On CUDA a list index or a Python number written into an element is a copy from pageable host
         # memory, which waits for the queued kernels (pytorch#186482): a strided slice and fills instead.
-        decided = torch.zeros(6, dtype=torch.float64, device=parts.device)
-        decided[:2] = sums[0:3:2]  # loss sum, predicted
+        decided = torch.zeros(len(Decided), dtype=torch.float64, device=parts.device)
+        decided[Decided.LOSS_SUM : Decided.PREDICTED + 1] = sums[0:3:2]  # the loss sum and the predicted count
         flags = (parts.stop.requested, level >= bad_input.BAD_INPUT, level >= bad_input.OUTAGE)
-        for i, flag in enumerate(flags, start=2):
+        for i, flag in enumerate(flags, start=Decided.STOP):
             if flag:
                 decided[i : i + 1].fill_(1.0)
         deepspeed_skips = eng.grad_norm_ahead(parts.engine)
         if deepspeed_skips is not None:
-            decided[5] = deepspeed_skips
+            decided[Decided.DEEPSPEED_SKIPS] = deepspeed_skips
         dist.all_reduce(decided)
         return decided, decided.tolist() if read_now else None
 
