@@ -105,15 +105,15 @@ def fit(run: Run) -> int:
 
             # what the steps decided, in order: this one's, and the one before if it read nothing
             decided = [r for r in (pending, result) if r is not None and r.numbers is not None]
-            pending, stop, action = (result if result.numbers is None else None), any(r.stop for r in decided), None
+            pending, stop, spike = (result if result.numbers is None else None), any(r.stop for r in decided), None
             for done in decided:
                 nonfinite_in_a_row = nonfinite_in_a_row + 1 if done.nonfinite else 0
-                if action := act_on(run, guard, done, nonfinite_in_a_row):
+                if (code := exit_code_for(run, done, nonfinite_in_a_row)) is not None:
+                    return code
+                if spike := (guard.check(done.loss, run.state, done.step) if guard else None):
                     break
-            if isinstance(action, int):
-                return action
-            if action:  # a loss spike: back to the checkpoint before it, past its samples
-                batches = recover_from_spike(run, guard, action, batches, done.samples_after)
+            if spike:  # a loss spike (its first and last step): back to the checkpoint before it, past its samples
+                batches = recover_from_spike(run, guard, spike, batches, done.samples_after)
                 if batches is None:
                     return EXIT_SPIKES
                 window, pending = LogWindow(info.device), None
@@ -196,16 +196,16 @@ def log_evaluate_probe(run: Run, window: LogWindow, result: StepResult, will_log
         run.probe(step)
 
 
-def act_on(run: Run, guard: SpikeGuard | None, done: StepResult, in_a_row: int) -> int | tuple[int, int] | None:
-    """What step ``done``'s decision asks of the loop: an exit code (an unreadable batch; a non-finite
-    loss, which skipped the update everywhere, the ``in_a_row``-th in a row, too many), a loss spike
-    (its first and last step) to recover from, or nothing."""
+def exit_code_for(run: Run, done: StepResult, in_a_row: int) -> int | None:
+    """The exit code step ``done``'s decision asks for: an unreadable batch (every rank stops), or a
+    non-finite loss (which skipped the update everywhere) that is the ``in_a_row``-th in a row, too
+    many; None to go on."""
     if done.bad_input:
         bad_input.report(done.micro_batches, run.info.rank, done.outage)
         return EXIT_REQUEUE if done.outage else EXIT_BAD_INPUT
     if done.nonfinite and too_many_nonfinite(run, in_a_row, done.step):
         return EXIT_NONFINITE
-    return guard.check(done.loss, run.state, done.step) if guard else None
+    return None
 
 
 def too_many_nonfinite(run: Run, in_a_row: int, step: int) -> bool:
