@@ -76,7 +76,7 @@ class Decided(IntEnum):
     STOP = 2  # ranks asked to stop
     BAD_INPUT = 3  # ranks that could not read their batch
     OUTAGE = 4  # ... because the data's store stayed down
-    DEEPSPEED_SKIPS = 5  # ranks whose DeepSpeed step will skip its update (engine.grad_norm_ahead)
+    DEEPSPEED_SKIPS = 5  # ranks whose DeepSpeed step will skip its update (engine.will_skip_update)
 
 
 @dataclass
@@ -177,7 +177,7 @@ def train_step(
     the gradients are whole and the weights not yet updated (per-layer health).
 
     Whether to skip the update (a non-finite loss, an unreadable batch, DeepSpeed's own checks of the
-    gradients: ``engine.grad_norm_ahead``), a stop request and the loss the spike guard watches are
+    gradients: ``engine.will_skip_update``), a stop request and the loss the spike guard watches are
     decided once a step, after the last backward (``decide_update``). ``read_now``: the host reads
     that decision before the update, which DeepSpeed's step then takes or skips. Otherwise
     (``parts.defer``, a step that logs, evaluates and checkpoints nothing) the update is masked on
@@ -250,7 +250,7 @@ def decide_update(
     """Summed over ranks, on the device: [loss sum, predicted, stop asked, bad input, store down,
     DeepSpeed skips], and read by the host when ``read_now`` (the step's one wait). A loss sum is non-finite where any rank's is (losses are >= 0: no inf - inf).
     Whether the gradients overflowed or their norm is invalid is DeepSpeed's question before its
-    update, asked here instead (``engine.grad_norm_ahead``; 0 where DeepSpeed asks itself)."""
+    update, asked here instead (``engine.will_skip_update``; 0 where DeepSpeed asks itself)."""
     with phase("sync"):
         # On CUDA a list index or a Python number written into an element is a copy from pageable host
         # memory, which waits for the queued kernels (pytorch#186482): a strided slice and fills instead.
@@ -260,7 +260,7 @@ def decide_update(
         for i, flag in enumerate(flags, start=Decided.STOP):
             if flag:
                 decided[i : i + 1].fill_(1.0)
-        deepspeed_skips = eng.grad_norm_ahead(parts.engine)
+        deepspeed_skips = eng.will_skip_update(parts.engine)
         if deepspeed_skips is not None:
             decided[Decided.DEEPSPEED_SKIPS] = deepspeed_skips
         dist.all_reduce(decided)

@@ -4,7 +4,7 @@ DeepSpeed versions named here before it is made.
 Why they exist (docs/gpu-step.md): DeepSpeed's optimiser wrappers ask the device for a number many
 times a step (an overflow test, a norm, a norm check, a clip factor: each a wait for every kernel
 queued before it) and take norms and gradient sums one tensor at a time. The patches answer those
-questions from the one read the step makes anyway (``grad_norm_ahead``, ``norm_decided``), fill
+questions from the one read the step makes anyway (``will_skip_update``, ``norm_decided``), fill
 non-finite norms on the device, use multi-tensor kernels for BF16_Optimizer's norm, clip and
 gradient sums, and keep DeepSpeed's Muon module (a ``torch.compile`` at import) from loading in a run
 whose optimiser is ours. Each computes what DeepSpeed's own would; the tests compare them, number for
@@ -257,7 +257,7 @@ _DEEPSPEEDS_OWN: dict = {}
 def _global_norm_multi_tensor(input_tensors, norm_type=2, mpu=None, moe_ep_group=None, **newer):
     """DeepSpeed's ``get_global_norm_of_tensors`` for the case BF16_Optimizer meets here (a 2-norm, no
     model or expert parallelism); anything else, arguments of a newer DeepSpeed too, goes to its own.
-    The norm ``grad_norm_ahead`` took of these very gradients, if it did."""
+    The norm ``will_skip_update`` took of these very gradients, if it did."""
     ahead = _NORM_AHEAD.get("grads")
     if ahead is not None and len(ahead) == len(input_tensors) and all(a is b for a, b in zip(ahead, input_tensors)):
         del _NORM_AHEAD["grads"]  # once: the same gradient tensors hold the next step's gradients
@@ -274,13 +274,13 @@ def _global_norm_multi_tensor(input_tensors, norm_type=2, mpu=None, moe_ep_group
 # ``bool`` or ``item`` of a device tensor (``is_invalid_grad_norm``, ``has_overflow``): at ZeRO 1 in
 # bf16 (BF16_Optimizer) one wait for the device a step after our own (pretrain.step.decide_update), at
 # ZeRO 2 four. Ours comes after the last backward, when the gradients are whole and reduced: the
-# norm (and the overflow test) are taken there (``grad_norm_ahead``), the answer read with the step's
+# norm (and the overflow test) are taken there (``will_skip_update``), the answer read with the step's
 # other numbers, and DeepSpeed's step given that norm and that answer (``norm_decided``) in place of
 # taking and reading them again. The same norm, the same decision; no answer given, DeepSpeed's own.
 _NORM_AHEAD: dict = {}
 
 
-def grad_norm_ahead(engine) -> torch.Tensor | None:
+def will_skip_update(engine) -> torch.Tensor | None:
     """Whether the coming step of DeepSpeed's optimiser wrapper will skip its update (its gradient norm
     non-finite, or DeepSpeed's -1 for one; at ZeRO 1-2 an overflowed gradient too), as a float64 0/1
     on the device, the norm taken now. None where DeepSpeed decides alone: ZeRO 0 and 3, fp16's loss
@@ -385,7 +385,7 @@ def norm_decided(skip: bool) -> None:
 def _is_invalid_grad_norm_decided(norm) -> bool:
     """DeepSpeed's ``is_invalid_grad_norm`` (BF16_Optimizer asks it once a step, ZeRO 1-2's optimiser up
     to three times: its step and each parameter group's clip): the decided answer for the norm
-    ``grad_norm_ahead`` took; DeepSpeed's own (a read) for any other tensor."""
+    ``will_skip_update`` took; DeepSpeed's own (a read) for any other tensor."""
     decided = _NORM_AHEAD.get("skip") if norm is _NORM_AHEAD.get("norm") else None
     return _DEEPSPEEDS_OWN["is_invalid"](norm) if decided is None else decided
 
@@ -445,7 +445,7 @@ def _unfused_unscale_and_clip_decided(self, total_norm, apply_scale=True):
 
 def _unfused_decisions_ahead() -> None:
     """FP16_UnfusedOptimizer's overflow test, group norms, norm check and clip (ZeRO 0 in bf16: one
-    wait each, five a step) answered by ``grad_norm_ahead``'s."""
+    wait each, five a step) answered by ``will_skip_update``'s."""
     from deepspeed.runtime import utils as ds_utils
     from deepspeed.runtime.fp16 import unfused_optimizer
 
@@ -477,7 +477,7 @@ def _stage3_combined_norm_decided(norm_groups, norm_type=2):
 
 
 def _stage3_decisions_ahead() -> None:
-    """ZeRO 3's norm and norm check (a ``bool`` a step) answered by ``grad_norm_ahead``'s."""
+    """ZeRO 3's norm and norm check (a ``bool`` a step) answered by ``will_skip_update``'s."""
     from deepspeed.runtime.zero import stage3
 
     if "stage3_norm_groups" not in _DEEPSPEEDS_OWN:
@@ -490,7 +490,7 @@ def _stage3_decisions_ahead() -> None:
 
 
 def _zero_decisions_ahead() -> None:
-    """ZeRO 1-2's overflow test, norm and norm check answered by ``grad_norm_ahead``'s."""
+    """ZeRO 1-2's overflow test, norm and norm check answered by ``will_skip_update``'s."""
     from deepspeed.runtime.zero import stage_1_and_2
 
     zero = stage_1_and_2.DeepSpeedZeroOptimizer

@@ -29,8 +29,8 @@ from pretrain.config.schema import Config, batch_size_problems
 from pretrain.model.optim import build_optimizer
 from pretrain.model.schedule import lr_schedule
 from pretrain.runtime import deepspeed_patches
-from pretrain.runtime.deepspeed_patches import grad_norm_ahead as grad_norm_ahead  # the step's door to them
-from pretrain.runtime.deepspeed_patches import norm_decided as norm_decided
+from pretrain.runtime.deepspeed_patches import norm_decided as norm_decided  # the step's doors to them
+from pretrain.runtime.deepspeed_patches import will_skip_update as will_skip_update
 from pretrain.runtime.launcher import GIVEN_DEVICES
 
 if TYPE_CHECKING:  # DeepSpeed is imported when an engine is built (import_deepspeed), not at start-up

@@ -40,7 +40,7 @@ def test_bf16_zero1_with_accumulation_resumes_exactly_and_exports_its_fp32_maste
     grad_norms = rows(straight, "health/layer_00/grad_norm")
     assert len(grad_norms) == 4 and all(0 < g < float("inf") for _, g in grad_norms), grad_norms
     # The norm BF16_Optimizer clips with is taken ahead, with the step's one read from the device
-    # (engine.grad_norm_ahead): it is the norm of the gradients reduced over both ranks, which the
+    # (engine.will_skip_update): it is the norm of the gradients reduced over both ranks, which the
     # per-layer norms (read from the same fp32 gradients, before the update) add up to.
     assert norms_add_up(straight) == 4
     step4 = straight / "checkpoints" / "step00000004"
@@ -77,7 +77,7 @@ def norms_add_up(out_dir) -> int:
 @pytest.mark.parametrize("stage,precision", [(2, "bf16"), (2, "fp32"), (1, "fp32")])
 def test_zero_1_2_take_the_norm_of_the_reduced_gradients_with_the_steps_one_read(shards, tmp_path, stage, precision):
     """ZeRO 1-2's optimiser (DeepSpeed's DeepSpeedZeroOptimizer: ZeRO 2, and ZeRO 1 outside bf16) has
-    its overflow test, norm and norm checks answered by the step's one read (engine.grad_norm_ahead,
+    its overflow test, norm and norm checks answered by the step's one read (engine.will_skip_update,
     taken after the last backward): at 2 ranks with 2 micro-batches a step, the norm it clips with is
     the reduced gradients' own, which the per-layer norms add up to."""
     out = tmp_path / "run"

@@ -74,10 +74,10 @@ def probe(shards, tmp_path, *overrides) -> list[list[str]]:
 # micro-batch, is off (pretrain/runtime/engine.py).
 WAITS_BY_STAGE = {
     # FP16_UnfusedOptimizer (ZeRO 0 in bf16): its overflow test, group norms, norm check and clip
-    # answered by the step's own decision (engine.grad_norm_ahead): nothing of DeepSpeed's.
+    # answered by the step's own decision (engine.will_skip_update): nothing of DeepSpeed's.
     0: {},
     # BF16_Optimizer (ZeRO 1 in bf16): its norm check answered by the step's own read
-    # (engine.grad_norm_ahead): nothing of DeepSpeed's.
+    # (engine.will_skip_update): nothing of DeepSpeed's.
     1: {},
     # ZeRO 2: its overflow test and three norm checks answered by the step's own read too
     2: {},
