@@ -22,7 +22,7 @@ from data_prep.common.storage import StorageError
 
 from .clean.document import QualityScorer
 from .clean.quality_model import TRUST_ACCURACY, Settings, train_from_files
-from .clean.run import print_summary, run_clean
+from .clean.run import STAGES, print_summary, run_clean
 from .clean.settings import QualityModelSettings, apply_overrides, build_settings
 from .clean.work import input_problems
 from .cleaned_folder import inspect_report, read_report
@@ -291,8 +291,8 @@ def _add_clean_output_and_tasks(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition", help="how array tasks share the input: auto (default), files, documents")
     p.add_argument(
         "--stage",
-        choices=["signatures", "exact", "pairs", "clusters", "filter"],
-        help="one stage of a Slurm run (launchers/slurm/submit_clean.sh); default: all five here",
+        choices=STAGES,
+        help="one stage of a Slurm run (launchers/slurm/submit_clean.sh); default: all of them here",
     )
     p.add_argument(
         "--num-tasks",
@@ -445,8 +445,8 @@ def _clean_task(args) -> tuple[int, int]:
     if args.stage is None:
         if (args.num_tasks or 1) != 1 or (args.task_index or 0) != 0:
             raise DataPrepError(
-                "--num-tasks/--task-index go with --stage (signatures, exact, pairs, clusters, filter); "
-                "without it the five stages run here as one task"
+                f"--num-tasks/--task-index go with --stage ({', '.join(STAGES)}); "
+                f"without it the {len(STAGES)} stages run here as one task"
             )
         return 1, 0
     if args.stage == "clusters":

@@ -54,6 +54,10 @@ from .signatures import stage_signatures
 from .work import Job, finished, make_job
 
 log = logging.getLogger("data_prep")
+# The stages, in order: the one list of them. ``data_prep clean --stage`` takes these names; the Slurm
+# scripts spell them too (submit_clean.sh's stages, clean.sbatch's cases: only clusters is one job,
+# every other an array), and tests/project/test_structure.py holds them to this list. CONTRIBUTING.md:
+# how to add one.
 STAGES = ("signatures", "exact", "pairs", "clusters", "filter")
 
 

@@ -371,3 +371,17 @@ def test_metric_names_are_spelled_in_one_module():
             ):
                 strays.append(f"{path.relative_to(REPO)}:{node.lineno} 'names' shadows the metric names")
     assert not strays, strays
+
+
+def test_the_slurm_scripts_name_the_cleaning_stages_of_the_one_list():
+    """Issue 85, item 5: ``data_prep.clean.run.STAGES`` is the list; submit_clean.sh submits those stages
+    in that order and clean.sbatch runs each (clusters as one job, the others as arrays)."""
+    from data_prep.clean.run import STAGES
+
+    submit = (REPO / "launchers/slurm/submit_clean.sh").read_text()
+    assert re.search(r"^stages=\((.*)\)$", submit, re.M).group(1).split() == list(STAGES)
+    assert f"case $from in {'|'.join(STAGES)}) ;;" in submit
+    sbatch = (REPO / "launchers/slurm/clean.sbatch").read_text()
+    arrays = re.search(r"^    ([a-z|]+)\)\n        if \[ -z", sbatch, re.M).group(1).split("|")
+    assert arrays + ["clusters"] == [s for s in STAGES if s != "clusters"] + ["clusters"]
+    assert "    clusters) task=() ;;" in sbatch and f"$0 {'|'.join(STAGES)} --num-tasks" in sbatch
