@@ -160,30 +160,41 @@ def step_timing(probe: StepProbe, cache_path: Optional[Path] = None) -> tuple[St
         f"cpu|{cpu_info()['model']}|threads={torch.get_num_threads()}|torch={torch.__version__}|{probe.shape}"
         f"|batch={probe.batch}|seq={probe.seq_len}|masked={probe.n_masked}"
     )
+
+    def measure() -> dict:
+        timing = probe.measure()
+        return {"fp32_s": timing.fp32_s, "bf16_s": timing.bf16_s}
+
+    # Said before it starts: on a loaded machine it took 90 s, with nothing on the console
+    announce = (
+        f"impl.precision=auto: timing this model's step in fp32 and in bf16 ({probe.batch} x {probe.seq_len} "
+        f"tokens, 4 passes each; once per machine and shape, then cached in {path})"
+    )
+    record, source = timed_once(path, key, "the step timing", announce, measure)
+    return StepTiming(record["fp32_s"], record["bf16_s"]), source
+
+
+def timed_once(path: Path, key: str, what: str, announce: str, measure) -> tuple[dict, str]:
+    """A timing (``measure()``'s dict) from the cache at ``path`` under ``key``, or measured now, said
+    first (``announce``), and cached, one process of the node at a time (another rank may be timing the
+    same): (the record, where it came from). A cache that cannot be written (a read-only home) costs a
+    warning, never the run."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path.with_suffix(".lock"), "a")
-    except OSError as exc:  # a read-only home must not stop training
-        log.warning("could not cache the step timing in %s: %s", path, exc)
-        return probe.measure(), "measured now, not cached"
+    except OSError as exc:
+        log.warning("could not cache %s in %s: %s", what, path, exc)
+        return measure(), "measured now, not cached"
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another rank of this node may be measuring it
+        fcntl.flock(lock, fcntl.LOCK_EX)
         found = read_cache(path).get(key)
         if found:
-            return StepTiming(found["fp32_s"], found["bf16_s"]), f"measured {found['when']}, cached in {path}"
+            return found, f"measured {found['when']}, cached in {path}"
         start = time.perf_counter()
-        # Said before it starts: on a loaded machine it took 90 s, with nothing on the console
-        log.info(
-            "impl.precision=auto: timing this model's step in fp32 and in bf16 (%d x %d tokens, 4 passes each; "
-            "once per machine and shape, then cached in %s)",
-            probe.batch,
-            probe.seq_len,
-            path,
-        )
-        timing = probe.measure()
-        record = {"fp32_s": timing.fp32_s, "bf16_s": timing.bf16_s, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
-        add_to_cache(path, key, record, "the step timing")
-        return timing, f"measured now in {time.perf_counter() - start:.1f} s, cached in {path}"
+        log.info("%s", announce)
+        record = {**measure(), "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+        add_to_cache(path, key, record, what)
+        return record, f"measured now in {time.perf_counter() - start:.1f} s, cached in {path}"
 
 
 def resolve_precision(wanted: str, device: torch.device, probe: Optional[StepProbe] = None) -> tuple[str, str]:

@@ -18,7 +18,6 @@ react to out-of-memory errors only.
 from __future__ import annotations
 
 import copy
-import fcntl
 import logging
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from pretrain.runtime.hardware import add_to_cache, cpu_info, default_cache_path, read_cache
+from pretrain.runtime.hardware import cpu_info, default_cache_path, timed_once
 from pretrain.runtime.step_speed import probe_inputs
 
 log = logging.getLogger("pretrain")
@@ -66,31 +65,17 @@ def choose(
         f"{device.type}|{name}|threads={torch.get_num_threads()}|torch={torch.__version__}|{shape}|{dtype}"
         f"|seq={seq_len}|masking={masking_rate}|sizes={','.join(map(str, sizes))}"
     )
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.with_suffix(".lock"), "a")
-    except OSError as exc:  # a read-only home must not stop training
-        log.warning("could not cache the micro-batch timing in %s: %s", path, exc)
-        rates, source = measure(model, sizes, seq_len, masking_rate, dtype, device), "measured now, not cached"
-    else:
-        with lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another run on this node may be timing the same
-            found = read_cache(path).get(key)
-            if found:
-                rates = {int(k): v for k, v in found["tokens_per_s"].items()}
-                source = f"measured {found['when']}, cached in {path}"
-            else:
-                start = time.perf_counter()
-                log.info(
-                    "impl.micro_batch_size=auto: timing micro-batches of %s sequences (once per device and shape, "
-                    "then cached in %s)",
-                    ", ".join(map(str, sizes)),
-                    path,
-                )
-                rates = measure(model, sizes, seq_len, masking_rate, dtype, device)
-                record = {"tokens_per_s": {str(k): v for k, v in rates.items()}, "when": time.strftime("%F %T")}
-                add_to_cache(path, key, record, "the micro-batch timing")
-                source = f"measured now in {time.perf_counter() - start:.1f} s, cached in {path}"
+    announce = (
+        f"impl.micro_batch_size=auto: timing micro-batches of {', '.join(map(str, sizes))} sequences (once per "
+        f"device and shape, then cached in {path})"
+    )
+
+    def timed() -> dict:
+        rates = measure(model, sizes, seq_len, masking_rate, dtype, device)
+        return {"tokens_per_s": {str(size): rate for size, rate in rates.items()}}
+
+    record, source = timed_once(path, key, "the micro-batch timing", announce, timed)
+    rates = {int(size): rate for size, rate in record["tokens_per_s"].items()}
     fits = {size: rate for size, rate in rates.items() if rate}
     if not fits:
         return sizes[0], f"auto: {sizes[0]}, the smallest: none of {sizes} ran ({source})"
