@@ -31,6 +31,8 @@
 #                 >= 0.9x the bare loop, >= 50% MFU)
 #   micro-batch   base.yaml at its real global batch with impl.micro_batch_size=auto: the micro-batches timed,
 #                 the one chosen, tokens/s and MFU at it
+#   fp8           base.yaml at its real shape with impl.precision=fp8 (the encoder's matmuls in float8) beside
+#                 bert-base-accum: the losses within float8's band of bf16's, tokens/s and MFU (against bf16's peak)
 #   graphs        bert-base (one micro-batch a step) with impl.cuda_graphs=true: the compiled forward and backward
 #                 replayed as CUDA graphs; the same losses to bf16 round-off, tokens/s against bert-base's
 #   bert-base-nodrop  the same without dropout: what keyed dropout costs in base.yaml's step
@@ -44,7 +46,7 @@
 #                      [--only UNIT,...] [--skip UNIT,...] [--resume-from RESULTS_FILE]
 #
 # Units, in the order they run (a unit's runs and the check that reads them): profile real-shape
-# micro-batch bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2 modernbert flash-attn
+# micro-batch fp8 bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2 modernbert flash-attn
 # documents dropout compile-fixed bert-base-nodrop nccl. Each line of WORK/results.txt is written as a run or check ends, and
 # "done UNIT" once a unit has passed; --resume-from that file (carried to the next lease) runs only
 # the units not done, so two short leases cover everything.
@@ -60,7 +62,7 @@ PY=${PYTHON:-.venv/bin/python}
 
 DRY_RUN=0 GPUS="" STEPS=50 MICRO=64 BASE_MICRO=128 CONFIG=configs/mini.yaml DATA="" WORK=/tmp/gpu_smoke BUDGET=540
 ONLY="" SKIP="" RESUME_FROM="" PREVIOUS_DONE=""
-UNITS=(profile real-shape micro-batch bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2
+UNITS=(profile real-shape micro-batch fp8 bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2
        modernbert flash-attn documents dropout compile-fixed bert-base-nodrop nccl)
 usage() { grep -A2 '^#   bench/gpu_smoke.sh \[' "$0" | sed 's/^# \{0,3\}//'; }
 while [ $# -gt 0 ]; do
@@ -309,6 +311,16 @@ if selected micro-batch; then
   if ran bert-base-auto-micro; then check micro-batch micro "$WORK/runs/bert-base-auto-micro"
   else record "skipped check micro-batch (needs the bert-base-auto-micro run)"; fi
   close micro-batch check:micro-batch
+fi
+# impl.precision=fp8 at base.yaml's real shape beside the bf16 run (issue 84, item 4): the same losses
+# within float8's rounding, and what the float8 matmuls gain.
+if selected fp8; then
+  ran bert-base-accum || RUN_CONFIG=configs/base.yaml run bert-base-accum 1 "${REAL_BATCH[@]}"
+  RUN_CONFIG=configs/base.yaml run bert-base-accum-fp8 1 "${REAL_BATCH[@]}" impl.precision=fp8
+  if ran bert-base-accum bert-base-accum-fp8; then
+    check fp8 fp8 "$WORK/runs/bert-base-accum" "$WORK/runs/bert-base-accum-fp8"
+  else record "skipped check fp8 (needs the bert-base-accum and bert-base-accum-fp8 runs)"; fi
+  close fp8 check:fp8
 fi
 # BERT-base at sequence 128 (configs/base.yaml: compiled, fused AdamW, ZeRO 1, fixed-count masking, BERT's
 # hidden dropout 0.1): its MFU is the figure to set beside the anchors' (NVIDIA's BERT phase 1: about 45%

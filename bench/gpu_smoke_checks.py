@@ -152,6 +152,23 @@ def graphs(eager_dir: str, graphs_dir: str, rtol: float = 2e-2) -> str:
     )
 
 
+def fp8(bf16_dir: str, fp8_dir: str, rtol: float = 2e-2) -> str:
+    """base.yaml at its real shape in bf16 and with ``impl.precision=fp8``: the losses within ``rtol``
+    of bf16's at every logged step (float8's rounding, not another run), and what float8 gains; MFU
+    against the bf16 peak for both, as NVIDIA's MLPerf figures count it."""
+    want, got = logged(Path(bf16_dir), names.TRAIN_LOSS), logged(Path(fp8_dir), names.TRAIN_LOSS)
+    if sorted(want) != sorted(got) or not want:
+        raise SystemExit(f"fp8: steps {sorted(got)} logged, the bf16 run has {sorted(want)}")
+    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
+    if worst > rtol:
+        raise SystemExit(f"fp8: losses differ from bf16's by up to {worst:.1e}, over {rtol:g}")
+    (ours, mfu), (theirs, _) = _ours_tokens_per_s(Path(fp8_dir)), _ours_tokens_per_s(Path(bf16_dir))
+    return (
+        f"fp8: {len(want)} logged losses within {worst:.1e} of bf16's (last {got[max(got)]:.4f} against "
+        f"{want[max(want)]:.4f}); {ours:,.0f} tokens/s ({100 * mfu:.1f}% MFU of the bf16 peak), {ours / theirs:.3f}x bf16"
+    )
+
+
 def nonfinite(run_dir: str) -> str:
     """A run whose weights blew up after step 1: every later step skipped without moving the
     learning-rate schedule, until the cap stopped it (its exit code, 4, is checked by the caller)."""
@@ -368,6 +385,8 @@ if __name__ == "__main__":
         print(patches(*rest))
     elif command == "graphs":
         print(graphs(*rest))
+    elif command == "fp8":
+        print(fp8(*rest))
     elif command == "report":
         text, all_ok = report(rest)
         print(text)
@@ -375,5 +394,5 @@ if __name__ == "__main__":
     else:
         sys.exit(
             f"unknown command {command!r}: peak | paths CONFIG SHARDS | resumed REF RUN | nonfinite RUN | heldout RUN | export RUN | profile RUN... | "
-            "report RUN_DIR... | yardsticks PEAK OURS OURS_AT_ONCE HF BARE | reads DEFERRED AT_ONCE | micro RUN | patches EVERY WITHOUT... | graphs EAGER GRAPHS"
+            "report RUN_DIR... | yardsticks PEAK OURS OURS_AT_ONCE HF BARE | reads DEFERRED AT_ONCE | micro RUN | patches EVERY WITHOUT... | graphs EAGER GRAPHS | fp8 BF16 FP8"
         )

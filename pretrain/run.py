@@ -25,7 +25,7 @@ from pretrain.config.schema import Config
 from pretrain.data import make_train_stream, mixture
 from pretrain.data.stream import Stream
 from pretrain.eval.downstream import PreparedTask, probe_metrics
-from pretrain.model import keyed_dropout
+from pretrain.model import fp8, keyed_dropout
 from pretrain.model.flops import mlm_flops_per_sequence
 from pretrain.model.masking import SpecialIds
 from pretrain.model.mlm import MLMModel, build_model
@@ -158,6 +158,8 @@ def build_engine(
         resuming=resume_from is not None,
     )
     precision, why = build_precision(cfg, model, manifest, resume_from, info)
+    if precision == "fp8":  # before any timing: the micro-batch and the attention are timed in float8
+        why += f", {fp8.convert(model)} encoder linear layers in float8"
     choose_micro_batch(model, cfg, info, precision, manifest.seq_len)
     model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)  # the same at any layout
     model.fixed_predictions = cfg.masking.fixed_count

@@ -105,11 +105,11 @@ def checkpoint_layout(engine) -> dict[str, Any]:
 
 def wanted_layout(world: int, zero_stage: int, precision: str, offload_optimizer: bool, optimizer: str) -> dict:
     """The layout a run will have, known from its config before any process group starts
-    (``precision`` resolved: fp32 | bf16 | fp16; ``optimizer``: ``optim.name``)."""
+    (``precision`` resolved: fp32 | bf16 | fp16 | fp8, kept as its weights are; ``optimizer``: ``optim.name``)."""
     return {
         "world": world,
         "zero_stage": zero_stage,
-        "precision": precision,
+        "precision": hardware.weights_precision(precision),
         "offload_optimizer": offload_optimizer,
         "optimizer": optimizer,
     }

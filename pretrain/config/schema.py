@@ -215,7 +215,9 @@ class ImplConfig:
     zero_stage: Literal[0, 1, 2, 3] = 2
     # auto: bf16 where the device computes it natively (CUDA sm80+, CPUs with AVX-512-BF16 or AMX),
     # else fp32. An emulated bf16 (AVX2 CPUs) runs ~50x slower than fp32. See pretrain/runtime/hardware.py.
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    # fp8: bf16 weights, the encoder layers' matmuls in float8 (pretrain.model.fp8; CUDA sm89+ and
+    # torchao; on a CPU emulated, for checking). auto never picks it.
+    precision: Literal["auto", "bf16", "fp16", "fp32", "fp8"] = "auto"
     # auto: flash_attention_2 (unpadded, varlen kernels) on a CUDA GPU of compute capability 8+ with the
     # flash-attn package and bf16/fp16; else the trainer times the candidates below at the run's shape
     # and takes the fastest (pretrain.runtime.attention; named on the start line, kept on resume).

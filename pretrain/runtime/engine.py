@@ -28,7 +28,7 @@ from pretrain.config.loader import ConfigError
 from pretrain.config.schema import Config, batch_size_problems
 from pretrain.model.optim import build_optimizer
 from pretrain.model.schedule import lr_schedule
-from pretrain.runtime import deepspeed_patches
+from pretrain.runtime import deepspeed_patches, hardware
 from pretrain.runtime.deepspeed_patches import norm_decided as norm_decided  # the step's doors to them
 from pretrain.runtime.deepspeed_patches import will_skip_update as will_skip_update
 from pretrain.runtime.launcher import GIVEN_DEVICES
@@ -215,7 +215,7 @@ def deepspeed_config(
     }
     if node_local:
         ds["checkpoint"] = {"use_node_local_storage": True}
-    if precision == "bf16":
+    if hardware.weights_precision(precision) == "bf16":
         # Gradients are summed over micro-steps and reduced across ranks in fp32, as NVIDIA's BERT and
         # Megatron do: a bf16 sum keeps 8 mantissa bits. At ZeRO 1 DeepSpeed takes its BF16_Optimizer
         # for this; ZeRO 0 has no fp32 accumulation (DeepSpeed refuses the mix).

@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 from data_prep.common.atomic import write_atomic
+from pretrain.model import fp8
 from pretrain.model.flops import measure_matmul_peak_tflops
 from pretrain.runtime.step_speed import BF16_MARGIN, StepProbe, StepTiming
 
@@ -67,7 +68,13 @@ GPU_PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
     ("MI250", {"bf16": 362.1, "fp16": 362.1, "fp32": 47.9}),
 ]
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.bfloat16}
+
+
+def weights_precision(precision: str) -> str:
+    """The precision the weights, DeepSpeed and checkpoints are kept in: fp8 is a bf16 run whose
+    encoder matmuls run in float8 (pretrain.model.fp8)."""
+    return "bf16" if precision == "fp8" else precision
 
 
 def cpu_info() -> dict:
@@ -213,6 +220,9 @@ def resolve_precision(wanted: str, device: torch.device, probe: Optional[StepPro
                 slower,
             )
             return "bf16", f"bf16 as configured; emulated, {slower:.1f}x slower than fp32"
+    if wanted == "fp8" and device.type == "cpu":
+        log.warning("impl.precision=fp8 on a CPU: the float8 values are multiplied in fp32 here (for checking)")
+        return "fp8", "fp8 as configured; float8 values multiplied in fp32 on the CPU"
     return wanted, f"{wanted} as configured"
 
 
@@ -220,6 +230,8 @@ def precision_problems(wanted: str) -> list[str]:
     """Found before any process group starts: the device type is known from CUDA availability."""
     if wanted == "fp16" and not torch.cuda.is_available():
         return ["impl.precision: fp16 needs a GPU (DeepSpeed refuses fp16 on the CPU); use auto, bf16 or fp32"]
+    if wanted == "fp8":
+        return fp8.problems(torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
     return []
 
 
@@ -262,7 +274,9 @@ def default_cache_path() -> Path:
 def peak_tflops(
     device: torch.device, precision: str, override: float = 0.0, cache_path: Optional[Path] = None
 ) -> tuple[float, str]:
-    """(peak TFLOP/s of one process in ``precision``, where the number comes from)."""
+    """(peak TFLOP/s of one process in ``precision``, where the number comes from). fp8 is counted
+    against the bf16 peak, as NVIDIA's MLPerf figures are: its MFU says how much faster than bf16."""
+    precision = weights_precision(precision)
     if override > 0:
         return override, "impl.peak_tflops"
     if device.type == "cuda":

@@ -48,6 +48,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         "bert-base",
         "bert-base-accum",
         "bert-base-accum-at-once",
+        "bert-base-accum-fp8",
         "bert-base-at-once",
         "bert-base-auto-micro",
         "bert-base-graphs",
@@ -88,7 +89,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     assert base.model.hidden_dropout == 0.1 and nodrop.model.hidden_dropout == 0.0
     assert base.masking.fixed_count and base.impl.compile
     for name, (gpus, cfg) in launches.items():
-        assert (cfg.impl.precision, cfg.impl.dist_backend) == ("bf16", "nccl")
+        assert (cfg.impl.precision, cfg.impl.dist_backend) == ("fp8" if name.endswith("-fp8") else "bf16", "nccl")
         named = {"flash-attn": "flash_attention_2", "documents-flex": "flex_attention"}
         assert cfg.impl.attention == named.get(name, "auto"), name
         assert cfg.impl.fused_mlm_loss
@@ -139,6 +140,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
             "/tmp/gpu_smoke/runs/bare-base",
         ],
         ["micro", "/tmp/gpu_smoke/runs/bert-base-auto-micro"],
+        ["fp8", "/tmp/gpu_smoke/runs/bert-base-accum", "/tmp/gpu_smoke/runs/bert-base-accum-fp8"],
         ["heldout", "/tmp/gpu_smoke/runs/bert-base"],
         ["graphs", "/tmp/gpu_smoke/runs/bert-base", "/tmp/gpu_smoke/runs/bert-base-graphs"],
         ["reads", "/tmp/gpu_smoke/runs/bert-base", "/tmp/gpu_smoke/runs/bert-base-at-once"],
@@ -504,7 +506,7 @@ def test_smoke_yardsticks_check_puts_ours_beside_hf_and_the_bare_loop(shards, tm
     """Issue 73, item 5: the real-shape unit's check reads our two runs' metrics and the yardsticks'
     step times, at each one's FLOPs per sequence, and prints the ratios the issue set goals for; the
     bert-base unit's check sets the run that read every step at once beside ours."""
-    from bench.gpu_smoke_checks import graphs, reads, yardsticks
+    from bench.gpu_smoke_checks import fp8, graphs, reads, yardsticks
 
     runs = {}
     for name, tps in (("ours", 400_000.0), ("at_once", 380_000.0)):
@@ -544,6 +546,13 @@ def test_smoke_yardsticks_check_puts_ours_beside_hf_and_the_bare_loop(shards, tm
     )
     with pytest.raises(SystemExit, match="graphs: losses differ from the run without graphs by up to 6.2e-02"):
         graphs(str(runs["ours"]), str(diverged))
+    # fp8 beside bf16 at the real shape: its losses within float8's band, its speed against bf16's
+    assert fp8(str(runs["at_once"]), str(runs["ours"])) == (
+        "fp8: 3 logged losses within 0.0e+00 of bf16's (last 8.0000 against 8.0000); 400,000 tokens/s "
+        "(40.0% MFU of the bf16 peak), 1.053x bf16"
+    )
+    with pytest.raises(SystemExit, match="fp8: losses differ from bf16's by up to 6.2e-02, over 0.02"):
+        fp8(str(runs["ours"]), str(diverged))
     # the at-once run left out by the budget (it runs last): the rest still compares
     text = yardsticks("989.4", str(runs["ours"]), "-", str(runs["hf"]), str(runs["bare"]))
     assert f"ours / bare loop: {400_000 / bare_tps:.2f}x" in text and "at once" not in text, text
