@@ -234,12 +234,12 @@ def take_decision(
     if previous is not None:
         settle_deferred(parts, previous)  # before this update: a skipped step holds the schedule
     if result.numbers is not None:
-        eng.norm_decided(result.numbers[Decided.DEEPSPEED_SKIPS] > 0)
+        eng.give_decision(parts.engine, result.numbers[Decided.DEEPSPEED_SKIPS] > 0)
         skip_next_step(parts.optimizer, result.nonfinite or result.bad_input)  # every rank skips or stops together
         if logged and parts.zero_stage == 0:
             result.grad_norm = eng.local_grad_norm(parts.engine)
     else:
-        eng.norm_decided(False)  # DeepSpeed's step goes ahead; the mask decides
+        eng.give_decision(parts.engine, False)  # DeepSpeed's step goes ahead; the mask decides
         mask_update(parts.optimizer, decided)
         result._host, result._ready = copy_behind(decided)
 

@@ -30,7 +30,7 @@ def main(shards: str) -> None:
     s = build(REPO / "configs" / "tiny.yaml", overrides + ["impl.compile=false", f"data.dir={shards}"], Path(shards))
     opt = s.engine.optimizer
     assert type(opt).__name__ == "BF16_Optimizer", type(opt)
-    deepspeeds = patches._DEEPSPEEDS_OWN["update_hp_grads"]
+    deepspeeds = patches.original("deepspeed.runtime.bf16_optimizer:BF16_Optimizer.update_hp_grads")
     ours_update = type(opt).update_hp_grads
     flat = opt.fp32_groups_gradients_flat
     compared = []
@@ -70,7 +70,7 @@ def main(shards: str) -> None:
             }
         )
     type(opt).update_hp_grads = ours_update
-    ours_in_place = ours_update is patches._update_hp_grads_multi_tensor
+    ours_in_place = ours_update is not deepspeeds
     print(
         json.dumps({"micro_batches": compared, "params": sum(len(g) for g in opt.bf16_groups), "ours": ours_in_place})
     )

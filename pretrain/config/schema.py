@@ -195,13 +195,11 @@ class TrainConfig:
 
 @dataclass
 class DeepSpeedPatchesConfig:
-    """The groups of changes to DeepSpeed's internals (pretrain/runtime/deepspeed_patches.py), each of
-    which a run may turn off to measure it; off, DeepSpeed's own code runs, to the same numbers."""
+    """The groups of changes to DeepSpeed's internals at ZeRO 1 in bf16 (pretrain/runtime/deepspeed_patches.py),
+    each of which a run may turn off to measure it; off, DeepSpeed's own code runs, to the same numbers."""
 
-    nonfinite_fill: bool = True  # a non-finite norm filled on the device, not by a host copy
     bf16_multi_tensor: bool = True  # BF16_Optimizer's norm, clip and gradient sums in multi-tensor calls
-    decisions_ahead: bool = True  # the optimiser wrappers' overflow and norm checks answered by the step's read
-    overflow_once: bool = True  # ZeRO 0's per-tensor overflow test read once, not once a tensor
+    decisions_ahead: bool = True  # BF16_Optimizer's norm check answered by the step's read
 
 
 @dataclass

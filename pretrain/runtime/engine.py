@@ -29,7 +29,7 @@ from pretrain.config.schema import Config, batch_size_problems
 from pretrain.model.optim import build_optimizer
 from pretrain.model.schedule import lr_schedule
 from pretrain.runtime import deepspeed_patches, hardware
-from pretrain.runtime.deepspeed_patches import norm_decided as norm_decided  # the step's doors to them
+from pretrain.runtime.deepspeed_patches import give_decision as give_decision  # the step's doors to them
 from pretrain.runtime.deepspeed_patches import will_skip_update as will_skip_update
 from pretrain.runtime.launcher import GIVEN_DEVICES
 

@@ -76,10 +76,9 @@ def norms_add_up(out_dir) -> int:
 
 @pytest.mark.parametrize("stage,precision", [(2, "bf16"), (2, "fp32"), (1, "fp32")])
 def test_zero_1_2_take_the_norm_of_the_reduced_gradients_with_the_steps_one_read(shards, tmp_path, stage, precision):
-    """ZeRO 1-2's optimiser (DeepSpeed's DeepSpeedZeroOptimizer: ZeRO 2, and ZeRO 1 outside bf16) has
-    its overflow test, norm and norm checks answered by the step's one read (engine.will_skip_update,
-    taken after the last backward): at 2 ranks with 2 micro-batches a step, the norm it clips with is
-    the reduced gradients' own, which the per-layer norms add up to."""
+    """ZeRO 1-2's optimiser (DeepSpeed's DeepSpeedZeroOptimizer: ZeRO 2, and ZeRO 1 outside bf16, its
+    own code): at 2 ranks with 2 micro-batches a step, the norm it logs is the reduced gradients' own,
+    which the per-layer norms add up to."""
     out = tmp_path / "run"
     ok(train(shards, out, f"impl.precision={precision}", f"impl.zero_stage={stage}", *FOUR_LOGGED_STEPS, ranks=2))
     assert norms_add_up(out) == 4

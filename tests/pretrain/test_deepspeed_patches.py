@@ -29,28 +29,30 @@ def _other_clip(input_tensors, max_norm=1.0, global_norm=None, mpu=None, eps=1e-
 
 @pytest.fixture
 def changed_deepspeed(monkeypatch):
-    """A DeepSpeed whose BF16 clip takes one more parameter and whose ZeRO 1-2 optimiser lost the
-    method the patches replace, as a later release might; nothing patched yet in this process."""
-    bf16_optimizer = importlib.import_module("deepspeed.runtime.bf16_optimizer")
-    stage_1_and_2 = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2")
+    """A DeepSpeed whose BF16 clip takes one more parameter and whose BF16_Optimizer lost a method the
+    patches call, as a later release might; nothing patched yet in this process."""
+    for row in patches.PATCHES:
+        if row.original is not None:  # DeepSpeed's own back in place, as before any patch
+            monkeypatch.setattr(*row.owner(), row.original)
+        monkeypatch.setattr(row, "original", None)
+    bf16_optimizer = importlib.import_module(patches.BF16)
     monkeypatch.setattr(bf16_optimizer, "clip_tensors_by_global_norm", _other_clip)
-    monkeypatch.delattr(stage_1_and_2.DeepSpeedZeroOptimizer, "scaled_global_norm")
-    monkeypatch.setattr(patches, "_APPLIED", {})
+    monkeypatch.delattr(bf16_optimizer.BF16_Optimizer, "get_grads_for_norm")
 
 
 def test_a_deepspeed_with_other_internals_is_refused_by_name_before_anything_is_patched(changed_deepspeed):
     problems = patches.internals_problems()
     assert problems == [
-        "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.scaled_global_norm is gone",
         "deepspeed.runtime.bf16_optimizer.clip_tensors_by_global_norm takes ('input_tensors', 'max_norm', "
         "'global_norm', 'mpu', 'eps', 'use_graph') (written for ('input_tensors', 'max_norm', 'global_norm', "
         "'mpu', 'eps'))",
+        "deepspeed.runtime.bf16_optimizer.BF16_Optimizer.get_grads_for_norm is gone",
     ]
     bf16_optimizer = importlib.import_module("deepspeed.runtime.bf16_optimizer")
     with pytest.raises(patches.DeepSpeedInternalsChanged) as refused:
         patches.apply_patches(optimizer_named=True)
     message = str(refused.value)
-    assert "clip_tensors_by_global_norm takes" in message and "scaled_global_norm is gone" in message
+    assert "clip_tensors_by_global_norm takes" in message and "get_grads_for_norm is gone" in message
     assert f"pip install 'deepspeed=={patches.CHECKED_VERSIONS[-1]}'" in message
     assert bf16_optimizer.clip_tensors_by_global_norm is _other_clip  # left as it was: nothing patched
 

@@ -68,22 +68,30 @@ def probe(shards, tmp_path, *overrides) -> list[list[str]]:
 
 
 # Every wait for the device on a step that logs nothing, by call site, at each ZeRO stage in bf16 with
-# two micro-batches a step (global 16 = 2 x 8; base.yaml's path is ZeRO 1): none of ours (the numbers
-# that decide the update are read by the next step) and none of DeepSpeed's (its checks of the gradients
-# are answered by those numbers; docs/gpu-step.md). No device synchronisation at any stage: DeepSpeed's throughput timer, which synchronised twice a
-# micro-batch, is off (pretrain/runtime/engine.py).
+# two micro-batches a step (global 16 = 2 x 8): none of ours (the numbers that decide the update are
+# read by the next step). At ZeRO 1, base.yaml's path, none of DeepSpeed's either: its norm check is
+# answered by that read (pretrain/runtime/deepspeed_patches.py). ZeRO 0, 2 and 3 run DeepSpeed's own
+# code, with its waits (docs/gpu-step.md), until a GPU shows they matter. No device synchronisation at
+# any stage: DeepSpeed's throughput timer, which synchronised twice a micro-batch, is off.
+UTILS, ZERO = "deepspeed/runtime/utils.py", "deepspeed/runtime/zero"
 WAITS_BY_STAGE = {
-    # FP16_UnfusedOptimizer (ZeRO 0 in bf16): its overflow test, group norms, norm check and clip
-    # answered by the step's own decision (engine.will_skip_update): nothing of DeepSpeed's.
-    0: {},
-    # BF16_Optimizer (ZeRO 1 in bf16): its norm check answered by the step's own read
-    # (engine.will_skip_update): nothing of DeepSpeed's.
-    1: {},
-    # ZeRO 2: its overflow test and three norm checks answered by the step's own read too
-    2: {},
-    # ZeRO 3: its norm check answered too; its inline -1 (get_grad_norm_direct's torch.tensor(-1.0,
-    # device=)) is a fill: no wait
-    3: {},
+    # FP16_UnfusedOptimizer (ZeRO 0 in bf16): its overflow test reads each gradient tensor's answer (42
+    # tensors in tiny), then the answer, and each parameter group's norm (2 groups) twice
+    0: {
+        f"{UTILS}:has_overflow_serial.__bool__": 42,
+        f"{UTILS}:has_overflow.item": 1,
+        f"{UTILS}:get_weight_norm.__float__": 2,
+        f"{UTILS}:get_weight_norm.item": 2,
+    },
+    1: {},  # BF16_Optimizer: its norm check answered by the step's own read (engine.will_skip_update)
+    # DeepSpeedZeroOptimizer: its overflow test, the norm's two -1 copies and three norm checks
+    2: {
+        f"{ZERO}/stage_1_and_2.py:has_overflow.item": 1,
+        f"{UTILS}:mask_nan_or_inf_with_val_inplace.tensor": 2,
+        f"{UTILS}:is_invalid_grad_norm.__bool__": 3,
+    },
+    # ZeRO 3: the norm's two inline -1 copies (get_grad_norm_direct's torch.tensor(-1.0, device=)) and its check
+    3: {f"{ZERO}/stage3.py:get_grad_norm_direct.tensor": 2, f"{UTILS}:is_invalid_grad_norm.__bool__": 1},
 }
 
 
@@ -155,78 +163,43 @@ def test_the_cuda_graphs_path_compiles_for_replay_and_logs_the_compiled_losses(s
     assert losses(tmp_path / "graphed" / "run") == losses(tmp_path / "compiled") != []
 
 
-def test_deepspeeds_nonfinite_norm_mask_queues_a_fill_instead_of_a_copy(monkeypatch):
-    """DeepSpeed marks a non-finite gradient norm as -1 with ``torch.tensor(-1.0, device=...)``: on CUDA a
-    copy from host memory that waits for the queued kernels, once a step (issue 60, item 6). The engine
-    module puts a scalar fill in its place in every module that imported it, with the same result."""
-    import importlib
-
-    from pretrain.runtime import deepspeed_patches as patches
-
-    modules = [importlib.import_module(name) for name in patches.NONFINITE_NORM_USERS]
-    for module in modules:
-        monkeypatch.setattr(module, "mask_nan_or_inf_with_val_inplace", module.mask_nan_or_inf_with_val_inplace)
-    monkeypatch.setattr(modules[2], "torch", modules[2].torch)
-    theirs = modules[0].mask_nan_or_inf_with_val_inplace
-    patches._mask_nonfinite_norm_on_the_device()
-    assert all(m.mask_nan_or_inf_with_val_inplace is patches._mask_nonfinite_in_place for m in modules)
-    norms = torch.tensor([3.5, float("nan"), float("inf"), -float("inf"), 0.0])
-    expected, ours = norms.clone(), norms.clone()
-    theirs(expected, device="cpu")
-    created = []
-    real_tensor = torch.tensor
-    monkeypatch.setattr(torch, "tensor", lambda *a, **k: created.append(a) or real_tensor(*a, **k))
-    patches._mask_nonfinite_in_place(ours, device="cpu")
-    assert torch.equal(ours, expected) and ours.tolist() == [3.5, -1.0, -1.0, -1.0, 0.0]
-    assert created == []  # no tensor made from a host value
-    # ZeRO 3 makes its -1 inline: its module's torch fills Python numbers, with torch.tensor's result
-    made = [modules[2].torch.tensor(*a, **k) for a, k in SCALARS]
-    assert created == [] and modules[2].torch.Tensor is torch.Tensor
-    expected = [real_tensor(*a, **k) for a, k in SCALARS]
-    assert [(t.dtype, t.device, t.shape, t.tolist()) for t in made] == [
-        (t.dtype, t.device, t.shape, t.tolist()) for t in expected
-    ]
-    modules[2].torch.tensor([1.0, 2.0], device="cpu")  # not a number: torch.tensor's own
-    modules[2].torch.tensor(True, device="cpu")  # a bool is not filled as an int
-    assert len(created) == 2
-
-
-SCALARS = [
-    ((-1.0,), {"device": "cpu", "dtype": torch.float}),  # stage3.get_grad_norm_direct's
-    ((-1.0,), {"device": "cpu"}),
-    ((0,), {"device": "cpu"}),
-    ((3,), {"device": "cpu", "dtype": torch.bfloat16}),
-]
-
-
-def test_bf16_optimizers_norm_and_clip_are_deepspeeds_arithmetic_in_two_multi_tensor_calls():
+def test_bf16_optimizers_norm_and_clip_are_deepspeeds_arithmetic_in_two_multi_tensor_calls(monkeypatch):
     """ZeRO 1 in bf16 (DeepSpeed's BF16_Optimizer, base.yaml's path) takes the gradient norm one
-    kernel per tensor and clips after reading the factor on the host; the engine module puts in
-    multi-tensor versions of both. Same numbers as DeepSpeed's (on the CPU, bit for bit), both when
-    the norm clips and when it does not, and a non-finite norm marked -1 as DeepSpeed marks it."""
+    kernel per tensor, marks a non-finite one -1 with a copy from host memory, and clips after reading
+    the factor on the host; the patches put in multi-tensor versions. Same numbers as DeepSpeed's own
+    (on the CPU, bit for bit), when the norm clips and when it does not, and a non-finite norm marked
+    -1 as DeepSpeed marks it, without a tensor made from a host value."""
     import deepspeed.runtime.bf16_optimizer as bf16_optimizer
-    from deepspeed.runtime import utils as ds_utils
 
     from pretrain.runtime import deepspeed_patches as patches
 
-    patches._bf16_optimizer_multi_tensor()
-    assert bf16_optimizer.get_global_norm_of_tensors is patches._global_norm_multi_tensor
-    assert bf16_optimizer.clip_tensors_by_global_norm is patches._clip_multi_tensor
-    patches._mask_nonfinite_norm_on_the_device()  # as initialize() does: DeepSpeed's norm then masks alike
+    patches.apply_patches(optimizer_named=True)
+    norm_of = {
+        "ours": bf16_optimizer.get_global_norm_of_tensors,
+        "theirs": patches.original(f"{patches.BF16}:get_global_norm_of_tensors"),
+    }
+    clip = {
+        "ours": bf16_optimizer.clip_tensors_by_global_norm,
+        "theirs": patches.original(f"{patches.BF16}:clip_tensors_by_global_norm"),
+    }
+    assert norm_of["ours"] is not norm_of["theirs"] and clip["ours"] is not clip["theirs"]
     g = torch.Generator().manual_seed(0)
     shapes = [(30528, 64), (64,), (256, 64), (3, 5, 7), (1,)]
     for scale, clips in ((1.0, True), (1e-4, False)):
         grads = [torch.randn(*s, generator=g) * scale for s in shapes]
-        theirs, ours = [t.clone() for t in grads], [t.clone() for t in grads]
-        norm_theirs = ds_utils.get_global_norm_of_tensors(theirs)
-        norm_ours = patches._global_norm_multi_tensor(ours)
-        assert torch.equal(norm_ours, norm_theirs) and (float(norm_ours) > 1.0) == clips
-        ds_utils.clip_tensors_by_global_norm(theirs, max_norm=1.0, global_norm=norm_theirs)
-        patches._clip_multi_tensor(ours, max_norm=1.0, global_norm=norm_ours)
-        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), scale
-        assert clips or all(torch.equal(a, b) for a, b in zip(ours, grads))  # not clipped: untouched
+        tensors = {"theirs": [t.clone() for t in grads], "ours": [t.clone() for t in grads]}
+        norms = {k: norm_of[k](tensors[k]) for k in tensors}
+        assert torch.equal(norms["ours"], norms["theirs"]) and (float(norms["ours"]) > 1.0) == clips
+        for k in tensors:
+            clip[k](tensors[k], max_norm=1.0, global_norm=norms[k])
+        assert all(torch.equal(a, b) for a, b in zip(tensors["ours"], tensors["theirs"])), scale
+        assert clips or all(torch.equal(a, b) for a, b in zip(tensors["ours"], grads))  # not clipped: untouched
     bad = [torch.ones(4), torch.tensor([float("nan")])]
-    assert float(patches._global_norm_multi_tensor(bad)) == float(ds_utils.get_global_norm_of_tensors(bad)) == -1.0
+    assert float(norm_of["theirs"](bad)) == -1.0
+    created = []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: created.append(a) or real_tensor(*a, **k))
+    assert float(norm_of["ours"](bad)) == -1.0 and created == []  # a fill, no copy from the host
 
 
 def test_bf16_optimizers_gradient_accumulation_is_deepspeeds_sums_in_one_multi_tensor_add(shards):
@@ -241,35 +214,6 @@ def test_bf16_optimizers_gradient_accumulation_is_deepspeeds_sums_in_one_multi_t
     # ... and the bf16 gradients freed after the sum, so that the next backward writes its own
     # instead of adding them into zeros (issue 73, item 3)
     assert found["micro_batches"] == [{"equal": True, "moved": True, "has_gradients": True, "bf16_freed": True}] * 2
-
-
-def test_fp16_optimizers_overflow_test_is_deepspeeds_decision_read_once(monkeypatch):
-    """ZeRO 0 in bf16 (DeepSpeed's FP16_Optimizer) tests each gradient for inf and NaN and reads each
-    answer on the host; the engine module stacks DeepSpeed's own per-tensor answers and reads once.
-    The same decision for clean gradients, an inf, a NaN and a -inf anywhere, and no gradient at all."""
-    from deepspeed.runtime import utils as ds_utils
-
-    from pretrain.runtime import deepspeed_patches as patches
-
-    monkeypatch.setattr(ds_utils.CheckOverflow, "has_overflow_serial", ds_utils.CheckOverflow.has_overflow_serial)
-    theirs = ds_utils.CheckOverflow.has_overflow_serial
-    patches._fp16_optimizer_overflow_once()
-    assert ds_utils.CheckOverflow.has_overflow_serial is patches._has_overflow_serial_once
-    checker = ds_utils.CheckOverflow.__new__(ds_utils.CheckOverflow)
-    for bad in (None, float("inf"), float("nan"), -float("inf")):
-        params = [torch.nn.Parameter(torch.randn(5, 3, dtype=torch.bfloat16)) for _ in range(4)] + [
-            torch.nn.Parameter(torch.zeros(2))  # no gradient
-        ]
-        for p in params[:4]:
-            p.grad = torch.randn_like(p)
-        if bad is not None:
-            params[2].grad[1, 2] = bad
-        reads = []
-        real_bool = torch.Tensor.__bool__
-        monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(1) or real_bool(t))
-        ours = patches._has_overflow_serial_once(checker, params)
-        monkeypatch.setattr(torch.Tensor, "__bool__", real_bool)
-        assert ours == theirs(checker, params) == (bad is not None) and len(reads) == 1, bad
 
 
 def test_patch_groups_turned_off_run_deepspeeds_own_code_with_its_waits_to_the_same_losses(shards, tmp_path):
