@@ -193,6 +193,16 @@ def data_prep(*args: str) -> None:
     assert code == 0, f"data_prep {' '.join(map(str, args))} -> {code}"
 
 
+def shard_argv(inputs, tokenizer, out=None, **options) -> list[str]:
+    """``data_prep shard``'s command line: ``--input`` (one path), ``--tokenizer``, ``--out`` where
+    given, then each option as ``--name value`` (``task_index=0``: ``--task-index 0``)."""
+    argv = ["shard", "--input", str(inputs), "--tokenizer", str(tokenizer)]
+    argv += ["--out", str(out)] if out is not None else []
+    for name, value in options.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
 @pytest.fixture(scope="session")
 def wiki_txt_dir(tmp_path_factory, wiki_articles) -> Path:
     """~1,000 real articles as 4 blank-line-separated .txt files."""

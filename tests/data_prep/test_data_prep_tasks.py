@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO, shard_argv
 from data_prep.cli import main
 from data_prep.common.manifest import load_manifest
 from data_prep.common.shards import iter_blocks
@@ -22,8 +23,6 @@ from data_prep.reader import resolve_inputs, resolve_partition
 from data_prep.settings import ShardSettings, load_settings_file
 from data_prep.shard import run_shard
 from data_prep.verify import verify, verify_report
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def settings(inputs, tokenizer, out, **kw) -> ShardSettings:
@@ -114,27 +113,17 @@ def test_task_count_does_not_change_the_dataset_through_the_cli(tmp_path, bert_u
         for i in range(k):
             assert (
                 main(
-                    [
-                        "shard",
-                        "--input",
-                        str(big),
-                        "--tokenizer",
-                        str(bert_uncased_dir),
-                        "--out",
-                        str(out),
-                        "--num-tasks",
-                        str(k),
-                        "--task-index",
-                        str(i),
-                        "--group-chars",
-                        "100000",
-                        "--shard-size",
-                        "200",
-                        "--validation-fraction",
-                        "0.05",
-                        "--seq-len",
-                        "64",
-                    ]
+                    shard_argv(
+                        big,
+                        bert_uncased_dir,
+                        out,
+                        num_tasks=k,
+                        task_index=i,
+                        group_chars=100000,
+                        shard_size=200,
+                        validation_fraction=0.05,
+                        seq_len=64,
+                    )
                 )
                 == 0
             )
@@ -154,21 +143,15 @@ def test_concurrent_array_tasks_share_one_output_folder(tmp_path, single, wiki_t
                 sys.executable,
                 "-m",
                 "data_prep",
-                "shard",
-                "--input",
-                str(wiki_txt_dir),
-                "--tokenizer",
-                str(bert_uncased_dir),
-                "--out",
-                str(out),
-                "--shard-size",
-                "256",
-                "--validation-fraction",
-                "0.1",
-                "--seed",
-                "7",
-                "--group-chars",
-                str(GROUP_CHARS),
+                *shard_argv(
+                    wiki_txt_dir,
+                    bert_uncased_dir,
+                    out,
+                    shard_size=256,
+                    validation_fraction=0.1,
+                    seed=7,
+                    group_chars=GROUP_CHARS,
+                ),
             ],
             cwd=REPO,
             stderr=subprocess.PIPE,
@@ -234,27 +217,18 @@ def test_kill_after_first_shards_then_rerun_reuses_them(tmp_path, wiki_txt_dir, 
             sys.executable,
             "-m",
             "data_prep",
-            "shard",
-            "--input",
-            str(wiki_txt_dir),
-            "--tokenizer",
-            str(bert_uncased_dir),
-            "--out",
-            str(out),
-            "--num-tasks",
-            "1",
-            "--task-index",
-            "0",
-            "--shard-size",
-            "64",
-            "--validation-fraction",
-            "0.15",
-            "--seed",
-            "3",
-            "--batch-chars",
-            "20000",
-            "--group-chars",
-            str(BUNDLED_PAIRS),
+            *shard_argv(
+                wiki_txt_dir,
+                bert_uncased_dir,
+                out,
+                num_tasks=1,
+                task_index=0,
+                shard_size=64,
+                validation_fraction=0.15,
+                seed=3,
+                batch_chars=20000,
+                group_chars=BUNDLED_PAIRS,
+            ),
         ],
         cwd=REPO,
         stderr=subprocess.DEVNULL,
@@ -441,25 +415,7 @@ def test_shipped_data_configs_load_and_run(tmp_path, wiki_txt_dir, bert_uncased_
     with pytest.raises(DataPrepError, match=r"shard_sise: unknown setting(.|\n)*seed: expected int"):
         load_settings_file(bad)
     out = tmp_path / "out"
-    code = main(
-        [
-            "shard",
-            "--config",
-            str(files[0]),
-            "--input",
-            str(wiki_txt_dir),
-            "--tokenizer",
-            str(bert_uncased_dir),
-            "--out",
-            str(out),
-            "--seq-len",
-            "64",
-            "--num-tasks",
-            "1",
-            "--task-index",
-            "0",
-        ]
-    )
+    code = main(shard_argv(wiki_txt_dir, bert_uncased_dir, out, config=files[0], seq_len=64, num_tasks=1, task_index=0))
     assert code == 0
     m = json.loads((out / "task-00000.json").read_text())
     assert m["seq_len"] == 64 and m["settings"]["shard_size"] == load_settings_file(files[0])["shard_size"]
@@ -467,21 +423,7 @@ def test_shipped_data_configs_load_and_run(tmp_path, wiki_txt_dir, bert_uncased_
 
 @pytest.mark.slow
 def test_worker_processes_write_the_same_bytes(tmp_path, wiki_txt_dir, bert_uncased_dir):
-    common = [
-        "shard",
-        "--input",
-        str(wiki_txt_dir),
-        "--tokenizer",
-        str(bert_uncased_dir),
-        "--num-tasks",
-        "1",
-        "--task-index",
-        "0",
-        "--shard-size",
-        "256",
-        "--batch-chars",
-        "50000",
-    ]
+    common = shard_argv(wiki_txt_dir, bert_uncased_dir, num_tasks=1, task_index=0, shard_size=256, batch_chars=50000)
     for workers in (1, 2):
         proc = subprocess.run(
             [
@@ -538,19 +480,7 @@ def test_errors_name_the_file_line_or_task(tmp_path, capsys, bert_uncased_dir):
     assert "--seq-len 2 is too small" in _error(capsys, base + ["--input", str(ok), "--seq-len", "2"])
     assert "--task-index 5 is out of range for 2 task(s)" in _error(
         capsys,
-        [
-            "shard",
-            "--tokenizer",
-            tok,
-            "--out",
-            str(tmp_path / "o"),
-            "--input",
-            str(ok),
-            "--num-tasks",
-            "2",
-            "--task-index",
-            "5",
-        ],
+        shard_argv(ok, tok, tmp_path / "o", num_tasks=2, task_index=5),
     )
 
     no_mask = tmp_path / "no_mask_tok"
@@ -580,15 +510,7 @@ def test_damaged_gzip_input_is_named_with_advice_that_fits(tmp_path, capsys, wik
         path = tmp_path / name
         path.write_bytes(data)
         for argv in (
-            [
-                "shard",
-                "--tokenizer",
-                str(bert_uncased_dir),
-                "--out",
-                str(tmp_path / f"out-{name}"),
-                "--input",
-                str(path),
-            ],
+            shard_argv(path, bert_uncased_dir, tmp_path / f"out-{name}"),
             ["tokenizer", "--input", str(path), "--out", str(tmp_path / f"tok-{name}"), "--vocab-size", "200"],
         ):
             err = _error(capsys, argv)
@@ -632,18 +554,7 @@ def test_finalize_error_through_the_real_entry_point(tmp_path, wiki_txt_dir, ber
     assert proc.returncode == 2
     assert "incomplete: 2 of 3 tasks have no task manifest (missing task indices: 0, 2)" in proc.stderr
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "data_prep",
-            "shard",
-            "--input",
-            str(wiki_txt_dir),
-            "--tokenizer",
-            str(bert_uncased_dir),
-            "--out",
-            str(out),
-        ],
+        [sys.executable, "-m", "data_prep", *shard_argv(wiki_txt_dir, bert_uncased_dir, out)],
         cwd=REPO,
         capture_output=True,
         text=True,

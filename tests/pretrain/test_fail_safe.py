@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, free_port, ids_payload
+from conftest import REPO, free_port, ids_payload, train_cmd
 from conftest import train as launch
 
 PY = sys.executable
@@ -322,29 +322,18 @@ def test_ranks_die_with_a_launcher_killed_with_sigkill(shards, tmp_path, when):
 
     import psutil
 
-    args = [
-        "--config",
-        "configs/tiny.yaml",
-        f"data.dir={shards}",
-        f"train.out_dir={tmp_path}",
+    cmd = train_cmd(
+        shards,
+        tmp_path,
         *BASE,
         "train.max_steps=100000",
         "train.log_every=1",
         "train.checkpoint_every=0",
-    ]
+        ranks=2,
+        launcher=[PY, "-m", "pretrain.launch"],
+    )
     proc = subprocess.Popen(
-        [
-            PY,
-            "-m",
-            "pretrain.launch",
-            "--num_gpus",
-            "2",
-            "--master_port",
-            str(free_port()),
-            "--module",
-            "pretrain.train",
-            *args,
-        ],
+        cmd,
         cwd=REPO,
         env=env(),
         text=True,
@@ -410,8 +399,7 @@ def test_a_launcher_killed_before_its_ranks_exist_takes_deepspeed_s_runner_and_t
     import psutil
 
     proc = subprocess.Popen(
-        [PY, "-m", "pretrain.launch", "--num_gpus", "2", "--master_port", str(free_port()), "--module"]
-        + ["pretrain.train", "--config", "configs/tiny.yaml", f"data.dir={shards}", f"train.out_dir={tmp_path}"],
+        train_cmd(shards, tmp_path, ranks=2, launcher=[PY, "-m", "pretrain.launch"]),
         cwd=REPO,
         env=env(),
         stdout=subprocess.DEVNULL,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO, train_cmd
 from conftest import train as launch
 
 pytestmark = pytest.mark.slow
@@ -180,30 +180,19 @@ def test_sigterm_to_the_launchers_process_group_checkpoints_and_exits_3(shards, 
     """`kill -TERM -PGID` (a shell or scheduler stopping the job): pretrain.launch passes it to the
     ranks, waits, and exits with their 3; the checkpoint is complete. ZeRO-3 also logs the whole
     parameter count, and a second job on the same run folder is refused while the first holds it."""
-    args = [
-        "--config",
-        "configs/tiny.yaml",
-        f"data.dir={shards}",
-        f"train.out_dir={tmp_path}",
+    cmd = train_cmd(
+        shards,
+        tmp_path,
         *BASE,
         "train.max_steps=100000",
         "train.log_every=1",
         "impl.zero_stage=3",
         "impl.compile=false",
-    ]
+        ranks=2,
+        launcher=[PY, "-m", "pretrain.launch"],
+    )
     proc = subprocess.Popen(
-        [
-            PY,
-            "-m",
-            "pretrain.launch",
-            "--num_gpus",
-            "2",
-            "--master_port",
-            str(free_port()),
-            "--module",
-            "pretrain.train",
-            *args,
-        ],
+        cmd,
         cwd=REPO,
         env=env(),
         text=True,

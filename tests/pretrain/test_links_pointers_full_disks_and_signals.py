@@ -18,7 +18,7 @@ from conftest import explain, train
 from data_prep.common.manifest import load_manifest
 from data_prep.common.paths import plain_files
 from pretrain.checkpoint.checkpointing import complete_tags, copy_plain, latest_complete_tag
-from test_fail_safe_round5 import RUN  # the same tiny run
+from test_checkpoints_as_data_and_names_in_their_folder import RUN  # the same tiny run
 
 SECRET = b"aws_secret_access_key = PLANTED-SECRET-81"
 
@@ -218,7 +218,7 @@ def test_a_checkpoint_file_in_torchs_legacy_format_is_refused_by_name_on_resume(
 
     from pretrain.checkpoint.checkpointing import write_file_list
     from pretrain.checkpoint.files import MODEL_STATES_FILE
-    from test_fail_safe_round5 import RunsCommand
+    from test_checkpoints_as_data_and_names_in_their_folder import RunsCommand
 
     out, marker = tmp_path / "run", tmp_path / "ran"
     steps = [*RUN, "train.checkpoint_every=2", "impl.zero_stage=1"]
