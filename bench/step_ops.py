@@ -43,7 +43,7 @@ READS = ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero", "cpu",
 HOST_ONLY = ("pretrain/data/", "pretrain/guards/bad_input.py")
 # The step before's decision, read from the host memory it was copied to behind that step's work
 # (pretrain/step.py, "Deferred reads"): on a GPU the device is past it, and nothing queued is drained.
-BEHIND = ("pretrain/step.py", "settle")
+BEHIND = ("pretrain/step.py", "read_deferred")
 MAX_TENSORS = (110, 64, 48, 36, 30)  # a multi-tensor launch's tensors, by its number of lists
 MAX_BLOCKS, CHUNK = 320, 65536
 ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros_like"}
@@ -192,12 +192,12 @@ def ours(setup, counts: StepCounts):
         c.train.max_steps,
         c.impl.zero_stage,
         step_module.StopSignal(),
-        defer=step_module.deferrable(setup.optimizer),
+        deferred_reads=step_module.deferrable(setup.optimizer),
     )
     before: list = [None]  # the step that logged nothing before: this one reads its decision
 
     def one(step: int, batches: list[dict]) -> None:
-        before[0] = step_module.train_step(parts, step, batches, False, None, before[0], read_now=False)
+        before[0] = step_module.train_step(parts, step, batches, False, None, before[0], defer=True)
 
     return one
 

@@ -84,7 +84,7 @@ class Run:
             max_steps=self.cfg.train.max_steps,
             zero_stage=self.cfg.impl.zero_stage,
             stop=self.stop,
-            defer=self.cfg.impl.deferred_reads and deferrable(self.optimizer),
+            deferred_reads=self.cfg.impl.deferred_reads and deferrable(self.optimizer),
             cuda_graphs=self.cuda_graphs,
         )
 

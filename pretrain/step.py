@@ -62,9 +62,9 @@ class StepParts:
     max_steps: int  # where a masking-rate schedule ends
     zero_stage: int  # at 0 the gradient norm is ours to compute on a logged step
     stop: StopSignal
-    # A step that logs nothing reads its decision one step later, its update masked on the device
-    # ("Deferred reads" below); False: every step reads its own before its update.
-    defer: bool = False
+    # impl.deferred_reads, where the optimiser can mask its update: a step that logs nothing reads its
+    # decision one step later, its update masked on the device ("Deferred reads" below)
+    deferred_reads: bool = False
     cuda_graphs: bool = False  # the compiled forward and backward replay as CUDA graphs
 
 
@@ -82,7 +82,7 @@ class Decided(IntEnum):
 @dataclass
 class StepResult:
     """What one optimiser step decided. ``numbers`` (summed over ranks, laid out as ``Decided``) is None
-    until ``settle`` reads it: a step that logs nothing is settled by the next step's ``train_step``
+    until ``read_deferred`` reads it: a step that logs nothing is read by the next step's ``train_step``
     ("Deferred reads" below)."""
 
     step: int  # the steps done after it
@@ -96,7 +96,7 @@ class StepResult:
     _host: torch.Tensor | None = None  # the decision, copied to host memory behind the step's work
     _ready: object = None  # a CUDA event recorded after that copy
 
-    def settle(self) -> "StepResult":
+    def read_deferred(self) -> "StepResult":
         """The step's decision on the host. Deferred, it was copied behind the step's work and is read a
         step later, when the device is long past it: the queued work of the step after is not drained."""
         if self.numbers is None:
@@ -168,8 +168,8 @@ def train_step(
     micro_batches: list[dict],
     logged: bool,
     before_step: Optional[Callable[[], None]] = None,
-    previous: Optional[StepResult] = None,
-    read_now: bool = True,
+    deferred: Optional[StepResult] = None,
+    defer: bool = False,
 ) -> StepResult:
     """Forward and backward over the micro-batches of step ``step + 1``, then one optimiser step
     (``step``: the steps done, which key the masks and the dropout). ``logged``: the step's metrics
@@ -178,12 +178,12 @@ def train_step(
 
     Whether to skip the update (a non-finite loss, an unreadable batch, DeepSpeed's own checks of the
     gradients: ``engine.will_skip_update``), a stop request and the loss the spike guard watches are
-    decided once a step, after the last backward (``decide_update``). ``read_now``: the host reads
-    that decision before the update, which DeepSpeed's step then takes or skips. Otherwise
-    (``parts.defer``, a step that logs, evaluates and checkpoints nothing) the update is masked on
-    the device and the decision read by the next step's call (``previous``, settled before its own
-    update: "Deferred reads" below). The rest stays on the device until a logged step."""
-    engine, world, read_now = parts.engine, parts.world, read_now or not parts.defer
+    decided once a step, after the last backward (``decide_update``), and read by the host before the
+    update, which DeepSpeed's step then takes or skips. With ``defer`` (a step that logs, evaluates
+    and checkpoints nothing) and ``parts.deferred_reads`` the update is masked on the device instead
+    and the decision read by the next step's call (its ``deferred``, read before its own update:
+    "Deferred reads" below). The rest stays on the device until a logged step."""
+    engine, world, defer = parts.engine, parts.world, defer and parts.deferred_reads
     with phase("mask"):
         masked, predicted = mask_micro_batches(parts, step, micro_batches)
     # The loss is normalised by the masked-token count of the whole step, all ranks together:
@@ -210,8 +210,8 @@ def train_step(
         with phase("backward"):
             engine.backward(loss_sum * scale)
         if i == len(masked) - 1:
-            decided, result.numbers = decide_update(parts, sums, level, read_now)
-            take_decision(parts, result, decided, previous, logged)
+            decided, result.numbers = decide_update(parts, sums, level, defer)
+            decide_or_defer(parts, result, decided, deferred, logged)
             if before_step:
                 before_step()
         with phase("optimizer"):
@@ -219,20 +219,20 @@ def train_step(
     skip_next_step(parts.optimizer, False)
     mask_update(parts.optimizer, None)
     result.applied = engine.was_step_applied()
-    if read_now and result.skipped and result.applied:
+    if not defer and result.skipped and result.applied:
         eng.hold_schedule(engine)  # ours skipped an update DeepSpeed counted as made
     return result
 
 
-def take_decision(
-    parts: StepParts, result: StepResult, decided: torch.Tensor, previous: Optional[StepResult], logged: bool
+def decide_or_defer(
+    parts: StepParts, result: StepResult, decided: torch.Tensor, deferred: Optional[StepResult], logged: bool
 ) -> None:
-    """Before the update: the step before settled if it was deferred, then this one's update vetoed on
+    """Before the update: the step before read and applied if it was deferred, then this one's update vetoed on
     the host (read now) or masked on the device (``decided``: ``decide_update``'s numbers)."""
     # skipped steps are not averaged into the window: their sums count as zeros
     result.sums = torch.where(torch.isfinite(decided[0]), result.sums, torch.zeros_like(result.sums))
-    if previous is not None:
-        settle_deferred(parts, previous)  # before this update: a skipped step holds the schedule
+    if deferred is not None:
+        apply_deferred(parts, deferred)  # before this update: a skipped step holds the schedule
     if result.numbers is not None:
         eng.give_decision(parts.engine, result.numbers[Decided.DEEPSPEED_SKIPS] > 0)
         skip_next_step(parts.optimizer, result.nonfinite or result.bad_input)  # every rank skips or stops together
@@ -241,14 +241,14 @@ def take_decision(
     else:
         eng.give_decision(parts.engine, False)  # DeepSpeed's step goes ahead; the mask decides
         mask_update(parts.optimizer, decided)
-        result._host, result._ready = copy_behind(decided)
+        result._host, result._ready = copy_deferred(decided)
 
 
 def decide_update(
-    parts: StepParts, sums: torch.Tensor, level: int, read_now: bool
+    parts: StepParts, sums: torch.Tensor, level: int, defer: bool
 ) -> tuple[torch.Tensor, list[float] | None]:
     """Summed over ranks, on the device: [loss sum, predicted, stop asked, bad input, store down,
-    DeepSpeed skips], and read by the host when ``read_now`` (the step's one wait). A loss sum is non-finite where any rank's is (losses are >= 0: no inf - inf).
+    DeepSpeed skips], and read by the host unless ``defer`` (the step's one wait). A loss sum is non-finite where any rank's is (losses are >= 0: no inf - inf).
     Whether the gradients overflowed or their norm is invalid is DeepSpeed's question before its
     update, asked here instead (``engine.will_skip_update``; 0 where DeepSpeed asks itself)."""
     with phase("sync"):
@@ -264,7 +264,7 @@ def decide_update(
         if deepspeed_skips is not None:
             decided[Decided.DEEPSPEED_SKIPS] = deepspeed_skips
         dist.all_reduce(decided)
-        return decided, decided.tolist() if read_now else None
+        return decided, None if defer else decided.tolist()
 
 
 # Deferred reads. On a GPU the host queues a step's kernels while the device runs the step before; a
@@ -277,7 +277,7 @@ def decide_update(
 # still holds the learning-rate schedule (undone before the next update, which so runs at the same
 # rate), its loss is kept out of the window (on the device), the spike guard sees every loss with its
 # own step and samples, a stop is honoured a step later. Steps that log, evaluate, checkpoint or end
-# the run read at once (``fit``), and settle the step before them first.
+# the run read at once (``fit``), and read the deferred step before them first.
 
 
 def deferrable(optimizer: torch.optim.Optimizer) -> bool:
@@ -291,11 +291,12 @@ def mask_update(optimizer: torch.optim.Optimizer, decided: torch.Tensor | None) 
     if decided is None:
         optimizer.__dict__.pop("found_inf", None)
         return
-    skip = ~torch.isfinite(decided[0]) | (decided[3] > 0) | (decided[5] > 0)
+    skip = ~torch.isfinite(decided[Decided.LOSS_SUM]) | (decided[Decided.BAD_INPUT] > 0)
+    skip |= decided[Decided.DEEPSPEED_SKIPS] > 0
     optimizer.found_inf = skip.float()
 
 
-def copy_behind(decided: torch.Tensor) -> tuple[torch.Tensor, object]:
+def copy_deferred(decided: torch.Tensor) -> tuple[torch.Tensor, object]:
     """``decided`` copied to host memory after the work queued so far, and an event that says when."""
     if decided.device.type != "cuda":
         return decided, None
@@ -306,10 +307,10 @@ def copy_behind(decided: torch.Tensor) -> tuple[torch.Tensor, object]:
     return host, ready
 
 
-def settle_deferred(parts: StepParts, result: StepResult) -> None:
+def apply_deferred(parts: StepParts, result: StepResult) -> None:
     """The previous step's decision on the host; a skipped update DeepSpeed counted as made holds the
     schedule now, before the next update."""
-    result.settle()
+    result.read_deferred()
     if result.skipped and result.applied:
         eng.hold_schedule(parts.engine)
 

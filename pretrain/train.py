@@ -79,7 +79,7 @@ def fit(run: Run) -> int:
     try:
         emit_probe_baselines(run)
         batches, window, nonfinite_in_a_row = iter(run.stream), LogWindow(info.device), 0
-        pending: StepResult | None = None  # a step that logged nothing: the next one reads its decision
+        deferred: StepResult | None = None  # a step that logged nothing: the next one reads its decision
         window.load_state_dict(state.log_window, info.rank)  # the first log averages the whole window
         while state.step < cfg.train.max_steps:
             # one step: read, mask, forward, backward, update (per-layer health when due)
@@ -92,9 +92,9 @@ def fit(run: Run) -> int:
             t_data = time.perf_counter()
             will_log = (state.step + 1) % cfg.train.log_every == 0 or state.step + 1 == cfg.train.max_steps
             check_health = health.due(state.step + 1)
-            read_now = will_log or check_health or does_more_than_train(run, state.step + 1)
+            defer = not (will_log or check_health or does_more_than_train(run, state.step + 1))
             before_step = health.before_step if check_health else None
-            result = train_step(run.step_parts, state.step, micro, will_log, before_step, pending, read_now)
+            result = train_step(run.step_parts, state.step, micro, will_log, before_step, deferred, defer)
             if check_health:
                 run.tracker.log_metrics(health.after_step(state.step + 1), state.step + 1)
             state.step += 1
@@ -104,8 +104,8 @@ def fit(run: Run) -> int:
             watchdog.step_done(state.step, time.perf_counter() - t_start)
 
             # what the steps decided, in order: this one's, and the one before if it read nothing
-            decided = [r for r in (pending, result) if r is not None and r.numbers is not None]
-            pending, stop, spike = (result if result.numbers is None else None), any(r.stop for r in decided), None
+            decided = [r for r in (deferred, result) if r is not None and r.numbers is not None]
+            deferred, stop, spike = (result if result.numbers is None else None), any(r.stop for r in decided), None
             for done in decided:
                 nonfinite_in_a_row = nonfinite_in_a_row + 1 if done.nonfinite else 0
                 if (code := exit_code_for(run, done, nonfinite_in_a_row)) is not None:
@@ -116,7 +116,7 @@ def fit(run: Run) -> int:
                 batches = recover_from_spike(run, guard, spike, batches, done.samples_after)
                 if batches is None:
                     return EXIT_SPIKES
-                window, pending = LogWindow(info.device), None
+                window, deferred = LogWindow(info.device), None
                 continue
             log_evaluate_probe(run, window, result, will_log)
             # checkpoint, and stop when asked to

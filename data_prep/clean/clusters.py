@@ -1,104 +1,173 @@
-"""Which documents duplicate which, from their keys and signatures alone (no text): the pieces the
-staged path (``sorted_keys``, ``dedup``, ``join``) and the in-memory ``reference`` share (LSH buckets,
-a bucket's neighbour pairs, the agreement of two signatures, connected components), and the check
-of each document against the held-out ones (decontamination, in the signatures stage).
-
-Every decision here depends on the set of documents, not on their order or on how many tasks read
-them: a cluster is a connected component, and it keeps the member with the smallest ``record_key``.
-"""
+"""Stage 4, ``--stage clusters`` (one job, the join): the removals of every stage before it (the
+rules' and decontamination's per group, the exact and pairs tasks' files) joined into the decisions:
+confirmed pairs into clusters (each keeps the member with the smallest identity), then the quality
+model's cut (``quality_cut``) over what every other step kept; writes ``decisions.npz`` (the step that
+removed each document) and ``decisions.json`` (counts, examples, the largest clusters)."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import numpy as np
 
+from data_prep.common.atomic import json_bytes
 
-def sorted_unique(ids: np.ndarray) -> np.ndarray:
-    """The distinct values of an integer array, sorted: by a sort, where numpy 2.4's ``np.unique``
-    hashes them, 10-20x slower for a million distinct ids (0.9 s against 0.06)."""
-    s = np.sort(ids, axis=None)
-    return s[np.concatenate([[True], s[1:] != s[:-1]])] if len(s) else s
+from ..progress import Steps
+from .quality_cut import quality_model_cut
+from .sorted_keys import Components, clusters_of
+from .work import Job, by_group, corpus, group_sig, load_npz, result_names, save_npz, sig_name
 
-
-def buckets(band: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(order, same): rows sorted by value (exactly: uint32 pairs packed into uint64 columns, then
-    ``lexsort``; 4x faster than ``np.unique(axis=0)``) and whether each sorted row equals the previous."""
-    band = np.ascontiguousarray(band, dtype=np.uint32)
-    if band.shape[1] % 2:
-        band = np.concatenate([band, np.zeros((len(band), 1), np.uint32)], axis=1)
-    packed = band.view(np.uint64)
-    order = np.lexsort(packed.T[::-1])
-    ranked = packed[order]
-    return order, np.all(ranked[1:] == ranked[:-1], axis=1)
+EXAMPLES = 3
+CLUSTERS = 5
 
 
-BUCKET_REACH = 16  # a bucket member is paired with the next 16 in its bucket (all of a smaller bucket)
+def _exact_removed(job: Job, num_tasks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(removed, representatives) of every exact task, by removed id."""
+    parts = [load_npz(job.store, name) for name in result_names(job, "exact", num_tasks)]
+    removed = np.concatenate([np.zeros(0, np.int64)] + [p["removed"] for p in parts])
+    reps = np.concatenate([np.zeros(0, np.int64)] + [p["reps"] for p in parts])
+    order = np.argsort(removed)
+    return removed[order], reps[order]
 
 
-def neighbour_pairs(sorted_keys: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """(i, j) id pairs, i < j, of members of one bucket (equal ``sorted_keys``, ``ids`` in the same
-    order), each member paired with the next ``BUCKET_REACH`` of its bucket: enough for connected
-    components, without a bucket's all-pairs."""
-    pairs = []
-    for d in range(1, BUCKET_REACH + 1):
-        together = sorted_keys[d:] == sorted_keys[:-d]
-        if not together.any():
-            break
-        a, c = ids[:-d][together], ids[d:][together]
-        pairs.append(np.stack([np.minimum(a, c), np.maximum(a, c)], axis=1))
-    return np.concatenate(pairs) if pairs else np.zeros((0, 2), np.int64)
+@dataclass
+class _Tally:
+    """What was removed, by reason: documents, words and the first examples (global ids), counted
+    the same way for the rules' removals and the duplicates'."""
+
+    words_in: int = 0
+    removed: dict = dataclasses.field(default_factory=dict)
+    examples: dict = dataclasses.field(default_factory=dict)
+    scores: dict = dataclasses.field(default_factory=dict)  # the quality model's score of each example
+
+    def count(self, why: np.ndarray, words: np.ndarray, gids: np.ndarray, scores: np.ndarray | None = None) -> None:
+        """Documents ``gids`` (ascending), removed for ``why`` (a reason each), of ``words`` words each;
+        the first EXAMPLES of a reason are its examples, with their scores where finite."""
+        for reason in sorted(set(why.tolist())):
+            at = np.flatnonzero(why == reason)
+            entry = self.removed.setdefault(reason, {"documents": 0, "words": 0})
+            entry["documents"] += len(at)
+            entry["words"] += int(words[at].sum())
+            examples = self.examples.setdefault(reason, [])
+            for i in at[: EXAMPLES - len(examples)].tolist():
+                examples.append(int(gids[i]))
+                if scores is not None and scores[i] == scores[i]:
+                    self.scores[str(int(gids[i]))] = round(float(scores[i]), 4)
+
+    def documents(self) -> int:
+        return sum(e["documents"] for e in self.removed.values())
 
 
-def agreement(signatures: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The share of equal MinHash values of rows ``a[k]`` and ``b[k]`` (the estimated Jaccard
-    similarity), in chunks: bounded memory for many pairs."""
-    out = np.empty(len(a))
-    for start in range(0, len(a), 1 << 16):
-        sl = slice(start, start + (1 << 16))
-        out[sl] = (signatures[a[sl]] == signatures[b[sl]]).mean(axis=1)
-    return out
+def stage_clusters(job: Job, num_tasks: int) -> None:
+    """The join: the removals of every stage before it (the rules' and decontamination's per group,
+    the exact and pairs tasks' files) into the decisions; memory is 4 bytes a document and what the
+    duplicates need, not the candidates or the confirmed pairs (read one task's file at a time)."""
+    groups, offsets, n = corpus(job, num_tasks)
+    # the files it reads: every group's signatures twice (the rules' removals, the decisions' words)
+    # and every pairs task's file
+    steps = Steps("clean clusters", 2 * len(groups) + num_tasks, "files read", job.s.log_every)
+    tally = _Tally()
+    decont = _rules_and_contamination(job, groups, offsets, tally, steps.advance)
+    exact_removed, exact_reps = _exact_removed(job, num_tasks)
+    joined = Components(n)
+    for name in result_names(job, "pairs", num_tasks):  # one task's confirmed pairs at a time
+        joined.add(load_npz(job.store, name, ("pairs",))["pairs"])
+        steps.advance()
+    near_removed, near_reps = _near_clusters(job, groups, offsets, joined.labels())
+    del joined  # here and below: what a document or a removal needs is freed once used
+    clusters_found = _biggest_clusters(exact_removed, exact_reps, near_removed, near_reps)
+    del exact_reps, near_reps
+    gone = np.sort(np.concatenate([decont, exact_removed, near_removed]))
+    model_removed, model_report = quality_model_cut(job, groups, offsets, gone)
+    del gone
+    names = ["", "decontamination", "exact_duplicate", "near_duplicate"] + ["quality_model"] * bool(model_report)
+    parts = [decont, exact_removed, near_removed, model_removed][: len(names) - 1]
+    codes = np.concatenate([np.full(len(p), c + 1, np.uint16) for c, p in enumerate(parts)])
+    ids = np.concatenate(parts)
+    del parts, decont, exact_removed, near_removed, model_removed
+    order = np.argsort(ids)
+    ids, codes = ids[order], codes[order]
+    del order
+    removals = list(by_group(offsets, ids))
+    steps.total -= len(groups) - len(removals)  # a group with nothing removed is not read again
+    for g, at in removals:
+        sig = group_sig(job, groups[g][0], "words", "quality_scores")
+        scores = sig.quality_scores if len(sig.quality_scores) else np.full(len(sig.words), np.nan)
+        local = ids[at] - offsets[g]
+        tally.count(np.array(names)[codes[at]], sig.words[local], ids[at], scores[local])
+        steps.advance()
+    steps.close()
+    save_npz(job.store, job.work + "decisions.npz", ids=ids, codes=codes)
+    _write_decisions(job, groups, n, names, tally, clusters_found, model_report)
 
 
-def components(n: int, pairs: np.ndarray) -> np.ndarray:
-    """Connected-component label per node."""
-    from scipy.sparse import coo_matrix
-    from scipy.sparse.csgraph import connected_components
+def _rules_and_contamination(job: Job, groups, offsets, tally: _Tally, advance) -> np.ndarray:
+    """Per group, what language and quality removed (counted, never held) and its words; returns
+    the global ids of the copies of held-out files (marked by the signatures stage)."""
+    contaminated = [np.zeros(0, np.int64)]
+    for (key, _), offset in zip(groups, offsets):
+        d = load_npz(job.store, job.work + sig_name(key), ("words", "removed_by", "contaminated"))
+        words, removed_by = d["words"], d["removed_by"]
+        tally.words_in += int(words.sum())
+        gone = np.flatnonzero(removed_by != "")
+        tally.count(removed_by[gone], words[gone], gone + offset)
+        contaminated.append(np.flatnonzero(d["contaminated"]) + offset)
+        advance()
+    return np.concatenate(contaminated)
 
-    if len(pairs) == 0:
-        return np.arange(n)
-    graph = coo_matrix((np.ones(len(pairs), np.int8), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
-    return connected_components(graph, directed=False)[1]
+
+def _near_clusters(job: Job, groups, offsets, label: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(removed, representatives) of the components of the confirmed pairs, each keeping its member
+    with the smallest identity (its key, read from its group's signatures)."""
+
+    def ident_of(members: np.ndarray) -> np.ndarray:
+        ident = np.empty(len(members), "S16")
+        for g, at in by_group(offsets, members):
+            ident[at] = group_sig(job, groups[g][0], "keys").keys[members[at] - offsets[g]]
+        return ident
+
+    return clusters_of(label, ident_of)
 
 
-def contaminated(
-    signatures: np.ndarray,
-    exact: np.ndarray,
-    alive: np.ndarray,
-    held_signatures: np.ndarray,
-    held_exact: np.ndarray,
-    bands: int,
-    rows: int,
-    min_similarity: float = 0.0,
-) -> np.ndarray:
-    """Mask of ``alive`` documents equal to a held-out one after normalisation, or an LSH candidate of
-    one that agrees with it on ``min_similarity`` of all values (a direct match, not through other
-    documents)."""
-    hit = alive & np.isin(exact, held_exact)
-    if not len(held_signatures) or signatures is None:
-        return hit
-    idx = np.flatnonzero(alive)
-    for b in range(bands):
-        cols = slice(b * rows, (b + 1) * rows)
-        order, same = buckets(np.concatenate([signatures[idx, cols], held_signatures[:, cols]]))
-        bucket = np.empty(len(order), np.int64)
-        bucket[order] = np.concatenate([[0], np.cumsum(~same)])
-        held_in = {}
-        for j, bkt in enumerate(bucket[len(idx) :].tolist()):
-            held_in.setdefault(bkt, []).append(j)
-        for k in np.flatnonzero(np.isin(bucket[: len(idx)], bucket[len(idx) :])):
-            doc = idx[k]
-            if hit[doc]:
-                continue
-            agree = (held_signatures[held_in[int(bucket[k])]] == signatures[doc]).mean(axis=1)
-            if agree.max() >= min_similarity:
-                hit[doc] = True
-    return hit
+def _biggest_clusters(exact_removed, exact_reps, near_removed, near_reps) -> list[dict]:
+    """The CLUSTERS largest clusters (an exact duplicate belongs to its representative's near
+    cluster): size, the member kept, the smallest member removed."""
+    final_exact = exact_reps.copy()
+    if len(near_removed) and len(exact_reps):
+        at = np.minimum(np.searchsorted(near_removed, exact_reps), len(near_removed) - 1)
+        hit = near_removed[at] == exact_reps
+        final_exact[hit] = near_reps[at[hit]]
+    final = np.concatenate([final_exact, near_reps])
+    dup_ids = np.concatenate([exact_removed, near_removed])
+    reps, counts = np.unique(final, return_counts=True)
+    top = np.lexsort((reps, -counts))[:CLUSTERS]
+    return [
+        {"size": int(counts[i]) + 1, "kept": int(reps[i]), "removed": int(dup_ids[final == reps[i]].min())} for i in top
+    ]
+
+
+def _write_decisions(
+    job: Job, groups, n: int, names: list[str], tally: _Tally, clusters_found: list, model_report: dict
+) -> None:
+    job.store.write_bytes(
+        job.work + "decisions.json",
+        json_bytes(
+            {
+                "settings_sha256": job.digest,
+                "reasons": names,
+                "groups": [[k.source, k.group, c] for k, c in groups],
+                "totals": {
+                    "in": {"documents": n, "words": tally.words_in},
+                    "out": {
+                        "documents": n - tally.documents(),
+                        "words": tally.words_in - sum(e["words"] for e in tally.removed.values()),
+                    },
+                },
+                "removed": dict(sorted(tally.removed.items())),
+                "examples": dict(sorted(tally.examples.items())),
+                "clusters": clusters_found,
+                **({"quality_model": model_report, "scores": tally.scores} if model_report else {}),
+            }
+        ),
+    )

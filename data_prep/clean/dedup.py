@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ..progress import Steps
-from . import clusters
+from . import lsh
 from .sorted_keys import (
     BAND_ARRAYS,
     EXACT_ARRAYS,
@@ -113,9 +113,9 @@ def _confirmed_pairs(job: Job, offsets, minhash, pairs: np.ndarray) -> np.ndarra
     (each member's signature read from its group's mapped file: pages, not the group)."""
     if not len(pairs) or job.s.near.min_similarity <= 0:
         return pairs
-    members = clusters.sorted_unique(pairs)
+    members = lsh.sorted_unique(pairs)
     rows = np.empty((len(members), job.s.near.bands * job.s.near.rows), np.uint32)
     for g, at in by_group(offsets, members):
         rows[at] = minhash(g)[members[at] - offsets[g]]
     a, b = np.searchsorted(members, pairs[:, 0]), np.searchsorted(members, pairs[:, 1])
-    return pairs[clusters.agreement(rows, a, b) >= job.s.near.min_similarity]
+    return pairs[lsh.agreement(rows, a, b) >= job.s.near.min_similarity]

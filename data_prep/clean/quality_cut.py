@@ -1,4 +1,4 @@
-"""The quality model's cut, a step of the join: of the documents every other step kept, those the
+"""The quality model's cut, a step of the clusters stage: of the documents every other step kept, those the
 model scores under its threshold (or outside the top ``keep_top`` percent), from each group's saved
 scores; and what the report says of it (the cut, a histogram, a warning when it removed everything)."""
 

@@ -1,6 +1,6 @@
 """The in-memory clustering: every document's signatures in one array, the exact groups, the LSH
 candidates and their connected components decided at once. The product decides the same in stages
-over sorted key files (``dedup``, ``join``: memory is one key range, at any corpus size); this is
+over sorted key files (``dedup``, ``clusters``: memory is one key range, at any corpus size); this is
 what those stages must match, document for document (the tests' oracle), and what the benches use
 to measure recall on a sample that fits in memory."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .clusters import agreement, buckets, components, neighbour_pairs
+from .lsh import agreement, buckets, components, neighbour_pairs
 
 
 def exact_groups(exact: np.ndarray, keys: np.ndarray, alive: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

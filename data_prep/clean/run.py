@@ -17,7 +17,7 @@ never depend on the number of tasks. ``K`` array tasks share the groups out as `
 3. ``--stage pairs`` (``dedup``; task I of K): the near-duplicate candidates of the task's (band,
    hash range) units, less every exact duplicate, checked on their full signatures:
    ``pairs-kK-tI.npz``, the confirmed pairs only.
-4. ``--stage clusters`` (``join``; one job): refuses, naming them, while a task of a stage before it
+4. ``--stage clusters`` (``clusters``; one job): refuses, naming them, while a task of a stage before it
    is missing; joins the confirmed pairs into clusters (each keeps the member with the smallest
    identity hash), applies the quality model's cut (``quality_cut``) and writes ``decisions.npz``
    (the step that removed each document) and ``decisions.json``.
@@ -46,9 +46,9 @@ from dataclasses import dataclass
 from ..cleaned_folder import REPORT, format_table, one_line
 from ..errors import DataPrepError
 from ..txt_survey import log_txt_survey
+from .clusters import stage_clusters
 from .dedup import stage_exact, stage_pairs
 from .filter import stage_filter
-from .join import stage_clusters
 from .settings import CleanSettings
 from .signatures import stage_signatures
 from .work import Job, finished, make_job

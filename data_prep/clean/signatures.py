@@ -20,7 +20,7 @@ from data_prep.common.atomic import json_bytes
 from ..errors import DataPrepError
 from ..groups import GroupKey, ReadCount
 from ..reader import iter_source_records
-from . import clusters
+from . import lsh
 from .document import Signatures, analyse, worker_analyse, worker_init
 from .settings import CleanSettings
 from .sorted_keys import group_keys, key_file
@@ -101,7 +101,7 @@ def _contaminated(job: Job, sig: Signatures, held: Signatures | None) -> np.ndar
     s = job.s
     if held is None:
         return np.zeros(len(sig), bool)
-    return clusters.contaminated(
+    return lsh.contaminated(
         sig.signatures if s.near.enabled else None,
         sig.exact,
         sig.removed_by == "",

@@ -679,7 +679,7 @@ def test_the_sliced_clusters_stage_decides_as_the_whole_corpus_in_memory_would(t
     (``reference``) are the oracle."""
     import numpy as np
 
-    from data_prep.clean import clusters, reference
+    from data_prep.clean import lsh, reference
     from data_prep.clean.settings import NearSettings
 
     inputs, held = _staged_corpus(tmp_path, wiki_articles)
@@ -713,7 +713,7 @@ def test_the_sliced_clusters_stage_decides_as_the_whole_corpus_in_memory_would(t
     words = normal_words(held_text)
     held_sig = minhash(words, near.ngram, near.bands * near.rows, near.seed)[None]
     alive = np.ones(n, bool)
-    hit = clusters.contaminated(
+    hit = lsh.contaminated(
         sigs,
         exact,
         alive,
@@ -752,7 +752,7 @@ def test_components_joined_one_batch_at_a_time_are_scipys(monkeypatch):
     import numpy as np
 
     from data_prep.clean import sorted_keys
-    from data_prep.clean.clusters import components, neighbour_pairs
+    from data_prep.clean.lsh import components, neighbour_pairs
     from data_prep.clean.sorted_keys import Components, clusters_of
 
     monkeypatch.setattr(sorted_keys, "BLOCK", 64)

@@ -24,7 +24,7 @@ ONE_READ = ["pretrain/step.py:decide_update.tolist"]
 # The step before's decision, copied to host memory behind that step's work and read after this step's
 # backward (pretrain/step.py, "Deferred reads"): on a GPU the device is past it by then, and the work
 # queued since is not drained. The probe counts every read on the CPU, so it is named here.
-READ_BEHIND = "pretrain/step.py:settle.tolist"
+READ_BEHIND = "pretrain/step.py:read_deferred.tolist"
 
 
 def run_script(script: str, *args, timeout: float = 600) -> subprocess.CompletedProcess:

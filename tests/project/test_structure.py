@@ -56,11 +56,11 @@ DATA_PREP_TIERS = {
     "__main__": 8,
 }
 # data_prep clean's modules: what the stages compute with, the work files they share, the stages in
-# their order (the join applies the quality model's cut), the command that sequences them on top. The
+# their order (the clusters stage applies the quality model's cut), the command that sequences them on top. The
 # in-memory reference (the tests' oracle) sits beside the stages' pieces; no stage imports it.
 CLEAN_TIERS = {
     "settings": 0,
-    "clusters": 0,
+    "lsh": 0,
     "fasttext_file": 0,
     "negatives": 0,
     "sgd": 0,
@@ -74,7 +74,7 @@ CLEAN_TIERS = {
     "dedup": 4,
     "quality_cut": 4,
     "filter": 4,
-    "join": 5,
+    "clusters": 5,
     "run": 6,
 }
 TIERS = {"pretrain": PRETRAIN_TIERS, "data_prep": DATA_PREP_TIERS, "data_prep.clean": CLEAN_TIERS}
