@@ -27,6 +27,7 @@ def documents() -> list[Path]:
         REPO / "README.md",
         REPO / "CONTRIBUTING.md",
         REPO / "BENCHMARKS.md",
+        *sorted((REPO / "benchmarks").glob("*.md")),
         *sorted((REPO / "docs").glob("*.md")),
         REPO / "launchers" / "README.md",
         REPO / "bench" / "README.md",
@@ -199,3 +200,19 @@ def test_every_module_is_in_the_layout():
         if not named:
             missing.append(str(rel))
     assert not missing, f"modules docs/layout.md does not name in their folder's row: {missing}"
+
+
+def headline_rows(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.startswith("| [")]
+
+
+def test_the_readmes_figures_are_benchmarks_headline_rows():
+    """README's table quotes BENCHMARKS.md's headline, its first rows, word for word; each row links to
+    its measurement's file, which names the same date."""
+    quoted, headline = headline_rows(REPO / "README.md"), headline_rows(REPO / "BENCHMARKS.md")
+    assert quoted and quoted == headline[: len(quoted)], "README's figures are not BENCHMARKS.md's first rows"
+    for row in headline:
+        target = LINK.search(row).group(1)
+        date = row.split(" | ")[5]
+        assert target.startswith("benchmarks/") and (REPO / target).is_file(), row
+        assert date in (REPO / target).read_text() or date in target, (date, target)
