@@ -11,6 +11,7 @@ gets DeepSpeed's own code back. Not a row: DeepSpeed's Muon modules, which ``tor
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -43,11 +44,8 @@ class Patch:
 
     def owner(self) -> tuple[Any, str]:
         module_name, _, attribute = self.target.partition(":")
-        owner = importlib.import_module(module_name)
         *path, name = attribute.split(".")
-        for part in path:
-            owner = getattr(owner, part)
-        return owner, name
+        return functools.reduce(getattr, path, importlib.import_module(module_name)), name
 
 
 class DeepSpeedInternalsChanged(RuntimeError):
