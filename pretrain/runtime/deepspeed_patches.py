@@ -1,13 +1,12 @@
 """Every change this trainer makes to DeepSpeed's internals: one table, ``PATCHES``, applied by one loop.
 
-The scope is base.yaml's path, ZeRO 1 in bf16 (DeepSpeed's BF16_Optimizer); ZeRO 0, 2 and 3 run
-DeepSpeed's own code, with the waits docs/gpu-step.md names, until a GPU shows that they matter. Each
-row computes what DeepSpeed's code would (tests/pretrain/test_host_syncs.py compares the numbers and
-counts the waits) and names what it replaces with the parameters it was written against; any other
-internals stop the run at start-up (``DeepSpeedInternalsChanged``, each difference named), never a
-wrong norm. pyproject.toml pins the checked version. A group turned off (``impl.deepspeed_patches``)
-gets DeepSpeed's own code back. Not a row: DeepSpeed's Muon modules, which ``torch.compile`` at import
-(0.7-1.3 s of CPU a rank), are not imported where the optimiser is ours."""
+The scope is base.yaml's path, ZeRO 1 in bf16 (BF16_Optimizer); ZeRO 0, 2 and 3 run DeepSpeed's own
+code, with the waits docs/gpu-step.md names, until a GPU shows that they matter. Each row computes what
+DeepSpeed's code would (tests/pretrain/test_host_syncs.py compares the numbers, counts the waits) and
+names what it replaces with the parameters it was written against: other internals stop the run at
+start-up, each difference named, never a wrong norm. pyproject.toml pins the checked version. Not a
+row: DeepSpeed's Muon modules ``torch.compile`` at import (0.7-1.3 s of CPU a rank), never imported
+where the optimiser is ours."""
 
 from __future__ import annotations
 
@@ -116,15 +115,10 @@ def original(target: str) -> Callable:
     return row.original or getattr(*row.owner())
 
 
-# The step's decision reaches DeepSpeed's step by two explicit calls on the engine: ``will_skip_update``
-# (the norm taken after the last backward, kept on the optimiser) and ``give_decision`` (the answer the
-# step read with its other numbers), which DeepSpeed's step then uses (``_step_decided``).
-
-
 def will_skip_update(engine) -> torch.Tensor | None:
-    """Whether DeepSpeed's coming step will skip its update (the gradient norm non-finite, marked -1
-    as DeepSpeed marks it), a float64 0/1 on the device, the norm taken now. None where DeepSpeed
-    decides alone: every optimiser but BF16_Optimizer, experts, and gradients not yet reduced."""
+    """Whether DeepSpeed's coming step will skip its update (the gradient norm non-finite), a float64
+    0/1 on the device; the norm, taken now, kept on the optimiser for ``give_decision``. None where
+    DeepSpeed decides alone: every optimiser but BF16_Optimizer, experts, gradients not yet reduced."""
     opt = engine.optimizer
     if "decisions_ahead" not in _applied_groups or type(opt).__name__ != "BF16_Optimizer":
         return None
@@ -134,10 +128,7 @@ def will_skip_update(engine) -> torch.Tensor | None:
     grads, _ = opt.get_grads_for_norm()
     if not grads:
         return None
-    with torch.no_grad():
-        norm = _norm_of(grads)
-        _mask_nonfinite(norm)
-    opt.norm_ahead = norm
+    opt.norm_ahead = norm = _global_norm(grads)  # non-finite marked -1, as DeepSpeed marks it
     return (norm < 0).double()
 
 
@@ -164,24 +155,20 @@ def _step_decided(self, closure=None):
         module.get_global_norm_of_tensors, module.is_invalid_grad_norm = kept
 
 
-def _norm_of(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of ``tensors``, each in fp32, in one multi-tensor call (DeepSpeed's arithmetic)."""
-    norms = torch._foreach_norm([t if t.dtype == torch.float32 else t.float() for t in tensors], 2.0)
-    return torch.stack(norms).pow(2.0).sum().pow(0.5)
-
-
 def _mask_nonfinite(input: torch.Tensor, device=None, val: float = -1.0) -> None:
     """A Python scalar fill (a kernel argument); -1 whatever ``val``, as DeepSpeed's: its callers test for -1."""
     input.masked_fill_(~torch.isfinite(input), -1.0)
 
 
 def _global_norm(input_tensors, norm_type=2, mpu=None, moe_ep_group=None, **newer):
-    """In one multi-tensor call where it is a 2-norm without model or expert parallelism; else DeepSpeed's."""
+    """In one multi-tensor call (DeepSpeed's arithmetic: per-tensor fp32 norms summed in quadrature) where
+    it is a 2-norm without model or expert parallelism; else DeepSpeed's."""
     if float(norm_type) != 2.0 or mpu is not None or moe_ep_group is not None or newer or not input_tensors:
         own = original(f"{BF16}:get_global_norm_of_tensors")
         return own(input_tensors, norm_type=norm_type, mpu=mpu, moe_ep_group=moe_ep_group, **newer)
     with torch.no_grad():  # not detach() per tensor: each is a dispatch of host time
-        total = _norm_of(input_tensors)
+        norms = torch._foreach_norm([t if t.dtype == torch.float32 else t.float() for t in input_tensors], 2.0)
+        total = torch.stack(norms).pow(2.0).sum().pow(0.5)
         _mask_nonfinite(total)
     return total
 
@@ -243,9 +230,6 @@ PATCHES = [
 ]  # fmt: skip
 
 
-MUON_MODULES = ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.muon.original_muon")
-
-
 class _NotMuon:
     """Any name DeepSpeed imports from its Muon modules: nothing is an instance of it, a call is an error."""
 
@@ -259,7 +243,7 @@ def _skip_muon_import() -> None:
             raise AttributeError(name)
         return _NotMuon
 
-    for name in MUON_MODULES:
+    for name in ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.muon.original_muon"):
         if name not in sys.modules:
             sys.modules[name] = types.ModuleType(name)
             sys.modules[name].__getattr__ = attribute
