@@ -134,18 +134,25 @@ def resumed(reference: str, resumed_dir: str, rtol: float = 1e-3) -> str:
     return f"resume: {len(want)} logged losses after a halt and a resume at another ZeRO stage: {verdict}"
 
 
+def _beside(check: str, reference: str, run: str, against: str, rtol: float) -> tuple:
+    """``run``'s logged losses within ``rtol`` of ``reference``'s at every step (``against`` names the
+    reference in the messages): (the losses of each, the largest relative difference, run's tokens/s
+    and MFU, the reference's tokens/s)."""
+    want, got = logged(Path(reference), names.TRAIN_LOSS), logged(Path(run), names.TRAIN_LOSS)
+    if sorted(want) != sorted(got) or not want:
+        raise SystemExit(f"{check}: steps {sorted(got)} logged, {sorted(want)} in {against}")
+    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
+    if worst > rtol:
+        raise SystemExit(f"{check}: losses differ from {against} by up to {worst:.1e}, over {rtol:g}")
+    (ours, mfu), (theirs, _) = _ours_tokens_per_s(Path(run)), _ours_tokens_per_s(Path(reference))
+    return want, got, worst, ours, mfu, theirs
+
+
 def graphs(eager_dir: str, graphs_dir: str, rtol: float = 2e-2) -> str:
     """The same run (base.yaml, one micro-batch a step) compiled, and compiled with its forward and
     backward replayed as CUDA graphs (``impl.cuda_graphs=true``): the same losses to bf16 round-off
     (the largest relative difference printed, under ``rtol``), and the graphs' tokens/s against eager's."""
-    eager_dir_, graphs_dir_ = Path(eager_dir), Path(graphs_dir)
-    want, got = logged(eager_dir_, names.TRAIN_LOSS), logged(graphs_dir_, names.TRAIN_LOSS)
-    if sorted(want) != sorted(got) or not want:
-        raise SystemExit(f"graphs: steps {sorted(got)} logged, the run without graphs has {sorted(want)}")
-    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
-    if worst > rtol:
-        raise SystemExit(f"graphs: losses differ from the run without graphs by up to {worst:.1e}, over {rtol:g}")
-    (ours, mfu), (theirs, _) = _ours_tokens_per_s(graphs_dir_), _ours_tokens_per_s(eager_dir_)
+    want, _, worst, ours, mfu, theirs = _beside("graphs", eager_dir, graphs_dir, "the run without graphs", rtol)
     return (
         f"graphs: {len(want)} logged losses within {worst:.1e} of the run without graphs; "
         f"{ours:,.0f} tokens/s ({100 * mfu:.1f}% MFU), {ours / theirs:.3f}x without graphs"
@@ -156,13 +163,7 @@ def fp8(bf16_dir: str, fp8_dir: str, rtol: float = 2e-2) -> str:
     """base.yaml at its real shape in bf16 and with ``impl.precision=fp8``: the losses within ``rtol``
     of bf16's at every logged step (float8's rounding, not another run), and what float8 gains; MFU
     against the bf16 peak for both, as NVIDIA's MLPerf figures count it."""
-    want, got = logged(Path(bf16_dir), names.TRAIN_LOSS), logged(Path(fp8_dir), names.TRAIN_LOSS)
-    if sorted(want) != sorted(got) or not want:
-        raise SystemExit(f"fp8: steps {sorted(got)} logged, the bf16 run has {sorted(want)}")
-    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
-    if worst > rtol:
-        raise SystemExit(f"fp8: losses differ from bf16's by up to {worst:.1e}, over {rtol:g}")
-    (ours, mfu), (theirs, _) = _ours_tokens_per_s(Path(fp8_dir)), _ours_tokens_per_s(Path(bf16_dir))
+    want, got, worst, ours, mfu, theirs = _beside("fp8", bf16_dir, fp8_dir, "bf16's", rtol)
     return (
         f"fp8: {len(want)} logged losses within {worst:.1e} of bf16's (last {got[max(got)]:.4f} against "
         f"{want[max(want)]:.4f}); {ours:,.0f} tokens/s ({100 * mfu:.1f}% MFU of the bf16 peak), {ours / theirs:.3f}x bf16"

@@ -227,10 +227,11 @@ def train_step(
 def decide_or_defer(
     parts: StepParts, result: StepResult, decided: torch.Tensor, deferred: Optional[StepResult], logged: bool
 ) -> None:
-    """Before the update: the step before read and applied if it was deferred, then this one's update vetoed on
-    the host (read now) or masked on the device (``decided``: ``decide_update``'s numbers)."""
+    """Before the update: the step before read and applied if it was deferred, then this one's update
+    vetoed on the host (read now) or masked on the device (``decided``: ``decide_update``'s numbers)."""
     # skipped steps are not averaged into the window: their sums count as zeros
-    result.sums = torch.where(torch.isfinite(decided[0]), result.sums, torch.zeros_like(result.sums))
+    finite = torch.isfinite(decided[Decided.LOSS_SUM])
+    result.sums = torch.where(finite, result.sums, torch.zeros_like(result.sums))
     if deferred is not None:
         apply_deferred(parts, deferred)  # before this update: a skipped step holds the schedule
     if result.numbers is not None:

@@ -51,11 +51,11 @@ class DeepSpeedInternalsChanged(RuntimeError):
     """The installed DeepSpeed's internals are not those the patches were written against."""
 
 
-def internals_problems(rows: Optional[list[Patch]] = None) -> list[str]:
-    """Each target of ``rows`` that is missing or takes other parameters in the installed DeepSpeed
-    (a row already applied in this process is compared through its kept original)."""
+def internals_problems() -> list[str]:
+    """Each row's target that is missing or takes other parameters in the installed DeepSpeed (a row
+    already applied in this process is compared through its kept original)."""
     problems = []
-    for row in PATCHES if rows is None else rows:
+    for row in PATCHES:
         name = row.target.replace(":", ".")
         try:
             has = tuple(inspect.signature(row.original or getattr(*row.owner())).parameters)

@@ -24,7 +24,6 @@ RUN = [
     "train.eval_sequences=16",
     "train.checkpoint_every=30",
     "model.max_position_embeddings=64",
-    "model.num_heads=4",  # 16 dimensions a head, as the float8 layers want
 ]
 
 
