@@ -1,7 +1,9 @@
 """Run as a script: one rank of ZeRO 1 in bf16 (DeepSpeed's BF16_Optimizer, base.yaml's path) built by
 the trainer's own engine module, two micro-batches, and after each backward the fp32 gradients it
 accumulated (through ``pretrain/runtime/engine.py``'s multi-tensor ``update_hp_grads``) compared with
-what DeepSpeed's own ``update_hp_grads`` makes of the same bf16 gradients from the same start.
+what DeepSpeed's own ``update_hp_grads`` makes of the same bf16 gradients from the same start; and the
+calls ours makes, against what CUDA's multi-tensor kernels take (one launch for many tensors only where
+their lists match in sizes and strides and an add's are of one dtype; otherwise a kernel a tensor).
 
     python tests/bf16_grads_probe.py SHARDS   # prints one JSON line; exit 0
 """
@@ -21,6 +23,7 @@ def main(shards: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     os.environ.setdefault("MASTER_PORT", sys.argv[2] if len(sys.argv) > 2 else "29517")
     import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     from bench.step_profile import build
     from pretrain.model.masking import mask_batch
@@ -36,9 +39,24 @@ def main(shards: str) -> None:
     compared = []
     seen: list = []
 
+    calls: list = []
+
+    class Calls(TorchDispatchMode):  # the ops ours dispatches (a kernel's own inner calls are not seen)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append((func.overloadpacket.__name__, [a for a in args if isinstance(a, list)]))
+            return func(*args, **(kwargs or {}))
+
     def keeping_a_copy(self, clear_lp_grads=False):  # the bf16 gradients ours adds, then frees
         seen[:] = [[p.grad.clone() if p.grad is not None else None for p in g] for g in self.bf16_groups]
-        return ours_update(self, clear_lp_grads=clear_lp_grads)
+        calls.clear()
+        with Calls():
+            return ours_update(self, clear_lp_grads=clear_lp_grads)
+
+    def multi_tensor(name, lists) -> bool:  # CUDA's fast route: equal sizes and strides, one dtype a list
+        same = all(len({(t.shape, t.stride()) for t in ts}) == 1 for ts in zip(*lists))
+        return same and all(
+            len({t.dtype for t in ts}) == 1 for ts in (lists if name == "_foreach_copy_" else [sum(lists, [])])
+        )
 
     type(opt).update_hp_grads = keeping_a_copy
     for micro in range(2):
@@ -50,6 +68,7 @@ def main(shards: str) -> None:
         loss, _, _ = s.engine(m.input_ids, None, m.positions, m.labels)
         s.engine.backward(loss)  # its epilogue adds the bf16 gradients into the fp32 ones: ours
         ours = [f.clone() for f in flat]
+        sums = [(name, args) for name, args in calls if "add" in name or "copy" in name]
         freed = all(p.grad is None for g in opt.bf16_groups for p in g)
         for f, b in zip(flat, before):
             f.copy_(b)
@@ -67,6 +86,8 @@ def main(shards: str) -> None:
                 "moved": any(not torch.equal(a, b) for a, b in zip(ours, before)),
                 "has_gradients": all(all(h) for h in opt.fp32_groups_has_gradients),
                 "bf16_freed": freed,
+                "sums": sorted({name for name, _ in sums}),
+                "multi_tensor": all(name.startswith("_foreach") and multi_tensor(name, args) for name, args in sums),
             }
         )
     type(opt).update_hp_grads = ours_update

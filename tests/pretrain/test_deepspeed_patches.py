@@ -66,3 +66,39 @@ def test_the_preflight_refuses_an_unchecked_version_whose_internals_differ(chang
 
 def test_an_unchecked_version_with_the_same_internals_passes_the_preflight():
     assert engine.deepspeed_problems("0.21.0+cu128") == []
+
+
+def test_cudas_gradient_sum_through_scratch_is_the_mixed_add_bit_for_bit_in_calls_of_one_kind(monkeypatch):
+    """On CUDA a micro-batch after the step's first adds its bf16 gradients into the fp32 sums by way of
+    fp32 scratch, because a multi-tensor add of mixed dtypes is a kernel a tensor there. The sums equal
+    DeepSpeed's fp32 += bf16 bit for bit, scratch taken a chunk at a time (here forced small: four
+    chunks, one tensor larger than a chunk alone), and every call is one CUDA's multi-tensor kernels take
+    whole: lists of equal sizes and strides, a conversion from one dtype, an add within one."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr(patches, "SCRATCH_ELEMENTS", 100)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(8, 5), (40,), (130,), (3, 7), (2,), (9, 9)]
+    grads = [torch.randn(*s, generator=g).bfloat16() for s in shapes]
+    start = [torch.randn(*s, generator=g) for s in shapes]
+    theirs = [t.clone() for t in start]
+    for t, grad in zip(theirs, grads):
+        t.add_(grad)
+    ours = [t.clone() for t in start]
+    calls = []
+
+    class Calls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append((func.overloadpacket.__name__, [a for a in args if isinstance(a, list)]))
+            return func(*args, **(kwargs or {}))
+
+    with Calls():
+        patches.add_converted(list(zip(ours, grads)))
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs)) and not torch.equal(ours[0], start[0])
+    sums = [(name, lists) for name, lists in calls if name.startswith("_foreach")]
+    assert [name for name, _ in sums] == ["_foreach_copy_", "_foreach_add_"] * 4
+    for name, (to, of) in sums:
+        assert all(a.shape == b.shape and a.stride() == b.stride() for a, b in zip(to, of)), name
+        assert {t.dtype for t in to} == {torch.float32} and len({t.dtype for t in of}) == 1, name
+        assert name == "_foreach_copy_" or {t.dtype for t in of} == {torch.float32}
