@@ -7,11 +7,13 @@ hash of (train.seed, step, the site's name, the row's sample id, the element's p
 the same mixing function that keys the MLM masks (``pretrain.model.masking._mix32``). A row then gets
 the same mask in any batch, at any world size or micro-batch: results match up to summation order.
 
-Cost: per element one 32-bit hash (three multiply/xor-shift rounds) gives two 16-bit draws. Eagerly
-that is ~20 passes over memory per site; under ``torch.compile`` the whole site (hash, compare, scale,
-multiply) is one fused kernel with the bias, residual and LayerNorm around it. Nothing here is a
-Python number that changes per step: the step and the batch's sample ids enter as one device tensor,
-``DropoutKey.row_keys``, set once per micro-batch, so the compiled graph is traced once and has no
+Cost: eagerly, one 32-bit hash (three multiply/xor-shift rounds) gives a pair of elements their two
+16-bit draws, ~20 passes over memory per site; under ``torch.compile`` each element takes its half of
+its pair's hash on its own, so that the whole site (hash, compare, scale, multiply) is one fused
+kernel with the bias, residual and LayerNorm around it and no mask is written to memory (the same
+bits either way). Nothing here is a
+Python number that changes per step: the step and the batch's sample ids enter as device tensors,
+``DropoutKey.site_keys``, set once per micro-batch, so the compiled graph is traced once and has no
 break at a dropout site. The arithmetic is int64 with explicit 32-bit masks rather than wrapping int32,
 whose overflow PyTorch leaves undefined: eager and compiled give the same bits (tested against inductor
 on the CPU), so a resume that compiles where the first run did not (``impl.compile: auto``) drops the
@@ -36,7 +38,7 @@ import torch
 from torch import nn
 
 from pretrain.config.seeds import derive_seed
-from pretrain.model.masking import _absorb, _mix32
+from pretrain.model.masking import _M32, _absorb, _mix32, mix32_after_first_shift
 
 log = logging.getLogger("pretrain")
 KEYED_ATTENTION = "keyed_sdpa"
@@ -45,47 +47,90 @@ _COLUMN_SALT = 0x2F1D7A3B
 
 
 class DropoutKey:
-    """The current micro-batch's key, shared by all dropout sites of one model.
+    """The current micro-batch's keys, shared by all dropout sites of one model.
 
     Set by ``train_step`` once per micro-batch: the sites sit deep inside Hugging Face layers, whose
     forward arguments cannot carry the batch's sample ids. ``row_keys`` [B] int64 (values < 2**32) on
-    the batch's device folds (seed, step, sample id) together; each site mixes its own name in."""
+    the batch's device folds (seed, step, sample id) together; ``site_keys`` [sites, B] mixes in each
+    registered site's name, and ``columns`` holds the hash of each position in a row (the same for
+    every row, site and step), at least ``column_count`` of them. An element's hash is
+    ``_mix32(site key ^ column)``, whose first xor-shift both carry already (``prepared``).
 
-    def __init__(self, seed: int):
+    They are computed here, outside the model, so that a compiled site's hash starts from loads:
+    computed inside, the hash's intermediates (each read twice by its xor-shifts) pass inductor's
+    30-op limit for recomputing a value that has two users, and it writes one of them out, an int64
+    (and a bool mask) a site's size, then reads it back (the H200 profile of 2026-11-28: 56-67 us a
+    kernel at BERT-base's shape). ``backward_site_keys`` are the same values in another tensor: the
+    backward's mask, made from them, is not merged with the forward's into one value to keep."""
+
+    def __init__(self, seed: int, column_count: int = 0):
         self.seed = int(seed)
+        self.column_count = int(column_count)
+        self.site_ids: list[int] = []
         self.row_keys: torch.Tensor | None = None
+        self.site_keys: torch.Tensor | None = None
+        self.backward_site_keys: torch.Tensor | None = None
+        self.columns: torch.Tensor | None = None
+        self.bounds: dict[int, torch.Tensor] = {}  # ``keep_mask``'s comparisons, by the draw dropped below
+        self._sites: torch.Tensor | None = None
+        self._dropped: set[int] = set()
+
+    def register(self, site_id: int, dropped: int) -> int:
+        """A site's row in ``site_keys``; ``dropped`` its draws kept from (``KeyedDropout.dropped``)."""
+        self.site_ids.append(site_id)
+        self._dropped.add(dropped)
+        return len(self.site_ids) - 1
 
     def set(self, sample_ids: torch.Tensor, step: int) -> None:
         head = _absorb(0x9E3779B9, derive_seed("dropout", self.seed, int(step)))  # a Python int
         ids = sample_ids.long()
         self.row_keys = _absorb(torch.full_like(ids, head), ids)
+        if self._sites is None or self._sites.device != ids.device or len(self._sites) != len(self.site_ids):
+            # once a device: the only copies from the host, and the columns' hashing
+            self._sites = torch.tensor(self.site_ids, dtype=torch.int64, device=ids.device)
+            # an even element keeps where its hash's low half is >= dropped, an odd one its high half
+            self.bounds = {
+                d: torch.tensor([[0xFFFF, d], [_M32, d << 16]], dtype=torch.int64, device=ids.device)
+                for d in self._dropped
+            }
+            self.columns = _prepared_columns(self.column_count, ids.device)
+        self.site_keys = _prepared(_mix32(self.row_keys[None, :] ^ self._sites[:, None]))
+        self.backward_site_keys = self.site_keys.clone()
+
+    def columns_for(self, half: int) -> torch.Tensor:
+        """[half] int64: the first ``half`` positions' prepared hashes, from ``columns`` where it holds them."""
+        if self.columns is not None and len(self.columns) >= half:
+            return self.columns[:half]
+        columns = _prepared_columns(half, self.row_keys.device)  # compiled: computed in the graph
+        if not torch.compiler.is_compiling():
+            self.columns = columns
+        return columns
 
 
-_column_cache: dict = {}
+def _prepared(x: torch.Tensor) -> torch.Tensor:
+    """``x ^ (x >> 16)``: ``_mix32``'s first xor-shift, linear, so taken of a site key and a column apart."""
+    return x ^ (x >> 16)
 
 
-def _column_hashes(n: int, device: torch.device) -> torch.Tensor:
-    """[n] int64: the hash of each position in a row, the same for every row, site and step."""
-    if torch.compiler.is_compiling():  # traced: computed inside the fused kernel
-        return _mix32(torch.arange(n, device=device) + _COLUMN_SALT)
-    key = (n, device)
-    if key not in _column_cache:
-        if len(_column_cache) > 64:
-            _column_cache.clear()
-        _column_cache[key] = _mix32(torch.arange(n, device=device) + _COLUMN_SALT)
-    return _column_cache[key]
+def _prepared_columns(n: int, device: torch.device) -> torch.Tensor:
+    """[n] int64: the hash of each position in a row, prepared."""
+    return _prepared(_mix32(torch.arange(n, device=device) + _COLUMN_SALT))
 
 
-def keep_mask(row_keys: torch.Tensor, site_id: int, shape: torch.Size, dropped: int) -> torch.Tensor:
+def keep_mask(site_keys: torch.Tensor, columns: torch.Tensor, bounds: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """Bool mask of ``shape`` (rows first): True where an element is kept, i.e. where its 16-bit draw
-    is at least ``dropped`` (= round(p * 65536)). Each 32-bit hash gives two draws, its low and its
-    high half: half the hashing, p to within 2**-16."""
+    is at least the site's ``dropped`` (= round(p * 65536)). ``site_keys`` [rows], ``columns``
+    [>= half] and ``bounds`` (the site's) from ``DropoutKey``. Each 32-bit hash gives a pair of
+    elements two draws, its low half to the even one, its high half to the odd one: half the hashing
+    eagerly, p to within 2**-16.
+
+    The pair's hash is broadcast over the pair, not computed once and read twice: compiled, inductor
+    then recomputes it per element inside the one fused kernel (its ops, ~22, under inductor's 30 for
+    writing a broadcast value out), and no mask or hash is written to memory."""
     rows, per_row = shape[0], shape[1:].numel()
     half = (per_row + 1) // 2
-    site_keys = _mix32(row_keys ^ site_id)  # [B]
-    h = _mix32(site_keys[:, None] ^ _column_hashes(half, row_keys.device)[None, :])
-    # (h >> 16) >= d  <=>  h >= d << 16: one comparison fewer
-    keep = torch.stack([(h & 0xFFFF) >= dropped, h >= dropped << 16], dim=-1).reshape(rows, 2 * half)
+    h = mix32_after_first_shift(site_keys[:, None, None] ^ columns[None, :half, None])  # [rows, half, 1]
+    keep = ((h & bounds[:, 0]) >= bounds[:, 1]).reshape(rows, 2 * half)  # [rows, half, 2] flattened
     return keep[:, :per_row].reshape(shape)
 
 
@@ -94,25 +139,26 @@ def _scaled_where(keep: torch.Tensor, t: torch.Tensor, scale: float) -> torch.Te
 
 
 class _KeyedDropoutFunction(torch.autograd.Function):
-    """``where(keep, x * scale, 0)`` whose backward recomputes ``keep`` from the row keys instead of
+    """``where(keep, x * scale, 0)`` whose backward recomputes ``keep`` from the site's keys instead of
     keeping it: autograd's own ``where`` saves the bool mask (and, compiled, the int64 hash it came
-    from) per site for the backward; here only the [B] keys are saved. Recomputing costs one more hash
-    per element in the backward, on data already in registers when fused."""
+    from) per site for the backward; here only the [B] keys (and views of the key's shared column
+    hashes) are saved. Recomputing costs one more hash per element in the backward, on data already in
+    registers when fused."""
 
     @staticmethod
-    def forward(ctx, x, row_keys, site_id: int, dropped: int, scale: float):
-        ctx.save_for_backward(row_keys)
-        ctx.site_id, ctx.dropped, ctx.scale = site_id, dropped, scale
-        return _scaled_where(keep_mask(row_keys, site_id, x.shape, dropped), x, scale)
+    def forward(ctx, x, site_keys, backward_site_keys, columns, bounds, scale: float):
+        # Compiled, the forward and the backward are one joint graph whose common subexpressions are
+        # merged: the backward's mask made from the forward's keys would be the forward's mask, which
+        # the partitioner then saves. The same keys in another tensor keep the recomputation apart.
+        ctx.save_for_backward(backward_site_keys, columns, bounds)
+        ctx.scale = scale
+        return _scaled_where(keep_mask(site_keys, columns, bounds, x.shape), x, scale)
 
     @staticmethod
     def backward(ctx, grad):
-        (row_keys,) = ctx.saved_tensors
-        # Compiled, the forward and the backward are one joint graph whose common subexpressions are
-        # merged: the same ops on the same keys would be the forward's mask, which the partitioner
-        # then saves. `| 0` (the same keys, another op) keeps the recomputation apart.
-        keep = keep_mask(row_keys | 0, ctx.site_id, grad.shape, ctx.dropped)
-        return _scaled_where(keep, grad, ctx.scale), None, None, None, None
+        site_keys, columns, bounds = ctx.saved_tensors
+        keep = keep_mask(site_keys, columns, bounds, grad.shape)
+        return _scaled_where(keep, grad, ctx.scale), None, None, None, None, None
 
 
 class KeyedDropout(nn.Module):
@@ -123,6 +169,7 @@ class KeyedDropout(nn.Module):
         self.p, self.site, self.key = float(p), site, key
         self.site_id = zlib.crc32(site.encode())
         self.dropped = round(self.p * 65536)
+        self.index = key.register(self.site_id, self.dropped)  # its row of key.site_keys
 
     def extra_repr(self) -> str:
         return f"p={self.p}, site={self.site!r}"
@@ -132,14 +179,16 @@ class KeyedDropout(nn.Module):
             return x
         if self.p >= 1.0:
             return x * 0.0
-        keys = self.key.row_keys
-        if keys is None or keys.shape[0] != x.shape[0]:
+        key = self.key
+        if key.site_keys is None or key.site_keys.shape[1] != x.shape[0] or len(key.site_keys) <= self.index:
             raise RuntimeError(
                 f"dropout site {self.site}: the batch's sample ids were not set for this input "
                 f"of {x.shape[0]} rows (DropoutKey.set before the forward)"
             )
+        columns = key.columns_for((x.shape[1:].numel() + 1) // 2)
         scale = 65536.0 / (65536 - self.dropped)  # unbiased for the p drawn
-        return _KeyedDropoutFunction.apply(x, keys, self.site_id, self.dropped, scale)
+        keys = key.site_keys[self.index], key.backward_site_keys[self.index]
+        return _KeyedDropoutFunction.apply(x, *keys, columns, key.bounds[self.dropped], scale)
 
 
 def keyed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -175,7 +224,10 @@ def install(hf_model: nn.Module, seed: int) -> DropoutKey:
     attention_dropout = float(
         getattr(config, "attention_probs_dropout_prob", None) or getattr(config, "attention_dropout", 0.0) or 0.0
     )
-    key = DropoutKey(seed)
+    # The widest site's row: a sequence of hidden or intermediate vectors (ModernBERT drops its MLP's
+    # inner activations); attention-probability sites, wider, hash their columns where they run.
+    width = max(config.hidden_size, getattr(config, "intermediate_size", 0) or 0)
+    key = DropoutKey(seed, column_count=(config.max_position_embeddings * width + 1) // 2)
     for name, parent in list(hf_model.named_modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, nn.Dropout) and child.p > 0:  # p = 0: an identity, left to torch

@@ -132,7 +132,12 @@ _M32 = 0xFFFFFFFF
 def _mix32(x):
     """A bijection of [0, 2**32) with good avalanche (xor-shift / multiply rounds), on Python ints or
     int64 tensors. The odd multipliers stay below 2**31 so every product fits in int64 unsigned-free."""
-    x = x ^ (x >> 16)
+    return mix32_after_first_shift(x ^ (x >> 16))
+
+
+def mix32_after_first_shift(x):
+    """``_mix32`` given ``x ^ (x >> 16)``: the first xor-shift is linear, so for ``x = a ^ b`` it may
+    be taken of ``a`` and ``b`` apart (keyed dropout takes it once per row and per column)."""
     x = (x * 0x6C8E9CF5) & _M32
     x = x ^ (x >> 15)
     x = (x * 0x2545F491) & _M32

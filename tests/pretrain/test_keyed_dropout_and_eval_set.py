@@ -138,6 +138,19 @@ def test_keyed_dropout_traces_once_without_graph_breaks(arch, dropouts):
     assert len(set(losses)) == 3  # the masks did change per step
 
 
+def test_keyed_dropouts_units_are_those_runs_before_2026_11_28_dropped():
+    """The masks' bits are part of a run's results: a run resumed across a change of how they are
+    computed must drop the same units. Pinned to what the code before the key's per-row and
+    per-position tables (2026-11-28) dropped for one site, three sample ids and one step."""
+    import zlib
+
+    key = keyed_dropout.DropoutKey(seed=42, column_count=4096)
+    drop = keyed_dropout.KeyedDropout(0.1, "bert.encoder.layer.3.output.dropout", key).train()
+    key.set(torch.tensor([5, 123456789, 2**40 + 7]), step=1000)
+    kept = drop(torch.ones(3, 16, 33)) != 0  # odd rows: the last pair's high half unused
+    assert (int(kept.sum()), zlib.crc32(kept.numpy().tobytes())) == (1407, 1744775608)
+
+
 @pytest.mark.slow
 def test_compiled_keyed_dropout_drops_the_same_units_as_eager():
     """Inductor's fused kernel computes the same int64 hash bits as the eager ops: a run resumed with
@@ -154,9 +167,10 @@ def test_compiled_keyed_dropout_drops_the_same_units_as_eager():
         assert abs((eager == 0).double().mean().item() - 0.1) < 0.02
 
 
-def _saved_for_backward(forward) -> tuple[int, list]:
-    """Bytes autograd keeps for the backward of ``forward()`` (compiled regions included), and the
-    shapes and dtypes of the bool tensors among them."""
+def _saved_for_backward(forward, key) -> tuple[int, list]:
+    """Bytes autograd keeps for the backward of ``forward()`` (compiled regions included), the key's
+    own tables aside (made once, shared by every site and step), and the shapes and dtypes of the
+    bool tensors among them."""
     saved = []
 
     def pack(t):
@@ -166,7 +180,9 @@ def _saved_for_backward(forward) -> tuple[int, list]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = forward()
     loss.backward()
-    return sum(t.numel() * t.element_size() for t in saved), [
+    tables = {t.untyped_storage().data_ptr() for t in (key.columns, *key.bounds.values()) if t is not None}
+    kept = [t for t in saved if t.untyped_storage().data_ptr() not in tables]
+    return sum(t.numel() * t.element_size() for t in kept), [
         (tuple(t.shape), t.dtype) for t in saved if t.dtype == torch.bool
     ]
 
@@ -187,7 +203,7 @@ def test_keyed_dropout_keeps_only_its_keys_for_the_backward(backend):
         model.fixed_predictions = True
         forward = torch.compile(model, backend=backend) if backend else model
         key.set(torch.arange(16), step=1)
-        total, bools = _saved_for_backward(lambda: forward(ids, None, positions, ids.reshape(-1)[positions])[0])
+        total, bools = _saved_for_backward(lambda: forward(ids, None, positions, ids.reshape(-1)[positions])[0], key)
         assert bools == [], bools
         return total
 
@@ -200,7 +216,8 @@ def test_keyed_dropout_keeps_only_its_keys_for_the_backward(backend):
     x = torch.randn(8, 16, 33, requires_grad=True)
     upstream = torch.randn(8, 16, 33)
     (ours,) = torch.autograd.grad(drop(x), x, upstream)
-    keep = keyed_dropout.keep_mask(key.row_keys, drop.site_id, x.shape, drop.dropped)
+    half = (x.shape[1:].numel() + 1) // 2
+    keep = keyed_dropout.keep_mask(key.site_keys[drop.index], key.columns_for(half), key.bounds[drop.dropped], x.shape)
     scale = 65536.0 / (65536 - drop.dropped)
     (theirs,) = torch.autograd.grad(torch.where(keep, x * scale, torch.zeros(())), x, upstream)
     assert torch.equal(ours, theirs)
@@ -280,3 +297,44 @@ def test_deprecated_eval_batches_becomes_a_sequence_count_once(tmp_path, monkeyp
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert load_config("configs/tiny.yaml", [f"data.dir={tmp_path}"]).train.eval_sequences == 64
+
+
+@pytest.mark.slow
+def test_compiled_keyed_dropout_writes_no_mask_or_hash_to_memory():
+    """Issue 84, item 3: the H200 profile of 2026-11-28 found each dropout site's hash a kernel of its
+    own (56-67 us at BERT-base's shape), an int64 hash a pair of elements and a bool mask written out
+    and read back, forward and backward. Inductor decides what to write out while lowering, the same
+    on any device but for two limits, set here to a GPU's: compiled on the CPU, a BERT model's forward
+    and backward allocate no int64 or bool buffer of a site's size, and drop the units eager drops."""
+    import math
+    import re
+
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    rows, length, hidden = 8, 64, 32
+    ids = torch.randint(5, SPECIAL.vocab_size, (rows, length), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(0, rows * length, 7)
+    model = tiny("bert", hidden_dropout=0.1, attention_dropout=0.0).train()
+    key = keyed_dropout.install(model.hf_model, seed=1)
+    model.fixed_predictions = True
+    key.set(torch.arange(rows), step=1)
+    eager = model(ids, None, positions, ids.reshape(-1)[positions])[0]
+    compiled = torch.compile(model)
+
+    def step():
+        loss = compiled(ids, None, positions, ids.reshape(-1)[positions])[0]
+        loss.backward()
+        return loss
+
+    with inductor_config.patch(realize_opcount_threshold=30, realize_acc_reads_threshold=8, fx_graph_cache=False):
+        loss, codes = run_and_get_code(step)
+    assert len(codes) == 2 and torch.allclose(loss, eager, rtol=1e-5), (len(codes), loss, eager)
+    written = []
+    for code in codes:  # forward, backward
+        for size, dtype in re.findall(r"empty_strided_cpu\(\((.*?)\), \(.*?\), torch\.(\w+)\)", code):
+            numel = math.prod(int(v) for v in size.split(",") if v.strip())
+            if dtype in ("int64", "bool") and numel >= rows * length * hidden // 2:
+                written.append((size, dtype))
+    assert written == []
