@@ -33,6 +33,9 @@
 #                 the one chosen, tokens/s and MFU at it
 #   fp8           base.yaml at its real shape with impl.precision=fp8 (the encoder's matmuls in float8) beside
 #                 bert-base-accum: the losses within float8's band of bf16's, tokens/s and MFU (against bf16's peak)
+#   autotune      base.yaml at its real shape with impl.autotune_kernels=true (torch.compile's max-autotune: matmuls
+#                 timed as cuBLAS and as inductor's templates, bias and GELU in their epilogues) beside
+#                 bert-base-accum: the same losses to bf16 round-off, tokens/s and MFU (the compile's cost: the run times)
 #   graphs        bert-base (one micro-batch a step) with impl.cuda_graphs=true: the compiled forward and backward
 #                 replayed as CUDA graphs; the same losses to bf16 round-off, tokens/s against bert-base's
 #   bert-base-nodrop  the same without dropout: what keyed dropout costs in base.yaml's step
@@ -46,7 +49,7 @@
 #                      [--only UNIT,...] [--skip UNIT,...] [--resume-from RESULTS_FILE]
 #
 # Units, in the order they run (a unit's runs and the check that reads them): profile real-shape
-# micro-batch fp8 bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2 modernbert flash-attn
+# micro-batch fp8 autotune bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2 modernbert flash-attn
 # documents dropout compile-fixed bert-base-nodrop nccl. Each line of WORK/results.txt is written as a run or check ends, and
 # "done UNIT" once a unit has passed; --resume-from that file (carried to the next lease) runs only
 # the units not done, so two short leases cover everything.
@@ -62,7 +65,7 @@ PY=${PYTHON:-.venv/bin/python}
 
 DRY_RUN=0 GPUS="" STEPS=50 MICRO=64 BASE_MICRO=128 CONFIG=configs/mini.yaml DATA="" WORK=/tmp/gpu_smoke BUDGET=540
 ONLY="" SKIP="" RESUME_FROM="" PREVIOUS_DONE=""
-UNITS=(profile real-shape micro-batch fp8 bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2
+UNITS=(profile real-shape micro-batch fp8 autotune bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2
        modernbert flash-attn documents dropout compile-fixed bert-base-nodrop nccl)
 usage() { grep -A2 '^#   bench/gpu_smoke.sh \[' "$0" | sed 's/^# \{0,3\}//'; }
 while [ $# -gt 0 ]; do
@@ -321,6 +324,16 @@ if selected fp8; then
     check fp8 fp8 "$WORK/runs/bert-base-accum" "$WORK/runs/bert-base-accum-fp8"
   else record "skipped check fp8 (needs the bert-base-accum and bert-base-accum-fp8 runs)"; fi
   close fp8 check:fp8
+fi
+# impl.autotune_kernels=true at base.yaml's real shape beside the default compile (issue 84, item 3): what
+# inductor's timed kernel choice (GELU and the bias in the matmuls' epilogues) gains, at what compile time.
+if selected autotune; then
+  ran bert-base-accum || RUN_CONFIG=configs/base.yaml run bert-base-accum 1 "${REAL_BATCH[@]}"
+  RUN_CONFIG=configs/base.yaml run bert-base-accum-autotune 1 "${REAL_BATCH[@]}" impl.autotune_kernels=true
+  if ran bert-base-accum bert-base-accum-autotune; then
+    check autotune autotune "$WORK/runs/bert-base-accum" "$WORK/runs/bert-base-accum-autotune"
+  else record "skipped check autotune (needs the bert-base-accum and bert-base-accum-autotune runs)"; fi
+  close autotune check:autotune
 fi
 # BERT-base at sequence 128 (configs/base.yaml: compiled, fused AdamW, ZeRO 1, fixed-count masking, BERT's
 # hidden dropout 0.1): its MFU is the figure to set beside the anchors' (NVIDIA's BERT phase 1: about 45%

@@ -170,6 +170,17 @@ def fp8(bf16_dir: str, fp8_dir: str, rtol: float = 2e-2) -> str:
     )
 
 
+def autotune(default_dir: str, tuned_dir: str, rtol: float = 2e-2) -> str:
+    """base.yaml at its real shape compiled by default and with ``impl.autotune_kernels=true``: the
+    losses within ``rtol`` at every logged step (other kernels, bf16's round-off) and what the tuned
+    kernels gain (the compile's cost is the two runs' times, in results.txt)."""
+    want, _, worst, ours, mfu, theirs = _beside("autotune", default_dir, tuned_dir, "the default compile's", rtol)
+    return (
+        f"autotune: {len(want)} logged losses within {worst:.1e} of the default compile's; "
+        f"{ours:,.0f} tokens/s ({100 * mfu:.1f}% MFU), {ours / theirs:.3f}x the default"
+    )
+
+
 def nonfinite(run_dir: str) -> str:
     """A run whose weights blew up after step 1: every later step skipped without moving the
     learning-rate schedule, until the cap stopped it (its exit code, 4, is checked by the caller)."""
@@ -388,6 +399,8 @@ if __name__ == "__main__":
         print(graphs(*rest))
     elif command == "fp8":
         print(fp8(*rest))
+    elif command == "autotune":
+        print(autotune(*rest))
     elif command == "report":
         text, all_ok = report(rest)
         print(text)
@@ -395,5 +408,5 @@ if __name__ == "__main__":
     else:
         sys.exit(
             f"unknown command {command!r}: peak | paths CONFIG SHARDS | resumed REF RUN | nonfinite RUN | heldout RUN | export RUN | profile RUN... | "
-            "report RUN_DIR... | yardsticks PEAK OURS OURS_AT_ONCE HF BARE | reads DEFERRED AT_ONCE | micro RUN | patches EVERY WITHOUT... | graphs EAGER GRAPHS | fp8 BF16 FP8"
+            "report RUN_DIR... | yardsticks PEAK OURS OURS_AT_ONCE HF BARE | reads DEFERRED AT_ONCE | micro RUN | patches EVERY WITHOUT... | graphs EAGER GRAPHS | fp8 BF16 FP8 | autotune DEFAULT TUNED"
         )

@@ -299,7 +299,9 @@ def compile_model(run: Run, precision: str) -> None:
     compiled = cfg.compile_now(cfg.train.max_steps - run.state.step, device_type, precision)
     run.cuda_graphs, why = eng.cuda_graphs_plan(cfg, device_type, compiled)
     if compiled:
-        eng.compile_engine(run.engine, run.cuda_graphs)
+        eng.compile_engine(run.engine, run.cuda_graphs, cfg.impl.autotune_kernels)
+        if cfg.impl.autotune_kernels:
+            log.info("compile: inductor's kernels chosen by timing (impl.autotune_kernels: minutes more at the start)")
     if cfg.impl.cuda_graphs is True or (cfg.impl.cuda_graphs == "auto" and device_type == "cuda"):
         log.info("CUDA graphs: %s", why)
 

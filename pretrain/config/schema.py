@@ -243,6 +243,13 @@ class ImplConfig:
     # to run, where the start-up (20 s to minutes) pays for itself, and not for fp32 on a CPU, where
     # compiled steps measured no faster (Config.compile_now).
     compile: Union[Literal["auto"], bool] = "auto"
+    # Compiled, inductor's own kernels chosen by timing (torch.compile's max-autotune): each matmul
+    # shape timed as cuBLAS and as inductor's Triton templates, which can take the bias and GELU
+    # (and, backward, GELU's derivative) into the matmul's epilogue, and the pointwise and norm kernels'
+    # block sizes tuned. Minutes more of compilation at the start. false until a GPU lease measures it
+    # at the real shape (bench/gpu_smoke.sh's autotune unit; the H200 profile of 2026-11-28: GELU's own
+    # kernels 74 + 100 us a layer a micro-batch, at bandwidth).
+    autotune_kernels: bool = False
     # AdamW's kernel. auto/true: torch's fused AdamW (CUDA and CPU, no build step); false: torch's
     # multi-tensor AdamW. LAMB is always ours (pretrain.model.optim). YAML's on/off read as booleans.
     fused_optimizer: Union[Literal["auto"], bool] = "auto"
@@ -428,6 +435,10 @@ class Config:
             )
         if self.impl.cuda_graphs is True:
             problems += cuda_graphs_problems(self)
+        if self.impl.autotune_kernels and self.impl.compile is False:
+            problems.append(
+                "impl.autotune_kernels=true tunes the compiled step's kernels: set impl.compile to true or auto"
+            )
         if self.optim.name == "lamb" and self.impl.offload_optimizer:
             problems.append(
                 "optim.name=lamb with impl.offload_optimizer=true: DeepSpeed's optimiser offload "

@@ -318,9 +318,16 @@ def cuda_graphs_plan(cfg: Config, device_type: str, compiled: bool) -> tuple[boo
     return True, "on (torch.compile's reduce-overhead: the forward and backward replayed as CUDA graphs)"
 
 
-def compile_engine(engine, cuda_graphs: bool) -> None:
-    """``torch.compile`` the engine's module; ``cuda_graphs``: its graphs recorded and replayed."""
-    engine.compile(compile_kwargs={"mode": "reduce-overhead"} if cuda_graphs else {})
+def compile_engine(engine, cuda_graphs: bool, autotune: bool = False) -> None:
+    """``torch.compile`` the engine's module; ``cuda_graphs``: its graphs recorded and replayed;
+    ``autotune``: inductor's kernels chosen by timing (``impl.autotune_kernels``). In torch's modes."""
+    mode = {
+        (False, False): None,
+        (True, False): "reduce-overhead",
+        (False, True): "max-autotune-no-cudagraphs",
+        (True, True): "max-autotune",
+    }[(cuda_graphs, autotune)]
+    engine.compile(compile_kwargs={"mode": mode} if mode else {})
 
 
 def new_graph_step(cuda_graphs: bool) -> None:

@@ -48,6 +48,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         "bert-base",
         "bert-base-accum",
         "bert-base-accum-at-once",
+        "bert-base-accum-autotune",
         "bert-base-accum-fp8",
         "bert-base-at-once",
         "bert-base-auto-micro",
@@ -71,6 +72,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         "zero3",
     ]
     assert launches["bert-base-auto-micro"][1].impl.micro_batch_size == "auto"
+    assert [n for n, (_, c) in launches.items() if c.impl.autotune_kernels] == ["bert-base-accum-autotune"]
     assert not launches["bert-base-no-decisions_ahead"][1].impl.deepspeed_patches.decisions_ahead
     nonfinite = launches["nonfinite"][1]
     assert (nonfinite.impl.zero_stage, nonfinite.optim.lr, nonfinite.train.max_nonfinite_in_a_row) == (1, 1e30, 3)
@@ -140,6 +142,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         ],
         ["micro", "/tmp/gpu_smoke/runs/bert-base-auto-micro"],
         ["fp8", "/tmp/gpu_smoke/runs/bert-base-accum", "/tmp/gpu_smoke/runs/bert-base-accum-fp8"],
+        ["autotune", "/tmp/gpu_smoke/runs/bert-base-accum", "/tmp/gpu_smoke/runs/bert-base-accum-autotune"],
         ["heldout", "/tmp/gpu_smoke/runs/bert-base"],
         ["graphs", "/tmp/gpu_smoke/runs/bert-base", "/tmp/gpu_smoke/runs/bert-base-graphs"],
         ["reads", "/tmp/gpu_smoke/runs/bert-base", "/tmp/gpu_smoke/runs/bert-base-at-once"],
@@ -502,7 +505,7 @@ def test_smoke_yardsticks_check_puts_ours_beside_hf_and_the_bare_loop(shards, tm
     """Issue 73, item 5: the real-shape unit's check reads our two runs' metrics and the yardsticks'
     step times, at each one's FLOPs per sequence, and prints the ratios the issue set goals for; the
     bert-base unit's check sets the run that read every step at once beside ours."""
-    from bench.gpu_smoke_checks import fp8, graphs, reads, yardsticks
+    from bench.gpu_smoke_checks import autotune, fp8, graphs, reads, yardsticks
 
     runs = {}
     for name, tps in (("ours", 400_000.0), ("at_once", 380_000.0)):
@@ -549,6 +552,13 @@ def test_smoke_yardsticks_check_puts_ours_beside_hf_and_the_bare_loop(shards, tm
     )
     with pytest.raises(SystemExit, match="fp8: losses differ from bf16's by up to 6.2e-02, over 0.02"):
         fp8(str(runs["ours"]), str(diverged))
+    # the autotuned compile beside the default one
+    assert autotune(str(runs["at_once"]), str(runs["ours"])) == (
+        "autotune: 3 logged losses within 0.0e+00 of the default compile's; 400,000 tokens/s (40.0% MFU), "
+        "1.053x the default"
+    )
+    with pytest.raises(SystemExit, match="autotune: losses differ from the default compile's by up to 6.2e-02"):
+        autotune(str(runs["ours"]), str(diverged))
     # the at-once run left out by the budget (it runs last): the rest still compares
     text = yardsticks("989.4", str(runs["ours"]), "-", str(runs["hf"]), str(runs["bare"]))
     assert f"ours / bare loop: {400_000 / bare_tps:.2f}x" in text and "at once" not in text, text

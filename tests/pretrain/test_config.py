@@ -209,10 +209,21 @@ def test_cuda_graphs_are_asked_for_where_they_can_replay_and_said_on_the_start_l
     with pytest.raises(ConfigError) as err:
         load_config(
             "configs/tiny.yaml",
-            [f"data.dir={data_dir}", "impl.cuda_graphs=true", "impl.compile=false", "impl.zero_stage=3"],
+            [
+                f"data.dir={data_dir}",
+                "impl.cuda_graphs=true",
+                "impl.compile=false",
+                "impl.zero_stage=3",
+                "impl.autotune_kernels=true",
+            ],
         )
     text = str(err.value)
-    for expected in ("set impl.compile to true or auto", "needs masking.fixed_count=true", "use ZeRO 0-2"):
+    for expected in (
+        "set impl.compile to true or auto",
+        "needs masking.fixed_count=true",
+        "use ZeRO 0-2",
+        "impl.autotune_kernels=true tunes the compiled step's kernels",
+    ):
         assert expected in text, text
     # where PyTorch's graphed backward is wrong (issue 84, item 0d): accumulation at ZeRO 0, fp32 at ZeRO 1
     graphs = ["impl.cuda_graphs=true", "masking.fixed_count=true", "impl.compile=true"]

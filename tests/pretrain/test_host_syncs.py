@@ -163,6 +163,36 @@ def test_the_cuda_graphs_path_compiles_for_replay_and_logs_the_compiled_losses(s
     assert losses(tmp_path / "graphed" / "run") == losses(tmp_path / "compiled") != []
 
 
+def test_autotuned_kernels_compile_in_torchs_mode_say_so_and_train_to_the_same_losses(shards, tmp_path):
+    """Issue 84, item 3: ``impl.autotune_kernels`` compiles with torch.compile's max-autotune (matmuls
+    timed as cuBLAS and as inductor's templates, which can fuse the bias and GELU into the epilogue;
+    on a CPU inductor's C++ templates), said on the start line; the losses are the default compile's
+    to float round-off. With CUDA graphs it is torch's max-autotune with them."""
+    from pretrain.runtime import engine as eng
+
+    modes = []
+
+    class Engine:
+        def compile(self, compile_kwargs):
+            modes.append(compile_kwargs.get("mode"))
+
+    for graphs, tuned in ((False, False), (True, False), (False, True), (True, True)):
+        eng.compile_engine(Engine(), graphs, tuned)
+    assert modes == [None, "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"]
+    common = [f"train.max_steps={STEPS}", f"train.log_every={LOG_EVERY}", "train.eval_every=0"]
+    common += ["train.checkpoint_every=0", "impl.compile=true", "impl.precision=fp32", "impl.zero_stage=1"]
+    runs = {}
+    for tuned in (False, True):
+        out = tmp_path / f"tuned-{tuned}"
+        proc = train(shards, out, *common, f"impl.autotune_kernels={str(tuned).lower()}")
+        assert proc.returncode == 0, explain(proc)
+        assert ("inductor's kernels chosen by timing" in proc.stdout + proc.stderr) == tuned
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[tuned] = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+    assert sorted(runs[True]) == sorted(runs[False]) == [LOG_EVERY, STEPS], runs
+    assert all(abs(runs[True][s] - runs[False][s]) <= 1e-4 * abs(runs[False][s]) for s in runs[False]), runs
+
+
 def test_bf16_optimizers_norm_and_clip_are_deepspeeds_arithmetic_in_two_multi_tensor_calls(monkeypatch):
     """ZeRO 1 in bf16 (DeepSpeed's BF16_Optimizer, base.yaml's path) takes the gradient norm one
     kernel per tensor, marks a non-finite one -1 with a copy from host memory, and clips after reading
