@@ -147,17 +147,21 @@ START=$SECONDS
 # of --budget-s less RESERVE (the summary's time) with a quarter to spare; what does not fit is said as
 # skipped, never killed (a run that overruns even that is stopped 10 s before the budget ends).
 # --resume-from's file gives the last lease's times (the longest of each kind) in place of the guesses.
-EST_MINI=45 EST_COMPILED=90 EST_BASE=150 EST_YARD=150 RESERVE=15
+# A base.yaml run with impl.autotune_kernels times every matmul shape's candidates while it compiles: a
+# kind of its own (a guess until a lease has run one).
+EST_MINI=45 EST_COMPILED=90 EST_BASE=150 EST_YARD=150 EST_AUTOTUNE=420 RESERVE=15
 kind_of() {  # kind_of NAME CONFIG OVERRIDES...: what a run costs like
-  if [ "$2" = configs/base.yaml ]; then echo BASE; elif [[ " ${*:3} " == *" impl.compile=true "* ]]; then echo COMPILED
+  if [[ " ${*:3} " == *" impl.autotune_kernels=true "* ]]; then echo AUTOTUNE
+  elif [ "$2" = configs/base.yaml ]; then echo BASE; elif [[ " ${*:3} " == *" impl.compile=true "* ]]; then echo COMPILED
   else echo MINI; fi
 }
 if [ -n "$RESUME_FROM" ]; then
   while read -r name took; do
-    var=EST_$(case "$name" in bert-base*|profile-base) echo BASE ;; compile-fixed) echo COMPILED ;; hf-base|bare-base|profile-bare) echo YARD ;; *) echo MINI ;; esac)
+    var=EST_$(case "$name" in *-autotune) echo AUTOTUNE ;; bert-base*|profile-base) echo BASE ;; compile-fixed) echo COMPILED ;; hf-base|bare-base|profile-bare) echo YARD ;; *) echo MINI ;; esac)
     if [ -z "${SEEN[$var]:-}" ] || [ "$took" -gt "${!var}" ]; then printf -v "$var" %d "$took"; SEEN[$var]=1; fi
   done < <(sed -n 's/^ok      run \([^ ]*\) (exit [0-9]*, \([0-9]*\) s)$/\1 \2/p' "$RESUME_FROM")
-  echo "run times from $RESUME_FROM: mini ${EST_MINI} s, compiled ${EST_COMPILED} s, base.yaml ${EST_BASE} s, yardsticks ${EST_YARD} s"
+  echo "run times from $RESUME_FROM: mini ${EST_MINI} s, compiled ${EST_COMPILED} s, base.yaml ${EST_BASE} s," \
+    "yardsticks ${EST_YARD} s, autotuned ${EST_AUTOTUNE} s"
 fi
 left_s() { echo $((BUDGET - (SECONDS - START))); }
 record() { RESULTS+=("$1"); [ "$DRY_RUN" = 1 ] || echo "$1" >>"$WORK/results.txt"; }
