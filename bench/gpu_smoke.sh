@@ -33,6 +33,9 @@
 #                 the one chosen, tokens/s and MFU at it
 #   fp8           base.yaml at its real shape with impl.precision=fp8 (the encoder's matmuls in float8) beside
 #                 bert-base-accum: the losses within float8's band of bf16's, tokens/s and MFU (against bf16's peak)
+#   dropout-hash  base.yaml at its real shape with impl.dropout_hash=per_element (each element hashes inside the
+#                 kernel around it, no hash in memory) beside bert-base-accum (one hash a pair, written out and
+#                 read back): the same losses to bf16 round-off, tokens/s and MFU
 #   autotune      base.yaml at its real shape with impl.autotune_kernels=true (torch.compile's max-autotune: matmuls
 #                 timed as cuBLAS and as inductor's templates, bias and GELU in their epilogues) beside
 #                 bert-base-accum: the same losses to bf16 round-off, tokens/s and MFU (the compile's cost: the run times)
@@ -49,7 +52,7 @@
 #                      [--only UNIT,...] [--skip UNIT,...] [--resume-from RESULTS_FILE]
 #
 # Units, in the order they run (a unit's runs and the check that reads them): profile real-shape
-# micro-batch fp8 autotune bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2 modernbert flash-attn
+# micro-batch fp8 dropout-hash autotune bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2 modernbert flash-attn
 # documents dropout compile-fixed bert-base-nodrop nccl. Each line of WORK/results.txt is written as a run or check ends, and
 # "done UNIT" once a unit has passed; --resume-from that file (carried to the next lease) runs only
 # the units not done, so two short leases cover everything.
@@ -65,7 +68,7 @@ PY=${PYTHON:-.venv/bin/python}
 
 DRY_RUN=0 GPUS="" STEPS=50 MICRO=64 BASE_MICRO=128 CONFIG=configs/mini.yaml DATA="" WORK=/tmp/gpu_smoke BUDGET=540
 ONLY="" SKIP="" RESUME_FROM="" PREVIOUS_DONE=""
-UNITS=(profile real-shape micro-batch fp8 autotune bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2
+UNITS=(profile real-shape micro-batch fp8 dropout-hash autotune bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2
        modernbert flash-attn documents dropout compile-fixed bert-base-nodrop nccl)
 usage() { grep -A2 '^#   bench/gpu_smoke.sh \[' "$0" | sed 's/^# \{0,3\}//'; }
 while [ $# -gt 0 ]; do
@@ -328,6 +331,16 @@ if selected fp8; then
     check fp8 fp8 "$WORK/runs/bert-base-accum" "$WORK/runs/bert-base-accum-fp8"
   else record "skipped check fp8 (needs the bert-base-accum and bert-base-accum-fp8 runs)"; fi
   close fp8 check:fp8
+fi
+# impl.dropout_hash=per_element at base.yaml's real shape beside the default per_pair (issue 84, item 3): what
+# keeping keyed dropout's hash out of memory gains against hashing every element.
+if selected dropout-hash; then
+  ran bert-base-accum || RUN_CONFIG=configs/base.yaml run bert-base-accum 1 "${REAL_BATCH[@]}"
+  RUN_CONFIG=configs/base.yaml run bert-base-accum-per-element 1 "${REAL_BATCH[@]}" impl.dropout_hash=per_element
+  if ran bert-base-accum bert-base-accum-per-element; then
+    check dropout-hash dropout_hash "$WORK/runs/bert-base-accum" "$WORK/runs/bert-base-accum-per-element"
+  else record "skipped check dropout-hash (needs the bert-base-accum and bert-base-accum-per-element runs)"; fi
+  close dropout-hash check:dropout-hash
 fi
 # impl.autotune_kernels=true at base.yaml's real shape beside the default compile (issue 84, item 3): what
 # inductor's timed kernel choice (GELU and the bias in the matmuls' epilogues) gains, at what compile time.

@@ -170,6 +170,17 @@ def fp8(bf16_dir: str, fp8_dir: str, rtol: float = 2e-2) -> str:
     )
 
 
+def dropout_hash(per_pair_dir: str, per_element_dir: str, rtol: float = 2e-2) -> str:
+    """base.yaml at its real shape with keyed dropout's hash once a pair (written out and read back)
+    and once an element inside the kernel around it (``impl.dropout_hash``): the same masks, so the
+    losses within ``rtol`` (other kernels, bf16's round-off), and what keeping the hash in registers gains."""
+    want, _, worst, ours, mfu, theirs = _beside("dropout-hash", per_pair_dir, per_element_dir, "per_pair's", rtol)
+    return (
+        f"dropout-hash: {len(want)} logged losses within {worst:.1e} of per_pair's; per_element "
+        f"{ours:,.0f} tokens/s ({100 * mfu:.1f}% MFU), {ours / theirs:.3f}x per_pair"
+    )
+
+
 def autotune(default_dir: str, tuned_dir: str, rtol: float = 2e-2) -> str:
     """base.yaml at its real shape compiled by default and with ``impl.autotune_kernels=true``: the
     losses within ``rtol`` at every logged step (other kernels, bf16's round-off) and what the tuned
@@ -401,6 +412,8 @@ if __name__ == "__main__":
         print(fp8(*rest))
     elif command == "autotune":
         print(autotune(*rest))
+    elif command == "dropout_hash":
+        print(dropout_hash(*rest))
     elif command == "report":
         text, all_ok = report(rest)
         print(text)
@@ -408,5 +421,5 @@ if __name__ == "__main__":
     else:
         sys.exit(
             f"unknown command {command!r}: peak | paths CONFIG SHARDS | resumed REF RUN | nonfinite RUN | heldout RUN | export RUN | profile RUN... | "
-            "report RUN_DIR... | yardsticks PEAK OURS OURS_AT_ONCE HF BARE | reads DEFERRED AT_ONCE | micro RUN | patches EVERY WITHOUT... | graphs EAGER GRAPHS | fp8 BF16 FP8 | autotune DEFAULT TUNED"
+            "report RUN_DIR... | yardsticks PEAK OURS OURS_AT_ONCE HF BARE | reads DEFERRED AT_ONCE | micro RUN | patches EVERY WITHOUT... | graphs EAGER GRAPHS | fp8 BF16 FP8 | autotune DEFAULT TUNED | dropout_hash PER_PAIR PER_ELEMENT"
         )

@@ -178,7 +178,7 @@ def bare_worker(spec: dict) -> None:
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, manifest.tokenizer.vocab_size, special, cfg.impl, seq_len=manifest.seq_len)
     # Like for like with ours (issue 84, item 0c): the same keyed dropout and fixed prediction slots.
-    model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)
+    model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed, cfg.impl.dropout_hash == "per_element")
     model.fixed_predictions = cfg.masking.fixed_count
     model.to(device)
     o = cfg.optim

@@ -179,7 +179,9 @@ def ours(setup, counts: StepCounts):
     step_module.phase = counts.phase
     c = setup.cfg
     # as pretrain/run.py builds the model: dropout keyed by sample, the masked count fixed
-    setup.model.dropout_key = keyed_dropout.install(setup.model.hf_model, c.train.seed)
+    setup.model.dropout_key = keyed_dropout.install(
+        setup.model.hf_model, c.train.seed, c.impl.dropout_hash == "per_element"
+    )
     setup.model.fixed_predictions = c.masking.fixed_count
     parts = step_module.StepParts(
         setup.engine,

@@ -161,7 +161,8 @@ def build_engine(
     if precision == "fp8":  # before any timing: the micro-batch and the attention are timed in float8
         why += f", {fp8.convert(model)} encoder linear layers in float8"
     choose_micro_batch(model, cfg, info, precision, manifest.seq_len)
-    model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed)  # the same at any layout
+    per_element = cfg.impl.dropout_hash == "per_element"
+    model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed, per_element)  # the same at any layout
     model.fixed_predictions = cfg.masking.fixed_count
     choose_attention(model, cfg, info, precision, manifest.seq_len)
     engine, scheduler, ds_config, optimizer = eng.initialize(model, cfg, info, precision, node_local)

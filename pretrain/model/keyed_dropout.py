@@ -61,11 +61,18 @@ class DropoutKey:
     30-op limit for recomputing a value that has two users, and it writes one of them out, an int64
     (and a bool mask) a site's size, then reads it back (the H200 profile of 2026-11-28: 56-67 us a
     kernel at BERT-base's shape). ``backward_site_keys`` are the same values in another tensor: the
-    backward's mask, made from them, is not merged with the forward's into one value to keep."""
+    backward's mask, made from them, is not merged with the forward's into one value to keep.
 
-    def __init__(self, seed: int, column_count: int = 0):
+    ``per_element`` (``impl.dropout_hash``): the sites take these tables, and compiled each element
+    hashes in the kernel around it (twice the hashing, ~60 32-bit integer instructions an element on
+    a GPU, and no memory); otherwise each site computes its keys and columns in the graph as before,
+    and inductor writes one hash a pair out and reads it back (4 bytes an element each way). The same
+    bits either way."""
+
+    def __init__(self, seed: int, column_count: int = 0, per_element: bool = False):
         self.seed = int(seed)
         self.column_count = int(column_count)
+        self.per_element = bool(per_element)
         self.site_ids: list[int] = []
         self.row_keys: torch.Tensor | None = None
         self.site_keys: torch.Tensor | None = None
@@ -185,9 +192,13 @@ class KeyedDropout(nn.Module):
                 f"dropout site {self.site}: the batch's sample ids were not set for this input "
                 f"of {x.shape[0]} rows (DropoutKey.set before the forward)"
             )
-        columns = key.columns_for((x.shape[1:].numel() + 1) // 2)
+        half = (x.shape[1:].numel() + 1) // 2
+        if key.per_element:
+            keys, columns = (key.site_keys[self.index], key.backward_site_keys[self.index]), key.columns_for(half)
+        else:  # compiled, the per-pair tables made here, in the graph (the backward's keys by other ops)
+            keys = tuple(_prepared(_mix32(k ^ self.site_id)) for k in (key.row_keys, key.row_keys | 0))
+            columns = _prepared_columns(half, x.device) if torch.compiler.is_compiling() else key.columns_for(half)
         scale = 65536.0 / (65536 - self.dropped)  # unbiased for the p drawn
-        keys = key.site_keys[self.index], key.backward_site_keys[self.index]
         return _KeyedDropoutFunction.apply(x, *keys, columns, key.bounds[self.dropped], scale)
 
 
@@ -218,8 +229,9 @@ def _register_attention() -> None:
     AttentionMaskInterface.register(KEYED_ATTENTION, sdpa_mask)
 
 
-def install(hf_model: nn.Module, seed: int) -> DropoutKey:
-    """Replace every dropout of ``hf_model`` by a keyed one; returns the key to set per micro-batch."""
+def install(hf_model: nn.Module, seed: int, per_element: bool = False) -> DropoutKey:
+    """Replace every dropout of ``hf_model`` by a keyed one; returns the key to set per micro-batch.
+    ``per_element``: ``DropoutKey``'s (``impl.dropout_hash``)."""
     config = hf_model.config
     attention_dropout = float(
         getattr(config, "attention_probs_dropout_prob", None) or getattr(config, "attention_dropout", 0.0) or 0.0
@@ -227,7 +239,7 @@ def install(hf_model: nn.Module, seed: int) -> DropoutKey:
     # The widest site's row: a sequence of hidden or intermediate vectors (ModernBERT drops its MLP's
     # inner activations); attention-probability sites, wider, hash their columns where they run.
     width = max(config.hidden_size, getattr(config, "intermediate_size", 0) or 0)
-    key = DropoutKey(seed, column_count=(config.max_position_embeddings * width + 1) // 2)
+    key = DropoutKey(seed, column_count=(config.max_position_embeddings * width + 1) // 2, per_element=per_element)
     for name, parent in list(hf_model.named_modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, nn.Dropout) and child.p > 0:  # p = 0: an identity, left to torch

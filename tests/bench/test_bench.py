@@ -50,6 +50,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         "bert-base-accum-at-once",
         "bert-base-accum-autotune",
         "bert-base-accum-fp8",
+        "bert-base-accum-per-element",
         "bert-base-at-once",
         "bert-base-auto-micro",
         "bert-base-graphs",
@@ -73,6 +74,8 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
     ]
     assert launches["bert-base-auto-micro"][1].impl.micro_batch_size == "auto"
     assert [n for n, (_, c) in launches.items() if c.impl.autotune_kernels] == ["bert-base-accum-autotune"]
+    per_element = [n for n, (_, c) in launches.items() if c.impl.dropout_hash == "per_element"]
+    assert per_element == ["bert-base-accum-per-element"], per_element
     assert not launches["bert-base-no-decisions_ahead"][1].impl.deepspeed_patches.decisions_ahead
     nonfinite = launches["nonfinite"][1]
     assert (nonfinite.impl.zero_stage, nonfinite.optim.lr, nonfinite.train.max_nonfinite_in_a_row) == (1, 1e30, 3)
@@ -142,6 +145,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         ],
         ["micro", "/tmp/gpu_smoke/runs/bert-base-auto-micro"],
         ["fp8", "/tmp/gpu_smoke/runs/bert-base-accum", "/tmp/gpu_smoke/runs/bert-base-accum-fp8"],
+        ["dropout_hash", "/tmp/gpu_smoke/runs/bert-base-accum", "/tmp/gpu_smoke/runs/bert-base-accum-per-element"],
         ["autotune", "/tmp/gpu_smoke/runs/bert-base-accum", "/tmp/gpu_smoke/runs/bert-base-accum-autotune"],
         ["heldout", "/tmp/gpu_smoke/runs/bert-base"],
         ["graphs", "/tmp/gpu_smoke/runs/bert-base", "/tmp/gpu_smoke/runs/bert-base-graphs"],
@@ -505,7 +509,7 @@ def test_smoke_yardsticks_check_puts_ours_beside_hf_and_the_bare_loop(shards, tm
     """Issue 73, item 5: the real-shape unit's check reads our two runs' metrics and the yardsticks'
     step times, at each one's FLOPs per sequence, and prints the ratios the issue set goals for; the
     bert-base unit's check sets the run that read every step at once beside ours."""
-    from bench.gpu_smoke_checks import autotune, fp8, graphs, reads, yardsticks
+    from bench.gpu_smoke_checks import autotune, dropout_hash, fp8, graphs, reads, yardsticks
 
     runs = {}
     for name, tps in (("ours", 400_000.0), ("at_once", 380_000.0)):
@@ -559,6 +563,10 @@ def test_smoke_yardsticks_check_puts_ours_beside_hf_and_the_bare_loop(shards, tm
     )
     with pytest.raises(SystemExit, match="autotune: losses differ from the default compile's by up to 6.2e-02"):
         autotune(str(runs["ours"]), str(diverged))
+    assert dropout_hash(str(runs["at_once"]), str(runs["ours"])) == (
+        "dropout-hash: 3 logged losses within 0.0e+00 of per_pair's; per_element 400,000 tokens/s (40.0% MFU), "
+        "1.053x per_pair"
+    )
     # the at-once run left out by the budget (it runs last): the rest still compares
     text = yardsticks("989.4", str(runs["ours"]), "-", str(runs["hf"]), str(runs["bare"]))
     assert f"ours / bare loop: {400_000 / bare_tps:.2f}x" in text and "at once" not in text, text

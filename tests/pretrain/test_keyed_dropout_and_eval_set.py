@@ -187,8 +187,9 @@ def _saved_for_backward(forward, key) -> tuple[int, list]:
     ]
 
 
+@pytest.mark.parametrize("per_element", [False, True])
 @pytest.mark.parametrize("backend", [None, pytest.param("inductor", marks=pytest.mark.slow)])
-def test_keyed_dropout_keeps_only_its_keys_for_the_backward(backend):
+def test_keyed_dropout_keeps_only_its_keys_for_the_backward(backend, per_element):
     """Issue 60, item 3: a dropout site's backward recomputes its mask from the [B] row keys; before,
     each site kept a bool mask of its input's size (and, compiled, the partitioner saved it too, since
     the backward's mask and the forward's were one expression). The gradients are those of
@@ -199,7 +200,7 @@ def test_keyed_dropout_keeps_only_its_keys_for_the_backward(backend):
 
     def saved(dropout: float) -> int:
         model = tiny("bert", hidden_dropout=dropout, attention_dropout=0.0).train()
-        key = keyed_dropout.install(model.hf_model, seed=1)
+        key = keyed_dropout.install(model.hf_model, seed=1, per_element=per_element)
         model.fixed_predictions = True
         forward = torch.compile(model, backend=backend) if backend else model
         key.set(torch.arange(16), step=1)
@@ -300,12 +301,15 @@ def test_deprecated_eval_batches_becomes_a_sequence_count_once(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_compiled_keyed_dropout_writes_no_mask_or_hash_to_memory():
+@pytest.mark.parametrize("hash_per", ["element", "pair"])
+def test_compiled_keyed_dropout_writes_no_mask_and_per_element_no_hash_to_memory(hash_per):
     """Issue 84, item 3: the H200 profile of 2026-11-28 found each dropout site's hash a kernel of its
     own (56-67 us at BERT-base's shape), an int64 hash a pair of elements and a bool mask written out
     and read back, forward and backward. Inductor decides what to write out while lowering, the same
     on any device but for two limits, set here to a GPU's: compiled on the CPU, a BERT model's forward
-    and backward allocate no int64 or bool buffer of a site's size, and drop the units eager drops."""
+    and backward allocate no bool buffer of a site's size; with ``impl.dropout_hash=per_element`` no
+    int64 one either, with ``per_pair`` one hash a pair (half a site's size). Either way they drop the
+    units eager drops."""
     import math
     import re
 
@@ -317,7 +321,7 @@ def test_compiled_keyed_dropout_writes_no_mask_or_hash_to_memory():
     ids = torch.randint(5, SPECIAL.vocab_size, (rows, length), generator=torch.Generator().manual_seed(3))
     positions = torch.arange(0, rows * length, 7)
     model = tiny("bert", hidden_dropout=0.1, attention_dropout=0.0).train()
-    key = keyed_dropout.install(model.hf_model, seed=1)
+    key = keyed_dropout.install(model.hf_model, seed=1, per_element=hash_per == "element")
     model.fixed_predictions = True
     key.set(torch.arange(rows), step=1)
     eager = model(ids, None, positions, ids.reshape(-1)[positions])[0]
@@ -336,5 +340,8 @@ def test_compiled_keyed_dropout_writes_no_mask_or_hash_to_memory():
         for size, dtype in re.findall(r"empty_strided_cpu\(\((.*?)\), \(.*?\), torch\.(\w+)\)", code):
             numel = math.prod(int(v) for v in size.split(",") if v.strip())
             if dtype in ("int64", "bool") and numel >= rows * length * hidden // 2:
-                written.append((size, dtype))
-    assert written == []
+                written.append((numel, dtype))
+    if hash_per == "element":
+        assert written == []
+    else:  # the forward's sites and their recomputation in the backward
+        assert written and set(written) == {(rows * length * hidden // 2, "int64")}, written
