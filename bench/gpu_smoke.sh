@@ -322,36 +322,27 @@ if selected micro-batch; then
   else record "skipped check micro-batch (needs the bert-base-auto-micro run)"; fi
   close micro-batch check:micro-batch
 fi
-# impl.precision=fp8 at base.yaml's real shape beside the bf16 run (issue 84, item 4): the same losses
-# within float8's rounding, and what the float8 matmuls gain.
-if selected fp8; then
+# beside_real_shape UNIT RUN CHECK OVERRIDE...: base.yaml at its real shape with OVERRIDE, beside the run
+# without it (bert-base-accum), compared by gpu_smoke_checks.py's CHECK: the same losses within the
+# change's band, and what it gains.
+beside_real_shape() {
+  local unit=$1 name=$2 fn=$3; shift 3
   ran bert-base-accum || RUN_CONFIG=configs/base.yaml run bert-base-accum 1 "${REAL_BATCH[@]}"
-  RUN_CONFIG=configs/base.yaml run bert-base-accum-fp8 1 "${REAL_BATCH[@]}" impl.precision=fp8
-  if ran bert-base-accum bert-base-accum-fp8; then
-    check fp8 fp8 "$WORK/runs/bert-base-accum" "$WORK/runs/bert-base-accum-fp8"
-  else record "skipped check fp8 (needs the bert-base-accum and bert-base-accum-fp8 runs)"; fi
-  close fp8 check:fp8
-fi
-# impl.dropout_hash=per_element at base.yaml's real shape beside the default per_pair (issue 84, item 3): what
-# keeping keyed dropout's hash out of memory gains against hashing every element.
+  RUN_CONFIG=configs/base.yaml run "$name" 1 "${REAL_BATCH[@]}" "$@"
+  if ran bert-base-accum "$name"; then check "$unit" "$fn" "$WORK/runs/bert-base-accum" "$WORK/runs/$name"
+  else record "skipped check $unit (needs the bert-base-accum and $name runs)"; fi
+  close "$unit" "check:$unit"
+}
+# impl.precision=fp8 (issue 84, item 4): within float8's rounding, what the float8 matmuls gain.
+if selected fp8; then beside_real_shape fp8 bert-base-accum-fp8 fp8 impl.precision=fp8; fi
+# impl.dropout_hash=per_element beside the default per_pair (issue 84, item 3): what keeping keyed
+# dropout's hash out of memory gains against hashing every element.
 if selected dropout-hash; then
-  ran bert-base-accum || RUN_CONFIG=configs/base.yaml run bert-base-accum 1 "${REAL_BATCH[@]}"
-  RUN_CONFIG=configs/base.yaml run bert-base-accum-per-element 1 "${REAL_BATCH[@]}" impl.dropout_hash=per_element
-  if ran bert-base-accum bert-base-accum-per-element; then
-    check dropout-hash dropout_hash "$WORK/runs/bert-base-accum" "$WORK/runs/bert-base-accum-per-element"
-  else record "skipped check dropout-hash (needs the bert-base-accum and bert-base-accum-per-element runs)"; fi
-  close dropout-hash check:dropout-hash
+  beside_real_shape dropout-hash bert-base-accum-per-element dropout_hash impl.dropout_hash=per_element
 fi
-# impl.autotune_kernels=true at base.yaml's real shape beside the default compile (issue 84, item 3): what
-# inductor's timed kernel choice (GELU and the bias in the matmuls' epilogues) gains, at what compile time.
-if selected autotune; then
-  ran bert-base-accum || RUN_CONFIG=configs/base.yaml run bert-base-accum 1 "${REAL_BATCH[@]}"
-  RUN_CONFIG=configs/base.yaml run bert-base-accum-autotune 1 "${REAL_BATCH[@]}" impl.autotune_kernels=true
-  if ran bert-base-accum bert-base-accum-autotune; then
-    check autotune autotune "$WORK/runs/bert-base-accum" "$WORK/runs/bert-base-accum-autotune"
-  else record "skipped check autotune (needs the bert-base-accum and bert-base-accum-autotune runs)"; fi
-  close autotune check:autotune
-fi
+# impl.autotune_kernels=true (issue 84, item 3): what inductor's timed kernel choice (GELU and the bias in
+# the matmuls' epilogues) gains; its compile's cost is the run's time.
+if selected autotune; then beside_real_shape autotune bert-base-accum-autotune autotune impl.autotune_kernels=true; fi
 # BERT-base at sequence 128 (configs/base.yaml: compiled, fused AdamW, ZeRO 1, fixed-count masking, BERT's
 # hidden dropout 0.1): its MFU is the figure to set beside the anchors' (NVIDIA's BERT phase 1: about 45%
 # of an A100's bf16 peak).
