@@ -7,14 +7,14 @@ hash of (train.seed, step, the site's name, the row's sample id, the element's p
 the same mixing function that keys the MLM masks (``pretrain.model.masking._mix32``). A row then gets
 the same mask in any batch, at any world size or micro-batch: results match up to summation order.
 
-Cost: eagerly, one 32-bit hash (three multiply/xor-shift rounds) gives a pair of elements their two
-16-bit draws, ~20 passes over memory per site; under ``torch.compile`` each element takes its half of
-its pair's hash on its own, so that the whole site (hash, compare, scale, multiply) is one fused
-kernel with the bias, residual and LayerNorm around it and no mask is written to memory (the same
-bits either way). Nothing here is a
-Python number that changes per step: the step and the batch's sample ids enter as device tensors,
-``DropoutKey.site_keys``, set once per micro-batch, so the compiled graph is traced once and has no
-break at a dropout site. The arithmetic is int64 with explicit 32-bit masks rather than wrapping int32,
+Cost: one 32-bit hash (three multiply/xor-shift rounds) gives a pair of elements their two 16-bit
+draws. Eagerly that is ~20 passes over memory per site; under ``torch.compile`` the site (compare,
+scale, multiply) fuses with the bias, residual and LayerNorm around it, and the hash either is written
+out once a pair and read back (``impl.dropout_hash: per_pair``) or is computed by each element inside
+that kernel (``per_element``, see ``DropoutKey``); no mask is written, and the bits are the same
+either way. Nothing here is a Python number that changes per step: the step and the batch's sample
+ids enter as device tensors (``DropoutKey.row_keys``, and ``site_keys`` per element), set once per
+micro-batch, so the compiled graph is traced once and has no break at a dropout site. The arithmetic is int64 with explicit 32-bit masks rather than wrapping int32,
 whose overflow PyTorch leaves undefined: eager and compiled give the same bits (tested against inductor
 on the CPU), so a resume that compiles where the first run did not (``impl.compile: auto``) drops the
 same units.
@@ -101,8 +101,9 @@ class DropoutKey:
                 for d in self._dropped
             }
             self.columns = _prepared_columns(self.column_count, ids.device)
-        self.site_keys = _prepared(_mix32(self.row_keys[None, :] ^ self._sites[:, None]))
-        self.backward_site_keys = self.site_keys.clone()
+        if self.per_element:
+            self.site_keys = _prepared(_mix32(self.row_keys[None, :] ^ self._sites[:, None]))
+            self.backward_site_keys = self.site_keys.clone()
 
     def columns_for(self, half: int) -> torch.Tensor:
         """[half] int64: the first ``half`` positions' prepared hashes, from ``columns`` where it holds them."""
@@ -131,9 +132,10 @@ def keep_mask(site_keys: torch.Tensor, columns: torch.Tensor, bounds: torch.Tens
     elements two draws, its low half to the even one, its high half to the odd one: half the hashing
     eagerly, p to within 2**-16.
 
-    The pair's hash is broadcast over the pair, not computed once and read twice: compiled, inductor
-    then recomputes it per element inside the one fused kernel (its ops, ~22, under inductor's 30 for
-    writing a broadcast value out), and no mask or hash is written to memory."""
+    The pair's hash is broadcast over the pair, not computed once and read twice, so that compiled no
+    mask is written to memory; from the key's tables (``DropoutKey.per_element``) the hash's ops, ~22,
+    stay under inductor's 30 for writing a broadcast value out, and each element recomputes it inside
+    the one fused kernel."""
     rows, per_row = shape[0], shape[1:].numel()
     half = (per_row + 1) // 2
     h = mix32_after_first_shift(site_keys[:, None, None] ^ columns[None, :half, None])  # [rows, half, 1]
@@ -187,7 +189,7 @@ class KeyedDropout(nn.Module):
         if self.p >= 1.0:
             return x * 0.0
         key = self.key
-        if key.site_keys is None or key.site_keys.shape[1] != x.shape[0] or len(key.site_keys) <= self.index:
+        if key.row_keys is None or key.row_keys.shape[0] != x.shape[0] or len(key.site_ids) <= self.index:
             raise RuntimeError(
                 f"dropout site {self.site}: the batch's sample ids were not set for this input "
                 f"of {x.shape[0]} rows (DropoutKey.set before the forward)"

@@ -138,13 +138,14 @@ def test_keyed_dropout_traces_once_without_graph_breaks(arch, dropouts):
     assert len(set(losses)) == 3  # the masks did change per step
 
 
-def test_keyed_dropouts_units_are_those_runs_before_2026_11_28_dropped():
+@pytest.mark.parametrize("per_element", [False, True])
+def test_keyed_dropouts_units_are_those_runs_before_2026_11_28_dropped(per_element):
     """The masks' bits are part of a run's results: a run resumed across a change of how they are
     computed must drop the same units. Pinned to what the code before the key's per-row and
     per-position tables (2026-11-28) dropped for one site, three sample ids and one step."""
     import zlib
 
-    key = keyed_dropout.DropoutKey(seed=42, column_count=4096)
+    key = keyed_dropout.DropoutKey(seed=42, column_count=4096, per_element=per_element)
     drop = keyed_dropout.KeyedDropout(0.1, "bert.encoder.layer.3.output.dropout", key).train()
     key.set(torch.tensor([5, 123456789, 2**40 + 7]), step=1000)
     kept = drop(torch.ones(3, 16, 33)) != 0  # odd rows: the last pair's high half unused
@@ -152,11 +153,12 @@ def test_keyed_dropouts_units_are_those_runs_before_2026_11_28_dropped():
 
 
 @pytest.mark.slow
-def test_compiled_keyed_dropout_drops_the_same_units_as_eager():
+@pytest.mark.parametrize("per_element", [False, True])
+def test_compiled_keyed_dropout_drops_the_same_units_as_eager(per_element):
     """Inductor's fused kernel computes the same int64 hash bits as the eager ops: a run resumed with
-    compile where it ran eager (impl.compile: auto) drops the same units."""
+    compile where it ran eager (impl.compile: auto) drops the same units, either impl.dropout_hash."""
     torch._dynamo.reset()
-    key = keyed_dropout.DropoutKey(seed=3)
+    key = keyed_dropout.DropoutKey(seed=3, column_count=64, per_element=per_element)  # 8 x 16 x 33: 264 a row
     drop = keyed_dropout.KeyedDropout(0.1, "probe", key).train()
     compiled = torch.compile(drop)
     x = torch.randn(8, 16, 33)  # odd row length: the last half-hash split
@@ -211,7 +213,7 @@ def test_keyed_dropout_keeps_only_its_keys_for_the_backward(backend, per_element
     # 5 sites of 16 x 64 x 32 would keep 163,840 bytes of masks; the keys are 16 int64 per site
     assert saved(0.1) - saved(0.0) <= 5 * 16 * 8, (saved(0.1), saved(0.0))
 
-    key = keyed_dropout.DropoutKey(seed=3)
+    key = keyed_dropout.DropoutKey(seed=3, per_element=True)  # its tables, which keep_mask takes
     drop = keyed_dropout.KeyedDropout(0.1, "probe", key).train()
     key.set(torch.arange(8) * 7, step=2)
     x = torch.randn(8, 16, 33, requires_grad=True)
