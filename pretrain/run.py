@@ -163,6 +163,7 @@ def build_engine(
     choose_micro_batch(model, cfg, info, precision, manifest.seq_len)
     per_element = cfg.impl.dropout_hash == "per_element"
     model.dropout_key = keyed_dropout.install(model.hf_model, cfg.train.seed, per_element)  # the same at any layout
+    model.dropout_key.prepare(info.device)
     model.fixed_predictions = cfg.masking.fixed_count
     choose_attention(model, cfg, info, precision, manifest.seq_len)
     engine, scheduler, ds_config, optimizer = eng.initialize(model, cfg, info, precision, node_local)

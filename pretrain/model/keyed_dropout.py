@@ -88,19 +88,23 @@ class DropoutKey:
         self._dropped.add(dropped)
         return len(self.site_ids) - 1
 
+    def prepare(self, device: torch.device) -> None:
+        """The tables on ``device``, once: the only copies from the host (the trainer calls it before
+        its first step; ``set`` does on a device it has none for)."""
+        device = torch.empty(0, device=device).device  # "cuda" as the tensors name it: "cuda:0"
+        self._sites = torch.tensor(self.site_ids, dtype=torch.int64, device=device)
+        # an even element keeps where its hash's low half is >= dropped, an odd one its high half
+        self.bounds = {
+            d: torch.tensor([[0xFFFF, d], [_M32, d << 16]], dtype=torch.int64, device=device) for d in self._dropped
+        }
+        self.columns = _prepared_columns(self.column_count, device)
+
     def set(self, sample_ids: torch.Tensor, step: int) -> None:
         head = _absorb(0x9E3779B9, derive_seed("dropout", self.seed, int(step)))  # a Python int
         ids = sample_ids.long()
         self.row_keys = _absorb(torch.full_like(ids, head), ids)
         if self._sites is None or self._sites.device != ids.device or len(self._sites) != len(self.site_ids):
-            # once a device: the only copies from the host, and the columns' hashing
-            self._sites = torch.tensor(self.site_ids, dtype=torch.int64, device=ids.device)
-            # an even element keeps where its hash's low half is >= dropped, an odd one its high half
-            self.bounds = {
-                d: torch.tensor([[0xFFFF, d], [_M32, d << 16]], dtype=torch.int64, device=ids.device)
-                for d in self._dropped
-            }
-            self.columns = _prepared_columns(self.column_count, ids.device)
+            self.prepare(ids.device)
         if self.per_element:
             self.site_keys = _prepared(_mix32(self.row_keys[None, :] ^ self._sites[:, None]))
             self.backward_site_keys = self.site_keys.clone()
