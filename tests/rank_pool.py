@@ -280,6 +280,15 @@ class RankPool:
             ) from None
         RANKS_CPU_S["reported"] += done["cpu_s"]
         cmd = [sys.executable, "-m", module, *job["args"]]
+        if master_port is not None:  # the launch the pool stands in for: DeepSpeed's per-node launcher there
+            cmd = [
+                sys.executable,
+                "-m",
+                "deepspeed.launcher.launch",
+                f"--master_port={master_port}",
+                "--module",
+                *cmd[2:],
+            ]
         completed = subprocess.CompletedProcess(cmd, done["done"], out.read_text(), err.read_text())
         out.unlink()
         err.unlink()

@@ -105,8 +105,10 @@ def test_a_hang_writes_every_ranks_stacks_exits_3_and_the_relaunch_resumes_exact
     )
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert time.monotonic() - t0 < 300
-    # Each rank freed its shared-memory buffer on the way out: none new is left that nobody maps.
-    left = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - shm_before - mapped_files()
+    # Each rank freed its shared-memory buffer on the way out: none of this run's is left that nobody
+    # maps (named by its master port: other workers' killed runs may leave theirs meanwhile).
+    (port,) = [a.split("=", 1)[1] for a in proc.args if str(a).startswith("--master_port=")]
+    left = set(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")) - shm_before - mapped_files()
     assert not left, left
     stacks = {r: (tmp_path / f"hang-rank{r}.txt").read_text() for r in (0, 1)}
     assert "hang_for_test" in stacks[1] and "after step 13" in stacks[1]
