@@ -67,6 +67,7 @@ class Run:
     status: str = "FAILED"  # what the tracker marks the run with when fit returns
     latest: dict = field(default_factory=dict)  # the last value of every metric, for the summary
     cuda_graphs: bool = False  # the compiled step replays as CUDA graphs (impl.cuda_graphs)
+    precision: str = ""  # as impl.precision resolved
     started: float = field(default_factory=time.perf_counter)  # this job's
     seconds_before: float = 0.0  # the run's wall seconds before this job (the resumed checkpoint's)
 
@@ -331,6 +332,7 @@ def build_run(
         scheduler=built.scheduler,
         state=TrainState(config=configlib.redact(configlib.to_dict(cfg))),  # a checkpoint holds no credentials
         resolved_yaml=configlib.dump_yaml(as_trained(cfg, model)),
+        precision=precision,
     )
     resume_from = eng.rank0_value(resume_from)  # the first rank chose it, holding the run lock
     if resume_from:

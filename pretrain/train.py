@@ -65,8 +65,10 @@ from pretrain.runtime.exit_codes import NONFINITE as EXIT_NONFINITE
 from pretrain.runtime.exit_codes import REQUEUE as EXIT_REQUEUE
 from pretrain.runtime.exit_codes import SPIKES as EXIT_SPIKES
 from pretrain.runtime.profiling import StepProfiler
+from pretrain.runtime.step_speed import step_probe
 from pretrain.step import LogWindow, StepResult, StopSignal, train_step
 from pretrain.tracking import console
+from pretrain.tracking.heartbeat import Heartbeat
 
 log = logging.getLogger("pretrain")
 
@@ -75,7 +77,7 @@ def fit(run: Run) -> int:
     """The loop: one optimiser step, then what is due after it (log, evaluate, probe, checkpoint)."""
     cfg, state, info = run.cfg, run.state, run.info
     grad_accum, seq_len = cfg.grad_accum_steps(info.world), run.manifest.seq_len
-    watchdog, health, guard, profiler = step_watchers(run)
+    watch = step_watchers(run)
     try:
         emit_probe_baselines(run)
         batches, window, nonfinite_in_a_row = iter(run.stream), LogWindow(info.device), 0
@@ -84,24 +86,23 @@ def fit(run: Run) -> int:
         while state.step < cfg.train.max_steps:
             # one step: read, mask, forward, backward, update (per-layer health when due)
             run.engine.train()
-            watchdog.step_started()
-            profiler.before_step(state.step)
+            watch.step_started(state.step)
             t_start = time.perf_counter()
             micro = bad_input.next_micro_batches(batches, grad_accum, run.special, cfg.impl.micro_batch_size, seq_len)
             faults.at_step(micro, run.special, info.rank, state.step + 1)  # test-only (runtime/faults.py)
             t_data = time.perf_counter()
             will_log = (state.step + 1) % cfg.train.log_every == 0 or state.step + 1 == cfg.train.max_steps
-            check_health = health.due(state.step + 1)
+            check_health = watch.health.due(state.step + 1)
             defer = not (will_log or check_health or does_more_than_train(run, state.step + 1))
-            before_step = health.before_step if check_health else None
+            before_step = watch.health.before_step if check_health else None
             result = train_step(run.step_parts, state.step, micro, will_log, before_step, deferred, defer)
             if check_health:
-                run.tracker.log_metrics(health.after_step(state.step + 1), state.step + 1)
+                run.tracker.log_metrics(watch.health.after_step(state.step + 1), state.step + 1)
             state.step += 1
             state.samples_consumed = result.samples_after = run.stream.samples_consumed
             state.tokens_seen += cfg.train.global_batch_size * seq_len
             window.add(result, time.perf_counter() - t_start, t_data - t_start)
-            watchdog.step_done(state.step, time.perf_counter() - t_start)
+            watch.step_done(state.step, time.perf_counter() - t_start)
 
             # what the steps decided, in order: this one's, and the one before if it read nothing
             decided = [r for r in (deferred, result) if r is not None and r.numbers is not None]
@@ -110,10 +111,10 @@ def fit(run: Run) -> int:
                 nonfinite_in_a_row = nonfinite_in_a_row + 1 if done.nonfinite else 0
                 if (code := exit_code_for(run, done, nonfinite_in_a_row)) is not None:
                     return code
-                if spike := (guard.check(done.loss, run.state, done.step) if guard else None):
+                if spike := (watch.guard.check(done.loss, run.state, done.step) if watch.guard else None):
                     break
             if spike:  # a loss spike (its first and last step): back to the checkpoint before it, past its samples
-                batches = recover_from_spike(run, guard, spike, batches, done.samples_after)
+                batches = recover_from_spike(run, watch.guard, spike, batches, done.samples_after)
                 if batches is None:
                     return EXIT_SPIKES
                 window, deferred = LogWindow(info.device), None
@@ -125,23 +126,68 @@ def fit(run: Run) -> int:
         finish(run)
         return 0
     except Exception as exc:
-        watchdog.exit_if_hung(exc)  # a peer that exited 3 for a hang breaks this rank's collective
+        watch.watchdog.exit_if_hung(exc)  # a peer that exited 3 for a hang breaks this rank's collective
         raise
     finally:
-        profiler.stop(state.step)
-        watchdog.stop()
+        watch.stop(state.step)
         run.tracker.finish(run.status)  # flushes what it buffered and marks the run
 
 
-def step_watchers(run: Run) -> tuple[HangWatchdog, LayerHealth, SpikeGuard | None, StepProfiler]:
-    """What watches the steps: the hang watchdog, per-layer health, the spike guard, the profiler."""
+@dataclasses.dataclass
+class Watchers:
+    """What watches the steps: the hang watchdog, per-layer health, the spike guard, the profiler, and
+    the line said when the run has been quiet for a while."""
+
+    watchdog: HangWatchdog
+    health: LayerHealth
+    guard: SpikeGuard | None
+    profiler: StepProfiler
+    heartbeat: Heartbeat
+
+    def step_started(self, done: int) -> None:
+        """A step begins after ``done`` steps."""
+        self.watchdog.step_started()
+        self.profiler.before_step(done)
+        self.heartbeat.step_started(done + 1)
+
+    def step_done(self, step: int, seconds: float) -> None:
+        self.watchdog.step_done(step, seconds)
+        self.heartbeat.step_done(step, seconds)
+
+    def stop(self, step: int) -> None:
+        self.profiler.stop(step)
+        self.watchdog.stop()
+        self.heartbeat.stop()
+
+
+def step_watchers(run: Run) -> Watchers:
     cfg, info = run.cfg, run.info
-    return (
+    return Watchers(
         HangWatchdog(cfg.train.hang_timeout_s, cfg.train.out_dir, info.rank, run.tracker),
         LayerHealth(run.engine, cfg.train.health_every, cfg.impl.zero_stage),
         spike_guard_of(run),
         StepProfiler.of(cfg, info.rank, info.device),
+        heartbeat_of(run),
     )
+
+
+def heartbeat_of(run: Run) -> Heartbeat:
+    """On the first rank, a line when nothing was said for ``train.progress_every_s``; the first step's
+    time kept by device, model shape and what the first step does (compiling, in which mode)."""
+    cfg, info = run.cfg, run.info
+    compiled = bool(getattr(run.engine, "is_compiled", False))
+    first_step = "compiling the model with torch.compile" if compiled else "warming up"
+    if compiled and cfg.impl.autotune_kernels:
+        first_step += ", inductor's kernels chosen by timing (impl.autotune_kernels)"
+    if compiled and run.cuda_graphs:
+        first_step += ", recorded as CUDA graphs"
+    shape = step_probe(run.model, 1, run.manifest.seq_len, cfg.masking.rate).shape
+    key = (
+        f"{hardware.device_key(info.device)}|{shape}|{run.precision}|{first_step}|micro={cfg.impl.micro_batch_size}"
+        f"x{cfg.grad_accum_steps(info.world)}|seq={run.manifest.seq_len}|world={info.world}|zero={cfg.impl.zero_stage}"
+    )
+    every_s = cfg.train.progress_every_s if info.rank == 0 else 0.0
+    return Heartbeat(every_s, run.state.step, cfg.train.max_steps, cfg.train.log_every, first_step, key)
 
 
 def spike_guard_of(run: Run) -> SpikeGuard | None:

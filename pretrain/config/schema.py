@@ -166,6 +166,9 @@ class TrainConfig:
     # No step finished for this long: every rank writes its stacks to the run folder and the job
     # exits 3 (requeue). 0: automatic, max(300 s, 20 x the median step time); -1: off.
     hang_timeout_s: float = 0.0
+    # A line on the first rank whenever none of the run's own came for this long: the step of the
+    # total, its time and what is left (the first step, compiling: its time the last time). 0: off.
+    progress_every_s: float = 60.0
     health_every: int = 0  # per-layer grad/param/update norms every N steps; 0 = off
 
     def check(self) -> list[str]:
@@ -183,6 +186,7 @@ class TrainConfig:
             "export_every",
             "halt_at_step",
             "health_every",
+            "progress_every_s",
         ):
             if getattr(self, name) < 0:
                 p.append(f"{name}: must be >= 0, got {getattr(self, name)}")

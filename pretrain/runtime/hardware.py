@@ -264,6 +264,12 @@ def gpu_table_peak(name: str, precision: str) -> Optional[tuple[float, str]]:
     return None
 
 
+def device_key(device: torch.device) -> str:
+    """What a timing cached for this device is keyed by, before the shape and settings it times."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_info()["model"]
+    return f"{device.type}|{name}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+
+
 def default_cache_path() -> Path:
     root = os.environ.get("MLM_PRETRAIN_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mlm-pretrain"

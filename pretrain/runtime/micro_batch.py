@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from pretrain.runtime.hardware import cpu_info, default_cache_path, timed_once
+from pretrain.runtime.hardware import default_cache_path, device_key, timed_once
 from pretrain.runtime.step_speed import probe_inputs
 
 log = logging.getLogger("pretrain")
@@ -60,11 +60,7 @@ def choose(
 ) -> tuple[int, str]:
     """(the micro-batch, why, with the timings): from the cache, or timed now and cached."""
     path = cache_path or default_cache_path().with_name("micro_batch.json")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_info()["model"]
-    key = (
-        f"{device.type}|{name}|threads={torch.get_num_threads()}|torch={torch.__version__}|{shape}|{dtype}"
-        f"|seq={seq_len}|masking={masking_rate}|sizes={','.join(map(str, sizes))}"
-    )
+    key = f"{device_key(device)}|{shape}|{dtype}|seq={seq_len}|masking={masking_rate}|sizes={','.join(map(str, sizes))}"
     announce = (
         f"impl.micro_batch_size=auto: timing micro-batches of {', '.join(map(str, sizes))} sequences (once per "
         f"device and shape, then cached in {path})"
