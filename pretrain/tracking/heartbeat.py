@@ -88,7 +88,7 @@ class Heartbeat(logging.Handler):
     def _watch(self) -> None:
         while not self._stop.wait(min(5.0, self.every_s / 4)):
             if time.monotonic() - self.said_at >= self.every_s:
-                log.info("%s", self.line(time.monotonic()))
+                log.info("progress: %s", self.line(time.monotonic()))
 
     def line(self, now: float) -> str:
         """Where the run is, at ``now`` (``time.monotonic()``)."""

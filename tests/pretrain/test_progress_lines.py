@@ -86,7 +86,9 @@ def test_a_line_comes_only_when_the_run_has_said_nothing_for_that_long(tmp_path,
         assert said == []
         time.sleep(1.3)  # quiet: a line every half second
         said = [r.getMessage() for r in caplog.records if r.name == "pretrain"]
-        assert 1 <= len(said) <= 3 and all(s.startswith("step 1 of 1000, the first of this launch") for s in said), said
+        assert 1 <= len(said) <= 3 and all(
+            s.startswith("progress: step 1 of 1000, the first of this launch") for s in said
+        ), said
     finally:
         beat.stop()
     time.sleep(0.8)
@@ -104,7 +106,7 @@ def test_a_compiling_first_step_says_its_time_left_from_the_launch_before(shards
     assert first.returncode == 0, explain(first)
     said = first.stdout + first.stderr
     assert re.search(
-        r"step 1 of 2, the first of this launch \(compiling the model with torch.compile\): \d+m\d\ds so far \(none",
+        r"progress: step 1 of 2, the first of this launch \(compiling the model with torch.compile\): \d+m\d\ds so far \(none",
         said,
     ), said
     kept = json.loads((tmp_path / "cache" / "first_step.json").read_text())
@@ -120,7 +122,7 @@ def test_a_compiling_first_step_says_its_time_left_from_the_launch_before(shards
     seconds = round(record["seconds"])
     took = f"{seconds // 60}m{seconds % 60:02d}s"
     assert re.search(
-        rf"step 3 of 4, the first of this launch \(compiling the model with torch.compile\): \d+m\d\ds so far"
+        rf"progress: step 3 of 4, the first of this launch \(compiling the model with torch.compile\): \d+m\d\ds so far"
         rf"(; it took {took} here on {record['when']}: about \d+m\d\ds left|, longer than the {took} it took here)",
         said,
     ), said
