@@ -200,7 +200,10 @@ def choose_micro_batch(model: MLMModel, cfg: Config, info: eng.DistInfo, precisi
         sizes = micro_batch.candidates(cfg.train.global_batch_size, info.world, info.device.type)
         shape = step_probe(model, 1, seq_len, cfg.masking.rate).shape
         dtype = hardware.DTYPES[precision]
-        choice = micro_batch.choose(model, sizes, seq_len, cfg.masking.rate, dtype, info.device, shape)
+        held = micro_batch.engine_state_bytes(
+            eng.num_parameters(model), precision, cfg.impl.zero_stage, info.world, cfg.impl.offload_optimizer
+        )
+        choice = micro_batch.choose(model, sizes, seq_len, cfg.masking.rate, dtype, info.device, shape, held_bytes=held)
     size, why = eng.rank0_value(choice)
     cfg.impl.micro_batch_size = size
     log.info("micro-batch: %d sequences (%s)", size, why)

@@ -5,14 +5,15 @@ one line with the timings, cached; a run with it computes what the same run with
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
 import pytest
 
-from conftest import train
+from conftest import REPO, free_port, rank_pool, train
 from pretrain.config.schema import ConfigError, load_config
-from pretrain.runtime.micro_batch import candidates
+from pretrain.runtime.micro_batch import candidates, engine_state_bytes
 
 CHOSEN = re.compile(r"micro-batch: (\d+) sequences \(auto: \1, the most tokens a second of those timed \((.*)\)\)")
 RUN = [
@@ -61,3 +62,26 @@ def test_a_run_with_auto_times_chooses_says_and_trains_as_that_number_does(shard
     assert "cached in" in CHOSEN.search(again.stdout + again.stderr).group(2)
     train(shards, tmp_path / "fixed", *RUN, f"impl.micro_batch_size={chosen}", ranks=2, check=True)
     assert losses(tmp_path / "auto") == losses(tmp_path / "fixed") == losses(tmp_path / "again")
+
+
+@pytest.mark.slow
+def test_the_memory_held_for_the_engine_while_timing_is_what_deepspeed_holds_at_every_stage(tmp_path):
+    """On a GPU the timing holds the memory the engine's states will take, so that the micro-batch chosen
+    fits beside them (``engine_state_bytes``): at one and two ranks, every ZeRO stage, fp32 and bf16, it
+    is at least what DeepSpeed's engine holds after a step's backward beyond the weights and gradients
+    (every tensor storage counted, tests/engine_memory_worker.py), and at most 2 bytes a parameter more."""
+    layouts = [f"{stage}:{precision}" for precision in ("fp32", "bf16") for stage in range(4)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    rows = []
+    for ranks in (1, 2):
+        dump, worker = tmp_path / f"held{ranks}.json", "tests.engine_memory_worker"
+        args = ["--dump", str(dump), "--out-dir", str(tmp_path / f"run{ranks}"), *layouts]
+        proc = rank_pool(preload=(worker,)).run(worker, args, env, ranks, free_port() if ranks > 1 else None, 300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows += json.loads(dump.read_text())
+    assert len(rows) == 16
+    for row in rows:
+        params = row["parameters"]
+        estimate = engine_state_bytes(params, row["precision"], row["stage"], row["world"])
+        # the tiny model's buffers (position ids and the like) are ~0.07 bytes a parameter beside
+        assert row["held"] - 0.1 * params <= estimate <= row["held"] + 2 * params, (row, estimate / params)
