@@ -66,7 +66,7 @@ class DropoutKey:
     ``per_element`` (``impl.dropout_hash``): the sites take these tables, and compiled each element
     hashes in the kernel around it (twice the hashing, ~60 32-bit integer instructions an element on
     a GPU, and no memory); otherwise each site computes its keys and columns in the graph as before,
-    and inductor writes one hash a pair out and reads it back (4 bytes an element each way). The same
+    and inductor writes one int32 a pair out and reads it back (2 bytes an element each way). The same
     bits either way."""
 
     def __init__(self, seed: int, column_count: int = 0, per_element: bool = False):
@@ -129,7 +129,9 @@ def _prepared_columns(n: int, device: torch.device) -> torch.Tensor:
     return _prepared(_mix32(torch.arange(n, device=device) + _COLUMN_SALT))
 
 
-def keep_mask(site_keys: torch.Tensor, columns: torch.Tensor, bounds: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+def keep_mask(
+    site_keys: torch.Tensor, columns: torch.Tensor, bounds: torch.Tensor, shape: torch.Size, narrow: bool = False
+) -> torch.Tensor:
     """Bool mask of ``shape`` (rows first): True where an element is kept, i.e. where its 16-bit draw
     is at least the site's ``dropped`` (= round(p * 65536)). ``site_keys`` [rows], ``columns``
     [>= half] and ``bounds`` (the site's) from ``DropoutKey``. Each 32-bit hash gives a pair of
@@ -139,10 +141,12 @@ def keep_mask(site_keys: torch.Tensor, columns: torch.Tensor, bounds: torch.Tens
     The pair's hash is broadcast over the pair, not computed once and read twice, so that compiled no
     mask is written to memory; from the key's tables (``DropoutKey.per_element``) the hash's ops, ~22,
     stay under inductor's 30 for writing a broadcast value out, and each element recomputes it inside
-    the one fused kernel."""
+    the one fused kernel. Otherwise (``narrow``: the per-pair tables made in the graph) inductor writes
+    out the hash's first round, read twice by its xor-shift: as int32, 4 bytes a pair, not 8 (the same
+    bits; ``mix32_after_first_shift``)."""
     rows, per_row = shape[0], shape[1:].numel()
     half = (per_row + 1) // 2
-    h = mix32_after_first_shift(site_keys[:, None, None] ^ columns[None, :half, None])  # [rows, half, 1]
+    h = mix32_after_first_shift(site_keys[:, None, None] ^ columns[None, :half, None], narrow)  # [rows, half, 1]
     keep = ((h & bounds[:, 0]) >= bounds[:, 1]).reshape(rows, 2 * half)  # [rows, half, 2] flattened
     return keep[:, :per_row].reshape(shape)
 
@@ -159,19 +163,19 @@ class _KeyedDropoutFunction(torch.autograd.Function):
     registers when fused."""
 
     @staticmethod
-    def forward(ctx, x, site_keys, backward_site_keys, columns, bounds, scale: float):
+    def forward(ctx, x, site_keys, backward_site_keys, columns, bounds, scale: float, narrow: bool):
         # Compiled, the forward and the backward are one joint graph whose common subexpressions are
         # merged: the backward's mask made from the forward's keys would be the forward's mask, which
         # the partitioner then saves. The same keys in another tensor keep the recomputation apart.
         ctx.save_for_backward(backward_site_keys, columns, bounds)
-        ctx.scale = scale
-        return _scaled_where(keep_mask(site_keys, columns, bounds, x.shape), x, scale)
+        ctx.scale, ctx.narrow = scale, narrow
+        return _scaled_where(keep_mask(site_keys, columns, bounds, x.shape, narrow), x, scale)
 
     @staticmethod
     def backward(ctx, grad):
         site_keys, columns, bounds = ctx.saved_tensors
-        keep = keep_mask(site_keys, columns, bounds, grad.shape)
-        return _scaled_where(keep, grad, ctx.scale), None, None, None, None, None
+        keep = keep_mask(site_keys, columns, bounds, grad.shape, ctx.narrow)
+        return _scaled_where(keep, grad, ctx.scale), None, None, None, None, None, None
 
 
 class KeyedDropout(nn.Module):
@@ -205,7 +209,7 @@ class KeyedDropout(nn.Module):
             keys = tuple(_prepared(_mix32(k ^ self.site_id)) for k in (key.row_keys, key.row_keys | 0))
             columns = _prepared_columns(half, x.device) if torch.compiler.is_compiling() else key.columns_for(half)
         scale = 65536.0 / (65536 - self.dropped)  # unbiased for the p drawn
-        return _KeyedDropoutFunction.apply(x, *keys, columns, key.bounds[self.dropped], scale)
+        return _KeyedDropoutFunction.apply(x, *keys, columns, key.bounds[self.dropped], scale, not key.per_element)
 
 
 def keyed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

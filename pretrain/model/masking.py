@@ -135,15 +135,25 @@ def _mix32(x):
     return mix32_after_first_shift(x ^ (x >> 16))
 
 
-def mix32_after_first_shift(x):
+_MIX_ROUNDS = ((0x6C8E9CF5, 15), (0x2545F491, 16), (0x4F1BBCDD, 15))  # (odd multiplier, xor-shift)
+
+
+def mix32_after_first_shift(x, narrow_first: bool = False):
     """``_mix32`` given ``x ^ (x >> 16)``: the first xor-shift is linear, so for ``x = a ^ b`` it may
-    be taken of ``a`` and ``b`` apart (keyed dropout takes it once per row and per column)."""
-    x = (x * 0x6C8E9CF5) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x2545F491) & _M32
-    x = x ^ (x >> 16)
-    x = (x * 0x4F1BBCDD) & _M32
-    return x ^ (x >> 15)
+    be taken of ``a`` and ``b`` apart (keyed dropout takes it once per row and per column).
+    ``narrow_first`` (tensors): the first round's product is read by its xor-shift as int32, the same
+    bits, so that where a compiler writes that value out (its two readers) it writes 4 bytes, not 8."""
+    for i, (multiplier, shift) in enumerate(_MIX_ROUNDS):
+        x = (x * multiplier) & _M32
+        x = _xor_shift_from_int32(x, shift) if narrow_first and i == 0 else x ^ (x >> shift)
+    return x
+
+
+def _xor_shift_from_int32(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """``x ^ (x >> shift)`` for int64 ``x`` in [0, 2**32), both reads of ``x`` from one int32 of the same
+    32 bits (moved into int32's range first: no conversion out of range)."""
+    narrow = ((x ^ 0x80000000) - 0x80000000).to(torch.int32)  # x read once: the compiler keeps it in registers
+    return (narrow.long() & _M32) ^ ((narrow >> shift).long() & (_M32 >> shift))
 
 
 def _absorb(h, key):
