@@ -36,6 +36,7 @@ from pretrain.runtime.step_speed import step_probe
 from pretrain.step import StepParts, StopSignal, deferrable
 from pretrain.tracking import console, make_tracker, resume_log, run_params
 from pretrain.tracking.base import Tracker
+from pretrain.tracking.heartbeat import Heartbeat
 
 log = logging.getLogger("pretrain")
 
@@ -68,6 +69,7 @@ class Run:
     latest: dict = field(default_factory=dict)  # the last value of every metric, for the summary
     cuda_graphs: bool = False  # the compiled step replays as CUDA graphs (impl.cuda_graphs)
     precision: str = ""  # as impl.precision resolved
+    heartbeat: Optional[Heartbeat] = None  # the line said when the run has been quiet (fit's)
     started: float = field(default_factory=time.perf_counter)  # this job's
     seconds_before: float = 0.0  # the run's wall seconds before this job (the resumed checkpoint's)
 
@@ -100,6 +102,11 @@ class Run:
         return mlm_flops_per_sequence(
             self.model.hf_model.config, seq_len, masking_rate * seq_len, self.cfg.impl.sparse_head
         )
+
+    def doing(self, what: str) -> None:
+        """What the run does between steps, for the line said when it has been quiet for long."""
+        if self.heartbeat is not None:
+            self.heartbeat.doing(what)
 
     def emit(self, metrics: dict, step: int, suffix: str = "") -> None:
         if metrics:

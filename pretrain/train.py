@@ -162,12 +162,13 @@ class Watchers:
 
 def step_watchers(run: Run) -> Watchers:
     cfg, info = run.cfg, run.info
+    run.heartbeat = heartbeat_of(run)
     return Watchers(
         HangWatchdog(cfg.train.hang_timeout_s, cfg.train.out_dir, info.rank, run.tracker),
         LayerHealth(run.engine, cfg.train.health_every, cfg.impl.zero_stage),
         spike_guard_of(run),
         StepProfiler.of(cfg, info.rank, info.device),
-        heartbeat_of(run),
+        run.heartbeat,
     )
 
 
@@ -237,8 +238,10 @@ def log_evaluate_probe(run: Run, window: LogWindow, result: StepResult, will_log
             metrics, step, f" left={console.time_left(cfg.train.max_steps - step, metrics[names.PERF_STEP_TIME_S])}"
         )
     if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or last:
+        run.doing("evaluating on the held-out set")
         run.emit(evaluate(run.engine, cfg, run.special, run.info), step, eval_note(cfg))
     if run.tasks and probe_due(step, cfg.eval.downstream_every, cfg.train.eval_every, last):
+        run.doing("the downstream probe")
         run.probe(step)
 
 
@@ -315,6 +318,7 @@ def checkpoint_and_decide_exit(run: Run, result: StepResult, window: LogWindow, 
     if stop or halting or last or periodic:
         run.state.log_window = window.state_dict()
         export = last or bool(cfg.train.export_every and step % cfg.train.export_every == 0)
+        run.doing("checkpointing" + (" and exporting" if export else ""))
         checkpoint(run, export, final=last)
     if stop:
         log.warning(
@@ -345,6 +349,7 @@ def finish(run: Run) -> None:
         if run.mirror is not None:
             run.mirror.upload_folder(final_export_dir(cfg.train.out_dir), last=files.EXPORT_SOURCE)
     if run.info.rank == 0 and cfg.tracking.report:
+        run.doing("writing the run's report")
         report = report_at_end(cfg, run.manifest, run.tracker)  # never raises; logged as the run's report/ artifact
         if report is not None and run.mirror is not None:
             run.mirror.upload_folder(report)

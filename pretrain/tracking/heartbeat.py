@@ -81,6 +81,10 @@ class Heartbeat(logging.Handler):
             self.step_seconds.append(seconds)
         self.steps_this_launch += 1
 
+    def doing(self, what: str) -> None:
+        """Between steps, what the run does now (evaluating, checkpointing), timed from here."""
+        self.phase, self.since = f"after step {self.step} of {self.max_steps}: {what}", time.monotonic()
+
     def stop(self) -> None:
         self._stop.set()
         log.removeHandler(self)

@@ -58,6 +58,8 @@ def test_later_steps_say_their_time_the_next_log_line_and_the_end(tmp_path):
     assert beat.line(beat.since + 70) == "step 2 of 1000: 1m10s into it; the time a step takes is known after this one"
     beat.step_done(2, 2.0)
     assert beat.line(beat.since + 65) == "after step 2 of 1000: logging, evaluating or checkpointing, 1m05s so far"
+    beat.doing("checkpointing and exporting")  # timed from when it began
+    assert beat.line(beat.since + 61) == "after step 2 of 1000: checkpointing and exporting, 1m01s so far"
     for step in range(3, 38):
         beat.step_started(step)
         beat.step_done(step, 3.0 if step % 2 else 4.0)
