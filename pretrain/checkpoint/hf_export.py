@@ -31,6 +31,7 @@ from pretrain.checkpoint.checkpointing import checkpoint_root, latest_complete_t
 from pretrain.checkpoint.files import COMPLETE, EXPORT_SOURCE, FINAL_EXPORT, HF_CONFIG_FILE, TOKENIZER_DIR
 from pretrain.checkpoint.reshard import consolidate, read_layout
 from pretrain.runtime import engine as eng
+from pretrain.runtime.launcher import accelerator_env
 from pretrain.tracking import console
 
 log = logging.getLogger("pretrain")
@@ -194,6 +195,7 @@ def main(argv=None) -> int:
     p.add_argument("out_dir")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    accelerator_env(os.environ)  # without a GPU, DeepSpeed (read for ZeRO files) is told so instead of warning
     try:
         out = export_checkpoint(args.checkpoint, None, args.out_dir)
     except (FileNotFoundError, RuntimeError) as exc:
