@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Optional
 
@@ -57,10 +59,13 @@ from pretrain.checkpoint.files import (
 from pretrain.checkpoint.nodes import NodeLayout, needed_by
 from pretrain.runtime import faults
 from pretrain.runtime.exit_codes import MIRROR_BEHIND
+from pretrain.tracking.console import duration
 
 log = logging.getLogger("pretrain")
 NODE_WAIT_S = 1800.0  # the other nodes upload as much as the first, at the same time: a node gone quiet
 NODE_POLL_S = 0.5  # that long is dead (and so is the job), or its failure was not even writable
+PROGRESS_S = 30.0  # a wait for uploads or a download says how far along it is this often
+MIB = 1 << 20
 
 
 def mirror_problems(url: str) -> list[str]:
@@ -104,6 +109,10 @@ class CheckpointMirror:
         self.newest_mirrored: Optional[str] = None
         self.failed: list[str] = []
         self.behind: dict[str, str] = {}  # folders (the export, the report) whose upload failed
+        # each upload queued or running: [its folder's name, bytes to send, bytes sent] (for ``wait``'s lines)
+        self._transfers: dict[int, list] = {}
+        self._jobs = itertools.count()
+        self._sent_total = 0  # bytes every upload of this run sent
 
     def catch_up(self, root: Path, export: Path) -> None:
         """At start: what an earlier job of this run left on local disk only (stopped during an upload)
@@ -141,12 +150,37 @@ class CheckpointMirror:
         """Start uploading the complete checkpoint ``folder`` (its tag folder)."""
         with self._lock:
             self._queued.append(folder.name)
-        self._pending.append(self._pool.submit(self._upload, Path(folder)))
+        try:
+            size = sum(want["size"] for want in self._files_to_put(Path(folder)).values())
+        except (OSError, ValueError, KeyError, TypeError):  # the upload itself says what is wrong
+            size = 0
+        job = self._expect(folder.name, size)
+        self._pending.append(self._pool.submit(self._upload, Path(folder), job))
 
-    def _upload(self, folder: Path) -> None:
+    def _expect(self, name: str, size: int) -> int:
+        with self._lock:
+            job = next(self._jobs)
+            self._transfers[job] = [name, size, 0]
+        return job
+
+    def _sent(self, job: int, path: Path) -> None:
+        size = path.stat().st_size
+        with self._lock:
+            self._sent_total += size
+            if job in self._transfers:
+                self._transfers[job][2] += size
+
+    def _upload(self, folder: Path, job: int) -> None:
+        try:
+            self._upload_checkpoint(folder, job)
+        finally:
+            with self._lock:
+                self._transfers.pop(job, None)
+
+    def _upload_checkpoint(self, folder: Path, job: int) -> None:
         tag = folder.name
         try:
-            self._put_folder(folder, tag)
+            self._put_folder(folder, tag, job)
         except (StorageError, OSError, UnsafeName) as exc:
             if not folder.is_dir() and self._superseded(tag):  # keep_checkpoints removed it; a newer one follows
                 log.info("checkpoint mirror: %s was replaced locally before its upload ended; skipped", tag)
@@ -162,17 +196,25 @@ class CheckpointMirror:
         except (StorageError, OSError) as exc:
             log.warning("checkpoint mirror: removing old checkpoints from %s failed (%s)", self.url, exc)
 
-    def _put_folder(self, folder: Path, tag: str) -> None:
+    def _files_to_put(self, folder: Path) -> dict:
+        """The checkpoint's files this rank uploads, as its file list names them: all on the first rank,
+        on another node's first rank its own ranks' shards."""
+        listed = json.loads((folder / FILE_LIST).read_text())["files"]
+        if self.nodes.rank == 0:
+            return listed
+        return {name: want for name, want in listed.items() if rank_of_file(name) is not None}
+
+    def _put_folder(self, folder: Path, tag: str, job: int) -> None:
         """Every file, then the file list, COMPLETE and ``latest``: the mirror's own commit order. On
         another node: its ranks' shards, then its listing."""
         if self.nodes.rank != 0:
-            self._put_node_files(folder, tag)
+            self._put_node_files(folder, tag, job)
             return
-        listed = json.loads((folder / FILE_LIST).read_text())["files"]
+        listed = self._files_to_put(folder)
         for done, name in enumerate(sorted(listed), 1):
-            self.store.put_file(
-                inside(folder, name, str(folder / FILE_LIST)), f"{tag}/{name}", listed[name]["sha256"], keep_local=True
-            )
+            path = inside(folder, name, str(folder / FILE_LIST))
+            self.store.put_file(path, f"{tag}/{name}", listed[name]["sha256"], keep_local=True)
+            self._sent(job, path)
             faults.mirror_upload(tag, done)  # test-only
         if not self.nodes.shared:
             listed = {**listed, **self._other_nodes_files(tag)}
@@ -180,20 +222,16 @@ class CheckpointMirror:
         self.store.put_file(folder / COMPLETE, f"{tag}/{COMPLETE}", sha256_file(folder / COMPLETE), keep_local=True)
         self.store.write_bytes(LATEST, tag.encode())
 
-    def _put_node_files(self, folder: Path, tag: str) -> None:
+    def _put_node_files(self, folder: Path, tag: str, job: int) -> None:
         """This node's ranks' shards, then their listing (or why they are not there: the first rank
         stops waiting for them)."""
         listing = f"{tag}/{NODE_LISTINGS}/rank{self.nodes.rank:05d}.json"
         try:
-            listed = json.loads((folder / FILE_LIST).read_text())["files"]
-            listed = {name: want for name, want in listed.items() if rank_of_file(name) is not None}
+            listed = self._files_to_put(folder)
             for name in sorted(listed):
-                self.store.put_file(
-                    inside(folder, name, str(folder / FILE_LIST)),
-                    f"{tag}/{name}",
-                    listed[name]["sha256"],
-                    keep_local=True,
-                )
+                path = inside(folder, name, str(folder / FILE_LIST))
+                self.store.put_file(path, f"{tag}/{name}", listed[name]["sha256"], keep_local=True)
+                self._sent(job, path)
         except (StorageError, OSError, UnsafeName) as exc:
             with contextlib.suppress(StorageError):
                 self.store.write_bytes(listing, json.dumps({"failed": str(exc)}).encode())
@@ -226,9 +264,21 @@ class CheckpointMirror:
         export without it is unfinished). The first rank's."""
         if self.nodes.rank != 0:
             return
-        self._pending.append(self._pool.submit(self._upload_folder, Path(folder), last))
+        try:
+            size = sum(p.stat().st_size for p in plain_files(Path(folder))[0])
+        except OSError:  # the upload itself says what is wrong
+            size = 0
+        job = self._expect(Path(folder).name, size)
+        self._pending.append(self._pool.submit(self._upload_folder, Path(folder), last, job))
 
-    def _upload_folder(self, folder: Path, last: Optional[str]) -> None:
+    def _upload_folder(self, folder: Path, last: Optional[str], job: int) -> None:
+        try:
+            self._put_plain_folder(folder, last, job)
+        finally:
+            with self._lock:
+                self._transfers.pop(job, None)
+
+    def _put_plain_folder(self, folder: Path, last: Optional[str], job: int) -> None:
         found, others = plain_files(folder)
         if others:  # nothing a link points to leaves the run folder
             log.warning(
@@ -242,12 +292,26 @@ class CheckpointMirror:
             for path in files + ([folder / last] if last else []):
                 name = f"{folder.name}/{path.relative_to(folder).as_posix()}"
                 self.store.put_file(path, name, sha256_file(path), keep_local=True)
+                self._sent(job, path)
         except (StorageError, OSError) as exc:
             self.behind[folder.name] = f"{folder.name}/ ({exc})"
             log.warning("checkpoint mirror: uploading %s failed (%s)", folder, exc)
             return
         self.behind.pop(folder.name, None)
         log.info("checkpoint mirror: %s is in %s", folder.name, self.store.url(folder.name))
+
+    def _waiting_line(self, waited: float, sent: int) -> str:
+        """How far along the uploads a run's end waits for are: what is left, the rate since the wait
+        began and the time left at it."""
+        with self._lock:
+            names = sorted({name for name, _, _ in self._transfers.values()})
+            left = sum(max(0, size - done) for _, size, done in self._transfers.values())
+        rate = max(sent, 0) / max(waited, 1e-9)
+        eta = f"about {duration(left / rate)} left" if sent >= MIB else "under 1 MiB sent in the wait: no rate yet"
+        return (
+            f"checkpoint mirror: waiting for the uploads to {self.url} ({', '.join(names) or 'their last files'}): "
+            f"{left / MIB:,.1f} MiB left, {sent / MIB:,.1f} MiB sent in {waited:.0f} s ({rate / MIB:,.1f} MiB/s), {eta}"
+        )
 
     def _superseded(self, tag: str) -> bool:
         with self._lock:
@@ -276,10 +340,16 @@ class CheckpointMirror:
             self.store.delete_folder(tag)
 
     def wait(self) -> Optional[str]:
-        """Wait for every upload; None when the newest queued checkpoint is in the mirror, else a line
-        that says what is behind."""
+        """Wait for every upload, saying every ``PROGRESS_S`` how far along they are; None when the newest
+        queued checkpoint is in the mirror, else a line that says what is behind."""
+        started, sent_before = time.monotonic(), self._sent_total
         for future in self._pending:
-            future.result()
+            while True:
+                try:
+                    future.result(timeout=PROGRESS_S)
+                    break
+                except FutureTimeout:
+                    log.info("%s", self._waiting_line(time.monotonic() - started, self._sent_total - sent_before))
         self._pool.shutdown(wait=True)
         newest = max(self._queued, default=None)
         if newest is not None and newest != self.newest_mirrored:
@@ -357,8 +427,10 @@ def _download(store: Store, tag: str, folder: Path, wanted: dict) -> Optional[st
     this call wrote are removed)."""
     complete = (folder / COMPLETE).is_file()
     written: list[Path] = []
+    meter = _DownloadMeter(store.url(tag), sum(want["size"] for want in wanted.values()))
     try:
         for name, want in sorted(wanted.items()):
+            meter.file_done(want["size"])  # said when PROGRESS_S has passed: the file before this one is in
             target = inside(folder, name, FILE_LIST)
             if target.is_file() and target.stat().st_size == want["size"] and sha256_file(target) == want["sha256"]:
                 continue
@@ -383,6 +455,28 @@ def _download(store: Store, tag: str, folder: Path, wanted: dict) -> Optional[st
             shutil.rmtree(folder, ignore_errors=True)
         return str(exc)
     return None
+
+
+class _DownloadMeter:
+    """A download of a checkpoint says how far along it is every ``PROGRESS_S``: MiB of the total, the
+    rate and the time left (counted by whole files)."""
+
+    def __init__(self, url: str, total: int):
+        self.url, self.total, self.done, self.pending = url, total, 0, 0
+        self.started = self.said = time.monotonic()
+
+    def file_done(self, next_size: int) -> None:
+        """The file before is in (or was already here); ``next_size`` bytes are next."""
+        self.done, self.pending = self.done + self.pending, next_size
+        now = time.monotonic()
+        if now - self.said >= PROGRESS_S:
+            self.said = now
+            rate = self.done / (now - self.started)
+            left = f"about {duration((self.total - self.done) / rate)} left" if self.done >= MIB else "no rate yet"
+            _say(
+                f"downloading {self.url}: {self.done / MIB:,.1f} of {self.total / MIB:,.1f} MiB "
+                f"({self.done / max(self.total, 1):.0%}, {rate / MIB:,.1f} MiB/s), {left}"
+            )
 
 
 def _say(message: str) -> None:

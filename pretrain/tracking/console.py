@@ -148,6 +148,11 @@ def time_left(steps_left: int, seconds_per_step: float) -> str:
     return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
+def duration(seconds: float) -> str:
+    """``1m05s``, ``2h03m``: a wait's length or what is left of it, in the progress lines' format."""
+    return time_left(1, seconds)
+
+
 def summary(state, cfg, run_s: float, job_s: float, last_metrics: dict, tracker) -> str:
     """The end-of-run summary: what was done (in the run's time, every job of it; this job's beside it
     when there were others), where it is."""

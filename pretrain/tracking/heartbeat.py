@@ -23,14 +23,10 @@ from pathlib import Path
 from typing import Optional
 
 from pretrain.runtime import hardware
-from pretrain.tracking.console import time_left
+from pretrain.tracking.console import duration
 
 log = logging.getLogger("pretrain")
 RATE_OVER = 20  # the time a step takes: the mean of the last this many (the first step of a launch apart)
-
-
-def duration(seconds: float) -> str:
-    return time_left(1, seconds)
 
 
 class Heartbeat(logging.Handler):
