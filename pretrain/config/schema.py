@@ -242,8 +242,8 @@ class ImplConfig:
     sparse_head: bool = True  # the MLM head only at masked positions
     # Keyed dropout's hash, compiled (pretrain.model.keyed_dropout.DropoutKey; the same bits either way).
     # per_pair: one int32 a pair of elements (the hash's first round), which inductor writes out and reads
-    # back (2 bytes an element each way); per_element: each element hashes inside the kernel around it, the mask never in memory,
-    # for twice the integer arithmetic. per_pair until a GPU lease measures per_element at the real shape
+    # back (2 bytes an element each way); per_element: each element hashes inside the kernel around it,
+    # the mask never in memory, for twice the integer arithmetic. per_pair until a GPU lease measures per_element at the real shape
     # (bench/gpu_smoke.sh's dropout-hash unit; the H200 profile of 2026-11-28 found the hash kernels).
     dropout_hash: Literal["per_pair", "per_element"] = "per_pair"
     # The decoder and the cross-entropy fused in row chunks, no [N, V] log-softmax kept

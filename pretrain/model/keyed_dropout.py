@@ -141,9 +141,9 @@ def keep_mask(
     The pair's hash is broadcast over the pair, not computed once and read twice, so that compiled no
     mask is written to memory; from the key's tables (``DropoutKey.per_element``) the hash's ops, ~22,
     stay under inductor's 30 for writing a broadcast value out, and each element recomputes it inside
-    the one fused kernel. Otherwise (``narrow``: the per-pair tables made in the graph) inductor writes
-    out the hash's first round, read twice by its xor-shift: as int32, 4 bytes a pair, not 8 (the same
-    bits; ``mix32_after_first_shift``)."""
+    the one fused kernel. Otherwise (``narrow``: compiled, the per-pair tables made in the graph)
+    inductor writes out the hash's first round, read twice by its xor-shift: as int32, 4 bytes a pair,
+    not 8 (the same bits; ``mix32_after_first_shift``; eagerly it would only add passes)."""
     rows, per_row = shape[0], shape[1:].numel()
     half = (per_row + 1) // 2
     h = mix32_after_first_shift(site_keys[:, None, None] ^ columns[None, :half, None], narrow)  # [rows, half, 1]
@@ -209,7 +209,9 @@ class KeyedDropout(nn.Module):
             keys = tuple(_prepared(_mix32(k ^ self.site_id)) for k in (key.row_keys, key.row_keys | 0))
             columns = _prepared_columns(half, x.device) if torch.compiler.is_compiling() else key.columns_for(half)
         scale = 65536.0 / (65536 - self.dropped)  # unbiased for the p drawn
-        return _KeyedDropoutFunction.apply(x, *keys, columns, key.bounds[self.dropped], scale, not key.per_element)
+        # the int32 hand-off only pays where inductor writes the value out; eagerly it is 5 more passes
+        narrow = not key.per_element and torch.compiler.is_compiling()
+        return _KeyedDropoutFunction.apply(x, *keys, columns, key.bounds[self.dropped], scale, narrow)
 
 
 def keyed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
