@@ -46,6 +46,7 @@ from data_prep.common.atomic import write_atomic
 from data_prep.common.paths import UnsafeName, inside, name_problem, plain_files
 from data_prep.common.shards import sha256_file
 from data_prep.common.storage import StorageError, Store, open_store
+from data_prep.progress import MIB
 from pretrain.checkpoint.files import (
     COMPLETE,
     EXPORT_SOURCE,
@@ -65,7 +66,6 @@ log = logging.getLogger("pretrain")
 NODE_WAIT_S = 1800.0  # the other nodes upload as much as the first, at the same time: a node gone quiet
 NODE_POLL_S = 0.5  # that long is dead (and so is the job), or its failure was not even writable
 PROGRESS_S = 30.0  # a wait for uploads or a download says how far along it is this often
-MIB = 1 << 20
 
 
 def mirror_problems(url: str) -> list[str]:
@@ -154,14 +154,23 @@ class CheckpointMirror:
             size = sum(want["size"] for want in self._files_to_put(Path(folder)).values())
         except (OSError, ValueError, KeyError, TypeError):  # the upload itself says what is wrong
             size = 0
-        job = self._expect(folder.name, size)
-        self._pending.append(self._pool.submit(self._upload, Path(folder), job))
+        self._submit(folder.name, size, self._upload, Path(folder))
 
-    def _expect(self, name: str, size: int) -> int:
+    def _submit(self, name: str, size: int, work, *args) -> None:
+        """``work(*args, job)`` in the uploader's thread, its ``size`` bytes counted as a transfer (for
+        ``wait``'s lines) until it ends, whatever the outcome."""
         with self._lock:
             job = next(self._jobs)
             self._transfers[job] = [name, size, 0]
-        return job
+
+        def run() -> None:
+            try:
+                work(*args, job)
+            finally:
+                with self._lock:
+                    self._transfers.pop(job, None)
+
+        self._pending.append(self._pool.submit(run))
 
     def _sent(self, job: int, path: Path) -> None:
         size = path.stat().st_size
@@ -171,13 +180,6 @@ class CheckpointMirror:
                 self._transfers[job][2] += size
 
     def _upload(self, folder: Path, job: int) -> None:
-        try:
-            self._upload_checkpoint(folder, job)
-        finally:
-            with self._lock:
-                self._transfers.pop(job, None)
-
-    def _upload_checkpoint(self, folder: Path, job: int) -> None:
         tag = folder.name
         try:
             self._put_folder(folder, tag, job)
@@ -268,17 +270,9 @@ class CheckpointMirror:
             size = sum(p.stat().st_size for p in plain_files(Path(folder))[0])
         except OSError:  # the upload itself says what is wrong
             size = 0
-        job = self._expect(Path(folder).name, size)
-        self._pending.append(self._pool.submit(self._upload_folder, Path(folder), last, job))
+        self._submit(Path(folder).name, size, self._upload_folder, Path(folder), last)
 
     def _upload_folder(self, folder: Path, last: Optional[str], job: int) -> None:
-        try:
-            self._put_plain_folder(folder, last, job)
-        finally:
-            with self._lock:
-                self._transfers.pop(job, None)
-
-    def _put_plain_folder(self, folder: Path, last: Optional[str], job: int) -> None:
         found, others = plain_files(folder)
         if others:  # nothing a link points to leaves the run folder
             log.warning(
