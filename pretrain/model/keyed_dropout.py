@@ -100,14 +100,23 @@ class DropoutKey:
         self.columns = _prepared_columns(self.column_count, device)
 
     def set(self, sample_ids: torch.Tensor, step: int) -> None:
+        """The micro-batch's keys, written into the tensors of the one before where their shapes agree.
+
+        A compiled model reaches these tensors through a module's attribute, which dynamo takes as a
+        static input: a CUDA graph (``impl.cuda_graphs``) reads it at the address it was recorded
+        with, and where the address changes inductor records the graph again, on every call, counting
+        no skip (``StaticInputIdxMismatch`` in ``torch/_inductor/cudagraph_trees.py``; the H200 lease
+        of 2026-11-28 ran graphs at 0.158x). Each micro-batch's forward and backward end before the
+        next ``set``, so nothing still reads the values overwritten."""
         head = _absorb(0x9E3779B9, derive_seed("dropout", self.seed, int(step)))  # a Python int
         ids = sample_ids.long()
-        self.row_keys = _absorb(torch.full_like(ids, head), ids)
+        self.row_keys = _write_over(self.row_keys, _absorb(torch.full_like(ids, head), ids))
         if self._sites is None or self._sites.device != ids.device or len(self._sites) != len(self.site_ids):
             self.prepare(ids.device)
         if self.per_element:
-            self.site_keys = _prepared(_mix32(self.row_keys[None, :] ^ self._sites[:, None]))
-            self.backward_site_keys = self.site_keys.clone()
+            site_keys = _prepared(_mix32(self.row_keys[None, :] ^ self._sites[:, None]))
+            self.site_keys = _write_over(self.site_keys, site_keys)
+            self.backward_site_keys = _write_over(self.backward_site_keys, site_keys.clone())  # apart
 
     def columns_for(self, half: int) -> torch.Tensor:
         """[half] int64: the first ``half`` positions' prepared hashes, from ``columns`` where it holds them."""
@@ -117,6 +126,13 @@ class DropoutKey:
         if not torch.compiler.is_compiling():
             self.columns = columns
         return columns
+
+
+def _write_over(kept: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """``new``'s values in ``kept`` (the same address) where shape and device agree, else ``new``."""
+    if kept is None or kept.shape != new.shape or kept.device != new.device:
+        return new
+    return kept.copy_(new)
 
 
 def _prepared(x: torch.Tensor) -> torch.Tensor:
