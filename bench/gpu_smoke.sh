@@ -40,7 +40,8 @@
 #                 timed as cuBLAS and as inductor's templates, bias and GELU in their epilogues) beside
 #                 bert-base-accum: the same losses to bf16 round-off, tokens/s and MFU (the compile's cost: the run times)
 #   graphs        bert-base (one micro-batch a step) with impl.cuda_graphs=true: the compiled forward and backward
-#                 replayed as CUDA graphs; the same losses to bf16 round-off, tokens/s against bert-base's
+#                 replayed as CUDA graphs; the same losses to bf16 round-off, tokens/s against bert-base's,
+#                 and no graph recorded again or left unused (the run's "cuda graphs:" warnings)
 #   bert-base-nodrop  the same without dropout: what keyed dropout costs in base.yaml's step
 # before them, bench/gpu_smoke_checks.py checks the optimisers and the flash SDPA kernel directly,
 # bench/mlm_loss.py times the fused MLM loss (every run's default) against the plain one at a GPU batch;

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.common import format_table  # noqa: E402
 from pretrain import metric_names as names  # noqa: E402
+from pretrain.runtime import graph_records  # noqa: E402
 
 
 def peak() -> str:
@@ -153,10 +154,13 @@ def graphs(eager_dir: str, graphs_dir: str, rtol: float = 2e-2) -> str:
     backward replayed as CUDA graphs (``impl.cuda_graphs=true``): the same losses to bf16 round-off
     (the largest relative difference printed, under ``rtol``), and the graphs' tokens/s against eager's."""
     want, _, worst, ours, mfu, theirs = _beside("graphs", eager_dir, graphs_dir, "the run without graphs", rtol)
-    return (
-        f"graphs: {len(want)} logged losses within {worst:.1e} of the run without graphs; "
-        f"{ours:,.0f} tokens/s ({100 * mfu:.1f}% MFU), {ours / theirs:.3f}x without graphs"
-    )
+    said = f"graphs: {len(want)} logged losses within {worst:.1e} of the run without graphs; "
+    said += f"{ours:,.0f} tokens/s ({100 * mfu:.1f}% MFU), {ours / theirs:.3f}x without graphs"
+    # what inductor did that a replay should not need, as the run said it (pretrain/runtime/graph_records.py)
+    records = graph_records.seen((Path(graphs_dir) / "stdout.log").read_text(errors="replace").splitlines())
+    if records:
+        raise SystemExit(f"{said}; but " + "; ".join(f"{kind} {n} times: {why}" for (kind, why), n in records.items()))
+    return said
 
 
 def fp8(bf16_dir: str, fp8_dir: str, rtol: float = 2e-2) -> str:

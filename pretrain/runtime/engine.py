@@ -28,7 +28,7 @@ from pretrain.config.loader import ConfigError
 from pretrain.config.schema import Config, batch_size_problems
 from pretrain.model.optim import build_optimizer
 from pretrain.model.schedule import lr_schedule
-from pretrain.runtime import deepspeed_patches, hardware
+from pretrain.runtime import deepspeed_patches, graph_records, hardware
 from pretrain.runtime.deepspeed_patches import give_decision as give_decision  # the step's doors to them
 from pretrain.runtime.deepspeed_patches import will_skip_update as will_skip_update
 from pretrain.runtime.launcher import GIVEN_DEVICES
@@ -327,6 +327,8 @@ def compile_engine(engine, cuda_graphs: bool, autotune: bool = False) -> None:
         (False, True): "max-autotune-no-cudagraphs",
         (True, True): "max-autotune",
     }[(cuda_graphs, autotune)]
+    if cuda_graphs:
+        graph_records.watch()  # inductor says on its debug log only when it records a graph again
     engine.compile(compile_kwargs={"mode": mode} if mode else {})
 
 

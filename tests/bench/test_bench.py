@@ -538,10 +538,16 @@ def test_smoke_yardsticks_check_puts_ours_beside_hf_and_the_bare_loop(shards, tm
         "one micro-batch a step: deferred reads 400,000 tokens/s (40.0% MFU), at once 380,000 (40.0%): 1.053x"
     )
     # the graphed run beside the eager one: the same losses, and its speed against eager's
+    runs["ours"].joinpath("stdout.log").write_text("2026-11-28 22:00:00,000 INFO step 10 ...\n")
     assert graphs(str(runs["at_once"]), str(runs["ours"])) == (
         "graphs: 3 logged losses within 0.0e+00 of the run without graphs; 400,000 tokens/s (40.0% MFU), "
         "1.053x without graphs"
     )
+    # ... and fails where the run said its graphs were recorded again (the last count said of each reason)
+    again = "WARNING cuda graphs: recorded again ({n} so far): forward fwd: static input data pointer changed"
+    runs["ours"].joinpath("stdout.log").write_text("".join(again.format(n=n) + "\n" for n in (1, 100, 200)))
+    with pytest.raises(SystemExit, match=r"1.053x without graphs; but recorded again 200 times: forward fwd: static"):
+        graphs(str(runs["at_once"]), str(runs["ours"]))
     diverged = tmp_path / "diverged"
     diverged.mkdir()
     diverged.joinpath("metrics.jsonl").write_text(

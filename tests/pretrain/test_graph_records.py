@@ -1,0 +1,50 @@
+"""CUDA graphs recorded again or not used are said on the run's log (``impl.cuda_graphs``): inductor
+says so only on its debug log, and a graph recorded again because a static input moved counts as no
+skip (the H200's 0.158x of 2026-11-28 left nothing in the log). Inductor records graphs only on a
+GPU; here its own loggers and its own message functions carry what it would say there."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch._inductor import cudagraph_trees, cudagraph_utils
+
+from pretrain.runtime import graph_records
+
+
+def moved_input_reason() -> str:
+    """Inductor's reason for a static input whose address moved (``log_data_ptr_mismatch``)."""
+    placeholder = cudagraph_utils.PlaceholderInfo("primals_7", None, [], None)
+    moved = torch.zeros(4)
+    return cudagraph_utils.log_data_ptr_mismatch(
+        [placeholder],
+        [moved],
+        [moved.data_ptr() + 64],
+        [0],
+        cudagraph_utils.CheckInvariantStatus.StaticInputIdxMismatch,
+    )
+
+
+def test_graphs_recorded_again_and_not_used_are_warnings_with_their_reason_and_count(caplog):
+    graph_records.watch()
+    graph_records.watch()  # a second engine in the process: still one line each
+    reason = moved_input_reason()
+    with caplog.at_level(logging.INFO, logger="pretrain"):
+        cudagraph_trees.log.debug("[0/0] Recording function=forward, mode=FORWARD, cuda_graph_id=0, inputs: 3")
+        for _ in range(graph_records.EVERY):
+            cudagraph_trees.log.debug(
+                "[%s] Re-recording function=%s, mode=%s, reason=%s", "0/0", "forward", "FORWARD", reason
+            )
+        cudagraph_utils.log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to mutated inputs (2 instances)")
+    said = [r.getMessage() for r in caplog.records if r.name == "pretrain"]
+    assert said == [
+        "cuda graphs: recorded again (1 so far): forward forward: static input data pointer changed (primals_7 moved)",
+        "cuda graphs: recorded again (100 so far): forward forward: static input data pointer changed (primals_7 moved)",
+        "cuda graphs: not used (1 so far): mutated inputs (2 instances)",
+    ]
+    assert all(r.levelno == logging.WARNING for r in caplog.records if r.name == "pretrain")
+    assert graph_records.seen(["x " + line for line in said]) == {
+        ("recorded again", "forward forward: static input data pointer changed (primals_7 moved)"): 100,
+        ("not used", "mutated inputs (2 instances)"): 1,
+    }
