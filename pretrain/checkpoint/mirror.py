@@ -60,7 +60,7 @@ from pretrain.checkpoint.files import (
 from pretrain.checkpoint.nodes import NodeLayout, needed_by
 from pretrain.runtime import faults
 from pretrain.runtime.exit_codes import MIRROR_BEHIND
-from pretrain.tracking.console import duration
+from pretrain.tracking.console import ByteMeter, duration
 
 log = logging.getLogger("pretrain")
 NODE_WAIT_S = 1800.0  # the other nodes upload as much as the first, at the same time: a node gone quiet
@@ -421,10 +421,12 @@ def _download(store: Store, tag: str, folder: Path, wanted: dict) -> Optional[st
     this call wrote are removed)."""
     complete = (folder / COMPLETE).is_file()
     written: list[Path] = []
-    meter = _DownloadMeter(store.url(tag), sum(want["size"] for want in wanted.values()))
+    total = sum(want["size"] for want in wanted.values())
+    meter = ByteMeter(f"downloading {store.url(tag)}", total, _say, every_s=PROGRESS_S)  # by whole files
     try:
         for name, want in sorted(wanted.items()):
-            meter.file_done(want["size"])  # said when PROGRESS_S has passed: the file before this one is in
+            meter.tick()
+            meter.add(want["size"])
             target = inside(folder, name, FILE_LIST)
             if target.is_file() and target.stat().st_size == want["size"] and sha256_file(target) == want["sha256"]:
                 continue
@@ -449,28 +451,6 @@ def _download(store: Store, tag: str, folder: Path, wanted: dict) -> Optional[st
             shutil.rmtree(folder, ignore_errors=True)
         return str(exc)
     return None
-
-
-class _DownloadMeter:
-    """A download of a checkpoint says how far along it is every ``PROGRESS_S``: MiB of the total, the
-    rate and the time left (counted by whole files)."""
-
-    def __init__(self, url: str, total: int):
-        self.url, self.total, self.done, self.pending = url, total, 0, 0
-        self.started = self.said = time.monotonic()
-
-    def file_done(self, next_size: int) -> None:
-        """The file before is in (or was already here); ``next_size`` bytes are next."""
-        self.done, self.pending = self.done + self.pending, next_size
-        now = time.monotonic()
-        if now - self.said >= PROGRESS_S:
-            self.said = now
-            rate = self.done / (now - self.started)
-            left = f"about {duration((self.total - self.done) / rate)} left" if self.done >= MIB else "no rate yet"
-            _say(
-                f"downloading {self.url}: {self.done / MIB:,.1f} of {self.total / MIB:,.1f} MiB "
-                f"({self.done / max(self.total, 1):.0%}, {rate / MIB:,.1f} MiB/s), {left}"
-            )
 
 
 def _say(message: str) -> None:

@@ -34,11 +34,13 @@ import torch.distributed as dist
 from pretrain.checkpoint import safe_load
 from pretrain.checkpoint.files import LAYOUT_FILE, MODEL_STATES_FILE, UNIVERSAL_DIR, rank_files
 from pretrain.runtime import hardware
+from pretrain.tracking.console import ByteMeter
 
 log = logging.getLogger("pretrain")
 
 
 _DONE = "conversion.json"  # written last into the universal folder
+PROGRESS_S = 30.0  # a conversion reading or writing says how far along it is this often
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's and our LAMB's state besides "step"
 # Keys of a DeepSpeed model-states file that are DeepSpeed's, not the client's (as engine.load_checkpoint).
 _DEEPSPEED_KEYS = {
@@ -185,13 +187,13 @@ def _group_state(base: Any, group: int) -> tuple[dict, dict]:
     return base[group], {}  # DeepSpeed's "elastic" list of per-group states
 
 
-def _consolidate_flat_partitions(optim_files: list[Path], shapes: dict) -> tuple[dict, Any, list[dict]]:
+def _consolidate_flat_partitions(optim_files: list[Path], shapes: dict, load) -> tuple[dict, Any, list[dict]]:
     """ZeRO 1/2 and BF16_Optimizer: every rank holds one contiguous slice of each group's flat fp32
     buffer, and ``param_slice_mappings`` says where each parameter's fragment lies in it."""
     pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
     step, hyper = None, []
     for rank_file in optim_files:
-        osd = _load(rank_file)["optimizer_state_dict"]
+        osd = load(rank_file)["optimizer_state_dict"]
         hyper = []
         for g, mapping in enumerate(osd["param_slice_mappings"]):
             state, group_hyper = _group_state(osd["base_optimizer_state"], g)
@@ -210,7 +212,7 @@ def _consolidate_flat_partitions(optim_files: list[Path], shapes: dict) -> tuple
     return params, step, hyper
 
 
-def _consolidate_zero3(folder: Path) -> tuple[dict, Any, list[dict]]:
+def _consolidate_zero3(folder: Path, load) -> tuple[dict, Any, list[dict]]:
     """ZeRO 3: each parameter is cut into ``world`` pieces of ceil(numel / world), the last padded;
     a rank's flat group is its pieces of the group's parameters, one after another."""
     optim_files, model_files = rank_files(folder, "optim_states.pt"), rank_files(folder, "model_states.pt")
@@ -218,10 +220,10 @@ def _consolidate_zero3(folder: Path) -> tuple[dict, Any, list[dict]]:
     pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
     step, hyper, shapes = None, [], {}
     for rank, (opt_file, model_file) in enumerate(zip(optim_files, model_files)):
-        osd = _load(opt_file)["optimizer_state_dict"]
+        osd = load(opt_file)["optimizer_state_dict"]
         base = osd["optimizer_state_dict"]
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]]
-        for g, group_shapes in enumerate(_load(model_file)["param_shapes"]):
+        for g, group_shapes in enumerate(load(model_file)["param_shapes"]):
             state = base["state"].get(g, {})
             step = state.get("step", step)
             flat = {"fp32": osd["fp32_flat_groups"][g], **{k: state[k] for k in MOMENTS if k in state}}
@@ -261,16 +263,27 @@ def _consolidate_unpartitioned(model_states: dict, layout: dict) -> tuple[dict, 
 
 def consolidate(folder: Path, layout: dict) -> tuple[dict, Any, list[dict], dict]:
     """Full fp32 parameters and optimiser moments by parameter name, the optimiser step, the
-    per-group hyperparameters and rank 0's model-states dict (schedule, counters, client state)."""
+    per-group hyperparameters and rank 0's model-states dict (schedule, counters, client state).
+    Reading the files says how far along it is every ``PROGRESS_S``."""
     folder = Path(folder)
-    if layout["zero_stage"] == 3:
-        model_states = _load(rank_files(folder, "model_states.pt")[0])
-        params, step, hyper = _consolidate_zero3(folder)
+    zero3 = layout["zero_stage"] == 3
+    reading = rank_files(folder, "optim_states.pt")
+    reading += rank_files(folder, "model_states.pt") if zero3 else [folder / MODEL_STATES_FILE]
+    meter = ByteMeter(f"reading checkpoint {folder}", sum(f.stat().st_size for f in reading), log.info, PROGRESS_S)
+
+    def load(path: Path) -> Any:
+        meter.tick()
+        meter.add(path.stat().st_size)
+        return _load(path)
+
+    if zero3:
+        model_states = _load(rank_files(folder, "model_states.pt")[0])  # read again below, counted there
+        params, step, hyper = _consolidate_zero3(folder, load)
     else:
-        model_states = _load(folder / MODEL_STATES_FILE)
+        model_states = load(folder / MODEL_STATES_FILE)
         optim_files = rank_files(folder, "optim_states.pt")
         if optim_files:
-            params, step, hyper = _consolidate_flat_partitions(optim_files, layout["param_shapes"])
+            params, step, hyper = _consolidate_flat_partitions(optim_files, layout["param_shapes"], load)
         else:
             params, step, hyper = _consolidate_unpartitioned(model_states, layout)
     shards = len(rank_files(folder, "optim_states.pt"))
@@ -286,14 +299,19 @@ def consolidate(folder: Path, layout: dict) -> tuple[dict, Any, list[dict], dict
     return params, step, hyper, model_states
 
 
-def _write_universal(out: Path, params: dict, step: Any, hyper: list[dict], model_states: dict) -> None:
-    """DeepSpeed's universal layout, which its ZeRO and BF16 optimisers load at any world size."""
+def _write_universal(out: Path, params: dict, step: Any, hyper: list[dict], model_states: dict, source: Path) -> None:
+    """DeepSpeed's universal layout, which its ZeRO and BF16 optimisers load at any world size; says
+    how far along it is every ``PROGRESS_S`` (``source``: the checkpoint converted)."""
     import deepspeed
 
     zero = out / "zero"
+    total = sum(t.numel() * 4 for by_key in params.values() for t in by_key.values())  # written as fp32
+    meter = ByteMeter(f"writing checkpoint {source} in the universal layout", total, log.info, PROGRESS_S)
     for name, by_key in params.items():
         (zero / name).mkdir(parents=True)
         for key, tensor in by_key.items():
+            meter.tick()
+            meter.add(tensor.numel() * 4)
             torch.save({"param": tensor.float().contiguous()}, zero / name / f"{key}.pt")
         if step is not None:
             torch.save(step, zero / name / "step.pt")
@@ -323,7 +341,7 @@ def ensure_universal(
             tmp = out.parent / f"{out.name}.tmp{os.getpid()}"
             tmp.mkdir()
             params, step, hyper, model_states = consolidate(tag_folder, saved)
-            _write_universal(tmp, params, step, hyper, model_states)
+            _write_universal(tmp, params, step, hyper, model_states, tag_folder)
             (tmp / _DONE).write_text(json.dumps({"from": saved}, indent=1) + "\n")
             shutil.rmtree(out, ignore_errors=True)  # an incomplete one (no _DONE) cannot be trusted
             os.replace(tmp, out)

@@ -3,8 +3,8 @@
 Left alone, a run's console mixes our lines with DeepSpeed's INFO lines and op builds, torch's
 ``FutureWarning``s (``all_gather_into_tensor`` on every save) and transformers' load reports. Those
 go to ``<out_dir>/third_party-rank<N>.log`` instead; their errors still reach the console, and so do
-warnings from anything that is not known chatter. Also here: the time left in the progress line and
-the summary at the end of a run.
+warnings from anything that is not known chatter. Also here: the time left in the progress line, the
+progress of work counted in bytes, and the summary at the end of a run.
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ import contextlib
 import logging
 import os
 import sys
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
+from data_prep.progress import MIB
 from pretrain import metric_names as names
 
 OURS = ("pretrain", "data_prep")
@@ -151,6 +154,32 @@ def time_left(steps_left: int, seconds_per_step: float) -> str:
 def duration(seconds: float) -> str:
     """``1m05s``, ``2h03m``: a wait's length or what is left of it, in the progress lines' format."""
     return time_left(1, seconds)
+
+
+class ByteMeter:
+    """Work counted in bytes (a checkpoint downloaded, read or written) says how far along it is: at
+    most every ``every_s``, when ``tick`` is called with work still to do, ``say`` gets a line with the
+    MiB done of the total, the share, the rate and the time left."""
+
+    def __init__(self, label: str, total: int, say: Callable[[str], None], every_s: float = 30.0):
+        self.label, self.total, self.say, self.every_s = label, total, say, every_s
+        self.done = 0
+        self.started = self.said = time.monotonic()
+
+    def add(self, done: int) -> None:
+        self.done += done
+
+    def tick(self) -> None:
+        """Before the next piece of work: the line, if ``every_s`` has passed since the last one."""
+        now = time.monotonic()
+        if self.done and now - self.said >= self.every_s:
+            self.said = now
+            rate = self.done / max(now - self.started, 1e-9)
+            left = f"about {duration((self.total - self.done) / rate)} left" if self.done >= MIB else "no rate yet"
+            self.say(
+                f"{self.label}: {self.done / MIB:,.1f} of {self.total / MIB:,.1f} MiB "
+                f"({self.done / max(self.total, 1):.0%}, {rate / MIB:,.1f} MiB/s), {left}"
+            )
 
 
 def summary(state, cfg, run_s: float, job_s: float, last_metrics: dict, tracker) -> str:

@@ -14,8 +14,9 @@ m / sqrt(v) carries into the update and later steps grow: at most 4e-6 was seen 
 conversion. Zeroed moments moved the 2nd and 3rd losses after loading by 2e-4 and 5e-4, a
 schedule restarted from step 0 by 4e-4 at the 3rd.
 
-Time: about 20 s alone; up to a minute under the README's command, where it starts first beside
-the Slurm, study and demo modules: three worlds, stages and precisions each, forked from a rank pool."""
+Time: about 30 s alone; up to a minute and a half under the README's command, where it starts first
+beside the Slurm, study and demo modules: three worlds, stages and precisions each, forked from a rank
+pool."""
 
 from __future__ import annotations
 
@@ -124,6 +125,43 @@ def test_bf16_lamb_zero1_world2_to_stage0_world1(tmp_path):
     assert "saved at world 2 / ZeRO 1 / bf16; converting to world 1 / ZeRO 0 / bf16" in log
     assert_same_state(a["after"], b["before"])
     assert b["lr_before"] == a["lr_after"] and b["global_steps"] == 6
+
+
+@slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_conversion_says_how_far_along_its_reading_and_writing_are(tmp_path, monkeypatch, caplog, stage):
+    """Converting a large model's checkpoint takes minutes: its reading (the rank files, by bytes) and
+    its writing (every tensor of the universal layout) each say the MiB done of the total, the rate and
+    the time left, every ``PROGRESS_S`` (here every file and every tensor)."""
+    import re
+
+    import torch.distributed as dist
+
+    run = tmp_path / "run"
+    a, _ = leg(run, tmp_path / "a.pt", 2, stage, "--save")
+    tag = run / "checkpoints" / "step00000003"
+    monkeypatch.setattr(reshard, "PROGRESS_S", 0.0)
+    caplog.set_level("INFO", logger="pretrain")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        universal = reshard.ensure_universal(tag, reshard.read_layout(tag), out=tmp_path / "universal")
+    finally:
+        dist.destroy_process_group()
+    assert (universal / "conversion.json").is_file()
+    label = f"(reading checkpoint {tag}|writing checkpoint {tag} in the universal layout)"
+    line = label + r": ([\d.]+) of ([\d.]+) MiB \((\d+)%, [\d.]+ MiB/s\), (about \d+m\d\ds left|no rate yet)"
+    said = [m for r in caplog.records if r.name == "pretrain" and (m := re.fullmatch(line, r.getMessage()))]
+    reading = [m for m in said if m.group(1).startswith("reading")]
+    writing = [m for m in said if m.group(1).startswith("writing")]
+    files_mib = sum(f.stat().st_size for f in tag.glob("*_states.pt")) / (1 << 20)
+    params = sum(t.numel() for by_key in a["after"].values() for t in by_key.values())  # fp32 and both moments
+    # said before each file after the first (the ranks' optimiser files and the model's), and each tensor
+    files_read = len(list(tag.glob("*_states.pt")))
+    assert (len(reading), len(writing)) == (files_read - 1, sum(len(k) for k in a["after"].values()) - 1), said
+    for found, total_mib in ((reading, files_mib), (writing, params * 4 / (1 << 20))):
+        done = [float(m.group(2)) for m in found]
+        assert all(float(m.group(3)) == pytest.approx(total_mib, abs=0.06) for m in found), (found, total_mib)
+        assert done == sorted(done) and 0 < done[0] and done[-1] < total_mib, done
 
 
 def test_unconvertible_layouts_are_refused_before_start():
