@@ -11,6 +11,7 @@ test's ``graphs`` check reads these lines (``bench/gpu_smoke_checks.py``)."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections import Counter
 
@@ -50,12 +51,15 @@ class GraphRecords(logging.Handler):
 
 
 def watch() -> GraphRecords:
-    """Inductor's cudagraphs log, read by a ``GraphRecords`` (only ours prints: it does not propagate)."""
+    """Inductor's cudagraphs log, read by a ``GraphRecords``. Its debug lines (every recording, with
+    its inputs) stop there unless ``TORCH_LOGS`` asks for them: at DEBUG they would reach torch's own
+    handler, which prints every level."""
     loggers = [logging.getLogger(name) for name in INDUCTOR_LOGS]
     held = [h for h in loggers[0].handlers if isinstance(h, GraphRecords)]
     records = held[0] if held else GraphRecords()  # one a process, however many engines it compiles
     for inductor_log in loggers:
         inductor_log.setLevel(logging.DEBUG)
+        inductor_log.propagate = "cudagraphs" in os.environ.get("TORCH_LOGS", "")
         if records not in inductor_log.handlers:
             inductor_log.addHandler(records)
     return records

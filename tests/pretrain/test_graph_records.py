@@ -26,7 +26,20 @@ def moved_input_reason() -> str:
     )
 
 
-def test_graphs_recorded_again_and_not_used_are_warnings_with_their_reason_and_count(caplog):
+class Kept(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def test_graphs_recorded_again_and_not_used_are_warnings_with_their_reason_and_count(caplog, monkeypatch):
+    monkeypatch.delenv("TORCH_LOGS", raising=False)
+    torch_handlers = Kept()  # what torch's own handlers, which print every level, would be given
+    for name in ("torch", "torch._inductor", "torch._inductor.cudagraph_trees", "torch._inductor.cudagraph_utils"):
+        monkeypatch.setattr(logging.getLogger(name), "handlers", [*logging.getLogger(name).handlers, torch_handlers])
     graph_records.watch()
     graph_records.watch()  # a second engine in the process: still one line each
     reason = moved_input_reason()
@@ -44,6 +57,8 @@ def test_graphs_recorded_again_and_not_used_are_warnings_with_their_reason_and_c
         "cuda graphs: not used (1 so far): mutated inputs (2 instances)",
     ]
     assert all(r.levelno == logging.WARNING for r in caplog.records if r.name == "pretrain")
+    # inductor's own debug lines stay away from torch's handler, which would print them
+    assert not [line for line in torch_handlers.lines if "Recording function" in line], torch_handlers.lines
     assert graph_records.seen(["x " + line for line in said]) == {
         ("recorded again", "forward forward: static input data pointer changed (primals_7 moved)"): 100,
         ("not used", "mutated inputs (2 instances)"): 1,
