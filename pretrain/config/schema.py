@@ -272,7 +272,8 @@ class ImplConfig:
     # launch for a graph's kernels), where a step's host time decides (few micro-batches a step).
     # true: where CUDA is, compiled, masking.fixed_count, ZeRO 0-2 (ZeRO 3 moves the weights between
     # gathers); auto: off until a GPU lease has measured graphs against eager (bench/gpu_smoke.sh's
-    # graphs unit; docs/gpu-step.md); false: off.
+    # graphs unit; docs/gpu-step.md); false: off. A graph recorded again or not used is a warning on
+    # the run's log, with inductor's reason (pretrain.runtime.graph_records).
     cuda_graphs: Union[Literal["auto"], bool] = "auto"
     # CPU runs under glibc's malloc (no tcmalloc preloaded: pretrain.runtime.allocator): keep freed
     # memory for the next step (pretrain.runtime.hardware.keep_freed_cpu_memory): 10-20% faster steps on mini,
