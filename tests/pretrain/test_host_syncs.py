@@ -5,7 +5,8 @@ those reads counted by call site. On a step that logs nothing, our code waits fo
 that decide the update are read by the next step (``pretrain/step.py``, "Deferred reads"); DeepSpeed's
 own waits are asserted by stage, each named in docs/gpu-step.md.
 
-Time: about 3-4 minutes: real trainer runs, six of them compiling (the autotuned one ~1 minute)."""
+Time: about 3-4 minutes alone, 8 under the README's command: real trainer runs, six of them
+compiling (the autotuned one ~1 minute)."""
 
 from __future__ import annotations
 
