@@ -1,5 +1,6 @@
 """What inductor's CUDA graphs do that a replay should not need, said on the run's log
-(``impl.cuda_graphs``): a graph recorded again, and a compiled function run without its graph.
+(``impl.cuda_graphs``): a function's graph recorded again, and a compiled function run without its
+graph.
 
 Inductor says both only on its ``cudagraphs`` debug log, which is off unless ``TORCH_LOGS`` names it,
 and a graph recorded again because a static input moved counts against no limit and logs no skip
@@ -22,32 +23,47 @@ INDUCTOR_LOGS = ("torch._inductor.cudagraph_trees.__cudagraphs", "torch._inducto
 EVERY = 100
 LINE = re.compile(r"cuda graphs: (?P<kind>recorded again|not used) \((?P<count>\d+) so far\): (?P<reason>.*)")
 _AGAIN = re.compile(r"Re-recording function=(?P<function>\S+), mode=(?P<mode>\w+), reason=(?P<status>[^\n]*)")
+_RECORDING = re.compile(r"\] Recording function=(?P<function>\S+), mode=(?P<mode>\w+),")
 _SKIP = "skipping cudagraphs due to "
 
 
 class GraphRecords(logging.Handler):
-    """Counts inductor's re-recordings and skips by reason; ``counts`` by (kind, reason)."""
+    """Counts inductor's recordings of a function's graph past its first, and its skips, by reason;
+    ``counts`` by (kind, reason). A recording past the first is said with the reason inductor gave
+    just before it (``Re-recording ... reason=``), or as a new path in its tree where it gave none."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.counts: Counter[tuple[str, str]] = Counter()
+        self._recorded: Counter[str] = Counter()  # by "mode function"
+        self._why: dict[str, str] = {}  # the reason inductor gave for the next recording of each
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
         if found := _AGAIN.search(text):
             # the inputs that moved, by their names in the graph (their addresses differ every time)
             moved = sorted(set(re.findall(r"input name: (\S+?)\.? data pointer changed", text)))
-            status = found["status"].strip().rstrip(".").removeprefix("CheckInvariantStatus.")
-            where = f" ({', '.join(moved)} moved)" if moved else ""
-            key = ("recorded again", f"{found['mode'].lower()} {found['function']}: {status}{where}")
-        elif _SKIP in text:
-            key = ("not used", text.split(_SKIP, 1)[1].splitlines()[0].strip())
-        else:
+            status = found["status"].strip().rstrip(".")
+            self._why[_function(found)] = status + (f" ({', '.join(moved)} moved)" if moved else "")
             return
+        if found := _RECORDING.search(text):
+            function = _function(found)
+            self._recorded[function] += 1
+            why = self._why.pop(function, "no recorded graph of it could run here (a new path in inductor's tree)")
+            if self._recorded[function] > 1:
+                self._say(("recorded again", f"{function}: {why}"))
+        elif _SKIP in text:
+            self._say(("not used", text.split(_SKIP, 1)[1].splitlines()[0].strip()))
+
+    def _say(self, key: tuple[str, str]) -> None:
         self.counts[key] += 1
         count = self.counts[key]
         if count == 1 or count % EVERY == 0:
             log.warning("cuda graphs: %s (%d so far): %s", key[0], count, key[1])
+
+
+def _function(found: re.Match) -> str:
+    return f"{found['mode'].lower()} {found['function']}"
 
 
 def watch() -> GraphRecords:

@@ -43,23 +43,36 @@ def test_graphs_recorded_again_and_not_used_are_warnings_with_their_reason_and_c
     graph_records.watch()
     graph_records.watch()  # a second engine in the process: still one line each
     reason = moved_input_reason()
+
+    def recording(function: str, mode: str, graph: int) -> None:  # as CUDAGraphTreeManager.record_function says it
+        cudagraph_trees.log.debug(
+            "[%s] Recording function=%s, mode=%s, cuda_graph_id=%d, inputs: %s", "0/0", function, mode, graph, "3"
+        )
+
     with caplog.at_level(logging.INFO, logger="pretrain"):
-        cudagraph_trees.log.debug("[0/0] Recording function=forward, mode=FORWARD, cuda_graph_id=0, inputs: 3")
-        for _ in range(graph_records.EVERY):
+        recording("forward", "FORWARD", 0)  # each function's first recording says nothing
+        recording("backward", "BACKWARD", 1)
+        for graph in range(graph_records.EVERY):  # the forward's static input moved before each replay
             cudagraph_trees.log.debug(
                 "[%s] Re-recording function=%s, mode=%s, reason=%s", "0/0", "forward", "FORWARD", reason
             )
+            recording("forward", "FORWARD", 2 + graph)
+        recording("backward", "BACKWARD", 200)  # recorded again on a path of its own: no reason given
         cudagraph_utils.log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to mutated inputs (2 instances)")
     said = [r.getMessage() for r in caplog.records if r.name == "pretrain"]
+    moved = "forward forward: static input data pointer changed (primals_7 moved)"
+    new_path = "backward backward: no recorded graph of it could run here (a new path in inductor's tree)"
     assert said == [
-        "cuda graphs: recorded again (1 so far): forward forward: static input data pointer changed (primals_7 moved)",
-        "cuda graphs: recorded again (100 so far): forward forward: static input data pointer changed (primals_7 moved)",
+        f"cuda graphs: recorded again (1 so far): {moved}",
+        f"cuda graphs: recorded again (100 so far): {moved}",
+        f"cuda graphs: recorded again (1 so far): {new_path}",
         "cuda graphs: not used (1 so far): mutated inputs (2 instances)",
     ]
     assert all(r.levelno == logging.WARNING for r in caplog.records if r.name == "pretrain")
     # inductor's own debug lines stay away from torch's handler, which would print them
     assert not [line for line in torch_handlers.lines if "Recording function" in line], torch_handlers.lines
     assert graph_records.seen(["x " + line for line in said]) == {
-        ("recorded again", "forward forward: static input data pointer changed (primals_7 moved)"): 100,
+        ("recorded again", moved): 100,
+        ("recorded again", new_path): 1,
         ("not used", "mutated inputs (2 instances)"): 1,
     }
