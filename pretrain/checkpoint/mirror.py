@@ -425,8 +425,7 @@ def _download(store: Store, tag: str, folder: Path, wanted: dict) -> Optional[st
     meter = ByteMeter(f"downloading {store.url(tag)}", total, _say, every_s=PROGRESS_S)  # by whole files
     try:
         for name, want in sorted(wanted.items()):
-            meter.tick()
-            meter.add(want["size"])
+            meter.starting(want["size"])
             target = inside(folder, name, FILE_LIST)
             if target.is_file() and target.stat().st_size == want["size"] and sha256_file(target) == want["sha256"]:
                 continue

@@ -272,8 +272,7 @@ def consolidate(folder: Path, layout: dict) -> tuple[dict, Any, list[dict], dict
     meter = ByteMeter(f"reading checkpoint {folder}", sum(f.stat().st_size for f in reading), log.info, PROGRESS_S)
 
     def load(path: Path) -> Any:
-        meter.tick()
-        meter.add(path.stat().st_size)
+        meter.starting(path.stat().st_size)
         return _load(path)
 
     if zero3:
@@ -310,8 +309,7 @@ def _write_universal(out: Path, params: dict, step: Any, hyper: list[dict], mode
     for name, by_key in params.items():
         (zero / name).mkdir(parents=True)
         for key, tensor in by_key.items():
-            meter.tick()
-            meter.add(tensor.numel() * 4)
+            meter.starting(tensor.numel() * 4)
             torch.save({"param": tensor.float().contiguous()}, zero / name / f"{key}.pt")
         if step is not None:
             torch.save(step, zero / name / "step.pt")

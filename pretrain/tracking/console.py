@@ -158,19 +158,17 @@ def duration(seconds: float) -> str:
 
 class ByteMeter:
     """Work counted in bytes (a checkpoint downloaded, read or written) says how far along it is: at
-    most every ``every_s``, when ``tick`` is called with work still to do, ``say`` gets a line with the
-    MiB done of the total, the share, the rate and the time left."""
+    most every ``every_s``, before the next piece of work, ``say`` gets a line with the MiB done of the
+    total, the share, the rate and the time left."""
 
     def __init__(self, label: str, total: int, say: Callable[[str], None], every_s: float = 30.0):
         self.label, self.total, self.say, self.every_s = label, total, say, every_s
         self.done = 0
         self.started = self.said = time.monotonic()
 
-    def add(self, done: int) -> None:
-        self.done += done
-
-    def tick(self) -> None:
-        """Before the next piece of work: the line, if ``every_s`` has passed since the last one."""
+    def starting(self, size: int) -> None:
+        """A piece of ``size`` bytes begins: the line of what is done, if ``every_s`` has passed since
+        the last one; then the piece counts as done (the next call comes after it)."""
         now = time.monotonic()
         if self.done and now - self.said >= self.every_s:
             self.said = now
@@ -180,6 +178,7 @@ class ByteMeter:
                 f"{self.label}: {self.done / MIB:,.1f} of {self.total / MIB:,.1f} MiB "
                 f"({self.done / max(self.total, 1):.0%}, {rate / MIB:,.1f} MiB/s), {left}"
             )
+        self.done += size
 
 
 def summary(state, cfg, run_s: float, job_s: float, last_metrics: dict, tracker) -> str:

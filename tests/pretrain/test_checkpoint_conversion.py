@@ -21,10 +21,12 @@ pool."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import REPO, free_port, rank_pool
 from pretrain.checkpoint import files, reshard
@@ -133,10 +135,6 @@ def test_a_conversion_says_how_far_along_its_reading_and_writing_are(tmp_path, m
     """Converting a large model's checkpoint takes minutes: its reading (the rank files, by bytes) and
     its writing (every tensor of the universal layout) each say the MiB done of the total, the rate and
     the time left, every ``PROGRESS_S`` (here every file and every tensor)."""
-    import re
-
-    import torch.distributed as dist
-
     run = tmp_path / "run"
     a, _ = leg(run, tmp_path / "a.pt", 2, stage, "--save")
     tag = run / "checkpoints" / "step00000003"
