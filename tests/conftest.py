@@ -282,6 +282,17 @@ def explain(proc) -> str:
     return f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
 
 
+def command_of(proc) -> list[str]:
+    """A process's command line, or [] once it has ended: a child found by ``children()`` may exit (or
+    sit as a zombie until reaped) before its command line is read (a CI run failed on that race)."""
+    import psutil  # lazy: only the tests that watch process trees need it
+
+    try:
+        return proc.cmdline()
+    except psutil.NoSuchProcess:  # ZombieProcess is one
+        return []
+
+
 _POOLS: dict = {}  # this worker's rank pools by what they preload, started by the first job that uses one
 
 

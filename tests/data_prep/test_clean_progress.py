@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import command_of
 from data_prep.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,7 +87,7 @@ def test_a_stopped_clean_stops_its_workers(tmp_path, wiki_articles):
     deadline = time.time() + 120
     workers = []
     while time.time() < deadline and proc.poll() is None:
-        workers = [c for c in parent.children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+        workers = [c for c in parent.children(recursive=True) if "spawn_main" in " ".join(command_of(c))]
         if len(workers) == 2:
             break
         time.sleep(0.1)

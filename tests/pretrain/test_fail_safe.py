@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, free_port, ids_payload, train_cmd
+from conftest import REPO, command_of, free_port, ids_payload, train_cmd
 from conftest import train as launch
 
 PY = sys.executable
@@ -343,7 +343,7 @@ def test_ranks_die_with_a_launcher_killed_with_sigkill(shards, tmp_path, when):
     )
 
     def is_rank(p) -> bool:  # `python -u -m pretrain.train ...`, not DeepSpeed's `... --module pretrain.train`
-        cmd = p.cmdline()
+        cmd = command_of(p)
         return "pretrain.train" in cmd and cmd[cmd.index("pretrain.train") - 1] == "-m"
 
     def ranks() -> list:
@@ -376,10 +376,10 @@ def test_ranks_die_with_a_launcher_killed_with_sigkill(shards, tmp_path, when):
         while time.monotonic() < killed + 20 and any(alive(p) for p in rank_procs):
             time.sleep(0.05)
         ranks_gone = time.monotonic() - killed
-        assert ranks_gone < 2.0, (when, ranks_gone, [p.cmdline() for p in rank_procs if alive(p)])
+        assert ranks_gone < 2.0, (when, ranks_gone, [command_of(p) for p in rank_procs if alive(p)])
         while time.monotonic() < killed + 20 and any(alive(p) for p in descendants):
             time.sleep(0.2)
-        assert not [p.cmdline() for p in descendants if alive(p)]
+        assert not [command_of(p) for p in descendants if alive(p)]
     finally:
         for p in descendants:
             try:
@@ -411,7 +411,7 @@ def test_a_launcher_killed_before_its_ranks_exist_takes_deepspeed_s_runner_and_t
     while runner is None and time.monotonic() < deadline:
         runner = next(iter(psutil.Process(proc.pid).children()), None)
         time.sleep(0.02)
-    assert runner is not None and "pretrain.runtime.lifeline" in runner.cmdline()
+    assert runner is not None and "pretrain.runtime.lifeline" in command_of(runner)
     group = runner.pid  # its own session: the runner, its per-node launcher and the ranks
     os.killpg(proc.pid, signal.SIGKILL)
     killed = time.monotonic()

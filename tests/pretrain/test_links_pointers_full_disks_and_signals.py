@@ -244,7 +244,7 @@ def test_sigusr1_to_every_process_of_the_job_checkpoints_and_exits_3(shards, tmp
 
     import psutil
 
-    from conftest import PY, train_cmd, train_through, trainer_env
+    from conftest import PY, command_of, train_cmd, train_through, trainer_env
 
     out = tmp_path / "run"
     steps = [*RUN, "train.max_steps=400", "train.checkpoint_every=0"]
@@ -258,8 +258,12 @@ def test_sigusr1_to_every_process_of_the_job_checkpoints_and_exits_3(shards, tmp
             if str(out) in " ".join(p.info["cmdline"] or []) and "pretrain.launch" in " ".join(p.info["cmdline"] or [])
         )
         for proc in [launcher, *launcher.children(recursive=True)]:
-            signalled.append(" ".join(proc.cmdline()[:4]))
-            proc.send_signal(signal.SIGUSR1)
+            said = " ".join(command_of(proc)[:4])
+            try:  # a helper may end between the listing and the signal
+                proc.send_signal(signal.SIGUSR1)
+            except psutil.NoSuchProcess:
+                continue
+            signalled.append(said)
 
     proc = train_through(cmd, trainer_env(), out / "metrics.jsonl", 3, scancel_usr1, timeout=300)
     said = proc.stdout + proc.stderr

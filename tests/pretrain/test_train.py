@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DEEPSPEED, REPO, free_port
+from conftest import DEEPSPEED, REPO, command_of, free_port
 from conftest import _run as run  # python -m ... through the rank pool
 from conftest import train as launch
 
@@ -274,7 +274,7 @@ def test_sigusr1_checkpoints_and_resume_matches(reference_runs, shards, tmp_path
     ranks = [
         p
         for p in psutil.Process(launcher.pid).children(recursive=True)
-        if "pretrain.train" in p.cmdline() and "deepspeed.launcher.launch" not in p.cmdline()
+        if "pretrain.train" in command_of(p) and "deepspeed.launcher.launch" not in command_of(p)
     ]
     assert len(ranks) == 2
     for p in ranks:
