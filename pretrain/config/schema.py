@@ -497,6 +497,15 @@ def cuda_graphs_problems(cfg: Config) -> list[str]:
             "impl.cuda_graphs=true with impl.zero_stage=1 in fp32: PyTorch's graphed backward raises or gives "
             "wrong gradients there (pytorch#169545); use bf16 or ZeRO 2"
         )
+    bf16_optimizer = cfg.impl.zero_stage == 1 and cfg.impl.precision not in ("fp32", "fp16")
+    if bf16_optimizer and not cfg.impl.offload_optimizer and not cfg.impl.deepspeed_patches.bf16_multi_tensor:
+        # DeepSpeed's BF16_Optimizer (ZeRO 1 in bf16) zeroes the bf16 gradients after summing them, so the
+        # next backward adds into gradients a graph owns (inductor warns of it); the patch frees them.
+        problems.append(
+            "impl.cuda_graphs=true with impl.zero_stage=1 in bf16 and "
+            "impl.deepspeed_patches.bf16_multi_tensor=false: DeepSpeed keeps the bf16 gradients for the next "
+            "backward to add into, which a replayed graph owns; keep the patch group on, or ZeRO 2"
+        )
     return problems
 
 

@@ -225,11 +225,17 @@ def test_cuda_graphs_are_asked_for_where_they_can_replay_and_said_on_the_start_l
         "impl.autotune_kernels=true tunes the compiled step's kernels",
     ):
         assert expected in text, text
-    # where PyTorch's graphed backward is wrong (issue 84, item 0d): accumulation at ZeRO 0, fp32 at ZeRO 1
+    # where PyTorch's graphed backward is wrong (issue 84, item 0d): accumulation at ZeRO 0, fp32 at ZeRO 1,
+    # DeepSpeed's own bf16 gradient sums at ZeRO 1
     graphs = ["impl.cuda_graphs=true", "masking.fixed_count=true", "impl.compile=true"]
     for unsafe, said in (
         (["impl.zero_stage=0"], "impl.zero_stage=0 and 2 micro-batches a step"),  # tiny: 16 = 2 x 8
         (["impl.zero_stage=1", "impl.precision=fp32"], "impl.zero_stage=1 in fp32"),
+        # DeepSpeed's own BF16_Optimizer keeps the bf16 gradients a graph owns for the next backward
+        (
+            ["impl.zero_stage=1", "impl.precision=bf16", "impl.deepspeed_patches.bf16_multi_tensor=false"],
+            "bf16_multi_tensor=false",
+        ),
     ):
         with pytest.raises(ConfigError, match=said):
             load_config("configs/tiny.yaml", [f"data.dir={data_dir}", *graphs, *unsafe])
