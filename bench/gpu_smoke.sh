@@ -57,10 +57,12 @@
 # micro-batch fp8 dropout-hash autotune bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2 modernbert flash-attn
 # documents dropout compile-fixed bert-base-nodrop nccl. Each line of WORK/results.txt is written as a run or check ends, and
 # "done UNIT" once a unit has passed; --resume-from that file (carried to the next lease) runs only
-# the units not done, so two short leases cover everything.
+# the units not done, so two short leases cover everything; on the same machine and --work-dir, the
+# runs it lists as finished count as run.
 #
-# --dry-run prints the commands without running them (needs no GPU); tests/bench/test_bench.py loads every
-# config and override they use, the Python checks' included, on the CPU. --budget-s: what does not
+# --dry-run prints the commands without running them (needs no GPU), planned as a lease would run them:
+# each run's estimate on a clock, what would be skipped, what the call leaves undone; tests/bench/test_bench.py
+# loads every config and override they use, the Python checks' included, on the CPU. --budget-s: what does not
 # start within it is skipped (said on its line), so that the summary always prints; the checks most
 # likely to fail on a first GPU run come first.
 set -euo pipefail
@@ -69,7 +71,7 @@ PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 
 DRY_RUN=0 GPUS="" STEPS=50 MICRO=64 BASE_MICRO=128 CONFIG=configs/mini.yaml DATA="" WORK=/tmp/gpu_smoke BUDGET=540
-ONLY="" SKIP="" RESUME_FROM="" PREVIOUS_DONE=""
+ONLY="" SKIP="" RESUME_FROM="" PREVIOUS_DONE="" PREVIOUS_OK=""
 UNITS=(profile real-shape micro-batch fp8 dropout-hash autotune bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2
        modernbert flash-attn documents dropout compile-fixed bert-base-nodrop nccl)
 usage() { grep -A2 '^#   bench/gpu_smoke.sh \[' "$0" | sed 's/^# \{0,3\}//'; }
@@ -100,7 +102,9 @@ for unit in ${ONLY//,/ } ${SKIP//,/ }; do
 done
 if [ -n "$RESUME_FROM" ]; then
   [ -f "$RESUME_FROM" ] || { echo "gpu_smoke: --resume-from $RESUME_FROM: no such file" >&2; exit 2; }
-  PREVIOUS_DONE=" $(sed -n 's/^done    //p' "$RESUME_FROM" | tr '\n' ' ')"  # read before results.txt is rewritten
+  # read before results.txt is rewritten (it may be this --work-dir's own)
+  PREVIOUS_DONE=" $(sed -n 's/^done    //p' "$RESUME_FROM" | tr '\n' ' ')"
+  PREVIOUS_OK=$(grep '^ok      run ' "$RESUME_FROM" || true)
 fi
 if [ "$STEPS" -lt 20 ]; then echo "gpu_smoke: --steps must be >= 20 (two logging windows of 10)" >&2; exit 2; fi
 
@@ -154,7 +158,9 @@ START=$SECONDS
 # --resume-from's file gives the last lease's times (the longest of each kind) in place of the guesses.
 # A base.yaml run with impl.autotune_kernels times every matmul shape's candidates while it compiles: a
 # kind of its own (a guess until a lease has run one).
-EST_MINI=45 EST_COMPILED=90 EST_BASE=150 EST_YARD=150 EST_AUTOTUNE=420 RESERVE=15
+# base.yaml's 110 s: the H200 lease of 2026-11-28 ran two in a 214-s call and five runs of its kind in
+# 523 s (the HF Trainer's compile, still going at 87 s, keeps the yardsticks at 150).
+EST_MINI=45 EST_COMPILED=90 EST_BASE=110 EST_YARD=150 EST_AUTOTUNE=420 RESERVE=15
 kind_of() {  # kind_of NAME CONFIG OVERRIDES...: what a run costs like
   if [[ " ${*:3} " == *" impl.autotune_kernels=true "* ]]; then echo AUTOTUNE
   elif [ "$2" = configs/base.yaml ]; then echo BASE; elif [[ " ${*:3} " == *" impl.compile=true "* ]]; then echo COMPILED
@@ -164,12 +170,30 @@ if [ -n "$RESUME_FROM" ]; then
   while read -r name took; do
     var=EST_$(case "$name" in *-autotune) echo AUTOTUNE ;; bert-base*|profile-base) echo BASE ;; compile-fixed) echo COMPILED ;; hf-base|bare-base|profile-bare) echo YARD ;; *) echo MINI ;; esac)
     if [ -z "${SEEN[$var]:-}" ] || [ "$took" -gt "${!var}" ]; then printf -v "$var" %d "$took"; SEEN[$var]=1; fi
-  done < <(sed -n 's/^ok      run \([^ ]*\) (exit [0-9]*, \([0-9]*\) s)$/\1 \2/p' "$RESUME_FROM")
+  done < <(sed -n 's/^ok      run \([^ ]*\) (exit [0-9]*, \([0-9]*\) s)$/\1 \2/p' <<<"$PREVIOUS_OK")
   echo "run times from $RESUME_FROM: mini ${EST_MINI} s, compiled ${EST_COMPILED} s, base.yaml ${EST_BASE} s," \
     "yardsticks ${EST_YARD} s, autotuned ${EST_AUTOTUNE} s"
 fi
-left_s() { echo $((BUDGET - (SECONDS - START))); }
+# A dry run plans the lease as it would run: each run's estimate (above) on a clock of its own, skipped
+# where a lease would skip it, and what the runs before it left done for the checks and units after it.
+PLANNED=0
+left_s() { if [ "$DRY_RUN" = 1 ]; then echo $((BUDGET - PLANNED)); else echo $((BUDGET - (SECONDS - START))); fi; }
+plan() {  # plan NAME EST_S: a dry run's run, done at its estimate
+  echo "  $1: ~$2 s, planned to end at $((PLANNED + $2)) s of --budget-s $BUDGET"
+  PLANNED=$((PLANNED + $2)); DONE+=("$1")
+}
 record() { RESULTS+=("$1"); [ "$DRY_RUN" = 1 ] || echo "$1" >>"$WORK/results.txt"; }
+# A second call on the same warm machine (the same --work-dir, --resume-from its results.txt): the runs
+# that file lists as finished, whose folders are still here, count as run in this call too, so that a
+# unit the first call left half done (its base run finished, the run beside it skipped) picks up from
+# them (issue 84, item 6). A new machine has no such folders: there they run again.
+while read -r line; do
+  read -r _ _ name _ <<<"$line"
+  [ -n "$name" ] && [ -d "$WORK/runs/$name" ] || continue
+  echo "  $name: finished in an earlier call, here in $WORK/runs/$name"
+  record "$line"; DONE+=("$name")
+  [[ "$line" == *"(exit 0, "* ]] && RUN_DIRS+=("$WORK/runs/$name")
+done <<<"$PREVIOUS_OK"
 
 run() {  # run NAME NUM_GPUS OVERRIDES...   (a fresh run folder; CONTINUE=1 keeps it, to resume; EXPECT=N: its exit code)
   local name=$1 ngpu=$2; shift 2
@@ -177,12 +201,15 @@ run() {  # run NAME NUM_GPUS OVERRIDES...   (a fresh run folder; CONTINUE=1 keep
   local cmd=("$PY" -m pretrain.launch --num_gpus "$ngpu" --master_port $((29500 + RANDOM % 1000)) --module pretrain.train
              --config "${RUN_CONFIG:-$CONFIG}" "${COMMON[@]}" train.out_dir="$out" train.global_batch_size=$((MICRO * ngpu)) "$@")
   echo "+ ${cmd[*]}"
-  [ "$DRY_RUN" = 1 ] && return 0
   local kind; kind=$(kind_of "$name" "${RUN_CONFIG:-$CONFIG}" "$@")
   local est_var=EST_$kind; local est=${!est_var} left; left=$(left_s)
   if [ $((left - RESERVE)) -lt $((est + est / 4)) ]; then  # a quarter over the estimate still fits
     echo "  $name: skipped (~$est s expected, $left s of --budget-s $BUDGET left)"
     record "skipped run $name (~$est s expected, $left s left)"
+    return 0
+  fi
+  if [ "$DRY_RUN" = 1 ]; then
+    plan "$name" "$est"; [ "${CONTINUE:-0}" = 1 ] && DONE+=("$name-resumed")
     return 0
   fi
   [ "${CONTINUE:-0}" = 1 ] || rm -rf "$out"
@@ -209,8 +236,7 @@ run() {  # run NAME NUM_GPUS OVERRIDES...   (a fresh run folder; CONTINUE=1 keep
   [ "${CONTINUE:-0}" = 1 ] || [ "$expect" != 0 ] || RUN_DIRS+=("$out")
 }
 
-ran() {  # ran NAME...: every named run finished as expected in this lease (always, in a dry run)
-  [ "$DRY_RUN" = 1 ] && return 0
+ran() {  # ran NAME...: every named run finished as expected in this lease (in a dry run: was planned)
   local n d; for n in "$@"; do for d in "${DONE[@]:-}"; do [ "$d" = "$n" ] && continue 2; done; return 1; done
 }
 
@@ -229,10 +255,10 @@ close() {  # close UNIT NEEDED...: the unit is done when everything it needed fi
 check_with() {  # check_with NAME MIN_S SCRIPT ARGS...: a Python check (MIN_S left to start it), FAILED on error
   local name=$1 min_s=$2; shift 2
   echo "+ $PY $*"
-  [ "$DRY_RUN" = 1 ] && return 0
   if [ $(($(left_s) - RESERVE)) -lt "$min_s" ]; then
     record "skipped check $name (--budget-s $BUDGET spent)"; return 0
   fi
+  if [ "$DRY_RUN" = 1 ]; then DONE+=("check:$name"); return 0; fi
   if timeout -k 5 $(($(left_s) - RESERVE)) "$PY" "$@"; then
     record "ok      check $name"; DONE+=("check:$name")
   else
@@ -247,13 +273,13 @@ yardstick() {  # yardstick NAME KIND [STEPS [PROFILE]]: bench/reference_loops.py
   spec=$(printf '{"kind": "%s", "shards": "%s", "config": "configs/base.yaml", "overrides": ["data.dir=%s"], "batch_size": %d, "grad_accum": %d, "steps": %d, "warmup_steps": 10, "precision": "bf16", "threads": %d, "out_dir": "%s", "optim": "adamw_torch_fused", "fused": true, "compile": true, "training_args": {"torch_compile": true}, "profile": %s}' \
     "$kind" "$DATA" "$DATA" "$BASE_MICRO" "$ACCUM" "$steps" "$OMP_NUM_THREADS" "$out" "$profile")
   echo "+ $PY bench/reference_loops.py '$spec'"
-  [ "$DRY_RUN" = 1 ] && return 0
   local left; left=$(left_s)
   if [ $((left - RESERVE)) -lt $((EST_YARD + EST_YARD / 4)) ]; then
     echo "  $name: skipped (~$EST_YARD s expected, $left s of --budget-s $BUDGET left)"
     record "skipped run $name (~$EST_YARD s expected, $left s left)"
     return 0
   fi
+  if [ "$DRY_RUN" = 1 ]; then plan "$name" "$EST_YARD"; return 0; fi
   rm -rf "$out"; mkdir -p "$out"; echo "$spec" >"$out/spec.json"
   local t0=$SECONDS rc=0
   timeout -k 5 $((left - 10)) "$PY" bench/reference_loops.py "$spec" >"$out/stdout.log" 2>&1 || rc=$?
@@ -330,10 +356,12 @@ fi
 # beside_real_shape UNIT RUN CHECK OVERRIDE...: base.yaml at its real shape with OVERRIDE, beside the run
 # without it (bert-base-accum), compared by gpu_smoke_checks.py's CHECK: the same losses within the
 # change's band, and what it gains.
-beside_real_shape() {
+beside_real_shape() {  # the unit's own run first, then bert-base-accum where no earlier unit or call ran it:
+  # a budget that holds one of the two keeps the one no lease has run (an autotuned compile's ~420 s
+  # leave room for bert-base-accum only if the guess is long)
   local unit=$1 name=$2 fn=$3; shift 3
-  ran bert-base-accum || RUN_CONFIG=configs/base.yaml run bert-base-accum 1 "${REAL_BATCH[@]}"
   RUN_CONFIG=configs/base.yaml run "$name" 1 "${REAL_BATCH[@]}" "$@"
+  ran bert-base-accum || RUN_CONFIG=configs/base.yaml run bert-base-accum 1 "${REAL_BATCH[@]}"
   if ran bert-base-accum "$name"; then check "$unit" "$fn" "$WORK/runs/bert-base-accum" "$WORK/runs/$name"
   else record "skipped check $unit (needs the bert-base-accum and $name runs)"; fi
   close "$unit" "check:$unit"
@@ -476,7 +504,17 @@ if selected bert-base-nodrop; then
 fi
 if selected nccl; then run "nccl-$GPUS" "$GPUS" impl.zero_stage=2 impl.fused_optimizer=true; close nccl "nccl-$GPUS"; fi
 
-[ "$DRY_RUN" = 1 ] && exit 0
+if [ "$DRY_RUN" = 1 ]; then
+  echo
+  printf '%s\n' "${RESULTS[@]}"
+  LEFT=()
+  for unit in "${UNITS[@]}"; do
+    if selected "$unit" >/dev/null && [[ " ${RESULTS[*]} " != *" done    $unit "* ]]; then LEFT+=("$unit"); fi
+  done
+  echo "planned: ~$PLANNED s of runs in --budget-s $BUDGET (the machine's start and the bundle's unpacking come" \
+    "before it); selected and not done in it: ${LEFT[*]:-none}"
+  exit 0
+fi
 echo
 printf '%s\n' "${RESULTS[@]}"
 echo
