@@ -24,10 +24,15 @@ from pretrain.config.schema import load_config
 SMOKE = REPO / "bench" / "gpu_smoke.sh"
 
 
-def _dry_run(*args: str) -> list[list[str]]:
+def _plan(*args: str) -> str:
+    """What ``gpu_smoke.sh --dry-run`` prints: the commands ("+ ...") and the call's plan."""
     done = subprocess.run([str(SMOKE), "--dry-run", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    return [shlex.split(line[2:]) for line in done.stdout.splitlines() if line.startswith("+ ")]
+    return done.stdout
+
+
+def _dry_run(*args: str) -> list[list[str]]:
+    return [shlex.split(line[2:]) for line in _plan(*args).splitlines() if line.startswith("+ ")]
 
 
 @pytest.mark.slow
@@ -200,30 +205,17 @@ def test_a_dry_run_plans_the_call_as_a_lease_would_run_it():
     """Issue 84, item 6: a dry run launches what a call would, the runs a unit needs from units not
     selected included, on a clock of the runs' estimates, skipping what a lease would not start, and
     says what the call leaves undone (the plan bench/README.md gives for a lease's calls)."""
-    done = subprocess.run(
-        [str(SMOKE), "--dry-run", "--only", "profile,dropout-hash", "--budget-s", "525"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    planned = re.findall(r"^  (\S+): ~(\d+) s, planned to end at (\d+) s", done.stdout, re.M)
+    said = _plan("--only", "profile,dropout-hash", "--budget-s", "525")
+    planned = re.findall(r"^  (\S+): ~(\d+) s, planned to end at (\d+) s", said, re.M)
     names = [name for name, _, _ in planned]
     # dropout-hash's baseline, bert-base-accum, is the real-shape unit's run: launched here all the same
-    assert names == ["profile-base", "profile-bare", "bert-base-accum-per-element", "bert-base-accum"], done.stdout
+    assert names == ["profile-base", "profile-bare", "bert-base-accum-per-element", "bert-base-accum"], said
     assert int(planned[-1][2]) == sum(int(s) for _, s, _ in planned) <= 525
-    assert "selected and not done in it: none" in done.stdout
+    assert "selected and not done in it: none" in said
     # an autotuned compile (~420 s, a guess) leaves no room in one call for its baseline: said, not hidden
-    done = subprocess.run(
-        [str(SMOKE), "--dry-run", "--only", "autotune", "--budget-s", "540"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert "bert-base-accum: skipped (~110 s expected" in done.stdout, done.stdout
-    assert "skipped check autotune" in done.stdout and "selected and not done in it: autotune" in done.stdout
+    said = _plan("--only", "autotune", "--budget-s", "540")
+    assert "bert-base-accum: skipped (~110 s expected" in said, said
+    assert "skipped check autotune" in said and "selected and not done in it: autotune" in said
 
 
 @pytest.mark.parametrize(
