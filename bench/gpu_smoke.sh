@@ -329,13 +329,17 @@ fi
 # once (what the deferred reads gain: the least valuable, so the one a short budget leaves out; the
 # 2026-11-27 H100 lease ran out before the bare loop when it came second). DeepSpeed's throughput timer
 # cost 1.049x there (BENCHMARKS.md); impl.deepspeed.timers.throughput.enabled=true turns it back on.
+# The unit is done once ours across the row has run too (the HF ratio at one scope, issue 84's goal);
+# a second call on the same machine runs only what the first left (--resume-from, the same --work-dir).
 if selected real-shape; then
-  RUN_CONFIG=configs/base.yaml run bert-base-accum 1 "${REAL_BATCH[@]}"
+  ran bert-base-accum || RUN_CONFIG=configs/base.yaml run bert-base-accum 1 "${REAL_BATCH[@]}"
   if ran bert-base-accum; then
-    yardstick bare-base bare
-    yardstick hf-base hf
-    RUN_CONFIG=configs/base.yaml run bert-base-accum-row 1 "${REAL_BATCH[@]}" model.attention_scope=row
-    RUN_CONFIG=configs/base.yaml run bert-base-accum-at-once 1 "${REAL_BATCH[@]}" impl.deferred_reads=false
+    ran bare-base || yardstick bare-base bare
+    ran hf-base || yardstick hf-base hf
+    ran bert-base-accum-row ||
+      RUN_CONFIG=configs/base.yaml run bert-base-accum-row 1 "${REAL_BATCH[@]}" model.attention_scope=row
+    ran bert-base-accum-at-once ||
+      RUN_CONFIG=configs/base.yaml run bert-base-accum-at-once 1 "${REAL_BATCH[@]}" impl.deferred_reads=false
   else record "skipped run bare-base, hf-base, bert-base-accum-row, bert-base-accum-at-once (need the bert-base-accum run to compare with)"; fi
   if ran bert-base-accum hf-base bare-base; then
     AT_ONCE_RUN=-; if ran bert-base-accum-at-once; then AT_ONCE_RUN="$WORK/runs/bert-base-accum-at-once"; fi
@@ -343,7 +347,7 @@ if selected real-shape; then
     check real-shape yardsticks "$PEAK" "$WORK/runs/bert-base-accum" "$AT_ONCE_RUN" \
       "$WORK/runs/hf-base" "$WORK/runs/bare-base" "$ROW_RUN"
   else record "skipped check real-shape (needs the bert-base-accum, hf-base and bare-base runs)"; fi
-  close real-shape check:real-shape
+  close real-shape check:real-shape bert-base-accum-row
 fi
 # impl.micro_batch_size=auto at base.yaml's real global batch: the micro-batches timed on this GPU, the one
 # chosen, and the run's tokens/s at it beside bert-base-accum's 128 (issue 84, item 2).

@@ -216,6 +216,9 @@ def test_a_dry_run_plans_the_call_as_a_lease_would_run_it():
     said = _plan("--only", "autotune", "--budget-s", "540")
     assert "bert-base-accum: skipped (~110 s expected" in said, said
     assert "skipped check autotune" in said and "selected and not done in it: autotune" in said
+    # the real shape is done only with ours across the row beside HF (one attention scope): not in one call
+    said = _plan("--only", "real-shape", "--budget-s", "525")
+    assert "bert-base-accum-row: skipped" in said and "selected and not done in it: real-shape" in said, said
 
 
 @pytest.mark.parametrize(
