@@ -313,9 +313,9 @@ check() {  # check NAME ARGS... : one of bench/gpu_smoke_checks.py's checks
 # kernel class against the budget, the longest kernels with their TFLOP/s.
 PROFILE_RUN=20 PROFILE_AT=12 PROFILE_STEPS=3
 if selected profile; then
-  RUN_CONFIG=configs/base.yaml run profile-base 1 "${REAL_BATCH[@]}" train.max_steps=$PROFILE_RUN \
+  ran profile-base || RUN_CONFIG=configs/base.yaml run profile-base 1 "${REAL_BATCH[@]}" train.max_steps=$PROFILE_RUN \
     impl.profile_at_step=$PROFILE_AT impl.profile_steps=$PROFILE_STEPS
-  yardstick profile-bare bare $PROFILE_RUN "[$PROFILE_AT, $PROFILE_STEPS]"
+  ran profile-bare || yardstick profile-bare bare $PROFILE_RUN "[$PROFILE_AT, $PROFILE_STEPS]"
   if ran profile-base profile-bare; then
     check profile profile "$WORK/runs/profile-base" "$WORK/runs/profile-bare"
     check_with kernels 10 bench/profile_kernels.py --steps $PROFILE_STEPS --json "$WORK/kernels.json" \
