@@ -158,9 +158,10 @@ START=$SECONDS
 # --resume-from's file gives the last lease's times (the longest of each kind) in place of the guesses.
 # A base.yaml run with impl.autotune_kernels times every matmul shape's candidates while it compiles: a
 # kind of its own (a guess until a lease has run one).
-# base.yaml's 110 s: the H200 lease of 2026-11-28 ran two in a 214-s call and five runs of its kind in
-# 523 s (the HF Trainer's compile, still going at 87 s, keeps the yardsticks at 150).
-EST_MINI=45 EST_COMPILED=90 EST_BASE=110 EST_YARD=150 EST_AUTOTUNE=420 RESERVE=15
+# base.yaml's and the bare loop's 110 s: the H200 lease of 2026-11-28 ran two base.yaml runs in a 214-s
+# call, and two of ours and two bare loops in 523 s with the HF Trainer's 87 s (stopped while it still
+# compiled: HF keeps the guess of 150 s).
+EST_MINI=45 EST_COMPILED=90 EST_BASE=110 EST_BARE=110 EST_HF=150 EST_AUTOTUNE=420 RESERVE=15
 kind_of() {  # kind_of NAME CONFIG OVERRIDES...: what a run costs like
   if [[ " ${*:3} " == *" impl.autotune_kernels=true "* ]]; then echo AUTOTUNE
   elif [ "$2" = configs/base.yaml ]; then echo BASE; elif [[ " ${*:3} " == *" impl.compile=true "* ]]; then echo COMPILED
@@ -168,11 +169,11 @@ kind_of() {  # kind_of NAME CONFIG OVERRIDES...: what a run costs like
 }
 if [ -n "$RESUME_FROM" ]; then
   while read -r name took; do
-    var=EST_$(case "$name" in *-autotune) echo AUTOTUNE ;; bert-base*|profile-base) echo BASE ;; compile-fixed) echo COMPILED ;; hf-base|bare-base|profile-bare) echo YARD ;; *) echo MINI ;; esac)
+    var=EST_$(case "$name" in *-autotune) echo AUTOTUNE ;; bert-base*|profile-base) echo BASE ;; compile-fixed) echo COMPILED ;; hf-base) echo HF ;; bare-base|profile-bare) echo BARE ;; *) echo MINI ;; esac)
     if [ -z "${SEEN[$var]:-}" ] || [ "$took" -gt "${!var}" ]; then printf -v "$var" %d "$took"; SEEN[$var]=1; fi
   done < <(sed -n 's/^ok      run \([^ ]*\) (exit [0-9]*, \([0-9]*\) s)$/\1 \2/p' <<<"$PREVIOUS_OK")
   echo "run times from $RESUME_FROM: mini ${EST_MINI} s, compiled ${EST_COMPILED} s, base.yaml ${EST_BASE} s," \
-    "yardsticks ${EST_YARD} s, autotuned ${EST_AUTOTUNE} s"
+    "bare loop ${EST_BARE} s, HF Trainer ${EST_HF} s, autotuned ${EST_AUTOTUNE} s"
 fi
 # A dry run plans the lease as it would run: each run's estimate (above) on a clock of its own, skipped
 # where a lease would skip it, and what the runs before it left done for the checks and units after it.
@@ -274,18 +275,19 @@ yardstick() {  # yardstick NAME KIND [STEPS [PROFILE]]: bench/reference_loops.py
     "$kind" "$DATA" "$DATA" "$BASE_MICRO" "$ACCUM" "$steps" "$OMP_NUM_THREADS" "$out" "$profile")
   echo "+ $PY bench/reference_loops.py '$spec'"
   local left; left=$(left_s)
-  if [ $((left - RESERVE)) -lt $((EST_YARD + EST_YARD / 4)) ]; then
-    echo "  $name: skipped (~$EST_YARD s expected, $left s of --budget-s $BUDGET left)"
-    record "skipped run $name (~$EST_YARD s expected, $left s left)"
+  local est_var=EST_${kind^^}; local est=${!est_var}
+  if [ $((left - RESERVE)) -lt $((est + est / 4)) ]; then
+    echo "  $name: skipped (~$est s expected, $left s of --budget-s $BUDGET left)"
+    record "skipped run $name (~$est s expected, $left s left)"
     return 0
   fi
-  if [ "$DRY_RUN" = 1 ]; then plan "$name" "$EST_YARD"; return 0; fi
+  if [ "$DRY_RUN" = 1 ]; then plan "$name" "$est"; return 0; fi
   rm -rf "$out"; mkdir -p "$out"; echo "$spec" >"$out/spec.json"
   local t0=$SECONDS rc=0
   timeout -k 5 $((left - 10)) "$PY" bench/reference_loops.py "$spec" >"$out/stdout.log" 2>&1 || rc=$?
   local took=$((SECONDS - t0))
   if [ "$rc" = 0 ]; then
-    EST_YARD=$took; echo "  $name: done in $took s"; record "ok      run $name (exit 0, $took s)"; DONE+=("$name")
+    printf -v "$est_var" %d "$took"; echo "  $name: done in $took s"; record "ok      run $name (exit 0, $took s)"; DONE+=("$name")
   elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
     record "skipped run $name (stopped at the budget after $took s)"
   else
