@@ -366,7 +366,7 @@ beside_real_shape() {  # the unit's own run first, then bert-base-accum where no
   # a budget that holds one of the two keeps the one no lease has run (an autotuned compile's ~420 s
   # leave room for bert-base-accum only if the guess is long)
   local unit=$1 name=$2 fn=$3; shift 3
-  RUN_CONFIG=configs/base.yaml run "$name" 1 "${REAL_BATCH[@]}" "$@"
+  ran "$name" || RUN_CONFIG=configs/base.yaml run "$name" 1 "${REAL_BATCH[@]}" "$@"
   ran bert-base-accum || RUN_CONFIG=configs/base.yaml run bert-base-accum 1 "${REAL_BATCH[@]}"
   if ran bert-base-accum "$name"; then check "$unit" "$fn" "$WORK/runs/bert-base-accum" "$WORK/runs/$name"
   else record "skipped check $unit (needs the bert-base-accum and $name runs)"; fi
