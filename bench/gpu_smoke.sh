@@ -234,7 +234,7 @@ run() {  # run NAME NUM_GPUS OVERRIDES...   (a fresh run folder; CONTINUE=1 keep
     FAILED+=("$name")
     record "FAILED  run $name (exit $rc, expected $expect): $out/stdout.log"
   fi
-  [ "${CONTINUE:-0}" = 1 ] || [ "$expect" != 0 ] || RUN_DIRS+=("$out")
+  [ "${CONTINUE:-0}" = 1 ] || [ "$expect" != 0 ] || [[ " ${RUN_DIRS[*]:-} " == *" $out "* ]] || RUN_DIRS+=("$out")
 }
 
 ran() {  # ran NAME...: every named run finished as expected in this lease (in a dry run: was planned)
