@@ -10,13 +10,19 @@
 #   TORCH_SPEC=...   how to get that torch (default torch==X, i.e. X.0: PyPI's build, CUDA libraries
 #                    included, about 3 GB; it runs on the CPU too). On a GPU cluster pass your
 #                    CUDA's index, e.g. "torch==2.7.0 --index-url https://download.pytorch.org/whl/cu126".
+#   TORCH_VERSION=V  another release than the floor, e.g. the GPU lease's before a lease (docs/gpus.md:
+#                    torch 2.11.0 with transformers 5.17.0 there), so that the code a lease will run
+#                    has passed its tests on that torch first; TRANSFORMERS_VERSION=V pins transformers too
 #
 # Not in the test suite: the download alone is minutes. Its result goes into BENCHMARKS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 floor=$(sed -n 's/^ *"torch>=\([0-9][0-9.]*\)".*/\1/p' pyproject.toml)
 [ -n "$floor" ] || { echo "torch_floor: no \"torch>=X\" line in pyproject.toml" >&2; exit 2; }
-VENV=${FLOOR_VENV:-${TMPDIR:-/tmp}/mlm-torch-floor-$floor}
+want=${TORCH_VERSION:-$floor}
+tf=${TRANSFORMERS_VERSION:-}
+name=$([ "$want" = "$floor" ] && echo "floor-$floor" || echo "$want")${tf:+-transformers-$tf}
+VENV=${FLOOR_VENV:-${TMPDIR:-/tmp}/mlm-torch-$name}
 FLOOR_TESTS=(
   tests/pretrain/test_train.py          # 1 and 2 ranks, ZeRO 0-3, halt and exact resume, export, fill-mask
   tests/pretrain/test_checkpoint_conversion.py        # every checkpoint layout read back, bf16 masters exported
@@ -26,16 +32,22 @@ FLOOR_TESTS=(
 )
 [ $# -gt 0 ] && FLOOR_TESTS=("$@")
 
-echo "== torch_floor: pyproject.toml says torch>=$floor; scratch venv $VENV"
-VENV=$VENV TORCH_SPEC=${TORCH_SPEC:-torch==$floor} bash launchers/setup_env.sh
-got=$("$VENV/bin/python" -c "import torch; print(torch.__version__)")
-case "$got" in
-  "$floor"|"$floor".*|"$floor"+*) ;;
-  *) echo "torch_floor: FAILED: the venv has torch $got, not the floor $floor" >&2; exit 1 ;;
+echo "== torch_floor: pyproject.toml says torch>=$floor; torch $want${tf:+, transformers $tf}; scratch venv $VENV"
+VENV=$VENV TORCH_SPEC=${TORCH_SPEC:-torch==$want} bash launchers/setup_env.sh
+# After the project's install, which takes the newest transformers pyproject.toml admits.
+[ -z "$tf" ] || "$VENV/bin/python" -m pip install -q --disable-pip-version-check "transformers==$tf"
+got=$("$VENV/bin/python" -c "import torch, transformers; print(torch.__version__, transformers.__version__)")
+case "${got% *}" in
+  "$want"|"$want".*|"$want"+*) ;;
+  *) echo "torch_floor: FAILED: the venv has torch ${got% *}, not $want" >&2; exit 1 ;;
+esac
+case "${got#* }" in
+  "${tf:-${got#* }}") ;;
+  *) echo "torch_floor: FAILED: the venv has transformers ${got#* }, not $tf" >&2; exit 1 ;;
 esac
 start=$(date +%s)
 if "$VENV/bin/python" -m pytest -q -p no:cacheprovider -ra "${FLOOR_TESTS[@]}"; then
-  echo "torch_floor: PASSED: torch $got ran ${FLOOR_TESTS[*]} in $(( $(date +%s) - start )) s"
+  echo "torch_floor: PASSED: torch ${got% *}, transformers ${got#* } ran ${FLOOR_TESTS[*]} in $(( $(date +%s) - start )) s"
 else
-  echo "torch_floor: FAILED: torch $got (above: which test, and why)"; exit 1
+  echo "torch_floor: FAILED: torch ${got% *}, transformers ${got#* } (above: which test, and why)"; exit 1
 fi

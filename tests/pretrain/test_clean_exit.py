@@ -34,7 +34,8 @@ def test_gloo_threads_outlive_destroy_process_group_while_a_group_is_referenced(
     proc = subprocess.run([PY, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, explain(proc)
     threads = (tmp_path / "teardown-rank0.txt").read_text().split()
-    assert "pt_gloo_runloop" in threads and "gloo_tcp_loop" in threads, threads
+    # gloo's work threads (its transport's thread is named gloo_tcp_loop in torch 2.13, unnamed in 2.11)
+    assert "pt_gloo_runloop" in threads, threads
 
 
 def test_a_handful_of_zero3_runs_each_exit_0_on_every_rank_before_the_teardown(shards, tmp_path):

@@ -239,7 +239,9 @@ def test_flops_match_torch_flop_counter(rows):
         skipped = batch * 3 * 4 * 64 * (length * length - attended_pairs(length, window // 2)) * 2
         # Rotary's angle table (positions x frequencies) is no model FLOP; transformers 5.17 (the GPU
         # lease's) builds it with a matmul the counter sees, 5.24 with a product it does not.
-        rotary = sum(sum(ops.values()) for name, ops in counter.get_flop_counts().items() if name.endswith("rotary_emb"))
+        rotary = sum(
+            sum(ops.values()) for name, ops in counter.get_flop_counts().items() if name.endswith("rotary_emb")
+        )
         assert counter.get_total_flops() - rotary == pytest.approx(ours + skipped, rel=1e-9), window
 
 
