@@ -5,14 +5,16 @@
 # step on a call added in 2.6, while pyproject said 2.4).
 #
 #   bash bench/torch_floor.sh [pytest args]     (default: the tests listed in FLOOR_TESTS below)
-#   FLOOR_VENV=DIR   where the scratch venv goes (default ${TMPDIR:-/tmp}/mlm-torch-floor-X); kept
-#                    between runs, set up again only when pyproject.toml or setup_env.sh changes
+#   FLOOR_VENV=DIR   where the scratch venv goes (default ${TMPDIR:-/tmp}/mlm-torch-floor-X, or named after
+#                    the versions asked for below); kept between runs, set up again only when
+#                    pyproject.toml or setup_env.sh changes
 #   TORCH_SPEC=...   how to get that torch (default torch==X, i.e. X.0: PyPI's build, CUDA libraries
 #                    included, about 3 GB; it runs on the CPU too). On a GPU cluster pass your
 #                    CUDA's index, e.g. "torch==2.7.0 --index-url https://download.pytorch.org/whl/cu126".
 #   TORCH_VERSION=V  another release than the floor, e.g. the GPU lease's before a lease (docs/gpus.md:
 #                    torch 2.11.0 with transformers 5.17.0 there), so that the code a lease will run
 #                    has passed its tests on that torch first; TRANSFORMERS_VERSION=V pins transformers too
+#   PYTHON=...       the venv's Python (default python3), e.g. the lease's python3.12
 #
 # Not in the test suite: the download alone is minutes. Its result goes into BENCHMARKS.md.
 set -euo pipefail
@@ -21,7 +23,9 @@ floor=$(sed -n 's/^ *"torch>=\([0-9][0-9.]*\)".*/\1/p' pyproject.toml)
 [ -n "$floor" ] || { echo "torch_floor: no \"torch>=X\" line in pyproject.toml" >&2; exit 2; }
 want=${TORCH_VERSION:-$floor}
 tf=${TRANSFORMERS_VERSION:-}
-name=$([ "$want" = "$floor" ] && echo "floor-$floor" || echo "$want")${tf:+-transformers-$tf}
+# PYTHON (setup_env.sh's) picks the venv's Python: its own venv, since an existing one keeps its own
+py=$([ -z "${PYTHON:-}" ] || "$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+name=$([ "$want" = "$floor" ] && echo "floor-$floor" || echo "$want")${tf:+-transformers-$tf}${py:+-python$py}
 VENV=${FLOOR_VENV:-${TMPDIR:-/tmp}/mlm-torch-$name}
 FLOOR_TESTS=(
   tests/pretrain/test_train.py          # 1 and 2 ranks, ZeRO 0-3, halt and exact resume, export, fill-mask
@@ -41,13 +45,15 @@ case "${got% *}" in
   "$want"|"$want".*|"$want"+*) ;;
   *) echo "torch_floor: FAILED: the venv has torch ${got% *}, not $want" >&2; exit 1 ;;
 esac
+venv_py=$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+[ -z "$py" ] || [ "$venv_py" = "$py" ] || { echo "torch_floor: FAILED: $VENV has Python $venv_py, not $py" >&2; exit 1; }
 case "${got#* }" in
   "${tf:-${got#* }}") ;;
   *) echo "torch_floor: FAILED: the venv has transformers ${got#* }, not $tf" >&2; exit 1 ;;
 esac
 start=$(date +%s)
 if "$VENV/bin/python" -m pytest -q -p no:cacheprovider -ra "${FLOOR_TESTS[@]}"; then
-  echo "torch_floor: PASSED: torch ${got% *}, transformers ${got#* } ran ${FLOOR_TESTS[*]} in $(( $(date +%s) - start )) s"
+  echo "torch_floor: PASSED: Python $venv_py, torch ${got% *}, transformers ${got#* } ran ${FLOOR_TESTS[*]} in $(( $(date +%s) - start )) s"
 else
-  echo "torch_floor: FAILED: torch ${got% *}, transformers ${got#* } (above: which test, and why)"; exit 1
+  echo "torch_floor: FAILED: Python $venv_py, torch ${got% *}, transformers ${got#* } (above: which test, and why)"; exit 1
 fi
