@@ -271,11 +271,8 @@ def test_sigusr1_checkpoints_and_resume_matches(reference_runs, shards, tmp_path
     while time.time() < deadline and not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3):
         assert launcher.poll() is None, launcher.stdout.read()
         time.sleep(0.2)
-    ranks = [
-        p
-        for p in psutil.Process(launcher.pid).children(recursive=True)
-        if "pretrain.train" in command_of(p) and "deepspeed.launcher.launch" not in command_of(p)
-    ]
+    commands = {p: command_of(p) for p in psutil.Process(launcher.pid).children(recursive=True)}
+    ranks = [p for p, cmd in commands.items() if "pretrain.train" in cmd and "deepspeed.launcher.launch" not in cmd]
     assert len(ranks) == 2
     for p in ranks:
         p.send_signal(signal.SIGUSR1)
