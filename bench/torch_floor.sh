@@ -40,20 +40,18 @@ echo "== torch_floor: pyproject.toml says torch>=$floor; torch $want${tf:+, tran
 VENV=$VENV TORCH_SPEC=${TORCH_SPEC:-torch==$want} bash launchers/setup_env.sh
 # After the project's install, which takes the newest transformers pyproject.toml admits.
 [ -z "$tf" ] || "$VENV/bin/python" -m pip install -q --disable-pip-version-check "transformers==$tf"
-got=$("$VENV/bin/python" -c "import torch, transformers; print(torch.__version__, transformers.__version__)")
-case "${got% *}" in
+read -r got_torch got_tf got_py < <("$VENV/bin/python" -c \
+  "import sys, torch, transformers; print(torch.__version__, transformers.__version__, '%d.%d' % sys.version_info[:2])")
+case "$got_torch" in
   "$want"|"$want".*|"$want"+*) ;;
-  *) echo "torch_floor: FAILED: the venv has torch ${got% *}, not $want" >&2; exit 1 ;;
+  *) echo "torch_floor: FAILED: the venv has torch $got_torch, not $want" >&2; exit 1 ;;
 esac
-venv_py=$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-[ -z "$py" ] || [ "$venv_py" = "$py" ] || { echo "torch_floor: FAILED: $VENV has Python $venv_py, not $py" >&2; exit 1; }
-case "${got#* }" in
-  "${tf:-${got#* }}") ;;
-  *) echo "torch_floor: FAILED: the venv has transformers ${got#* }, not $tf" >&2; exit 1 ;;
-esac
+[ -z "$tf" ] || [ "$got_tf" = "$tf" ] || { echo "torch_floor: FAILED: the venv has transformers $got_tf, not $tf" >&2; exit 1; }
+[ -z "$py" ] || [ "$got_py" = "$py" ] || { echo "torch_floor: FAILED: $VENV has Python $got_py, not $py" >&2; exit 1; }
+got="Python $got_py, torch $got_torch, transformers $got_tf"
 start=$(date +%s)
 if "$VENV/bin/python" -m pytest -q -p no:cacheprovider -ra "${FLOOR_TESTS[@]}"; then
-  echo "torch_floor: PASSED: Python $venv_py, torch ${got% *}, transformers ${got#* } ran ${FLOOR_TESTS[*]} in $(( $(date +%s) - start )) s"
+  echo "torch_floor: PASSED: $got ran ${FLOOR_TESTS[*]} in $(( $(date +%s) - start )) s"
 else
-  echo "torch_floor: FAILED: Python $venv_py, torch ${got% *}, transformers ${got#* } (above: which test, and why)"; exit 1
+  echo "torch_floor: FAILED: $got (above: which test, and why)"; exit 1
 fi
