@@ -316,6 +316,7 @@ def save(
         # Re-saving a tag (after train.resume=<older tag>): it is incomplete until rewritten.
         (root / tag / COMPLETE).unlink(missing_ok=True)
     dist.barrier()
+    safe_load.allow_deepspeed_types()  # what the files hold is what a weights-only load reads back
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     dist.barrier()
     layout = reshard.checkpoint_layout(engine)  # lets another world size or ZeRO stage load it

@@ -23,6 +23,7 @@ optimiser offload, AdamW and LAMB); each is a plain record or an enum.
 from __future__ import annotations
 
 import contextlib
+import enum
 import importlib
 import os
 import pickle
@@ -48,8 +49,9 @@ class UnsafeCheckpoint(RuntimeError):
 
 
 def allow_deepspeed_types() -> None:
-    """``ALLOWED`` allowed by name in this process's weights-only loads. Idempotent; imports
-    DeepSpeed's modules for them (on first call only)."""
+    """``ALLOWED`` allowed by name in this process's weights-only loads, and its enums pickled by
+    value in the files this process writes (``_pickle_by_value``). Idempotent; imports DeepSpeed's
+    modules for them (on first call only). Called before every save and load."""
     global _installed
     if _installed:
         return
@@ -60,8 +62,18 @@ def allow_deepspeed_types() -> None:
             allowed.append(getattr(importlib.import_module(module), name))
         except (ImportError, AttributeError):  # another DeepSpeed: its files hold no such type either
             continue
+        if isinstance(allowed[-1], enum.EnumMeta):
+            _pickle_by_value(allowed[-1])
     torch.serialization.add_safe_globals(allowed)
     _installed = True
+
+
+def _pickle_by_value(enum_class: type) -> None:
+    """An enum member pickled as ``enum_class(value)``. Early Python 3.11 releases (Debian 12's 3.11.2
+    among them; 3.11.7 and 3.12 pickle by value again) pickle it as ``getattr(enum_class, name)``, a
+    call the weights-only unpickler refuses: every ZeRO checkpoint written there (its ZeroStageEnum)
+    was refused at its own read-back, the demo's run ending with exit 2 after its last step."""
+    enum_class.__reduce_ex__ = lambda member, protocol: (member.__class__, (member._value_,))
 
 
 @contextlib.contextmanager

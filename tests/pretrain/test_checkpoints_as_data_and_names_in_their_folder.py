@@ -93,6 +93,25 @@ def test_a_crafted_file_is_refused_by_name_and_its_command_never_runs(tmp_path):
     assert safe_load.code_problems(tmp_path) == [] and safe_load.load(path)["step"] == 3
 
 
+def test_deepspeed_s_enum_is_written_by_value_where_python_pickles_enums_by_name(tmp_path, monkeypatch):
+    """Early Python 3.11 (Debian 12's 3.11.2) pickles an enum member as getattr(class, name), which a
+    weights-only load refuses: the ZeroStageEnum in DeepSpeed's optimiser files is written by value."""
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    # Python 3.11.2's Enum.__reduce_ex__
+    by_name = lambda member, protocol: (getattr, (member.__class__, member._name_))  # noqa: E731
+    monkeypatch.setattr(ZeroStageEnum, "__reduce_ex__", by_name)
+    monkeypatch.setattr(safe_load, "_installed", False)
+    before, after = tmp_path / "before", tmp_path / "after"
+    for folder in (before, after):
+        folder.mkdir()
+        torch.save({"zero_stage": ZeroStageEnum.gradients}, folder / "optim_states.pt")
+        safe_load.allow_deepspeed_types()  # as before every save: the second file is written after it
+    assert "builtins.getattr" in " ".join(safe_load.code_problems(before))
+    assert safe_load.code_problems(after) == []
+    assert safe_load.load(after / "optim_states.pt")["zero_stage"] is ZeroStageEnum.gradients
+
+
 @pytest.mark.slow
 def test_what_the_trainer_writes_is_plain_data(trained):
     """DeepSpeed's optimiser files included: the types it pickles are allowed by name (ALLOWED)."""
