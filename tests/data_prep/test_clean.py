@@ -1,7 +1,11 @@
 """``data_prep clean`` on small generated corpora of real Wikipedia text: each step finds what it
 should and keeps what it should, the report adds up, bad input is named with exit 2 before anything
 is written, and ``shard`` reads a cleaned folder (its validation split then has no near-copy in
-training). Most runs use one process (``--workers 1``); one compares it with two."""
+training). Most runs use one process (``--workers 1``); one compares it with two.
+
+Time: under a minute on the AMX Xeon, 2.4 minutes on the AVX2-only EPYC under the README's command
+(2026-11-29): 39 cleanings of generated corpora of real text, MinHash and language identification in
+this process, and 12 runs of the data-prep CLI."""
 
 from __future__ import annotations
 

@@ -2,7 +2,11 @@
 ``.bin`` that ``fasttext-predict`` (what applies a user's DCLM or FineWeb-Edu model) loads and scores
 exactly as our own code does, and ``data_prep quality-model train`` tells the embedded articles from
 junk made of their own words (shuffled, keyword spam, menus), naming every bad input at once; junk
-made of the positives' words teaches quality where junk of other text taught their domain (issue 83)."""
+made of the positives' words teaches quality where junk of other text taught their domain (issue 83).
+
+Time: under a minute on the AMX Xeon, 2 minutes on the AVX2-only EPYC under the README's command
+(2026-11-29): the classifier is trained for real on the embedded articles and on each kind of junk,
+and scored by both readers."""
 
 from __future__ import annotations
 

@@ -2,7 +2,10 @@
 decision (skip the update? stop? the loss the spike guard watches) one step later, its update masked
 on the device meanwhile (pretrain/step.py, "Deferred reads"). Nothing a run computes may change: every
 run here is compared with the same run reading every decision at once (``impl.deferred_reads=false``),
-number for number, also where updates are skipped and where a spike is rolled back."""
+number for number, also where updates are skipped and where a spike is rolled back.
+
+Time: under a minute on the AMX Xeon, 1.4 minutes on the AVX2-only EPYC under the README's command
+(2026-11-29): every run twice (deferred and at once), 18 short runs forked from the rank pool."""
 
 from __future__ import annotations
 

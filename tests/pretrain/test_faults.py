@@ -1,7 +1,11 @@
 """Faults a user meets, through the real entry points: bad input is refused before any process group
 (exit 2, one message), a resume may not change what the run computes, a kill between the final
 checkpoint and its export is finished on the next launch, signals to the launcher's process group
-reach the ranks and its exit code is theirs, and two jobs cannot write one run."""
+reach the ranks and its exit code is theirs, and two jobs cannot write one run.
+
+Time: under a minute on the AMX Xeon, 1.4 minutes on the AVX2-only EPYC under the README's command
+(2026-11-29): three trainers and two DeepSpeed launchers started for real (the signals and the kill
+need real process groups), 13 runs forked from the rank pool."""
 
 from __future__ import annotations
 

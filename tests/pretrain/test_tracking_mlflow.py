@@ -1,4 +1,8 @@
-"""MlflowTracker against a real ``mlflow server`` (SQLite store) on loopback, checked through MlflowClient."""
+"""MlflowTracker against a real ``mlflow server`` (SQLite store) on loopback, checked through MlflowClient.
+
+Time: under a minute on the AMX Xeon, 1.6 minutes on the AVX2-only EPYC under the README's command
+(2026-11-29): a real ``mlflow server`` started, stopped and started again (8 of its processes:
+imports and the SQLite store's migrations, seconds of CPU each)."""
 
 from __future__ import annotations
 
