@@ -212,18 +212,22 @@ def _consolidate_flat_partitions(optim_files: list[Path], shapes: dict, load) ->
     return params, step, hyper
 
 
-def _consolidate_zero3(folder: Path, load) -> tuple[dict, Any, list[dict]]:
+def _consolidate_zero3(folder: Path, load) -> tuple[dict, Any, list[dict], dict]:
     """ZeRO 3: each parameter is cut into ``world`` pieces of ceil(numel / world), the last padded;
-    a rank's flat group is its pieces of the group's parameters, one after another."""
+    a rank's flat group is its pieces of the group's parameters, one after another. Also returns rank
+    0's model-states dict, read once with the others."""
     optim_files, model_files = rank_files(folder, "optim_states.pt"), rank_files(folder, "model_states.pt")
     world = len(optim_files)
     pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
-    step, hyper, shapes = None, [], {}
+    step, hyper, shapes, first_model_states = None, [], {}, {}
     for rank, (opt_file, model_file) in enumerate(zip(optim_files, model_files)):
         osd = load(opt_file)["optimizer_state_dict"]
         base = osd["optimizer_state_dict"]
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in base["param_groups"]]
-        for g, group_shapes in enumerate(load(model_file)["param_shapes"]):
+        model_states = load(model_file)
+        if rank == 0:
+            first_model_states = model_states
+        for g, group_shapes in enumerate(model_states["param_shapes"]):
             state = base["state"].get(g, {})
             step = state.get("step", step)
             flat = {"fp32": osd["fp32_flat_groups"][g], **{k: state[k] for k in MOMENTS if k in state}}
@@ -240,7 +244,7 @@ def _consolidate_zero3(folder: Path, load) -> tuple[dict, Any, list[dict]]:
         name: {key: torch.cat(parts).reshape(shapes[name]) for key, parts in by_key.items()}
         for name, by_key in pieces.items()
     }
-    return params, step, hyper
+    return params, step, hyper, first_model_states
 
 
 def _consolidate_unpartitioned(model_states: dict, layout: dict) -> tuple[dict, Any, list[dict]]:
@@ -276,8 +280,7 @@ def consolidate(folder: Path, layout: dict) -> tuple[dict, Any, list[dict], dict
         return _load(path)
 
     if zero3:
-        model_states = _load(rank_files(folder, "model_states.pt")[0])  # read again below, counted there
-        params, step, hyper = _consolidate_zero3(folder, load)
+        params, step, hyper, model_states = _consolidate_zero3(folder, load)
     else:
         model_states = load(folder / MODEL_STATES_FILE)
         optim_files = rank_files(folder, "optim_states.pt")
