@@ -2,6 +2,7 @@
 
     python bench/time_to_quality.py --minutes 10 --out bench_results/ttq     # 2 x 10 min, one after the other
     python bench/time_to_quality.py --minutes 0.5 --out /tmp/ttq             # smoke test
+    python bench/time_to_quality.py --minutes 10 --seed 7 --out /tmp/ttq7     # another seed for both runs
 
 One machine, one command, one run after the other, world size 1, the same shards (the embedded
 Wikipedia sample, bert-base-uncased vocabulary, seq len 128; or ``--data``), the same model shape
@@ -50,6 +51,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import auto_precision as bench_auto_precision  # noqa: E402
 from bench.common import ensure_sample_shards, format_table, load_average, thread_env  # noqa: E402
 from pretrain import metric_names as names  # noqa: E402
+from pretrain.eval.intervals import TEST_EXAMPLES, wilson  # noqa: E402
 
 CONFIG = REPO / "configs" / "mini.yaml"
 # The model users would otherwise train: mini's shape with BertConfig's own dropout, which
@@ -77,7 +79,8 @@ def hf_worker(spec: dict) -> None:
 
     shards, out = Path(spec["shards"]), Path(spec["out_dir"])
     manifest = load_manifest(shards)
-    cfg = load_config(str(CONFIG), [f"data.dir={shards}", *HF_RECIPE])
+    seed = [] if spec["seed"] is None else [f"train.seed={spec['seed']}"]
+    cfg = load_config(str(CONFIG), [f"data.dir={shards}", *seed, *HF_RECIPE])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokens_per_step = spec["batch_size"] * manifest.seq_len
 
@@ -147,6 +150,7 @@ def run_hf(args, shards: Path) -> dict:
         "budget_s": args.minutes * 60,
         "eval_every": args.eval_every,
         "eval_batches": args.eval_batches,
+        "seed": args.seed,
     }
     started = time.time()
     with open(out / "stdout.log", "w") as log:
@@ -196,6 +200,7 @@ def run_ours(args, shards: Path) -> dict:
         "impl.peak_tflops=1",
         "optim.schedule=constant",
         "tracking.backend=none",
+        *([] if args.seed is None else [f"train.seed={args.seed}", f"data.seed={args.seed}"]),
         *args.ours_overrides,
     ]
     started = time.time()
@@ -318,12 +323,18 @@ def report(results: dict, out: Path) -> str:
         b = base.get(key.replace("/accuracy", "/random_init_accuracy").replace("/macro_f1", "/random_init_macro_f1"))
         if key == "mlm/accuracy":
             b = hf["scores"]["mlm/unigram_accuracy"]
+        examples = base.get(key.replace("/accuracy", f"/{TEST_EXAMPLES}")) if key.endswith("/accuracy") else None
+
+        def cell(value: float) -> str:  # a probe's accuracy with its 95% interval: its test set is small
+            low, high = wilson(value, int(examples)) if examples else (None, None)
+            return f"{value:.4f}" + (f" ({low:.3f}-{high:.3f}, n={int(examples)})" if examples else "")
+
         rows.append(
             [
                 label,
-                f"{hf['scores'][key]:.4f}",
-                f"{ours['scores'][key]:.4f}",
-                "-" if b is None or key == "mlm/loss" else f"{b:.4f}",
+                cell(hf["scores"][key]),
+                cell(ours["scores"][key]),
+                "-" if b is None or key == "mlm/loss" else cell(b),
             ]
         )
     for label, key in [
@@ -388,7 +399,17 @@ def report(results: dict, out: Path) -> str:
     return text
 
 
-SAME_RUN_KEYS = ("data", "work_dir", "minutes", "batch_size", "precision", "threads", "eval_every", "eval_batches")
+SAME_RUN_KEYS = (
+    "data",
+    "work_dir",
+    "minutes",
+    "batch_size",
+    "precision",
+    "threads",
+    "eval_every",
+    "eval_batches",
+    "seed",
+)
 
 
 def reused_hf_run(args, parser) -> dict:
@@ -423,6 +444,12 @@ def main(argv=None) -> int:
     p.add_argument("--eval-every", type=int, default=50, help="steps between periodic evaluations")
     p.add_argument("--log-every", type=int, default=10, help="our trainer's logging window (divides --eval-every)")
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per periodic evaluation")
+    p.add_argument(
+        "--seed",
+        type=int,
+        help="a seed for both runs' weights, dropout and data order (train.seed, and data.seed for ours); "
+        "default: the config's own (train.seed 42, data.seed 1234)",
+    )
     p.add_argument("--ours-overrides", nargs="*", default=[], help="extra dotted overrides for our trainer")
     p.add_argument(
         "--reuse-hf",
@@ -478,7 +505,7 @@ def main(argv=None) -> int:
         f"shards {shards} (seq {manifest.seq_len}); configs/mini.yaml (HF: {' '.join(HF_RECIPE)}); "
         f"batch {args.batch_size}; "
         f"{args.precision}; {args.threads} threads; budget {args.minutes} min of training time each; "
-        f"eval every {args.eval_every} steps on {args.eval_batches} batches; load {load_average()}"
+        f"eval every {args.eval_every} steps on {args.eval_batches} batches; seed {'the config' if args.seed is None else args.seed}; load {load_average()}"
         + (f"; ours with {' '.join(args.ours_overrides)}" if args.ours_overrides else "")
     )
     print(setup, flush=True)

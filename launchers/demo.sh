@@ -55,6 +55,7 @@ from transformers import pipeline
 from transformers.utils import logging as hf_logging
 from data_prep.common.manifest import load_manifest
 from pretrain.eval.cli import unigram_accuracy
+from pretrain.eval.intervals import interval_text
 from pretrain.tracking.jsonl import read_metrics
 from pretrain.tracking.mlflow_requests import default_local_store
 from pretrain.tracking.mlflow_ui import ui_command
@@ -71,7 +72,9 @@ for text in ["The Nile is a river in [MASK].", "Paris is the capital and most po
 unigram = unigram_accuracy(data, load_manifest(data))
 print(f"held-out masked-token accuracy (15% masking): {last('eval/accuracy'):.3f} after {rows[-1]['step']} steps; "
       f"always guessing the most frequent token: {unigram:.3f}")
-print(f"word-order probe accuracy: {last('downstream/word_order/accuracy'):.3f}; the encoder it started from: "
+probe, sentences = last('downstream/word_order/accuracy'), first('downstream/word_order/test_examples')
+print(f"word-order probe accuracy: {probe:.3f} ({interval_text(probe, sentences, 'held-out sentences')}); "
+      f"the encoder it started from: "
       f"{first('downstream/word_order/init_from_accuracy'):.3f}; the same architecture with "
       f"random weights: {first('downstream/word_order/random_init_accuracy'):.3f}; chance: 0.5")
 if os.environ.get("MLFLOW_TRACKING_URI"):

@@ -41,6 +41,7 @@ from pretrain.config.schema import DownstreamTaskConfig
 from pretrain.data.stream import check_manifest
 from pretrain.eval.downstream import FinetuneSettings, baseline_metrics, finetune_metrics, prepare_tasks, probe_metrics
 from pretrain.eval.heldout import eval_set_batches, figures, score
+from pretrain.eval.intervals import TEST_EXAMPLES, wilson
 from pretrain.eval.tasks import WORD_ORDER, TaskError
 from pretrain.model.masking import SpecialIds, eval_masking_config, mask_batch
 from pretrain.tracking.mlflow_existing import log_metrics_to_run, run_problem
@@ -216,21 +217,27 @@ def format_results(metrics: dict[str, float], protocol: str) -> str:
         "task",
         "protocol",
         "accuracy",
+        "95% interval",
+        "test examples",
         "macro-F1",
         "random-init acc",
         "random-init F1",
         "majority acc",
         "majority F1",
     ]
-    rows = [
-        [n, protocol]
-        + [
-            f"{metrics[names.downstream(names.DOWNSTREAM, n, p + m)]:.4f}"
+
+    def cells(task: str) -> list[str]:
+        value = {
+            f"{p}{m}": f"{metrics[names.downstream(names.DOWNSTREAM, task, p + m)]:.4f}"
             for p in (key, f"{key}random_init_" if key else "random_init_", "majority_")
             for m in ("accuracy", "macro_f1")
-        ]
-        for n in tasks
-    ]
+        }
+        examples = int(metrics[names.downstream(names.DOWNSTREAM, task, TEST_EXAMPLES)])
+        low, high = wilson(metrics[names.downstream(names.DOWNSTREAM, task, f"{key}accuracy")], examples)
+        interval = [f"{low:.4f}-{high:.4f}", f"{examples:,}"]
+        return [task, protocol, value[f"{key}accuracy"], *interval, *list(value.values())[1:]]
+
+    rows = [cells(n) for n in tasks]
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     lines = [" | ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in [header] + rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))

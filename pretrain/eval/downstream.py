@@ -26,6 +26,7 @@ import torch
 from data_prep.common.manifest import Manifest
 from pretrain import metric_names as names
 from pretrain.config.schema import DownstreamTaskConfig
+from pretrain.eval.intervals import TEST_EXAMPLES
 from pretrain.eval.tasks import TaskSplits, load_task
 
 _BASELINE_SEED = 1234
@@ -205,14 +206,22 @@ def baseline_metrics(
     config, tasks: Sequence[PreparedTask], device, batch_size: int = 32, prefix: str = names.DOWNSTREAM
 ) -> dict[str, float]:
     """The two baselines: ``{prefix}/<task>/random_init_{accuracy,macro_f1}`` (the probe on the same
-    architecture with random weights) and ``majority_{accuracy,macro_f1}``. Compute once per run."""
+    architecture with random weights) and ``majority_{accuracy,macro_f1}``, and ``test_examples``,
+    the number every accuracy of the task is over (``pretrain.eval.intervals``). Compute once per run."""
     model = random_like(config).to(device)
     out = {}
     for task in tasks:
         for k, v in probe_task(model, task, device, batch_size).items():
             out[names.downstream(prefix, task.name, f"random_init_{k}")] = v
-        for k, v in majority_scores(task).items():
-            out[names.downstream(prefix, task.name, f"majority_{k}")] = v
+        out.update(fixed_metrics(task, prefix))
+    return out
+
+
+def fixed_metrics(task: PreparedTask, prefix: str = names.DOWNSTREAM) -> dict[str, float]:
+    """What a task's scores are measured against, whatever the encoder: the majority class's
+    ``majority_{accuracy,macro_f1}`` and ``test_examples``."""
+    out = {names.downstream(prefix, task.name, f"majority_{k}"): v for k, v in majority_scores(task).items()}
+    out[names.downstream(prefix, task.name, TEST_EXAMPLES)] = len(task.test_labels)
     return out
 
 
@@ -333,6 +342,5 @@ def finetune_metrics(
             what = "the model" if key == "finetune" else "random weights"
             for k, v in finetune_task(model, task, device, settings, label=f"fine-tune {task.name} ({what})").items():
                 out[names.downstream(prefix, task.name, f"{key}_{k}")] = v
-        for k, v in majority_scores(task).items():
-            out[names.downstream(prefix, task.name, f"majority_{k}")] = v
+        out.update(fixed_metrics(task, prefix))
     return out

@@ -22,6 +22,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
 from pretrain import metric_names as names
+from pretrain.eval.intervals import TEST_EXAMPLES, wilson
 
 FIG_SIZE = (9, 4.2)
 HEALTH_KEY = re.compile(r"^health/([^/]+)/grad_norm$")
@@ -195,8 +196,9 @@ def _positive(v) -> float:
 
 
 def probe_figure(rows: list[dict]):
-    """``downstream/<task>/accuracy`` over steps, with the task's baselines (``..._accuracy``
-    logged once, e.g. random_init and majority) as dashed horizontal lines."""
+    """``downstream/<task>/accuracy`` over steps, with its 95% interval as a band where the run logged
+    the task's ``test_examples`` (``pretrain.eval.intervals``), and the task's baselines
+    (``..._accuracy`` logged once, e.g. random_init and majority) as dashed horizontal lines."""
     tasks = sorted({m.group(1) for r in rows for k in r if (m := PROBE_KEY.match(k))})
     if not tasks:
         return None
@@ -205,6 +207,10 @@ def probe_figure(rows: list[dict]):
     for i, task in enumerate(tasks):
         steps, acc = series(rows, names.downstream(names.DOWNSTREAM, task, "accuracy"))
         ax.plot(steps, acc, "o-", ms=4, color=f"C{i}", label=f"{task}: probe")
+        _, examples = series(rows, names.downstream(names.DOWNSTREAM, task, TEST_EXAMPLES))
+        if examples:
+            low, high = zip(*(wilson(a, int(examples[-1])) for a in acc))
+            ax.fill_between(steps, low, high, color=f"C{i}", alpha=0.15, lw=0, label=f"{task}: 95% interval")
         bases = sorted(
             {
                 k

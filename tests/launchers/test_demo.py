@@ -20,6 +20,7 @@ import subprocess
 import pytest
 
 from conftest import REPO
+from pretrain.eval.intervals import wilson
 from test_printed_commands import served_run
 
 pytestmark = pytest.mark.slow
@@ -46,14 +47,17 @@ def test_demo_learns_and_beats_its_baselines(tmp_path):
             out,
         ).groups(),
     )
-    probe, start, random_init = map(
+    probe, low, high, sentences, start, random_init = map(
         float,
         re.search(
-            r"word-order probe accuracy: ([\d.]+); the encoder it started from: ([\d.]+); the same architecture with "
-            r"random weights: ([\d.]+)",
+            r"word-order probe accuracy: ([\d.]+) \(95% interval ([\d.]+)-([\d.]+), (\d+) held-out sentences\); "
+            r"the encoder it started from: ([\d.]+); the same architecture with random weights: ([\d.]+)",
             out,
         ).groups(),
     )
+    # demo.yaml's 400 training sentences and a quarter of the 533 for testing, Wilson's interval on them
+    right = round(probe * 133)  # sentences right: 0.0075 apart, so the 3 decimals printed name one
+    assert sentences == 133 and (low, high) == tuple(round(v, 3) for v in wilson(right / 133, 133)), (probe, low, high)
     assert start > random_init + 0.1, (start, random_init)  # the pretrained encoder, scored at step 0
     assert acc > unigram + 0.02, (acc, unigram)
     assert probe > random_init + 0.15, (probe, random_init)

@@ -15,6 +15,7 @@ import torch
 
 from conftest import PY, REPO, _run
 from pretrain.config.schema import DownstreamTaskConfig, load_config
+from pretrain.eval.intervals import wilson
 from pretrain.eval.tasks import (
     TaskError,
     labelled_task,
@@ -56,10 +57,25 @@ def test_pretrained_encoder_beats_random_init_on_both_tasks(articles_csv, wiki_t
         ]
     )
     lines = proc.stdout.splitlines()
-    assert lines[0].split(" | ")[:4] == ["task      ", "protocol", "accuracy", "macro-F1"], proc.stdout
+    assert [c.strip() for c in lines[0].split(" | ")[:6]] == [
+        "task",
+        "protocol",
+        "accuracy",
+        "95% interval",
+        "test examples",
+        "macro-F1",
+    ], proc.stdout
     assert any(line.startswith("articles ") for line in lines) and any(line.startswith("word_order") for line in lines)
     m = json.loads(out.read_text())
     print(json.dumps(m, indent=1))
+    # Each accuracy with the interval its number of test examples gives (600 of the word-order sentences
+    # for training, a quarter of the 800 as many for testing)
+    assert m["downstream/word_order/test_examples"] == 200
+    for line in lines[2:]:
+        task, _, accuracy, interval, examples = (c.strip() for c in line.split(" | ")[:5])
+        assert int(examples.replace(",", "")) == m[f"downstream/{task}/test_examples"]
+        low, high = wilson(m[f"downstream/{task}/accuracy"], int(examples.replace(",", "")))
+        assert interval == f"{low:.4f}-{high:.4f}" and low < float(accuracy) < high
     # 10 articles: a sentence encoder separates them; random weights keep only word overlap.
     a = "downstream/articles/"
     assert m[a + "accuracy"] > 0.85 and m[a + "accuracy"] > m[a + "random_init_accuracy"] + 0.15
@@ -145,8 +161,15 @@ def test_probe_api_on_the_trainers_held_out_shards(shards, tmp_path):
     base = baseline_metrics(encoder.config, tasks, "cpu")
     assert set(base) == {
         f"downstream/word_order/{k}"
-        for k in ("random_init_accuracy", "random_init_macro_f1", "majority_accuracy", "majority_macro_f1")
+        for k in (
+            "random_init_accuracy",
+            "random_init_macro_f1",
+            "majority_accuracy",
+            "majority_macro_f1",
+            "test_examples",
+        )
     }
+    assert base["downstream/word_order/test_examples"] == len(tasks[0].test_ids)
     assert torch.equal(torch.get_rng_state(), rng_before)
 
 
@@ -214,8 +237,10 @@ def test_finetune_protocol_reports_both_baselines(bert_uncased_dir, tmp_path):
             "finetune_random_init_macro_f1",
             "majority_accuracy",
             "majority_macro_f1",
+            "test_examples",
         )
     }
+    assert m[p + "test_examples"] == len(tasks[0].test_ids)
     assert m[p + "finetune_accuracy"] >= 0.8 > m[p + "majority_accuracy"] + 0.2
     assert m[p + "finetune_accuracy"] > m[p + "finetune_random_init_accuracy"]
     assert torch.equal(torch.get_rng_state(), rng_before)
@@ -332,6 +357,9 @@ def test_a_given_test_file_is_the_test_split(tmp_path, articles_csv, bert_uncase
     given, drawn = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("given", "drawn"))
     assert given["downstream/articles/majority_accuracy"] == 1.0
     assert drawn["downstream/articles/majority_accuracy"] < 0.5
+    assert given["downstream/articles/test_examples"] == counts[top]
+    quarters = sum(min(n - 1, max(1, round(0.25 * n))) for n in counts.values())  # a quarter of every label
+    assert drawn["downstream/articles/test_examples"] == quarters
     for bad, said in (
         (["--test", str(test), *argv[:1], "--task", str(articles_csv)], "give it after the --task"),
         ([*argv, "--test", str(test), "--test", str(test)], "already has --test"),
@@ -355,3 +383,21 @@ def test_a_finetune_says_how_far_along_it_is():
     lines = out.getvalue().splitlines()
     assert len(lines) == 4 and lines[0].startswith("fine-tune articles (the model): step 1/4 (")
     assert lines[-1].endswith("steps/s), 0m00s left") and "step 4/4" in lines[-1]
+
+
+def test_a_score_says_how_precise_it_is():
+    """Wilson's 95% interval, as scipy computes it (an implementation of its own), from a single
+    example to a probe's thousands; inside [0, 1] at 0 and 1 of n correct, where p +- 1.96 s.e. is
+    not; no interval without examples."""
+    from scipy.stats import binomtest
+
+    from pretrain.eval.intervals import interval_text
+
+    for correct, examples in ((0, 1), (1, 1), (3, 7), (0, 10), (10, 10), (50, 100), (114, 133), (1337, 2000)):
+        reference = binomtest(correct, examples).proportion_ci(confidence_level=0.95, method="wilson")
+        low, high = wilson(correct / examples, examples)
+        assert math.isclose(low, reference.low, abs_tol=1e-12) and math.isclose(high, reference.high, abs_tol=1e-12)
+        assert 0.0 <= low <= correct / examples <= high <= 1.0
+    assert wilson(114 / 133, 133)[1] - wilson(114 / 133, 133)[0] > 0.1  # the demo's probe: +-0.06, not a point
+    assert all(math.isnan(v) for v in wilson(0.5, 0))
+    assert interval_text(114 / 133, 133.0, "held-out sentences") == "95% interval 0.788-0.907, 133 held-out sentences"

@@ -106,7 +106,8 @@ def health_rows(steps: list[int]) -> list[dict]:
 
 
 def test_cli_draws_layers_sources_and_marks_skips_and_recoveries(finished_run, tmp_path, shots):
-    from pretrain.report.figures import events, grad_norm_heatmap
+    from pretrain.eval.intervals import wilson
+    from pretrain.report.figures import events, grad_norm_heatmap, probe_figure
     from pretrain.tracking.jsonl import read_metrics
 
     out, _, _ = finished_run
@@ -124,6 +125,16 @@ def test_cli_draws_layers_sources_and_marks_skips_and_recoveries(finished_run, t
     (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     assert events(rows) == {"non-finite skip": [4], "spike recovery": [5]}
+    # The probe's 95% interval as a band around its line: the run logged its test sentences at step 0
+    examples = next(
+        r["downstream/word_order/test_examples"] for r in rows if "downstream/word_order/test_examples" in r
+    )
+    assert examples == 19  # a quarter of the sentences the test shards hold out (fewer than max_examples)
+    probed = [(r["step"], r["downstream/word_order/accuracy"]) for r in rows if "downstream/word_order/accuracy" in r]
+    band = probe_figure(rows).axes[0].collections[0].get_paths()[0].vertices
+    for step, accuracy in probed:
+        at = band[band[:, 0] == step, 1]
+        assert set(at.round(9)) == {round(v, 9) for v in wilson(accuracy, examples)}, (step, at)
     heat = grad_norm_heatmap(rows).axes[0].images[0].get_array()
     assert heat.shape == (4, 3)  # embeddings, layer_00, layer_01, head × 3 steps
     assert list(heat[2]) == [1.0, 10.0, 100.0] and heat.mask[1, 2]

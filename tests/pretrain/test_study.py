@@ -239,7 +239,8 @@ def test_shipped_study_config_and_command_line_grid(shards, bert_uncased_dir):
 
 def test_summary_picks_up_downstream_metrics_and_marks_the_missing(shards, tmp_path):
     """Metrics written in the trainer's metrics.jsonl format: a variant with probe results and one
-    without; the table shows '-' where a metric is absent, the probe plot draws the bars."""
+    without; the table shows '-' where a metric is absent, the probe plot draws the bars, and a probe's
+    accuracy in summary.md says its 95% interval from the task's test examples (logged at step 0)."""
     import matplotlib.image
 
     from pretrain.study.plan import load_study
@@ -258,6 +259,7 @@ def test_summary_picks_up_downstream_metrics_and_marks_the_missing(shards, tmp_p
     with_probe, without = study.variants
     rows = {
         with_probe.name: [
+            {"step": 0, "downstream/word_order/test_examples": 100},
             {"step": 5, "train/loss": 7.0, "train/tokens_seen": 5120, "perf/tokens_per_s": 900.0},
             {"step": 5, "eval/loss": 6.9, "eval/accuracy": 0.11},
             {"step": 10, "train/loss": 6.0, "train/tokens_seen": 10240, "perf/tokens_per_s": 1100.0},
@@ -294,6 +296,7 @@ def test_summary_picks_up_downstream_metrics_and_marks_the_missing(shards, tmp_p
         "downstream/word_order/accuracy",
         "downstream/word_order/baseline_accuracy",
         "downstream/word_order/macro_f1",
+        "downstream/word_order/test_examples",
         "tokens_per_s",
         "wall_s",
     ]
@@ -308,6 +311,7 @@ def test_summary_picks_up_downstream_metrics_and_marks_the_missing(shards, tmp_p
         "downstream/word_order/accuracy": "0.71",
         "downstream/word_order/baseline_accuracy": "0.5",
         "downstream/word_order/macro_f1": "0.7",
+        "downstream/word_order/test_examples": "100",
         "tokens_per_s": "1000.0",
         "wall_s": "12.5",
     }
@@ -316,10 +320,10 @@ def test_summary_picks_up_downstream_metrics_and_marks_the_missing(shards, tmp_p
         "-",
         "-",
     ]
-    assert (
-        "| rate=0.4 | 0.4 | interrupted | 5 | 5120 | 7.2 | 0.09 | - | - | - | 1000 | 12.5 |"
-        in (tmp_path / "summary.md").read_text()
-    )
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| rate=0.4 | 0.4 | interrupted | 5 | 5120 | 7.2 | 0.09 | - | - | - | - | 1000 | 12.5 |" in summary
+    # 71 of 100 right: Wilson's 0.615-0.790 (scipy's binomtest agrees); 50 of 100: 0.404-0.596
+    assert "| 6.1 | 0.15 | 0.71 (0.615-0.790) | 0.5 (0.404-0.596) | 0.7 | 100 | 1000 |" in summary
     image = matplotlib.image.imread(tmp_path / "probe_accuracy.png")[..., :3]
     first_colour = (0x1F / 255, 0x77 / 255, 0xB4 / 255)  # matplotlib's C0: the first variant's bar
     assert (abs(image - first_colour).max(axis=-1) < 0.02).sum() > 2000
