@@ -73,8 +73,8 @@ unigram = unigram_accuracy(data, load_manifest(data))
 print(f"held-out masked-token accuracy (15% masking): {last('eval/accuracy'):.3f} after {rows[-1]['step']} steps; "
       f"always guessing the most frequent token: {unigram:.3f}")
 probe, sentences = last('downstream/word_order/accuracy'), first('downstream/word_order/test_examples')
-print(f"word-order probe accuracy: {probe:.3f} ({interval_text(probe, sentences, 'held-out sentences')}); "
-      f"the encoder it started from: "
+precision = f" ({interval_text(probe, sentences, 'held-out sentences')})" if sentences else ""  # a run begun before it was logged: none
+print(f"word-order probe accuracy: {probe:.3f}{precision}; the encoder it started from: "
       f"{first('downstream/word_order/init_from_accuracy'):.3f}; the same architecture with "
       f"random weights: {first('downstream/word_order/random_init_accuracy'):.3f}; chance: 0.5")
 if os.environ.get("MLFLOW_TRACKING_URI"):

@@ -107,7 +107,7 @@ def fp32_state_dict(root: Path, tag: str) -> dict[str, torch.Tensor]:
         with safe_load.weights_only():
             state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
     else:
-        params, _, _, model_states = consolidate(folder, layout)
+        params, _, _, model_states = consolidate(folder, layout, moments=())  # the weights alone
         module = model_states.get("module") or {}
         state = {name: module[name] for name in model_states.get("buffer_names") or [] if name in module}
         state.update({name: held["fp32"] for name, held in params.items()})

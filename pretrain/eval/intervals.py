@@ -33,7 +33,7 @@ def wilson(accuracy: float, examples: int, z: float = Z95) -> tuple[float, float
 
 
 def interval_text(accuracy: float, examples: int, what: str = "test examples") -> str:
-    """``95% interval 0.788-0.906, 133 test examples``: the words after a score."""
+    """``95% interval 0.788-0.907, 133 test examples``: the words after a score."""
     examples = int(examples)  # a float where it was read back from MLflow
     low, high = wilson(accuracy, examples)
     return f"95% interval {low:.3f}-{high:.3f}, {examples:,} {what}"

@@ -110,7 +110,7 @@ def accuracy_interval(row: dict, key: str) -> tuple[float, float] | None:
 
 
 def _cell(row: dict, key: str) -> str:
-    """A Markdown cell: a probe's accuracy with its 95% interval, ``0.857 (0.788-0.906)``."""
+    """A Markdown cell: a probe's accuracy with its 95% interval, ``0.857 (0.788-0.907)``."""
     interval = accuracy_interval(row, key)
     return _fmt(row.get(key)) + (f" ({interval[0]:.3f}-{interval[1]:.3f})" if interval else "")
 
