@@ -505,7 +505,8 @@ def main(argv=None) -> int:
         f"shards {shards} (seq {manifest.seq_len}); configs/mini.yaml (HF: {' '.join(HF_RECIPE)}); "
         f"batch {args.batch_size}; "
         f"{args.precision}; {args.threads} threads; budget {args.minutes} min of training time each; "
-        f"eval every {args.eval_every} steps on {args.eval_batches} batches; seed {'the config' if args.seed is None else args.seed}; load {load_average()}"
+        f"eval every {args.eval_every} steps on {args.eval_batches} batches; "
+        f"seed {'the config' if args.seed is None else args.seed}; load {load_average()}"
         + (f"; ours with {' '.join(args.ours_overrides)}" if args.ours_overrides else "")
     )
     print(setup, flush=True)
