@@ -1,6 +1,6 @@
 """The downstream probe inside training, through the real launcher: 2 ranks log
-downstream/<task>/{accuracy,macro_f1} at the configured steps (the baselines once, at step 0), and a
-run halted and resumed logs exactly the numbers of the uninterrupted one."""
+downstream/<task>/{accuracy,macro_f1} at the configured steps (the baselines and test_examples once,
+at step 0), and a run halted and resumed logs exactly the numbers of the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def test_probe_during_training_is_logged_and_resumes_exactly(shards, tmp_path):
         for t in ("word_order", "articles")
         for b in ("random_init", "majority")
         for m in ("accuracy", "macro_f1")
-    }
+    } | {f"downstream/{t}/test_examples" for t in ("word_order", "articles")}
+    assert all(straight[0][f"downstream/{t}/test_examples"] >= 10 for t in ("word_order", "articles"))
     for step in (3, 6):
         assert set(straight[step]) == {
             f"downstream/{t}/{m}" for t in ("word_order", "articles") for m in ("accuracy", "macro_f1")
