@@ -227,15 +227,21 @@ def format_results(metrics: dict[str, float], protocol: str) -> str:
     ]
 
     def cells(task: str) -> list[str]:
-        value = {
-            f"{p}{m}": f"{metrics[names.downstream(names.DOWNSTREAM, task, p + m)]:.4f}"
-            for p in (key, f"{key}random_init_" if key else "random_init_", "majority_")
-            for m in ("accuracy", "macro_f1")
-        }
-        examples = int(metrics[names.downstream(names.DOWNSTREAM, task, TEST_EXAMPLES)])
-        low, high = wilson(metrics[names.downstream(names.DOWNSTREAM, task, f"{key}accuracy")], examples)
-        interval = [f"{low:.4f}-{high:.4f}", f"{examples:,}"]
-        return [task, protocol, value[f"{key}accuracy"], *interval, *list(value.values())[1:]]
+        def value(what: str) -> float:
+            return metrics[names.downstream(names.DOWNSTREAM, task, what)]
+
+        examples = int(value(TEST_EXAMPLES))
+        low, high = wilson(value(f"{key}accuracy"), examples)
+        baselines = (f"{key}random_init_" if key else "random_init_", "majority_")
+        return [
+            task,
+            protocol,
+            f"{value(f'{key}accuracy'):.4f}",
+            f"{low:.4f}-{high:.4f}",
+            f"{examples:,}",
+            f"{value(f'{key}macro_f1'):.4f}",
+            *(f"{value(p + m):.4f}" for p in baselines for m in ("accuracy", "macro_f1")),
+        ]
 
     rows = [cells(n) for n in tasks]
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
