@@ -124,6 +124,23 @@ def no_shared_memory_left_behind():
             pass
 
 
+@pytest.fixture(autouse=True)
+def mlflow_http_settings_of_a_fresh_process():
+    """A tracker started in this process sets MLflow's HTTP timeout and retries process-wide, for its
+    own requests (pretrain/tracking/mlflow_requests.py): a later test's MlflowClient in the same
+    xdist worker then had 1 s and no retry, and a fresh server's first answer under a loaded suite
+    took longer (the launcher test failed so in CI). Each test begins with the settings a user's
+    process has."""
+    names = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES")
+    before = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 PORTS_FROM, PORTS_PER_WORKER = 10000, 2500
 _ports_taken = [0]
 
