@@ -161,10 +161,13 @@ def export_checkpoint(root: str | Path, tag: str | None, out_dir: str | Path, we
     if tag is None:
         root, tag = resolve_checkpoint(root)
     folder = root / tag
-    model = hf_masked_lm(folder / HF_CONFIG_FILE)
     state = fp32_state_dict(root, tag) if weights is None else hf_names(weights)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k not in tied_parameter_names(model)]
+    # Built once the weights are gathered, not beside the rank files being read: one copy less at
+    # the peak. The model takes the gathered tensors themselves (assign), not copies of them.
+    model = hf_masked_lm(folder / HF_CONFIG_FILE)
+    tied = tied_parameter_names(model)  # before assigning: it unties them until tie_weights() below
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if k not in tied]
     if missing or unexpected:
         raise RuntimeError(
             f"{folder}: weights do not match the model config: missing {missing[:5]}, unexpected {unexpected[:5]}"

@@ -191,8 +191,9 @@ def _consolidate_flat_partitions(
     optim_files: list[Path], shapes: dict, load, moments: tuple[str, ...]
 ) -> tuple[dict, Any, list[dict]]:
     """ZeRO 1/2 and BF16_Optimizer: every rank holds one contiguous slice of each group's flat fp32
-    buffer, and ``param_slice_mappings`` says where each parameter's fragment lies in it."""
-    pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
+    buffer, and ``param_slice_mappings`` says where each parameter's fragment lies in it; a
+    parameter's fragments follow one another in rank order."""
+    whole = _Gathered(shapes)
     step, hyper = None, []
     for rank_file in optim_files:
         osd = load(rank_file)["optimizer_state_dict"]
@@ -203,15 +204,38 @@ def _consolidate_flat_partitions(
             step = state.get("step", step)
             flat = {"fp32": osd["single_partition_of_fp32_groups"][g], **{k: state[k] for k in moments if k in state}}
             for name, where in mapping.items():
-                for key, tensor in flat.items():
-                    pieces.setdefault(name, {}).setdefault(key, []).append(
-                        tensor.flatten().narrow(0, where.start, where.numel)
-                    )
-    params = {
-        name: {key: torch.cat(parts).reshape(shapes[name]) for key, parts in by_key.items()}
-        for name, by_key in pieces.items()
-    }
-    return params, step, hyper
+                whole.append(
+                    name, {key: tensor.flatten().narrow(0, where.start, where.numel) for key, tensor in flat.items()}
+                )
+    return whole.result(), step, hyper
+
+
+class _Gathered:
+    """Whole tensors filled piece by piece as each rank file is read: the file's bytes are read
+    (from its memory map) while its turn lasts, so the reading's progress line is true, and no list
+    of pieces is held beside the result."""
+
+    def __init__(self, shapes: dict):
+        self.shapes, self.tensors, self.filled = shapes, {}, {}
+
+    def put(self, name: str, at: int, pieces: dict[str, torch.Tensor]) -> None:
+        numel = math.prod(self.shapes[name])
+        for key, piece in pieces.items():
+            if piece.numel():
+                by_key = self.tensors.setdefault(name, {})
+                if key not in by_key:
+                    by_key[key] = torch.empty(numel, dtype=piece.dtype)
+                by_key[key].narrow(0, at, piece.numel()).copy_(piece)
+        self.filled[name] = self.filled.get(name, 0) + next(iter(pieces.values())).numel()
+
+    def append(self, name: str, pieces: dict[str, torch.Tensor]) -> None:
+        self.put(name, self.filled.get(name, 0), pieces)
+
+    def result(self) -> dict:
+        short = [n for n, count in self.filled.items() if count != math.prod(self.shapes[n])]
+        if short:
+            raise ReshardError(f"the rank files do not hold every element of {short[:5]}")
+        return {n: {k: t.view(self.shapes[n]) for k, t in by_key.items()} for n, by_key in self.tensors.items()}
 
 
 def _consolidate_zero3(folder: Path, load, moments: tuple[str, ...]) -> tuple[dict, Any, list[dict], dict]:
@@ -220,8 +244,8 @@ def _consolidate_zero3(folder: Path, load, moments: tuple[str, ...]) -> tuple[di
     0's model-states dict, read once with the others."""
     optim_files, model_files = rank_files(folder, "optim_states.pt"), rank_files(folder, "model_states.pt")
     world = len(optim_files)
-    pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
-    step, hyper, shapes, first_model_states = None, [], {}, {}
+    whole: Optional[_Gathered] = None
+    step, hyper, first_model_states = None, [], {}
     for rank, (opt_file, model_file) in enumerate(zip(optim_files, model_files)):
         osd = load(opt_file)["optimizer_state_dict"]
         base = osd["optimizer_state_dict"]
@@ -229,6 +253,7 @@ def _consolidate_zero3(folder: Path, load, moments: tuple[str, ...]) -> tuple[di
         model_states = load(model_file)
         if rank == 0:
             first_model_states = model_states
+            whole = _Gathered({n: s for group in model_states["param_shapes"] for n, s in group.items()})
         for g, group_shapes in enumerate(model_states["param_shapes"]):
             state = base["state"].get(g, {})
             step = state.get("step", step)
@@ -238,15 +263,9 @@ def _consolidate_zero3(folder: Path, load, moments: tuple[str, ...]) -> tuple[di
                 numel = math.prod(shape)
                 part = math.ceil(numel / world)
                 mine = max(0, min(part, numel - rank * part))
-                for key, tensor in flat.items():
-                    pieces.setdefault(name, {}).setdefault(key, []).append(tensor.flatten().narrow(0, offset, mine))
-                shapes[name] = shape
+                whole.put(name, rank * part, {key: t.flatten().narrow(0, offset, mine) for key, t in flat.items()})
                 offset += part
-    params = {
-        name: {key: torch.cat(parts).reshape(shapes[name]) for key, parts in by_key.items()}
-        for name, by_key in pieces.items()
-    }
-    return params, step, hyper, first_model_states
+    return whole.result(), step, hyper, first_model_states
 
 
 def _consolidate_unpartitioned(
@@ -272,8 +291,8 @@ def _consolidate_unpartitioned(
 def consolidate(folder: Path, layout: dict, moments: tuple[str, ...] = MOMENTS) -> tuple[dict, Any, list[dict], dict]:
     """Full fp32 parameters and optimiser ``moments`` by parameter name, the optimiser step, the
     per-group hyperparameters and rank 0's model-states dict (schedule, counters, client state).
-    Reading the files says how far along it is every ``PROGRESS_S``. An export takes no moments: each
-    rank file's are dropped as soon as it is read, never gathered (a third of the memory with AdamW)."""
+    Reading the files says how far along it is every ``PROGRESS_S``. An export takes no moments: the
+    files are memory-mapped (``safe_load.load``), so those are never even read."""
     folder = Path(folder)
     zero3 = layout["zero_stage"] == 3
     reading = rank_files(folder, "optim_states.pt")
@@ -284,15 +303,18 @@ def consolidate(folder: Path, layout: dict, moments: tuple[str, ...] = MOMENTS) 
         meter.starting(path.stat().st_size)
         return _load(path)
 
-    if zero3:
-        params, step, hyper, model_states = _consolidate_zero3(folder, load, moments)
-    else:
-        model_states = load(folder / MODEL_STATES_FILE)
-        optim_files = rank_files(folder, "optim_states.pt")
-        if optim_files:
-            params, step, hyper = _consolidate_flat_partitions(optim_files, layout["param_shapes"], load, moments)
+    # The saved fp32 partitions are Parameters that require grad: pieces cut from them under autograd
+    # kept every whole rank file's partition alive through their graph (and its memory map open).
+    with torch.no_grad():
+        if zero3:
+            params, step, hyper, model_states = _consolidate_zero3(folder, load, moments)
         else:
-            params, step, hyper = _consolidate_unpartitioned(model_states, layout, moments)
+            model_states = load(folder / MODEL_STATES_FILE)
+            optim_files = rank_files(folder, "optim_states.pt")
+            if optim_files:
+                params, step, hyper = _consolidate_flat_partitions(optim_files, layout["param_shapes"], load, moments)
+            else:
+                params, step, hyper = _consolidate_unpartitioned(model_states, layout, moments)
     shards = len(rank_files(folder, "optim_states.pt"))
     if shards and shards != layout["world"]:
         raise ReshardError(
