@@ -301,7 +301,7 @@ def consolidate(folder: Path, layout: dict, moments: tuple[str, ...] = MOMENTS) 
 
     def load(path: Path) -> Any:
         meter.starting(path.stat().st_size)
-        return _load(path)
+        return safe_load.load(path, mmap=True)  # what is gathered is copied out (_Gathered)
 
     # The saved fp32 partitions are Parameters that require grad: pieces cut from them under autograd
     # kept every whole rank file's partition alive through their graph (and its memory map open).

@@ -126,18 +126,19 @@ def code_problems(folder: Path) -> list[str]:
     return problems
 
 
-def load(path: Path) -> Any:
+def load(path: Path, mmap: bool = False) -> Any:
     """``torch.load`` of one checkpoint file, on the CPU, weights-only: UnsafeCheckpoint names the
     file and the type when it needs anything else (the unpickler refuses it before calling it).
 
-    Memory-mapped (private, copy-on-write: nothing is written back): a tensor's bytes are read when
-    first used, so what a reader leaves untouched costs no memory. An export touches the fp32 weights
-    alone, never AdamW's moments beside them in a rank file nor the module's copy of the weights in
-    the model-states file (BENCHMARKS.md: the export's peak memory)."""
+    ``mmap``: memory-mapped (private, copy-on-write: nothing is written back), for a reader that
+    copies out what it needs: a tensor's bytes are read when first used, so what it leaves untouched
+    costs no memory (an export never reads AdamW's moments nor the module's copy of the weights;
+    BENCHMARKS.md). Not for tensors kept as live state: their mapping would hold the file's disk space
+    after the checkpoint is pruned."""
     allow_deepspeed_types()
     try:
         # a legacy (non-zip) file cannot be mapped: read whole, the weights-only unpickler refuses it
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
     except pickle.UnpicklingError as exc:
         named = re.search(r"GLOBAL (\S+)", str(exc))
         what = named.group(1) if named else str(exc).strip().splitlines()[-1][:300]
