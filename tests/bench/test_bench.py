@@ -437,6 +437,30 @@ def test_precision_bench_times_each_configs_step_in_both_precisions():
     assert cells[5].startswith(("bf16", "fp32")), row
 
 
+def test_arch_compare_runs_each_architecture_with_its_own_dropout_and_one_seed(shards, tmp_path):
+    """mini.yaml's hidden_dropout is a BERT setting: the ModernBERT run was refused before it started
+    once mini.yaml set it (found by running the bench). Each command is a config the trainer takes."""
+    sys.path.insert(0, str(REPO))
+    from bench import arch_compare
+
+    args = arch_compare.parser().parse_args(["--seed", "7", "--precision", "fp32"])
+    models = {}
+    for arch in arch_compare.ARCHS:
+        cmd = arch_compare.train_command(arch, args, shards, tmp_path / arch, 0.1)
+        at = cmd.index("--config")
+        cfg = load_config(cmd[at + 1], cmd[at + 2 :])
+        assert (cfg.train.seed, cfg.data.seed, cfg.impl.precision) == (7, 7, "fp32")
+        models[arch] = cfg.model
+    assert (models["bert"].hidden_dropout, models["bert"].attention_dropout) == (0.1, 0.0)
+    modern = models["modernbert"]
+    assert (modern.arch, modern.hidden_dropout, modern.mlp_dropout, modern.intermediate_size) == (
+        "modernbert",
+        None,
+        0.0,
+        704,
+    )
+
+
 def test_sample_shards_leave_no_half_corpus_when_the_sample_package_is_missing(tmp_path, monkeypatch):
     """The first call fails with the cause; so does the next one (not with an empty corpus folder's)."""
     from bench.common import ensure_sample_shards
