@@ -265,7 +265,7 @@ def _consolidate_zero3(folder: Path, load, moments: tuple[str, ...]) -> tuple[di
                 mine = max(0, min(part, numel - rank * part))
                 whole.put(name, rank * part, {key: t.flatten().narrow(0, offset, mine) for key, t in flat.items()})
                 offset += part
-    return whole.result(), step, hyper, first_model_states
+    return (whole.result() if whole else {}), step, hyper, first_model_states  # no rank files: named by the caller
 
 
 def _consolidate_unpartitioned(
