@@ -207,7 +207,11 @@ def emit_probe_baselines(run: Run) -> None:
     if run.tasks and run.state.step == 0:
         cfg = run.cfg
         metrics = baseline_metrics(
-            run.model.hf_model.config, run.tasks, run.info.device, cfg.eval.downstream_batch_size
+            run.model.hf_model.config,
+            run.tasks,
+            run.info.device,
+            cfg.eval.downstream_batch_size,
+            vocab_size=run.model.vocab_size,  # the export's rows: the evaluate CLI's baseline to the bit
         )
         if cfg.model.init_from:
             metrics.update(run.probe_scores(label="init_from_"))

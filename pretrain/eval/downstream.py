@@ -187,14 +187,18 @@ def probe_metrics(
         encoder.train(was_training)
 
 
-def random_like(config, seed: int = _BASELINE_SEED) -> torch.nn.Module:
+def random_like(config, seed: int = _BASELINE_SEED, vocab_size: int | None = None) -> torch.nn.Module:
     """An encoder (``BertModel``, ``ModernBertModel``) with ``config``'s architecture and seeded random
     weights (global RNG untouched), in fp32 with SDPA attention whatever the run uses (flash-attn
-    refuses fp32; keyed dropout's attention is the trainer's)."""
+    refuses fp32; keyed dropout's attention is the trainer's). ``vocab_size``: the tokenizer's, where
+    ``config`` has more rows (a trainer pads its embedding to ``model.vocab_multiple``; its export
+    has the tokenizer's rows): the rows set how the draws fall on every later weight, so a run's
+    baseline and the evaluate CLI's on its export are one model only at one size."""
     from transformers import AutoModel, BertModel
 
     config = copy.deepcopy(config)
     config._attn_implementation = "sdpa"
+    config.vocab_size = vocab_size or config.vocab_size
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if config.model_type == "bert":
@@ -203,12 +207,18 @@ def random_like(config, seed: int = _BASELINE_SEED) -> torch.nn.Module:
 
 
 def baseline_metrics(
-    config, tasks: Sequence[PreparedTask], device, batch_size: int = 32, prefix: str = names.DOWNSTREAM
+    config,
+    tasks: Sequence[PreparedTask],
+    device,
+    batch_size: int = 32,
+    prefix: str = names.DOWNSTREAM,
+    vocab_size: int | None = None,
 ) -> dict[str, float]:
     """The two baselines: ``{prefix}/<task>/random_init_{accuracy,macro_f1}`` (the probe on the same
-    architecture with random weights) and ``majority_{accuracy,macro_f1}``, and ``test_examples``,
-    the number every accuracy of the task is over (``pretrain.eval.intervals``). Compute once per run."""
-    model = random_like(config).to(device)
+    architecture with random weights, ``vocab_size`` rows: ``random_like``) and
+    ``majority_{accuracy,macro_f1}``, and ``test_examples``, the number every accuracy of the task is
+    over (``pretrain.eval.intervals``). Compute once per run."""
+    model = random_like(config, vocab_size=vocab_size).to(device)
     out = {}
     for task in tasks:
         for k, v in probe_task(model, task, device, batch_size).items():

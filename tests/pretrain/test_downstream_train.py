@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_module
 from pretrain.eval.tasks import sample_article_task
 from test_faults import ok, train
 
@@ -48,3 +49,25 @@ def test_probe_during_training_is_logged_and_resumes_exactly(shards, tmp_path):
         }
         assert all(0.0 <= v <= 1.0 for v in straight[step].values())
     assert resumed == straight  # the same weights give the same probe, to the bit
+
+
+def test_a_runs_probe_and_the_evaluate_cli_on_its_checkpoint_give_the_same_numbers(shards, tmp_path):
+    """A metric's name is its identity: ``python -m pretrain.evaluate`` on a run's checkpoint reports
+    every downstream/<task>/... number the run logged, to the bit, the random-init baseline included.
+    The embedding is padded (4,096 tokens to 5,000 rows): a run's model has the padding rows, its
+    export the tokenizer's, and a baseline drawn at either size is another random model."""
+    tasks = "eval.downstream=[{path: word_order, max_examples: 200}]"
+    out = tmp_path / "run"
+    common = ["train.max_steps=2", "eval.downstream_every=2", "train.checkpoint_every=2", "train.eval_every=0"]
+    ok(train(shards, out, tasks, *common, "model.vocab_multiple=1000"))
+    logged = probe_rows(out)
+    assert sorted(logged) == [0, 2]
+    cli = ok(
+        run_module(
+            "pretrain.evaluate",
+            out / "checkpoints" / "step00000002",
+            *("--task", "word_order", "--data", shards, "--max-examples", 200, "--json", tmp_path / "cli.json"),
+        )
+    )
+    assert "random-init acc" in cli.stdout
+    assert json.loads((tmp_path / "cli.json").read_text()) == {**logged[0], **logged[2]}
