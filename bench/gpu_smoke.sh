@@ -386,9 +386,11 @@ if selected autotune; then beside_real_shape autotune bert-base-accum-autotune a
 # hidden dropout 0.1): its MFU is the figure to set beside the anchors' (NVIDIA's BERT phase 1: about 45%
 # of an A100's bf16 peak).
 # It also evaluates the held-out split at its last step, compiled (after the last timed window).
+# One command for the run whichever unit starts it: graphs, reads and patches compare against it, and
+# a second call's bert-base may be the first call's, run by another unit.
+bert_base() { RUN_CONFIG=configs/base.yaml run bert-base 1 "${BASE_BATCH[@]}" train.eval_every="$STEPS" train.eval_sequences=512; }
 if selected bert-base; then
-  RUN_CONFIG=configs/base.yaml run bert-base 1 "${BASE_BATCH[@]}" train.eval_every="$STEPS" \
-    train.eval_sequences=512
+  bert_base
   if ran bert-base; then check heldout heldout "$WORK/runs/bert-base"
   else record "skipped check heldout (needs the bert-base run)"; fi
   close bert-base check:heldout
@@ -404,7 +406,7 @@ fi
 # What reading every step's decision at once costs where the step's host time shows (one micro-batch a
 # step), beside bert-base: after graphs, the least valuable of the three.
 if selected reads; then
-  ran bert-base || RUN_CONFIG=configs/base.yaml run bert-base 1 "${BASE_BATCH[@]}"
+  ran bert-base || bert_base
   RUN_CONFIG=configs/base.yaml run bert-base-at-once 1 "${BASE_BATCH[@]}" impl.deferred_reads=false
   if ran bert-base bert-base-at-once; then check reads reads "$WORK/runs/bert-base" "$WORK/runs/bert-base-at-once"
   else record "skipped check reads (needs the bert-base and bert-base-at-once runs)"; fi
@@ -414,7 +416,7 @@ fi
 # micro-batch a step beside bert-base: what each is worth (issue 84, item 5); a group that shows no gain
 # goes (docs/gpu-step.md).
 if selected patches; then
-  ran bert-base || RUN_CONFIG=configs/base.yaml run bert-base 1 "${BASE_BATCH[@]}"
+  ran bert-base || bert_base
   OFF_RUNS=()
   for group in bf16_multi_tensor decisions_ahead; do
     RUN_CONFIG=configs/base.yaml run "bert-base-no-$group" 1 "${BASE_BATCH[@]}" "impl.deepspeed_patches.$group=false"

@@ -802,3 +802,23 @@ def test_profile_kernels_splits_a_traces_device_time_by_class_and_rates_its_matm
     assert rates["attention"] == pytest.approx(4 * 2 * 4 * 128 * 128 * 64 / 20e-6 / 1e12)
     assert rates["optimizer"] is None
     assert main(["--steps", "1", str(tmp_path / "missing.json.gz")]) == 2
+
+
+@pytest.mark.slow
+def test_the_run_units_compare_against_is_the_same_run_whichever_unit_starts_it():
+    """graphs, reads and patches set their runs beside bert-base, which the bert-base unit runs with a
+    held-out evaluation at its end: a call with only reads or patches selected starts it with that
+    same command, so that a second call reusing the first call's folder compares like with like."""
+
+    def bert_base(only: str) -> list[str]:
+        (cmd,) = [
+            c
+            for c in _dry_run("--only", only, "--budget-s", "100000")
+            if "train.out_dir=/tmp/gpu_smoke/runs/bert-base" in c
+        ]
+        port = cmd.index("--master_port")
+        return cmd[:port] + cmd[port + 2 :]  # a random port each launch
+
+    started = bert_base("bert-base")
+    assert "train.eval_sequences=512" in started
+    assert bert_base("reads") == started and bert_base("patches") == started
