@@ -359,7 +359,7 @@ def build_run(
     run.peak, peak_source = hardware.peak_tflops(info.device, precision, cfg.impl.peak_tflops)
     run.mfu_check = hardware.MfuCheck(run.peak, peak_source)
     log.info(
-        "start: step %d%s, world %d, grad_accum %d, precision %s (%s), attention %s within each %s, ZeRO %d, "
+        "start: step %d%s, world %d, grad_accum %d, precision %s (%s), attention %s within each %s, ZeRO %d%s, "
         "%d params, peak %.3f TFLOP/s per process (%s), allocator %s",
         run.state.step,
         f" (resumed from {resume_from})" if resume_from else "",
@@ -370,6 +370,7 @@ def build_run(
         model.attention,
         cfg.model.attention_scope,
         cfg.impl.zero_stage,
+        ", activation checkpointing" if model.checkpointed else "",
         eng.num_parameters(model),
         run.peak,
         peak_source,

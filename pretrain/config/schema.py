@@ -240,6 +240,13 @@ class ImplConfig:
         "eager",
     ] = "auto"
     sparse_head: bool = True  # the MLM head only at masked positions
+    # Each encoder layer's activations recomputed in the backward instead of kept from the forward
+    # (torch's non-reentrant checkpoint, through Hugging Face's layers): the activations a micro-batch
+    # holds fall from every layer's to about one layer's, for one more forward of the encoder (~1/3 more
+    # compute), so that a longer sequence or a larger micro-batch fits. The same numbers: keyed dropout
+    # draws the same masks again, and the recompute runs the same attention kernels (MLMModel.
+    # attention_backends). micro_batch_size auto times the micro-batches with it.
+    activation_checkpointing: bool = False
     # Keyed dropout's hash, compiled (pretrain.model.keyed_dropout.DropoutKey; the same bits either way).
     # per_pair: one int32 a pair of elements (the hash's first round), which inductor writes out and reads
     # back (2 bytes an element each way); per_element: each element hashes inside the kernel around it,

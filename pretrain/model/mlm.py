@@ -101,6 +101,7 @@ class MLMModel(torch.nn.Module):
         self.attention_scope, self.sep_id = attention_scope, sep_id
         # Dropout keyed by each row's sample id and the step (pretrain.model.keyed_dropout.install).
         self.dropout_key = None
+        self.checkpointed = False  # the layers run again in the backward (checkpoint_layers)
 
     @property
     def config(self):
@@ -134,8 +135,22 @@ class MLMModel(torch.nn.Module):
             inputs = self._document_inputs(input_ids)
         else:
             inputs = {"attention_mask": attention_mask}
-        with sdpa_kernel(self.sdpa_backends, set_priority=True) if self.sdpa_backends else nullcontext():
+        with self.attention_backends():
             return self.hf_model.base_model(input_ids=input_ids, **inputs).last_hidden_state
+
+    def attention_backends(self):
+        """The SDPA backends ``use_attention`` chose, as a context: around the forward, and around the
+        backward too, where activation checkpointing runs the attention again (``checkpoint_layers``)."""
+        return sdpa_kernel(self.sdpa_backends, set_priority=True) if self.sdpa_backends else nullcontext()
+
+    def checkpoint_layers(self) -> None:
+        """``impl.activation_checkpointing``: each encoder layer keeps only its input for the backward and
+        runs again there (torch's non-reentrant checkpoint; Hugging Face's layers take it)."""
+        hf = self.hf_model
+        # activation_checkpointing_enable since transformers 5.2x; gradient_checkpointing_enable before
+        enable = getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
+        self.checkpointed = True
 
     def _document_inputs(self, input_ids: torch.Tensor) -> dict:
         """Masks and position ids that keep each token inside its document (pretrain.model.documents),
@@ -439,6 +454,8 @@ def build_model(
     )
     if impl.attention in SDPA_BACKENDS:
         model.use_attention(impl.attention)
+    if impl.activation_checkpointing:
+        model.checkpoint_layers()
     # What init_from did not provide (e.g. the MLM head of an encoder saved without one): the
     # optimiser may give these a higher learning rate (optim.fresh_params_lr_multiplier).
     tied = {id(hf_model.get_input_embeddings().weight)}

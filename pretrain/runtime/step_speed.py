@@ -65,6 +65,7 @@ def step_probe(model: torch.nn.Module, micro_batch: int | str, seq_len: int, mas
         f"{mc.model_type} L{mc.num_hidden_layers} H{mc.hidden_size} A{mc.num_attention_heads} "
         f"I{mc.intermediate_size} V{mc.vocab_size} attn={mc._attn_implementation} "
         f"sparse={getattr(model, 'sparse_head', True)}"
+        + (" checkpointed" if getattr(model, "checkpointed", False) else "")  # its own speed and memory
     )
     batch = PROBE_BATCH if micro_batch == "auto" else min(micro_batch, PROBE_BATCH)
     return StepProbe(model, batch, seq_len, round(masking_rate * batch * seq_len), shape)

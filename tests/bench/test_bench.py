@@ -822,3 +822,24 @@ def test_the_run_units_compare_against_is_the_same_run_whichever_unit_starts_it(
     started = bert_base("bert-base")
     assert "train.eval_sequences=512" in started
     assert bert_base("reads") == started and bert_base("patches") == started
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_bench_runs_both_modes_to_the_same_loss():
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "activation_checkpointing.py"), "--config", "configs/tiny.yaml"]
+        + ["--seq-len", "64", "--micro-batch", "2", "--threads", "1", "--repeats", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {
+        cells[0]: cells[1:]
+        for cells in ([c.strip() for c in line.strip("|").split("|")] for line in done.stdout.splitlines())
+        if cells[0] in ("kept", "recomputed")
+    }
+    assert sorted(rows) == ["kept", "recomputed"] and rows["kept"][2] == rows["recomputed"][2], done.stdout
+    assert all(float(r[0]) > 0 for r in rows.values())
+    assert "the same loss: True" in done.stdout
