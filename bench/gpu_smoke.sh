@@ -44,6 +44,8 @@
 #                 replayed as CUDA graphs; the same losses to bf16 round-off, tokens/s against bert-base's,
 #                 and no graph recorded again or left unused (the run's "cuda graphs:" warnings)
 #   bert-base-nodrop  the same without dropout: what keyed dropout costs in base.yaml's step
+#   checkpointing base.yaml at its real shape with impl.activation_checkpointing=true beside bert-base-accum:
+#                 the same losses to bf16 round-off, its tokens/s and peak memory against the default's
 # before them, bench/gpu_smoke_checks.py checks the optimisers and the flash SDPA kernel directly,
 # bench/mlm_loss.py times the fused MLM loss (every run's default) against the plain one at a GPU batch;
 # after them, one line per check (ok / FAILED) and tokens/s and MFU (against the peak printed first)
@@ -54,7 +56,7 @@
 #                      [--only UNIT,...] [--skip UNIT,...] [--resume-from RESULTS_FILE]
 #
 # Units, in the order they run (a unit's runs and the check that reads them): profile real-shape
-# micro-batch fp8 dropout-hash autotune bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2 modernbert flash-attn
+# micro-batch fp8 dropout-hash autotune bert-base graphs reads patches checkpointing paths mlm-loss adamw nonfinite resume export zero3 phase2 modernbert flash-attn
 # documents dropout compile-fixed bert-base-nodrop nccl. Each line of WORK/results.txt is written as a run or check ends, and
 # "done UNIT" once a unit has passed; --resume-from that file (carried to the next lease) runs only
 # the units not done, so two short leases cover everything; on the same machine and --work-dir, the
@@ -72,7 +74,7 @@ PY=${PYTHON:-.venv/bin/python}
 
 DRY_RUN=0 GPUS="" STEPS=50 MICRO=64 BASE_MICRO=128 CONFIG=configs/mini.yaml DATA="" WORK=/tmp/gpu_smoke BUDGET=540
 ONLY="" SKIP="" RESUME_FROM="" PREVIOUS_DONE="" PREVIOUS_OK=""
-UNITS=(profile real-shape micro-batch fp8 dropout-hash autotune bert-base graphs reads patches paths mlm-loss adamw nonfinite resume export zero3 phase2
+UNITS=(profile real-shape micro-batch fp8 dropout-hash autotune bert-base graphs reads patches checkpointing paths mlm-loss adamw nonfinite resume export zero3 phase2
        modernbert flash-attn documents dropout compile-fixed bert-base-nodrop nccl)
 usage() { grep -A2 '^#   bench/gpu_smoke.sh \[' "$0" | sed 's/^# \{0,3\}//'; }
 while [ $# -gt 0 ]; do
@@ -426,6 +428,11 @@ if selected patches; then
     check patches patches "$WORK/runs/bert-base" "${OFF_RUNS[@]}"
   else record "skipped check patches (needs bert-base and its two runs without a group)"; fi
   close patches check:patches
+fi
+# impl.activation_checkpointing=true beside the default at the real shape: the losses to bf16 round-off
+# (the recompute under torch.compile), what the recompute costs and the peak memory it saves.
+if selected checkpointing; then
+  beside_real_shape checkpointing bert-base-accum-checkpointed checkpointing impl.activation_checkpointing=true
 fi
 if selected paths; then check paths paths "$CONFIG" "$DATA"; close paths check:paths; fi
 # 128 x 512 tokens at 15%: a BERT-base phase-2 micro-batch's predicted tokens, at its hidden size.

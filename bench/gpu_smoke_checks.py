@@ -196,6 +196,20 @@ def autotune(default_dir: str, tuned_dir: str, rtol: float = 2e-2) -> str:
     )
 
 
+def checkpointing(kept_dir: str, recomputed_dir: str, rtol: float = 2e-2) -> str:
+    """base.yaml at its real shape with the layers' activations kept (the default) and recomputed in
+    the backward (``impl.activation_checkpointing=true``): the losses within ``rtol`` (the recompute's
+    kernels under torch.compile, bf16's round-off), its tokens/s and peak device memory against the
+    default's (``perf/memory_gb``: the peak allocated)."""
+    want, _, worst, ours, mfu, theirs = _beside("checkpointing", kept_dir, recomputed_dir, "the default's", rtol)
+    kept, recomputed = (max(logged(Path(d), names.PERF_MEMORY_GB).values()) for d in (kept_dir, recomputed_dir))
+    return (
+        f"checkpointing: {len(want)} logged losses within {worst:.1e} of the default's; {ours:,.0f} tokens/s "
+        f"({100 * mfu:.1f}% MFU), {ours / theirs:.3f}x the default; peak memory {recomputed:.2f} GB against "
+        f"{kept:.2f} ({recomputed / kept:.2f}x)"
+    )
+
+
 def nonfinite(run_dir: str) -> str:
     """A run whose weights blew up after step 1: every later step skipped without moving the
     learning-rate schedule, until the cap stopped it (its exit code, 4, is checked by the caller)."""
@@ -423,6 +437,8 @@ if __name__ == "__main__":
         print(autotune(*rest))
     elif command == "dropout_hash":
         print(dropout_hash(*rest))
+    elif command == "checkpointing":
+        print(checkpointing(*rest))
     elif command == "report":
         text, all_ok = report(rest)
         print(text)
@@ -430,5 +446,5 @@ if __name__ == "__main__":
     else:
         sys.exit(
             f"unknown command {command!r}: peak | paths CONFIG SHARDS | resumed REF RUN | nonfinite RUN | heldout RUN | export RUN | profile RUN... | "
-            "report RUN_DIR... | yardsticks PEAK OURS OURS_AT_ONCE HF BARE [OURS_ROW] | reads DEFERRED AT_ONCE | micro RUN | patches EVERY WITHOUT... | graphs EAGER GRAPHS | fp8 BF16 FP8 | autotune DEFAULT TUNED | dropout_hash PER_PAIR PER_ELEMENT"
+            "report RUN_DIR... | yardsticks PEAK OURS OURS_AT_ONCE HF BARE [OURS_ROW] | reads DEFERRED AT_ONCE | micro RUN | patches EVERY WITHOUT... | graphs EAGER GRAPHS | fp8 BF16 FP8 | autotune DEFAULT TUNED | dropout_hash PER_PAIR PER_ELEMENT | checkpointing KEPT RECOMPUTED"
         )

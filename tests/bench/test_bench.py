@@ -56,6 +56,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
         "bert-base-accum",
         "bert-base-accum-at-once",
         "bert-base-accum-autotune",
+        "bert-base-accum-checkpointed",
         "bert-base-accum-fp8",
         "bert-base-accum-per-element",
         "bert-base-accum-row",
@@ -171,6 +172,7 @@ def test_gpu_smoke_dry_run_launches_every_gpu_path_with_valid_configs(shards):
             "/tmp/gpu_smoke/runs/bert-base",
             *(f"/tmp/gpu_smoke/runs/bert-base-no-{g}" for g in ("bf16_multi_tensor", "decisions_ahead")),
         ],
+        ["checkpointing", "/tmp/gpu_smoke/runs/bert-base-accum", "/tmp/gpu_smoke/runs/bert-base-accum-checkpointed"],
         ["paths", checks[3], checks[4]],
         ["nonfinite", "/tmp/gpu_smoke/runs/nonfinite"],
         ["resumed", "/tmp/gpu_smoke/runs/adamw", "/tmp/gpu_smoke/runs/halted"],
@@ -565,6 +567,32 @@ def test_smoke_heldout_check_wants_a_finite_evaluation(tmp_path):
         heldout(rows())  # the run never evaluated (no validation split)
     with pytest.raises(SystemExit, match="no finite eval/loss"):
         heldout(rows(float("nan")))
+
+
+def test_smoke_checkpointing_check_sets_time_and_memory_beside_the_default(tmp_path):
+    from bench.gpu_smoke_checks import checkpointing
+
+    def run(name, losses, tokens_per_s, memory_gb):
+        rows = [
+            {
+                "step": 10 * (i + 1),
+                "train/loss": loss,
+                "perf/tokens_per_s": tokens_per_s,
+                "perf/mfu": 0.25,
+                "perf/memory_gb": memory_gb,
+            }
+            for i, loss in enumerate(losses)
+        ]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(tmp_path / name)
+
+    kept = run("kept", [9.0, 8.0, 7.0], 400_000, 7.3)
+    said = checkpointing(kept, run("recomputed", [9.0, 8.01, 7.0], 300_000, 2.9))
+    assert "3 logged losses within 1.2e-03" in said and "0.750x the default" in said, said
+    assert "peak memory 2.90 GB against 7.30 (0.40x)" in said, said
+    with pytest.raises(SystemExit, match="losses differ"):
+        checkpointing(kept, run("other", [9.0, 8.5, 7.0], 300_000, 2.9))
 
 
 def test_smoke_profile_check_prints_rank_0s_summary_and_wants_one(tmp_path):
