@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import subprocess
 import sys
 import time
@@ -30,14 +28,9 @@ from bench.common import cpu_record, format_table, load_average, thread_env  # n
 MODES = {"kept": False, "recomputed": True}
 
 
-def current_rss_bytes() -> int:
-    """This process's resident memory now (Linux: /proc/self/statm)."""
-    pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE")
-
-
 def one_mode(args) -> dict:
-    """In the child: build, warm up, time; the peak above the start (ru_maxrss is KiB on Linux)."""
+    """In the child: build, warm up, time; the peak above the start (resident memory on a CPU,
+    ``pretrain.runtime.hardware``'s figures, as ``perf/memory_gb`` reports them)."""
     import torch
 
     from pretrain.config.loader import load_yaml
@@ -45,6 +38,7 @@ def one_mode(args) -> dict:
     from pretrain.model import keyed_dropout
     from pretrain.model.masking import SpecialIds
     from pretrain.model.mlm import build_model
+    from pretrain.runtime.hardware import current_memory_gb, peak_memory_gb
     from pretrain.runtime.step_speed import probe_inputs
 
     raw = load_yaml(str(REPO / args.config))
@@ -59,7 +53,8 @@ def one_mode(args) -> dict:
         special.vocab_size, args.micro_batch, args.seq_len, round(rate * args.micro_batch * args.seq_len)
     )
     key.set(torch.arange(args.micro_batch), step=1)
-    before = current_rss_bytes()
+    cpu = torch.device("cpu")
+    before = current_memory_gb(cpu)
     best = float("inf")
     for attempt in range(args.repeats + 1):
         for p in model.parameters():
@@ -70,8 +65,7 @@ def one_mode(args) -> dict:
             loss.backward()
         if attempt:
             best = min(best, time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"seconds": best, "peak_above_start": peak - before, "loss": float(loss)}
+    return {"seconds": best, "peak_above_start": (peak_memory_gb(cpu) - before) * 2**30, "loss": float(loss)}
 
 
 def main(argv=None) -> int:
