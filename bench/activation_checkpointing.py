@@ -61,7 +61,7 @@ def one_mode(args) -> dict:
             p.grad = None
         start = time.perf_counter()
         loss, _, _ = model(ids, None, positions, labels)
-        with model.attention_backends():
+        with model.recompute_context():
             loss.backward()
         if attempt:
             best = min(best, time.perf_counter() - start)

@@ -207,7 +207,7 @@ def train_step(
             )
             sums[:3] += torch.stack([loss_sum.detach().double(), correct.double(), count.double()])
             sums[3] += tokens
-        with phase("backward"), parts.model.attention_backends():  # activation checkpointing's recompute
+        with phase("backward"), parts.model.recompute_context():
             engine.backward(loss_sum * scale)
         if i == len(masked) - 1:
             decided, result.numbers = decide_update(parts, sums, level, defer)

@@ -245,7 +245,7 @@ class ImplConfig:
     # holds fall from every layer's to about one layer's, for one more forward of the encoder (~1/3 more
     # compute), so that a longer sequence or a larger micro-batch fits. The same numbers: keyed dropout
     # draws the same masks again, and the recompute runs the same attention kernels (MLMModel.
-    # attention_backends). micro_batch_size auto times the micro-batches with it.
+    # recompute_context). micro_batch_size auto times the micro-batches with it.
     activation_checkpointing: bool = False
     # Keyed dropout's hash, compiled (pretrain.model.keyed_dropout.DropoutKey; the same bits either way).
     # per_pair: one int32 a pair of elements (the hash's first round), which inductor writes out and reads

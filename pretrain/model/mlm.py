@@ -139,9 +139,13 @@ class MLMModel(torch.nn.Module):
             return self.hf_model.base_model(input_ids=input_ids, **inputs).last_hidden_state
 
     def attention_backends(self):
-        """The SDPA backends ``use_attention`` chose, as a context: around the forward, and around the
-        backward too, where activation checkpointing runs the attention again (``checkpoint_layers``)."""
+        """The SDPA backends ``use_attention`` chose, as a context around the forward."""
         return sdpa_kernel(self.sdpa_backends, set_priority=True) if self.sdpa_backends else nullcontext()
+
+    def recompute_context(self):
+        """The context of a backward: where activation checkpointing runs the layers again there
+        (``checkpoint_layers``), the forward's SDPA backends; else nothing (the default step unchanged)."""
+        return self.attention_backends() if self.checkpointed else nullcontext()
 
     def checkpoint_layers(self) -> None:
         """``impl.activation_checkpointing``: each encoder layer keeps only its input for the backward and

@@ -177,7 +177,7 @@ def _fastest_pass(model, size: int, seq_len: int, masking_rate: float, device: t
             torch.cuda.synchronize(device)
         start = time.perf_counter() if device.type == "cuda" else time.process_time()
         loss_sum, _, _ = model(ids, None, positions, labels)
-        with model.attention_backends():  # as the trainer's backward runs (activation checkpointing)
+        with model.recompute_context():  # as the trainer's backward runs
             loss_sum.backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -50,7 +50,7 @@ def forward_backward(arch: str, checkpointed: bool, scope: str = "row"):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss, _, _ = model(ids, None, positions, ids.reshape(-1)[positions])
-    with model.attention_backends():
+    with model.recompute_context():
         loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
     return loss.detach(), grads, sum(saved)
