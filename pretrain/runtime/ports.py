@@ -3,9 +3,15 @@ it), not a C++ traceback from every rank's TCPStore.
 
 A job script (``launchers/slurm/pretrain.sbatch``) picks, checks and holds its port here:
 
-    python -m pretrain.runtime.ports pick SEED    # a free port outside the kernel's ephemeral range
-    python -m pretrain.runtime.ports check PORT   # exit 2, saying why, when PORT cannot be the master's
-    python -m pretrain.runtime.ports hold PORT    # keep PORT from others until the TCPStore listens
+    python -m pretrain.runtime.ports check PORT      # exit 2, saying why, when PORT cannot be the master's
+    python -m pretrain.runtime.ports hold PORT       # keep PORT from others until the TCPStore listens
+    python -m pretrain.runtime.ports hold-free SEED  # pick a free port outside the kernel's ephemeral
+                                                     # range, hold it, and print it
+
+``hold-free`` picks under a lock that every picker on the machine takes, and binds before letting it
+go: when picking and holding were two commands, two jobs started on one node within a second (seen:
+CI, two 2-node jobs) picked the same port, one between the other's pick and its hold, and the second
+job's rank 0 failed with EADDRINUSE.
 
 Picked outside the ephemeral range (``ip_local_port_range``), the port is not one the kernel hands
 out to any process's outgoing connection, and a seed (the job id) starts each job's search at another
@@ -17,10 +23,12 @@ SO_REUSEADDR, binds and listens on it as usual.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 
 DEEPSPEED_DEFAULT_PORT = 29500  # what DeepSpeed's launcher uses without --master_port
@@ -105,11 +113,52 @@ def _plain_bind_ok(port: int) -> bool:
     return True
 
 
-def hold(port: int) -> None:
-    """Bind ``port`` (SO_REUSEADDR, never listening) until signalled or the parent process is gone."""
+def _holder(port: int) -> socket.socket:
+    """A socket bound to ``port`` with SO_REUSEADDR, never listening: the store may bind it too."""
     holder = socket.socket()
     holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     holder.bind(("", port))
+    return holder
+
+
+def pickers_lock() -> int | None:
+    """An open, flock'ed file that every picker on this machine locks; None where it cannot be had
+    (then picks race as before). In /run/lock where there is one: Slurm's job_container/tmpfs gives
+    each job its own /tmp. Opened without O_CREAT first: a sticky directory's protected_regular
+    refuses an O_CREAT open of a file another user made."""
+    folder = "/run/lock" if os.access("/run/lock", os.W_OK) else tempfile.gettempdir()
+    path = os.path.join(folder, "pretrain-master-port.lock")
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+        except OSError:
+            return None
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def claim(seed: int) -> tuple[int, socket.socket]:
+    """``pick(seed)``'s port, already held: no other picker on this machine can choose it meanwhile."""
+    lock = pickers_lock()
+    try:
+        port = pick(seed)
+        return port, _holder(port)
+    finally:
+        if lock is not None:
+            os.close(lock)  # releases the flock
+
+
+def hold(port: int, holder: socket.socket | None = None) -> None:
+    """Keep ``port`` bound (SO_REUSEADDR, never listening) until signalled or the parent is gone."""
+    holder = holder or _holder(port)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     parent = os.getppid()
     while os.getppid() == parent:
@@ -117,12 +166,19 @@ def hold(port: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in ("pick", "check", "hold") or not argv[1].isdigit():
-        print("usage: python -m pretrain.runtime.ports pick SEED | check PORT | hold PORT", file=sys.stderr)
+    if len(argv) != 2 or argv[0] not in ("check", "hold", "hold-free") or not argv[1].isdigit():
+        print("usage: python -m pretrain.runtime.ports check PORT | hold PORT | hold-free SEED", file=sys.stderr)
         return 2
     command, number = argv[0], int(argv[1])
-    if command == "pick":
-        print(pick(number))
+    if command == "hold-free":
+        try:
+            port, holder = claim(number)
+        except OSError as exc:
+            print(f"no rendezvous port for this job: {exc}", file=sys.stderr)
+            return 2
+        print(port, flush=True)
+        sys.stdout.close()  # the reader's line is complete: it need not wait for the holder to end
+        hold(port, holder)
         return 0
     problem = port_problem(number) if 0 < number < 65536 else f"--master_port {number} is not a port number"
     if problem:

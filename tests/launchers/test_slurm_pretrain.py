@@ -461,3 +461,44 @@ def test_the_master_port_is_picked_outside_the_ephemeral_range_and_held_for_the_
         [sys.executable, "-m", "pretrain.runtime.ports", "check", "0"], capture_output=True, text=True
     )
     assert done.returncode == 2 and "not a port number" in done.stderr
+
+
+def test_jobs_that_pick_their_port_at_the_same_moment_hold_different_ones():
+    """Two jobs on one node picked the same port between one's pick and its hold (CI: both jobs'
+    rank 0 on 20002, one failed with EADDRINUSE). `hold-free` picks and holds under one lock: four
+    pickers from the same place at once each print, and hold, a port of their own."""
+    import select
+    import socket
+
+    from pretrain.runtime import ports
+
+    cmd = [sys.executable, "-m", "pretrain.runtime.ports", "hold-free", "4242"]
+    holders = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    try:
+        held = [int(h.stdout.readline()) for h in holders]
+        assert len(set(held)) == 4, held
+        assert all(h.poll() is None for h in holders)  # printed, and still holding
+        assert not any(ports._plain_bind_ok(port) for port in held)
+    finally:
+        for h in holders:
+            h.terminate()
+            h.wait(10)
+    assert all(ports._plain_bind_ok(port) for port in held)  # let go when told
+
+    # What makes it so: a picker waits while another holds the pickers' lock (between its pick and
+    # its bind), then picks around the port that one bound.
+    lock = ports.pickers_lock()
+    assert lock is not None
+    first = ports.pick(4242)
+    blocked = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        assert blocked.poll() is None and not select.select([blocked.stdout], [], [], 0)[0]
+        with socket.socket() as other:  # the port this "picker" chose, bound before it lets go
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            other.bind(("", first))
+            os.close(lock)
+            assert int(blocked.stdout.readline()) != first
+    finally:
+        blocked.terminate()
+        blocked.wait(10)
