@@ -129,12 +129,7 @@ def pickers_lock() -> int | None:
     folder = "/run/lock" if os.access("/run/lock", os.W_OK) else tempfile.gettempdir()
     path = os.path.join(folder, "pretrain-master-port.lock")
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
-        except OSError:
-            return None
+        fd = os.open(path, os.O_RDONLY) if os.path.exists(path) else os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
     except OSError:
         return None
     try:
@@ -156,9 +151,8 @@ def claim(seed: int) -> tuple[int, socket.socket]:
             os.close(lock)  # releases the flock
 
 
-def hold(port: int, holder: socket.socket | None = None) -> None:
-    """Keep ``port`` bound (SO_REUSEADDR, never listening) until signalled or the parent is gone."""
-    holder = holder or _holder(port)
+def hold(holder: socket.socket) -> None:
+    """Keep ``holder`` (``_holder``'s bound socket) until signalled or the parent process is gone."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     parent = os.getppid()
     while os.getppid() == parent:
@@ -178,14 +172,14 @@ def main(argv: list[str]) -> int:
             return 2
         print(port, flush=True)
         sys.stdout.close()  # the reader's line is complete: it need not wait for the holder to end
-        hold(port, holder)
+        hold(holder)
         return 0
     problem = port_problem(number) if 0 < number < 65536 else f"--master_port {number} is not a port number"
     if problem:
         print(problem.replace("--master_port", "MASTER_PORT"), file=sys.stderr)
         return 2
     if command == "hold":
-        hold(number)
+        hold(_holder(number))
     return 0
 
 
