@@ -174,12 +174,14 @@ def held_out_mlm(hf_dir: Path, shards: Path, batch_size: int, max_batches: int, 
     """Masked-token loss and accuracy of an exported model on the validation split at the trainer's
     evaluation masking (``pretrain.eval.cli.mlm_eval_model``)."""
     import torch
+    import transformers
     from transformers import AutoModelForMaskedLM
 
     from data_prep.common.manifest import load_manifest
     from pretrain.eval.cli import mlm_eval_model
 
     torch.set_num_threads(threads)
+    transformers.utils.logging.disable_progress_bar()  # its "Loading weights" bar would sit in the log
     model = AutoModelForMaskedLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     out = mlm_eval_model(model, shards, load_manifest(shards), batch_size, max_batches)
     return {
@@ -201,6 +203,7 @@ def word_order_probe(hf_dir: Path, shards: Path, max_examples: int, threads: int
 
     torch.set_num_threads(threads)
     transformers.utils.logging.set_verbosity_error()  # as pretrain.evaluate: its load report (the MLM head unused) would bury the table
+    transformers.utils.logging.disable_progress_bar()
     spec = DownstreamTaskConfig(name="word_order", path="word_order", max_examples=max_examples)
     metrics = evaluate_model(hf_dir, [spec], "probe", str(shards))
     return {
