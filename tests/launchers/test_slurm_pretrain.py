@@ -171,6 +171,7 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_same_losses(slurm_cluster,
     stopped_at = int(tags[0][4:])
     assert min(first) <= stopped_at < STEPS, (first, stopped_at)
     assert f"(resumed from {tags[0]})" in log, log[-6000:]
+    assert not re.search(r"slurm_script: line \d+:", log), log[-6000:]
 
     # The resumed run continues exactly where the uninterrupted one went.
     reference.record()
@@ -188,6 +189,9 @@ def test_two_node_training_exports_to_hugging_face(slurm_cluster, reference, tmp
     log = reference.log
     assert record.fields["NumNodes"] == "2" and record.fields["NodeList"] == "n[1-2]", record.fields
     assert "dist_world_size=2" in log and "node_rank=0" in log and "node_rank=1" in log, log[-6000:]
+    # bash reports its own errors as "slurm_script: line N: ..."; a job that went right has none (a
+    # killed guard subshell once ran the script's EXIT trap and wrote one into every job log)
+    assert not re.search(r"slurm_script: line \d+:", log), log[-6000:]
     curve = losses(reference.out_dir)
     assert len(curve) == STEPS and curve[STEPS] < curve[1] - 0.3, curve  # it learned something
 
