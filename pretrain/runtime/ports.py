@@ -1,17 +1,18 @@
 """The rendezvous port, checked before any rank starts: one in use is an input error (exit 2 naming
 it), not a C++ traceback from every rank's TCPStore.
 
-A job script (``launchers/slurm/pretrain.sbatch``) picks, checks and holds its port here:
+A job script (``launchers/slurm/pretrain.sbatch``) gets its port here, held until the TCPStore
+listens on it, in one process that prints the port once it holds it:
 
-    python -m pretrain.runtime.ports check PORT      # exit 2, saying why, when PORT cannot be the master's
-    python -m pretrain.runtime.ports hold PORT       # keep PORT from others until the TCPStore listens
-    python -m pretrain.runtime.ports hold-free SEED  # pick a free port outside the kernel's ephemeral
-                                                     # range, hold it, and print it
+    python -m pretrain.runtime.ports hold PORT       # the port given: exit 2, saying why, when it
+                                                     # cannot be the master's
+    python -m pretrain.runtime.ports hold-free SEED  # a free port picked outside the kernel's
+                                                     # ephemeral range
 
-``hold-free`` picks under a lock that every picker on the machine takes, and binds before letting it
-go: when picking and holding were two commands, two jobs started on one node within a second (seen:
-CI, two 2-node jobs) picked the same port, one between the other's pick and its hold, and the second
-job's rank 0 failed with EADDRINUSE.
+Checking or picking and holding are one step: when they were two commands, two jobs started on one
+node within a second (seen: CI, two 2-node jobs) picked the same port, one between the other's pick
+and its hold, and the second job's rank 0 failed with EADDRINUSE. ``hold-free`` also picks under a
+lock that every picker on the machine takes, and binds before letting it go.
 
 Picked outside the ephemeral range (``ip_local_port_range``), the port is not one the kernel hands
 out to any process's outgoing connection, and a seed (the job id) starts each job's search at another
@@ -47,18 +48,20 @@ def _option(argv: list[str], name: str) -> str | None:
 def port_problem(port: int) -> str | None:
     """Why the master could not listen on ``port`` here, or None. SO_REUSEADDR as the TCPStore sets
     it: a port a finished job left in TIME_WAIT is free, one that something listens on is not."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return (
-                    f"--master_port {port} is already in use on this machine (another job's rendezvous?): "
-                    f"pick another port, or leave MASTER_PORT unset for launchers/local.sh to pick a free one"
-                )
-            return f"--master_port {port}: cannot listen on it ({exc.strerror})"
+    try:
+        _holder(port).close()
+    except OSError as exc:
+        return _bind_problem(port, exc)
     return None
+
+
+def _bind_problem(port: int, exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"--master_port {port} is already in use on this machine (another job's rendezvous?): "
+            f"pick another port, or leave MASTER_PORT unset for launchers/local.sh to pick a free one"
+        )
+    return f"--master_port {port}: cannot listen on it ({exc.strerror})"
 
 
 def launch_port_problem(argv: list[str]) -> str | None:
@@ -160,26 +163,26 @@ def hold(holder: socket.socket) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in ("check", "hold", "hold-free") or not argv[1].isdigit():
-        print("usage: python -m pretrain.runtime.ports check PORT | hold PORT | hold-free SEED", file=sys.stderr)
+    if len(argv) != 2 or argv[0] not in ("hold", "hold-free"):
+        print("usage: python -m pretrain.runtime.ports hold PORT | hold-free SEED", file=sys.stderr)
         return 2
-    command, number = argv[0], int(argv[1])
-    if command == "hold-free":
-        try:
-            port, holder = claim(number)
-        except OSError as exc:
-            print(f"no rendezvous port for this job: {exc}", file=sys.stderr)
-            return 2
-        print(port, flush=True)
-        sys.stdout.close()  # the reader's line is complete: it need not wait for the holder to end
-        hold(holder)
-        return 0
-    problem = port_problem(number) if 0 < number < 65536 else f"--master_port {number} is not a port number"
-    if problem:
-        print(problem.replace("--master_port", "MASTER_PORT"), file=sys.stderr)
+    command, raw = argv
+    number = int(raw) if raw.isdigit() else -1
+    if command == "hold" and not 0 < number < 65536:
+        print(f"MASTER_PORT {raw!r} is not a port number (1-65535)", file=sys.stderr)
         return 2
-    if command == "hold":
-        hold(_holder(number))
+    if number < 0:
+        print(f"hold-free: the seed {raw!r} is not a whole number", file=sys.stderr)
+        return 2
+    try:
+        port, holder = claim(number) if command == "hold-free" else (number, _holder(number))
+    except OSError as exc:
+        why = _bind_problem(number, exc).replace("--master_port", "MASTER_PORT") if command == "hold" else exc
+        print(f"no rendezvous port for this job: {why}", file=sys.stderr)
+        return 2
+    print(port, flush=True)
+    sys.stdout.close()  # the reader's line is complete: it need not wait for the holder to end
+    hold(holder)
     return 0
 
 

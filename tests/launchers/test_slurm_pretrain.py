@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import free_port
 from tests.slurm.cluster import REPO, run_python, slurm_cluster  # noqa: F401  (the fixture)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -239,6 +240,26 @@ def test_a_missing_config_fails_the_job_at_once_without_requeue(slurm_cluster, t
     assert "srun" not in text and "deepspeed" not in text, text
 
 
+def test_a_master_port_in_use_fails_the_job_at_once_without_requeue(slurm_cluster, tmp_path):
+    """A MASTER_PORT given in sbatch's environment that something on the first node listens on: exit
+    2 naming it, before srun. (A free one given is held and used: the crashed-node job's.)"""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = slurm_cluster.client_env(MASTER_PORT=str(port))
+        job_id = slurm_cluster.sbatch(
+            f"--output={tmp_path}/port-%j.out", *CPU_NODES, str(SBATCH), "configs/tiny.yaml", env=env
+        )
+        (record,) = slurm_cluster.wait(job_id, timeout=60)
+    text = (tmp_path / f"port-{job_id}.out").read_text()
+    assert (record.state, record.exit_code, record.restarts) == ("FAILED", "2:0", 0), record
+    assert f"MASTER_PORT {port} is already in use on this machine" in text, text
+    assert "srun" not in text and "deepspeed" not in text and "job=" not in text, text
+
+
 def test_a_gpu_config_in_a_job_without_gpus_is_refused_in_one_line(slurm_cluster, tmp_path):
     """base.yaml asks for CUDA: submitted to CPU nodes (``--gpus-per-node=0``) it would have trained
     on the CPU for weeks; refused before any rank starts. ``impl.device=cpu`` on the line lets it through
@@ -371,7 +392,8 @@ def test_a_crashed_node_ends_the_job_at_once_with_its_exit_code(slurm_cluster, s
     socket by itself). Before, rank 0's hang watchdog exited 3 after hang_timeout_s, srun returned the
     highest code, 3, and the job requeued into the same crash for ever. Now n2's launcher ends every
     node's ranks at once and the job fails with n2's code, named in its log, not requeued."""
-    env = slurm_cluster.client_env(PRETRAIN_TEST_CRASH="1:15", PRETRAIN_TEST_HANG="0:15")
+    # and a MASTER_PORT given (as a free one): held by the script, taken by rank 0's store
+    env = slurm_cluster.client_env(PRETRAIN_TEST_CRASH="1:15", PRETRAIN_TEST_HANG="0:15", MASTER_PORT=str(free_port()))
     job = Job(slurm_cluster, "crashed", shards, tmp_path / "run", ["train.hang_timeout_s=60"], env=env)
     log = job.ended(180, ("FAILED", "1:0", 0))
     assert "[rank 1] PRETRAIN_TEST_CRASH: exiting 1 before step 15" in log, log[-4000:]
@@ -448,23 +470,24 @@ def test_the_master_port_is_picked_outside_the_ephemeral_range_and_held_for_the_
     low, high = ports.ephemeral_range()
     port = ports.pick(4242)
     assert not low <= port <= high and ports.pick(4242) == port
-    holder = subprocess.Popen([sys.executable, "-m", "pretrain.runtime.ports", "hold", str(port)], cwd=REPO)
+    hold = [sys.executable, "-m", "pretrain.runtime.ports", "hold"]
+    holder = subprocess.Popen([*hold, str(port)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while ports._plain_bind_ok(port) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        assert int(holder.stdout.readline()) == port  # said once held
         with socket.socket() as other, pytest.raises(OSError):  # another job's bind: refused
             other.bind(("", port))
         store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10))
         store.set("k", "v")  # rank 0's store listens on it all the same
         assert store.get("k") == b"v"
+        # A MASTER_PORT given that something listens on (this store): refused, no port said.
+        done = subprocess.run([*hold, str(port)], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stdout) == (2, "") and f"MASTER_PORT {port} is already in use" in done.stderr
     finally:
         holder.terminate()
         holder.wait(10)
-    done = subprocess.run(
-        [sys.executable, "-m", "pretrain.runtime.ports", "check", "0"], capture_output=True, text=True
-    )
-    assert done.returncode == 2 and "not a port number" in done.stderr
+    for bad in ("0", "70000", "http"):
+        done = subprocess.run([*hold, bad], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stdout) == (2, "") and "is not a port number" in done.stderr, done.stderr
 
 
 def test_jobs_that_pick_their_port_at_the_same_moment_hold_different_ones():
