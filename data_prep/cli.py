@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -550,12 +551,35 @@ COMMANDS = {
 }
 
 
+class Terminated(BaseException):
+    """SIGTERM (scancel, a time limit) in the main process, raised so that ``finally`` blocks run (the
+    task's lock, files staged for an upload); a BaseException, so no ``except Exception`` takes it."""
+
+
+def _on_sigterm(main_pid: int):
+    def handler(signum, frame):
+        if os.getpid() != main_pid:  # a forked worker: ends as the signal's default would end it
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Terminated()
+
+    return handler
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s data_prep: %(message)s")
+    before = signal.signal(signal.SIGTERM, _on_sigterm(os.getpid()))
     try:
         return COMMANDS[args.command](args)
+    except Terminated:
+        print(
+            "data_prep: stopped by SIGTERM; finished work is kept, and the same command continues it",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGTERM
     except (DataPrepError, ShardError, StorageError) as exc:
         print(f"data_prep: error: {exc}", file=sys.stderr)
         return 2
@@ -564,3 +588,5 @@ def main(argv: list[str] | None = None) -> int:
         # Python's own advice: point stdout at /dev/null so that the flush at exit does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # what a shell reports for a command stopped by SIGPIPE
+    finally:
+        signal.signal(signal.SIGTERM, before)

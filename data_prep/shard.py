@@ -28,7 +28,6 @@ import json
 import logging
 import multiprocessing
 import os
-import shutil
 import socket
 import time
 from collections import deque
@@ -377,6 +376,7 @@ def run_shard(settings: ShardSettings) -> TaskResult:
     try:
         return _shard_task(s, tok, sources, partition, mine, store, t0)
     finally:
+        store.discard_staging()  # also when the task failed or was stopped: a rerun writes them anew
         if lock is not None:
             os.close(lock)
 
@@ -414,8 +414,6 @@ def _shard_task(s: ShardSettings, tok: LoadedTokenizer, sources: list, partition
         store, manifest_name, s, identity, settings_hash, tok, dtype.name, mine, out.entries, out.groups, documents
     )
     store.delete_folder(progress_prefix)
-    if store.local_dir is None:
-        shutil.rmtree(store.staging_dir(), ignore_errors=True)
     return TaskResult(
         task,
         store.url(manifest_name),

@@ -124,6 +124,37 @@ def test_a_killed_and_rerun_upload_leaves_the_bytes_of_a_local_run(s3_server, bu
     assert all(SECRET.encode() not in data for data in objects.values())
 
 
+def test_a_stopped_upload_leaves_nothing_staged_and_the_same_command_finishes_it(s3_server, corpus, tmp_path):
+    """SIGTERM (scancel, a time limit) mid-upload: exit 143 saying so, no unpublished shard left in
+    $TMPDIR (a random folder no rerun finds again: it was left there), and a rerun keeps what was
+    published."""
+    text, tokenizer = corpus
+    bucket = s3_server.bucket("stopped")
+    staging = tmp_path / "tmp"
+    staging.mkdir()
+    env = {**s3_server.env(), "TMPDIR": str(staging)}
+    args = ["shard", "--input", f"{text}/*.txt", "--tokenizer", str(tokenizer), "--out", f"s3://{bucket}/run", *SHARD]
+    args += ["--task-index", "0"]
+    stopped = subprocess.Popen(
+        [sys.executable, "-m", "data_prep", *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    client, deadline = s3_server.client(), time.monotonic() + 120
+    while time.monotonic() < deadline and stopped.poll() is None:
+        listed = client.list_objects_v2(Bucket=bucket, Prefix="run/.progress-t00000/").get("Contents", [])
+        if len(listed) >= 2:
+            stopped.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.02)
+    _, err = stopped.communicate(timeout=60)
+    err = err.decode(errors="replace")
+    assert stopped.returncode == 143 and "stopped by SIGTERM" in err, (stopped.returncode, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    assert not list(staging.glob("data_prep-upload-*")), list(staging.rglob("*"))
+    rerun = data_prep(*args, env=env)
+    assert int(rerun.stderr.split(" kept from an earlier run")[0].rsplit(" ", 1)[-1]) >= 1, rerun.stderr[-2000:]
+    assert not list(staging.glob("data_prep-upload-*")), list(staging.rglob("*"))
+
+
 def test_verify_and_inspect_read_the_bucket_and_name_a_replaced_object(s3_server, bucket_run):
     bucket, url = bucket_run
     env = s3_server.env()

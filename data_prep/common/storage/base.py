@@ -101,6 +101,10 @@ class Store:
         """A local folder where files are written before ``put_file`` publishes them."""
         raise NotImplementedError
 
+    def discard_staging(self) -> None:
+        """Removes what ``staging_dir`` still holds: files never published, which no rerun can find
+        again. Nothing where files are staged in place (a local folder's are its output)."""
+
 
 def set_retry_window(seconds: float) -> None:
     """How long this process and the ones it starts retry transient failures."""

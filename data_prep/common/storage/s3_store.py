@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable, Optional
@@ -239,6 +240,11 @@ class S3Store(Store):
         if self._stage is None:
             self._stage = Path(tempfile.mkdtemp(prefix="data_prep-upload-"))
         return self._stage
+
+    def discard_staging(self) -> None:
+        if self._stage is not None:
+            shutil.rmtree(self._stage, ignore_errors=True)
+            self._stage = None
 
 
 def _code(exc) -> str:
