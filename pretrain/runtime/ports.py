@@ -59,7 +59,8 @@ def _bind_problem(port: int, exc: OSError) -> str:
     if exc.errno == errno.EADDRINUSE:
         return (
             f"--master_port {port} is already in use on this machine (another job's rendezvous?): "
-            f"pick another port, or leave MASTER_PORT unset for launchers/local.sh to pick a free one"
+            "pick another port, or leave MASTER_PORT unset for the launcher (launchers/local.sh, the sbatch) "
+            "to pick a free one"
         )
     return f"--master_port {port}: cannot listen on it ({exc.strerror})"
 
