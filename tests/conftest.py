@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import base64
 import gc
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,8 +42,16 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 if os.environ.get("MLM_TESTS_ON_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["DS_ACCELERATOR"] = "cpu"
-# The measured matmul peak is cached per machine; tests keep theirs apart from the user's cache.
-os.environ.setdefault("MLM_PRETRAIN_CACHE", tempfile.mkdtemp(prefix="mlm-pretrain-cache-"))
+# The measured matmul peak is cached per machine; tests keep theirs apart from the user's cache, in a
+# folder that the process which made it (pytest-xdist's controller: its workers inherit the variable)
+# removes when it exits; not a process forked from it that exits through atexit.
+if "MLM_PRETRAIN_CACHE" not in os.environ:
+    os.environ["MLM_PRETRAIN_CACHE"] = tempfile.mkdtemp(prefix="mlm-pretrain-cache-")
+    atexit.register(
+        lambda folder=os.environ["MLM_PRETRAIN_CACHE"], owner=os.getpid(): (
+            os.getpid() == owner and shutil.rmtree(folder, ignore_errors=True)
+        )
+    )
 
 
 # The modules that took longest (wall seconds under the README's command on a 2-core AVX2-only EPYC,

@@ -25,9 +25,11 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -95,6 +97,7 @@ def _child(job: dict, local_rank: int, pgid: int) -> None:
             )
         os.environ.clear()
         os.environ.update(env)
+        tempfile.tempdir = None  # the pool's was read from its own environment: the job's $TMPDIR
         for stream in (sys.stdout, sys.stderr):  # as with ``python -u``: nothing held back
             stream.reconfigure(line_buffering=True, write_through=True)
         sys.argv = [job["module"], *([f"--local_rank={local_rank}"] if job["launcher"] else []), *job["args"]]
@@ -174,8 +177,6 @@ def _run_job(job: dict, reply) -> int:
 def _preload_capturing_output(modules: list[str]) -> None:
     """``_preload``, with what the imports print (warnings, DeepSpeed's accelerator line) kept in
     ``IMPORT_OUTPUT``: each rank prints it first, as a fresh process would before its own lines."""
-    import tempfile
-
     saved_err = os.dup(2)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         os.dup2(out.fileno(), 1)
@@ -303,6 +304,7 @@ class RankPool:
                 self.proc.kill()
                 self.proc.wait()
             RANKS_CPU_S["reaped"] = RANKS_CPU_S["reported"]
+        shutil.rmtree(self.folder, ignore_errors=True)  # its log and the jobs' files: read by now
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:

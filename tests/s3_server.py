@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -127,6 +128,7 @@ def _start(work: Path) -> tuple[list[str], str, str]:
     }  # unnamed, a gRPC port is the port + 10000
     args = [
         weed,
+        f"-logdir={work}",  # its glog files, 6 a start, beside weed.log rather than in $TMPDIR
         "server",
         f"-dir={work / 'data'}",
         "-ip=127.0.0.1",
@@ -207,7 +209,19 @@ def serving(work: Path):
             yield server
         finally:
             _stop(server.proc)
+            _remove_sockets(server.args)
         return
+
+
+def _remove_sockets(args: list[str]) -> None:
+    """weed leaves a unix socket in $TMPDIR for several of its ports (``seaweedfs-s3-<port>.sock``,
+    ``seaweedfs-master-grpc-<port>.sock``, ...), SIGTERM or not: 4 a server, and the suite starts dozens."""
+    folder = Path(tempfile.gettempdir())
+    for arg in args:
+        value = arg.rsplit("=", 1)[-1]
+        if arg.startswith("-") and value.isdigit():
+            for sock in folder.glob(f"seaweedfs-*-{value}.sock"):
+                sock.unlink(missing_ok=True)
 
 
 def _wait_ready(server: S3Server, probe: bool) -> None:

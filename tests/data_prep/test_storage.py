@@ -83,11 +83,12 @@ def local_run(corpus, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def bucket_run(s3_server, corpus):
+def bucket_run(s3_server, corpus, tmp_path_factory):
     """Task 0 killed after a few uploads and run again, task 1, finalize: all into s3://BUCKET/run."""
     text, tokenizer = corpus
     bucket = s3_server.bucket("shards")
-    url, env = f"s3://{bucket}/run", s3_server.env()
+    # $TMPDIR of its own: the killed task's staged shard stays there (SIGKILL runs no cleanup)
+    url, env = f"s3://{bucket}/run", {**s3_server.env(), "TMPDIR": str(tmp_path_factory.mktemp("staged"))}
     args = ["shard", "--input", f"{text}/*.txt", "--tokenizer", str(tokenizer), "--out", url, *SHARD]
     killed = subprocess.Popen(
         [sys.executable, "-m", "data_prep", *args, "--task-index", "0"],
