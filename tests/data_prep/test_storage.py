@@ -82,6 +82,32 @@ def local_run(corpus, tmp_path_factory):
     return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
 
 
+def task_0_signalled(s3_server, bucket: str, args: list[str], env: dict, uploads: int, sig: int):
+    """``data_prep shard ... --task-index 0`` as a process of its own, sent ``sig`` once ``uploads``
+    of its shards are published (their progress records listed); (the process, its stderr)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "data_prep", *args, "--task-index", "0"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    client, deadline = s3_server.client(), time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        listed = client.list_objects_v2(Bucket=bucket, Prefix="run/.progress-t00000/").get("Contents", [])
+        if len(listed) >= uploads:
+            proc.send_signal(sig)
+            break
+        time.sleep(0.02)
+    _, err = proc.communicate(timeout=60)
+    return proc, err.decode(errors="replace")
+
+
+def kept_from_before(rerun: subprocess.CompletedProcess) -> int:
+    """The shards a rerun said it kept ("N kept from an earlier run")."""
+    return int(rerun.stderr.split(" kept from an earlier run")[0].rsplit(" ", 1)[-1])
+
+
 @pytest.fixture(scope="module")
 def bucket_run(s3_server, corpus, tmp_path_factory):
     """Task 0 killed after a few uploads and run again, task 1, finalize: all into s3://BUCKET/run."""
@@ -90,27 +116,12 @@ def bucket_run(s3_server, corpus, tmp_path_factory):
     # $TMPDIR of its own: the killed task's staged shard stays there (SIGKILL runs no cleanup)
     url, env = f"s3://{bucket}/run", {**s3_server.env(), "TMPDIR": str(tmp_path_factory.mktemp("staged"))}
     args = ["shard", "--input", f"{text}/*.txt", "--tokenizer", str(tokenizer), "--out", url, *SHARD]
-    killed = subprocess.Popen(
-        [sys.executable, "-m", "data_prep", *args, "--task-index", "0"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    client, deadline = s3_server.client(), time.monotonic() + 120
-    while time.monotonic() < deadline and killed.poll() is None:
-        listed = client.list_objects_v2(Bucket=bucket, Prefix="run/.progress-t00000/").get("Contents", [])
-        if len(listed) >= 3:
-            killed.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.02)
-    killed.wait(30)
+    killed, _ = task_0_signalled(s3_server, bucket, args, env, 3, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL, "task 0 finished before it could be killed: give it more input"
     left = s3_server.objects(bucket, "run")
     assert "task-00000.json" not in left and any(k.endswith(".tar") for k in left)
     rerun = data_prep(*args, "--task-index", "0", env=env)
-    kept = int(rerun.stderr.split(" kept from an earlier run")[0].rsplit(" ", 1)[-1])
-    assert kept >= 1, rerun.stderr[-2000:]
+    assert kept_from_before(rerun) >= 1, rerun.stderr[-2000:]
     data_prep(*args, "--task-index", "1", env=env)
     data_prep("finalize", url, env=env)
     return bucket, url
@@ -135,24 +146,12 @@ def test_a_stopped_upload_leaves_nothing_staged_and_the_same_command_finishes_it
     staging.mkdir()
     env = {**s3_server.env(), "TMPDIR": str(staging)}
     args = ["shard", "--input", f"{text}/*.txt", "--tokenizer", str(tokenizer), "--out", f"s3://{bucket}/run", *SHARD]
-    args += ["--task-index", "0"]
-    stopped = subprocess.Popen(
-        [sys.executable, "-m", "data_prep", *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    client, deadline = s3_server.client(), time.monotonic() + 120
-    while time.monotonic() < deadline and stopped.poll() is None:
-        listed = client.list_objects_v2(Bucket=bucket, Prefix="run/.progress-t00000/").get("Contents", [])
-        if len(listed) >= 2:
-            stopped.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.02)
-    _, err = stopped.communicate(timeout=60)
-    err = err.decode(errors="replace")
+    stopped, err = task_0_signalled(s3_server, bucket, args, env, 2, signal.SIGTERM)
     assert stopped.returncode == 143 and "stopped by SIGTERM" in err, (stopped.returncode, err[-3000:])
     assert "Traceback" not in err, err[-3000:]
     assert not list(staging.glob("data_prep-upload-*")), list(staging.rglob("*"))
-    rerun = data_prep(*args, env=env)
-    assert int(rerun.stderr.split(" kept from an earlier run")[0].rsplit(" ", 1)[-1]) >= 1, rerun.stderr[-2000:]
+    rerun = data_prep(*args, "--task-index", "0", env=env)
+    assert kept_from_before(rerun) >= 1, rerun.stderr[-2000:]
     assert not list(staging.glob("data_prep-upload-*")), list(staging.rglob("*"))
 
 
