@@ -15,6 +15,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -571,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s data_prep: %(message)s")
-    before = signal.signal(signal.SIGTERM, _on_sigterm(os.getpid()))
+    main_thread = threading.current_thread() is threading.main_thread()  # where Python takes signals
+    before = signal.signal(signal.SIGTERM, _on_sigterm(os.getpid())) if main_thread else None
     try:
         return COMMANDS[args.command](args)
     except Terminated:
@@ -589,4 +591,5 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # what a shell reports for a command stopped by SIGPIPE
     finally:
-        signal.signal(signal.SIGTERM, before)
+        if before is not None:  # None: not set from Python, or not ours to set
+            signal.signal(signal.SIGTERM, before)
