@@ -42,16 +42,19 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 if os.environ.get("MLM_TESTS_ON_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 # The measured matmul peak is cached per machine; tests keep theirs apart from the user's cache, in a
 # folder that the process which made it (pytest-xdist's controller: its workers inherit the variable)
 # removes when it exits; not a process forked from it that exits through atexit.
+def _remove_cache(folder: str, owner: int) -> None:
+    if os.getpid() == owner:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 if "MLM_PRETRAIN_CACHE" not in os.environ:
     os.environ["MLM_PRETRAIN_CACHE"] = tempfile.mkdtemp(prefix="mlm-pretrain-cache-")
-    atexit.register(
-        lambda folder=os.environ["MLM_PRETRAIN_CACHE"], owner=os.getpid(): (
-            os.getpid() == owner and shutil.rmtree(folder, ignore_errors=True)
-        )
-    )
+    atexit.register(_remove_cache, os.environ["MLM_PRETRAIN_CACHE"], os.getpid())
 
 
 # The modules that took longest (wall seconds under the README's command on a 2-core AVX2-only EPYC,

@@ -55,14 +55,14 @@ def port_problem(port: int) -> str | None:
     return None
 
 
-def _bind_problem(port: int, exc: OSError) -> str:
+def _bind_problem(port: int, exc: OSError, name: str = "--master_port") -> str:
     if exc.errno == errno.EADDRINUSE:
         return (
-            f"--master_port {port} is already in use on this machine (another job's rendezvous?): "
+            f"{name} {port} is already in use on this machine (another job's rendezvous?): "
             "pick another port, or leave MASTER_PORT unset for the launcher (launchers/local.sh, the sbatch) "
             "to pick a free one"
         )
-    return f"--master_port {port}: cannot listen on it ({exc.strerror})"
+    return f"{name} {port}: cannot listen on it ({exc.strerror})"
 
 
 def launch_port_problem(argv: list[str]) -> str | None:
@@ -178,7 +178,7 @@ def main(argv: list[str]) -> int:
     try:
         port, holder = claim(number) if command == "hold-free" else (number, _holder(number))
     except OSError as exc:
-        why = _bind_problem(number, exc).replace("--master_port", "MASTER_PORT") if command == "hold" else exc
+        why = _bind_problem(number, exc, "MASTER_PORT") if command == "hold" else exc
         print(f"no rendezvous port for this job: {why}", file=sys.stderr)
         return 2
     print(port, flush=True)
